@@ -1,0 +1,1 @@
+"""Benchmarks behind `moestream bench`: each module defines add_parser(kinds) for one KIND."""

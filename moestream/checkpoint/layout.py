@@ -1,0 +1,57 @@
+"""Where each expert's bytes are on disk and how a slot's bytes are viewed as compute tensors.
+
+Plain data shared by the checkpoint indexer (which fills it from safetensors headers), the store
+(which copies segments into slots) and the runtime (which views slots as weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moestream.topology import ExpertKey, Topology
+
+
+@dataclass(frozen=True)
+class Segment:
+    file: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertLocation:
+    key: ExpertKey
+    segments: tuple[Segment, ...]  # in slot order; concatenated they form the slot's bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+@dataclass(frozen=True)
+class PartView:
+    param: str  # e.g. "gate_up_proj"
+    shape: tuple[int, ...]  # per-expert shape, e.g. (2 * I, H)
+    dtype: torch.dtype
+    offset: int  # byte offset in the slot
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ExpertIndex:
+    topology: Topology
+    locations: dict[ExpertKey, ExpertLocation]
+    layout: tuple[PartView, ...]  # the same for every expert of the model
+
+    def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of one slot (a 1-D uint8 tensor of expert_bytes): no copy."""
+        return {
+            p.param: slot[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+            for p in self.layout
+        }

@@ -1,0 +1,38 @@
+"""The default planner and the predictor that predicts nothing."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from moestream.policies.base import CacheView, Prediction, Predictor, PrefetchPlanner, TransferRequest
+
+
+class NullPredictor(Predictor):
+    """For policies that only react: predicts nothing, so nothing is prefetched."""
+
+    def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
+        return []
+
+
+def layers_ahead(prediction: Prediction, layer_now: int, num_layers: int) -> int:
+    return prediction.layer - layer_now + prediction.tokens_ahead * num_layers
+
+
+class ScorePlanner(PrefetchPlanner):
+    """Requests predicted experts that are not resident, by score discounted with distance.
+
+    priority = score / layers_ahead; at most `capacity` requests, and none below min_score.
+    """
+
+    def __init__(self, min_score: float = 0.0):
+        self.min_score = min_score
+
+    def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
+        best: dict = {}
+        for p in predictions:
+            if p.score <= self.min_score or p.key in view.resident or p.key in view.in_flight:
+                continue
+            priority = p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
+            best[p.key] = max(priority, best.get(p.key, 0.0))
+        ranked = sorted(best.items(), key=lambda item: -item[1])[: view.capacity]
+        return [TransferRequest(key, priority) for key, priority in ranked]
