@@ -1,0 +1,155 @@
+"""Memory budgets of the two expert tiers and how many expert slots they buy.
+
+A budget is either a byte count or a ratio of the model's total routed-expert bytes. The store
+turns budgets into slot counts (budget bytes // expert bytes) and refuses budgets that cannot serve
+one token of one layer. This module knows nothing of policies, files or tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moestream.errors import BudgetError
+from moestream.topology import Topology
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*|%)\s*$")
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def format_bytes(num_bytes: int) -> str:
+    """A human-readable size in binary units, e.g. '512.0 MiB'."""
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Exactly one of size_bytes (an absolute size) or ratio (of total routed-expert bytes)."""
+
+    size_bytes: int | None = None
+    ratio: float | None = None
+
+    def __post_init__(self):
+        if (self.size_bytes is None) == (self.ratio is None):
+            raise BudgetError("a budget is either a byte count or a ratio, not both or neither")
+        if self.size_bytes is not None and self.size_bytes < 0:
+            raise BudgetError(f"a budget cannot be negative, got {self.size_bytes} bytes")
+        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
+            raise BudgetError(f"a budget ratio must be in [0, 1], got {self.ratio}")
+
+    @classmethod
+    def parse(cls, text: "str | int | float | Budget") -> "Budget":
+        """'0.25' or '25%' (ratio), '512MiB', '1GB', '1073741824' (bytes; an integer is bytes)."""
+        if isinstance(text, Budget):
+            return text
+        if isinstance(text, (int, float)) and not isinstance(text, bool):
+            text = str(text)
+        match = _BUDGET.match(text) if isinstance(text, str) else None
+        if match is None:
+            raise BudgetError(f"cannot read budget {text!r}: use a ratio like 0.25 or 25%, or a size like 512MiB")
+        number, unit = match.group(1), match.group(2).lower()
+        if unit == "%":
+            return cls(ratio=float(number) / 100)
+        if not unit and "." in number:
+            return cls(ratio=float(number))
+        if unit not in _UNITS:
+            known = ", ".join(u for u in _UNITS if u)
+            raise BudgetError(f"unknown size unit {match.group(2)!r} in budget {text!r}; known: {known}")
+        return cls(size_bytes=int(float(number) * _UNITS[unit]))
+
+    def resolve(self, total_bytes: int) -> int:
+        """The budget in bytes, given the model's total routed-expert bytes."""
+        if self.size_bytes is not None:
+            return self.size_bytes
+        return int(round(total_bytes * self.ratio))
+
+    def __str__(self) -> str:
+        return f"{self.ratio:g}" if self.ratio is not None else format_bytes(self.size_bytes)
+
+
+def _parse_device(device: "str | torch.device") -> str:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from None
+    if parsed.type not in _DEVICE_TYPES:
+        raise BudgetError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:N]'")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise BudgetError(f"device {device!r} requested but CUDA is not available")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise BudgetError(f"device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return str(parsed)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Budgets of the device tier (compute memory) and host tier (RAM), and how to read disk.
+
+    direct_io=False forces buffered reads (followed by dropping the page cache for the range read).
+    """
+
+    device_budget: Budget
+    host_budget: Budget
+    device: str = "cpu"
+    direct_io: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
+        object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
+        object.__setattr__(self, "device", _parse_device(self.device))
+        if self.device_budget.ratio is not None and self.device_budget.ratio <= 0.0:
+            raise BudgetError("the device budget ratio must be in (0, 1], got 0")
+
+    @property
+    def uses_cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+    def device_slots(self, topology: Topology) -> int:
+        """Expert slots of the device tier; refuses a budget smaller than one layer's top_k experts."""
+        expert_bytes = _expert_bytes(topology)
+        budget_bytes = self.device_budget.resolve(topology.total_expert_bytes)
+        slots = min(budget_bytes // expert_bytes, topology.total_experts)
+        if slots < topology.top_k:
+            raise BudgetError(_too_small(budget_bytes, slots, topology))
+        return slots
+
+    def host_slots(self, topology: Topology) -> int:
+        """Expert slots of the host tier (0 disables it: disk reads go straight to the device tier)."""
+        budget_bytes = self.host_budget.resolve(topology.total_expert_bytes)
+        return min(budget_bytes // _expert_bytes(topology), topology.total_experts)
+
+
+def _expert_bytes(topology: Topology) -> int:
+    if topology.expert_bytes <= 0:
+        raise BudgetError("the model's routed experts have 0 bytes; nothing to store")
+    return topology.expert_bytes
+
+
+def _too_small(budget_bytes: int, slots: int, topology: Topology) -> str:
+    minimum = topology.top_k * topology.expert_bytes
+    ratio = _round_up(topology.top_k / topology.total_experts)
+    return (
+        f"device budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}) holds {slots} experts of "
+        f"{topology.expert_bytes} bytes, but one layer routes top_k={topology.top_k} experts per token: "
+        f"the minimum is {minimum} bytes ({format_bytes(minimum)}), a ratio of {ratio:g} of the "
+        f"{topology.total_expert_bytes} routed-expert bytes"
+    )
+
+
+def _round_up(ratio: float, digits: int = 4) -> float:
+    """ratio rounded up to `digits` significant digits, so that the printed minimum suffices."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(ratio)))
+    return math.ceil(ratio * scale) / scale

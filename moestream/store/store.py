@@ -1,0 +1,290 @@
+"""The expert store: disk, a host tier and a device tier of expert slots, with budgets and copies.
+
+Residency of each tier is an `ExpertCache` whose eviction policy is passed in; the store knows no
+policy by name. `acquire` makes experts resident in the device tier and pins them until `release`;
+a device miss is served from the host tier when it holds the expert (one host->device copy), else
+from disk into a host slot and on to the device (the host tier keeps the copy), or from disk
+straight into the device slot when the host tier has no slots. Device victims are dropped, not
+written back. `prefetch` brings requested experts in by priority without ever evicting a pinned
+expert. Everything runs synchronously here; public calls hold a lock so that a prefetch worker can
+later run beside the compute thread. The store knows no model family and no policy.
+
+Counters: hits/misses count acquire's device-tier lookups; host_hits/host_misses count every
+device fill (demand or prefetch) by where it came from; bytes_read["disk"] is bytes read from the
+files, bytes_read["host"] bytes copied from host memory to the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from moestream.cache import CacheFullError, ExpertCache
+from moestream.checkpoint.layout import ExpertIndex
+from moestream.errors import CheckpointError
+from moestream.policies.base import EvictionPolicy, TransferRequest
+from moestream.store.config import StoreConfig
+from moestream.store.disk import DiskReader
+from moestream.store.pool import CopyEngine, SlotPool
+from moestream.topology import ExpertKey, Topology
+
+TIERS = ("device", "host")
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0  # acquire: experts already in the device tier
+    misses: int = 0  # acquire: experts fetched on demand
+    host_hits: int = 0  # device fills served by the host tier
+    host_misses: int = 0  # device fills served by disk
+    bytes_read: dict[str, int] = field(default_factory=lambda: {"disk": 0, "host": 0})
+    prefetched: int = 0  # experts brought into the device tier by prefetch
+    prefetched_bytes: int = 0
+    prefetch_hits: int = 0  # acquire hits on prefetched experts not used before
+    prefetch_wasted: int = 0  # prefetched experts evicted before any acquire used them
+    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    disk_read_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    def copy(self) -> "StoreStats":
+        return dataclasses.replace(self, bytes_read=dict(self.bytes_read), evictions=dict(self.evictions))
+
+
+class ExpertStore:
+    def __init__(self, index: ExpertIndex, config: StoreConfig,
+                 device_eviction: EvictionPolicy, host_eviction: EvictionPolicy):
+        self.index = index
+        self.config = config
+        self.topology: Topology = index.topology
+        _check_index(index)
+        self.device_slots = config.device_slots(self.topology)
+        self.host_slots = config.host_slots(self.topology)
+        self._device = ExpertCache(self.device_slots, device_eviction)
+        self._host = ExpertCache(self.host_slots, host_eviction) if self.host_slots else None
+        expert_bytes, pin = self.topology.expert_bytes, config.uses_cuda
+        self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
+        self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
+        self._bounce = SlotPool(1 if pin and not self.host_slots else 0, expert_bytes, "cpu", pin_memory=pin)
+        self._reader = DiskReader(direct_io=config.direct_io)
+        self._copier = CopyEngine(config.device)
+        self._lock = threading.RLock()
+        self._unused_prefetches: set[ExpertKey] = set()
+        self._stats = StoreStats()
+
+    # -- demand path ---------------------------------------------------------------------------
+
+    def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
+        """Make keys resident in the device tier and pin them; returns their 1-D uint8 slots."""
+        wanted = list(dict.fromkeys(_key(k) for k in keys))
+        with self._lock:
+            self._check_fits(wanted)
+            pinned: list[ExpertKey] = []
+            try:
+                for key in wanted:
+                    self._acquire_one(key)
+                    self._device.pin([key])
+                    pinned.append(key)
+            except BaseException:
+                self._device.unpin(pinned)
+                raise
+            return {key: self._device_pool.slot(self._device.slot(key)) for key in wanted}
+
+    def release(self, keys: Iterable[ExpertKey]) -> None:
+        """Unpin experts returned by acquire (once per acquire)."""
+        with self._lock:
+            self._device.unpin(_key(k) for k in keys)
+
+    def _acquire_one(self, key: ExpertKey) -> None:
+        if self._device.access(key) is not None:
+            self._stats.hits += 1
+            if key in self._unused_prefetches:
+                self._unused_prefetches.discard(key)
+                self._stats.prefetch_hits += 1
+            return
+        self._stats.misses += 1
+        self._fill(key)
+
+    def _check_fits(self, wanted: list[ExpertKey]) -> None:
+        others = self._pinned() - set(wanted)
+        if len(wanted) + len(others) > self.device_slots:
+            raise CacheFullError(
+                f"{len(wanted)} experts requested while {len(others)} others are in use, but the device "
+                f"tier holds {self.device_slots}; use streaming_groups() or raise the device budget"
+            )
+
+    def _pinned(self) -> set[ExpertKey]:
+        return set(self._device.resident()) - set(self._device.evictable())
+
+    # -- filling a device slot -----------------------------------------------------------------
+
+    def _fill(self, key: ExpertKey) -> int:
+        """Admit key to the device tier (evicting by policy) and copy its bytes in; returns the slot."""
+        location = self.index.locations[key]
+        slot, victim = self._device.admit(key)
+        if victim is not None:
+            self._stats.evictions["device"] += 1
+            if victim in self._unused_prefetches:
+                self._unused_prefetches.discard(victim)
+                self._stats.prefetch_wasted += 1
+        try:
+            self._load(key, self._device_pool.slot(slot), location)
+        except BaseException:
+            self._device.remove(key)
+            raise
+        return slot
+
+    def _load(self, key: ExpertKey, dst: torch.Tensor, location) -> None:
+        if self._host is None:
+            self._load_without_host(dst, location)
+            return
+        host_slot = self._host.access(key)
+        if host_slot is not None:
+            self._stats.host_hits += 1
+        else:
+            host_slot = self._read_into_host(key, location)
+        self._copy_to_device(dst, self._host_pool, host_slot)
+
+    def _load_without_host(self, dst: torch.Tensor, location) -> None:
+        self._stats.host_misses += 1
+        if self._bounce.num_slots == 0:  # the device tier is host memory: read straight into it
+            self._read_disk(location, dst)
+            return
+        self._bounce.wait_reads(0)
+        self._read_disk(location, self._bounce.slot(0))
+        self._copy_to_device(dst, self._bounce, 0)
+
+    def _read_into_host(self, key: ExpertKey, location) -> int:
+        self._stats.host_misses += 1
+        host_slot, victim = self._host.admit(key)
+        if victim is not None:
+            self._stats.evictions["host"] += 1
+        self._host_pool.wait_reads(host_slot)
+        try:
+            self._read_disk(location, self._host_pool.slot(host_slot))
+        except BaseException:
+            self._host.remove(key)
+            raise
+        return host_slot
+
+    def _read_disk(self, location, dst: torch.Tensor) -> None:
+        began = time.perf_counter()
+        self._stats.bytes_read["disk"] += self._reader.read(location.segments, dst)
+        self._stats.disk_read_s += time.perf_counter() - began
+
+    def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int) -> None:
+        pool.mark_read(slot, self._copier.copy(dst, pool.slot(slot)))
+        self._stats.bytes_read["host"] += dst.numel()
+
+    # -- prefetch ------------------------------------------------------------------------------
+
+    def prefetch(self, requests: Sequence[TransferRequest], max_evictions: int | None = None) -> list[ExpertKey]:
+        """Bring requested experts into the device tier, highest priority first; returns those brought.
+
+        Requested experts already resident are kept: no later, lower-priority request of the same
+        call evicts them, nor those it brought. Stops when every slot holds a pinned or kept expert,
+        or when bringing one more would evict more than max_evictions experts.
+        """
+        brought: list[ExpertKey] = []
+        kept: list[ExpertKey] = []
+        evictions = 0
+        with self._lock:
+            try:
+                for request in sorted(requests, key=lambda r: -r.priority):
+                    key = _key(request.key)
+                    if key in self._device:
+                        self._device.pin([key])
+                        kept.append(key)
+                        continue
+                    needs_victim = len(self._device) >= self.device_slots
+                    if needs_victim and not self._may_evict(evictions, max_evictions):
+                        break
+                    evictions += needs_victim
+                    self._prefetch_one(key)
+                    brought.append(key)
+            finally:
+                self._device.unpin(brought + kept)
+        return brought
+
+    def _may_evict(self, evictions: int, max_evictions: int | None) -> bool:
+        under_limit = max_evictions is None or evictions < max_evictions
+        return under_limit and bool(self._device.evictable())
+
+    def _prefetch_one(self, key: ExpertKey) -> None:
+        """Fill key's device slot and pin it until the prefetch call ends, so the call keeps it."""
+        self._fill(key)
+        self._device.pin([key])
+        self._unused_prefetches.add(key)
+        self._stats.prefetched += 1
+        self._stats.prefetched_bytes += self.topology.expert_bytes
+
+    # -- views of the state --------------------------------------------------------------------
+
+    def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
+        with self._lock:
+            cache = self._cache(tier)
+            return cache.resident() if cache is not None else frozenset()
+
+    def in_flight(self) -> frozenset[ExpertKey]:
+        """Experts being transferred: none, since this store moves bytes synchronously."""
+        return frozenset()
+
+    def streaming_groups(self, keys: Sequence[ExpertKey]) -> list[list[ExpertKey]]:
+        """Split a layer's experts into groups that fit the device tier at once, resident ones first."""
+        wanted = list(dict.fromkeys(_key(k) for k in keys))
+        with self._lock:
+            room = self.device_slots - len(self._pinned() - set(wanted))
+            if wanted and room < 1:
+                raise CacheFullError(f"all {self.device_slots} device slots hold experts in use")
+            ordered = [k for k in wanted if k in self._device] + [k for k in wanted if k not in self._device]
+        return [ordered[i : i + room] for i in range(0, len(ordered), room)]
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return self._stats.copy()
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = StoreStats()
+            self._unused_prefetches.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            self._copier.synchronize()
+            self._reader.close()
+
+    def __enter__(self) -> "ExpertStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _cache(self, tier: str) -> ExpertCache | None:
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+        return self._device if tier == "device" else self._host
+
+
+def _key(key: Sequence[int]) -> ExpertKey:
+    return ExpertKey(int(key[0]), int(key[1]))
+
+
+def _check_index(index: ExpertIndex) -> None:
+    """Every expert of the topology has a location of exactly expert_bytes."""
+    topology = index.topology
+    for key in topology.keys():
+        location = index.locations.get(key)
+        if location is None:
+            raise CheckpointError(f"the expert index has no location for layer {key.layer} expert {key.expert}")
+        if location.nbytes != topology.expert_bytes:
+            raise CheckpointError(
+                f"expert {tuple(key)} has {location.nbytes} bytes on disk, the topology says {topology.expert_bytes}"
+            )

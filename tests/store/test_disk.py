@@ -1,0 +1,178 @@
+import errno
+import fcntl
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from moestream.checkpoint.layout import Segment
+from moestream.errors import CheckpointError
+from moestream.store.disk import DiskReader, coalesce
+from moestream.topology import ExpertKey
+
+FILE_BYTES = 50_000
+
+
+@pytest.fixture
+def data_files(tmp_path):
+    rng = np.random.default_rng(0)
+    files = {}
+    for name in ("a.bin", "b.bin"):
+        data = rng.integers(0, 256, FILE_BYTES, dtype=np.uint8)
+        (tmp_path / name).write_bytes(data.tobytes())
+        files[tmp_path / name] = data
+    return files
+
+
+def expected_bytes(files, segments):
+    return np.concatenate([files[s.file][s.offset : s.offset + s.nbytes] for s in segments])
+
+
+def read(reader, segments):
+    dst = torch.zeros(sum(s.nbytes for s in segments) + 5, dtype=torch.uint8)
+    assert reader.read(segments, dst) == dst.numel() - 5
+    assert not dst[-5:].any()  # nothing written past the segments
+    return dst[:-5].numpy()
+
+
+def direct_io_works(path) -> bool:
+    with DiskReader() as reader:
+        return reader.is_direct(path)
+
+
+SEGMENT_CASES = {
+    "aligned": [(0, 4096, 8192)],
+    "unaligned": [(0, 5, 100)],
+    "spans_chunks": [(0, 1000, 30_000)],
+    "end_of_file": [(0, FILE_BYTES - 7, 7)],
+    "out_of_file_order": [(0, 20_000, 300), (0, 100, 50), (1, 7, 4096)],
+    "adjacent": [(1, 100, 10), (1, 110, 20), (1, 130, 5000)],
+}
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("case", sorted(SEGMENT_CASES))
+def test_reader_returns_exactly_the_segment_bytes(data_files, case, direct_io):
+    paths = sorted(data_files)
+    segments = [Segment(paths[f], off, n) for f, off, n in SEGMENT_CASES[case]]
+    with DiskReader(direct_io=direct_io, staging_bytes=8192) as reader:
+        got = read(reader, segments)
+        assert np.array_equal(got, expected_bytes(data_files, segments))
+        assert reader.stats.bytes_read == got.size
+        assert reader.stats.bytes_fetched >= got.size
+        if reader.is_direct(paths[0]) and case != "end_of_file":
+            assert reader.stats.bytes_fetched % 4096 == 0
+
+
+def test_coalesce_merges_file_adjacent_segments_whatever_their_slot_order(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    segs = [Segment(a, 200, 100), Segment(a, 0, 200), Segment(b, 0, 10), Segment(a, 300, 50)]
+    runs = coalesce(segs)
+    assert [(r.file, r.start, r.end) for r in runs] == [(a, 0, 350), (b, 0, 10)]
+    dst_offsets = {p.file_offset: p.dst_offset for p in runs[0].pieces}
+    assert dst_offsets == {200: 0, 0: 100, 300: 310}
+
+
+def test_coalesce_splits_on_gaps_beyond_the_limit(tmp_path):
+    a = tmp_path / "a"
+    segs = [Segment(a, 0, 100), Segment(a, 150, 100), Segment(a, 5000, 10)]
+    assert len(coalesce(segs, max_gap_bytes=0)) == 3
+    assert len(coalesce(segs, max_gap_bytes=50)) == 2
+    assert len(coalesce(segs, max_gap_bytes=4900)) == 1
+
+
+def test_an_expert_of_adjacent_segments_is_one_syscall(data_files):
+    path = sorted(data_files)[0]
+    segments = [Segment(path, 300, 1000), Segment(path, 1300, 2000), Segment(path, 3300, 700)]
+    with DiskReader() as reader:
+        read(reader, segments)
+        assert reader.stats.num_reads == 1
+
+
+def test_reader_matches_safetensors_own_load(checkpoint):
+    index = checkpoint.index
+    with DiskReader() as reader:
+        for key in (ExpertKey(0, 0), ExpertKey(0, 3), ExpertKey(1, 2)):
+            slot = torch.empty(index.topology.expert_bytes, dtype=torch.uint8)
+            reader.read(index.locations[key].segments, slot)
+            for name, tensor in checkpoint.expected(key).items():
+                assert torch.equal(index.views(slot)[name], tensor)
+
+
+def test_direct_io_is_used_where_the_filesystem_allows_and_forced_off_by_flag(data_files):
+    path = sorted(data_files)[0]
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this system")
+    with DiskReader(direct_io=True) as reader:
+        fd = reader._handle(path).fd
+        assert reader.is_direct(path) == bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+    with DiskReader(direct_io=False) as reader:
+        assert not reader.is_direct(path)
+        assert not fcntl.fcntl(reader._handle(path).fd, fcntl.F_GETFL) & os.O_DIRECT
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this system")
+def test_fallback_when_open_refuses_o_direct_logs_once(data_files, monkeypatch, caplog):
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    paths = sorted(data_files)
+    segments = [Segment(paths[0], 10, 5000), Segment(paths[1], 4096, 4096)]
+    with caplog.at_level(logging.WARNING, logger="moestream.store.disk"), DiskReader() as reader:
+        assert np.array_equal(read(reader, segments), expected_bytes(data_files, segments))
+        assert not reader.is_direct(paths[0]) and not reader.is_direct(paths[1])
+    assert len([r for r in caplog.records if "O_DIRECT" in r.getMessage()]) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this system")
+def test_fallback_when_the_first_direct_read_fails(data_files, monkeypatch):
+    path = sorted(data_files)[0]
+    if not direct_io_works(path):
+        pytest.skip("this filesystem refuses O_DIRECT at open")
+    real_preadv = os.preadv
+
+    def refuse_direct(fd, buffers, offset, *args):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    segments = [Segment(path, 123, 20_000)]
+    with DiskReader() as reader:
+        assert np.array_equal(read(reader, segments), expected_bytes(data_files, segments))
+        assert not reader.is_direct(path)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_reading_past_the_end_is_a_checkpoint_error(data_files, direct_io):
+    path = sorted(data_files)[0]
+    with DiskReader(direct_io=direct_io) as reader, pytest.raises(CheckpointError, match="ends at byte"):
+        read(reader, [Segment(path, FILE_BYTES - 10, 20)])
+
+
+def test_missing_file_is_a_checkpoint_error(tmp_path):
+    with DiskReader() as reader, pytest.raises(CheckpointError, match="missing"):
+        read(reader, [Segment(tmp_path / "nope.safetensors", 0, 10)])
+
+
+def test_destination_must_be_a_large_enough_cpu_byte_tensor(data_files):
+    path = sorted(data_files)[0]
+    with DiskReader() as reader, pytest.raises(ValueError):
+        reader.read([Segment(path, 0, 100)], torch.empty(99, dtype=torch.uint8))
+
+
+def test_close_releases_file_descriptors(data_files):
+    path = sorted(data_files)[0]
+    reader = DiskReader()
+    read(reader, [Segment(path, 0, 10)])
+    fd = reader._handle(path).fd
+    reader.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from moestream.store.pool import SLOT_ALIGN_BYTES, CopyEngine, SlotPool
+
+
+def test_pool_allocates_aligned_slots_once():
+    pool = SlotPool(3, 1002)
+    stride = pool.data.shape[1]
+    assert pool.data.shape[0] == 3 and stride >= 1002 and stride % SLOT_ALIGN_BYTES == 0
+    assert pool.nbytes == 3 * stride and pool.data.dtype == torch.uint8
+    for i in range(3):
+        slot = pool.slot(i)
+        assert slot.shape == (1002,) and slot.is_contiguous()
+        assert slot.data_ptr() == pool.data.data_ptr() + i * stride
+        assert slot[:1000].view(torch.float32).shape == (250,)
+
+
+def test_slots_do_not_overlap():
+    pool = SlotPool(2, 100)
+    pool.data.zero_()
+    pool.slot(1).fill_(7)
+    assert int(pool.slot(0).sum()) == 0 and bool((pool.slot(1) == 7).all())
+
+
+def test_pool_without_slots_and_bad_indexes():
+    assert SlotPool(0, 64).nbytes == 0
+    with pytest.raises(IndexError):
+        SlotPool(2, 64).slot(2)
+    with pytest.raises(ValueError):
+        SlotPool(1, 0)
+
+
+def test_cpu_pool_is_never_pinned_without_asking_and_copy_is_plain():
+    pool = SlotPool(2, 64)
+    assert not pool.pinned
+    pool.slot(0).copy_(torch.arange(64, dtype=torch.uint8))
+    assert CopyEngine("cpu").copy(pool.slot(1), pool.slot(0)) is None
+    assert torch.equal(pool.slot(1), pool.slot(0))
+    pool.wait_reads(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_host_slots_copy_to_device_without_blocking():
+    host = SlotPool(2, 1 << 20, "cpu", pin_memory=True)
+    device = SlotPool(2, 1 << 20, "cuda")
+    assert host.pinned and host.data.is_pinned() and device.data.is_cuda
+    gen = torch.Generator().manual_seed(0)
+    host.slot(0).copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen))
+    engine = CopyEngine("cuda")
+    done = engine.copy(device.slot(1), host.slot(0))
+    assert isinstance(done, torch.cuda.Event)
+    host.mark_read(0, done)
+    host.wait_reads(0)
+    assert done.query()
+    assert torch.equal(device.slot(1).cpu(), host.slot(0))
+    summed = device.slot(1).sum()  # ordered after the copy on the compute stream
+    assert int(summed) == int(host.slot(0).sum())

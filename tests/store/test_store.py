@@ -1,0 +1,257 @@
+import numpy as np
+import pytest
+import torch
+
+from moestream.cache import CacheFullError
+from moestream.checkpoint.layout import ExpertIndex, ExpertLocation
+from moestream.errors import BudgetError, CheckpointError
+from moestream.policies.base import TransferRequest
+from moestream.policies.eviction import LRUPolicy
+from moestream.store import ExpertStore, StoreConfig
+from moestream.topology import ExpertKey
+
+K = ExpertKey
+
+
+def make_store(ckpt, device_slots, host_slots=0, device="cpu", direct_io=True):
+    expert_bytes = ckpt.index.topology.expert_bytes
+    config = StoreConfig(str(device_slots * expert_bytes), str(host_slots * expert_bytes), device, direct_io)
+    return ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy())
+
+
+def use(store, *keys):
+    slots = store.acquire(keys)
+    store.release(keys)
+    return slots
+
+
+def assert_holds_expert(ckpt, slot, key):
+    views = ckpt.index.views(slot)
+    for name, tensor in ckpt.expected(key).items():
+        assert views[name].dtype == tensor.dtype
+        assert torch.equal(views[name].cpu(), tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("host_slots", [0, 3])
+def test_acquired_slots_view_as_the_original_tensors(make_checkpoint, dtype, host_slots):
+    ckpt = make_checkpoint(dtype=dtype)
+    with make_store(ckpt, device_slots=3, host_slots=host_slots) as store:
+        for keys in ([K(0, 0), K(1, 3)], [K(0, 1), K(1, 3), K(0, 2)], [K(1, 0), K(0, 0)]):
+            slots = store.acquire(keys)
+            assert list(slots) == keys
+            for key, slot in slots.items():
+                assert slot.dtype == torch.uint8 and slot.shape == (ckpt.index.topology.expert_bytes,)
+                assert_holds_expert(ckpt, slot, key)
+            store.release(keys)
+
+
+def test_hits_misses_and_bytes_are_counted(checkpoint):
+    eb = checkpoint.index.topology.expert_bytes
+    with make_store(checkpoint, device_slots=4, host_slots=4) as store:
+        use(store, K(0, 0), K(0, 1))
+        stats = store.stats()
+        assert (stats.hits, stats.misses, stats.host_hits, stats.host_misses) == (0, 2, 0, 2)
+        assert stats.bytes_read == {"disk": 2 * eb, "host": 2 * eb}
+        use(store, K(0, 1), K(0, 0), K(1, 1))
+        stats = store.stats()
+        assert (stats.hits, stats.misses) == (2, 3)
+        assert stats.bytes_read == {"disk": 3 * eb, "host": 3 * eb}
+        assert stats.disk_read_s > 0 and stats.hit_rate == pytest.approx(2 / 5)
+        store.reset_stats()
+        assert store.stats().misses == 0 and store.stats().bytes_read == {"disk": 0, "host": 0}
+
+
+def test_no_host_tier_reads_disk_straight_into_the_device_slot(checkpoint):
+    eb = checkpoint.index.topology.expert_bytes
+    with make_store(checkpoint, device_slots=2) as store:
+        assert store.host_slots == 0 and store.resident("host") == frozenset()
+        use(store, K(0, 0), K(1, 0))
+        assert store.stats().bytes_read == {"disk": 2 * eb, "host": 0}
+
+
+def test_lru_victims_in_order(checkpoint):
+    with make_store(checkpoint, device_slots=3) as store:
+        use(store, K(0, 0))
+        use(store, K(0, 1))
+        use(store, K(0, 2))
+        use(store, K(0, 0))
+        use(store, K(0, 3))
+        assert store.resident() == {K(0, 0), K(0, 2), K(0, 3)}
+        use(store, K(1, 0))
+        assert store.resident() == {K(0, 0), K(0, 3), K(1, 0)}
+        assert store.stats().evictions == {"device": 2, "host": 0}
+
+
+def test_pinned_experts_are_never_evicted(checkpoint):
+    with make_store(checkpoint, device_slots=3) as store:
+        held = store.acquire([K(0, 0)])[K(0, 0)]
+        for expert in range(1, 4):
+            for layer in range(2):
+                use(store, K(layer, expert))
+                assert K(0, 0) in store.resident()
+        assert_holds_expert(checkpoint, held, K(0, 0))
+        store.release([K(0, 0)])
+        use(store, K(1, 0), K(1, 1), K(1, 2))
+        assert K(0, 0) not in store.resident()
+
+
+def test_keys_may_be_numpy_pairs(checkpoint):
+    with make_store(checkpoint, device_slots=2) as store:
+        slots = store.acquire([(np.int64(1), np.int64(2))])
+        assert list(slots) == [K(1, 2)] and type(next(iter(slots)).layer) is int
+        store.release([K(1, 2)])
+        assert not store._device.is_pinned(K(1, 2))
+
+
+def test_pins_count_per_acquire(checkpoint):
+    with make_store(checkpoint, device_slots=2) as store:
+        store.acquire([K(0, 0)])
+        store.acquire([K(0, 0)])
+        store.release([K(0, 0)])
+        use(store, K(0, 1))
+        use(store, K(0, 2))
+        assert K(0, 0) in store.resident()
+
+
+def test_more_keys_than_the_device_holds_is_refused_without_side_effects(checkpoint):
+    with make_store(checkpoint, device_slots=3) as store:
+        with pytest.raises(CacheFullError, match="streaming_groups"):
+            store.acquire([K(0, e) for e in range(4)])
+        store.acquire([K(0, 0), K(0, 1)])
+        with pytest.raises(CacheFullError):
+            store.acquire([K(1, 0), K(1, 1)])
+        assert store.stats().misses == 2
+        store.release([K(0, 0), K(0, 1)])
+        use(store, K(1, 0), K(1, 1), K(1, 2))  # the failed calls left no pins behind
+
+
+def test_device_miss_that_hits_host_reads_no_disk(checkpoint):
+    eb = checkpoint.index.topology.expert_bytes
+    with make_store(checkpoint, device_slots=2, host_slots=4) as store:
+        use(store, K(0, 0), K(0, 1))
+        use(store, K(0, 2), K(0, 3))
+        assert K(0, 0) not in store.resident() and K(0, 0) in store.resident("host")
+        store.reset_stats()
+        slots = store.acquire([K(0, 0)])
+        stats = store.stats()
+        assert (stats.misses, stats.host_hits, stats.host_misses) == (1, 1, 0)
+        assert stats.bytes_read == {"disk": 0, "host": eb}
+        assert_holds_expert(checkpoint, slots[K(0, 0)], K(0, 0))
+
+
+def test_host_tier_evicts_by_its_own_policy(checkpoint):
+    with make_store(checkpoint, device_slots=2, host_slots=3) as store:
+        for expert in range(4):
+            use(store, K(1, expert))
+        assert store.resident("host") == {K(1, 1), K(1, 2), K(1, 3)}
+        assert store.stats().evictions == {"device": 2, "host": 1}
+
+
+def test_prefetch_fills_in_priority_order_and_skips_resident(checkpoint):
+    eb = checkpoint.index.topology.expert_bytes
+    with make_store(checkpoint, device_slots=3) as store:
+        use(store, K(0, 0))
+        requests = [TransferRequest(K(1, 1), 0.2), TransferRequest(K(0, 0), 0.9),
+                    TransferRequest(K(1, 2), 0.7), TransferRequest(K(1, 3), 0.5)]
+        store.reset_stats()
+        assert store.prefetch(requests) == [K(1, 2), K(1, 3)]
+        assert store.resident() == {K(1, 2), K(1, 3), K(0, 0)}  # the prefetch kept its own experts
+        stats = store.stats()
+        assert (stats.prefetched, stats.prefetched_bytes, stats.misses) == (2, 2 * eb, 0)
+        assert stats.bytes_read["disk"] == 2 * eb
+        use(store, K(1, 2))
+        assert store.stats().prefetch_hits == 1 and store.stats().hits == 1
+        use(store, K(0, 1), K(0, 2))  # evicts K(0, 0), then K(1, 3), never used
+        assert store.stats().prefetch_wasted == 1 and K(1, 3) not in store.resident()
+        assert store.in_flight() == frozenset()
+
+
+def test_prefetch_never_evicts_pinned_experts(checkpoint):
+    with make_store(checkpoint, device_slots=3) as store:
+        store.acquire([K(0, 0), K(0, 1)])
+        brought = store.prefetch([TransferRequest(K(1, e), 1.0 - e / 10) for e in range(4)])
+        assert brought == [K(1, 0)]
+        assert store.resident() == {K(0, 0), K(0, 1), K(1, 0)}
+
+
+def test_prefetch_respects_max_evictions(checkpoint):
+    with make_store(checkpoint, device_slots=3) as store:
+        use(store, K(0, 0), K(0, 1))
+        brought = store.prefetch([TransferRequest(K(1, e), 1.0 - e / 10) for e in range(4)], max_evictions=1)
+        assert brought == [K(1, 0), K(1, 1)]
+        assert store.stats().evictions["device"] == 1
+        assert store.prefetch([TransferRequest(K(1, 3), 1.0)], max_evictions=0) == []
+
+
+def test_streaming_groups_cover_all_keys_resident_first(checkpoint):
+    with make_store(checkpoint, device_slots=3) as store:
+        use(store, K(0, 2), K(1, 3))
+        keys = [K(0, 0), K(0, 1), K(0, 2), K(0, 3), K(1, 0), K(1, 3), K(0, 0)]
+        groups = store.streaming_groups(keys)
+        flat = [key for group in groups for key in group]
+        assert sorted(flat) == sorted(set(keys))
+        assert all(1 <= len(group) <= store.device_slots for group in groups)
+        assert set(flat[:2]) == {K(0, 2), K(1, 3)}
+        for group in groups:
+            assert_holds_expert(checkpoint, store.acquire(group)[group[-1]], group[-1])
+            store.release(group)
+
+
+def test_streaming_groups_leave_room_for_experts_in_use(checkpoint):
+    with make_store(checkpoint, device_slots=3) as store:
+        store.acquire([K(1, 1)])
+        groups = store.streaming_groups([K(0, e) for e in range(4)])
+        assert [len(g) for g in groups] == [2, 2]
+        assert store.streaming_groups([]) == []
+
+
+def test_fallback_reads_serve_the_same_bytes(checkpoint):
+    with make_store(checkpoint, device_slots=2, host_slots=2, direct_io=False) as store:
+        assert_holds_expert(checkpoint, use(store, K(1, 2))[K(1, 2)], K(1, 2))
+
+
+def test_store_refuses_a_too_small_budget_and_a_bad_index(checkpoint):
+    index = checkpoint.index
+    with pytest.raises(BudgetError, match="minimum"):
+        make_store(checkpoint, device_slots=index.topology.top_k - 1)
+    missing = ExpertIndex(index.topology, {k: v for k, v in index.locations.items() if k != K(1, 1)}, index.layout)
+    with pytest.raises(CheckpointError, match="no location"):
+        ExpertStore(missing, StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+    short = dict(index.locations)
+    short[K(0, 0)] = ExpertLocation(K(0, 0), index.locations[K(0, 0)].segments[:2])
+    with pytest.raises(CheckpointError, match="bytes on disk"):
+        ExpertStore(ExpertIndex(index.topology, short, index.layout), StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+
+
+def test_unknown_tier_is_refused(checkpoint):
+    with make_store(checkpoint, device_slots=2) as store, pytest.raises(ValueError, match="tier"):
+        store.resident("disk")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("host_slots", [0, 2])
+def test_cuda_store_uses_pinned_host_slots_and_device_slots(checkpoint, host_slots):
+    with make_store(checkpoint, device_slots=2, host_slots=host_slots, device="cuda") as store:
+        for keys in ([K(0, 0), K(0, 1)], [K(0, 2), K(1, 0)], [K(0, 0), K(1, 1)]):
+            slots = store.acquire(keys)
+            for key, slot in slots.items():
+                assert slot.is_cuda
+                assert_holds_expert(checkpoint, slot, key)
+            store.release(keys)
+        assert store._host_pool.pinned and (store._bounce.num_slots == 0) == (host_slots > 0)
+        assert store._device_pool.data.is_cuda
+
+
+@pytest.mark.parametrize("host_slots", [0, 2])
+def test_a_failed_read_leaves_no_trace(checkpoint, host_slots):
+    last = max(checkpoint.index.locations.values(), key=lambda loc: loc.segments[-1].offset)
+    end = last.segments[-1]
+    with make_store(checkpoint, device_slots=2, host_slots=host_slots) as store:
+        use(store, K(0, 0))
+        with open(end.file, "r+b") as f:
+            f.truncate(end.offset + end.nbytes - 1)
+        with pytest.raises(CheckpointError, match="ends at byte"):
+            store.acquire([K(0, 0), last.key])
+        assert last.key not in store.resident() and last.key not in store.resident("host")
+        use(store, K(1, 0), K(0, 1))  # no pins were left behind
