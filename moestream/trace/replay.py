@@ -34,23 +34,28 @@ def iteration(trace: Trace, rows: np.ndarray, step: int, finished: tuple[int, ..
         tokens=None if trace.tokens is None else tuple(trace.tokens[i] for i in rows),
         embeddings=None if trace.embeddings is None else trace.embeddings[rows].astype(np.float32),
     )
-    events = tuple(_event(trace, rows, layer, seq_ids, positions) for layer in range(trace.topology.num_layers))
+    experts = _by_layer(trace.experts, rows, np.int64)  # [L, T, K]
+    weights, probs, hidden = (_by_layer(v, rows, np.float32) for v in (trace.gate_weights, trace.gate_probs, trace.hidden))
+    events = tuple(
+        RoutingEvent(
+            layer=layer,
+            expert_ids=experts[layer],  # [T, K]
+            seq_ids=seq_ids,
+            positions=positions,
+            gate_weights=None if weights is None else weights[layer],
+            gate_probs=None if probs is None else probs[layer],
+            hidden=None if hidden is None else hidden[layer],
+        )
+        for layer in range(trace.topology.num_layers)
+    )
     return Iteration(ctx, rows, events, finished)
 
 
-def _event(trace: Trace, rows, layer: int, seq_ids, positions) -> RoutingEvent:
-    def pick(values):
-        return None if values is None else values[rows, layer].astype(np.float32)
-
-    return RoutingEvent(
-        layer=layer,
-        expert_ids=trace.experts[rows, layer].astype(np.int64),  # [T, K]
-        seq_ids=seq_ids,
-        positions=positions,
-        gate_weights=pick(trace.gate_weights),
-        gate_probs=pick(trace.gate_probs),
-        hidden=pick(trace.hidden),
-    )
+def _by_layer(values: np.ndarray | None, rows: np.ndarray, dtype) -> np.ndarray | None:
+    """values[rows] ([T, L, ...]) laid out layer-major ([L, T, ...], contiguous per layer), or None."""
+    if values is None:
+        return None
+    return np.ascontiguousarray(values[rows].swapaxes(0, 1), dtype=dtype)
 
 
 def decode_stream(trace: Trace) -> Iterator[Iteration]:
@@ -70,9 +75,14 @@ def prefill(trace: Trace) -> Iterator[Iteration]:
 
 def batched_decode(trace: Trace, batch_size: int) -> Iterator[Iteration]:
     """B sequences in flight; each iteration takes the next token of each; a finished one is replaced."""
+    for step, (rows, finished) in enumerate(batched_rows(trace, batch_size)):
+        yield iteration(trace, rows, step, finished)
+
+
+def batched_rows(trace: Trace, batch_size: int) -> Iterator[tuple[np.ndarray, tuple[int, ...]]]:
+    """The rows of each batched-decode iteration and the sequences it finishes, without events."""
     pending = list(trace.sequence_bounds())[::-1]
     active: list[list[int]] = []  # [seq, next row, end row]
-    step = 0
     while pending or active:
         while pending and len(active) < batch_size:
             seq, start, end = pending.pop()
@@ -82,5 +92,4 @@ def batched_decode(trace: Trace, batch_size: int) -> Iterator[Iteration]:
             slot[1] += 1
         finished = tuple(slot[0] for slot in active if slot[1] == slot[2])
         active = [slot for slot in active if slot[1] < slot[2]]
-        yield iteration(trace, rows, step, finished)
-        step += 1
+        yield rows, finished

@@ -1,0 +1,102 @@
+"""`moestream predict-eval`: how well a policy's predictor foresees routing, D layers ahead.
+
+Fits the named policy on --train, replays --test (or a seeded --test-fraction of --train, split by
+sequence) as a decode stream, and reports precision, recall, F1 (overall and per layer) and
+GOODPRED with the lead time of --cost-model. The rule is in moestream.eval.prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+from moestream.eval.prediction import EvalError, LeadTimeCost, evaluate_policy
+from moestream.sim.cost import DEFAULT_COST_MODEL, get_cost_model
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("predict-eval", help="evaluate a predictor's accuracy and GOODPRED on a trace")
+    parser.add_argument("--train", required=True, type=Path, help="trace to fit the policy on (.npz)")
+    test = parser.add_mutually_exclusive_group(required=True)
+    test.add_argument("--test", type=Path, help="trace to evaluate on (.npz)")
+    test.add_argument("--test-fraction", type=float, help="evaluate on this share of --train's sequences instead")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --test-fraction split (default 0)")
+    parser.add_argument("--predictor", required=True, metavar="NAME", help="a registered policy (moestream.policies)")
+    parser.add_argument("--predictor-dir", type=Path, help="a trained predictor directory (train-predictor)")
+    parser.add_argument("--horizon-layers", type=int, default=1, help="D: predict D layers ahead (0: at the gate)")
+    parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost preset for GOODPRED's lead time")
+    parser.add_argument("--train-tokens", type=Path, help="tokens jsonl of a DeepSeek --train npz")
+    parser.add_argument("--test-tokens", type=Path, help="tokens jsonl of a DeepSeek --test npz")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from moestream.policies import POLICIES
+    from moestream.trace.format import load_trace
+
+    POLICIES.get(args.predictor)  # an unknown name fails before any trace is read
+    cost_model = get_cost_model(args.cost_model)
+    start = time.perf_counter()
+    train = load_trace(args.train, args.train_tokens)
+    if args.test is not None:
+        test = load_trace(args.test, args.test_tokens)
+    else:
+        train, test = _split(train, args.test_fraction, args.seed)
+    topology = test.topology
+    cost = LeadTimeCost(cost_model.layer_compute_ms, cost_model.transfer_ms(topology.expert_bytes))
+    kwargs = {} if args.predictor_dir is None else {"predictor_dir": args.predictor_dir}
+    result = evaluate_policy(args.predictor, train, test, args.horizon_layers, cost, **kwargs)
+    split = f"{args.train} ({args.test_fraction} of sequences, seed {args.seed})"
+    result |= {
+        "train": str(args.train),
+        "test": str(args.test) if args.test is not None else split,
+        "cost_model": cost_model.name,
+        "layer_compute_ms": cost.layer_compute_ms,
+        "transfer_ms": cost.transfer_ms,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    if args.json is not None:
+        write_json(result, args.json)
+    print(_summary(result) if args.json is not None else json.dumps(result, indent=2))
+    return 0
+
+
+def _split(trace, fraction: float, seed: int):
+    if not 0.0 < fraction < 1.0:
+        raise EvalError(f"--test-fraction must lie in (0, 1), got {fraction}")
+    if len(trace.sequence_ids()) < 2:
+        raise EvalError("--test-fraction needs a trace with at least two sequences")
+    train, test = trace.split(fraction, seed)
+    if not train.num_tokens:
+        raise EvalError(f"--test-fraction {fraction} leaves no sequence to train on")
+    return train, test
+
+
+def _summary(result: dict) -> str:
+    return (
+        f"{result['predictor']} D={result['horizon_layers']}: precision {result['precision']:.4f} "
+        f"recall {result['recall']:.4f} F1 {result['f1']:.4f} GOODPRED {result['goodpred']:.4f} "
+        f"({result['num_tokens']} test tokens, {result['seconds']:.1f} s)"
+    )
+
+
+def write_json(data: dict, path: Path) -> None:
+    """Atomically: a temporary file beside path, then os.replace."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise MoestreamError(f"cannot write {path}: {error.strerror or error}") from None
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(data, out, indent=2)
+            out.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

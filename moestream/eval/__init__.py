@@ -1,0 +1,1 @@
+"""Offline evaluation of policies against recorded traces (prediction accuracy, GOODPRED)."""
