@@ -1,0 +1,207 @@
+"""`moestream bench policies`: every registered design, ablation and baseline, the ORACLE and
+`default`, side by side on a real routing trace, in the stream and MoE-Beyond protocols, at several
+cache ratios and cost models; prediction quality at horizons 1..8; overhead per layer.
+
+Trains on the training trace (by default a seeded 80% of the prompts of --trace) and replays
+prompts it has never seen. Prints tables, writes JSON and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from moestream.errors import MoestreamError
+from moestream.policies import POLICIES
+from moestream.sim.compare import CompareConfig, Comparison, compare
+from moestream.sim.cost import PRESETS
+from moestream.trace.format import load_trace
+
+log = logging.getLogger(__name__)
+DEV_TRACE = Path("routing") / "deepseek-v2-lite" / "puffin_dev.npz"
+
+
+def add_parser(kinds) -> None:
+    parser = kinds.add_parser("policies", help="compare every policy on a routing trace")
+    parser.add_argument("--trace", type=Path, help="test trace (default: ../shared/data dev trace)")
+    parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek npz trace")
+    parser.add_argument("--train", type=Path, help="training trace (default: 80%% of --trace's prompts)")
+    parser.add_argument("--test-fraction", type=float, default=0.2, help="held-out prompts when --train is absent")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", help="comma-separated names (default: every registered policy)")
+    parser.add_argument("--cache-ratios", default="0.05,0.10,0.25,0.50")
+    parser.add_argument("--cost-models", default=",".join(PRESETS))
+    parser.add_argument("--protocols", default="stream,moe-beyond")
+    parser.add_argument("--horizons", default="1,2,3,4,5,6,7,8", help="prediction horizons (layers ahead)")
+    parser.add_argument("--max-test-tokens", type=int, help="replay only the first held-out prompts up to this many tokens")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--plot-dir", type=Path, help="write hit-rate plots here")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    train, test = _traces(args)
+    config = CompareConfig(
+        policies=tuple(_names(args.policies) if args.policies else POLICIES.names()),
+        cache_ratios=tuple(float(r) for r in _names(args.cache_ratios)),
+        cost_models=tuple(_names(args.cost_models)),
+        protocols=tuple(_names(args.protocols)),
+        horizons=tuple(int(h) for h in _names(args.horizons)),
+        num_workers=args.workers,
+    )
+    result = compare(train, test, config)
+    _print(result, config, train.num_tokens, test.num_tokens)
+    if args.plot_dir:
+        _plot(result, args.plot_dir)
+    if args.json:
+        _write_json(_document(result, config, train, test), args.json)
+    return 0
+
+
+def _traces(args):
+    from moestream.sim.compare import head_tokens
+
+    path = args.trace or _dev_trace()
+    trace = load_trace(path, args.tokens)
+    if args.train:
+        train, test = load_trace(args.train), trace
+    else:
+        if not 0.0 < args.test_fraction < 1.0:
+            raise MoestreamError(f"--test-fraction must lie in (0, 1), got {args.test_fraction}")
+        train, test = trace.split(args.test_fraction, seed=args.seed)
+    if args.max_test_tokens:
+        test = head_tokens(test, args.max_test_tokens)
+    return train, test
+
+
+def _dev_trace() -> Path:
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = root.parent / "shared" / "data" / DEV_TRACE
+        if candidate.exists():
+            return candidate
+    raise MoestreamError("no --trace given and the shared dev trace (../shared/data) was not found")
+
+
+def _names(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise MoestreamError(f"expected a comma-separated list, got {text!r}")
+    return names
+
+
+def _print(result: Comparison, config: CompareConfig, num_train: int, num_test: int) -> None:
+    console = Console()
+    console.print(f"trained on {num_train} tokens, replayed {num_test} held-out tokens")
+    for protocol, by_cost in result.replays.items():
+        for cost, by_policy in by_cost.items():
+            label = protocol if protocol == "moe-beyond" else f"{protocol}, {cost}"
+            console.print(_replay_table(label, by_policy, config.cache_ratios, protocol == "stream"))
+    console.print(_prediction_table(result, config.horizons))
+    for name, reason in result.skipped.items():
+        console.print(f"[yellow]{name}: not run: {reason}[/yellow]")
+    _print_verdict(console, result)
+
+
+def _replay_table(label: str, by_policy: dict, ratios, with_stall: bool) -> Table:
+    table = Table(title=f"hit rate{' / stall ms per token' if with_stall else ''} ({label})")
+    table.add_column("policy")
+    for ratio in ratios:
+        table.add_column(f"{ratio:g}", justify="right")
+    for name, by_ratio in by_policy.items():
+        cells = []
+        for ratio in ratios:
+            m = by_ratio[ratio]
+            stall = f" / {m['stall_ms_per_token']:.2f}" if with_stall else ""
+            cells.append(f"{100 * m['hit_rate']:.1f}%{stall}")
+        table.add_row(name, *cells)
+    return table
+
+
+def _prediction_table(result: Comparison, horizons) -> Table:
+    table = Table(title="prediction F1 by horizon (layers ahead); overhead per layer")
+    table.add_column("policy")
+    for horizon in horizons:
+        table.add_column(f"h={horizon}", justify="right")
+    table.add_column("us/layer", justify="right")
+    table.add_column("fit s", justify="right")
+    for name, overhead in result.overhead_us_per_layer.items():
+        quality = result.prediction.get(name, {})
+        cells = [f"{quality[h]['f1']:.3f}" if h in quality else "-" for h in horizons]
+        table.add_row(name, *cells, f"{overhead:.0f}", f"{result.fit_seconds.get(name, 0):.1f}")
+    return table
+
+
+def _print_verdict(console: Console, result: Comparison) -> None:
+    """Where `default` is not the best online policy on hit rate and stall, say so."""
+    losses = list(default_losses(result))
+    if "default" not in result.fit_seconds:
+        return
+    if not losses:
+        console.print("[green]default beats every online policy on hit rate and stall in every setting[/green]")
+    for loss in losses:
+        console.print(f"[red]default loses: {loss}[/red]")
+
+
+def default_losses(result: Comparison):
+    offline = {name for name in result.fit_seconds if POLICIES.get(name).offline}
+    for protocol, by_cost in result.replays.items():
+        for cost, by_policy in by_cost.items():
+            if "default" not in by_policy:
+                continue
+            for ratio, mine in by_policy["default"].items():
+                for name, by_ratio in by_policy.items():
+                    if name == "default" or name in offline:
+                        continue
+                    other = by_ratio[ratio]
+                    if other["hit_rate"] > mine["hit_rate"]:
+                        yield f"{protocol} {cost} ratio {ratio:g}: {name} hit rate {other['hit_rate']:.4f} > {mine['hit_rate']:.4f}"
+                    if protocol == "stream" and other["stall_ms_per_token"] < mine["stall_ms_per_token"]:
+                        yield f"{protocol} {cost} ratio {ratio:g}: {name} stall {other['stall_ms_per_token']:.3f} < {mine['stall_ms_per_token']:.3f}"
+
+
+def _plot(result: Comparison, plot_dir: Path) -> None:
+    from moestream.sim.plots import plot_results
+
+    for protocol, by_cost in result.replays.items():
+        for cost, by_policy in by_cost.items():
+            name = protocol if protocol == "moe-beyond" else f"{protocol}-{cost}"
+            plot_results(by_policy, plot_dir / f"{name}.png", title=f"{protocol} ({cost})")
+
+
+def _document(result: Comparison, config: CompareConfig, train, test) -> dict:
+    replays = {
+        protocol: {cost: {name: {f"{r:g}": m for r, m in by_ratio.items()} for name, by_ratio in by_policy.items()}
+                   for cost, by_policy in by_cost.items()}
+        for protocol, by_cost in result.replays.items()
+    }
+    return {
+        "config": asdict(config),
+        "train": {"source": train.source, "num_tokens": train.num_tokens},
+        "test": {"source": test.source, "num_tokens": test.num_tokens},
+        "replays": replays,
+        "prediction": {name: {str(h): q for h, q in by_h.items()} for name, by_h in result.prediction.items()},
+        "overhead_us_per_layer": result.overhead_us_per_layer,
+        "fit_seconds": result.fit_seconds,
+        "skipped": result.skipped,
+        "default_losses": list(default_losses(result)),
+    }
+
+
+def _write_json(document: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(document, handle, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,183 @@
+"""Side-by-side comparison of registered policies on one trace: fit once, replay many settings.
+
+Each policy is fitted once on the training trace, then deep-copied for every (protocol, cost model,
+cache ratio) replay of the test trace, so no run sees another's online state. Runs are spread over
+worker processes. Also measures prediction quality per horizon and the policy's own time per layer
+(observe + predict + plan), which is the overhead the engine pays per decision. Knows policies only
+through the registry and the policy contract.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+
+import numpy as np
+
+from moestream.errors import MoestreamError
+from moestream.eval.prediction import evaluate_predictor
+from moestream.policies import POLICIES
+from moestream.policies.base import CacheView, Policy
+from moestream.sim.config import SimConfig
+from moestream.sim.cost import PRESETS, get_cost_model
+from moestream.sim.protocols import simulate
+from moestream.trace.replay import decode_stream
+from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+
+COST_FREE_PROTOCOLS = ("moe-beyond",)  # protocols whose result does not depend on the cost model
+KEPT_METRICS = ("hit_rate", "stall_ms_per_token", "tpot_ratio_vs_resident", "bytes_per_token",
+                "wasted_prefetch_ratio", "late_prefetch_ratio", "per_layer_hit_rate")
+
+
+class CompareError(MoestreamError):
+    """Settings that cannot be compared."""
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    policies: tuple[str, ...]
+    cache_ratios: tuple[float, ...] = (0.05, 0.10, 0.25, 0.50)
+    cost_models: tuple[str, ...] = tuple(PRESETS)
+    protocols: tuple[str, ...] = ("stream", "moe-beyond")
+    horizons: tuple[int, ...] = tuple(range(1, 9))
+    horizon_layers: int = 2  # look-ahead the replays ask of predictors
+    num_prediction_tokens: int = 4000  # test tokens scored for precision/recall/F1 per horizon
+    num_overhead_tokens: int = 200  # test tokens timed for per-layer overhead
+    num_workers: int = 2
+
+    def __post_init__(self):
+        if not self.policies:
+            raise CompareError("no policy to compare")
+        for name in self.policies:
+            POLICIES.get(name)
+        for name in self.cost_models:
+            get_cost_model(name)
+        if any(not 0.0 < r <= 1.0 for r in self.cache_ratios):
+            raise CompareError(f"cache ratios must lie in (0, 1], got {self.cache_ratios}")
+        if self.num_workers < 1 or min(self.horizons, default=1) < 0:
+            raise CompareError("num_workers must be >= 1 and horizons >= 0")
+
+
+@dataclass
+class Comparison:
+    replays: dict = field(default_factory=dict)  # protocol -> cost model -> policy -> ratio -> metrics
+    prediction: dict = field(default_factory=dict)  # policy -> horizon -> {precision, recall, f1}
+    overhead_us_per_layer: dict = field(default_factory=dict)  # policy -> microseconds
+    fit_seconds: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)  # policy -> reason
+
+
+@dataclass(frozen=True)
+class Job:
+    policy: str
+    protocol: str
+    cost_model: str
+    cache_ratio: float
+
+
+def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
+    result = Comparison()
+    fitted = fit_policies(train, test, config.policies, result)
+    jobs = replay_jobs(fitted, config)
+    with ProcessPoolExecutor(config.num_workers, mp_context=get_context("fork")) as pool:
+        futures = {job: pool.submit(run_job, fitted[job.policy], test, job, config.horizon_layers) for job in jobs}
+        for name, policy in fitted.items():
+            result.prediction[name] = prediction_quality(policy, test, config)
+        for job, future in futures.items():
+            by_policy = result.replays.setdefault(job.protocol, {}).setdefault(job.cost_model, {})
+            by_policy.setdefault(job.policy, {})[job.cache_ratio] = future.result()
+    for name, policy in fitted.items():  # timed once the workers are done, on a quieter machine
+        result.overhead_us_per_layer[name] = overhead_us_per_layer(policy, test, config)
+    return result
+
+
+def fit_policies(train: Trace, test: Trace, names, result: Comparison) -> dict[str, Policy]:
+    fitted = {}
+    for name in names:
+        policy_class = POLICIES.get(name)
+        missing = [f for f in policy_class.trace_needs if getattr(train, f) is None or getattr(test, f) is None]
+        if missing:
+            result.skipped[name] = f"needs trace field(s) {', '.join(missing)}, absent from this trace"
+            continue
+        start = time.perf_counter()
+        policy = policy_class(test.topology)
+        policy.fit(train)
+        result.fit_seconds[name] = round(time.perf_counter() - start, 2)
+        log.info("fitted %s in %.1f s", name, result.fit_seconds[name])
+        fitted[name] = policy
+    return fitted
+
+
+def replay_jobs(fitted: dict[str, Policy], config: CompareConfig) -> list[Job]:
+    jobs = []
+    for protocol in config.protocols:
+        costs = config.cost_models[:1] if protocol in COST_FREE_PROTOCOLS else config.cost_models
+        for cost in costs:
+            jobs += [Job(name, protocol, cost, ratio) for name in fitted for ratio in config.cache_ratios]
+    return jobs
+
+
+def run_job(policy: Policy, test: Trace, job: Job, horizon_layers: int) -> dict:
+    config = SimConfig(cache_ratio=job.cache_ratio, cost=get_cost_model(job.cost_model), horizon_layers=horizon_layers)
+    start = time.perf_counter()
+    metrics = simulate(copy.deepcopy(policy), test, config, job.protocol)
+    kept = {key: metrics[key] for key in KEPT_METRICS if key in metrics}
+    return kept | {"replay_seconds": round(time.perf_counter() - start, 2)}
+
+
+def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> dict:
+    if not config.horizons or _predicts_nothing(policy):
+        return {}
+    sample = head_tokens(test, config.num_prediction_tokens)
+    quality = {}
+    for horizon in config.horizons:
+        fresh = copy.deepcopy(policy)
+        fresh.prepare(sample)
+        counts = evaluate_predictor(fresh.predictor, sample, horizon)
+        quality[horizon] = {"precision": counts.precision(), "recall": counts.recall(), "f1": counts.f1()}
+    return quality
+
+
+def overhead_us_per_layer(policy: Policy, test: Trace, config: CompareConfig) -> float:
+    """Wall time of the policy's own work per MoE layer: observe, predict, plan, evict hooks."""
+    sample = head_tokens(test, config.num_overhead_tokens)
+    policy = copy.deepcopy(policy)
+    policy.prepare(sample)
+    observers = policy.observers() + [policy.make_eviction("device")]
+    layers = sample.topology.num_layers
+    view = CacheView(frozenset(), frozenset(), max(1, sample.topology.total_experts // 10), -1, layers)
+    start, decisions = time.perf_counter(), 0
+    for it in decode_stream(sample):
+        for observer in observers:
+            observer.begin_iteration(it.ctx)
+        for event in it.events:
+            for observer in observers:
+                observer.observe(event)
+            predictions = policy.predictor.predict(event.layer, config.horizon_layers)
+            policy.planner.plan(predictions, CacheView(view.resident, view.in_flight, view.capacity, event.layer, layers))
+            decisions += 1
+        for seq in it.finished:
+            for observer in observers:
+                observer.end_sequence(seq)
+    return 1e6 * (time.perf_counter() - start) / max(1, decisions)
+
+
+def head_tokens(trace: Trace, num_tokens: int) -> Trace:
+    """The first whole sequences of trace holding at least num_tokens tokens (all, if fewer)."""
+    ends = np.array([end for _, _, end in trace.sequence_bounds()])
+    if not len(ends) or ends[-1] <= num_tokens:
+        return trace
+    last = int(np.searchsorted(ends, num_tokens))
+    return trace.take(np.arange(ends[last]))
+
+
+def _predicts_nothing(policy: Policy) -> bool:
+    from moestream.policies.planning import NullPredictor
+
+    return isinstance(policy.predictor, NullPredictor)
