@@ -11,3 +11,27 @@ def deepseek_dev_path() -> Path:
     if not DEEPSEEK_DEV.exists():
         pytest.skip(f"real routing data not found at {DEEPSEEK_DEV}")
     return DEEPSEEK_DEV
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory `tiny_checkpoint(family, **fields) -> Path`: a small random checkpoint of `family`
+    (a transformers model_type) written by `moestream make-model`, cached for the session.
+
+    `fields` are `moestream.checkpoint.spec.ModelSpec` fields (num_layers=4, num_experts=8, top_k,
+    hidden_size=64, intermediate_size=64, vocab_size=512, seed=0, dtype="fp32", max_shard_bytes,
+    config_overrides). The same arguments return the same directory: treat it as read-only.
+    """
+    from moestream.checkpoint.make_model import make_model
+    from moestream.checkpoint.spec import ModelSpec
+
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    written: dict[tuple, Path] = {}
+
+    def make(family: str, **fields) -> Path:
+        key = (family, repr(sorted(fields.items())))
+        if key not in written:
+            written[key] = make_model(ModelSpec(family, **fields), root / f"{family}-{len(written)}")
+        return written[key]
+
+    return make

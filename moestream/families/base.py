@@ -10,6 +10,7 @@ each a contiguous byte range of a safetensors file, or slice [e] of a tensor fus
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,11 +45,25 @@ class FamilyAdapter:
     layer_experts_path: ClassVar[str] = "model.layers.{layer}.mlp.experts"
     renames: ClassVar[tuple[tuple[str, str], ...]] = ()  # regex renames from disk keys to model keys
     uses_experts_registry: ClassVar[bool] = True  # False: the engine swaps the experts module
+    fixed_top_k: ClassVar[int | None] = None  # the family's router only supports this top-k
+    noise_init: ClassVar[tuple[str, ...]] = ()  # name suffixes of tensors a test model fills with noise
+
+    def model_key(self, disk_key: str) -> str:
+        """The model's parameter name for a dense tensor stored on disk as `disk_key`."""
+        for pattern, replacement in self.renames:
+            disk_key = re.sub(pattern, replacement, disk_key)
+        return disk_key
+
+    def expert_tensor(self, experts_module, expert: int, param: str):
+        """The in-memory tensor of `param` for one expert (what a slot view of `param` must equal)."""
+        return getattr(experts_module, param)[expert]
 
     def num_experts(self, config) -> int:
         return int(getattr(config, self.num_experts_attr))
 
     def top_k(self, config) -> int:
+        if self.fixed_top_k is not None:
+            return self.fixed_top_k
         return int(getattr(config, self.top_k_attr))
 
     def num_shared_experts(self, config) -> int:
@@ -76,6 +91,22 @@ class FamilyAdapter:
                            intermediate_size: int, vocab_size: int) -> dict:
         """Config fields for `moestream make-model` (passed to AutoConfig.for_model)."""
         raise NotImplementedError
+
+
+def decoder_kwargs(num_layers: int, hidden_size: int, vocab_size: int) -> dict:
+    """Common config fields of a small decoder-only test model: 16-wide heads, grouped KV heads. The
+    weights keep transformers' init (std 0.02): larger weights make hidden states of different tokens
+    alike, so routing concentrates on few experts."""
+    num_heads = max(1, hidden_size // 16)
+    return dict(
+        num_hidden_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads // 2 if num_heads % 2 == 0 else num_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
 
 
 FAMILIES: Registry[FamilyAdapter] = Registry("model family")

@@ -1,0 +1,152 @@
+"""Index a checkpoint directory: its config, family adapter, where every routed expert's bytes are on
+disk (`ExpertIndex`), and which tensors are dense (everything else), all from safetensors headers.
+
+No expert bytes are read. For each expert, the adapter's `parts` name the disk tensors that, in order,
+fill the expert's slot; a tensor fused over experts ([E, ...]) contributes its contiguous slice [e].
+This module knows families only through `moestream.families.adapter_for`, and nothing of policies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from moestream.checkpoint.layout import ExpertIndex, ExpertLocation, PartView, Segment
+from moestream.checkpoint.shards import TensorInfo, element_size, read_tensors
+from moestream.errors import CheckpointError
+from moestream.families import adapter_for
+from moestream.families.base import ExpertPart, FamilyAdapter, MoEBlock
+from moestream.topology import ExpertKey, Topology
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    path: Path
+    config: PretrainedConfig
+    adapter: FamilyAdapter
+    blocks: tuple[MoEBlock, ...]  # one per MoE layer, in MoE-layer order
+    experts: ExpertIndex
+    dense: dict[Path, tuple[str, ...]]  # shard file -> its non-expert tensor names (disk keys), by offset
+    tensors: dict[str, TensorInfo]  # every tensor of the checkpoint, by disk key
+
+    @property
+    def topology(self) -> Topology:
+        return self.experts.topology
+
+    def dense_names(self) -> list[str]:
+        return [name for names in self.dense.values() for name in names]
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    """The checkpoint's transformers config; CheckpointError for a missing dir, file or family."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json in checkpoint directory {path}")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        raise CheckpointError(f"{config_file} is not a JSON object") from None
+    adapter_for(SimpleNamespace(model_type=model_type))
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise CheckpointError(f"cannot read {config_file}: {error}") from None
+
+
+def _part_slices(part: ExpertPart, block: MoEBlock, expert: int, num_experts: int,
+                 tensors: dict[str, TensorInfo]) -> tuple[tuple[int, ...], torch.dtype, list[Segment]]:
+    """(per-expert shape, dtype, disk segments) of one part of one expert."""
+    shapes, dtypes, segments = [], set(), []
+    for template in part.disk:
+        name = f"{block.disk_prefix}.{template.format(expert=expert)}"
+        info = tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"missing expert tensor {name} (MoE layer {block.moe_index}, expert {expert})")
+        shape, offset, nbytes = info.shape, info.offset, info.nbytes
+        if part.fused_on_disk:
+            if not shape or shape[0] != num_experts:
+                raise CheckpointError(f"tensor {name} has shape {shape}; expected [{num_experts}, ...] over experts")
+            shape, nbytes = shape[1:], nbytes // num_experts
+            offset += expert * nbytes
+        shapes.append(shape)
+        dtypes.add(info.dtype)
+        segments.append(Segment(info.file, offset, nbytes))
+    if len(dtypes) != 1 or any(not s or s[1:] != shapes[0][1:] for s in shapes):
+        raise CheckpointError(f"tensors of {part.param} for expert {expert} of {block.disk_prefix} "
+                              f"cannot be concatenated: shapes {shapes}, dtypes {sorted(map(str, dtypes))}")
+    return (sum(s[0] for s in shapes), *shapes[0][1:]), dtypes.pop(), segments
+
+
+def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
+    """Join segments that are back to back in the same file (fewer reads, same bytes)."""
+    merged: list[Segment] = []
+    for seg in segments:
+        last = merged[-1] if merged else None
+        if last is not None and last.file == seg.file and last.offset + last.nbytes == seg.offset:
+            merged[-1] = Segment(last.file, last.offset, last.nbytes + seg.nbytes)
+        else:
+            merged.append(seg)
+    return tuple(merged)
+
+
+def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]], parts) -> tuple[PartView, ...]:
+    views, offset = [], 0
+    for part, (shape, dtype) in zip(parts, shapes_dtypes):
+        if offset % element_size(dtype):
+            raise CheckpointError(f"part {part.param} ({dtype}) would start at unaligned slot offset {offset}")
+        view = PartView(part.param, shape, dtype, offset)
+        views.append(view)
+        offset += view.nbytes
+    return tuple(views)
+
+
+def _index_experts(adapter: FamilyAdapter, config, blocks, tensors) -> tuple[ExpertIndex, set[str]]:
+    """The ExpertIndex and the set of disk tensor names it covers."""
+    num_experts = adapter.num_experts(config)
+    locations: dict[ExpertKey, ExpertLocation] = {}
+    expected = None
+    for block in blocks:
+        for expert in range(num_experts):
+            found = [_part_slices(p, block, expert, num_experts, tensors) for p in adapter.parts]
+            shapes_dtypes = [(shape, dtype) for shape, dtype, _ in found]
+            expected = expected or shapes_dtypes
+            if shapes_dtypes != expected:
+                raise CheckpointError(f"expert {expert} of {block.disk_prefix} has (shape, dtype) per part "
+                                      f"{shapes_dtypes}, but the first expert has {expected}")
+            key = ExpertKey(block.moe_index, expert)
+            locations[key] = ExpertLocation(key, _merge([s for _, _, segs in found for s in segs]))
+    layout = _layout(expected, adapter.parts)
+    expert_bytes = sum(p.nbytes for p in layout)
+    covered = {
+        f"{b.disk_prefix}.{t.format(expert=e)}" for b in blocks for p in adapter.parts for t in p.disk
+        for e in range(num_experts)
+    }
+    return ExpertIndex(adapter.topology(config, expert_bytes), locations, layout), covered
+
+
+def _dense_by_shard(tensors: dict[str, TensorInfo], expert_names: set[str]) -> dict[Path, tuple[str, ...]]:
+    dense: dict[Path, list[TensorInfo]] = {}
+    for info in tensors.values():
+        if info.name not in expert_names:
+            dense.setdefault(info.file, []).append(info)
+    return {file: tuple(t.name for t in sorted(infos, key=lambda t: t.offset)) for file, infos in dense.items()}
+
+
+def build_index(path: str | Path) -> CheckpointIndex:
+    """Index the checkpoint in directory `path` from its config and safetensors headers."""
+    path = Path(path)
+    config = load_config(path)
+    adapter = adapter_for(config)
+    tensors = read_tensors(path)
+    blocks = tuple(adapter.blocks(config))
+    if not blocks:
+        raise CheckpointError(f"the config in {path} declares no MoE layers")
+    experts, expert_names = _index_experts(adapter, config, blocks, tensors)
+    return CheckpointIndex(path, config, adapter, blocks, experts, _dense_by_shard(tensors, expert_names), tensors)

@@ -1,0 +1,65 @@
+"""Switch Transformers: an encoder-decoder whose every other block has a top-1 sparse MLP of
+`expert_{e}` modules (wi, wo). MoE layers are numbered over encoder blocks, then decoder blocks.
+The experts module is a ModuleDict, so the engine swaps it instead of using the experts registry.
+"""
+
+from moestream.families.base import FAMILIES, ExpertPart, FamilyAdapter, MoEBlock
+
+# index of the feed-forward sublayer inside a block: after self-attention (and cross-attention)
+FF_SUBLAYER = {"encoder": 1, "decoder": 2}
+
+
+@FAMILIES.register("switch_transformers")
+class SwitchTransformersAdapter(FamilyAdapter):
+    model_type = "switch_transformers"
+    auto_class = "AutoModelForSeq2SeqLM"
+    parts = (
+        ExpertPart("wi", ("experts.expert_{expert}.wi.weight",)),
+        ExpertPart("wo", ("experts.expert_{expert}.wo.weight",)),
+    )
+    uses_experts_registry = False
+    fixed_top_k = 1
+
+    def expert_tensor(self, experts_module, expert: int, param: str):
+        return getattr(experts_module[f"expert_{expert}"], param).weight
+
+    def _sparse_blocks(self, config) -> list[tuple[str, int]]:
+        stacks = (("encoder", config.num_layers, config.encoder_sparse_step),
+                  ("decoder", config.num_decoder_layers, config.decoder_sparse_step))
+        return [
+            (stack, block)
+            for stack, num_blocks, step in stacks
+            for block in range(num_blocks)
+            if step > 0 and (block % step == 1 or step == 1)
+        ]
+
+    def moe_layer_ids(self, config) -> list[int]:
+        offset = {"encoder": 0, "decoder": config.num_layers}
+        return [block + offset[stack] for stack, block in self._sparse_blocks(config)]
+
+    def blocks(self, config) -> list[MoEBlock]:
+        pairs = zip(self._sparse_blocks(config), self.moe_layer_ids(config))
+        result = []
+        for index, ((stack, block), layer_id) in enumerate(pairs):
+            prefix = f"{stack}.block.{block}.layer.{FF_SUBLAYER[stack]}.mlp"
+            result.append(MoEBlock(index, layer_id, prefix, f"{prefix}.experts"))
+        return result
+
+    def tiny_config_kwargs(self, num_layers, num_experts, top_k, hidden_size, intermediate_size, vocab_size):
+        num_heads = max(1, hidden_size // 16)
+        return dict(
+            vocab_size=vocab_size,
+            d_model=hidden_size,
+            d_ff=intermediate_size,
+            d_kv=hidden_size // num_heads,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            num_decoder_layers=num_layers,
+            num_sparse_encoder_layers=max(1, num_layers // 2),
+            num_sparse_decoder_layers=max(1, num_layers // 2),
+            num_experts=num_experts,
+            expert_capacity=4096,  # no token dropped at test sizes; a smaller capacity drops tokens
+            router_jitter_noise=0.0,
+            tie_word_embeddings=False,  # tied, a random T5 predicts its input token again and again
+            initializer_factor=0.3,  # at 1.0 random decoder states are alike: one expert takes most tokens
+        )

@@ -1,0 +1,39 @@
+"""The packaged byte-level BPE tokenizer: deterministic, loadable offline, lossless."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from moestream.checkpoint.tokenizer import EOS, corpus_text, train_tokenizer, write_tokenizer
+from moestream.errors import CheckpointError
+
+TEXTS = [
+    "The lighthouse keeper climbed the stairs.",
+    "def f(x):\n    return {'k': x ** 2}  # tabs\tand spaces",
+    "Ünïcödé, 日本語, emoji 😀 and bytes \x00\x7f",
+    "",
+]
+
+
+def test_written_tokenizer_loads_offline_and_round_trips(tmp_path):
+    write_tokenizer(tmp_path, 400)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert len(tokenizer) == 400
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.eos_token == EOS
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_training_is_deterministic_and_follows_the_vocab_size():
+    first, second = train_tokenizer(700), train_tokenizer(700)
+    assert first.get_vocab() == second.get_vocab() and len(first) == 700
+    assert len(train_tokenizer(300)) == 300
+    text = corpus_text()
+    assert len(first(text)["input_ids"]) < len(train_tokenizer(300)(text)["input_ids"])
+
+
+@pytest.mark.parametrize("vocab_size, problem", [(100, "too small"), (100_000, "larger than the packaged corpus")])
+def test_unusable_vocab_sizes(vocab_size, problem):
+    with pytest.raises(CheckpointError, match=problem):
+        train_tokenizer(vocab_size)

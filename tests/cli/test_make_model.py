@@ -1,0 +1,42 @@
+"""`moestream make-model`: writes a checkpoint, and bad input is one error line with exit code 2."""
+
+import pytest
+
+from moestream.checkpoint.index import build_index
+from moestream.cli import main
+
+
+def test_writes_a_checkpoint_and_summarises_it(tmp_path, capsys):
+    out = tmp_path / "olmoe"
+    code = main(["make-model", "olmoe", "--out", str(out), "--num-layers", "2", "--num-experts", "4", "--top-k", "1",
+                 "--hidden-size", "32", "--intermediate-size", "16", "--vocab-size", "300", "--dtype", "bf16",
+                 "--max-shard-bytes", "20000"])
+    assert code == 0
+    topology = build_index(out).topology
+    assert (topology.num_layers, topology.num_experts, topology.top_k) == (2, 4, 1)
+    assert topology.expert_bytes == 3 * 32 * 16 * 2
+    assert (out / "model.safetensors.index.json").is_file()
+    assert f"wrote olmoe checkpoint to {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["make-model", "llama"], "unsupported model family 'llama'"),
+        (["make-model", "mixtral", "--top-k", "20"], "top-k 20 must be between 1 and num_experts"),
+        (["make-model", "mixtral", "--vocab-size", "99999"], "larger than the packaged corpus"),
+    ],
+)
+def test_bad_input_is_one_error_line(tmp_path, capsys, argv, problem):
+    out = tmp_path / "out"
+    assert main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moestream: error: ") and problem in err[0]
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_a_non_empty_output(tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    assert main(["make-model", "mixtral", "--out", str(tmp_path)]) == 2
+    assert "already exists and is not an empty directory" in capsys.readouterr().err
