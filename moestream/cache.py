@@ -7,7 +7,8 @@ and tells it about inserts, accesses and removals. It knows no policy and moves 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from collections.abc import Container, Sequence
+from typing import Iterable, Iterator
 
 from moestream.errors import BudgetError
 from moestream.policies.base import EvictionPolicy
@@ -47,11 +48,14 @@ class ExpertCache:
             self.policy.on_access(key)
         return slot
 
-    def admit(self, key: ExpertKey) -> tuple[int, ExpertKey | None]:
-        """A slot for key, evicting a victim if full. Returns (slot, evicted key or None)."""
+    def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> tuple[int, ExpertKey | None]:
+        """A slot for key, evicting a victim (never a pinned or protected one) if full.
+
+        Returns (slot, evicted key or None); raises CacheFullError when no victim is allowed.
+        """
         if key in self._slots:
             return self._slots[key], None
-        evicted = None if self._free else self._evict()
+        evicted = None if self._free else self._evict(protect)
         slot = self._free.pop()
         self._slots[key] = slot
         self.policy.on_insert(key)
@@ -68,19 +72,64 @@ class ExpertCache:
         self._pins.update(keys)
 
     def unpin(self, keys: Iterable[ExpertKey]) -> None:
-        self._pins.subtract(keys)
-        self._pins = +self._pins
+        pins = self._pins
+        for key in keys:
+            count = pins.get(key, 0) - 1
+            if count > 0:
+                pins[key] = count
+            else:
+                pins.pop(key, None)
+
+    def pinned(self) -> frozenset[ExpertKey]:
+        """The resident keys with at least one pin (O(pinned), not O(capacity))."""
+        return frozenset(key for key, count in self._pins.items() if count > 0 and key in self._slots)
 
     def is_pinned(self, key: ExpertKey) -> bool:
         return self._pins[key] > 0
 
     def evictable(self) -> list[ExpertKey]:
-        return [key for key in self._slots if self._pins[key] <= 0]
+        return list(Evictable(self._slots, self._pins))
 
-    def _evict(self) -> ExpertKey:
-        candidates = self.evictable()
+    def _evict(self, protect: Container[ExpertKey] = ()) -> ExpertKey:
+        candidates = Evictable(self._slots, self._pins, protect)
         if not candidates:
             raise CacheFullError(f"all {self.capacity} slots hold experts in use; raise the budget")
         victim = self.policy.victim(candidates)
         self.remove(victim)
         return victim
+
+
+class Evictable(Sequence):
+    """The resident keys that are neither pinned nor protected, as a read-only sequence.
+
+    Membership and truth cost O(1), not O(capacity), so an eviction policy that walks its own
+    order and tests `key in candidates` stays cheap; len, indexing and iteration build the list once.
+    """
+
+    def __init__(self, slots: dict, pins: Counter, protect: Container[ExpertKey] = ()):
+        self._slots, self._pins, self._protect = slots, pins, protect
+        self._list: list[ExpertKey] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots and self._pins.get(key, 0) <= 0 and key not in self._protect
+
+    def __bool__(self) -> bool:
+        pins, protect = self._pins, self._protect
+        for key in self._slots:
+            if pins.get(key, 0) <= 0 and key not in protect:
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._as_list())
+
+    def __iter__(self) -> Iterator[ExpertKey]:
+        return iter(self._as_list())
+
+    def __getitem__(self, index):
+        return self._as_list()[index]
+
+    def _as_list(self) -> list[ExpertKey]:
+        if self._list is None:
+            self._list = [key for key in self._slots if key in self]
+        return self._list

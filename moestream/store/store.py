@@ -122,7 +122,7 @@ class ExpertStore:
             )
 
     def _pinned(self) -> set[ExpertKey]:
-        return set(self._device.resident()) - set(self._device.evictable())
+        return set(self._device.pinned())
 
     # -- filling a device slot -----------------------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""`moestream demo`: create the demo checkpoint on first use, then compare an offloaded run with a run
+where every expert is resident, on a few bundled prompts, and print the figures as a table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from moestream.cli.generate import add_engine_arguments, engine_config
+from moestream.errors import MoestreamError
+
+PROMPTS = (
+    "The quickest way to learn a new programming language is",
+    "def fibonacci(n):\n    ",
+    "Mixture-of-experts models route every token to",
+    "Once upon a time, in a city built on a river,",
+)
+DEMO_NAME = "demo-deepseek-v2-lite"
+SMALL_NAME = "demo-small"
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("demo", help="offloaded vs all-resident generation on the demo checkpoint")
+    parser.add_argument("--model", type=Path, help="use this checkpoint instead of the demo one")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per prompt (default 24)")
+    parser.add_argument("--json", type=Path, help="write the table's figures to this JSON file")
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # a tiny demo model, for tests
+    add_engine_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream")
+
+
+def small_spec():
+    """The demo's topology shrunk to 3 layers (2 MoE) of 16 experts, for tests."""
+    from dataclasses import replace
+
+    from moestream.checkpoint.spec import demo_spec
+
+    return replace(demo_spec(), num_layers=3, num_experts=16, hidden_size=64, intermediate_size=64,
+                   vocab_size=512, max_shard_bytes=None)
+
+
+def demo_checkpoint(small: bool = False) -> Path:
+    """The demo checkpoint in the cache directory, written on first use."""
+    from moestream.checkpoint.make_model import make_model
+    from moestream.checkpoint.spec import demo_spec
+
+    path = cache_dir() / (SMALL_NAME if small else DEMO_NAME)
+    if not (path / "config.json").is_file():
+        print(f"creating the demo checkpoint in {path} (first use only)")
+        make_model(small_spec() if small else demo_spec(), path, progress=True)
+    return path
+
+
+def run(args) -> int:
+    from moestream.runtime.metrics import save_json
+
+    if args.max_new_tokens < 1:
+        raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    model = args.model or demo_checkpoint(args.small)
+    runs = [("offloaded", engine_config(args)), ("all resident", engine_config(args, expert_budget="1.0"))]
+    rows = [measure(label, model, config, PROMPTS, args.max_new_tokens) for label, config in runs]
+    print_table(rows, model)
+    same = rows[0]["token_ids"] == rows[1]["token_ids"]
+    print(f"identical tokens in both runs: {'yes' if same else 'NO'}")
+    print(f"sample: {PROMPTS[0]!r} -> {rows[0]['texts'][0]!r}")
+    if args.json:
+        save_json({"model": str(model), "runs": rows, "identical_tokens": same}, args.json)
+    return 0
+
+
+def measure(label: str, model: Path, config, prompts, max_new_tokens: int) -> dict:
+    """Generates for each prompt alone; with a full budget, every expert is loaded before timing."""
+    from tqdm.auto import tqdm
+
+    from moestream.runtime import Engine
+
+    with Engine(model, config, progress=True) as engine:
+        if config.expert_budget.ratio == 1.0:
+            engine.preload()
+        results = [engine.generate([p], max_new_tokens) for p in tqdm(prompts, desc=label, unit="prompt")]
+    metrics = [r.metrics for r in results]
+    return {
+        "run": label,
+        "expert_budget": str(config.expert_budget),
+        "ttft_ms": sum(m.ttft_ms for m in metrics) / len(metrics),
+        "tpot_ms": sum(m.tpot_ms for m in metrics) / len(metrics),
+        "expert_hits": sum(m.expert_hits for m in metrics),
+        "expert_misses": sum(m.expert_misses for m in metrics),
+        "bytes_read": {tier: sum(m.bytes_read.get(tier, 0) for m in metrics) for tier in ("disk", "host")},
+        "token_ids": [r.token_ids[0] for r in results],
+        "texts": [r.texts[0] for r in results],
+    }
+
+
+def print_table(rows: list[dict], model: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from moestream.store.config import format_bytes
+
+    table = Table(title=f"moestream demo: {model}")
+    for column in ("run", "budget", "TTFT ms", "TPOT ms", "hits", "misses", "disk", "host"):
+        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(row["run"], row["expert_budget"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}",
+                      str(row["expert_hits"]), str(row["expert_misses"]),
+                      format_bytes(row["bytes_read"]["disk"]), format_bytes(row["bytes_read"]["host"]))
+    Console().print(table)

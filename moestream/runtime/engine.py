@@ -1,0 +1,242 @@
+"""The offloading engine: a checkpoint's dense part on the compute device, its experts in the store,
+greedy generation with a KV cache, routing events for the policy, and metrics of every run.
+
+Each step follows plan -> run -> update: the runner plans the iteration's inputs (a `StepPlan`),
+the engine announces it to observers (`IterationContext`) and lets the policy predict, the runner
+runs the model (each MoE layer publishes its routing, fetches misses and computes), and the engine
+appends the greedy tokens and finishes sequences. The policy is taken by registry name; the engine
+knows no policy and no family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from moestream.checkpoint.index import CheckpointIndex, build_index
+from moestream.errors import CheckpointError, MoestreamError
+from moestream.policies import POLICIES
+from moestream.policies.base import Observer, Policy, TransferRequest
+from moestream.runtime.background import offload_predictor
+from moestream.runtime.config import EngineConfig
+from moestream.runtime.experts import bind_experts
+from moestream.runtime.loader import load_model
+from moestream.runtime.metrics import GenerationMetrics, StepClock
+from moestream.runtime.offload import OffloadedExperts, Prefetcher
+from moestream.runtime.publisher import Publisher
+from moestream.runtime.runner import RUNNERS, Sequence, StepPlan
+from moestream.store.store import TIERS, ExpertStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    seq_ids: list[int]
+    token_ids: list[list[int]]  # generated ids of each prompt (prompt excluded; EOS kept when emitted)
+    texts: list[str]  # decoded generated text of each prompt ("" without a tokenizer)
+    metrics: GenerationMetrics
+
+
+class Engine:
+    """One checkpoint served with its experts offloaded; `generate` runs greedy batches on it.
+
+    Observers given here (or through add_observer) see every iteration context and routing event
+    beside the policy's own; close() (or a with block) releases the store's files and threads."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
+                 observers: Seq[Observer] = (), progress: bool = False, policy: Policy | None = None):
+        """policy: an already built (e.g. fitted) policy instead of config.policy by name."""
+        self.config = config or EngineConfig()
+        self.checkpoint: CheckpointIndex = build_index(model_dir)
+        self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
+        self._background = offload_predictor(self.policy)  # before observers() lists the predictor
+        evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
+        self.store = ExpertStore(self.checkpoint.experts, self.config.store_config(),
+                                 evictions["device"], evictions["host"])
+        self.publisher = Publisher([*self.policy.observers(), *evictions.values(), *observers],
+                                   always_hidden=self.config.publish_hidden)
+        self.prefetcher = Prefetcher(self.policy, self.store, self.config.horizon_layers)
+        self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher)
+        self._hooks: list = []
+        self._tokenizer = None
+        self._seq_counter = itertools.count()
+        self._step_counter = itertools.count()
+        try:
+            self.model = self._load_model(progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_model(self, progress: bool) -> torch.nn.Module:
+        """The dense part on the device, every experts module bound to the store."""
+        model = load_model(self.checkpoint, self.config.device, progress)
+        model.generation_config = _generation_config(self.checkpoint)
+        self._hooks = bind_experts(model, self.checkpoint, self.experts, self.config.publish_gate_probs)
+        topology = self.checkpoint.topology
+        log.info("loaded %s on %s: %d MoE layers x %d experts, %d device slots, %d host slots",
+                 self.checkpoint.path, self.config.device, topology.num_layers, topology.num_experts,
+                 self.store.device_slots, self.store.host_slots)
+        return model
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = _load_tokenizer(self.checkpoint.path)
+        return self._tokenizer
+
+    @property
+    def records_traces(self) -> bool:
+        """Whether routing events cover each iteration's tokens at every MoE layer (trace recording)."""
+        return RUNNERS.get(self.checkpoint.adapter.auto_class).records_traces
+
+    def preload(self) -> int:
+        """Fills the device tier with experts in layer order (all of them when the budget allows),
+        e.g. to time a run with every expert resident. Returns how many were brought in."""
+        keys = list(self.checkpoint.topology.keys())[: self.store.device_slots]
+        requests = [TransferRequest(key, float(len(keys) - rank)) for rank, key in enumerate(keys)]
+        return len(self.store.prefetch(requests))
+
+    def add_observer(self, observer: Observer) -> None:
+        self.publisher.observers.append(observer)
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids with the checkpoint's tokenizer (no chat template)."""
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32) -> GenerationResult:
+        """Greedy generation for a batch of prompts (text, or token ids)."""
+        if max_new_tokens < 1:
+            raise MoestreamError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        seqs = [Sequence(next(self._seq_counter), ids) for ids in self._prompt_ids(prompts)]
+        runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
+                                self.pad_id, self.config.device)
+        self.store.reset_stats()
+        clock = StepClock()
+        with torch.inference_mode():
+            plan = runner.prefill(next(self._step_counter), seqs)
+            while plan is not None:
+                self._begin(plan)
+                self._update(seqs, runner.run(plan).argmax(dim=-1).tolist(), max_new_tokens)
+                clock.mark()
+                done = all(s.finished for s in seqs)
+                plan = None if done else runner.decode(next(self._step_counter), seqs)
+        return self._result(seqs, clock, isinstance(prompts[0], str))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self._background is not None:
+            self._background.close()
+        self.store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _begin(self, plan: StepPlan) -> None:
+        """Announces the iteration to observers and lets the policy predict before the first layer."""
+        ctx = plan.ctx
+        if self.publisher.needs_embeddings:
+            embeddings = self.model.get_input_embeddings()(plan.input_ids)  # [B, S, H]
+            active = torch.from_numpy(plan.rows.active).to(embeddings.device)
+            rows = embeddings.reshape(active.numel(), -1)[active]  # [T, H]
+            ctx = dataclasses.replace(ctx, embeddings=rows.float().cpu().numpy())
+        if self._tokenizer is not None:
+            ctx = dataclasses.replace(ctx, tokens=tuple(self._tokenizer.convert_ids_to_tokens(ctx.token_ids.tolist())))
+        self.publisher.begin_iteration(ctx)
+        self.prefetcher.after(-1)
+
+    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int) -> None:
+        eos = self._eos_ids()
+        for seq, token in zip(seqs, tokens):
+            if seq.finished:
+                continue
+            seq.output_ids.append(int(token))
+            if int(token) in eos or len(seq.output_ids) >= max_new_tokens:
+                seq.finished = True
+                self.publisher.end_sequence(seq.seq_id)
+
+    def _result(self, seqs: list[Sequence], clock: StepClock, decode_text: bool) -> GenerationResult:
+        stats = self.store.stats()
+        metrics = GenerationMetrics(
+            ttft_ms=clock.ttft_ms,
+            tpot_ms=clock.tpot_ms,
+            expert_hits=stats.hits,
+            expert_misses=stats.misses,
+            bytes_read=dict(stats.bytes_read),
+            num_prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
+            num_generated_tokens=sum(len(s.output_ids) for s in seqs),
+        )
+        texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if decode_text else "" for s in seqs]
+        return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics)
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or not prompts:
+            raise MoestreamError("generate needs a non-empty list of prompts")
+        ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        vocab = self.model.config.get_text_config().vocab_size
+        for row in ids:
+            if not row:
+                raise MoestreamError("a prompt has no tokens")
+            if min(row) < 0 or max(row) >= vocab:
+                raise MoestreamError(f"prompt token ids must lie in [0, {vocab})")
+        return ids
+
+    def _eos_ids(self) -> set[int]:
+        return eos_ids(self.model.generation_config)
+
+    @property
+    def pad_id(self) -> int:
+        """The token that left-pads shorter prompts of a batch."""
+        pad = self.model.generation_config.pad_token_id
+        if pad is None:
+            pad = self.model.config.get_text_config().pad_token_id
+        return int(pad) if pad is not None else min(self._eos_ids(), default=0)
+
+
+def eos_ids(generation_config: GenerationConfig) -> set[int]:
+    """The token ids that end a sequence."""
+    eos = generation_config.eos_token_id
+    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _make_policy(config: EngineConfig, topology) -> Policy:
+    if config.predictor_dir is None:
+        return POLICIES.create(config.policy, topology)
+    try:
+        return POLICIES.create(config.policy, topology, predictor_dir=config.predictor_dir)
+    except TypeError:
+        raise MoestreamError(f"policy {config.policy!r} has no trained predictor to load") from None
+
+
+def _generation_config(checkpoint: CheckpointIndex) -> GenerationConfig:
+    """The checkpoint's generation_config.json if it has one, else the one its config implies."""
+    if (checkpoint.path / "generation_config.json").is_file():
+        try:
+            return GenerationConfig.from_pretrained(checkpoint.path)
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"cannot read {checkpoint.path / 'generation_config.json'}: {error}") from None
+    return GenerationConfig.from_model_config(checkpoint.config)
+
+
+def _load_tokenizer(path: Path):
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        raise CheckpointError(f"checkpoint {path} has no usable tokenizer: {error}") from None

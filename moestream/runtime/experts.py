@@ -1,0 +1,123 @@
+"""How transformers reaches the offloaded experts: the "moestream" experts implementation, the
+module swap for families without registry support, and the router taps that feed gate probabilities.
+
+`ExpertsInterface.register("moestream", ...)` adds our forward to transformers' experts registry;
+a model selects it with `set_experts_implementation("moestream")`. Each bound experts module
+carries a `LayerBinding` (its MoE-layer index and the `OffloadedExperts` mechanism) that the forward
+reads. Families whose experts are not registry-dispatched get a replacement module, looked up by
+the original class name in `EXPERT_SWAPS`. Nothing here knows a policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.moe import ExpertsInterface
+
+from moestream.registry import Registry
+from moestream.runtime.offload import FusedExpertMath, OffloadedExperts
+
+IMPLEMENTATION = "moestream"
+BINDING_ATTR = "moestream_binding"
+
+
+@dataclass(frozen=True)
+class LayerBinding:
+    layer: int  # MoE-layer index
+    experts: OffloadedExperts
+
+
+def _binding(module: torch.nn.Module) -> LayerBinding:
+    binding = getattr(module, BINDING_ATTR, None)
+    if binding is None:
+        raise RuntimeError(f"{type(module).__name__} uses the {IMPLEMENTATION!r} experts implementation "
+                           "but was not bound to a moestream runtime")
+    return binding
+
+
+def moestream_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
+    binding = _binding(self)
+    return binding.experts.forward(binding.layer, FusedExpertMath(self), hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(IMPLEMENTATION, moestream_experts_forward)
+
+EXPERT_SWAPS: Registry[torch.nn.Module] = Registry("experts module swap")
+
+
+@EXPERT_SWAPS.register("SwitchTransformersExperts")
+class OneHotDenseExperts(torch.nn.Module):
+    """Replaces a ModuleDict of `expert_{e}` dense-act-dense MLPs (wi, act, wo) called with a one-hot
+    dispatch mask, as SwitchTransformers' sparse MLP does; a row of zeros is a dropped token."""
+
+    def __init__(self, original: torch.nn.ModuleDict, binding: LayerBinding):
+        super().__init__()
+        first = original["expert_0"]
+        self.act = first.act
+        self.num_experts = len(original)
+        self.moestream_binding = binding
+
+    def math(self, hidden: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        inner = self.act(F.linear(hidden.to(weights["wi"].dtype), weights["wi"]))  # [N, d_ff]
+        return F.linear(inner.to(weights["wo"].dtype), weights["wo"])  # [N, H]
+
+    def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, H], selected_experts [N, 1, E] one-hot, routing_weights [N, 1] -> [N, H]."""
+        top_k_index = selected_experts.argmax(dim=-1)  # [N, 1]
+        kept = selected_experts.sum(dim=(-1, -2)) > 0  # [N]
+        binding = self.moestream_binding
+        return binding.experts.forward(binding.layer, self.math, hidden_states, top_k_index, routing_weights, kept)
+
+
+def find_router(block: torch.nn.Module, experts_name: str, num_experts: int, hidden_size: int):
+    """The module of an MoE block whose weight maps hidden states to one logit per expert, or None."""
+    for name, module in block.named_modules():
+        if name == experts_name or name.startswith(f"{experts_name}."):
+            continue
+        weight = module._parameters.get("weight")
+        if weight is not None and tuple(weight.shape) == (num_experts, hidden_size):
+            return module
+    return None
+
+
+class RouterTap:
+    """A forward hook on a router that hands its logits [T, E] to the experts mechanism."""
+
+    def __init__(self, experts: OffloadedExperts, layer: int, num_experts: int):
+        self.experts = experts
+        self.layer = layer
+        self.num_experts = num_experts
+
+    def __call__(self, module, args, output) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for value in outputs:
+            if torch.is_tensor(value) and value.is_floating_point() and value.shape[-1] == self.num_experts:
+                self.experts.record_router_logits(self.layer, value.detach().reshape(-1, self.num_experts))
+                return
+
+
+def bind_experts(model: torch.nn.Module, checkpoint, experts: OffloadedExperts, tap_routers: bool) -> list:
+    """Points every MoE layer's experts at `experts` (registry or swap); returns router hook handles."""
+    adapter, hooks = checkpoint.adapter, []
+    num_experts = checkpoint.topology.num_experts
+    hidden_size = model.config.get_text_config().hidden_size
+    for block in checkpoint.blocks:
+        parent_path, _, name = block.experts_path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        binding = LayerBinding(block.moe_index, experts)
+        if adapter.uses_experts_registry:
+            setattr(parent.get_submodule(name), BINDING_ATTR, binding)
+        else:
+            original = parent.get_submodule(name)
+            setattr(parent, name, EXPERT_SWAPS.create(type(original).__name__, original, binding))
+        router = find_router(parent, name, num_experts, hidden_size) if tap_routers else None
+        if router is not None:
+            hooks.append(router.register_forward_hook(RouterTap(experts, block.moe_index, num_experts)))
+    if adapter.uses_experts_registry:
+        model.set_experts_implementation(IMPLEMENTATION)
+    return hooks

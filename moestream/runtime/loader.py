@@ -1,0 +1,116 @@
+"""Builds a transformers model whose dense part is real and whose routed experts never leave disk.
+
+The skeleton is built on the meta device (no memory); then every dense tensor of the checkpoint is
+read, renamed by the family adapter and placed on the compute device one at a time; tied weights
+are tied and non-persistent buffers (rotary inverse frequencies) are computed on the device by the
+model's own initialiser. The routed experts' parameters stay on meta: the experts implementation
+computes from the store's slots instead. Shared experts are ordinary dense modules.
+This module knows no policy and names no family.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from moestream.checkpoint.index import CheckpointIndex
+from moestream.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def build_skeleton(checkpoint: CheckpointIndex) -> torch.nn.Module:
+    """The model of the checkpoint's family on the meta device, in eval mode."""
+    auto_class = getattr(transformers, checkpoint.adapter.auto_class)
+    dtype = getattr(checkpoint.config, "dtype", None) or torch.float32
+    with torch.device("meta"):
+        model = auto_class.from_config(checkpoint.config, dtype=dtype)
+    return model.eval()
+
+
+def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str, progress: bool = False) -> None:
+    """Reads every dense tensor onto `device`; raises CheckpointError if the model lacks any."""
+    expected = set(model.state_dict(keep_vars=True))
+    loaded: set[str] = set()
+    total = sum(len(names) for names in checkpoint.dense.values())
+    with tqdm(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
+        for file, names in checkpoint.dense.items():
+            loaded |= _load_file(model, checkpoint, file, names, device, bar)
+    missing = {key for key in expected - loaded if not _is_expert_key(key, checkpoint)}
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+    still_meta = [key for key, value in model.state_dict(keep_vars=True).items()
+                  if value.is_meta and not _is_expert_key(key, checkpoint)]
+    if still_meta:
+        raise CheckpointError(f"checkpoint {checkpoint.path} lacks dense tensor {sorted(still_meta)[0]}"
+                              f" ({len(still_meta)} missing in all)")
+
+
+def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: str, bar) -> set[str]:
+    loaded = set()
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for name in names:
+                key = checkpoint.adapter.model_key(name)
+                if _assign(model, key, reader.get_tensor(name), device):
+                    loaded.add(key)
+                bar.update(1)
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise CheckpointError(f"cannot read dense tensors from {file}: {error}") from None
+    return loaded
+
+
+def _assign(model: torch.nn.Module, key: str, value: torch.Tensor, device: str) -> bool:
+    owner_name, _, attr = key.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        owner = None
+    target = None if owner is None else owner._parameters.get(attr, owner._buffers.get(attr))
+    if target is None:
+        log.warning("ignoring checkpoint tensor %s: the model has no such parameter", key)
+        return False
+    if tuple(target.shape) != tuple(value.shape):
+        raise CheckpointError(f"tensor {key} has shape {tuple(value.shape)} in the checkpoint, "
+                              f"the model expects {tuple(target.shape)}")
+    value = value.to(device=device, dtype=target.dtype if value.is_floating_point() else value.dtype)
+    if attr in owner._parameters:
+        owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[attr] = value
+    return True
+
+
+def _is_expert_key(key: str, checkpoint: CheckpointIndex) -> bool:
+    return any(key.startswith(f"{block.experts_path}.") for block in checkpoint.blocks)
+
+
+def materialize_buffers(model: torch.nn.Module, device: str) -> None:
+    """Computes non-persistent buffers left on meta (e.g. rotary inv_freq) on `device`."""
+    owners = {}
+    for name, buffer in model.named_buffers():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if buffer.is_meta and attr in owner._non_persistent_buffers_set:
+            owner._buffers[attr] = torch.empty_like(buffer, device=device)
+            owners[owner_name] = owner
+    for owner_name, owner in owners.items():
+        if any(True for _ in owner.parameters(recurse=False)):
+            raise CheckpointError(f"cannot compute the buffers of {owner_name}: it also holds parameters")
+        with torch.no_grad():
+            model._init_weights(owner)
+
+
+def load_model(checkpoint: CheckpointIndex, device: str, progress: bool = False) -> torch.nn.Module:
+    """The checkpoint's model with its dense part on `device` and its routed experts on meta."""
+    context = torch.cuda.device(device) if torch.device(device).type == "cuda" else nullcontext()
+    with context:
+        model = build_skeleton(checkpoint)
+        load_dense(model, checkpoint, device, progress)
+        materialize_buffers(model, device)
+    return model

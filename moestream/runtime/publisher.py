@@ -1,0 +1,104 @@
+"""Publishes what the runtime sees to its observers: iteration contexts, routing events, sequence ends.
+
+The engine tells the publisher which sequence and position each row of the next forward pass
+belongs to (a `RowContext`); the experts forward hands it each layer's routing, and it turns that
+into a `RoutingEvent` of the rows that really run (padding, finished and dropped tokens excluded).
+It knows no policy: observers are any `moestream.policies.base.Observer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.base import Observer
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """The rows of one forward pass (batch-major, as the model flattens them)."""
+
+    seq_ids: np.ndarray  # [T] int
+    positions: np.ndarray  # [T] int
+    active: np.ndarray  # [T] bool: rows whose experts run (not padding, not a finished sequence)
+
+    def __post_init__(self):
+        if not len(self.seq_ids) == len(self.positions) == len(self.active):
+            raise ValueError("seq_ids, positions and active must have one entry per row")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_ids)
+
+    @classmethod
+    def single(cls, num_rows: int) -> "RowContext":
+        """One sequence of num_rows tokens at positions 0..num_rows-1 (a forward outside the engine)."""
+        return cls(np.zeros(num_rows, np.int64), np.arange(num_rows), np.ones(num_rows, bool))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One layer's routing as the experts forward receives it, restricted to the active rows."""
+
+    rows: torch.Tensor  # [R] int64 row indices into the layer's [T, H] hidden states
+    expert_ids: torch.Tensor  # [R, K] int64
+    weights: torch.Tensor  # [R, K]
+
+
+class Publisher:
+    def __init__(self, observers: Sequence[Observer] = (), always_hidden: bool = False):
+        self.observers: list[Observer] = list(observers)
+        self.always_hidden = always_hidden
+        self._rows: RowContext | None = None
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.always_hidden or any(getattr(o, "needs_hidden", False) for o in self.observers)
+
+    @property
+    def needs_embeddings(self) -> bool:
+        return any(getattr(o, "needs_embeddings", False) for o in self.observers)
+
+    def set_rows(self, rows: RowContext | None) -> None:
+        self._rows = rows
+
+    def rows(self, num_rows: int) -> RowContext:
+        if self._rows is None:
+            return RowContext.single(num_rows)
+        if self._rows.num_rows != num_rows:
+            raise RuntimeError(f"the engine announced {self._rows.num_rows} rows but a layer got {num_rows}")
+        return self._rows
+
+    def begin_iteration(self, ctx: IterationContext) -> None:
+        for observer in self.observers:
+            observer.begin_iteration(ctx)
+
+    def end_sequence(self, seq_id: int) -> None:
+        for observer in self.observers:
+            observer.end_sequence(seq_id)
+
+    def publish(self, layer: int, routing: Routing, rows: RowContext, hidden: torch.Tensor,
+                router_logits: torch.Tensor | None) -> RoutingEvent:
+        """Builds the layer's event from the active rows and hands it to every observer."""
+        picked = routing.rows.cpu().numpy()
+        probs = None if router_logits is None else torch.softmax(router_logits[routing.rows].float(), -1)  # [R, E]
+        event = RoutingEvent(
+            layer=layer,
+            expert_ids=routing.expert_ids.cpu().numpy().astype(np.int64),  # [R, K]
+            seq_ids=rows.seq_ids[picked],
+            positions=rows.positions[picked],
+            gate_weights=_numpy(routing.weights),
+            gate_probs=None if probs is None else _numpy(probs),
+            hidden=_numpy(hidden[routing.rows]) if self.needs_hidden else None,
+        )
+        for observer in self.observers:
+            observer.observe(event)
+        return event
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().float().cpu().numpy()

@@ -1,0 +1,181 @@
+"""Turns a batch of sequences into forward passes: step plans (what to run) and model runners (how).
+
+A `StepPlan` is a plain record of one iteration's inputs: a prefill of every prompt (left padded)
+or one decode token per sequence. A runner owns the KV cache of one batch and calls the model the
+way `transformers`' greedy `generate` does (same position ids, masks, cache), so that tokens match.
+Runners are registered by the adapter's `auto_class`; they know no policy and no family.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+from transformers import DynamicCache, EncoderDecoderCache
+
+from moestream.events import IterationContext
+from moestream.registry import Registry
+from moestream.runtime.publisher import Publisher, RowContext
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    is_prefill: bool
+    input_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, S] (prefill) or [B, past + 1] (decode)
+    position_ids: torch.Tensor  # [B, S]
+    rows: RowContext  # the B * S rows of the forward pass
+    ctx: IterationContext  # the iteration's real tokens (padding and finished sequences excluded)
+
+
+def _rows_and_ctx(step: int, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor,
+                  active: torch.Tensor, is_prefill: bool) -> tuple[RowContext, IterationContext]:
+    batch, width = input_ids.shape
+    seq_ids = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), width)  # [B * S]
+    rows = RowContext(seq_ids, positions.reshape(-1).cpu().numpy(), active.reshape(-1).cpu().numpy())
+    keep = rows.active
+    ctx = IterationContext(step=step, seq_ids=rows.seq_ids[keep], positions=rows.positions[keep],
+                           is_prefill=is_prefill, token_ids=input_ids.reshape(-1).cpu().numpy()[keep])
+    return rows, ctx
+
+
+def _last_tokens(seqs: list[Sequence]) -> torch.Tensor:
+    """[B, 1] each sequence's newest token (a finished sequence's row runs no experts)."""
+    return torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long).unsqueeze(1)
+
+
+def _active(seqs: list[Sequence]) -> torch.Tensor:
+    return torch.tensor([not s.finished for s in seqs]).unsqueeze(1)  # [B, 1]
+
+
+def prefill_plan(step: int, seqs: list[Sequence], pad_id: int, device: str) -> StepPlan:
+    """All prompts at once, left padded as a tokenizer with padding_side='left' would."""
+    width = max(len(s.prompt_ids) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, width - len(seq.prompt_ids):] = torch.tensor(seq.prompt_ids)
+        mask[row, width - len(seq.prompt_ids):] = 1
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, S]
+    rows, ctx = _rows_and_ctx(step, seqs, ids, positions, mask.bool(), True)
+    return StepPlan(step, True, ids.to(device), mask.to(device), positions.to(device), rows, ctx)
+
+
+class ModelRunner:
+    """Runs plans through one model for one batch, keeping its cache; returns next-token logits [B, V]."""
+
+    records_traces: ClassVar[bool] = True  # every MoE layer routes exactly the iteration's tokens
+
+    def __init__(self, model: torch.nn.Module, publisher: Publisher, pad_id: int, device: str):
+        self.model = model
+        self.publisher = publisher
+        self.pad_id = pad_id
+        self.device = device
+        self.cache = None
+        self.previous: StepPlan | None = None
+
+    def prefill(self, step: int, seqs: list[Sequence]) -> StepPlan:
+        self.previous = prefill_plan(step, seqs, self.pad_id, self.device)
+        return self.previous
+
+    def decode(self, step: int, seqs: list[Sequence]) -> StepPlan:
+        raise NotImplementedError
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _forward(self, rows: RowContext, module: torch.nn.Module | None = None, **inputs):
+        """Calls the model (or one of its parts) with the publisher told which rows it runs."""
+        self.publisher.set_rows(rows)
+        try:
+            return (module or self.model)(**inputs)
+        finally:
+            self.publisher.set_rows(None)
+
+
+RUNNERS: Registry[ModelRunner] = Registry("model runner")
+
+
+def _accepts(model: torch.nn.Module, argument: str) -> bool:
+    return argument in inspect.signature(model.forward).parameters
+
+
+@RUNNERS.register("AutoModelForCausalLM")
+class CausalRunner(ModelRunner):
+    def decode(self, step: int, seqs: list[Sequence]) -> StepPlan:
+        """Positions and mask continue the previous step's, as `generate` extends them."""
+        previous = self.previous
+        ids = _last_tokens(seqs)
+        positions = previous.position_ids[:, -1:].cpu() + 1  # [B, 1]
+        mask = torch.cat([previous.attention_mask, previous.attention_mask.new_ones((len(seqs), 1))], dim=-1)
+        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
+        self.previous = StepPlan(step, False, ids.to(self.device), mask, positions.to(self.device), rows, ctx)
+        return self.previous
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        extra = {"logits_to_keep": 1} if _accepts(self.model, "logits_to_keep") else {}
+        out = self._forward(plan.rows, input_ids=plan.input_ids, attention_mask=plan.attention_mask,
+                            position_ids=plan.position_ids, past_key_values=self.cache, use_cache=True, **extra)
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :].float()  # [B, V]
+
+
+@RUNNERS.register("AutoModelForSeq2SeqLM")
+class Seq2SeqRunner(ModelRunner):
+    """Encodes the prompts in the prefill step, then decodes from the decoder start token.
+
+    Decoder rows are published at decoder positions (the start token is position 0). The encoder
+    and the decoder route different tokens, so an iteration is not one row per token: no traces."""
+
+    records_traces = False
+
+    def __init__(self, model: torch.nn.Module, publisher: Publisher, pad_id: int, device: str):
+        super().__init__(model, publisher, pad_id, device)
+        self.encoder_outputs = None
+        self.encoder_mask = None
+
+    def decode(self, step: int, seqs: list[Sequence]) -> StepPlan:
+        ids = _last_tokens(seqs)
+        positions = torch.tensor([len(s.output_ids) for s in seqs]).unsqueeze(1)  # [B, 1]
+        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
+        return StepPlan(step, False, ids.to(self.device), self.encoder_mask, positions, rows, ctx)
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        decoder_ids, rows = plan.input_ids, plan.rows
+        if plan.is_prefill:
+            self._encode(plan)
+            decoder_ids, rows = self._start(plan)
+        out = self._forward(rows, encoder_outputs=self.encoder_outputs, attention_mask=self.encoder_mask,
+                            decoder_input_ids=decoder_ids, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :].float()  # [B, V]
+
+    def _encode(self, plan: StepPlan) -> None:
+        config = self.model.config
+        self.cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+        self.encoder_mask = plan.attention_mask
+        self.encoder_outputs = self._forward(plan.rows, self.model.get_encoder(), input_ids=plan.input_ids,
+                                             attention_mask=plan.attention_mask)
+
+    def _start(self, plan: StepPlan) -> tuple[torch.Tensor, RowContext]:
+        """The decoder's first input [B, 1]: every sequence's start token, at decoder position 0."""
+        batch = plan.input_ids.shape[0]
+        start = self.model.generation_config.decoder_start_token_id
+        start = self.model.config.decoder_start_token_id if start is None else start
+        ids = torch.full((batch, 1), int(start), dtype=torch.long, device=plan.input_ids.device)
+        seq_ids = plan.rows.seq_ids.reshape(batch, -1)[:, 0]
+        return ids, RowContext(seq_ids, np.zeros(batch, dtype=np.int64), np.ones(batch, dtype=bool))

@@ -1,0 +1,116 @@
+"""`moestream generate`: prints the text, writes the JSON other tools read, fails with one line."""
+
+import json
+import shutil
+
+import pytest
+
+from moestream.cli import main
+from moestream.runtime import Engine, EngineConfig
+from moestream.trace.format import load_trace
+from tests.runtime.conftest import one_thread  # noqa: F401  (autouse: one torch thread)
+
+PROMPT = "The experts are"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen2_moe", num_layers=2, max_shard_bytes=300_000)  # several shards and an index
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    return err[0]
+
+
+def test_generate_prints_text_and_writes_json(model_dir, tmp_path, capsys):
+    out = tmp_path / "out" / "run.json"
+    code = main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "5",
+                 "--expert-budget", "0.3", "--buffered-io", "--json", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    with Engine(model_dir, EngineConfig(expert_budget="1.0", direct_io=False)) as engine:
+        expected = engine.generate([PROMPT], max_new_tokens=5)
+    assert record["token_ids"] == expected.token_ids[0]
+    assert record["text"] == expected.texts[0]
+    assert capsys.readouterr().out.rstrip("\n") == expected.texts[0]
+    assert record["expert_misses"] > 0 and record["bytes_read"]["disk"] > 0
+    assert set(record) >= {"ttft_ms", "tpot_ms", "expert_hits", "expert_misses", "bytes_read"}
+    assert [p.name for p in out.parent.iterdir()] == ["run.json"]
+
+
+def test_generate_records_the_routing_trace(model_dir, tmp_path):
+    path = tmp_path / "trace.npz"
+    code = main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "4",
+                 "--buffered-io", "--record-trace", str(path)])
+    assert code == 0
+    trace = load_trace(path)
+    with Engine(model_dir, EngineConfig(direct_io=False)) as engine:
+        prompt_ids = engine.encode(PROMPT)
+    assert trace.num_tokens == len(prompt_ids) + 3  # the last generated token is never fed back
+    assert trace.token_ids[: len(prompt_ids)].tolist() == prompt_ids
+    assert trace.is_prefill.sum() == len(prompt_ids)
+    assert trace.gate_probs is not None and trace.gate_weights is not None
+    assert list(trace.texts.values()) == [PROMPT]
+
+
+def _shard(path):
+    return sorted(path.glob("*.safetensors"))[-1]
+
+
+def _truncate(path):
+    shard = _shard(path)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return shard.name
+
+
+def _missing_shard(path):
+    shard = _shard(path)
+    shard.unlink()
+    return shard.name
+
+
+def _unsupported(path):
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    return "llama"
+
+
+def _garbage(path):
+    _shard(path).write_bytes(b"not a safetensors file at all")
+    return _shard(path).name
+
+
+@pytest.mark.parametrize("damage", [_truncate, _missing_shard, _unsupported, _garbage])
+def test_a_damaged_checkpoint_is_one_error_line(model_dir, tmp_path, capsys, damage):
+    path = shutil.copytree(model_dir, tmp_path / "damaged")
+    named = damage(path)
+    assert main(["generate", "--model", str(path), "--prompt", PROMPT]) == 2
+    assert named in _error_line(capsys)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--expert-budget", "lots"], "budget"),
+    (["--expert-budget", "1"], "minimum"),
+    (["--policy", "nope"], "nope"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--device", "tpu"], "tpu"),
+])
+def test_bad_flags_are_one_error_line(model_dir, capsys, flags, expected):
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, *flags]) == 2
+    assert expected in _error_line(capsys)
+
+
+def test_a_missing_model_directory_is_named(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert main(["generate", "--model", str(missing), "--prompt", PROMPT]) == 2
+    assert str(missing) in _error_line(capsys)
+
+
+def test_trace_recording_needs_a_decoder_only_model(tiny_checkpoint, tmp_path, capsys):
+    path = tiny_checkpoint("switch_transformers", num_layers=2)
+    args = ["generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "2", "--buffered-io"]
+    assert main([*args, "--record-trace", str(tmp_path / "t.npz")]) == 2
+    assert "decoder-only" in _error_line(capsys)
+    assert main(args) == 0

@@ -1,0 +1,102 @@
+"""The loader builds the model on meta and reads only dense tensors; experts never leave disk."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moestream.checkpoint.index import build_index
+from moestream.checkpoint.make_model import make_model
+from moestream.checkpoint.spec import ModelSpec
+from moestream.errors import CheckpointError
+from moestream.families import FAMILIES
+from moestream.runtime.loader import load_model
+from tests.runtime.conftest import auto_class
+
+
+def _under_experts(name: str, checkpoint) -> bool:
+    return any(name.startswith(f"{block.experts_path}.") for block in checkpoint.blocks)
+
+
+@pytest.mark.parametrize("family", FAMILIES.names())
+def test_dense_part_equals_transformers_and_experts_stay_on_meta(checkpoint, family):
+    index = build_index(checkpoint(family))
+    model = load_model(index, "cpu")
+    reference = auto_class(family).from_pretrained(index.path)
+    ours = model.state_dict(keep_vars=True)
+    theirs = reference.state_dict()
+    assert set(ours) == set(theirs)
+    for name, value in ours.items():
+        if _under_experts(name, index):
+            assert value.is_meta, name
+        else:
+            torch.testing.assert_close(value, theirs[name], rtol=0, atol=0, msg=name)
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(model.get_buffer(name), buffer, rtol=0, atol=0)
+
+
+def _rewrite(path, change) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_a_missing_dense_tensor_is_named(checkpoint, tmp_path):
+    path = shutil.copytree(checkpoint("mixtral"), tmp_path / "copy")
+    _rewrite(path, lambda tensors: tensors.pop("model.norm.weight"))
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        load_model(build_index(path), "cpu")
+
+
+def test_a_dense_tensor_of_the_wrong_shape_is_named(checkpoint, tmp_path):
+    path = shutil.copytree(checkpoint("mixtral"), tmp_path / "copy")
+    _rewrite(path, lambda tensors: tensors.update({"model.norm.weight": torch.ones(3)}))
+    with pytest.raises(CheckpointError, match="model.norm.weight.*shape"):
+        load_model(build_index(path), "cpu")
+
+
+PEAK_SCRIPT = """
+import json, sys, torch
+from moestream.checkpoint.index import build_index
+from moestream.runtime import Engine, EngineConfig
+from moestream.runtime.loader import build_skeleton
+
+def high_water_mark():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(status["VmHWM"].split()[0]) * 1024
+
+path, budget = sys.argv[1:3]
+torch.set_num_threads(1)
+build_skeleton(build_index(path))  # imports and the meta model: everything but the weights
+baseline = high_water_mark()
+with Engine(path, EngineConfig(expert_budget=budget)) as engine:
+    engine.generate([[5, 6, 7, 8]], max_new_tokens=2)
+print(json.dumps({"growth_bytes": high_water_mark() - baseline}))
+"""
+
+
+def _growth(path, budget: int) -> int:
+    """How much the peak resident memory of a fresh process grows to load the model and generate."""
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), str(budget)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["growth_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc")
+def test_peak_memory_is_dense_part_plus_budget(tmp_path):
+    """Experts of 200 MB with a budget of two experts: the engine's peak stays far below them."""
+    spec = ModelSpec("mixtral", num_layers=2, num_experts=8, hidden_size=256, intermediate_size=4096)
+    path = make_model(spec, tmp_path / "big")
+    index = build_index(path)
+    topology = index.topology
+    budget = topology.top_k * topology.expert_bytes
+    dense = sum(index.tensors[name].nbytes for name in index.dense_names())
+    slack = 48 * 2**20  # activations, allocator and import noise
+    assert topology.total_expert_bytes > 2 * (dense + budget + slack)
+    assert _growth(path, budget) < dense + budget + slack
