@@ -6,6 +6,17 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DEEPSEEK_DEV = SHARED_DATA / "routing" / "deepseek-v2-lite" / "puffin_dev.npz"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls are fastest on one thread, and CI runs two test workers on two cores."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def deepseek_dev_path() -> Path:
     if not DEEPSEEK_DEV.exists():

@@ -14,9 +14,11 @@ import sys
 
 from moestream.errors import MoestreamError
 
+DESCRIPTION = "Serve Mixture-of-Experts models whose experts live on disk and in host memory."
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moestream", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moestream", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):

@@ -11,15 +11,6 @@ from moestream.families import FAMILIES
 PROMPTS = ("The cat sat on", "def add(a, b):\n    return", "Experts")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """Tiny matmuls are fastest on one thread, and CI runs two test workers on two cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="session")
 def checkpoint(tiny_checkpoint):
     """checkpoint(family, **spec) -> a small random checkpoint of 3 layers (2 MoE layers for DeepSeek)."""
