@@ -3,7 +3,6 @@
 import json
 
 from moestream.cli import main
-from tests.runtime.conftest import one_thread  # noqa: F401  (autouse: one torch thread)
 
 
 def test_bench_engine_reports_every_run(tmp_path, monkeypatch, capsys):

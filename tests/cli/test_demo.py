@@ -6,7 +6,6 @@ from moestream.checkpoint.make_model import make_config
 from moestream.checkpoint.spec import demo_spec
 from moestream.cli import main
 from moestream.cli.demo import DEMO_NAME, SMALL_NAME, cache_dir
-from tests.runtime.conftest import one_thread  # noqa: F401  (autouse: one torch thread)
 
 
 def test_the_default_demo_model_is_the_issues_topology():

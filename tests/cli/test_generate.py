@@ -8,7 +8,6 @@ import pytest
 from moestream.cli import main
 from moestream.runtime import Engine, EngineConfig
 from moestream.trace.format import load_trace
-from tests.runtime.conftest import one_thread  # noqa: F401  (autouse: one torch thread)
 
 PROMPT = "The experts are"
 
