@@ -1,5 +1,7 @@
 """Contract suites every registered eviction policy and policy must pass."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,10 @@ TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4), num_experts=8, top_k=2, expert_b
 
 @pytest.fixture(scope="module")
 def trace():
-    return synthetic_trace(TOPOLOGY, num_sequences=6, tokens_per_sequence=12, seed=3)
+    base = synthetic_trace(TOPOLOGY, num_sequences=6, tokens_per_sequence=12, seed=3)
+    # router inputs too, so that designs that need them (Policy.trace_needs) can fit and run
+    hidden = np.random.default_rng(3).standard_normal((base.num_tokens, TOPOLOGY.num_layers, 8))
+    return dataclasses.replace(base, hidden=hidden.astype(np.float16))
 
 
 @pytest.mark.parametrize("name", EVICTIONS.names())

@@ -1,0 +1,129 @@
+"""`moestream train-predictor`: train a policy's learned predictor on a trace and save it to a directory.
+
+The directory (weights.safetensors + predictor.json) is written under a temporary name beside --out
+and renamed into place, so it is never seen half written. A policy loads it with
+`POLICIES.create(KIND, topology, predictor_dir=DIR)` (fit() then keeps it) or `policy.load(DIR)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+from moestream.policies import POLICIES
+from moestream.policies.trained import TrainedPolicy
+from moestream.predictors.configs import TrainConfig
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def trainable_kinds() -> list[str]:
+    return [name for name in POLICIES.names() if issubclass(POLICIES.get(name), TrainedPolicy)]
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("train-predictor", help="train a policy's predictor on a trace and save it")
+    parser.add_argument("--kind", required=True, metavar="NAME",
+                        help=f"the policy whose predictor to train: {', '.join(trainable_kinds())}")
+    parser.add_argument("--trace", required=True, type=Path, help="routing trace (.npz)")
+    parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek routing npz")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write the trained predictor to")
+    parser.add_argument("--epochs", type=int, help=f"training epochs (default {TrainConfig.num_epochs})")
+    parser.add_argument("--seed", type=int, help="seed of initialisation and shuffling (default 0)")
+    parser.add_argument("--batch-size", type=int, help=f"tokens per minibatch (default {TrainConfig.batch_size})")
+    parser.add_argument("--lr", type=float, help=f"AdamW learning rate (default {TrainConfig.learning_rate})")
+    parser.add_argument("--threads", type=int, help="torch threads while training (default 1)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a field of the design's config (e.g. window_tokens=8, num_distances=2); repeatable")
+    parser.add_argument("--holdout", type=float, default=0.0,
+                        help="fraction of sequences held out (seeded split) and evaluated, not trained on")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the --holdout split")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from moestream.trace.format import load_trace
+
+    cls = POLICIES.get(args.kind)
+    if not issubclass(cls, TrainedPolicy):
+        raise MoestreamError(f"policy {args.kind!r} learns no predictor; trainable: {', '.join(trainable_kinds())}")
+    _check_out(args.out, args.force)
+    if not 0.0 <= args.holdout < 1.0:
+        raise MoestreamError(f"--holdout must be in [0, 1), got {args.holdout}")
+    config = parse_overrides(cls.config_class(), args.set)
+    trace = load_trace(args.trace, args.tokens)
+    train_trace, test_trace = trace.split(args.holdout, args.split_seed) if args.holdout else (trace, None)
+    policy = cls(trace.topology, config=config, train=_train_config(args))
+    start = time.perf_counter()
+    policy.fit(train_trace)
+    seconds = time.perf_counter() - start
+    _save(policy, args.out)
+    sequences = len(train_trace.sequence_ids())
+    print(f"trained {policy.predictor.kind} for {args.kind} on {train_trace.num_tokens} tokens ({sequences} "
+          f"sequences) in {seconds:.1f} s; final loss {policy.predictor.losses[-1]:.4f}")
+    if test_trace is not None:
+        for name, value in policy.predictor.evaluate(test_trace).items():
+            print(f"held-out {name}: {value:.4f}  ({test_trace.num_tokens} tokens)")
+    print(f"saved to {args.out}")
+    return 0
+
+
+def parse_overrides(config, items: list[str]):
+    """config with KEY=VALUE items applied, each converted to the type of the field's current value."""
+    known = {f.name: type(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    values = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key not in known:
+            raise MoestreamError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(known))}")
+        values[key] = _convert(key, text, known[key])
+    return dataclasses.replace(config, **values)
+
+
+def _convert(key: str, text: str, kind: type):
+    if kind is bool:
+        if text.lower() not in TRUE + FALSE:
+            raise MoestreamError(f"--set {key}={text}: expected true or false")
+        return text.lower() in TRUE
+    try:
+        return kind(text)
+    except ValueError:
+        raise MoestreamError(f"--set {key}={text}: expected a {kind.__name__}") from None
+
+
+def _train_config(args) -> TrainConfig:
+    given = {"num_epochs": args.epochs, "seed": args.seed, "batch_size": args.batch_size,
+             "learning_rate": args.lr, "num_threads": args.threads}
+    return TrainConfig(progress=not args.no_progress, **{k: v for k, v in given.items() if v is not None})
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise MoestreamError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise MoestreamError(f"--out {out} exists and is not empty; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise MoestreamError(f"--out {out}: parent directory {out.parent} does not exist")
+
+
+def _save(policy: TrainedPolicy, out: Path) -> None:
+    """Saves into a fresh directory beside out, then swaps it into place."""
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.new."))
+    try:
+        policy.save(staging)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))
+            out.rename(old / out.name)
+            staging.rename(out)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)

@@ -1,0 +1,184 @@
+"""Predictors trained offline, their saved form, and the policy base that trains, saves and loads them.
+
+The torch models themselves live in moestream.predictors and are imported lazily.
+
+A trained predictor directory holds `weights.safetensors` (the model's tensors) and
+`predictor.json` (its kind, topology, configuration and anything else needed to rebuild it, such as
+a vocabulary). Ablations of a design share its predictor kind, so they load the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from abc import abstractmethod
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from moestream.errors import MoestreamError
+from moestream.policies.base import Policy, Predictor
+from moestream.predictors.configs import TrainConfig
+from moestream.topology import Topology
+
+if TYPE_CHECKING:
+    import torch
+
+    from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "weights.safetensors"
+META_FILE = "predictor.json"
+FORMAT_VERSION = 1
+
+
+class PredictorFileError(MoestreamError):
+    """A trained predictor directory that is missing, corrupt or made for another model."""
+
+
+class TrainablePredictor(Predictor):
+    """A predictor with a model learned by fit() and kept as tensors plus JSON metadata."""
+
+    kind: ClassVar[str] = ""  # the saved model's kind; a directory loads only into the same kind
+
+    def __init__(self, topology: Topology, config: Any, train: TrainConfig):
+        super().__init__(topology)
+        self.config = config
+        self.train_config = train
+        self.losses: list[float] = []  # mean training loss of each epoch of the last fit
+
+    @property
+    @abstractmethod
+    def is_trained(self) -> bool:
+        ...
+
+    @abstractmethod
+    def tensors(self) -> dict[str, "torch.Tensor"]:
+        ...
+
+    def meta(self) -> dict:
+        return {"config": asdict(self.config)}
+
+    def evaluate(self, trace: "Trace") -> dict[str, float]:
+        """Named accuracy figures of the trained model on a (held-out) trace."""
+        return {}
+
+    @abstractmethod
+    def restore(self, tensors: dict[str, "torch.Tensor"], meta: dict) -> None:
+        ...
+
+
+def save_predictor(predictor: TrainablePredictor, directory: str | Path) -> Path:
+    """Writes the predictor's two files into directory (created if needed), each atomically."""
+    from safetensors.torch import save_file
+
+    if not predictor.is_trained:
+        raise MoestreamError(f"the {predictor.kind} predictor is not trained yet; fit it before saving")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in predictor.tensors().items()}
+    _atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(tensors, path))
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "kind": predictor.kind,
+        "topology": predictor.topology.to_dict(),
+        "train": predictor.train_config.to_dict(),
+        "losses": predictor.losses,
+    } | predictor.meta()
+    _atomic_write(directory / META_FILE, lambda path: Path(path).write_text(json.dumps(meta, indent=1)))
+    return directory
+
+
+def load_predictor(predictor: TrainablePredictor, directory: str | Path) -> None:
+    """Restores a predictor saved by save_predictor, after checking it fits this predictor."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    meta = read_meta(directory)
+    if meta.get("kind") != predictor.kind:
+        raise PredictorFileError(f"{directory} holds a {meta.get('kind')!r} predictor, not {predictor.kind!r}")
+    _check_topology(meta.get("topology"), predictor.topology, directory)
+    try:
+        tensors = load_file(directory / WEIGHTS_FILE)
+    except (OSError, SafetensorError) as error:
+        raise PredictorFileError(f"cannot read {directory / WEIGHTS_FILE}: {error}") from error
+    try:
+        predictor.restore(tensors, meta)
+        predictor.train_config = TrainConfig(**meta.get("train", {}))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # RuntimeError: tensors of other shapes
+        raise PredictorFileError(f"{directory} does not hold a usable {predictor.kind} predictor ({error})") from error
+    predictor.losses = list(meta.get("losses", []))
+
+
+def read_meta(directory: Path) -> dict:
+    path = directory / META_FILE
+    if not path.is_file():
+        raise PredictorFileError(f"no trained predictor in {directory} (missing {META_FILE})")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PredictorFileError(f"cannot read {path}: {error}") from error
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise PredictorFileError(f"{path} has format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+    return meta
+
+
+def _check_topology(saved_dict, wanted: Topology, directory: Path) -> None:
+    try:
+        saved = Topology.from_dict(saved_dict)
+    except (TypeError, ValueError) as error:
+        raise PredictorFileError(f"{directory / META_FILE} has no valid topology ({error})") from error
+    shape = (saved.num_layers, saved.num_experts, saved.top_k)
+    expected = (wanted.num_layers, wanted.num_experts, wanted.top_k)
+    if shape != expected:
+        raise PredictorFileError(
+            f"{directory} was trained for (layers, experts, top_k) = {shape}, this model has {expected}"
+        )
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class TrainedPolicy(Policy):
+    """A policy whose predictor is learned offline: fit() trains it, save()/load() keep it.
+
+    Built with predictor_dir=DIR, the policy loads a trained predictor and fit() leaves it as it
+    is; that is how the simulator and predict-eval use a directory from `moestream train-predictor`.
+    """
+
+    config_class: ClassVar[type] = object  # the design's config dataclass
+    predictor: TrainablePredictor
+
+    def __init__(self, topology: Topology, config: Any = None, train: TrainConfig | None = None,
+                 predictor_dir: str | Path | None = None):
+        self.config = self.config_class() if config is None else config
+        self.train_config = TrainConfig() if train is None else train
+        super().__init__(topology)
+        self.pretrained = predictor_dir is not None
+        if predictor_dir is not None:
+            self.load(predictor_dir)
+
+    def fit(self, trace: "Trace") -> None:
+        if self.pretrained:
+            log.info("%s: predictor loaded from a directory; fit() keeps it", self.registry_name)
+            return
+        self.predictor.fit(trace)
+
+    def save(self, directory: str | Path) -> Path:
+        return save_predictor(self.predictor, directory)
+
+    def load(self, directory: str | Path) -> None:
+        load_predictor(self.predictor, directory)
+        self.config = self.predictor.config
