@@ -1,0 +1,223 @@
+"""`moestream sim`: replay a routing trace through policies in the simulator and print their figures.
+
+Each policy is fitted on --train (without --train it runs unfitted, and a policy that learns from a
+trace says so on stderr), then replayed at every --cache-ratio under --protocol: `stream` (the
+discrete-event simulator with --cost-model) or `moe-beyond` (the MoE-Beyond study's hit-rate
+protocol). Prints a table; --json and --plot write the results.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+
+log = logging.getLogger(__name__)
+
+COST_FLAGS = {  # flag dest -> CostModel field (None: the link that fills the device tier)
+    "layer_compute_ms": "layer_compute_ms",
+    "expert_compute_ms": "expert_compute_ms",
+    "token_compute_ms": "token_compute_ms",
+    "disk_gbps": "disk_to_host_gbps",
+    "disk_latency_ms": "disk_to_host_latency_ms",
+    "link_gbps": None,
+    "link_latency_ms": None,
+}
+
+
+class SimArgumentError(MoestreamError):
+    """A `moestream sim` flag with an unusable value."""
+
+
+def add_parser(commands) -> None:
+    from moestream.sim import PRESETS, PROTOCOLS
+    from moestream.sim.config import MODES, PROTOCOL_EVICTIONS
+    from moestream.sim.cost import DEFAULT_COST_MODEL
+
+    parser = commands.add_parser("sim", help="replay a routing trace through policies in the simulator")
+    parser.add_argument("--trace", required=True, type=Path, help="trace to replay (.npz: ours or DeepSeek's)")
+    parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek --trace npz")
+    parser.add_argument("--policy", required=True, metavar="NAME[,NAME...]", help="registered policies")
+    parser.add_argument("--cache-ratio", required=True, metavar="R[,R...]", help="device slots / routed experts, in (0, 1]")
+    parser.add_argument("--protocol", default="stream", choices=PROTOCOLS.names())
+    parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=sorted(PRESETS))
+    parser.add_argument("--train", type=Path, help="trace to fit the policies on (default: none, unfitted)")
+    parser.add_argument("--train-tokens", type=Path, help="tokens jsonl of a DeepSeek --train npz")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png", help="hit rate vs ratio and per layer, as PNG")
+    parser.add_argument("--mode", default="decode", choices=MODES, help="workload of the stream protocol")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per iteration (--mode batched)")
+    parser.add_argument("--horizon-layers", type=int, default=2, help="how many layers ahead to predict")
+    parser.add_argument("--host-ratio", type=float, default=1.0, help="host-tier share of experts (GPU presets)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the moe-beyond pool refills")
+    parser.add_argument("--warmup-tokens", type=int, default=10, help="unscored tokens per prompt (moe-beyond)")
+    parser.add_argument("--protocol-eviction", default="lru", choices=PROTOCOL_EVICTIONS, help="moe-beyond eviction")
+    cost = parser.add_argument_group("cost-model overrides")
+    cost.add_argument("--layer-compute-ms", type=float, help="compute of one MoE layer, one decode token")
+    cost.add_argument("--expert-compute-ms", type=float, help="compute of each further distinct expert")
+    cost.add_argument("--token-compute-ms", type=float, help="compute of each further token")
+    cost.add_argument("--link-gbps", type=float, help="bandwidth of the link that fills the device tier (GB/s)")
+    cost.add_argument("--link-latency-ms", type=float, help="per-transfer latency of that link")
+    cost.add_argument("--disk-gbps", type=float, help="disk -> host bandwidth (GB/s)")
+    cost.add_argument("--disk-latency-ms", type=float, help="disk -> host per-transfer latency")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from moestream.trace.format import load_trace
+
+    names, ratios = _names(args.policy), _ratios(args.cache_ratio)
+    configs = [_config(args, ratio) for ratio in ratios]
+    trace = load_trace(args.trace, args.tokens)
+    train = load_trace(args.train, args.train_tokens) if args.train is not None else None
+    results = {name: _run_policy(name, trace, train, configs, args.protocol) for name in names}
+    document = _document(args, configs[0], trace, results)
+    if args.json is not None:
+        write_json(document, args.json)
+    if args.plot is not None:
+        from moestream.sim.plots import plot_results
+
+        plot_results(results, args.plot, f"{args.trace.name}: {args.protocol} protocol")
+    _print_table(results, args.protocol)
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    from moestream.policies import POLICIES
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise SimArgumentError("--policy names no policy")
+    for name in names:
+        POLICIES.get(name)  # an unknown name fails before any trace is read
+    return names
+
+
+def _ratios(text: str) -> list[float]:
+    ratios = []
+    for part in text.split(","):
+        try:
+            ratio = float(part)
+        except ValueError:
+            raise SimArgumentError(f"--cache-ratio: {part.strip()!r} is not a number") from None
+        if not 0.0 < ratio <= 1.0:
+            raise SimArgumentError(f"--cache-ratio must lie in (0, 1], got {ratio}")
+        ratios.append(ratio)
+    return ratios
+
+
+def _config(args, ratio: float):
+    from moestream.sim import SimConfig, get_cost_model
+
+    cost = get_cost_model(args.cost_model)
+    given = {field: getattr(args, flag) for flag, field in COST_FLAGS.items() if field is not None}
+    cost = cost.with_overrides(**given)
+    link = {"link_gbps": f"{cost.device_link}_gbps", "link_latency_ms": f"{cost.device_link}_latency_ms"}
+    cost = cost.with_overrides(**{field: getattr(args, flag) for flag, field in link.items()})
+    return SimConfig(
+        cache_ratio=ratio,
+        cost=cost,
+        mode=args.mode,
+        batch_size=args.batch_size,
+        horizon_layers=args.horizon_layers,
+        host_cache_ratio=args.host_ratio,
+        seed=args.seed,
+        warmup_tokens=args.warmup_tokens,
+        protocol_eviction=args.protocol_eviction,
+    )
+
+
+def _run_policy(name: str, trace, train, configs, protocol: str) -> dict[float, dict]:
+    from moestream.policies import POLICIES
+    from moestream.sim import simulate
+    from moestream.sim.protocols import check_compatible
+
+    policy = POLICIES.create(name, trace.topology)
+    if train is not None:
+        check_compatible(policy, train)
+        policy.fit(train)
+    elif _learns(policy):
+        print(f"moestream: note: policy {name!r} learns from a trace but no --train was given; it runs unfitted", file=sys.stderr)
+    results = {}
+    for config in configs:
+        start = time.perf_counter()
+        results[config.cache_ratio] = simulate(copy.deepcopy(policy), trace, config, protocol)
+        results[config.cache_ratio]["replay_seconds"] = round(time.perf_counter() - start, 3)
+        log.info("%s at ratio %g: %.1f s", name, config.cache_ratio, time.perf_counter() - start)
+    return results
+
+
+def _learns(policy) -> bool:
+    """The policy or its predictor overrides fit()."""
+    from moestream.policies.base import Policy, Predictor
+
+    return type(policy).fit is not Policy.fit or type(policy.predictor).fit is not Predictor.fit
+
+
+def _document(args, config, trace, results: dict[str, dict[float, dict]]) -> dict:
+    from dataclasses import asdict
+
+    policies = {}
+    for name, by_ratio in results.items():
+        first = dict(next(iter(by_ratio.values())))  # the first --cache-ratio
+        if len(by_ratio) > 1:
+            first["by_ratio"] = {f"{ratio:g}": metrics for ratio, metrics in by_ratio.items()}
+        policies[name] = first
+    return {
+        "trace": str(args.trace),
+        "num_tokens": trace.num_tokens,
+        "protocol": args.protocol,
+        "mode": config.mode,
+        "batch_size": config.batch_size,
+        "horizon_layers": config.horizon_layers,
+        "cache_ratios": [ratio for ratio in next(iter(results.values()))],
+        "cost_model": asdict(config.cost),
+        "policies": policies,
+    }
+
+
+def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"moestream sim ({protocol})")
+    columns = ["policy", "ratio", "hit rate", "stall ms/tok", "TPOT / resident", "MB/tok", "wasted", "late", "seconds"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for name, by_ratio in results.items():
+        for ratio, m in by_ratio.items():
+            table.add_row(
+                name,
+                f"{ratio:g}",
+                f"{100 * m['hit_rate']:.2f}%",
+                _fmt(m["stall_ms_per_token"], "{:.3f}"),
+                _fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"),
+                _fmt(None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6, "{:.1f}"),
+                _fmt(m["wasted_prefetch_ratio"], "{:.1%}"),
+                _fmt(m["late_prefetch_ratio"], "{:.1%}"),
+                f"{m['replay_seconds']:.1f}",
+            )
+    Console().print(table)
+
+
+def _fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def write_json(document: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(document, handle, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

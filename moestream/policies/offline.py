@@ -1,0 +1,250 @@
+"""Offline bounds that know the future of the replayed trace: Belady's MIN and the oracle.
+
+`belady` prefetches nothing and evicts the resident expert whose next use is farthest away.
+`oracle` predicts exactly the experts of the next `horizon_layers` layers (crossing into the next
+iterations), each with score 1, so the default planner orders them by time of need; it evicts like
+`belady`. Both get the trace through `prepare(trace)` and follow the replay from the events they
+observe: time is (iteration, layer), and the iteration order is inferred from the first
+iterations (one token: decode stream; one whole sequence: prefill; several sequences: batched
+decode with B = their number), then checked at every iteration. Simulator only (`offline`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from moestream.errors import MoestreamError
+from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.base import POLICIES, EvictionPolicy, Policy, Prediction, Predictor
+from moestream.topology import ExpertKey, Topology
+from moestream.trace.replay import batched_rows
+
+if TYPE_CHECKING:
+    from moestream.trace.schema import Trace
+
+NEVER = 2**31 - 1  # the next use of an expert that is never used again
+
+
+class OfflinePolicyError(MoestreamError):
+    """An offline policy replayed without its trace, or in an order it cannot follow."""
+
+
+def schedule_steps(trace: "Trace", mode: str, batch_size: int = 1) -> np.ndarray:
+    """The iteration of every trace row in a replay mode: decode, prefill or batched."""
+    if mode == "batched":
+        steps = np.empty(trace.num_tokens, dtype=np.int64)
+        for step, (rows, _) in enumerate(batched_rows(trace, batch_size)):
+            steps[rows] = step
+        return steps
+    if mode == "prefill":
+        bounds = trace.sequence_bounds()
+        return np.repeat(np.arange(len(bounds)), [end - start for _, start, end in bounds])
+    return np.arange(trace.num_tokens)
+
+
+def guess_mode(ctx: IterationContext) -> tuple[str, int]:
+    """The replay mode an iteration suggests, and its batch size."""
+    num_sequences = len(set(ctx.seq_ids.tolist()))
+    if num_sequences > 1:
+        return "batched", ctx.num_tokens
+    return ("prefill" if ctx.num_tokens > 1 else "decode"), 1
+
+
+class FutureIndex:
+    """When each expert is needed, in replay order (position = iteration * L + layer)."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.trace: "Trace | None" = None
+        self.step = 0
+        self._steps: np.ndarray | None = None
+        self._mode = ""
+
+    def reset(self, trace: "Trace") -> None:
+        if trace.topology.num_layers != self.topology.num_layers or trace.topology.num_experts != self.topology.num_experts:
+            raise OfflinePolicyError("the replayed trace's topology differs from the policy's")
+        self.trace, self._steps, self._mode, self.step = trace, None, "", 0
+        bounds = trace.sequence_bounds()
+        self._seq_start = {seq: (start, int(trace.positions[start])) for seq, start, _ in bounds}
+
+    def begin(self, ctx: IterationContext) -> None:
+        if self.trace is None:
+            raise OfflinePolicyError("an offline policy needs prepare(trace) with the trace being replayed")
+        if self._steps is None or not self._matches(ctx):
+            self._build(ctx)
+        self.step = ctx.step
+
+    def observe(self, event: RoutingEvent) -> None:
+        pos = self.step * self.topology.num_layers + event.layer
+        base = event.layer * self.topology.num_experts
+        flat, ptr, end = self._flat, self._ptr, self._end
+        for expert in set(event.expert_ids.ravel().tolist()):
+            kid = base + expert
+            i = ptr[kid]
+            while i < end[kid] and flat[i] <= pos:
+                i += 1
+            ptr[kid] = i
+
+    def next_use(self, key: ExpertKey) -> int:
+        if self._steps is None:
+            raise OfflinePolicyError("an offline policy was asked about the future before the replay began")
+        kid = key[0] * self.topology.num_experts + key[1]
+        i = self._ptr[kid]
+        return self._flat[i] if i < self._end[kid] else NEVER
+
+    def experts_at(self, step: int, layer: int) -> list[int]:
+        """The distinct experts needed at (step, layer), or [] past the end of the replay."""
+        if step >= len(self._offsets) - 1:
+            return []
+        rows = self._order[self._offsets[step] : self._offsets[step + 1]]
+        ids = self.trace.experts[rows, layer].ravel().tolist()
+        return ids if len(rows) == 1 else list(dict.fromkeys(ids))
+
+    def _row(self, seq: int, position: int) -> int:
+        start, first = self._seq_start[int(seq)]
+        return start + int(position) - first
+
+    def _matches(self, ctx: IterationContext) -> bool:
+        step = ctx.step
+        if step >= len(self._offsets) - 1 or ctx.num_tokens != self._offsets[step + 1] - self._offsets[step]:
+            return False
+        return self._steps[self._row(ctx.seq_ids[0], ctx.positions[0])] == step
+
+    def _build(self, ctx: IterationContext) -> None:
+        """Infer the replay order from this iteration and index every expert's uses in it."""
+        mode, batch_size = guess_mode(ctx)
+        if self._steps is not None and mode == self._mode:
+            mode = "prefill"  # a decode guess made on one-token prompts was wrong
+        self._mode = mode
+        self._index(schedule_steps(self.trace, mode, batch_size))
+        if not self._matches(ctx):
+            raise OfflinePolicyError(f"iteration {ctx.step} does not follow any replay order of the trace")
+        self._seek(ctx.step * self.topology.num_layers)
+
+    def _index(self, steps: np.ndarray) -> None:
+        num_layers, num_experts = self.topology.num_layers, self.topology.num_experts
+        self._steps = steps
+        self._order = np.argsort(steps, kind="stable")
+        self._offsets = np.searchsorted(steps[self._order], np.arange(int(steps.max(initial=-1)) + 2))
+        span = int(steps.max(initial=0) + 1) * num_layers
+        pos = steps[:, None] * num_layers + np.arange(num_layers)[None, :]  # [N, L]
+        kid = np.arange(num_layers)[None, :, None] * num_experts + self.trace.experts.astype(np.int64)  # [N, L, K]
+        uses = np.unique((kid * span + pos[:, :, None]).ravel())
+        kids = uses // span
+        self._flat = array("i", (uses % span).astype(np.int32).tobytes())
+        bounds = np.searchsorted(kids, np.arange(num_layers * num_experts + 1))
+        self._start, self._end = bounds[:-1].tolist(), bounds[1:].tolist()
+
+    def _seek(self, pos: int) -> None:
+        flat = np.frombuffer(self._flat, dtype=np.int32)
+        self._ptr = [s + int(np.searchsorted(flat[s:e], pos)) for s, e in zip(self._start, self._end)]
+
+
+class FutureTracker(Predictor):
+    """Follows the replay for its policy's future index; predicts nothing."""
+
+    def __init__(self, topology: Topology, future: FutureIndex):
+        super().__init__(topology)
+        self.future = future
+
+    def begin_iteration(self, ctx: IterationContext) -> None:
+        self.future.begin(ctx)
+
+    def observe(self, event: RoutingEvent) -> None:
+        self.future.observe(event)
+
+    def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
+        return []
+
+
+class OraclePredictor(FutureTracker):
+    """Predicts exactly the experts of the next horizon_layers layers, with score 1."""
+
+    def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
+        future, num_layers = self.future, self.topology.num_layers
+        predictions = []
+        for target in range(layer_now + 1, layer_now + 1 + horizon_layers):
+            ahead, layer = divmod(target, num_layers)
+            for expert in future.experts_at(future.step + ahead, layer):
+                predictions.append(Prediction(layer, expert, 1.0, ahead))
+        return predictions
+
+
+class BeladyEviction(EvictionPolicy):
+    """Evicts the candidate whose next use is farthest in the future (Belady's MIN).
+
+    A heap of (-next use, key), pushed at every insert and access (the only moments a resident
+    expert's next use changes: it was just used), with stale entries skipped.
+    """
+
+    def __init__(self, future: FutureIndex):
+        self.future = future
+        self._heap: list[tuple[int, ExpertKey]] = []
+        self._latest: dict[ExpertKey, int] = {}  # resident key -> -next use it was last pushed with
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self._push(key)
+
+    def on_access(self, key: ExpertKey) -> None:
+        self._push(key)
+
+    def on_remove(self, key: ExpertKey) -> None:
+        self._latest.pop(key, None)
+
+    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        heap, latest, kept, victim = self._heap, self._latest, [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            if latest.get(entry[1]) != entry[0]:
+                continue  # stale: pushed again or removed since
+            kept.append(entry)
+            if entry[1] in candidates:
+                victim = entry[1]
+                break
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if victim is None:
+            victim = max(candidates, key=self.future.next_use)
+        return victim
+
+    def _push(self, key: ExpertKey) -> None:
+        entry = (-self.future.next_use(key), key)
+        self._latest[key] = entry[0]
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 4 * len(self._latest) + 64:
+            self._heap = [(value, k) for k, value in self._latest.items()]
+            heapq.heapify(self._heap)
+
+
+class _Offline(Policy):
+    offline = True
+
+    def __init__(self, topology: Topology):
+        self.future = FutureIndex(topology)
+        super().__init__(topology)
+
+    def make_predictor(self) -> Predictor:
+        return FutureTracker(self.topology, self.future)
+
+    def make_eviction(self, tier: str) -> EvictionPolicy:
+        return BeladyEviction(self.future)
+
+    def prepare(self, trace: "Trace") -> None:
+        self.future.reset(trace)
+
+
+@POLICIES.register("belady")
+class Belady(_Offline):
+    """No prefetch; Belady's MIN eviction (offline)."""
+
+
+@POLICIES.register("oracle")
+class Oracle(_Offline):
+    """Perfect prediction of the next layers, Belady eviction, same bandwidth (offline)."""
+
+    def make_predictor(self) -> Predictor:
+        return OraclePredictor(self.topology, self.future)

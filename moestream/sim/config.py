@@ -1,0 +1,54 @@
+"""Settings of one simulation: cache budget, cost model, workload mode, prediction horizon.
+
+Plain, validated data; the CLI maps its flags onto it. Knows no policy and no trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moestream.errors import MoestreamError
+from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
+
+MODES = ("decode", "prefill", "batched")
+PROTOCOL_EVICTIONS = ("lru", "policy")
+
+
+class SimConfigError(MoestreamError):
+    """A simulation setting out of range."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    cache_ratio: float  # device-tier slots as a fraction of all routed experts, in (0, 1]
+    cost: CostModel = field(default_factory=lambda: get_cost_model(DEFAULT_COST_MODEL))
+    mode: str = "decode"  # decode: one token per iteration; prefill: a prompt; batched: B sequences
+    batch_size: int = 1  # sequences per iteration in batched mode
+    horizon_layers: int = 2  # how many MoE layers ahead the predictor is asked about
+    host_cache_ratio: float = 1.0  # host-tier slots as a fraction of all experts (GPU presets)
+    seed: int = 0  # MoE-Beyond protocol: the random refill of the pool at each prompt
+    warmup_tokens: int = 10  # MoE-Beyond protocol: unscored tokens at the start of each prompt
+    protocol_eviction: str = "lru"  # MoE-Beyond protocol: "lru" (the study's) or the policy's own
+
+    def __post_init__(self):
+        if not 0.0 < self.cache_ratio <= 1.0:
+            raise SimConfigError(f"cache ratio must be in (0, 1], got {self.cache_ratio}")
+        if not 0.0 < self.host_cache_ratio <= 1.0:
+            raise SimConfigError(f"host cache ratio must be in (0, 1], got {self.host_cache_ratio}")
+        if self.host_cache_ratio < 1.0 and not self.cost.host_holds_all:
+            raise SimConfigError(f"cost model {self.cost.name!r} has no host tier to size")
+        if self.mode not in MODES:
+            raise SimConfigError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
+        if self.batch_size < 1:
+            raise SimConfigError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.horizon_layers < 0 or self.warmup_tokens < 0:
+            raise SimConfigError("horizon_layers and warmup_tokens must be >= 0")
+        if self.protocol_eviction not in PROTOCOL_EVICTIONS:
+            raise SimConfigError(
+                f"unknown protocol eviction {self.protocol_eviction!r}; known: {', '.join(PROTOCOL_EVICTIONS)}"
+            )
+
+    @property
+    def has_host_tier(self) -> bool:
+        """A host tier that must be simulated: it holds only part of the experts."""
+        return self.cost.host_holds_all and self.host_cache_ratio < 1.0

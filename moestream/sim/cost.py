@@ -1,0 +1,136 @@
+"""Cost models for the simulator: compute time per MoE layer and transfer time per link.
+
+A cost model is plain numbers with their sources stated here; the simulator turns them into
+virtual time. It knows nothing of policies or traces. Bandwidths are decimal (1 GB/s = 1e9 B/s).
+
+Presets
+-------
+``pcie4-consumer`` (default): a 24 GB consumer GPU (RTX 4090 class, ~1 TB/s GDDR6X) on PCIe 4.0 x16.
+  Link: 32 GB/s nominal per direction (16 GT/s x 16 lanes, 128b/130b); pinned host-to-device
+  copies reach about 25 GB/s in practice (NVIDIA bandwidthTest on such systems reports 24-26 GB/s),
+  so 25 GB/s effective, plus 0.01 ms per copy (launch and DMA setup).
+  Compute, derived for one DeepSeek-V2-Lite decode token (batch 1, bf16, memory-bound): one MoE
+  decoder layer reads MLA attention (q 2048x3072, kv_a 2048x576, kv_b 512x4096, o 2048x2048: 13.8 M
+  params), 2 shared + 6 routed experts (8 x 3 x 2048 x 1408 = 69.2 M params): 83 M params = 166 MB;
+  at ~800 GB/s effective memory bandwidth that is 0.21 ms, plus ~0.04 ms of kernel launches: 0.25 ms.
+  Each further distinct expert (batches, prefill) reads 17.3 MB more: 0.022 ms. Each further token
+  costs its FLOPs: 2 x 83 M = 166 MFLOP at ~80 TFLOP/s effective bf16: 0.002 ms.
+``h100-pcie5``: an H100 PCIe (2.0 TB/s HBM2e) on PCIe 5.0 x16: 64 GB/s nominal per direction,
+  50 GB/s effective for pinned copies (about 80 % of nominal, as on PCIe 4.0), 0.01 ms per copy.
+  Compute, same derivation: 166 MB at ~1.6 TB/s effective = 0.10 ms, plus ~0.03 ms of launches:
+  0.13 ms per layer; a further expert 0.011 ms; a further token 166 MFLOP at ~380 TFLOP/s: 0.0005 ms.
+``local-disk``: this development machine, experts read from its disk into RAM (the "device" tier is
+  RAM and the source is disk; no host tier). Measured 2026-11-20 on the project's 2-core VM:
+  sequential O_DIRECT reads of a fresh 1 GiB file in /tmp with
+  ``dd if=FILE of=/dev/null bs=16M iflag=direct``: 0.96-1.2 GB/s over five runs, so 1.0 GB/s;
+  ``dd bs=4k count=4000 iflag=direct``: 66 us per 4 KiB request, so 0.066 ms latency per read.
+  CPU compute, torch 2.13 on 2 threads, the layer above as bf16 matrix-vector products
+  (attention projections + 8 experts, batch 1): 47.7 ms per layer (fp32: 16.9 ms); a further
+  expert about 5 ms (8.65 M of the 83 M params); a further token ~2 ms (estimate, not measured).
+  The machine is shared, so these are rough.
+
+Every field can be overridden (the CLI's ``--layer-compute-ms``, ``--link-gbps`` ...) with
+``CostModel.with_overrides``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from moestream.errors import MoestreamError
+
+LINKS = ("host_to_device", "disk_to_host")
+
+
+class CostModelError(MoestreamError):
+    """An unknown preset or a cost figure that makes no sense."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    name: str
+    layer_compute_ms: float  # one MoE decoder layer, one decode token, its experts resident
+    host_to_device_gbps: float
+    disk_to_host_gbps: float
+    host_to_device_latency_ms: float = 0.01
+    disk_to_host_latency_ms: float = 0.1
+    expert_compute_ms: float = 0.0  # each distinct expert of a layer beyond top_k (batches, prefill)
+    token_compute_ms: float = 0.0  # each token of an iteration beyond the first
+    host_holds_all: bool = True  # host DRAM holds every expert; else the device tier reads from disk
+    source: str = ""
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float | int) and not isinstance(value, bool) and value < 0:
+                raise CostModelError(f"cost model {self.name!r}: {f.name} must be >= 0, got {value}")
+        for link in LINKS:
+            if getattr(self, f"{link}_gbps") <= 0:
+                raise CostModelError(f"cost model {self.name!r}: {link}_gbps must be > 0")
+
+    @property
+    def device_link(self) -> str:
+        """The link that fills the device tier: from host DRAM, or from disk when no host tier."""
+        return "host_to_device" if self.host_holds_all else "disk_to_host"
+
+    def transfer_ms(self, nbytes: int, link: str | None = None) -> float:
+        """Time to move nbytes over link (default: the link that fills the device tier)."""
+        link = link or self.device_link
+        if link not in LINKS:
+            raise CostModelError(f"unknown link {link!r}; known: {', '.join(LINKS)}")
+        gbps = getattr(self, f"{link}_gbps")
+        return getattr(self, f"{link}_latency_ms") + nbytes / (gbps * 1e6)
+
+    def compute_ms(self, num_tokens: int, num_experts: int, top_k: int) -> float:
+        """One MoE layer's compute for an iteration of num_tokens touching num_experts experts."""
+        extra_experts = max(0, num_experts - top_k)
+        return self.layer_compute_ms + self.expert_compute_ms * extra_experts + self.token_compute_ms * (num_tokens - 1)
+
+    def with_overrides(self, **values) -> "CostModel":
+        """A copy with the given fields replaced; None values are ignored."""
+        given = {k: v for k, v in values.items() if v is not None}
+        return replace(self, **given) if given else self
+
+
+PRESETS: dict[str, CostModel] = {
+    model.name: model
+    for model in (
+        CostModel(
+            name="pcie4-consumer",
+            layer_compute_ms=0.25,
+            expert_compute_ms=0.022,
+            token_compute_ms=0.002,
+            host_to_device_gbps=25.0,
+            disk_to_host_gbps=3.0,
+            source="RTX-4090-class GPU, PCIe 4.0 x16 (32 GB/s nominal, 25 GB/s effective); compute derived",
+        ),
+        CostModel(
+            name="h100-pcie5",
+            layer_compute_ms=0.13,
+            expert_compute_ms=0.011,
+            token_compute_ms=0.0005,
+            host_to_device_gbps=50.0,
+            disk_to_host_gbps=6.0,
+            source="H100 PCIe on PCIe 5.0 x16 (64 GB/s nominal, 50 GB/s effective); compute derived",
+        ),
+        CostModel(
+            name="local-disk",
+            layer_compute_ms=47.7,
+            expert_compute_ms=5.0,
+            token_compute_ms=2.0,
+            host_to_device_gbps=10.0,
+            disk_to_host_gbps=1.0,
+            disk_to_host_latency_ms=0.066,
+            host_holds_all=False,
+            source="measured 2026-11-20 on the dev VM: dd iflag=direct 1 GiB (1.0 GB/s), torch bf16 CPU layer",
+        ),
+    )
+}
+
+DEFAULT_COST_MODEL = "pcie4-consumer"
+
+
+def get_cost_model(name: str) -> CostModel:
+    if name not in PRESETS:
+        raise CostModelError(f"unknown cost model {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

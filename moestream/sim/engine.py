@@ -1,0 +1,394 @@
+"""The stream protocol: the engine's mechanism in virtual time, driven by a replayed trace.
+
+Per iteration: `begin_iteration` on every observer, then a plan for the layers ahead
+(`predict(layer_now=-1)`). Per MoE layer, at the time its gate routes: every observer sees the
+event (predictor first, then the tiers' eviction policies); the layer's experts are pinned; a
+ready expert is a hit (accessed); one already moving is waited for (a late prefetch if a plan sent
+it); any other is loaded on demand ahead of every prefetch, and a prefetch still queued for it is
+promoted to that demand load. Then `predict(layer_now=l)` and the planner's requests replace the
+queued prefetches; transfers in flight continue. The layer computes once its experts are ready
+(the wait is the stall) while the links keep moving; then its pins are released.
+
+Mechanism rules (documented choices):
+- One transfer at a time per link, never pre-empted; demand loads are committed when issued (their
+  slot is reserved then), prefetches take their slot when they start.
+- A prefetch never evicts a pinned or moving expert, nor one the current predictions say is
+  needed no later than the prefetched expert (layers ahead, as the planner measures them). When
+  no other victim exists the prefetch is dropped. Demand loads may evict any unpinned expert.
+- The planner is consulted only when the predictor predicts something; an empty prediction list
+  is an empty plan (the queue is cleared), except before the first layer (`predict(-1)`), where
+  it leaves the plan made at the previous iteration's last layer in place.
+- With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
+  disk -> host first; the device link then idles until it arrives (a conservative simplification).
+- Caches start empty. Hits and accesses count distinct experts per layer and iteration.
+This module knows the policy contract, not any policy by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from typing import Iterable
+
+from moestream.cache import CacheFullError, ExpertCache
+from moestream.errors import BudgetError
+from moestream.policies.base import CacheView, Policy
+from moestream.sim.config import SimConfig
+from moestream.sim.metrics import LayerCounts, StreamCounters
+from moestream.sim.protocols import PROTOCOLS, REPLAYS, Protocol
+from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Link, Transfer
+from moestream.topology import ExpertKey
+from moestream.trace.replay import Iteration
+from moestream.trace.schema import Trace
+
+INF = float("inf")
+
+
+class _NeededNoLater:
+    """Keys the current predictions need within `limit` layers: a prefetch must not evict them."""
+
+    __slots__ = ("need", "limit")
+
+    def __init__(self, need: dict[ExpertKey, int], limit: float):
+        self.need, self.limit = need, limit
+
+    def __contains__(self, key: object) -> bool:
+        return self.need.get(key, INF) <= self.limit
+
+
+class _ReadyKeys(Set):
+    """The device tier's landed experts, as a read-only set that stays valid while a planner runs."""
+
+    def __init__(self, cache: ExpertCache, loading: dict):
+        self._cache, self._loading = cache, loading
+
+    @classmethod
+    def _from_iterable(cls, keys: Iterable) -> frozenset:
+        return frozenset(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._cache and key not in self._loading
+
+    def __iter__(self):
+        return (key for key in self._cache.resident() if key not in self._loading)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class StreamSimulator:
+    def __init__(self, policy: Policy, config: SimConfig):
+        topo, cost = policy.topology, config.cost
+        self.policy, self.config, self.cost, self.topology = policy, config, cost, topo
+        nbytes = topo.expert_bytes
+        self.device = ExpertCache(topo.slots_for_ratio(config.cache_ratio), policy.make_eviction("device"))
+        self.device_link = Link(cost.device_link, cost.transfer_ms(nbytes, cost.device_link), nbytes)
+        self.host: ExpertCache | None = None
+        self.lower_link: Link | None = None
+        if config.has_host_tier:
+            self.host = ExpertCache(topo.slots_for_ratio(config.host_cache_ratio), policy.make_eviction("host"))
+            self.lower_link = Link("disk_to_host", cost.transfer_ms(nbytes, "disk_to_host"), nbytes)
+        self.links = [self.device_link] + ([self.lower_link] if self.lower_link else [])
+        tiers = [self.device] + ([self.host] if self.host else [])
+        self.observers = list(policy.observers()) + [tier.policy for tier in tiers]
+        self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
+        self.loading: dict[ExpertKey, Transfer] = {}  # queued or moving towards the device tier
+        self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
+        self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
+        self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
+        self.now = 0.0
+        self._compute_cache: dict[tuple[int, int], float] = {}
+        self.counters = StreamCounters(LayerCounts(topo.num_layers))
+
+    def run(self, iterations: Iterable[Iteration]) -> StreamCounters:
+        for it in iterations:
+            self._iteration(it)
+        counters = self.counters
+        counters.sim_ms = self.now
+        counters.bytes_by_link = {link.name: link.bytes_moved for link in self.links}
+        return counters
+
+    def _iteration(self, it: Iteration) -> None:
+        observers = self.observers
+        for observer in observers:
+            observer.begin_iteration(it.ctx)
+        self._plan(-1)
+        num_tokens = it.ctx.num_tokens
+        for event in it.events:
+            for observer in observers:
+                observer.observe(event)
+            self._layer(event.layer, event.expert_ids.ravel().tolist(), num_tokens)
+        for seq in it.finished:
+            for observer in observers:
+                observer.end_sequence(seq)
+        self.counters.num_tokens += num_tokens
+        self.counters.num_iterations += 1
+
+    def _layer(self, layer: int, expert_ids: list[int], num_tokens: int) -> None:
+        if num_tokens > 1:
+            expert_ids = list(dict.fromkeys(expert_ids))
+        keys = self.keys[layer]
+        needed = [keys[e] for e in expert_ids]
+        if len(needed) > self.device.capacity:
+            raise BudgetError(
+                f"layer {layer} needs {len(needed)} experts at once but the device tier has "
+                f"{self.device.capacity} slots; raise the cache ratio"
+            )
+        self.device.pin(needed)
+        ready_ms, missed = self._gather(layer, needed)
+        self._plan(layer)
+        compute_ms = self._compute_ms(num_tokens, len(needed))
+        counters = self.counters
+        counters.resident_ms += compute_ms
+        counters.stall_ms += ready_ms - self.now
+        self._advance(ready_ms)
+        for key in missed:
+            self.device.access(key)
+        end_ms = ready_ms + compute_ms
+        self._advance(end_ms)
+        self.device.unpin(needed)
+        self.now = end_ms
+
+    def _compute_ms(self, num_tokens: int, num_experts: int) -> float:
+        cached = self._compute_cache.get((num_tokens, num_experts))
+        if cached is None:
+            cached = self._compute_cache[num_tokens, num_experts] = self.cost.compute_ms(
+                num_tokens, num_experts, self.topology.top_k
+            )
+        return cached
+
+    def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[float, list[ExpertKey]]:
+        """Count hits, start demand loads; when every needed expert is ready, and the misses."""
+        ready_ms, missed, demands, hits = self.now, [], [], 0
+        loading, access, unused = self.loading, self.device.access, self.unused
+        for key in needed:
+            transfer = loading.get(key) if loading else None
+            if transfer is None:
+                if access(key) is not None:
+                    hits += 1
+                    if key in unused:
+                        unused.discard(key)
+                        self.counters.prefetch_hits += 1
+                    continue
+            elif transfer.stage != QUEUED:
+                missed.append(key)
+                ready_ms = max(ready_ms, self._wait(transfer))
+                continue
+            else:  # a prefetch still queued: the demand load replaces it
+                del loading[key]
+                transfer.stage = DROPPED
+            missed.append(key)
+            demands.append(key)
+        if demands:
+            ready_ms = max(ready_ms, self._load_on_demand(demands))
+        self.counters.layers.hits[layer] += hits
+        self.counters.layers.accesses[layer] += len(needed)
+        return ready_ms, missed
+
+    def _load_on_demand(self, keys: list[ExpertKey]) -> float:
+        """Load keys ahead of every prefetch (slots reserved now); when the last lands."""
+        counters = self.counters
+        counters.demand_fetches += len(keys)
+        if self.host is not None:
+            keys.sort(key=lambda k: not self._host_ready(k))
+            return max(self._demand(Transfer(key, False)) for key in keys)
+        if self.cost.host_holds_all:
+            counters.host_accesses += len(keys)
+            counters.host_hits += len(keys)
+        for key in keys:
+            self._admit_device(key, (), demand=True)
+        return self.device_link.commit_many(len(keys), self.now)  # landed before the layer computes
+
+    def _demand(self, transfer: Transfer) -> float:
+        """A demand load through the host tier; when it lands."""
+        self.loading[transfer.key] = transfer
+        earliest = self._through_host(transfer)
+        self._admit_device(transfer.key, (), demand=True)
+        transfer.stage = MOVING
+        return self.device_link.commit(transfer, earliest)
+
+    def _through_host(self, transfer: Transfer) -> float:
+        """A demand load's host stage: when its expert is ready in the host tier."""
+        key, counters = transfer.key, self.counters
+        counters.host_accesses += 1
+        self._pin_host(transfer)
+        if self._host_ready(key):
+            counters.host_hits += 1
+            self.host.access(key)
+            return self.now
+        self._admit_host(transfer, demand=True)
+        transfer.stage = LOWER
+        transfer.lower_end_ms = self.lower_link.commit(transfer, self.now)
+        return transfer.lower_end_ms
+
+    def _wait(self, transfer: Transfer) -> float:
+        """A needed expert already on its way: hurry it if it still waits for the device link."""
+        if transfer.prefetch and not transfer.waited:
+            transfer.waited = True
+            self.counters.late_prefetches += 1
+        if transfer.stage == MOVING:
+            return transfer.end_ms
+        if transfer.stage == WAITING:
+            self.device_link.waiting.remove(transfer)
+        self._admit_device(transfer.key, (), demand=True)
+        transfer.stage = MOVING
+        return self.device_link.commit(transfer, max(self.now, transfer.lower_end_ms))
+
+    def _plan(self, layer_now: int) -> None:
+        """Replace the queued prefetches with the planner's requests for what is predicted now."""
+        horizon = self.config.horizon_layers
+        predictions = self.policy.predictor.predict(layer_now, horizon) if horizon else []
+        if layer_now < 0 and not predictions:
+            return  # nothing new before the first layer: the last layer's plan stands
+        for link in self.links:
+            if link.planned:
+                for transfer in link.drop_planned():
+                    del self.loading[transfer.key]
+        if not predictions:
+            self.need = {}
+            return
+        num_layers, keys = self.topology.num_layers, self.keys
+        need: dict[ExpertKey, int] = {}
+        for p in predictions:  # layers ahead as planning.layers_ahead measures them, inlined
+            key, ahead = keys[p.layer][p.expert], p.layer - layer_now + p.tokens_ahead * num_layers
+            if ahead < need.get(key, INF):
+                need[key] = ahead
+        self.need = need
+        view = CacheView(
+            _ReadyKeys(self.device, self.loading), frozenset(self.loading), self.device.capacity, layer_now, num_layers
+        )
+        requests = sorted(self.policy.planner.plan(predictions, view), key=lambda r: -r.priority)
+        self._queue(requests, need)
+        for link in self.links:
+            link.wake(self.now)
+
+    def _queue(self, requests, need: dict[ExpertKey, int]) -> None:
+        for request in requests:
+            key = request.key
+            if key in self.loading or key in self.device:
+                continue
+            transfer = Transfer(key, True, need.get(key, INF))
+            self.loading[key] = transfer
+            link = self.device_link if self.host is None or self._host_ready(key) else self.lower_link
+            link.planned.append(transfer)
+
+    def _advance(self, until_ms: float) -> None:
+        """Run the links up to until_ms: land what ends by then, start queued prefetches."""
+        if self.lower_link is not None:
+            self._run_lower(until_ms)
+        link = self.device_link
+        if not (link.running or link.planned or link.waiting):
+            return
+        while True:
+            done = link.completed(until_ms)
+            if done:
+                self._land(done)
+            if link.free_ms > until_ms:
+                return
+            transfer = link.next_planned()
+            if transfer is None:
+                return
+            self._start_on_device(transfer)
+
+    def _start_on_device(self, transfer: Transfer) -> None:
+        link, key = self.device_link, transfer.key
+        arrived = transfer.stage == WAITING
+        if not arrived and self.host is not None and not self._host_ready(key):
+            self._drop(transfer)  # its host copy was evicted after the plan
+            return
+        if not self._admit_device(key, _NeededNoLater(self.need, transfer.need), demand=False):
+            self._drop(transfer)
+            return
+        self.device.pin((key,))
+        transfer.device_pinned = True
+        if self.host is not None and not transfer.host_pinned:
+            self._pin_host(transfer)
+            self.host.access(key)
+        if not arrived:
+            self.counters.prefetches_started += 1
+        transfer.stage = MOVING
+        link.commit(transfer, transfer.lower_end_ms if arrived else link.free_ms)
+
+    def _run_lower(self, until_ms: float) -> None:
+        link = self.lower_link
+        while True:
+            for transfer in link.completed(until_ms):
+                self.host_loading.discard(transfer.key)
+                if transfer.stage == LOWER:
+                    transfer.stage = WAITING
+                    self.device_link.waiting.append(transfer)
+            if link.free_ms > until_ms:
+                return
+            transfer = link.next_planned()
+            if transfer is None:
+                return
+            if not self._admit_host(transfer, demand=False):
+                self._drop(transfer)
+                continue
+            self._pin_host(transfer)
+            self.counters.prefetches_started += 1
+            transfer.stage = LOWER
+            transfer.lower_end_ms = link.commit(transfer, link.free_ms)
+
+    def _land(self, done: list[Transfer]) -> None:
+        counters, unpins = self.counters, []
+        for transfer in done:
+            key = transfer.key
+            del self.loading[key]
+            if transfer.device_pinned:
+                unpins.append(key)
+            if transfer.host_pinned:
+                self.host.unpin((key,))
+            if transfer.prefetch:
+                counters.prefetches_landed += 1
+                if not transfer.waited:
+                    self.unused.add(key)
+        if unpins:
+            self.device.unpin(unpins)
+
+    def _drop(self, transfer: Transfer) -> None:
+        del self.loading[transfer.key]
+        self.counters.prefetches_dropped += 1
+        if transfer.host_pinned:
+            self.host.unpin((transfer.key,))
+        transfer.stage = DROPPED
+
+    def _admit_device(self, key: ExpertKey, protect, demand: bool) -> bool:
+        try:
+            _, evicted = self.device.admit(key, protect)
+        except CacheFullError:
+            if demand:
+                raise BudgetError(
+                    f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"
+                ) from None
+            return False
+        if evicted is not None and evicted in self.unused:
+            self.unused.discard(evicted)
+            self.counters.wasted_prefetches += 1
+        return True
+
+    def _admit_host(self, transfer: Transfer, demand: bool) -> bool:
+        try:
+            self.host.admit(transfer.key)
+        except CacheFullError:
+            if demand:
+                raise BudgetError(f"host tier of {self.host.capacity} slots has no expert to evict") from None
+            return False
+        self.host_loading.add(transfer.key)
+        return True
+
+    def _pin_host(self, transfer: Transfer) -> None:
+        self.host.pin((transfer.key,))
+        transfer.host_pinned = True
+
+    def _host_ready(self, key: ExpertKey) -> bool:
+        return key in self.host and key not in self.host_loading
+
+
+@PROTOCOLS.register("stream")
+class StreamProtocol(Protocol):
+    """The discrete-event simulation of a serving stream under a cost model."""
+
+    def run(self, policy: Policy, trace: Trace, config: SimConfig) -> dict:
+        simulator = StreamSimulator(policy, config)
+        counters = simulator.run(REPLAYS[config.mode](trace, config))
+        return counters.summary(simulator.device_link.name)

@@ -1,0 +1,126 @@
+"""The MoE-Beyond study's hit-rate protocol (arXiv 2508.17137), offered as the `moe-beyond` protocol.
+
+- One global pool of int(total_experts x ratio) slots shared by all layers (1,664 x ratio for
+  DeepSeek-V2-Lite), with LRU eviction as in the study (`protocol_eviction="policy"` uses the
+  policy's own device eviction instead).
+- Prompts are replayed one after another as decode streams. At the start of every prompt the pool
+  is emptied and refilled with random experts (seeded); the first `warmup_tokens` (10) tokens of a
+  prompt warm the pool and are not scored, so prompts of 10 tokens or fewer contribute nothing.
+- Before each (token, layer l) the predictor's experts for layer l are pushed through the pool
+  (no bandwidth; a push of a resident expert refreshes it, any other evicts): the top_k
+  highest-scoring predictions for layer l, best first, from `predict(layer_now=l-1)` made after
+  observing layer l-1 (for layer 0, `predict(-1)` after `begin_iteration`). Then the gate's real
+  experts are looked up: a hit refreshes, a miss is inserted.
+- hit rate = hits / lookups, pooled over every scored token of every prompt.
+No bandwidth, no time: the stream protocol (`engine.py`) measures those. Knows no policy by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moestream.cache import ExpertCache
+from moestream.policies.base import Policy, Prediction
+from moestream.policies.eviction import LRUPolicy
+from moestream.sim.config import SimConfig
+from moestream.sim.metrics import LayerCounts, MoeBeyondCounters
+from moestream.sim.protocols import PROTOCOLS, Protocol
+from moestream.topology import ExpertKey
+from moestream.trace.replay import Iteration, decode_stream
+from moestream.trace.schema import Trace
+
+
+def pool_slots(total_experts: int, ratio: float) -> int:
+    return max(1, int(total_experts * ratio))
+
+
+class _Run:
+    """One replay of the protocol: the pool, the policy's observers and the counters."""
+
+    def __init__(self, policy: Policy, config: SimConfig):
+        topo = policy.topology
+        self.policy, self.config, self.topology = policy, config, topo
+        own = config.protocol_eviction == "policy"
+        eviction = policy.make_eviction("device") if own else LRUPolicy()
+        self.pool = ExpertCache(pool_slots(topo.total_experts, config.cache_ratio), eviction)
+        self.observers = list(policy.observers()) + ([eviction] if own else [])
+        self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
+        self.all_keys = [key for layer_keys in self.keys for key in layer_keys]
+        self.rng = np.random.default_rng(config.seed)
+        self.horizon = max(1, config.horizon_layers)
+        self.counters = MoeBeyondCounters(LayerCounts(topo.num_layers))
+        self.prompt: int | None = None
+        self.index = 0  # tokens of the current prompt seen so far
+
+    def iteration(self, it: Iteration) -> None:
+        for observer in self.observers:
+            observer.begin_iteration(it.ctx)
+        seq = int(it.ctx.seq_ids[0])
+        if seq != self.prompt:
+            self._new_prompt(seq)
+        scored = self.index >= self.config.warmup_tokens
+        self._push(self.policy.predictor.predict(-1, self.horizon), 0, scored)
+        last = self.topology.num_layers - 1
+        for event in it.events:
+            for observer in self.observers:
+                observer.observe(event)
+            self._lookup(event.layer, event.expert_ids.ravel().tolist(), scored)
+            if event.layer < last:
+                self._push(self.policy.predictor.predict(event.layer, self.horizon), event.layer + 1, scored)
+        for seq_id in it.finished:
+            for observer in self.observers:
+                observer.end_sequence(seq_id)
+        self.index += 1
+        self.counters.scored_tokens += scored
+
+    def _new_prompt(self, seq: int) -> None:
+        """Empty the pool and refill it with random experts."""
+        self.prompt, self.index = seq, 0
+        self.counters.num_prompts += 1
+        pool = self.pool
+        for key in list(pool.resident()):
+            pool.remove(key)
+        for i in self.rng.choice(len(self.all_keys), size=pool.capacity, replace=False).tolist():
+            pool.admit(self.all_keys[i])
+
+    def _push(self, predictions: list[Prediction], layer: int, scored: bool) -> None:
+        best: dict[int, float] = {}
+        for p in predictions:
+            if p.layer == layer and p.tokens_ahead == 0 and p.score > best.get(p.expert, 0.0):
+                best[p.expert] = p.score
+        chosen = sorted(best, key=lambda e: (-best[e], e))[: self.topology.top_k]
+        keys = self.keys[layer]
+        for expert in chosen:
+            self._touch(keys[expert])
+        if scored:
+            self.counters.pushed += len(chosen)
+
+    def _lookup(self, layer: int, experts: list[int], scored: bool) -> None:
+        keys, hits = self.keys[layer], 0
+        for expert in experts:
+            hits += self._touch(keys[expert])
+        if scored:
+            self.counters.layers.hits[layer] += hits
+            self.counters.layers.accesses[layer] += len(experts)
+
+    def _touch(self, key: ExpertKey) -> bool:
+        """Refresh a resident expert (True) or insert it, evicting (False)."""
+        if self.pool.access(key) is not None:
+            return True
+        self.pool.admit(key)
+        return False
+
+
+@PROTOCOLS.register("moe-beyond")
+class MoeBeyondProtocol(Protocol):
+    """Hit rate of a global expert pool, scored after a 10-token warm-up per prompt."""
+
+    def run(self, policy: Policy, trace: Trace, config: SimConfig) -> dict:
+        run = _Run(policy, config)
+        for it in decode_stream(trace):
+            run.iteration(it)
+        counters = run.counters
+        counters.scored_prompts = sum(
+            1 for _, start, end in trace.sequence_bounds() if end - start > config.warmup_tokens
+        )
+        return counters.summary()

@@ -1,0 +1,72 @@
+"""PNG figures of simulation results: hit rate against cache ratio, and hit rate per layer.
+
+Takes plain result dicts ({policy: {ratio: metrics}}); knows nothing of how they were made.
+Uses matplotlib's Agg backend, writes atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+Results = dict[str, dict[float, dict]]  # policy -> cache ratio -> metrics
+
+
+def plot_results(results: Results, path: str | os.PathLike, title: str = "") -> Path:
+    """Two panels: hit rate vs cache ratio per policy; per-layer hit rate at the smallest ratio."""
+    figure, (by_ratio, by_layer) = plt.subplots(1, 2, figsize=(12, 4.5))
+    _hit_rate_vs_ratio(by_ratio, results)
+    _per_layer(by_layer, results)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    try:
+        return _save(figure, Path(path))
+    finally:
+        plt.close(figure)
+
+
+def _hit_rate_vs_ratio(axes, results: Results) -> None:
+    for policy, by_ratio in results.items():
+        ratios = sorted(by_ratio)
+        axes.plot(ratios, [100 * by_ratio[r]["hit_rate"] for r in ratios], marker="o", label=policy)
+    axes.set_xlabel("cache ratio (device slots / routed experts)")
+    axes.set_ylabel("hit rate (%)")
+    axes.set_ylim(0, 100)
+    axes.set_title("hit rate vs cache ratio")
+    axes.grid(alpha=0.3)
+    axes.legend()
+
+
+def _per_layer(axes, results: Results) -> None:
+    ratio = min(r for by_ratio in results.values() for r in by_ratio)
+    for policy, by_ratio in results.items():
+        layers = by_ratio[ratio]["per_layer_hit_rate"]
+        axes.plot(range(len(layers)), [100 * h for h in layers], marker=".", label=policy)
+    axes.set_xlabel("MoE layer")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel("hit rate (%)")
+    axes.set_ylim(0, 100)
+    axes.set_title(f"per-layer hit rate at cache ratio {ratio:g}")
+    axes.grid(alpha=0.3)
+    axes.legend()
+
+
+def _save(figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            figure.savefig(handle, format="png", dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,92 @@
+"""`moestream sim`: JSON shape, table, plot, and one-line errors for bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moestream.cli import main
+from moestream.topology import Topology
+from moestream.trace.format import save_trace
+from moestream.trace.synthetic import synthetic_trace
+
+TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3), num_experts=8, top_k=2, expert_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sim")
+    test = save_trace(synthetic_trace(TOPOLOGY, num_sequences=5, tokens_per_sequence=14, seed=1), root / "test.npz")
+    train = save_trace(synthetic_trace(TOPOLOGY, num_sequences=5, tokens_per_sequence=14, seed=2), root / "train.npz")
+    return test, train
+
+
+def test_json_has_a_block_per_policy_with_the_contract_keys(traces, tmp_path, capsys):
+    test, train = traces
+    out = tmp_path / "r.json"
+    rc = main(["sim", "--trace", str(test), "--train", str(train), "--policy", "lru,belady,oracle", "--cache-ratio", "0.25", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["policies"]) == ["lru", "belady", "oracle"]
+    for metrics in doc["policies"].values():
+        assert 0.0 <= metrics["hit_rate"] <= 1.0
+        for key in ("stall_ms_per_token", "tpot_ratio_vs_resident", "bytes_per_token", "wasted_prefetch_ratio", "late_prefetch_ratio"):
+            assert metrics[key] >= 0.0
+        assert len(metrics["per_layer_hit_rate"]) == 3
+    assert doc["cost_model"]["name"] == "pcie4-consumer"
+    assert "belady" in capsys.readouterr().out
+
+
+def test_several_ratios_protocols_modes_and_a_plot(traces, tmp_path):
+    test, _ = traces
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["sim", "--trace", str(test), "--policy", "lru", "--cache-ratio", "0.25,0.5", "--json", str(out), "--plot", str(png)]
+    assert main(argv + ["--mode", "batched", "--batch-size", "3", "--cost-model", "h100-pcie5", "--link-gbps", "5"]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["policies"]["lru"]["by_ratio"]) == {"0.25", "0.5"} and doc["mode"] == "batched"
+    assert doc["cost_model"]["host_to_device_gbps"] == 5.0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(argv[:-2] + ["--protocol", "moe-beyond"]) == 0
+    assert json.loads(out.read_text())["policies"]["lru"]["stall_ms_per_token"] is None
+
+
+def _deepseek_like(path, experts, layer_ids):
+    n = len(experts)
+    np.savez(path, experts=experts, prompt_id=np.zeros(n, np.int32), token_pos=np.arange(n, dtype=np.int32), moe_layer_ids=layer_ids)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("policy", "unknown policy 'nope'"),
+        ("ratio", "--cache-ratio must lie in (0, 1]"),
+        ("missing", "trace file not found"),
+        ("truncated", "truncated"),
+        ("shape", "layers"),
+        ("train-topology", "differs"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(case, message, traces, tmp_path, capsys):
+    test, _ = traces
+    args = {"trace": str(test), "policy": "lru", "ratio": "0.5", "train": None}
+    if case == "policy":
+        args["policy"] = "lru,nope"
+    elif case == "ratio":
+        args["ratio"] = "1.5"
+    elif case == "missing":
+        args["trace"] = str(tmp_path / "none.npz")
+    elif case == "truncated":
+        (tmp_path / "cut.npz").write_bytes(test.read_bytes()[:400])
+        args["trace"] = str(tmp_path / "cut.npz")
+    elif case == "shape":
+        experts = np.zeros((4, 3, 6), np.uint8)  # 3 layers of routing, 4 layer ids
+        args["trace"] = str(_deepseek_like(tmp_path / "bad.npz", experts, np.arange(1, 5, dtype=np.int32)))
+    else:
+        experts = np.zeros((4, 2, 6), np.uint8)
+        args["train"] = str(_deepseek_like(tmp_path / "other.npz", experts, np.arange(1, 3, dtype=np.int32)))
+    argv = ["sim", "--trace", args["trace"], "--policy", args["policy"], "--cache-ratio", args["ratio"]]
+    rc = main(argv + (["--train", args["train"]] if args["train"] else []))
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -1,0 +1,53 @@
+"""Cost-model presets and the arithmetic of transfers and compute."""
+
+import pytest
+
+from moestream.errors import MoestreamError
+from moestream.sim.cost import DEFAULT_COST_MODEL, PRESETS, CostModel, get_cost_model
+
+EXPERT_BYTES = 3 * 2048 * 1408 * 2  # one DeepSeek-V2-Lite routed expert
+
+
+def test_presets_exist_with_sources_and_the_default_is_consumer_pcie4():
+    assert {"pcie4-consumer", "h100-pcie5", "local-disk"} <= set(PRESETS)
+    assert DEFAULT_COST_MODEL == "pcie4-consumer"
+    assert all(model.source for model in PRESETS.values())
+
+
+def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
+    model = get_cost_model("pcie4-consumer")
+    assert model.transfer_ms(EXPERT_BYTES) == pytest.approx(0.01 + EXPERT_BYTES / 25e9 * 1e3)
+    assert model.transfer_ms(EXPERT_BYTES, "disk_to_host") == pytest.approx(0.1 + EXPERT_BYTES / 3e9 * 1e3)
+
+
+def test_local_disk_fills_ram_from_disk():
+    model = get_cost_model("local-disk")
+    assert model.device_link == "disk_to_host" and not model.host_holds_all
+    assert model.transfer_ms(EXPERT_BYTES) == model.transfer_ms(EXPERT_BYTES, "disk_to_host")
+
+
+def test_faster_hardware_moves_and_computes_faster():
+    consumer, h100 = get_cost_model("pcie4-consumer"), get_cost_model("h100-pcie5")
+    assert h100.transfer_ms(EXPERT_BYTES) < consumer.transfer_ms(EXPERT_BYTES)
+    assert h100.layer_compute_ms < consumer.layer_compute_ms
+
+
+def test_compute_grows_with_extra_tokens_and_experts():
+    model = CostModel("m", layer_compute_ms=1.0, host_to_device_gbps=1, disk_to_host_gbps=1, expert_compute_ms=0.5, token_compute_ms=0.1)
+    assert model.compute_ms(1, 6, 6) == 1.0
+    assert model.compute_ms(11, 10, 6) == pytest.approx(1.0 + 4 * 0.5 + 10 * 0.1)
+
+
+def test_overrides_replace_only_given_fields():
+    model = get_cost_model("pcie4-consumer")
+    changed = model.with_overrides(layer_compute_ms=1.5, host_to_device_gbps=None)
+    assert changed.layer_compute_ms == 1.5 and changed.host_to_device_gbps == model.host_to_device_gbps
+
+
+def test_bad_names_and_values_are_user_errors():
+    with pytest.raises(MoestreamError, match="unknown cost model"):
+        get_cost_model("abacus")
+    with pytest.raises(MoestreamError, match="must be > 0"):
+        get_cost_model("pcie4-consumer").with_overrides(host_to_device_gbps=0.0)
+    with pytest.raises(MoestreamError, match="unknown link"):
+        get_cost_model("pcie4-consumer").transfer_ms(1, "carrier_pigeon")

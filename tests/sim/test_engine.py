@@ -1,0 +1,164 @@
+"""The stream simulator against counts worked out by hand on tiny traces (1 ms per transfer)."""
+
+import numpy as np
+import pytest
+
+from moestream.errors import BudgetError
+from moestream.policies import POLICIES
+from moestream.policies.base import Predictor
+from moestream.sim import SimConfig, simulate
+from moestream.topology import Topology
+from moestream.trace.replay import batched_rows
+from moestream.trace.synthetic import synthetic_trace
+from tests.sim import tiny
+
+
+def run(policy, trace, **config):
+    return simulate(policy, trace, SimConfig(**config), "stream")
+
+
+def test_demand_loads_stall_compute_and_repeat_tokens_hit():
+    topo = tiny.topology()  # 2 layers x 4 experts, top-1, 8 experts in all
+    trace = tiny.trace([[[[0], [0]], [[0], [0]], [[1], [1]], [[0], [0]]]], topo)
+    m = run(POLICIES.create("lru", topo), trace, cache_ratio=0.5, cost=tiny.cost(compute_ms=2.0))
+    assert (m["hits"], m["accesses"]) == (4, 8)
+    assert m["stall_ms_per_token"] == pytest.approx(4 * 1.0 / 4)  # four 1 ms demand loads
+    assert m["resident_ms"] == pytest.approx(4 * 2 * 2.0)
+    assert m["tpot_ratio_vs_resident"] == pytest.approx(20.0 / 16.0)
+    assert m["bytes_per_token"] == pytest.approx(4 * tiny.MB / 4)
+    assert m["per_layer_hit_rate"] == [0.5, 0.5]
+    assert m["tier_hit_rate"] == {"device": 0.5, "host": 1.0}
+
+
+def test_prefetch_in_time_is_a_hit():
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]]]], topo)
+    policy = tiny.scripted(topo, {1: [1]})  # predicts layer 1's expert right
+    m = run(policy, trace, cache_ratio=0.5, cost=tiny.cost(compute_ms=2.0), horizon_layers=1)
+    # layer 0: 1 ms demand load; the prefetch runs 1..2 ms while layer 0 computes 1..3 ms
+    assert (m["hits"], m["prefetches"], m["prefetch_hits"]) == (1, 1, 1)
+    assert m["stall_ms"] == pytest.approx(1.0)
+    assert (m["late_prefetches"], m["wasted_prefetches"]) == (0, 0)
+
+
+def test_prefetch_arriving_after_the_gate_is_late_and_stalls_the_rest():
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]]]], topo)
+    policy = tiny.scripted(topo, {1: [1]})
+    m = run(policy, trace, cache_ratio=0.5, cost=tiny.cost(compute_ms=0.5), horizon_layers=1)
+    # layer 0 computes 1..1.5 ms; the prefetch lands at 2 ms: layer 1 waits 0.5 ms
+    assert (m["hits"], m["late_prefetches"], m["late_prefetch_ratio"]) == (0, 1, 1.0)
+    assert m["stall_ms"] == pytest.approx(1.5)
+
+
+def test_wrong_prefetch_evicted_unused_is_wasted():
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]]]], topo)
+    policy = tiny.scripted(topo, {1: [2]})  # wrong: layer 1 needs expert 1
+    m = run(policy, trace, cache_ratio=0.25, cost=tiny.cost(), horizon_layers=1)  # 2 slots
+    # layer 1's demand load evicts the least recent: the prefetched, never used expert
+    assert (m["hits"], m["prefetches"], m["wasted_prefetches"], m["wasted_prefetch_ratio"]) == (0, 1, 1, 1.0)
+    assert m["demand_fetches"] == 2
+
+
+def test_doubling_link_bandwidth_halves_a_transfer_bound_stall():
+    topo = tiny.topology()
+    trace = tiny.trace([[[[e], [e]] for e in range(4)] * 2], topo)  # every access misses at 2 slots
+    stalls = [
+        run(POLICIES.create("lru", topo), trace, cache_ratio=0.25, cost=tiny.cost(link_gbps=gbps))["stall_ms"]
+        for gbps in (1.0, 2.0)
+    ]
+    assert stalls[0] > 0 and stalls[1] == pytest.approx(stalls[0] / 2)
+
+
+class Spy(Predictor):
+    def __init__(self, topology, log):
+        super().__init__(topology)
+        self.log = log
+
+    def begin_iteration(self, ctx):
+        self.log.append(("begin", ctx.step))
+
+    def observe(self, event):
+        self.log.append(("observe", event.layer))
+
+    def end_sequence(self, seq_id):
+        self.log.append(("end", seq_id))
+
+    def predict(self, layer_now, horizon_layers):
+        self.log.append(("predict", layer_now))
+        return []
+
+
+def test_policy_sees_the_documented_call_order():
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]]], [[[2], [3]]]], topo)
+    log = []
+    policy = POLICIES.create("lru", topo)
+    policy.predictor = Spy(topo, log)
+    run(policy, trace, cache_ratio=0.5, cost=tiny.cost())
+    one = [("predict", -1), ("observe", 0), ("predict", 0), ("observe", 1), ("predict", 1)]
+    assert log == [("begin", 0), *one, ("end", 0), ("begin", 1), *one, ("end", 1)]
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    topo = Topology(moe_layer_ids=(1, 2, 3), num_experts=8, top_k=2, expert_bytes=tiny.MB)
+    return synthetic_trace(topo, num_sequences=5, tokens_per_sequence=9, seed=4)
+
+
+def _distinct(trace, groups):
+    return sum(len(np.unique(trace.experts[rows, layer])) for rows in groups for layer in range(3))
+
+
+def test_modes_count_iterations_and_distinct_experts(synthetic):
+    bounds = synthetic.sequence_bounds()
+    prefill_groups = [np.arange(s, e) for _, s, e in bounds]
+    batched_groups = [rows for rows, _ in batched_rows(synthetic, 2)]
+    expected = {
+        "decode": (synthetic.num_tokens, synthetic.num_tokens * 3 * 2),
+        "prefill": (len(bounds), _distinct(synthetic, prefill_groups)),
+        "batched": (len(batched_groups), _distinct(synthetic, batched_groups)),
+    }
+    used = len({(layer, int(e)) for layer in range(3) for e in np.unique(synthetic.experts[:, layer])})
+    for mode, (iterations, accesses) in expected.items():
+        m = run(POLICIES.create("lru", synthetic.topology), synthetic, cache_ratio=1.0, mode=mode, batch_size=2, cost=tiny.cost())
+        assert (m["num_iterations"], m["accesses"], m["num_tokens"]) == (iterations, accesses, synthetic.num_tokens)
+        assert m["hits"] == m["accesses"] - used  # every expert is loaded once, then stays
+
+
+def test_prefill_compute_grows_with_tokens_and_experts(synthetic):
+    base = tiny.cost()
+    cost = base.with_overrides(token_compute_ms=0.1, expert_compute_ms=0.5)
+    m = run(POLICIES.create("lru", synthetic.topology), synthetic, cache_ratio=1.0, mode="prefill", cost=cost)
+    expected = sum(
+        cost.compute_ms(e - s, len(np.unique(synthetic.experts[s:e, layer])), 2)
+        for _, s, e in synthetic.sequence_bounds()
+        for layer in range(3)
+    )
+    assert m["resident_ms"] == pytest.approx(expected)
+
+
+def test_a_layer_needing_more_experts_than_slots_is_a_budget_error(synthetic):
+    with pytest.raises(BudgetError, match="raise the cache ratio"):
+        run(POLICIES.create("lru", synthetic.topology), synthetic, cache_ratio=0.05, mode="prefill", cost=tiny.cost())
+
+
+def test_partial_host_tier_reads_misses_from_disk(synthetic):
+    full = run(POLICIES.create("lru", synthetic.topology), synthetic, cache_ratio=0.25, cost=tiny.cost())
+    part = run(POLICIES.create("lru", synthetic.topology), synthetic, cache_ratio=0.25, host_cache_ratio=0.5, cost=tiny.cost())
+    assert full["tier_hit_rate"]["host"] == 1.0 and 0.0 < part["tier_hit_rate"]["host"] < 1.0
+    assert part["hit_rate"] == full["hit_rate"]  # no prefetch: the device tier sees the same misses
+    assert part["stall_ms"] > full["stall_ms"] and part["bytes_by_link"]["disk_to_host"] > 0
+
+
+def test_bounds_order_on_real_routing(deepseek_dev_path):
+    from moestream.trace.format import load_trace
+
+    trace = load_trace(deepseek_dev_path)
+    sample = trace.select(trace.sequence_ids()[:12])
+    config = SimConfig(cache_ratio=0.10)  # pcie4-consumer
+    m = {name: simulate(POLICIES.create(name, trace.topology), sample, config) for name in ("lru", "belady", "oracle")}
+    assert m["belady"]["hit_rate"] > m["lru"]["hit_rate"]
+    assert m["oracle"]["stall_ms_per_token"] < m["lru"]["stall_ms_per_token"]
+    assert m["lru"]["tpot_ratio_vs_resident"] > 1.0
