@@ -132,6 +132,8 @@ class Policy:
     offline: ClassVar[bool] = False
     registry_name: ClassVar[str] = ""
     trace_needs: ClassVar[tuple[str, ...]] = ()  # trace fields the design needs, e.g. ("gate_probs",)
+    # the engine runs the predictor on a worker thread (moestream.runtime.background.offload_predictor)
+    predicts_in_background: ClassVar[bool] = False
 
     def __init__(self, topology: Topology):
         self.topology = topology
