@@ -8,16 +8,14 @@ prompts it has never seen. Prints tables, writes JSON and PNG plots.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from moestream.atomic import write_json
 from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
 from moestream.sim.compare import CompareConfig, Comparison, compare
@@ -62,7 +60,7 @@ def run(args) -> int:
     if args.plot_dir:
         _plot(result, args.plot_dir)
     if args.json:
-        _write_json(_document(result, config, train, test), args.json)
+        write_json(_document(result, config, train, test), args.json)
     return 0
 
 
@@ -193,15 +191,3 @@ def _document(result: Comparison, config: CompareConfig, train, test) -> dict:
         "skipped": result.skipped,
         "default_losses": list(default_losses(result)),
     }
-
-
-def _write_json(document: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

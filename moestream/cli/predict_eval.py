@@ -8,12 +8,10 @@ GOODPRED with the lead time of --cost-model. The rule is in moestream.eval.predi
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
-from moestream.errors import MoestreamError
+from moestream.atomic import write_json
 from moestream.eval.prediction import EvalError, LeadTimeCost, evaluate_policy
 from moestream.sim.cost import DEFAULT_COST_MODEL, get_cost_model
 
@@ -83,20 +81,3 @@ def _summary(result: dict) -> str:
         f"recall {result['recall']:.4f} F1 {result['f1']:.4f} GOODPRED {result['goodpred']:.4f} "
         f"({result['num_tokens']} test tokens, {result['seconds']:.1f} s)"
     )
-
-
-def write_json(data: dict, path: Path) -> None:
-    """Atomically: a temporary file beside path, then os.replace."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as error:
-        raise MoestreamError(f"cannot write {path}: {error.strerror or error}") from None
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=2)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

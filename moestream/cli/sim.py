@@ -9,14 +9,12 @@ protocol). Prints a table; --json and --plot write the results.
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from moestream.atomic import write_json
 from moestream.errors import MoestreamError
 
 log = logging.getLogger(__name__)
@@ -209,15 +207,3 @@ def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
 
 def _fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
-
-
-def write_json(document: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from abc import abstractmethod
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from moestream.atomic import atomic_path, write_json
 from moestream.errors import MoestreamError
 from moestream.policies.base import Policy, Predictor
 from moestream.predictors.configs import TrainConfig
@@ -80,7 +79,8 @@ def save_predictor(predictor: TrainablePredictor, directory: str | Path) -> Path
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in predictor.tensors().items()}
-    _atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(tensors, path))
+    with atomic_path(directory / WEIGHTS_FILE) as path:
+        save_file(tensors, str(path))
     meta = {
         "format_version": FORMAT_VERSION,
         "kind": predictor.kind,
@@ -88,7 +88,7 @@ def save_predictor(predictor: TrainablePredictor, directory: str | Path) -> Path
         "train": predictor.train_config.to_dict(),
         "losses": predictor.losses,
     } | predictor.meta()
-    _atomic_write(directory / META_FILE, lambda path: Path(path).write_text(json.dumps(meta, indent=1)))
+    write_json(meta, directory / META_FILE)
     return directory
 
 
@@ -138,17 +138,6 @@ def _check_topology(saved_dict, wanted: Topology, directory: Path) -> None:
         raise PredictorFileError(
             f"{directory} was trained for (layers, experts, top_k) = {shape}, this model has {expected}"
         )
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class TrainedPolicy(Policy):

@@ -7,7 +7,6 @@ Uses matplotlib's Agg backend, writes atomically.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from moestream.atomic import atomic_path  # noqa: E402
 
 Results = dict[str, dict[float, dict]]  # policy -> cache ratio -> metrics
 
@@ -60,13 +61,6 @@ def _per_layer(axes, results: Results) -> None:
 
 
 def _save(figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            figure.savefig(handle, format="png", dpi=110)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=110)
     return path

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Mapping
 import numpy as np
 
 import moestream
+from moestream.atomic import atomic_path
 from moestream.errors import TraceError
 from moestream.topology import Topology
 from moestream.trace import deepseek
@@ -36,17 +36,10 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
     """Write `trace` to `path` (conventionally `*.npz`) atomically; returns the path."""
     path = Path(path)
     arrays = {HEADER_KEY: _encode_json(_header(trace))} | _arrays(trace)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez_compressed(handle, **arrays)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        np.savez_compressed(handle, **arrays)
+        handle.flush()
+        os.fsync(handle.fileno())
     return path
 
 

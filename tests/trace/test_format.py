@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from moestream.errors import TraceError
+from moestream.errors import MoestreamError, TraceError
 from moestream.topology import Topology
 from moestream.trace import format as trace_format
 from moestream.trace.format import HEADER_KEY, load_trace, save_trace
@@ -63,7 +63,7 @@ def test_save_is_atomic_and_replaces(tmp_path, full_trace, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(trace_format.np, "savez_compressed", fail)
-    with pytest.raises(OSError):
+    with pytest.raises(MoestreamError, match="disk full"):
         save_trace(full_trace.select([0]), path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
