@@ -57,13 +57,19 @@ class OneHotDenseExperts(torch.nn.Module):
     def __init__(self, original: torch.nn.ModuleDict, binding: LayerBinding):
         super().__init__()
         first = original["expert_0"]
-        self.act = first.act
+        self.act = first.act  # the activation module, also the `act` stage of the expert math
         self.num_experts = len(original)
         self.moestream_binding = binding
 
-    def math(self, hidden: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-        inner = self.act(F.linear(hidden.to(weights["wi"].dtype), weights["wi"]))  # [N, d_ff]
-        return F.linear(inner.to(weights["wo"].dtype), weights["wo"])  # [N, H]
+    # the expert math in stages (an `ExpertMath`): wi per expert, the activation over many experts' rows, wo
+    def up(self, hidden: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.linear(hidden.to(weights["wi"].dtype), weights["wi"])  # [n, d_ff]
+
+    def down(self, inner: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.linear(inner.to(weights["wo"].dtype), weights["wo"])  # [n, H]
+
+    def post(self, out: torch.Tensor) -> torch.Tensor:
+        return out
 
     def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
@@ -71,7 +77,7 @@ class OneHotDenseExperts(torch.nn.Module):
         top_k_index = selected_experts.argmax(dim=-1)  # [N, 1]
         kept = selected_experts.sum(dim=(-1, -2)) > 0  # [N]
         binding = self.moestream_binding
-        return binding.experts.forward(binding.layer, self.math, hidden_states, top_k_index, routing_weights, kept)
+        return binding.experts.forward(binding.layer, self, hidden_states, top_k_index, routing_weights, kept)
 
 
 def find_router(block: torch.nn.Module, experts_name: str, num_experts: int, hidden_size: int):

@@ -1,16 +1,20 @@
 """Reads expert bytes from the checkpoint's files into slots, so that the page cache does not hide disk cost.
 
 On Linux each file is opened with O_DIRECT: reads are rounded out to the logical block size
-(4096 bytes) and land in a block-aligned staging buffer, from which the wanted bytes are copied
-into the destination slot. Fallback: where O_DIRECT is unavailable (non-Linux systems) or the
+(4096 bytes) and land in block-aligned staging buffers, from which the wanted bytes are copied
+into the destination slots. Fallback: where O_DIRECT is unavailable (non-Linux systems) or the
 filesystem refuses it (EINVAL at open or at the first read), that file is read with buffered
 `preadv` and the range just read is dropped from the page cache with
 `posix_fadvise(POSIX_FADV_DONTNEED)` where the system has it. The choice is made per file and
 logged once per reader; `direct_io=False` forces the fallback everywhere.
 
-An expert's segments are sorted by file and offset and coalesced into runs (segments at most
-`max_gap_bytes` apart are read by one syscall), whatever their order in the slot. File descriptors
-stay open until close(). The reader knows segments and bytes, not experts, tiers or policies.
+A read takes a batch of destinations (e.g. every expert a layer misses). Their segments are
+sorted by file and offset and coalesced into runs (segments at most `max_gap_bytes` apart, of the
+same or of different destinations, are read together), and runs are cut into requests of at most
+`staging_bytes`. The requests are kept in flight together by `num_workers` I/O threads (`preadv`
+releases the GIL), each with its own staging buffer: one request at a time leaves a fast disk
+idle between requests. File descriptors stay open until close(). The reader knows segments and
+bytes, not experts, tiers or policies.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -33,7 +39,8 @@ from moestream.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4096  # logical block size that O_DIRECT offsets, lengths and buffers are aligned to
-STAGING_BYTES = 16 * 2**20
+STAGING_BYTES = 4 * 2**20  # the largest single read request (one staging buffer per worker)
+NUM_WORKERS = 8  # read requests in flight at once
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # what a filesystem answers when it refuses O_DIRECT
 
 
@@ -41,12 +48,13 @@ _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # what a filesystem answers when it
 class Piece:
     file_offset: int
     nbytes: int
-    dst_offset: int  # where these bytes go in the destination slot
+    dst_offset: int  # where these bytes go in their destination
+    dst: int = 0  # which destination of the batch
 
 
 @dataclass(frozen=True)
 class Run:
-    """A byte range of one file, read by one syscall per staging-buffer chunk."""
+    """A byte range of one file holding pieces of one or more destinations."""
 
     file: Path
     start: int
@@ -54,12 +62,21 @@ class Run:
     pieces: tuple[Piece, ...]
 
 
+@dataclass(frozen=True)
+class Request:
+    """One read syscall's range [start, start + nbytes) of a run's file (aligned out for O_DIRECT)."""
+
+    run: Run
+    start: int
+    nbytes: int
+
+
 @dataclass
 class ReadStats:
     bytes_read: int = 0  # bytes delivered into destinations
     bytes_fetched: int = 0  # bytes transferred from the files (with alignment and gaps)
     num_reads: int = 0  # read syscalls
-    read_s: float = 0.0
+    read_s: float = 0.0  # wall time of read calls (requests in flight together count once)
 
 
 @dataclass
@@ -70,20 +87,32 @@ class _Handle:
 
 def coalesce(segments: Sequence[Segment], max_gap_bytes: int = 0) -> list[Run]:
     """Group segments (in slot order) into file runs; segments <= max_gap_bytes apart share a run."""
-    pieces, dst = [], 0
-    for seg in segments:
-        pieces.append((Path(seg.file), Piece(seg.offset, seg.nbytes, dst)))
-        dst += seg.nbytes
+    return coalesce_batch([segments], max_gap_bytes)
+
+
+def coalesce_batch(batch: Sequence[Sequence[Segment]], max_gap_bytes: int = 0) -> list[Run]:
+    """Runs of the segments of several destinations (batch[i] fills destination i, in slot order)."""
+    pieces = []
+    for index, segments in enumerate(batch):
+        dst = 0
+        for seg in segments:
+            pieces.append((Path(seg.file), Piece(seg.offset, seg.nbytes, dst, index)))
+            dst += seg.nbytes
     pieces.sort(key=lambda item: (str(item[0]), item[1].file_offset))
-    runs: list[Run] = []
+    groups: list[tuple[Path, int, int, list[Piece]]] = []
     for file, piece in pieces:
-        last = runs[-1] if runs else None
-        if last is not None and last.file == file and piece.file_offset <= last.end + max_gap_bytes:
-            end = max(last.end, piece.file_offset + piece.nbytes)
-            runs[-1] = Run(file, last.start, end, last.pieces + (piece,))
+        last = groups[-1] if groups else None
+        if last is not None and last[0] == file and piece.file_offset <= last[2] + max_gap_bytes:
+            groups[-1] = (file, last[1], max(last[2], piece.file_offset + piece.nbytes), last[3] + [piece])
         else:
-            runs.append(Run(file, piece.file_offset, piece.file_offset + piece.nbytes, (piece,)))
-    return runs
+            groups.append((file, piece.file_offset, piece.file_offset + piece.nbytes, [piece]))
+    return [Run(file, start, end, tuple(group)) for file, start, end, group in groups]
+
+
+def split(run: Run, align: int, max_bytes: int) -> list[Request]:
+    """The run's range rounded out to align, cut into requests of at most max_bytes (a multiple of align)."""
+    start, end = run.start - run.start % align, -(-run.end // align) * align
+    return [Request(run, pos, min(max_bytes, end - pos)) for pos in range(start, end, max_bytes)]
 
 
 def _aligned_buffer(nbytes: int, align: int) -> np.ndarray:
@@ -92,30 +121,48 @@ def _aligned_buffer(nbytes: int, align: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
+def _check_destination(dst: torch.Tensor, nbytes: int) -> None:
+    if dst.device.type != "cpu" or dst.dtype != torch.uint8 or dst.dim() != 1 or dst.numel() < nbytes:
+        raise ValueError(f"need a 1-D uint8 CPU destination of >= {nbytes} bytes, got {tuple(dst.shape)}")
+
+
 class DiskReader:
-    def __init__(self, direct_io: bool = True, block_bytes: int = BLOCK_BYTES,
-                 staging_bytes: int = STAGING_BYTES, max_gap_bytes: int | None = None):
+    def __init__(self, direct_io: bool = True, block_bytes: int = BLOCK_BYTES, staging_bytes: int = STAGING_BYTES,
+                 max_gap_bytes: int | None = None, num_workers: int = NUM_WORKERS):
         if block_bytes < 1 or staging_bytes < block_bytes or staging_bytes % block_bytes:
             raise ValueError("staging_bytes must be a positive multiple of block_bytes")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
         self.block_bytes = block_bytes
+        self.staging_bytes = staging_bytes
         self.max_gap_bytes = block_bytes if max_gap_bytes is None else max_gap_bytes
-        self._staging = _aligned_buffer(staging_bytes, block_bytes)  # [staging_bytes]
-        self._staging_t = torch.from_numpy(self._staging)
+        self.num_workers = num_workers
+        self._staging: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        self._num_staging = 0
+        self._pool: ThreadPoolExecutor | None = None
         self._handles: dict[Path, _Handle] = {}
+        self._retired: list[int] = []  # descriptors replaced by a fallback, closed by close()
         self._lock = threading.Lock()
         self._warned = False
         self.stats = ReadStats()
 
     def read(self, segments: Sequence[Segment], dst: torch.Tensor) -> int:
         """Fill dst (1-D uint8 on the CPU) with the concatenated segments; returns the bytes read."""
-        total = sum(s.nbytes for s in segments)
-        if dst.device.type != "cpu" or dst.dtype != torch.uint8 or dst.dim() != 1 or dst.numel() < total:
-            raise ValueError(f"need a 1-D uint8 CPU destination of >= {total} bytes, got {tuple(dst.shape)}")
+        return self.read_batch([(segments, dst)])
+
+    def read_batch(self, batch: Sequence[tuple[Sequence[Segment], torch.Tensor]]) -> int:
+        """Fill each destination with its concatenated segments, requests in flight together; returns bytes read."""
+        total = 0
+        for segments, dst in batch:
+            nbytes = sum(s.nbytes for s in segments)
+            _check_destination(dst, nbytes)
+            total += nbytes
+        began = time.perf_counter()
+        runs = coalesce_batch([segments for segments, _ in batch], self.max_gap_bytes)
+        requests = [r for run in runs for r in split(run, self._align(run.file), self.staging_bytes)]
+        self._perform(requests, [dst.numpy() for _, dst in batch])  # numpy copies: no intra-op threads
         with self._lock:
-            began = time.perf_counter()
-            for run in coalesce(segments, self.max_gap_bytes):
-                self._read_run(run, dst)
             self.stats.read_s += time.perf_counter() - began
             self.stats.bytes_read += total
         return total
@@ -132,13 +179,18 @@ class DiskReader:
                 os.posix_fadvise(self._handle(Path(file)).fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def reset_stats(self) -> None:
-        self.stats = ReadStats()
+        with self._lock:
+            self.stats = ReadStats()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         with self._lock:
-            for handle in self._handles.values():
-                os.close(handle.fd)
+            for fd in [h.fd for h in self._handles.values()] + self._retired:
+                os.close(fd)
             self._handles.clear()
+            self._retired.clear()
 
     def __enter__(self) -> "DiskReader":
         return self
@@ -146,12 +198,99 @@ class DiskReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- requests --------------------------------------------------------------------------------
+
+    def _align(self, file: Path) -> int:
+        with self._lock:
+            return self.block_bytes if self._handle(file).direct else 1
+
+    def _perform(self, requests: list[Request], dsts: list[np.ndarray]) -> None:
+        """Runs every request; with several, keeps up to num_workers in flight. Raises only once all are done."""
+        if len(requests) == 1 or self.num_workers == 1:
+            for request in requests:
+                self._request(request, dsts)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="moestream-io")
+        futures = [self._pool.submit(self._request, request, dsts) for request in requests]
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def _request(self, request: Request, dsts: list[np.ndarray]) -> None:
+        staging = self._take_staging()
+        try:
+            got = self._read_request(request, staging)
+            self._scatter(request, got, staging, dsts)
+        finally:
+            self._staging.put(staging)
+
+    def _take_staging(self) -> np.ndarray:
+        try:
+            return self._staging.get_nowait()
+        except queue.Empty:
+            return _aligned_buffer(self.staging_bytes, self.block_bytes)  # [staging_bytes]
+
+    def _read_request(self, request: Request, staging: np.ndarray) -> int:
+        file = request.run.file
+        with self._lock:
+            handle = self._handle(file)
+        try:
+            got = self._pread(handle.fd, staging, request.nbytes, request.start)
+        except OSError as err:
+            if not (handle.direct and err.errno in _REFUSED):
+                raise
+            handle = self._fall_back(file, handle)
+            got = self._pread(handle.fd, staging, request.nbytes, request.start)
+        if not handle.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(handle.fd, request.start, request.nbytes, os.POSIX_FADV_DONTNEED)
+        if got < request.nbytes and request.start + got < request.run.end:
+            raise CheckpointError(f"{file} ends at byte {request.start + got}, before byte {request.run.end} of an expert")
+        return got
+
+    def _pread(self, fd: int, staging: np.ndarray, length: int, offset: int) -> int:
+        """Read up to length bytes at offset into staging; fewer only at end of file."""
+        view, got, calls = memoryview(staging), 0, 0
+        while got < length:
+            n = os.preadv(fd, [view[got:length]], offset + got)
+            calls += 1
+            if n == 0:
+                break
+            got += n
+        with self._lock:
+            self.stats.num_reads += calls
+            self.stats.bytes_fetched += got
+        return got
+
+    def _scatter(self, request: Request, got: int, staging: np.ndarray, dsts: list[np.ndarray]) -> None:
+        """Copy the parts of the run's pieces that lie in the bytes just read from staging to their destinations."""
+        chunk_start, chunk_end = request.start, request.start + got
+        for piece in request.run.pieces:
+            lo = max(piece.file_offset, chunk_start)
+            hi = min(piece.file_offset + piece.nbytes, chunk_end)
+            if lo < hi:
+                at = piece.dst_offset + lo - piece.file_offset
+                dsts[piece.dst][at : at + hi - lo] = staging[lo - chunk_start : hi - chunk_start]
+
+    # -- files -----------------------------------------------------------------------------------
+
     def _handle(self, file: Path) -> _Handle:
         handle = self._handles.get(file)
         if handle is None:
             handle = self._open(file, self.direct_io)
             self._handles[file] = handle
         return handle
+
+    def _fall_back(self, file: Path, refused: _Handle) -> _Handle:
+        """Replaces a direct handle that a read refused with a buffered one (once, whichever worker asks)."""
+        with self._lock:
+            handle = self._handles[file]
+            if handle is refused:
+                self._retired.append(refused.fd)  # other workers may still be using it
+                self._note_fallback(file)
+                handle = self._handles[file] = self._open(file, direct=False)
+            return handle
 
     def _open(self, file: Path, direct: bool) -> _Handle:
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -171,49 +310,3 @@ class DiskReader:
         message = "O_DIRECT refused for %s; buffered reads + POSIX_FADV_DONTNEED instead"
         logger.log(logging.DEBUG if self._warned else logging.WARNING, message, file)
         self._warned = True
-
-    def _read_run(self, run: Run, dst: torch.Tensor) -> None:
-        handle = self._handle(run.file)
-        try:
-            self._read_chunks(run, handle, dst)
-        except OSError as err:
-            if not (handle.direct and err.errno in _REFUSED):
-                raise
-            os.close(handle.fd)
-            self._note_fallback(run.file)
-            self._handles[run.file] = handle = self._open(run.file, direct=False)
-            self._read_chunks(run, handle, dst)
-        if not handle.direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(handle.fd, run.start, run.end - run.start, os.POSIX_FADV_DONTNEED)
-
-    def _read_chunks(self, run: Run, handle: _Handle, dst: torch.Tensor) -> None:
-        align = self.block_bytes if handle.direct else 1
-        pos, end = run.start - run.start % align, -(-run.end // align) * align
-        while pos < run.end:
-            length = min(end - pos, len(self._staging))
-            got = self._pread(handle.fd, length, pos)
-            self._scatter(run.pieces, pos, pos + got, dst)
-            if got < length and pos + got < run.end:
-                raise CheckpointError(f"{run.file} ends at byte {pos + got}, before byte {run.end} of an expert")
-            pos += length
-
-    def _pread(self, fd: int, length: int, offset: int) -> int:
-        """Read up to length bytes at offset into the staging buffer; fewer only at end of file."""
-        view, got = memoryview(self._staging), 0
-        while got < length:
-            n = os.preadv(fd, [view[got:length]], offset + got)
-            self.stats.num_reads += 1
-            if n == 0:
-                break
-            got += n
-        self.stats.bytes_fetched += got
-        return got
-
-    def _scatter(self, pieces: tuple[Piece, ...], chunk_start: int, chunk_end: int, dst: torch.Tensor) -> None:
-        """Copy the parts of pieces that lie in [chunk_start, chunk_end) of the file from staging to dst."""
-        for piece in pieces:
-            lo = max(piece.file_offset, chunk_start)
-            hi = min(piece.file_offset + piece.nbytes, chunk_end)
-            if lo < hi:
-                at = piece.dst_offset + lo - piece.file_offset
-                dst[at : at + hi - lo].copy_(self._staging_t[lo - chunk_start : hi - chunk_start])

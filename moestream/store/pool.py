@@ -30,6 +30,7 @@ class SlotPool:
         shape = (num_slots, slot_stride(slot_bytes))
         self.data = torch.empty(shape, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)  # [S, stride]
         self._last_reads: list[torch.cuda.Event | None] = [None] * num_slots
+        self._slots: list[torch.Tensor | None] = [None] * num_slots  # views made once, asked for per layer
 
     @property
     def nbytes(self) -> int:
@@ -39,7 +40,10 @@ class SlotPool:
         """Slot i as a 1-D uint8 view of slot_bytes (no copy)."""
         if not 0 <= i < self.num_slots:
             raise IndexError(f"slot {i} out of range for a pool of {self.num_slots}")
-        return self.data[i, : self.slot_bytes]  # [slot_bytes]
+        view = self._slots[i]
+        if view is None:
+            view = self._slots[i] = self.data[i, : self.slot_bytes]  # [slot_bytes]
+        return view
 
     def mark_read(self, i: int, event: "torch.cuda.Event | None") -> None:
         """Record that an asynchronous copy reading slot i completes at event."""
@@ -63,7 +67,7 @@ class CopyEngine:
         """dst <- src. On CUDA, ordered after the compute stream's pending work (which may still read
         dst) and before its later work; returns the event marking completion (None on the CPU)."""
         if self._stream is None:
-            dst.copy_(src)
+            dst.numpy()[:] = src.numpy()  # a plain memcpy: no intra-op threads for one slot
             return None
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)

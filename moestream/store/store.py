@@ -6,8 +6,10 @@ a device miss is served from the host tier when it holds the expert (one host->d
 from disk into a host slot and on to the device (the host tier keeps the copy), or from disk
 straight into the device slot when the host tier has no slots. Device victims are dropped, not
 written back. `prefetch` brings requested experts in by priority without ever evicting a pinned
-expert. Everything runs synchronously here; public calls hold a lock so that a prefetch worker can
-later run beside the compute thread. The store knows no model family and no policy.
+expert. Each call admits all its misses first and then reads them from disk as one batch, so that
+the disk reader keeps their requests in flight together. Calls return once the bytes are in
+place; public calls hold a lock so that a prefetch worker can run beside the compute thread. The
+store knows no model family and no policy.
 
 Counters: hits/misses count acquire's device-tier lookups; host_hits/host_misses count every
 device fill (demand or prefetch) by where it came from; bytes_read["disk"] is bytes read from the
@@ -34,6 +36,7 @@ from moestream.store.pool import CopyEngine, SlotPool
 from moestream.topology import ExpertKey, Topology
 
 TIERS = ("device", "host")
+BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier when there is no host tier
 
 
 @dataclass
@@ -73,7 +76,8 @@ class ExpertStore:
         expert_bytes, pin = self.topology.expert_bytes, config.uses_cuda
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
-        self._bounce = SlotPool(1 if pin and not self.host_slots else 0, expert_bytes, "cpu", pin_memory=pin)
+        bounce_slots = min(BOUNCE_SLOTS, self.device_slots) if pin and not self.host_slots else 0
+        self._bounce = SlotPool(bounce_slots, expert_bytes, "cpu", pin_memory=pin)
         self._reader = DiskReader(direct_io=config.direct_io)
         self._copier = CopyEngine(config.device)
         self._lock = threading.RLock()
@@ -83,18 +87,26 @@ class ExpertStore:
     # -- demand path ---------------------------------------------------------------------------
 
     def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
-        """Make keys resident in the device tier and pin them; returns their 1-D uint8 slots."""
+        """Make keys resident in the device tier and pin them; returns their 1-D uint8 slots.
+
+        The misses are admitted first, then their bytes are brought in together (one batch of disk reads)."""
         wanted = list(dict.fromkeys(_key(k) for k in keys))
         with self._lock:
             self._check_fits(wanted)
             pinned: list[ExpertKey] = []
+            misses: list[ExpertKey] = []
             try:
                 for key in wanted:
-                    self._acquire_one(key)
+                    if not self._hit(key):
+                        self._stats.misses += 1
+                        self._admit(key)
+                        misses.append(key)
                     self._device.pin([key])
                     pinned.append(key)
+                self._load(misses)
             except BaseException:
                 self._device.unpin(pinned)
+                self._discard(misses)
                 raise
             return {key: self._device_pool.slot(self._device.slot(key)) for key in wanted}
 
@@ -103,15 +115,14 @@ class ExpertStore:
         with self._lock:
             self._device.unpin(_key(k) for k in keys)
 
-    def _acquire_one(self, key: ExpertKey) -> None:
-        if self._device.access(key) is not None:
-            self._stats.hits += 1
-            if key in self._unused_prefetches:
-                self._unused_prefetches.discard(key)
-                self._stats.prefetch_hits += 1
-            return
-        self._stats.misses += 1
-        self._fill(key)
+    def _hit(self, key: ExpertKey) -> bool:
+        if self._device.access(key) is None:
+            return False
+        self._stats.hits += 1
+        if key in self._unused_prefetches:
+            self._unused_prefetches.discard(key)
+            self._stats.prefetch_hits += 1
+        return True
 
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)
@@ -124,60 +135,82 @@ class ExpertStore:
     def _pinned(self) -> set[ExpertKey]:
         return set(self._device.pinned())
 
-    # -- filling a device slot -----------------------------------------------------------------
+    # -- filling device slots ------------------------------------------------------------------
 
-    def _fill(self, key: ExpertKey) -> int:
-        """Admit key to the device tier (evicting by policy) and copy its bytes in; returns the slot."""
-        location = self.index.locations[key]
-        slot, victim = self._device.admit(key)
+    def _admit(self, key: ExpertKey) -> None:
+        """A device slot for key (evicting by policy); its bytes come with _load."""
+        _, victim = self._device.admit(key)
         if victim is not None:
             self._stats.evictions["device"] += 1
             if victim in self._unused_prefetches:
                 self._unused_prefetches.discard(victim)
                 self._stats.prefetch_wasted += 1
-        try:
-            self._load(key, self._device_pool.slot(slot), location)
-        except BaseException:
-            self._device.remove(key)
-            raise
-        return slot
 
-    def _load(self, key: ExpertKey, dst: torch.Tensor, location) -> None:
-        if self._host is None:
-            self._load_without_host(dst, location)
+    def _discard(self, keys: Iterable[ExpertKey]) -> None:
+        """Forget admitted experts whose bytes did not arrive."""
+        for key in keys:
+            if key in self._device:
+                self._device.remove(key)
+
+    def _load(self, keys: list[ExpertKey]) -> None:
+        """Copy the bytes of keys, just admitted to the device tier, into their device slots."""
+        if not keys:
             return
-        host_slot = self._host.access(key)
-        if host_slot is not None:
-            self._stats.host_hits += 1
+        dsts = [self._device_pool.slot(self._device.slot(key)) for key in keys]
+        if self._host is not None:
+            for i in range(0, len(keys), self.host_slots):  # a batch never evicts its own host copies
+                self._load_through_host(keys[i : i + self.host_slots], dsts[i : i + self.host_slots])
+        elif self._bounce.num_slots == 0:  # the device tier is host memory: read straight into it
+            self._stats.host_misses += len(keys)
+            self._read_disk(keys, dsts)
         else:
-            host_slot = self._read_into_host(key, location)
-        self._copy_to_device(dst, self._host_pool, host_slot)
+            for i in range(0, len(keys), self._bounce.num_slots):
+                self._load_through_bounce(keys[i : i + self._bounce.num_slots], dsts[i : i + self._bounce.num_slots])
 
-    def _load_without_host(self, dst: torch.Tensor, location) -> None:
-        self._stats.host_misses += 1
-        if self._bounce.num_slots == 0:  # the device tier is host memory: read straight into it
-            self._read_disk(location, dst)
-            return
-        self._bounce.wait_reads(0)
-        self._read_disk(location, self._bounce.slot(0))
-        self._copy_to_device(dst, self._bounce, 0)
+    def _load_through_host(self, keys: list[ExpertKey], dsts: list[torch.Tensor]) -> None:
+        """Host hits are copied up; the rest are read from disk into host slots (kept there), then copied up."""
+        batch, slots, admitted = set(keys), [], []
+        try:
+            for key in keys:
+                slot = self._host.access(key)
+                if slot is not None:
+                    self._stats.host_hits += 1
+                else:
+                    slot = self._admit_host(key, batch)
+                    admitted.append(key)
+                slots.append(slot)
+            self._read_disk(admitted, [self._host_pool.slot(self._host.slot(key)) for key in admitted])
+        except BaseException:
+            for key in admitted:
+                self._host.remove(key)
+            raise
+        for dst, slot in zip(dsts, slots):
+            self._copy_to_device(dst, self._host_pool, slot)
 
-    def _read_into_host(self, key: ExpertKey, location) -> int:
+    def _admit_host(self, key: ExpertKey, batch: set[ExpertKey]) -> int:
         self._stats.host_misses += 1
-        host_slot, victim = self._host.admit(key)
+        slot, victim = self._host.admit(key, protect=batch)
         if victim is not None:
             self._stats.evictions["host"] += 1
-        self._host_pool.wait_reads(host_slot)
-        try:
-            self._read_disk(location, self._host_pool.slot(host_slot))
-        except BaseException:
-            self._host.remove(key)
-            raise
-        return host_slot
+        self._host_pool.wait_reads(slot)
+        return slot
 
-    def _read_disk(self, location, dst: torch.Tensor) -> None:
+    def _load_through_bounce(self, keys: list[ExpertKey], dsts: list[torch.Tensor]) -> None:
+        """No host tier but a CUDA device: read into pinned bounce slots, then copy up."""
+        self._stats.host_misses += len(keys)
+        for i in range(len(keys)):
+            self._bounce.wait_reads(i)
+        self._read_disk(keys, [self._bounce.slot(i) for i in range(len(keys))])
+        for i, dst in enumerate(dsts):
+            self._copy_to_device(dst, self._bounce, i)
+
+    def _read_disk(self, keys: list[ExpertKey], dsts: list[torch.Tensor]) -> None:
+        """Reads the experts' bytes into dsts, all requests in flight together."""
+        if not keys:
+            return
         began = time.perf_counter()
-        self._stats.bytes_read["disk"] += self._reader.read(location.segments, dst)
+        batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
+        self._stats.bytes_read["disk"] += self._reader.read_batch(batch)
         self._stats.disk_read_s += time.perf_counter() - began
 
     def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int) -> None:
@@ -191,40 +224,48 @@ class ExpertStore:
 
         Requested experts already resident are kept: no later, lower-priority request of the same
         call evicts them, nor those it brought. Stops when every slot holds a pinned or kept expert,
-        or when bringing one more would evict more than max_evictions experts.
+        or when bringing one more would evict more than max_evictions experts. The experts brought
+        are read from disk together.
         """
+        with self._lock:
+            brought, kept = self._admit_prefetches(requests, max_evictions)
+            try:
+                self._load(brought)
+            except BaseException:
+                self._discard(brought)
+                raise
+            finally:
+                self._device.unpin(brought + kept)
+            for key in brought:
+                self._unused_prefetches.add(key)
+            self._stats.prefetched += len(brought)
+            self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
+        return brought
+
+    def _admit_prefetches(self, requests: Sequence[TransferRequest],
+                          max_evictions: int | None) -> tuple[list[ExpertKey], list[ExpertKey]]:
+        """Admits (and pins) the experts to bring; pins the requested ones already resident."""
         brought: list[ExpertKey] = []
         kept: list[ExpertKey] = []
         evictions = 0
-        with self._lock:
-            try:
-                for request in sorted(requests, key=lambda r: -r.priority):
-                    key = _key(request.key)
-                    if key in self._device:
-                        self._device.pin([key])
-                        kept.append(key)
-                        continue
-                    needs_victim = len(self._device) >= self.device_slots
-                    if needs_victim and not self._may_evict(evictions, max_evictions):
-                        break
-                    evictions += needs_victim
-                    self._prefetch_one(key)
-                    brought.append(key)
-            finally:
-                self._device.unpin(brought + kept)
-        return brought
+        for request in sorted(requests, key=lambda r: -r.priority):
+            key = _key(request.key)
+            if key in self._device:
+                self._device.pin([key])
+                kept.append(key)
+                continue
+            needs_victim = len(self._device) >= self.device_slots
+            if needs_victim and not self._may_evict(evictions, max_evictions):
+                break
+            evictions += needs_victim
+            self._admit(key)
+            self._device.pin([key])
+            brought.append(key)
+        return brought, kept
 
     def _may_evict(self, evictions: int, max_evictions: int | None) -> bool:
         under_limit = max_evictions is None or evictions < max_evictions
         return under_limit and bool(self._device.evictable())
-
-    def _prefetch_one(self, key: ExpertKey) -> None:
-        """Fill key's device slot and pin it until the prefetch call ends, so the call keeps it."""
-        self._fill(key)
-        self._device.pin([key])
-        self._unused_prefetches.add(key)
-        self._stats.prefetched += 1
-        self._stats.prefetched_bytes += self.topology.expert_bytes
 
     # -- views of the state --------------------------------------------------------------------
 
@@ -274,6 +315,8 @@ class ExpertStore:
 
 
 def _key(key: Sequence[int]) -> ExpertKey:
+    if type(key) is ExpertKey and type(key.layer) is int and type(key.expert) is int:
+        return key
     return ExpertKey(int(key[0]), int(key[1]))
 
 

@@ -14,9 +14,17 @@ def test_sequential_bandwidth_is_a_positive_rate(tmp_path, direct_io):
     assert sequential_read_bandwidth(path, nbytes=5000, block_bytes=4096) > 0
 
 
-def test_expert_stream_bandwidth_reads_the_locations(checkpoint):
+def test_parallel_sequential_bandwidth_is_a_positive_rate(tmp_path):
+    path = tmp_path / "blob.bin"
+    path.write_bytes(bytes(range(256)) * 1000)
+    rate = sequential_read_bandwidth(path, block_bytes=65536, request_bytes=8192, num_workers=4)
+    assert rate > 0 and math.isfinite(rate)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_expert_stream_bandwidth_reads_the_locations(checkpoint, batch):
     locations = list(checkpoint.index.locations.values())
-    assert expert_stream_bandwidth(locations) > 0
+    assert expert_stream_bandwidth(locations, batch=batch) > 0
     with pytest.raises(ValueError):
         expert_stream_bandwidth([])
 

@@ -9,7 +9,7 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import CheckpointError
-from moestream.store.disk import DiskReader, coalesce
+from moestream.store.disk import DiskReader, coalesce, coalesce_batch, split
 from moestream.topology import ExpertKey
 
 FILE_BYTES = 50_000
@@ -91,6 +91,45 @@ def test_an_expert_of_adjacent_segments_is_one_syscall(data_files):
         assert reader.stats.num_reads == 1
 
 
+@pytest.mark.parametrize("num_workers", [1, 4])
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_batch_fills_every_destination_with_its_own_bytes(data_files, num_workers, direct_io):
+    paths = sorted(data_files)
+    batch = [[Segment(paths[0], 9000, 7000), Segment(paths[1], 100, 30)],
+             [Segment(paths[0], 16_000, 5000)],  # adjacent to the first destination's segment
+             [Segment(paths[1], 40_000, 9999), Segment(paths[0], 3, 4)]]
+    dsts = [torch.zeros(sum(s.nbytes for s in segs) + 3, dtype=torch.uint8) for segs in batch]
+    with DiskReader(direct_io=direct_io, staging_bytes=8192, num_workers=num_workers) as reader:
+        assert reader.read_batch(list(zip(batch, dsts))) == sum(d.numel() - 3 for d in dsts)
+        assert reader.stats.num_reads > len(batch)  # cut into requests of at most 8192 bytes
+    for segs, dst in zip(batch, dsts):
+        assert np.array_equal(dst[:-3].numpy(), expected_bytes(data_files, segs))
+        assert not dst[-3:].any()
+
+
+def test_coalesce_batch_merges_adjacent_segments_of_different_destinations(tmp_path):
+    a = tmp_path / "a"
+    runs = coalesce_batch([[Segment(a, 100, 50)], [Segment(a, 0, 100), Segment(a, 500, 10)]])
+    assert [(r.start, r.end) for r in runs] == [(0, 150), (500, 510)]
+    assert [(p.file_offset, p.dst, p.dst_offset) for p in runs[0].pieces] == [(0, 1, 0), (100, 0, 0)]
+    assert [(p.dst, p.dst_offset) for p in runs[1].pieces] == [(1, 100)]
+
+
+def test_split_covers_the_aligned_run_in_bounded_requests(tmp_path):
+    (run,) = coalesce([Segment(tmp_path / "a", 5000, 20_000)])
+    requests = split(run, align=4096, max_bytes=8192)
+    assert [(r.start, r.nbytes) for r in requests] == [(4096, 8192), (12288, 8192), (20480, 8192)]
+    assert requests[-1].start + requests[-1].nbytes >= run.end
+
+
+def test_requests_are_at_most_one_staging_buffer(data_files):
+    path = sorted(data_files)[0]
+    with DiskReader(staging_bytes=8192, num_workers=4) as reader:
+        reader.read([Segment(path, 0, 40_000)], torch.empty(40_000, dtype=torch.uint8))
+        assert reader.stats.num_reads == 5  # 40 000 bytes in requests of 8192 (aligned out)
+        assert reader.stats.bytes_read == 40_000
+
+
 def test_reader_matches_safetensors_own_load(checkpoint):
     index = checkpoint.index
     with DiskReader() as reader:
@@ -148,6 +187,35 @@ def test_fallback_when_the_first_direct_read_fails(data_files, monkeypatch):
     with DiskReader() as reader:
         assert np.array_equal(read(reader, segments), expected_bytes(data_files, segments))
         assert not reader.is_direct(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this system")
+def test_parallel_requests_fall_back_together_when_direct_reads_fail(data_files, monkeypatch):
+    path = sorted(data_files)[0]
+    if not direct_io_works(path):
+        pytest.skip("this filesystem refuses O_DIRECT at open")
+    real_preadv = os.preadv
+
+    def refuse_direct(fd, buffers, offset, *args):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    segments = [Segment(path, 123, 40_000)]
+    with DiskReader(staging_bytes=4096, num_workers=4) as reader:
+        assert np.array_equal(read(reader, segments), expected_bytes(data_files, segments))
+        assert not reader.is_direct(path)
+
+
+@pytest.mark.parametrize("num_workers", [1, 4])
+def test_a_failed_request_fails_the_batch(data_files, num_workers):
+    path = sorted(data_files)[0]
+    batch = [([Segment(path, 0, 20_000)], torch.empty(20_000, dtype=torch.uint8)),
+             ([Segment(path, FILE_BYTES - 10, 20)], torch.empty(20, dtype=torch.uint8))]
+    with DiskReader(staging_bytes=4096, num_workers=num_workers) as reader, \
+            pytest.raises(CheckpointError, match="ends at byte"):
+        reader.read_batch(batch)
 
 
 @pytest.mark.parametrize("direct_io", [True, False])

@@ -206,6 +206,38 @@ def test_streaming_groups_leave_room_for_experts_in_use(checkpoint):
         assert store.streaming_groups([]) == []
 
 
+class CountingReader:
+    """Wraps the store's disk reader, recording the destinations of each batch."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.batches = []
+
+    def read_batch(self, batch):
+        self.batches.append(len(batch))
+        return self.reader.read_batch(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+@pytest.mark.parametrize("host_slots", [0, 2, 8])
+def test_the_misses_of_one_call_are_read_as_batches(make_checkpoint, host_slots):
+    ckpt = make_checkpoint(num_experts=6)
+    with make_store(ckpt, device_slots=6, host_slots=host_slots) as store:
+        store._reader = CountingReader(store._reader)
+        use(store, K(0, 0))
+        slots = use(store, *[K(0, e) for e in range(5)])
+        for key, slot in slots.items():
+            assert_holds_expert(ckpt, slot, key)
+        assert store.prefetch([TransferRequest(K(1, e), 1.0) for e in range(3)]) == [K(1, e) for e in range(3)]
+        expected = [1, 4, 3] if host_slots != 2 else [1, 2, 2, 2, 1]  # a batch never outgrows the host tier
+        assert store._reader.batches == expected
+        assert store.stats().bytes_read["disk"] == 8 * ckpt.index.topology.expert_bytes
+        if host_slots:
+            assert len(store.resident("host")) == min(host_slots, 8)
+
+
 def test_fallback_reads_serve_the_same_bytes(checkpoint):
     with make_store(checkpoint, device_slots=2, host_slots=2, direct_io=False) as store:
         assert_holds_expert(checkpoint, use(store, K(1, 2))[K(1, 2)], K(1, 2))

@@ -1,0 +1,142 @@
+"""The routing model of the `default` policy: P(expert e of layer l is routed | what is known d layers
+before l), one small MLP for every target layer and horizon, trained offline with torch and run online
+in numpy.
+
+For a token and a target MoE layer l, seen after layer c = l - d of the same token has routed:
+    z      = sum_{j <= c} A_j[experts of j] (+ G_j gate_probs_j when the trace has them)   # the prefix
+           + T[token] + P[position bucket] + B[previous token's experts at every layer]     # the context
+           + U_l + V_d
+    logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l
+previous_l is the sequence's previous token's multi-hot at l and affinity_l the sequence's running
+share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). Training minimises the
+binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
+weights serve the whole-iteration prediction (c = -1, only token context) and its refinement as
+layers route. Tokens seen fewer than `min_token_count` times, and a share of the others while
+training, map to the unknown token, so that traces without token strings still work.
+This module knows traces and arrays; not events, policies or caches.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from moestream.predictors.configs import ConfigError, TrainConfig
+from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+
+NUM_POSITION_BUCKETS = 12
+UNKNOWN = 0  # vocabulary index of the unknown token
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_dim: int = 512
+    dropout: float = 0.2
+    min_token_count: int = 3  # rarer training tokens map to the unknown token
+    token_dropout: float = 0.1  # share of training tokens shown as unknown
+    next_layer_share: float = 0.5  # share of training targets at horizon 1; the rest uniform
+
+    def __post_init__(self):
+        if self.hidden_dim < 1 or self.min_token_count < 1:
+            raise ConfigError("hidden_dim and min_token_count must be >= 1")
+        for name in ("dropout", "token_dropout", "next_layer_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+
+
+def position_bucket(positions: np.ndarray) -> np.ndarray:
+    """[N] log2 buckets of the position in the sequence: 0, 1, 2-3, 4-7, ..."""
+    return np.minimum(np.log2(np.asarray(positions, dtype=np.float64) + 1).astype(np.int64), NUM_POSITION_BUCKETS - 1)
+
+
+def token_keys(trace: Trace) -> tuple[list | None, str]:
+    """The trace's token keys (strings, else ids) and which kind they are ("tokens", "token_ids", "")."""
+    if trace.tokens is not None:
+        return list(trace.tokens), "tokens"
+    if trace.token_ids is not None:
+        return trace.token_ids.tolist(), "token_ids"
+    return None, ""
+
+
+def build_vocabulary(keys: list | None, min_count: int) -> dict:
+    """key -> index (1..V-1) of the keys seen at least min_count times; index 0 is the unknown token."""
+    if keys is None:
+        return {}
+    values, counts = np.unique(np.asarray(keys, dtype=object).astype(str), return_counts=True)
+    kept = values[counts >= min_count]
+    return {str(key): index + 1 for index, key in enumerate(kept.tolist())}
+
+
+def token_indices(keys, vocab: dict) -> np.ndarray:
+    if keys is None:
+        return np.zeros(0, dtype=np.int64)
+    return np.fromiter((vocab.get(str(key), UNKNOWN) for key in keys), dtype=np.int64, count=len(keys))
+
+
+def sequence_affinity(trace: Trace) -> np.ndarray:
+    """[N, L, E] float16: per row, the share of the sequence's earlier tokens routed to each expert."""
+    t = trace.topology
+    out = np.zeros((trace.num_tokens, t.num_layers, t.num_experts), dtype=np.float16)
+    for _, start, end in trace.sequence_bounds():
+        hot = np.zeros((end - start, t.num_layers, t.num_experts), dtype=np.float32)
+        np.put_along_axis(hot, trace.experts[start:end].astype(np.int64), 1.0, axis=2)
+        counts = np.cumsum(hot, axis=0) - hot  # exclusive of the row itself
+        seen = np.arange(end - start, dtype=np.float32)[:, None, None]
+        out[start:end] = counts / np.maximum(seen, 1.0)
+    return out
+
+
+class RoutingWeights:
+    """The model's arrays (numpy float32) and the numpy forward pass used online and for scoring."""
+
+    NAMES = ("prefix", "gate", "token", "position", "previous", "target", "horizon", "norm_w", "norm_b",
+             "out_w", "out_b", "skip")
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        for name in self.NAMES:
+            setattr(self, name, np.ascontiguousarray(arrays[name], dtype=np.float32))
+        self.num_layers, self.num_experts, self.hidden_dim = self.prefix.shape
+        self.uses_gate = bool(np.any(self.gate))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in self.NAMES}
+
+    def context(self, tokens: np.ndarray, buckets: np.ndarray, prev_experts: np.ndarray, has_prev: np.ndarray) -> np.ndarray:
+        """[T, H] from token indices [T], position buckets [T], previous tokens' experts [T, L, K], has_prev [T]."""
+        flat = prev_experts + (np.arange(self.num_layers) * self.num_experts)[None, :, None]  # [T, L, K]
+        prev = self.previous[flat.reshape(len(tokens), -1)].sum(axis=1) * has_prev[:, None]  # [T, H]
+        return self.token[tokens] + self.position[buckets] + prev
+
+    def prefix_step(self, layer: int, experts: np.ndarray, gate_probs: np.ndarray | None) -> np.ndarray:
+        """[T, H]: what layer's routing (experts [T, K], gate_probs [T, E] or None) adds to the prefix."""
+        step = self.prefix[layer][experts].sum(axis=1)
+        if self.uses_gate and gate_probs is not None:
+            step = step + gate_probs @ self.gate[layer]
+        return step
+
+    def logits(self, base: np.ndarray, targets: np.ndarray, horizons: np.ndarray, prev_hot: np.ndarray,
+               affinity: np.ndarray) -> np.ndarray:
+        """[T, n, E] for targets [n] at horizons [n]; base [T, H] = prefix + context;
+        prev_hot, affinity [T, n, E] at the target layers."""
+        z = base[:, None, :] + self.target[targets][None] + self.horizon[np.minimum(horizons, len(self.horizon)) - 1][None]
+        z = z - z.mean(axis=-1, keepdims=True)
+        z = z / np.sqrt((z * z).mean(axis=-1, keepdims=True) + 1e-5)
+        h = np.maximum(z * self.norm_w + self.norm_b, 0.0)  # [T, n, H]
+        out = np.matmul(h.transpose(1, 0, 2), self.out_w[targets]).transpose(1, 0, 2)  # [T, n, E]
+        skip = self.skip[:, targets]  # [2, n, E]
+        return out + self.out_b[targets][None] + skip[0][None] * prev_hot + skip[1][None] * affinity
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(x, -30.0, 30.0)))
+
+
+def fit_weights(trace: Trace, config: ModelConfig, train: TrainConfig, vocab: dict) -> tuple[RoutingWeights, list[float]]:
+    """Trains the model on every row of trace; its weights and the mean loss of each epoch."""
+    from moestream.policies.default_training import train_network
+
+    return train_network(trace, config, train, vocab)

@@ -1,0 +1,173 @@
+"""State of the `default` predictor: the online iteration (prefix, context, per-sequence history,
+probability tables for eviction) and the offline scoring of a whole trace with the same numbers.
+
+IterationState follows the contract's call order (begin, observe per layer, end_sequence) for
+batches of T token rows; a batch's probability for an expert is the chance that at least one of its
+rows routes to it. TraceScores computes, for every row of a trace at once, what predict() would have
+returned under moestream.eval.prediction's horizon rule. Knows arrays and events, not caches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.default_model import (
+    RoutingWeights,
+    position_bucket,
+    sequence_affinity,
+    sigmoid,
+    token_indices,
+    token_keys,
+)
+from moestream.policies.default_reuse import ReuseModel, SequenceState
+from moestream.policies.routing_stats import previous_rows
+from moestream.topology import Topology
+from moestream.trace.schema import Trace
+
+
+def union(probs: np.ndarray) -> np.ndarray:
+    """[T, ...] -> [...]: probability that at least one row needs it (rows independent)."""
+    return probs[0] if len(probs) == 1 else 1.0 - np.prod(1.0 - probs, axis=0)
+
+
+class IterationState:
+    def __init__(self, topology: Topology, weights: RoutingWeights, reuse: ReuseModel):
+        self.topology, self.weights, self.reuse = topology, weights, reuse
+        self.sequences: dict[int, SequenceState] = {}
+        self.rows: list[SequenceState] = []
+        self.active = False
+        self.layer_now = topology.num_layers - 1
+        self._base = self._prefix = None
+        self._table: np.ndarray | None = None  # [L, E] this iteration's probabilities, lazily
+        self._reuse: np.ndarray | None = None  # [L, E] next-pass reuse probabilities, lazily
+
+    def _new_state(self) -> SequenceState:
+        t = self.topology
+        return SequenceState(t.num_layers, t.num_experts, t.top_k)
+
+    def begin(self, ctx: IterationContext, tokens: np.ndarray) -> None:
+        self.rows = [self.sequences.setdefault(int(s), self._new_state()) for s in ctx.seq_ids.tolist()]
+        prev = np.stack([s.prev_experts for s in self.rows])  # [T, L, K]
+        has_prev = np.array([s.has_prev for s in self.rows], dtype=np.float32)
+        self._base = self.weights.context(tokens, position_bucket(ctx.positions), prev, has_prev)  # [T, H]
+        self._prefix = np.zeros_like(self._base)
+        self.layer_now, self.active = -1, bool(self.rows)
+        self._table = self._reuse = None
+
+    def observe(self, event: RoutingEvent) -> None:
+        if not self.active:
+            return
+        layer, experts = event.layer, event.expert_ids
+        for row, state in enumerate(self.rows):
+            state.update(layer, experts[row])
+        self._prefix += self.weights.prefix_step(layer, experts, event.gate_probs)
+        self.layer_now, self._reuse = layer, None
+        if layer == self.topology.num_layers - 1:
+            for state in self.rows:
+                state.finish_token()
+
+    def end_sequence(self, seq_id: int) -> None:
+        ended = self.sequences.pop(seq_id, None)
+        if ended is not None and all(state is ended for state in self.rows):
+            self.rows, self.active, self._reuse = [], False, None
+
+    def refine(self, layer_now: int, targets: np.ndarray) -> np.ndarray:
+        """[n, E]: probabilities of the target layers of this iteration, known up to layer_now."""
+        probs = union(self._probs(targets, targets - layer_now))
+        if self._table is not None:
+            self._table[targets] = probs
+        return probs
+
+    def next_token(self, layer: int) -> np.ndarray:
+        """[E]: probabilities for the next token of the batch's sequences at layer."""
+        return union(np.stack([self.reuse.state_probs(state, [layer])[0] for state in self.rows]))
+
+    def retention(self) -> np.ndarray:
+        """[L, E]: minus the expected number of layers until each expert is needed again."""
+        num_layers = self.topology.num_layers
+        q = np.maximum(self._reuse_table(), 1e-4)
+        layers = np.arange(num_layers)
+        ahead = (layers - self.layer_now)[:, None].astype(np.float64)  # [L, 1]
+        passed = ahead <= 0
+        if self.active:
+            p_now = self._iteration_table()
+            wait = np.where(passed, ahead + num_layers * (1.0 / q), ahead + (1.0 - p_now) * num_layers / q)
+        else:
+            wait = np.where(passed, ahead + num_layers, ahead) + num_layers * (1.0 / q - 1.0)
+        return -wait
+
+    def _probs(self, targets: np.ndarray, horizons: np.ndarray) -> np.ndarray:
+        """[T, n, E] per-row probabilities for the targets."""
+        prev_hot = np.stack([s.last[targets] for s in self.rows])  # [T, n, E]: the previous token's, as targets are ahead
+        affinity = np.stack([s.affinity(targets) for s in self.rows])
+        return sigmoid(self.weights.logits(self._base + self._prefix, targets, horizons, prev_hot, affinity))
+
+    def _iteration_table(self) -> np.ndarray:
+        if self._table is None:
+            targets = np.arange(self.layer_now + 1, self.topology.num_layers)
+            self._table = np.zeros((self.topology.num_layers, self.topology.num_experts))
+            if len(targets):
+                self._table[targets] = union(self._probs(targets, targets - self.layer_now))
+        return self._table
+
+    def _reuse_table(self) -> np.ndarray:
+        if self._reuse is None:
+            layers = np.arange(self.topology.num_layers)
+            states = self.rows if self.active else [self._new_state()]
+            self._reuse = union(np.stack([self.reuse.state_probs(s, layers) for s in states]))
+        return self._reuse
+
+
+class TraceScores:
+    """Every row's scores for one layer at one horizon, computed for a whole trace at once."""
+
+    def __init__(self, trace: Trace, weights: RoutingWeights, reuse: ReuseModel, vocab: dict, key_kind: str):
+        self.trace, self.weights, self.reuse = trace, weights, reuse
+        keys, kind = token_keys(trace)
+        usable = keys is not None and kind == key_kind
+        tokens = token_indices(keys, vocab) if usable else np.zeros(trace.num_tokens, dtype=np.int64)
+        self.prev = previous_rows(trace.seq_ids)
+        has_prev = (self.prev >= 0).astype(np.float32)
+        prev_experts = trace.experts[np.maximum(self.prev, 0)].astype(np.int64)
+        self.context = weights.context(tokens, position_bucket(trace.positions), prev_experts, has_prev)  # [N, H]
+        self.affinity = sequence_affinity(trace)  # [N, L, E]
+        self._cut, self._prefix = -1, np.zeros_like(self.context)
+
+    def holds(self, trace: Trace) -> bool:
+        return trace is self.trace
+
+    def scores(self, layer: int, horizon_layers: int) -> np.ndarray:
+        cut = layer - horizon_layers
+        if cut >= -1:
+            return self._model(layer, horizon_layers, self._prefix_until(cut))
+        out = self._model(layer, layer + 1, np.zeros_like(self.context))  # first tokens: their own start
+        later = self.prev >= 0
+        out[later] = self.reuse.trace_probs(self.trace, layer)[self.prev[later]]
+        return out
+
+    def _model(self, layer: int, horizon: int, prefix: np.ndarray) -> np.ndarray:
+        E = self.trace.topology.num_experts
+        prev_hot = _hot(self.trace.experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
+        logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([horizon]),
+                                     prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32))
+        return sigmoid(logits[:, 0])
+
+    def _prefix_until(self, cut: int) -> np.ndarray:
+        """[N, H]: the prefix of layers <= cut, extended from the last one computed."""
+        if cut < self._cut:
+            self._cut, self._prefix = -1, np.zeros_like(self.context)
+        trace, w = self.trace, self.weights
+        while self._cut < cut:
+            self._cut += 1
+            hot = _hot(trace.experts[:, self._cut], trace.topology.num_experts)
+            self._prefix = self._prefix + hot @ w.prefix[self._cut]
+            if w.uses_gate and trace.gate_probs is not None:
+                self._prefix = self._prefix + trace.gate_probs[:, self._cut].astype(np.float32) @ w.gate[self._cut]
+        return self._prefix
+
+
+def _hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    out = np.zeros((len(experts), num_experts), dtype=np.float32)
+    np.put_along_axis(out, experts.astype(np.int64), 1.0, axis=1)
+    return out

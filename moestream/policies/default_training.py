@@ -1,0 +1,156 @@
+"""Offline training of the `default` policy's routing model (torch), exported as numpy weights.
+
+The network is the one `default_model.RoutingWeights` runs online; every (token, target layer) of a
+minibatch is a training example with its own horizon, drawn at random (see ModelConfig). AdamW with
+a short warm-up and a linear decay of the learning rate. Knows traces and tensors, not policies.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from moestream.policies.default_model import (
+    NUM_POSITION_BUCKETS,
+    UNKNOWN,
+    ModelConfig,
+    RoutingWeights,
+    position_bucket,
+    sequence_affinity,
+    token_indices,
+    token_keys,
+)
+from moestream.policies.routing_stats import previous_rows
+from moestream.predictors.configs import TrainConfig
+from moestream.predictors.training import multi_hot, seeded
+from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 200
+
+
+class RoutingNet(nn.Module):
+    def __init__(self, num_layers: int, num_experts: int, vocab_size: int, config: ModelConfig, gate: bool):
+        super().__init__()
+        L, E, H = num_layers, num_experts, config.hidden_dim
+
+        def param(*shape, scale=0.05):
+            return nn.Parameter(torch.randn(*shape) * scale)
+
+        self.prefix, self.previous = param(L, E, H), param(L * E, H)
+        self.gate = param(L, E, H) if gate else None
+        self.token, self.position = param(vocab_size, H), param(NUM_POSITION_BUCKETS, H)
+        self.target, self.horizon = nn.Parameter(torch.zeros(L, H)), nn.Parameter(torch.zeros(L, H))
+        self.norm = nn.LayerNorm(H)
+        self.drop = nn.Dropout(config.dropout)
+        self.out_w, self.out_b = param(L, H, E), nn.Parameter(torch.zeros(L, E))
+        self.skip = nn.Parameter(torch.zeros(2, L, E))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hot = batch["hot"]  # [n, L, E]
+        step = torch.einsum("nle,leh->nlh", hot, self.prefix)
+        if self.gate is not None:
+            step = step + torch.einsum("nle,leh->nlh", batch["gate"], self.gate)
+        padded = torch.cat([torch.zeros_like(step[:, :1]), torch.cumsum(step, dim=1)], dim=1)  # [n, L+1, H]
+        cut = batch["cut"]  # [n, L] last known layer, -1: none
+        index = (cut + 1)[:, :, None].expand(-1, -1, step.shape[-1])
+        prefix = padded.gather(1, index)  # [n, L, H]
+        prev_hot = batch["prev_hot"]  # [n, L, E]
+        context = self.token[batch["token"]] + self.position[batch["bucket"]] + prev_hot.flatten(1) @ self.previous
+        layers = torch.arange(hot.shape[1])
+        z = prefix + context[:, None] + self.target[None] + self.horizon[layers[None] - cut - 1]
+        h = self.drop(torch.relu(self.norm(z)))
+        logits = torch.einsum("nlh,lhe->nle", h, self.out_w) + self.out_b
+        return logits + self.skip[0] * prev_hot + self.skip[1] * batch["affinity"]
+
+    def export(self) -> RoutingWeights:
+        num_layers, num_experts, hidden = self.prefix.shape
+        gate = self.gate if self.gate is not None else torch.zeros(num_layers, num_experts, hidden)
+        arrays = {
+            "prefix": self.prefix, "gate": gate, "token": self.token, "position": self.position,
+            "previous": self.previous, "target": self.target, "horizon": self.horizon,
+            "norm_w": self.norm.weight, "norm_b": self.norm.bias, "out_w": self.out_w, "out_b": self.out_b,
+            "skip": self.skip,
+        }
+        return RoutingWeights({name: value.detach().numpy().copy() for name, value in arrays.items()})
+
+
+class Batches:
+    """Builds minibatch tensors from trace rows, with the horizon of every target drawn at random."""
+
+    def __init__(self, trace: Trace, config: ModelConfig, vocab: dict, rng: np.random.Generator):
+        self.trace, self.config, self.rng = trace, config, rng
+        keys, _ = token_keys(trace)
+        self.tokens = token_indices(keys, vocab) if keys is not None else np.zeros(trace.num_tokens, dtype=np.int64)
+        self.buckets = position_bucket(trace.positions)
+        self.prev = previous_rows(trace.seq_ids)
+        self.affinity = sequence_affinity(trace)  # [N, L, E] float16
+        self.num_experts = trace.topology.num_experts
+
+    def __call__(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        trace, num_layers = self.trace, self.trace.topology.num_layers
+        prev = self.prev[rows]
+        prev_hot = multi_hot(trace.experts[np.maximum(prev, 0)], self.num_experts) * torch.from_numpy(prev >= 0)[:, None, None]
+        tokens = self.tokens[rows].copy()
+        tokens[self.rng.random(len(rows)) < self.config.token_dropout] = UNKNOWN
+        batch = {
+            "hot": multi_hot(trace.experts[rows], self.num_experts),
+            "prev_hot": prev_hot.float(),
+            "token": torch.from_numpy(tokens),
+            "bucket": torch.from_numpy(self.buckets[rows]),
+            "affinity": torch.from_numpy(self.affinity[rows].astype(np.float32)),
+            "cut": torch.from_numpy(self._cuts(len(rows), num_layers)),
+        }
+        if trace.gate_probs is not None:
+            batch["gate"] = torch.from_numpy(trace.gate_probs[rows].astype(np.float32))
+        return batch
+
+    def _cuts(self, num_rows: int, num_layers: int) -> np.ndarray:
+        """[n, L]: the last known layer of each target: l-1 with probability next_layer_share, else uniform in [-1, l-1]."""
+        layers = np.arange(num_layers)[None, :]
+        uniform = (self.rng.random((num_rows, num_layers)) * (layers + 1)).astype(np.int64) - 1
+        nearest = self.rng.random((num_rows, num_layers)) < self.config.next_layer_share
+        return np.where(nearest, layers - 1, uniform)
+
+
+def train_network(trace: Trace, config: ModelConfig, train: TrainConfig, vocab: dict) -> tuple[RoutingWeights, list[float]]:
+    """Trains a RoutingNet on every row of trace; its numpy weights and the mean loss of each epoch."""
+    t = trace.topology
+    with seeded(train.seed, train.num_threads):
+        net = RoutingNet(t.num_layers, t.num_experts, len(vocab) + 1, config, trace.gate_probs is not None)
+        batches = Batches(trace, config, vocab, np.random.default_rng(train.seed))
+        losses = _loop(net, batches, trace.num_tokens, train)
+    return net.export(), losses
+
+
+def _loop(net: RoutingNet, batches: Batches, num_rows: int, train: TrainConfig) -> list[float]:
+    optimizer = torch.optim.AdamW(net.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+    rng = np.random.default_rng(train.seed)
+    num_batches = max(1, -(-num_rows // train.batch_size))
+    total_steps, step, losses = train.num_epochs * num_batches, 0, []
+    warmup = min(WARMUP_STEPS, 1 + total_steps // 10)
+    loss_fn = nn.BCEWithLogitsLoss()
+    net.train()
+    with tqdm(total=total_steps, desc="default", disable=not train.progress, unit="batch") as bar:
+        for _ in range(train.num_epochs):
+            total = 0.0
+            for rows in np.array_split(rng.permutation(num_rows), num_batches):
+                for group in optimizer.param_groups:
+                    group["lr"] = train.learning_rate * min(1.0, (step + 1) / warmup) * (1.0 - step / total_steps)
+                batch = batches(rows)
+                loss = loss_fn(net(batch), batch["hot"])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total += loss.item() * len(rows)
+                step += 1
+                bar.update()
+            losses.append(total / num_rows)
+            log.info("default routing model: epoch %d loss %.4f", len(losses), losses[-1])
+    net.eval()
+    return losses

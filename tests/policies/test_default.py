@@ -1,0 +1,162 @@
+"""The default policy: fit, online predictions equal to whole-trace scoring, calibration, eviction
+by expected next use, save/load, traces without tokens or with gate probabilities, real data."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moestream.cache import ExpertCache
+from moestream.eval.prediction import evaluate_predictor
+from moestream.policies import POLICIES
+from moestream.policies.base import CacheView, Prediction, Predictor
+from moestream.policies.default import DefaultConfig, DefaultPlanner
+from moestream.predictors.configs import TrainConfig
+from moestream.topology import ExpertKey, Topology
+from moestream.trace.replay import decode_stream
+from moestream.trace.synthetic import synthetic_trace
+
+TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4, 5), num_experts=8, top_k=2, expert_bytes=1024)
+SMALL = DefaultConfig(hidden_dim=32, reuse_tokens=200)
+QUICK = TrainConfig(num_epochs=8, learning_rate=1e-2, batch_size=64)
+
+
+def fitted(trace, config=SMALL, train=QUICK):
+    policy = POLICIES.create("default", TOPOLOGY, config=config, train=train)
+    policy.fit(trace)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return synthetic_trace(TOPOLOGY, num_sequences=30, tokens_per_sequence=20, seed=1).split(0.3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def policy(traces):
+    return fitted(traces[0])
+
+
+class EventLoopOnly(Predictor):
+    """Hides score_rows, so that evaluation goes through the online hooks."""
+
+    def __init__(self, inner):
+        super().__init__(inner.topology)
+        self.inner = inner
+
+    def begin_iteration(self, ctx):
+        self.inner.begin_iteration(ctx)
+
+    def observe(self, event):
+        self.inner.observe(event)
+
+    def end_sequence(self, seq_id):
+        self.inner.end_sequence(seq_id)
+
+    def predict(self, layer_now, horizon_layers):
+        return self.inner.predict(layer_now, horizon_layers)
+
+
+@pytest.mark.parametrize("horizon", [1, 2, 4])
+def test_online_predictions_match_whole_trace_scoring(policy, traces, horizon):
+    test = traces[1]
+    fast = evaluate_predictor(policy.predictor, test, horizon)
+    policy.predictor.reset()
+    slow = evaluate_predictor(EventLoopOnly(policy.predictor), test, horizon)
+    assert np.abs(fast.hits - slow.hits).sum() <= 0.01 * fast.hits.sum()
+    assert (fast.predicted == slow.predicted).all()
+
+
+def test_learned_predictions_beat_popularity(policy, traces):
+    train, test = traces
+    counts = evaluate_predictor(policy.predictor, test, 1)
+    popular = np.argsort(-np.stack([np.bincount(train.experts[:, l].ravel(), minlength=8) for l in range(5)]), axis=1)[:, :2]
+    hits = sum(np.isin(popular[l], test.experts[i, l]).sum() for i in range(test.num_tokens) for l in range(5))
+    assert counts.hits.sum() > hits
+
+
+def test_scores_are_calibrated_probabilities(policy, traces):
+    test = traces[1]
+    scores = np.stack([policy.predictor.score_rows(test, layer, 1) for layer in range(5)], axis=1)  # [N, L, E]
+    routed = np.zeros_like(scores, dtype=bool)
+    np.put_along_axis(routed, test.experts.astype(np.int64), True, axis=2)
+    assert 0.0 <= scores.min() and scores.max() <= 1.0
+    # expected number of routed experts per (token, layer) is close to top_k
+    assert abs(scores.sum(axis=2).mean() - TOPOLOGY.top_k) < 0.5
+    confident = scores > 0.5
+    assert routed[confident].mean() > routed[~confident].mean()
+
+
+def test_eviction_keeps_the_experts_expected_soonest(policy, traces):
+    predictor = policy.predictor
+    predictor.reset()
+    it = next(iter(decode_stream(traces[1])))
+    predictor.begin_iteration(it.ctx)
+    predictor.observe(it.events[0])
+    retention = predictor.retention()  # [L, E]
+    eviction = policy.make_eviction("device")
+    keys = [ExpertKey(layer, e) for layer in range(5) for e in range(8)]
+    for key in keys:
+        eviction.on_insert(key)
+    victim = eviction.victim(keys)
+    assert retention[victim] == retention.min()
+    # an expert of the next layer the model is sure of is kept over one just used by layer 0
+    best_next = int(np.argmax(predictor.state._iteration_table()[1]))
+    just_used = int(it.events[0].expert_ids[0, 0])
+    if predictor.state._iteration_table()[1, best_next] > 0.5:
+        assert retention[1, best_next] > retention[0, just_used]
+
+
+def test_planner_requests_likely_experts_by_urgency():
+    planner = DefaultPlanner(min_probability=0.4)
+    predictions = [Prediction(3, 1, 0.9), Prediction(2, 2, 0.6), Prediction(2, 3, 0.3), Prediction(4, 0, 0.99)]
+    view = CacheView(frozenset({ExpertKey(4, 0)}), frozenset(), capacity=8, layer_now=1, num_layers=5)
+    plan = planner.plan(predictions, view)
+    assert [r.key for r in plan] == [ExpertKey(2, 2), ExpertKey(3, 1)]  # 0.6/1 > 0.9/2; 0.3 below; (4,0) resident
+
+
+def test_save_and_load_give_the_same_scores(policy, traces, tmp_path):
+    policy.save(tmp_path / "default")
+    loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "default")
+    test = traces[1]
+    for layer in (0, 3):
+        np.testing.assert_allclose(loaded.predictor.score_rows(test, layer, 2), policy.predictor.score_rows(test, layer, 2))
+
+
+def test_works_without_token_strings_and_with_gate_probs(traces):
+    train, test = traces
+    bare = dataclasses.replace(train, tokens=None, token_ids=None)
+    policy = fitted(bare, train=TrainConfig(num_epochs=1, batch_size=64))
+    assert policy.predictor.key_kind == ""
+    assert evaluate_predictor(policy.predictor, test, 1).hits.sum() > 0
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(8), size=(train.num_tokens, 5)).astype(np.float16)
+    gated = fitted(dataclasses.replace(train, gate_probs=probs), train=TrainConfig(num_epochs=1, batch_size=64))
+    assert gated.predictor.weights.uses_gate
+    run_in_cache(gated, test)
+
+
+def run_in_cache(policy, trace, slots=10):
+    """Drives the policy's predictor and eviction over a small cache; the hit rate."""
+    eviction = policy.make_eviction("device")
+    cache, hits, accesses = ExpertCache(slots, eviction), 0, 0
+    policy.predictor.reset()
+    for it in decode_stream(trace):
+        policy.predictor.begin_iteration(it.ctx)
+        for event in it.events:
+            policy.predictor.observe(event)
+            for e in event.expert_ids[0].tolist():
+                key = ExpertKey(event.layer, e)
+                hits += cache.access(key) is not None
+                accesses += 1
+                if key not in cache:
+                    cache.admit(key)
+            policy.predictor.predict(event.layer, 2)
+        for seq in it.finished:
+            policy.predictor.end_sequence(seq)
+    return hits / accesses
+
+
+def test_eviction_beats_lru_on_a_small_cache(policy, traces):
+    lru = POLICIES.create("lru", TOPOLOGY)
+    assert run_in_cache(policy, traces[1]) > run_in_cache(lru, traces[1])
