@@ -57,7 +57,7 @@ def demo_checkpoint(small: bool = False) -> Path:
 
 
 def run(args) -> int:
-    from moestream.runtime.metrics import save_json
+    from moestream.atomic import write_json
 
     if args.max_new_tokens < 1:
         raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -69,7 +69,7 @@ def run(args) -> int:
     print(f"identical tokens in both runs: {'yes' if same else 'NO'}")
     print(f"sample: {PROMPTS[0]!r} -> {rows[0]['texts'][0]!r}")
     if args.json:
-        save_json({"model": str(model), "runs": rows, "identical_tokens": same}, args.json)
+        write_json({"model": str(model), "runs": rows, "identical_tokens": same}, args.json)
     return 0
 
 

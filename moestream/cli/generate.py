@@ -42,7 +42,7 @@ def engine_config(args, **overrides):
 
 def run(args) -> int:
     from moestream.runtime import Engine
-    from moestream.runtime.metrics import save_json
+    from moestream.atomic import write_json
 
     if args.max_new_tokens < 1:
         raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -55,7 +55,7 @@ def run(args) -> int:
             _save_trace(recorder, result.seq_ids[0], args)
     print(result.texts[0])
     if args.json:
-        save_json(report(result, 0), args.json)
+        write_json(report(result, 0), args.json)
     return 0
 
 

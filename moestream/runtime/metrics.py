@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-from moestream.errors import MoestreamError
 
 
 @dataclass(frozen=True)
@@ -45,25 +39,3 @@ class StepClock:
         if len(self.marks) < 2:
             return 0.0
         return (self.marks[-1] - self.marks[0]) * 1e3 / (len(self.marks) - 1)
-
-
-def save_json(data: dict, path: str | os.PathLike) -> Path:
-    """Writes data as JSON atomically (a temporary file in the same directory, then os.replace)."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as error:
-        raise MoestreamError(f"cannot write {path}: {error.strerror or error}") from None
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=2)
-            out.write("\n")
-        os.replace(tmp, path)
-    except OSError as error:
-        Path(tmp).unlink(missing_ok=True)
-        raise MoestreamError(f"cannot write {path}: {error.strerror or error}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

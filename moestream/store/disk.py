@@ -99,14 +99,15 @@ def coalesce_batch(batch: Sequence[Sequence[Segment]], max_gap_bytes: int = 0) -
             pieces.append((Path(seg.file), Piece(seg.offset, seg.nbytes, dst, index)))
             dst += seg.nbytes
     pieces.sort(key=lambda item: (str(item[0]), item[1].file_offset))
-    groups: list[tuple[Path, int, int, list[Piece]]] = []
+    runs: list[tuple[Path, int, int, list[Piece]]] = []
     for file, piece in pieces:
-        last = groups[-1] if groups else None
-        if last is not None and last[0] == file and piece.file_offset <= last[2] + max_gap_bytes:
-            groups[-1] = (file, last[1], max(last[2], piece.file_offset + piece.nbytes), last[3] + [piece])
+        end = piece.file_offset + piece.nbytes
+        if runs and runs[-1][0] == file and piece.file_offset <= runs[-1][2] + max_gap_bytes:
+            runs[-1][3].append(piece)
+            runs[-1] = (file, runs[-1][1], max(runs[-1][2], end), runs[-1][3])
         else:
-            groups.append((file, piece.file_offset, piece.file_offset + piece.nbytes, [piece]))
-    return [Run(file, start, end, tuple(group)) for file, start, end, group in groups]
+            runs.append((file, piece.file_offset, end, [piece]))
+    return [Run(file, start, end, tuple(group)) for file, start, end, group in runs]
 
 
 def split(run: Run, align: int, max_bytes: int) -> list[Request]:
@@ -139,7 +140,6 @@ class DiskReader:
         self.max_gap_bytes = block_bytes if max_gap_bytes is None else max_gap_bytes
         self.num_workers = num_workers
         self._staging: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        self._num_staging = 0
         self._pool: ThreadPoolExecutor | None = None
         self._handles: dict[Path, _Handle] = {}
         self._retired: list[int] = []  # descriptors replaced by a fallback, closed by close()
@@ -205,18 +205,23 @@ class DiskReader:
             return self.block_bytes if self._handle(file).direct else 1
 
     def _perform(self, requests: list[Request], dsts: list[np.ndarray]) -> None:
-        """Runs every request; with several, keeps up to num_workers in flight. Raises only once all are done."""
+        """Runs every request, up to num_workers in flight (the calling thread runs one of them).
+        Raises only once all are done, so that no worker writes into a destination after an error."""
         if len(requests) == 1 or self.num_workers == 1:
             for request in requests:
                 self._request(request, dsts)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="moestream-io")
-        futures = [self._pool.submit(self._request, request, dsts) for request in requests]
-        errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+            self._pool = ThreadPoolExecutor(self.num_workers - 1, thread_name_prefix="moestream-io")
+        futures = [self._pool.submit(self._request, request, dsts) for request in requests[1:]]
+        errors: list[BaseException] = []
+        try:
+            self._request(requests[0], dsts)
+        except BaseException as error:
+            errors.append(error)
+        errors += [e for e in (future.exception() for future in futures) if e is not None]
+        if errors:
+            raise errors[0]
 
     def _request(self, request: Request, dsts: list[np.ndarray]) -> None:
         staging = self._take_staging()
