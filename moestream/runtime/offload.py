@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moestream.policies.base import CacheView, Policy
+from moestream.policies.base import CacheView, Observer, Policy
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.topology import ExpertKey
 
@@ -100,6 +100,12 @@ class Prefetcher:
             self.store.prefetch(requests)
 
 
+def _observes(observer) -> bool:
+    """Whether an observer handles routing events (`Observer.observe` itself ignores them), so that a
+    layer builds its event only when someone reads it."""
+    return getattr(observer.observe, "__func__", None) is not Observer.observe
+
+
 def _routing(active: np.ndarray, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Routing:
     """The routing of the active rows (no indexing when every row is active, the common case)."""
     if active.all():
@@ -148,8 +154,9 @@ class OffloadedExperts:
         """hidden [T, H], top_k_index/top_k_weights [T, K], kept [T] bool (False: dropped) -> [T, H]."""
         rows = self.publisher.rows(hidden.shape[0])
         active = rows.active if kept is None else rows.active & kept.cpu().numpy()  # [T] bool
-        self.publisher.publish(layer, _routing(active, top_k_index, top_k_weights), rows, hidden,
-                               self._router_logits.pop(layer, None))
+        logits = self._router_logits.pop(layer, None)
+        if any(map(_observes, self.publisher.observers)):
+            self.publisher.publish(layer, _routing(active, top_k_index, top_k_weights), rows, hidden, logits)
         out = self._compute(layer, math, hidden, top_k_index, top_k_weights, active)
         if self.prefetcher is not None:
             self.prefetcher.after(layer)
