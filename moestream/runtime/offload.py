@@ -1,5 +1,8 @@
 """One MoE layer's experts, served from the expert store: publish the routing, fetch, compute, prefetch.
 
+The routing event is built only when some observer overrides `Observer.observe` (reactive
+policies, e.g. plain LRU, read none, and building it costs as much as a layer's bookkeeping).
+
 Experts run in any order: those already in the device tier first, then the misses, fetched on
 demand (synchronously) in groups that fit the device tier. The layer's (token, k) rows are sorted
 by expert in that order, so that gathering inputs, weighting and scattering outputs are one

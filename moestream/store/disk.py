@@ -13,7 +13,9 @@ sorted by file and offset and coalesced into runs (segments at most `max_gap_byt
 same or of different destinations, are read together), and runs are cut into requests of at most
 `staging_bytes`. The requests are kept in flight together by `num_workers` I/O threads (`preadv`
 releases the GIL), each with its own staging buffer: one request at a time leaves a fast disk
-idle between requests. File descriptors stay open until close(). The reader knows segments and
+idle between requests. Staging bytes are copied out with numpy, not torch: a torch copy may split
+over intra-op threads, and on a busy machine one expert's copy then waits milliseconds for a
+descheduled thread. File descriptors stay open until close(). The reader knows segments and
 bytes, not experts, tiers or policies.
 """
 

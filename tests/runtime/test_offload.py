@@ -1,7 +1,10 @@
-"""The row plan that sorts a layer's (token, k) rows by expert, in the order the experts run."""
+"""The row plan that sorts a layer's (token, k) rows by expert, in the order the experts run, and
+routing events built only for observers that read them."""
 
 import numpy as np
 
+from moestream.policies.base import Observer
+from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.offload import RowPlan
 
 
@@ -20,3 +23,25 @@ def test_rows_are_sorted_by_the_given_expert_order_and_spans_cover_them():
 def test_a_layer_without_used_rows_has_an_empty_plan():
     plan = RowPlan(np.array([1, 3]), np.zeros(2, dtype=bool), expert_order=[])
     assert plan.order.size == 0 and plan.num_rows == 2
+
+
+class LayerReader(Observer):
+    def __init__(self):
+        self.layers = []
+
+    def observe(self, event):
+        self.layers.append(event.layer)
+
+
+def test_routing_events_are_built_only_when_an_observer_reads_them(checkpoint):
+    with Engine(checkpoint("mixtral"), EngineConfig(expert_budget="0.5", direct_io=False, policy="lru")) as engine:
+        built = []
+        publish = engine.publisher.publish
+        engine.publisher.publish = lambda layer, *args: built.append(layer) or publish(layer, *args)
+        engine.generate([[5, 6, 7]], max_new_tokens=2)
+        assert built == []  # LRU and its evictions ignore routing events
+        reader = LayerReader()
+        engine.add_observer(reader)
+        engine.generate([[5, 6, 7]], max_new_tokens=2)
+        num_layers = engine.checkpoint.topology.num_layers
+    assert built == reader.layers == list(range(num_layers)) * 2
