@@ -40,6 +40,8 @@ def add_parser(kinds) -> None:
     parser.add_argument("--horizons", default="1,2,3,4,5,6,7,8", help="prediction horizons (layers ahead)")
     parser.add_argument("--max-test-tokens", type=int, help="replay only the first held-out prompts up to this many tokens")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
+                        help="a trained predictor (train-predictor) used instead of fitting its kind; repeatable")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plot-dir", type=Path, help="write hit-rate plots here")
     parser.set_defaults(handler=run)
@@ -54,6 +56,7 @@ def run(args) -> int:
         protocols=tuple(_names(args.protocols)),
         horizons=tuple(int(h) for h in _names(args.horizons)),
         num_workers=args.workers,
+        predictor_dirs=tuple(args.predictor_dir),
     )
     result = compare(train, test, config)
     _print(result, config, train.num_tokens, test.num_tokens)

@@ -48,6 +48,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=sorted(PRESETS))
     parser.add_argument("--train", type=Path, help="trace to fit the policies on (default: none, unfitted)")
     parser.add_argument("--train-tokens", type=Path, help="tokens jsonl of a DeepSeek --train npz")
+    parser.add_argument("--predictor-dir", type=Path, action="append", default=[], metavar="DIR",
+                        help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="hit rate vs ratio and per layer, as PNG")
     parser.add_argument("--mode", default="decode", choices=MODES, help="workload of the stream protocol")
@@ -75,7 +77,7 @@ def run(args) -> int:
     configs = [_config(args, ratio) for ratio in ratios]
     trace = load_trace(args.trace, args.tokens)
     train = load_trace(args.train, args.train_tokens) if args.train is not None else None
-    results = {name: _run_policy(name, trace, train, configs, args.protocol) for name in names}
+    results = {name: _run_policy(name, trace, train, configs, args) for name in names}
     document = _document(args, configs[0], trace, results)
     if args.json is not None:
         write_json(document, args.json)
@@ -132,13 +134,16 @@ def _config(args, ratio: float):
     )
 
 
-def _run_policy(name: str, trace, train, configs, protocol: str) -> dict[float, dict]:
+def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
     from moestream.policies import POLICIES
+    from moestream.policies.trained import load_matching
     from moestream.sim import simulate
     from moestream.sim.protocols import check_compatible
 
     policy = POLICIES.create(name, trace.topology)
-    if train is not None:
+    if load_matching(policy, args.predictor_dir) is not None:
+        log.info("%s: predictor loaded from a directory", name)
+    elif train is not None:
         check_compatible(policy, train)
         policy.fit(train)
     elif _learns(policy):
@@ -146,7 +151,7 @@ def _run_policy(name: str, trace, train, configs, protocol: str) -> dict[float, 
     results = {}
     for config in configs:
         start = time.perf_counter()
-        results[config.cache_ratio] = simulate(copy.deepcopy(policy), trace, config, protocol)
+        results[config.cache_ratio] = simulate(copy.deepcopy(policy), trace, config, args.protocol)
         results[config.cache_ratio]["replay_seconds"] = round(time.perf_counter() - start, 3)
         log.info("%s at ratio %g: %.1f s", name, config.cache_ratio, time.perf_counter() - start)
     return results

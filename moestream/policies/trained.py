@@ -14,7 +14,7 @@ import logging
 from abc import abstractmethod
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from moestream.atomic import atomic_path, write_json
 from moestream.errors import MoestreamError
@@ -155,7 +155,7 @@ class TrainedPolicy(Policy):
         self.config = self.config_class() if config is None else config
         self.train_config = TrainConfig() if train is None else train
         super().__init__(topology)
-        self.pretrained = predictor_dir is not None
+        self.pretrained = False
         if predictor_dir is not None:
             self.load(predictor_dir)
 
@@ -171,3 +171,19 @@ class TrainedPolicy(Policy):
     def load(self, directory: str | Path) -> None:
         load_predictor(self.predictor, directory)
         self.config = self.predictor.config
+        self.pretrained = True
+
+
+def load_matching(policy: Policy, directories: Sequence[str | Path]) -> Path | None:
+    """Loads into a trained policy the first directory that holds its predictor's kind.
+
+    Ablations share their design's kind, so one directory serves them all. Returns the directory
+    loaded, or None (an untrained policy, or no directory of its kind).
+    """
+    if not isinstance(policy, TrainedPolicy):
+        return None
+    for directory in map(Path, directories):
+        if read_meta(directory).get("kind") == policy.predictor.kind:
+            policy.load(directory)
+            return directory
+    return None

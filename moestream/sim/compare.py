@@ -22,6 +22,7 @@ from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
 from moestream.policies.base import CacheView, Policy
+from moestream.policies.trained import load_matching
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
 from moestream.sim.protocols import simulate
@@ -50,6 +51,7 @@ class CompareConfig:
     num_prediction_tokens: int = 4000  # test tokens scored for precision/recall/F1 per horizon
     num_overhead_tokens: int = 200  # test tokens timed for per-layer overhead
     num_workers: int = 2
+    predictor_dirs: tuple[str, ...] = ()  # trained predictors, used instead of fitting policies of their kind
 
     def __post_init__(self):
         if not self.policies:
@@ -83,7 +85,7 @@ class Job:
 
 def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
     result = Comparison()
-    fitted = fit_policies(train, test, config.policies, result)
+    fitted = fit_policies(train, test, config, result)
     jobs = replay_jobs(fitted, config)
     with ProcessPoolExecutor(config.num_workers, mp_context=get_context("fork")) as pool:
         futures = {job: pool.submit(run_job, fitted[job.policy], test, job, config.horizon_layers) for job in jobs}
@@ -97,9 +99,9 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
     return result
 
 
-def fit_policies(train: Trace, test: Trace, names, result: Comparison) -> dict[str, Policy]:
+def fit_policies(train: Trace, test: Trace, config: CompareConfig, result: Comparison) -> dict[str, Policy]:
     fitted = {}
-    for name in names:
+    for name in config.policies:
         policy_class = POLICIES.get(name)
         missing = [f for f in policy_class.trace_needs if getattr(train, f) is None or getattr(test, f) is None]
         if missing:
@@ -107,7 +109,8 @@ def fit_policies(train: Trace, test: Trace, names, result: Comparison) -> dict[s
             continue
         start = time.perf_counter()
         policy = policy_class(test.topology)
-        policy.fit(train)
+        if load_matching(policy, config.predictor_dirs) is None:
+            policy.fit(train)
         result.fit_seconds[name] = round(time.perf_counter() - start, 2)
         log.info("fitted %s in %.1f s", name, result.fit_seconds[name])
         fitted[name] = policy

@@ -2,7 +2,10 @@
 
 Used by `moestream bench engine` to report what the disk delivers and to calibrate the simulator's
 cost model. Files are dropped from the page cache first and read with O_DIRECT where the filesystem
-allows it, so the figures are disk figures, not memory copies. Knows no experts beyond locations.
+allows it, so the figures are disk figures, not memory copies. `cold_read_samples` takes one sample
+of each way of reading: a file front to back (the sequential reference, two ways), random experts a
+decode step's top_k at a time, and a layer pass (every expert of a few layers, one batch per layer,
+as the store reads a layer whose tokens route to all its experts). Knows no experts beyond locations.
 """
 
 from __future__ import annotations
@@ -14,10 +17,51 @@ from typing import Sequence
 
 import torch
 
-from moestream.checkpoint.layout import ExpertLocation, Segment
-from moestream.store.disk import BLOCK_BYTES, DiskReader
+import numpy as np
+
+from moestream.checkpoint.layout import ExpertIndex, ExpertLocation, Segment
+from moestream.store.disk import BLOCK_BYTES, NUM_WORKERS, STAGING_BYTES, DiskReader
+from moestream.topology import ExpertKey
 
 DEFAULT_BLOCK_BYTES = 16 * 2**20
+SEQUENTIAL_BYTES = 256 * 2**20  # read per sequential sample
+RANDOM_EXPERT_BATCHES = 16  # batches of top_k random experts per random-read sample
+LAYERS_PER_PASS = 4  # layers read per layer-pass sample
+COLD_READ_METHODS = ("sequential", "sequential_reader", "random_experts", "layer_pass")
+
+
+def cold_read_samples(shard: Path, index: ExpertIndex, seed: int, direct_io: bool = True) -> dict[str, float]:
+    """Bytes per second of each method of COLD_READ_METHODS: the shard's first SEQUENTIAL_BYTES front to
+    back (16 MiB requests one at a time; the store's reader), random experts (a layer's top_k per read
+    batch) and a layer pass (each layer's experts in one read batch), both chosen by seed."""
+    topology = index.topology
+    return {
+        "sequential": sequential_read_bandwidth(shard, SEQUENTIAL_BYTES, direct_io=direct_io),
+        "sequential_reader": sequential_read_bandwidth(shard, SEQUENTIAL_BYTES, direct_io=direct_io,
+                                                       request_bytes=STAGING_BYTES, num_workers=NUM_WORKERS),
+        "random_experts": expert_stream_bandwidth(random_experts(index, seed), direct_io, batch=topology.top_k),
+        "layer_pass": expert_stream_bandwidth(layer_pass(index, seed), direct_io, batch=topology.num_experts),
+    }
+
+
+def random_experts(index: ExpertIndex, seed: int) -> list[ExpertLocation]:
+    """RANDOM_EXPERT_BATCHES batches of top_k distinct experts of a random layer each."""
+    topology = index.topology
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(RANDOM_EXPERT_BATCHES):
+        layer = int(rng.integers(topology.num_layers))
+        experts = rng.choice(topology.num_experts, size=min(topology.top_k, topology.num_experts), replace=False)
+        batches += [index.locations[ExpertKey(layer, int(e))] for e in experts]
+    return batches
+
+
+def layer_pass(index: ExpertIndex, seed: int) -> list[ExpertLocation]:
+    """Every expert of LAYERS_PER_PASS consecutive layers (from a layer chosen by seed), layer by layer."""
+    topology = index.topology
+    first = seed * LAYERS_PER_PASS % topology.num_layers
+    layers = [(first + i) % topology.num_layers for i in range(min(LAYERS_PER_PASS, topology.num_layers))]
+    return [index.locations[ExpertKey(layer, e)] for layer in layers for e in range(topology.num_experts)]
 
 
 def sequential_read_bandwidth(path: str | Path, nbytes: int | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,

@@ -98,9 +98,10 @@ def coalesce_batch(batch: Sequence[Sequence[Segment]], max_gap_bytes: int = 0) -
     for index, segments in enumerate(batch):
         dst = 0
         for seg in segments:
-            pieces.append((Path(seg.file), Piece(seg.offset, seg.nbytes, dst, index)))
+            file = seg.file if isinstance(seg.file, Path) else Path(seg.file)
+            pieces.append((file, Piece(seg.offset, seg.nbytes, dst, index)))
             dst += seg.nbytes
-    pieces.sort(key=lambda item: (str(item[0]), item[1].file_offset))
+    pieces.sort(key=lambda item: (item[0].parts, item[1].file_offset))
     runs: list[tuple[Path, int, int, list[Piece]]] = []
     for file, piece in pieces:
         end = piece.file_offset + piece.nbytes

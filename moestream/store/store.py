@@ -51,7 +51,8 @@ class StoreStats:
     prefetch_hits: int = 0  # acquire hits on prefetched experts not used before
     prefetch_wasted: int = 0  # prefetched experts evicted before any acquire used them
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
-    disk_read_s: float = 0.0
+    disk_read_s: float = 0.0  # wall time of the disk reads (a batch's requests in flight together count once)
+    disk_batches: int = 0  # batches of disk reads (each in flight together)
 
     @property
     def hit_rate(self) -> float:
@@ -212,6 +213,7 @@ class ExpertStore:
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
         self._stats.bytes_read["disk"] += self._reader.read_batch(batch)
         self._stats.disk_read_s += time.perf_counter() - began
+        self._stats.disk_batches += 1
 
     def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int) -> None:
         pool.mark_read(slot, self._copier.copy(dst, pool.slot(slot)))

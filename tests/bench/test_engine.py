@@ -17,9 +17,13 @@ def test_bench_engine_reports_every_run(tmp_path, monkeypatch, capsys):
     assert [run["expert_budget"] for run in offloaded] == ["0.25", "0.5"]
     assert all(run["expert_misses"] > 0 and run["stream_bytes_per_s"] > 0 for run in offloaded)
     assert offloaded[0]["hit_rate"] <= offloaded[1]["hit_rate"]
-    assert record["sequential_read_bytes_per_s"] > 0
+    assert all(run["experts_per_read_batch"] >= 1 for run in offloaded)
+    assert record["sequential_read_bytes_per_s"] > 0 and record["layer_pass_vs_sequential"] > 0
+    assert set(record["targets"]) == {"stream_vs_sequential", "layer_pass_vs_sequential",
+                                      "resident_tpot_vs_transformers"}
     assert record["resident_tpot_vs_transformers"] > 0
-    assert "sequential read" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "sequential read" in printed and "layer pass" in printed
 
 
 def test_bench_engine_refuses_a_bad_budget(tmp_path, capsys):

@@ -90,3 +90,16 @@ def test_bad_input_is_one_line_and_exit_2(case, message, traces, tmp_path, capsy
     err = capsys.readouterr().err
     assert rc == 2 and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_trained_predictor_directory_is_used_instead_of_fitting(traces, tmp_path, capsys):
+    test, train = traces
+    out = tmp_path / "ef"
+    assert main(["train-predictor", "--kind", "expertflow", "--trace", str(train), "--out", str(out), "--epochs", "1",
+                 "--set", "model_dim=16", "--set", "num_heads=2", "--set", "window_tokens=4", "--no-progress"]) == 0
+    argv = ["sim", "--trace", str(test), "--policy", "expertflow,lru", "--cache-ratio", "0.5", "--predictor-dir", str(out)]
+    assert main(argv) == 0
+    assert "runs unfitted" not in capsys.readouterr().err  # expertflow loaded its directory
+    (out / "predictor.json").write_text("{")
+    assert main(argv) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -2,7 +2,10 @@ import math
 
 import pytest
 
-from moestream.store.bandwidth import expert_stream_bandwidth, sequential_read_bandwidth
+from moestream.store.bandwidth import (COLD_READ_METHODS, LAYERS_PER_PASS, cold_read_samples,
+                                      expert_stream_bandwidth, layer_pass, random_experts,
+                                      sequential_read_bandwidth)
+from moestream.topology import ExpertKey
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
@@ -34,3 +37,32 @@ def test_empty_file_is_refused(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(ValueError, match="nothing to read"):
         sequential_read_bandwidth(path)
+
+
+def test_layer_pass_reads_every_expert_of_consecutive_layers_in_order(checkpoint):
+    index = checkpoint.index
+    topology = index.topology
+    for seed in range(3):
+        locations = layer_pass(index, seed)
+        layers = min(LAYERS_PER_PASS, topology.num_layers)
+        first = seed * LAYERS_PER_PASS % topology.num_layers
+        expected = [ExpertKey((first + i) % topology.num_layers, e) for i in range(layers)
+                    for e in range(topology.num_experts)]
+        assert locations == [index.locations[key] for key in expected]
+
+
+def test_random_experts_are_distinct_within_a_batch_and_seeded(checkpoint):
+    index = checkpoint.index
+    k = min(index.topology.top_k, index.topology.num_experts)
+    locations = random_experts(index, seed=5)
+    assert locations == random_experts(index, seed=5)
+    for i in range(0, len(locations), k):
+        batch = locations[i : i + k]
+        assert len({id(loc) for loc in batch}) == len(batch)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_cold_read_samples_give_a_rate_per_method(checkpoint, direct_io):
+    rates = cold_read_samples(checkpoint.files[0], checkpoint.index, seed=1, direct_io=direct_io)
+    assert tuple(rates) == COLD_READ_METHODS
+    assert all(rate > 0 and math.isfinite(rate) for rate in rates.values())

@@ -233,6 +233,7 @@ def test_the_misses_of_one_call_are_read_as_batches(make_checkpoint, host_slots)
         assert store.prefetch([TransferRequest(K(1, e), 1.0) for e in range(3)]) == [K(1, e) for e in range(3)]
         expected = [1, 4, 3] if host_slots != 2 else [1, 2, 2, 2, 1]  # a batch never outgrows the host tier
         assert store._reader.batches == expected
+        assert store.stats().disk_batches == len(expected)
         assert store.stats().bytes_read["disk"] == 8 * ckpt.index.topology.expert_bytes
         if host_slots:
             assert len(store.resident("host")) == min(host_slots, 8)
