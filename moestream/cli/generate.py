@@ -1,4 +1,8 @@
-"""`moestream generate`: greedy generation with experts offloaded, printing the text and figures."""
+"""`moestream generate`: greedy generation with experts offloaded, printing the text and figures.
+
+One prompt (--prompt) or many (--prompts-file, one per line, run in batches of --batch-size);
+--record-trace files every prompt's routing as one sequence of a single trace.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,18 @@ from moestream.errors import MoestreamError
 def add_parser(commands) -> None:
     parser = commands.add_parser("generate", help="generate text with experts streamed from disk")
     parser.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors + config.json)")
-    parser.add_argument("--prompt", required=True, help="prompt text (tokenized without a chat template)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (tokenized without a chat template)")
+    source.add_argument("--prompts-file", type=Path, help="text file of prompts, one per line (blank lines skipped)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="prompts of --prompts-file generated together (default 1); figures are per batch")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     add_engine_arguments(parser)
-    parser.add_argument("--json", type=Path, help="write text, token ids and figures to this JSON file")
+    parser.add_argument("--json", type=Path,
+                        help="write text, token ids and figures to this JSON file (a list with --prompts-file)")
     parser.add_argument("--record-trace", type=Path, help="save the run's routing as a trace file")
-    parser.add_argument("--record-hidden", action="store_true", help="include router inputs in the trace")
+    parser.add_argument("--record-hidden", action="store_true",
+                        help="include router inputs and token embeddings in the trace")
     parser.set_defaults(handler=run)
 
 
@@ -41,22 +51,59 @@ def engine_config(args, **overrides):
 
 
 def run(args) -> int:
-    from moestream.runtime import Engine
     from moestream.atomic import write_json
 
     if args.max_new_tokens < 1:
         raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
+    prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
+    records = _generate(args, prompts)
+    if args.prompts_file is None:
+        print(records[0]["text"])
+    else:
+        for number, record in enumerate(records, 1):
+            print(f"--- prompt {number}/{len(records)} ---\n{record['text']}")
+    if args.json:
+        write_json(records[0] if args.prompts_file is None else records, args.json)
+    return 0
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The non-blank lines of a prompts file."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise MoestreamError(f"prompts file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise MoestreamError(f"cannot read prompts file {path}: {error}") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise MoestreamError(f"prompts file {path} has no prompts (one per line, blank lines skipped)")
+    return prompts
+
+
+def _generate(args, prompts: list[str]) -> list[dict]:
+    """Runs the prompts in batches and returns one JSON record per prompt (the trace saved if asked)."""
+    from moestream.runtime import Engine
+
     recording = args.record_trace is not None
     config = engine_config(args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
+    many = args.prompts_file is not None
+    records = []
     with Engine(args.model, config, progress=True) as engine:
-        recorder = _recorder(engine, args) if args.record_trace else None
-        result = engine.generate([args.prompt], max_new_tokens=args.max_new_tokens)
+        recorder = _recorder(engine, args) if recording else None
+        for start in range(0, len(prompts), args.batch_size):
+            batch = prompts[start: start + args.batch_size]
+            result = engine.generate(batch, max_new_tokens=args.max_new_tokens)
+            for row, prompt in enumerate(batch):
+                if recorder is not None:
+                    recorder.set_text(result.seq_ids[row], prompt)
+                extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
+                records.append(report(result, row) | extra)
         if recorder is not None:
-            _save_trace(recorder, result.seq_ids[0], args)
-    print(result.texts[0])
-    if args.json:
-        write_json(report(result, 0), args.json)
-    return 0
+            _save_trace(recorder, args.record_trace)
+    return records
 
 
 def report(result, row: int) -> dict:
@@ -80,13 +127,24 @@ def _recorder(engine, args):
         family = engine.checkpoint.adapter.model_type
         raise MoestreamError(f"--record-trace needs a decoder-only model; {family} routes its encoder "
                              "and decoder tokens apart")
-    recorder = TraceRecorder(engine.checkpoint.topology, source=f"moestream generate {args.model}")
+    kind = _inputs_recorder_class() if args.record_hidden else TraceRecorder
+    recorder = kind(engine.checkpoint.topology, source=f"moestream generate {args.model}")
     engine.add_observer(recorder)
     return recorder
 
 
-def _save_trace(recorder, seq_id: int, args) -> None:
+def _save_trace(recorder, path: Path) -> None:
     from moestream.trace.format import save_trace
 
-    recorder.set_text(seq_id, args.prompt)
-    save_trace(recorder.to_trace(), args.record_trace)
+    save_trace(recorder.to_trace(), path)
+
+
+def _inputs_recorder_class():
+    from moestream.trace.recorder import TraceRecorder
+
+    class InputsRecorder(TraceRecorder):
+        """A recorder that also asks the engine for each token's input embedding."""
+
+        needs_embeddings = True
+
+    return InputsRecorder

@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 
     from moestream.trace.schema import Trace
 
-DEFAULT_TRAIN = TrainConfig(num_epochs=6, learning_rate=5e-3)
-
-
 @dataclass(frozen=True)
 class DefaultConfig:
     hidden_dim: int = 512
@@ -208,10 +205,6 @@ class Default(TrainedPolicy):
     """moestream's own design: learned calibrated prediction for prefetch and Belady-like eviction."""
 
     config_class = DefaultConfig
-
-    def __init__(self, topology: Topology, config: DefaultConfig | None = None, train: TrainConfig | None = None,
-                 predictor_dir=None):
-        super().__init__(topology, config, DEFAULT_TRAIN if train is None else train, predictor_dir)
 
     def make_predictor(self) -> DefaultPredictor:
         return DefaultPredictor(self.topology, self.config, self.train_config)

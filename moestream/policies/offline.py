@@ -1,6 +1,9 @@
 """Offline bounds that know the future of the replayed trace: Belady's MIN and the oracle.
 
 `belady` prefetches nothing and evicts the resident expert whose next use is farthest away.
+`lookahead-1` and `lookahead-8` evict like `belady` but see the future only that many tokens ahead
+(beyond it, least recently used first): the bound for a policy that knows the next tokens'
+routing exactly and nothing more.
 `oracle` predicts exactly the experts of the next `horizon_layers` layers (crossing into the next
 iterations), each with score 1, so the default planner orders them by time of need; it evicts like
 `belady`. Both get the trace through `prepare(trace)` and follow the replay from the events they
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -68,6 +72,7 @@ class FutureIndex:
         if trace.topology.num_layers != self.topology.num_layers or trace.topology.num_experts != self.topology.num_experts:
             raise OfflinePolicyError("the replayed trace's topology differs from the policy's")
         self.trace, self._steps, self._mode, self.step = trace, None, "", 0
+        self.position = -1  # the replay's current (iteration * L + layer)
         bounds = trace.sequence_bounds()
         self._seq_start = {seq: (start, int(trace.positions[start])) for seq, start, _ in bounds}
 
@@ -77,9 +82,10 @@ class FutureIndex:
         if self._steps is None or not self._matches(ctx):
             self._build(ctx)
         self.step = ctx.step
+        self.position = ctx.step * self.topology.num_layers - 1
 
     def observe(self, event: RoutingEvent) -> None:
-        pos = self.step * self.topology.num_layers + event.layer
+        pos = self.position = self.step * self.topology.num_layers + event.layer
         base = event.layer * self.topology.num_experts
         flat, ptr, end = self._flat, self._ptr, self._end
         for expert in set(event.expert_ids.ravel().tolist()):
@@ -220,6 +226,35 @@ class BeladyEviction(EvictionPolicy):
             heapq.heapify(self._heap)
 
 
+class LookaheadEviction(EvictionPolicy):
+    """Belady within `num_tokens` iterations of foresight; least recently used beyond it.
+
+    The victim is the least recently used candidate not needed within the window (found by
+    walking the recency order from the oldest); if every candidate is, the one needed last.
+    """
+
+    def __init__(self, future: FutureIndex, num_tokens: int):
+        self.future, self.window = future, num_tokens * future.topology.num_layers
+        self._recency: OrderedDict[ExpertKey, None] = OrderedDict()
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self.on_access(key)
+
+    def on_access(self, key: ExpertKey) -> None:
+        self._recency[key] = None
+        self._recency.move_to_end(key)
+
+    def on_remove(self, key: ExpertKey) -> None:
+        self._recency.pop(key, None)
+
+    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        horizon = self.future.position + self.window
+        for key in self._recency:
+            if key in candidates and self.future.next_use(key) > horizon:
+                return key
+        return max(candidates, key=self.future.next_use)
+
+
 class _Offline(Policy):
     offline = True
 
@@ -248,3 +283,20 @@ class Oracle(_Offline):
 
     def make_predictor(self) -> Predictor:
         return OraclePredictor(self.topology, self.future)
+
+
+@POLICIES.register("lookahead-1")
+class Lookahead1(_Offline):
+    """No prefetch; Belady eviction that sees one token ahead, LRU beyond (offline)."""
+
+    num_tokens = 1
+
+    def make_eviction(self, tier: str) -> EvictionPolicy:
+        return LookaheadEviction(self.future, self.num_tokens)
+
+
+@POLICIES.register("lookahead-8")
+class Lookahead8(Lookahead1):
+    """No prefetch; Belady eviction that sees eight tokens ahead, LRU beyond (offline)."""
+
+    num_tokens = 8

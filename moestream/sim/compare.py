@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -87,7 +88,7 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
     result = Comparison()
     fitted = fit_policies(train, test, config, result)
     jobs = replay_jobs(fitted, config)
-    with ProcessPoolExecutor(config.num_workers, mp_context=get_context("fork")) as pool:
+    with single_threaded_torch(), ProcessPoolExecutor(config.num_workers, mp_context=get_context("fork")) as pool:
         futures = {job: pool.submit(run_job, fitted[job.policy], test, job, config.horizon_layers) for job in jobs}
         for name, policy in fitted.items():
             result.prediction[name] = prediction_quality(policy, test, config)
@@ -97,6 +98,21 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
     for name, policy in fitted.items():  # timed once the workers are done, on a quieter machine
         result.overhead_us_per_layer[name] = overhead_us_per_layer(policy, test, config)
     return result
+
+
+@contextmanager
+def single_threaded_torch():
+    """Forked workers inherit torch's intra-op thread pool, and a child deadlocks in its first
+    parallel op if the parent ran one with several threads (e.g. while loading a predictor): the
+    parent forks and works single-threaded, and gets its thread count back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def fit_policies(train: Trace, test: Trace, config: CompareConfig, result: Comparison) -> dict[str, Policy]:

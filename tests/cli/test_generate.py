@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from moestream.cli import main
@@ -10,6 +11,7 @@ from moestream.runtime import Engine, EngineConfig
 from moestream.trace.format import load_trace
 
 PROMPT = "The experts are"
+PROMPTS = ["The experts are", "Once upon a time", "Mixture of experts route every token to", "def f(x):"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,94 @@ def test_generate_records_the_routing_trace(model_dir, tmp_path):
     assert trace.is_prefill.sum() == len(prompt_ids)
     assert trace.gate_probs is not None and trace.gate_weights is not None
     assert list(trace.texts.values()) == [PROMPT]
+
+
+def _prompts_file(tmp_path, lines) -> str:
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def _expected_batches(model_dir, batch_size: int) -> list[list[int]]:
+    with Engine(model_dir, EngineConfig(expert_budget="1.0", direct_io=False)) as engine:
+        batches = [PROMPTS[i: i + batch_size] for i in range(0, len(PROMPTS), batch_size)]
+        return [ids for batch in batches for ids in engine.generate(batch, max_new_tokens=4).token_ids]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_prompts_file_runs_every_prompt(model_dir, tmp_path, capsys, batch_size):
+    prompts = _prompts_file(tmp_path, [PROMPTS[0], "", "   ", *PROMPTS[1:]])
+    out = tmp_path / "runs.json"
+    code = main(["generate", "--model", str(model_dir), "--prompts-file", prompts, "--max-new-tokens", "4",
+                 "--batch-size", str(batch_size), "--buffered-io", "--json", str(out)])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert [r["prompt"] for r in records] == PROMPTS
+    assert [r["token_ids"] for r in records] == _expected_batches(model_dir, batch_size)
+    assert [r["batch"] for r in records] == [i // batch_size for i in range(len(PROMPTS))]
+    printed = capsys.readouterr().out
+    assert all(r["text"] in printed for r in records) and f"prompt 4/{len(PROMPTS)}" in printed
+
+
+def test_a_prompts_file_records_one_trace_of_all_prompts(model_dir, tmp_path):
+    path = tmp_path / "trace.npz"
+    code = main(["generate", "--model", str(model_dir), "--prompts-file", _prompts_file(tmp_path, PROMPTS),
+                 "--max-new-tokens", "3", "--batch-size", "2", "--buffered-io",
+                 "--record-trace", str(path), "--record-hidden"])
+    assert code == 0
+    trace = load_trace(path)
+    bounds = trace.sequence_bounds()
+    assert [trace.texts[seq] for seq, _, _ in bounds] == PROMPTS
+    with Engine(model_dir, EngineConfig(direct_io=False)) as engine:
+        prompt_ids = [engine.encode(p) for p in PROMPTS]
+    for (_, start, end), ids in zip(bounds, prompt_ids):
+        assert trace.token_ids[start: start + len(ids)].tolist() == ids
+        assert end - start <= len(ids) + 2 and trace.is_prefill[start:end].sum() == len(ids)
+        assert np.array_equal(trace.positions[start:end], np.arange(end - start))
+    for name in ("gate_probs", "hidden", "embeddings", "tokens"):
+        assert getattr(trace, name) is not None, name
+
+
+def test_without_record_hidden_the_trace_has_no_router_inputs(model_dir, tmp_path):
+    path = tmp_path / "trace.npz"
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "2",
+                 "--buffered-io", "--record-trace", str(path)]) == 0
+    trace = load_trace(path)
+    assert trace.hidden is None and trace.embeddings is None
+
+
+def _empty(tmp_path):
+    return _prompts_file(tmp_path, ["", "  "]), "no prompts"
+
+
+def _missing(tmp_path):
+    return str(tmp_path / "absent.txt"), "absent.txt"
+
+
+def _not_text(tmp_path):
+    path = tmp_path / "binary.txt"
+    path.write_bytes(b"\xff\xfe\x00bad")
+    return str(path), "binary.txt"
+
+
+@pytest.mark.parametrize("make", [_empty, _missing, _not_text])
+def test_a_bad_prompts_file_is_one_error_line(model_dir, tmp_path, capsys, make):
+    prompts, expected = make(tmp_path)
+    assert main(["generate", "--model", str(model_dir), "--prompts-file", prompts]) == 2
+    assert expected in _error_line(capsys)
+
+
+def test_a_bad_batch_size_is_one_error_line(model_dir, tmp_path, capsys):
+    prompts = _prompts_file(tmp_path, PROMPTS)
+    assert main(["generate", "--model", str(model_dir), "--prompts-file", prompts, "--batch-size", "0"]) == 2
+    assert "batch-size" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("flags", [[], ["--prompt", PROMPT, "--prompts-file", "p.txt"]])
+def test_exactly_one_prompt_source_is_required(model_dir, flags):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(model_dir), *flags])
+    assert exit_.value.code == 2
 
 
 def _shard(path):

@@ -114,3 +114,20 @@ def test_belady_is_at_least_lru_and_lfu_on_synthetic_traces(trace):
     config = SimConfig(cache_ratio=0.25, cost=tiny.cost())
     rates = {name: simulate(POLICIES.create(name, TOPOLOGY), trace, config)["hit_rate"] for name in ("lru", "lfu", "belady")}
     assert rates["belady"] >= max(rates["lru"], rates["lfu"])
+
+
+class _Window(POLICIES.get("lookahead-1")):
+    num_tokens = 0
+
+
+class _Unbounded(POLICIES.get("lookahead-1")):
+    num_tokens = 10**6
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_lookahead_spans_lru_to_belady(trace, ratio):
+    config = SimConfig(cache_ratio=ratio, cost=tiny.cost())
+    hits = lambda policy: simulate(policy, trace, config)["hits"]  # noqa: E731
+    assert hits(_Window(TOPOLOGY)) == hits(POLICIES.create("lru", TOPOLOGY))  # no foresight: LRU
+    assert hits(_Unbounded(TOPOLOGY)) == hits(POLICIES.create("belady", TOPOLOGY))  # all of it: MIN
+    assert hits(POLICIES.create("lookahead-8", TOPOLOGY)) >= hits(POLICIES.create("lru", TOPOLOGY))
