@@ -6,7 +6,7 @@ both prefetch and eviction.
   sequence's expert affinity); as layers route, the token's own routing so far refines the
   predictions for the next layers. Scores are probabilities (trained with cross-entropy). Layers
   of the next token come from the sequence reuse model (default_reuse).
-- Prefetch (DefaultPlanner): predicted experts with probability >= min_prefetch_probability that
+- Prefetch (ScorePlanner): predicted experts with probability > min_prefetch_probability that
   are not resident, in order of probability / layers until needed.
 - Eviction (DefaultEviction): evicts the expert with the longest expected time to its next use,
   in layers: for an expert of a layer still ahead in this iteration, (layers until it) +
@@ -20,16 +20,16 @@ Knows the policy contract, not the mechanism, time or bytes.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import POLICIES, CacheView, EvictionPolicy, Prediction, PrefetchPlanner, TransferRequest
+from moestream.policies.base import POLICIES, EvictionPolicy, Prediction, PrefetchPlanner
 from moestream.policies.default_model import ModelConfig, RoutingWeights, build_vocabulary, token_keys
 from moestream.policies.default_reuse import ReuseModel, popularity_logit
 from moestream.policies.default_state import IterationState, TraceScores
-from moestream.policies.planning import layers_ahead
+from moestream.policies.planning import ScorePlanner
 from moestream.policies.scored_eviction import ScoredEviction
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import ConfigError, TrainConfig
@@ -183,23 +183,6 @@ class DefaultEviction(ScoredEviction):
         return self.predictor.retention()
 
 
-class DefaultPlanner(PrefetchPlanner):
-    """Non-resident predictions with probability >= min_probability, by probability / layers ahead."""
-
-    def __init__(self, min_probability: float):
-        self.min_probability = min_probability
-
-    def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        best: dict = {}
-        for p in predictions:
-            if p.score < self.min_probability or p.key in view.resident or p.key in view.in_flight:
-                continue
-            priority = p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
-            best[p.key] = max(priority, best.get(p.key, 0.0))
-        ranked = sorted(best.items(), key=lambda item: -item[1])[: view.capacity]
-        return [TransferRequest(key, priority) for key, priority in ranked]
-
-
 @POLICIES.register("default")
 class Default(TrainedPolicy):
     """moestream's own design: learned calibrated prediction for prefetch and Belady-like eviction."""
@@ -210,7 +193,7 @@ class Default(TrainedPolicy):
         return DefaultPredictor(self.topology, self.config, self.train_config)
 
     def make_planner(self) -> PrefetchPlanner:
-        return DefaultPlanner(self.config.min_prefetch_probability)
+        return ScorePlanner(min_score=self.config.min_prefetch_probability)
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
         return DefaultEviction(self.predictor)

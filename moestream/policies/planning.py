@@ -21,18 +21,19 @@ def layers_ahead(prediction: Prediction, layer_now: int, num_layers: int) -> int
 class ScorePlanner(PrefetchPlanner):
     """Requests predicted experts that are not resident, by score discounted with distance.
 
-    priority = score / layers_ahead; at most `capacity` requests, and none below min_score.
+    priority = scale x score / layers_ahead; at most `capacity` requests, none with a score at or
+    below min_score; equal priorities go by key.
     """
 
-    def __init__(self, min_score: float = 0.0):
-        self.min_score = min_score
+    def __init__(self, min_score: float = 0.0, scale: float = 1.0):
+        self.min_score, self.scale = min_score, scale
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
         best: dict = {}
         for p in predictions:
             if p.score <= self.min_score or p.key in view.resident or p.key in view.in_flight:
                 continue
-            priority = p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
+            priority = self.scale * p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
             best[p.key] = max(priority, best.get(p.key, 0.0))
-        ranked = sorted(best.items(), key=lambda item: -item[1])[: view.capacity]
+        ranked = sorted(best.items(), key=lambda item: (-item[1], item[0]))[: view.capacity]
         return [TransferRequest(key, priority) for key, priority in ranked]

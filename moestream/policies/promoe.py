@@ -22,14 +22,14 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import POLICIES, CacheView, Prediction, PrefetchPlanner, TransferRequest
-from moestream.policies.planning import layers_ahead
+from moestream.policies.base import POLICIES, Prediction, PrefetchPlanner
+from moestream.policies.planning import ScorePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import ConfigError, TrainConfig
 from moestream.predictors.paths import expert_mask, path_scores, top_k_mask
@@ -219,21 +219,12 @@ class RoutingWindowPredictor(PromoePredictor):
         return self._inputs[layer][:, -self.topology.num_experts :]
 
 
-class SpeculativePlanner(PrefetchPlanner):
+class SpeculativePlanner(ScorePlanner):
     """Speculative prefetch in a low priority band: priority = ceiling x score / layers ahead."""
 
     def __init__(self, ceiling: float):
+        super().__init__(scale=ceiling)
         self.ceiling = ceiling
-
-    def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        best: dict = {}
-        for p in predictions:
-            if p.score <= 0.0 or p.key in view.resident or p.key in view.in_flight:
-                continue
-            priority = self.ceiling * p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
-            best[p.key] = max(priority, best.get(p.key, 0.0))
-        ranked = sorted(best.items(), key=lambda item: (-item[1], item[0]))[: view.capacity]
-        return [TransferRequest(key, priority) for key, priority in ranked]
 
 
 @POLICIES.register("promoe")

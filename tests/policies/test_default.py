@@ -9,12 +9,12 @@ import pytest
 from moestream.cache import ExpertCache
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
-from moestream.policies.base import CacheView, Prediction, Predictor
-from moestream.policies.default import DefaultConfig, DefaultPlanner
+from moestream.policies.default import DefaultConfig
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream
 from moestream.trace.synthetic import synthetic_trace
+from tests.policies.online import OnlineOnly
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4, 5), num_experts=8, top_k=2, expert_bytes=1024)
 SMALL = DefaultConfig(hidden_dim=32, reuse_tokens=200)
@@ -37,32 +37,12 @@ def policy(traces):
     return fitted(traces[0])
 
 
-class EventLoopOnly(Predictor):
-    """Hides score_rows, so that evaluation goes through the online hooks."""
-
-    def __init__(self, inner):
-        super().__init__(inner.topology)
-        self.inner = inner
-
-    def begin_iteration(self, ctx):
-        self.inner.begin_iteration(ctx)
-
-    def observe(self, event):
-        self.inner.observe(event)
-
-    def end_sequence(self, seq_id):
-        self.inner.end_sequence(seq_id)
-
-    def predict(self, layer_now, horizon_layers):
-        return self.inner.predict(layer_now, horizon_layers)
-
-
 @pytest.mark.parametrize("horizon", [1, 2, 4])
 def test_online_predictions_match_whole_trace_scoring(policy, traces, horizon):
     test = traces[1]
     fast = evaluate_predictor(policy.predictor, test, horizon)
     policy.predictor.reset()
-    slow = evaluate_predictor(EventLoopOnly(policy.predictor), test, horizon)
+    slow = evaluate_predictor(OnlineOnly(policy.predictor), test, horizon)
     assert np.abs(fast.hits - slow.hits).sum() <= 0.01 * fast.hits.sum()
     assert (fast.predicted == slow.predicted).all()
 
@@ -105,14 +85,6 @@ def test_eviction_keeps_the_experts_expected_soonest(policy, traces):
     just_used = int(it.events[0].expert_ids[0, 0])
     if predictor.state._iteration_table()[1, best_next] > 0.5:
         assert retention[1, best_next] > retention[0, just_used]
-
-
-def test_planner_requests_likely_experts_by_urgency():
-    planner = DefaultPlanner(min_probability=0.4)
-    predictions = [Prediction(3, 1, 0.9), Prediction(2, 2, 0.6), Prediction(2, 3, 0.3), Prediction(4, 0, 0.99)]
-    view = CacheView(frozenset({ExpertKey(4, 0)}), frozenset(), capacity=8, layer_now=1, num_layers=5)
-    plan = planner.plan(predictions, view)
-    assert [r.key for r in plan] == [ExpertKey(2, 2), ExpertKey(3, 1)]  # 0.6/1 > 0.9/2; 0.3 below; (4,0) resident
 
 
 def test_save_and_load_give_the_same_scores(policy, traces, tmp_path):

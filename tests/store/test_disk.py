@@ -175,14 +175,7 @@ def test_fallback_when_the_first_direct_read_fails(data_files, monkeypatch):
     path = sorted(data_files)[0]
     if not direct_io_works(path):
         pytest.skip("this filesystem refuses O_DIRECT at open")
-    real_preadv = os.preadv
-
-    def refuse_direct(fd, buffers, offset, *args):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", refuse_direct)
+    _refuse_direct_reads(monkeypatch)
     segments = [Segment(path, 123, 20_000)]
     with DiskReader() as reader:
         assert np.array_equal(read(reader, segments), expected_bytes(data_files, segments))
@@ -194,14 +187,7 @@ def test_parallel_requests_fall_back_together_when_direct_reads_fail(data_files,
     path = sorted(data_files)[0]
     if not direct_io_works(path):
         pytest.skip("this filesystem refuses O_DIRECT at open")
-    real_preadv = os.preadv
-
-    def refuse_direct(fd, buffers, offset, *args):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", refuse_direct)
+    _refuse_direct_reads(monkeypatch)
     segments = [Segment(path, 123, 40_000)]
     with DiskReader(staging_bytes=4096, num_workers=4) as reader:
         assert np.array_equal(read(reader, segments), expected_bytes(data_files, segments))
@@ -244,3 +230,15 @@ def test_close_releases_file_descriptors(data_files):
     reader.close()
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def _refuse_direct_reads(monkeypatch):
+    """Reads through an O_DIRECT descriptor fail with EINVAL, as on filesystems that refuse them."""
+    real_preadv = os.preadv
+
+    def refuse_direct(fd, buffers, offset, *args):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
