@@ -1,23 +1,22 @@
-"""`moestream bench engine`: TTFT and TPOT of plain transformers, of our path with every expert resident,
-and of our path streaming experts on demand from a cold disk at several budgets; plus the disk
-bandwidth achieved while streaming beside the disk's sequential-read bandwidth.
+"""`moestream bench engine`: TTFT and TPOT of plain transformers, of our path with every expert resident
+and of our path streaming experts from a cold disk; disk bandwidth while streaming beside sequential reads.
 
-Targets (reported as ok/missed, never asserted): streaming reads >= 80% of sequential bandwidth;
-with every expert resident, our TPOT within 10% of plain transformers on the same checkpoint.
+Targets (reported as ok/missed, never asserted): streaming while serving >= 80% of sequential
+bandwidth, on a cold prefill of the bundled prompts as one at the least device budget the store
+accepts (top_k experts), so that each layer's experts stream through the device tier within the
+layer; with every expert resident, TPOT within 10% of plain transformers.
 
-Built to give stable figures on a busy machine: every run uses the same number of torch threads;
-transformers and the all-resident engine are loaded side by side and timed in interleaved order
-(ABBA per prompt, the order flipped every repetition); every offloaded run starts from an empty
-device tier with a fresh engine, and cold disk samples are taken between those runs, on the
-checkpoint's shards in turn. Figures are medians over the repetitions. Streaming bandwidth is
-bytes read over the wall time the reader was busy reading (a batch's requests in flight together
-count once; compute between batches does not count), in two patterns: on demand while serving (a
-layer's misses per read batch: 1 to top_k experts per batch in decode) and a layer pass (the store's
-reader taking every expert of a few layers, one read batch per layer). The sequential reference is
-the better of two ways of reading a shard front to back (16 MiB requests one at a time; the store's
-own reader), so the ratios are not flattered by a weak reference; random expert reads outside
-serving show what the disk gives for a decode step's pattern. TPOT is also reported in process CPU
-time, which other processes of a shared machine do not inflate.
+Built for stable figures on a busy machine: the same number of torch threads in every run;
+transformers and the all-resident engine loaded side by side and timed in interleaved order (ABBA
+per prompt, the order flipped every repetition); every offloaded run on a fresh engine (empty device
+tier), with cold disk samples between runs, on the shards in turn. Figures are medians over the
+repetitions. Streaming bandwidth is bytes read over the time the reader was busy (a batch's requests
+in flight together count once; compute between batches does not), in three patterns: the serving
+prefill (paired with the sequential reference of the disk samples just before and after it, as the
+disk's speed drifts), on demand in decode (1 to top_k experts per read batch) and a layer pass
+(every expert of a few layers, one read batch per layer). The sequential reference is the better of
+two ways of reading a shard front to back (16 MiB requests one at a time; the store's reader). TPOT
+is also reported in process CPU time, which other processes of a shared machine do not inflate.
 """
 
 from __future__ import annotations
@@ -25,17 +24,15 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from moestream.policies.base import Observer
 
 BUDGETS = "0.1,0.25,0.5"
 REPEATS = 4
 STREAM_TARGET = 0.80  # streaming bandwidth / sequential bandwidth, at least
 TPOT_TARGET = 1.10  # all-resident TPOT / transformers TPOT, at most
 REPORT_WIDTH = 120  # columns of the report when printing to a file or pipe
+PREFILL_COPIES = 4  # the bundled prompts, repeated this often, make the serving prefill's prompt
 
 
 def add_parser(kinds) -> None:
@@ -67,11 +64,11 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     try:
         rows = compare_resident(model, PROMPTS, args)
-        offloaded, disk = compare_streaming(model, PROMPTS, budgets, args)
+        offloaded, disk, prefill = compare_streaming(model, PROMPTS, budgets, args)
     finally:
         torch.set_num_threads(threads)
     rows += offloaded
-    summary = summarize(rows, disk)
+    summary = summarize(rows, disk, prefill)
     print_report(rows, summary, model, args)
     if args.json:
         write_json({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
@@ -116,24 +113,7 @@ class Sample:
     host_bytes: int = 0
     disk_read_s: float = 0.0
     disk_batches: int = 0
-
-
-class CpuClock(Observer):
-    """Process CPU time at the start of every step and at the end of the last one."""
-
-    def __init__(self):
-        self.marks: list[float] = []
-
-    def begin_iteration(self, ctx=None) -> None:
-        self.marks.append(time.process_time())
-
-    def end_sequence(self, seq_id: int = 0) -> None:
-        self.marks.append(time.process_time())
-
-    def tpot_ms(self) -> float:
-        """CPU time per decode step: from the start of step 1 to the end of the last step."""
-        steps = len(self.marks) - 2
-        return (self.marks[-1] - self.marks[1]) * 1e3 / steps if steps > 0 else 0.0
+    prompt_tokens: int = 0
 
 
 class PlainModel:
@@ -157,7 +137,7 @@ class PlainModel:
     def generate(self, prompt: str, max_new_tokens: int) -> Sample:
         import torch
 
-        from moestream.runtime.metrics import StepClock
+        from moestream.runtime.metrics import CpuClock, StepClock
         from moestream.runtime.publisher import Publisher
         from moestream.runtime.runner import RUNNERS, Sequence
 
@@ -181,6 +161,8 @@ class EngineModel:
     """Our engine, one prompt per generation, with a CPU clock among its observers."""
 
     def __init__(self, engine, label: str):
+        from moestream.runtime.metrics import CpuClock
+
         self.engine = engine
         self.label = label
         self.cpu = CpuClock()
@@ -192,7 +174,7 @@ class EngineModel:
         stats = self.engine.store.stats()
         return Sample(metrics.ttft_ms, metrics.tpot_ms, self.cpu.tpot_ms(), metrics.expert_hits,
                       metrics.expert_misses, metrics.bytes_read["disk"], metrics.bytes_read["host"],
-                      stats.disk_read_s, stats.disk_batches)
+                      stats.disk_read_s, stats.disk_batches, metrics.num_prompt_tokens)
 
 
 def _config(args, budget: str):
@@ -236,32 +218,38 @@ def _paired_ratio(mine: list[Sample], theirs: list[Sample], field: str) -> float
     return _median(ratios) if ratios else None
 
 
-def compare_streaming(model_dir: Path, prompts, budgets: list[str], args) -> tuple[list[dict], dict]:
-    """Cold offloaded runs per budget, disk samples between them: (rows, disk samples by method)."""
+def compare_streaming(model_dir: Path, prompts, budgets: list[str], args) -> tuple[list[dict], object, dict]:
+    """Each repetition: a cold serving prefill, then cold runs per budget, a disk sample before each:
+    (rows of the budgets, the ColdReadLog of the disk samples, the serving prefill's row)."""
     from moestream.checkpoint.index import build_index
-    from moestream.store.bandwidth import COLD_READ_METHODS, cold_read_samples
+    from moestream.store.bandwidth import ColdReadLog
 
     index = build_index(model_dir).experts
     shards = sorted(model_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
-    samples: dict[str, list[Sample]] = {budget: [] for budget in budgets}
-    disk: dict[str, list[float]] = {method: [] for method in COLD_READ_METHODS}
+    least = str(index.topology.top_k * index.topology.expert_bytes)  # bytes: the least budget the store accepts
+    jobs = [(least, [" ".join(prompts * PREFILL_COPIES)], 1),  # max_new_tokens=1: the prefill alone
+            *((budget, prompts, args.max_new_tokens) for budget in budgets)]
+    runs: list[list[Sample]] = [[] for _ in jobs]
+    disk = ColdReadLog()
     for repeat in range(args.repeats):
-        for i, budget in enumerate(budgets):
-            turn = repeat * len(budgets) + i
-            shard = shards[turn % len(shards)]
-            for method, rate in cold_read_samples(shard, index, turn, not args.buffered_io).items():
-                disk[method].append(rate)
-            samples[budget] += cold_run(model_dir, budget, prompts, args)
-    return [_engine_row(f"offload {b}", runs, len(prompts), b) for b, runs in samples.items()], disk
+        for i, job in enumerate(jobs):
+            turn = repeat * len(jobs) + i
+            disk.take(shards[turn % len(shards)], index, turn, not args.buffered_io)
+            runs[i] += cold_run(model_dir, *job, args)
+    around = [disk.reference_around(repeat * len(jobs)) for repeat in range(args.repeats)]
+    rows = [_engine_row(f"offload {b}", samples, len(prompts), b) for b, samples in zip(budgets, runs[1:])]
+    return rows, disk, serving_prefill(runs[0], around, index.topology)
 
 
-def cold_run(model_dir: Path, budget: str, prompts, args) -> list[Sample]:
-    """A fresh engine (empty device tier) generating for each prompt in turn."""
+def cold_run(model_dir: Path, budget: str, prompts, max_new_tokens: int, args) -> list[Sample]:
+    """A fresh engine (empty device tier, files out of the page cache) generating for each prompt in turn."""
     from moestream.runtime import Engine
+    from moestream.store.bandwidth import drop_page_cache
 
     with Engine(model_dir, _config(args, budget)) as engine:
+        drop_page_cache(model_dir.glob("*.safetensors"))  # loading the dense part may have cached expert bytes
         ours = EngineModel(engine, f"offload {budget}")
-        return [ours.generate(prompt, args.max_new_tokens) for prompt in prompts]
+        return [ours.generate(prompt, max_new_tokens) for prompt in prompts]
 
 
 # -- figures ---------------------------------------------------------------------------------------
@@ -299,27 +287,40 @@ def _stream_rate(runs: list[Sample]) -> float:
     return sum(s.disk_bytes for s in runs) / seconds if seconds else 0.0
 
 
-def summarize(rows: list[dict], disk: dict[str, list[float]]) -> dict:
-    resident = rows[1]
-    medians = {method: _median(rates) for method, rates in disk.items()}
-    reference = max(medians["sequential"], medians["sequential_reader"])
-    streams = [r["stream_bytes_per_s"] for r in rows[2:] if r.get("stream_bytes_per_s")]
-    stream = _median(streams) if streams else None
-    stream_ratio = stream / reference if stream and reference else None
+def serving_prefill(runs: list[Sample], around: list[float], topology) -> dict:
+    """The cold serving prefills' row, each one's rate paired with the sequential reference around it."""
+    rates = [_stream_rate([s]) for s in runs]
+    return _engine_row("serving prefill", runs, 1, str(topology.top_k * topology.expert_bytes)) | {
+        "device_slots": topology.top_k,  # the least budget the store accepts
+        "num_prompt_tokens": runs[0].prompt_tokens,
+        "experts_routed_fraction": runs[0].misses / topology.total_experts,  # each routed expert misses once
+        "wall_bytes_per_s": _median(s.disk_bytes * 1e3 / s.ttft_ms for s in runs if s.ttft_ms),
+        "stream_samples_bytes_per_s": rates,
+        "sequential_around_bytes_per_s": around,
+        "vs_sequential": _median(rate / ref for rate, ref in zip(rates, around) if ref) or None,
+    }
+
+
+def summarize(rows: list[dict], disk, prefill: dict) -> dict:
+    medians, reference = disk.medians(), disk.reference()
+    stream = _median(r["stream_bytes_per_s"] for r in rows[2:] if r.get("stream_bytes_per_s")) or None
+    prefill_ratio = prefill["vs_sequential"]
     layer_ratio = medians["layer_pass"] / reference if reference else None
-    tpot_ratio, cpu_ratio = resident["tpot_ms_vs_transformers"], resident["cpu_tpot_ms_vs_transformers"]
+    tpot_ratio, cpu_ratio = rows[1]["tpot_ms_vs_transformers"], rows[1]["cpu_tpot_ms_vs_transformers"]
     return {
         "sequential_read_bytes_per_s": reference,
         "disk_medians_bytes_per_s": medians,
-        "disk_samples_bytes_per_s": disk,
-        "stream_bytes_per_s": stream,
-        "stream_vs_sequential": stream_ratio,
+        "disk_samples_bytes_per_s": disk.rates,
+        "serving_prefill": prefill,
+        "serving_prefill_vs_sequential": prefill_ratio,
+        "on_demand_bytes_per_s": stream,
+        "on_demand_vs_sequential": stream / reference if stream and reference else None,
         "random_experts_vs_sequential": medians["random_experts"] / reference if reference else None,
         "layer_pass_vs_sequential": layer_ratio,
         "resident_tpot_vs_transformers": tpot_ratio,
         "resident_cpu_tpot_vs_transformers": cpu_ratio,
         "targets": {
-            "stream_vs_sequential": _verdict(stream_ratio, lambda r: r >= STREAM_TARGET),
+            "serving_prefill_vs_sequential": _verdict(prefill_ratio, lambda r: r >= STREAM_TARGET),
             "layer_pass_vs_sequential": _verdict(layer_ratio, lambda r: r >= STREAM_TARGET),
             "resident_tpot_vs_transformers": _verdict(tpot_ratio, lambda r: r <= TPOT_TARGET),
         },
@@ -334,33 +335,48 @@ def _rate(bytes_per_s) -> str:
     return "-" if not bytes_per_s else f"{bytes_per_s / 1e9:.2f} GB/s"
 
 
+def _ms(milliseconds: float) -> str:
+    return f"{milliseconds:.1f}" if milliseconds else "-"
+
+
 def print_report(rows: list[dict], summary: dict, model: Path, args) -> None:
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, REPORT_WIDTH)
-    console.print(_table(rows, model, args))
+    console.print(_table([*rows, summary["serving_prefill"]], model, args))
     disk, reference = summary["disk_medians_bytes_per_s"], summary["sequential_read_bytes_per_s"]
     console.print(f"disk, cold, outside serving (medians of {len(summary['disk_samples_bytes_per_s']['sequential'])}): "
                   f"sequential read in 16 MiB requests one at a time {_rate(disk['sequential'])}, with the "
                   f"store's reader {_rate(disk['sequential_reader'])} (reference: the better, {_rate(reference)}); "
                   f"random experts, a layer's top_k per batch, {_rate(disk['random_experts'])} "
                   f"= {summary['random_experts_vs_sequential']:.0%} of the reference")
+    if summary["serving_prefill_vs_sequential"] is not None:
+        console.print(_prefill_line(summary))
     console.print(f"streaming, layer pass (each layer's experts in one read batch) / sequential: "
                   f"{_rate(disk['layer_pass'])} / {_rate(reference)} = {summary['layer_pass_vs_sequential']:.0%} "
                   f"(target >= {STREAM_TARGET:.0%}): {summary['targets']['layer_pass_vs_sequential']}")
-    if summary["stream_vs_sequential"] is not None:
+    if summary["on_demand_vs_sequential"] is not None:
         per_batch = _median(r["experts_per_read_batch"] for r in rows[2:] if r.get("experts_per_read_batch"))
-        console.print(f"streaming on demand while serving ({per_batch:.1f} experts per read batch) / sequential: "
-                      f"{_rate(summary['stream_bytes_per_s'])} / {_rate(reference)} = "
-                      f"{summary['stream_vs_sequential']:.0%} (target >= {STREAM_TARGET:.0%}): "
-                      f"{summary['targets']['stream_vs_sequential']}")
+        console.print(f"streaming on demand in decode ({per_batch:.1f} experts per read batch) / sequential, "
+                      f"informational: {_rate(summary['on_demand_bytes_per_s'])} / {_rate(reference)} = "
+                      f"{summary['on_demand_vs_sequential']:.0%}")
     if summary["resident_tpot_vs_transformers"] is not None:
         console.print(f"TPOT all resident / transformers (median of {rows[1]['num_samples'] // 2} ABBA-paired ratios): "
                       f"{summary['resident_tpot_vs_transformers']:.3f} (target <= {TPOT_TARGET:.2f}): "
                       f"{summary['targets']['resident_tpot_vs_transformers']}; "
                       f"in CPU time {summary['resident_cpu_tpot_vs_transformers']:.3f}")
+
+
+def _prefill_line(summary: dict) -> str:
+    prefill, verdict = summary["serving_prefill"], summary["targets"]["serving_prefill_vs_sequential"]
+    return (f"streaming while serving (prefill, experts stream through the tier: {prefill['num_prompt_tokens']} "
+            f"tokens route {prefill['experts_routed_fraction']:.0%} of the experts, the device tier holds "
+            f"{prefill['device_slots']}, {prefill['experts_per_read_batch']:.1f} experts per read batch) / sequential: "
+            f"{_rate(prefill['stream_bytes_per_s'])} / {_rate(_median(prefill['sequential_around_bytes_per_s']))}, "
+            f"median of paired ratios {summary['serving_prefill_vs_sequential']:.0%} (target >= {STREAM_TARGET:.0%}): "
+            f"{verdict}; wall clock {_rate(prefill['wall_bytes_per_s'])} over {prefill['ttft_ms'] / 1e3:.2f} s")
 
 
 def _table(rows: list[dict], model: Path, args):
@@ -371,12 +387,13 @@ def _table(rows: list[dict], model: Path, args):
     table = Table(title=f"moestream bench engine: {model}",
                   caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
                           "transformers: every weight in memory; all resident: our path, every expert in the "
-                          "device tier; offload R: budget R, cold disk, a fresh engine per repetition")
+                          "device tier; offload R: budget R, cold disk, a fresh engine per repetition; serving "
+                          "prefill: the bundled prompts as one, the least budget, cold, a fresh engine")
     for column in ("run", "TTFT ms", "TPOT ms", "TPOT CPU ms", "hit rate", "misses", "disk", "streaming"):
         table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
     for row in rows:
         disk = row.get("bytes_read", {}).get("disk")
-        table.add_row(row["run"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}", f"{row['cpu_tpot_ms']:.1f}",
+        table.add_row(row["run"], _ms(row["ttft_ms"]), _ms(row["tpot_ms"]), _ms(row["cpu_tpot_ms"]),
                       f"{row['hit_rate']:.1%}" if "hit_rate" in row else "-", str(row.get("expert_misses", "-")),
                       "-" if disk is None else format_bytes(disk), _rate(row.get("stream_bytes_per_s")))
     return table

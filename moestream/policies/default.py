@@ -47,6 +47,7 @@ class DefaultConfig:
     min_token_count: int = 3
     token_dropout: float = 0.1
     next_layer_share: float = 0.5
+    min_train_steps: int = 1500
     reuse_tokens: int = 1500  # (token, next token) pairs the reuse model learns from
     reuse_l2: float = 1e-4
     num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k
@@ -79,6 +80,11 @@ class DefaultPredictor(TrainablePredictor):
     @property
     def is_trained(self) -> bool:
         return self.weights is not None
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Router inputs are read when the model was trained with them."""
+        return self.weights is not None and self.weights.uses_hidden
 
     @property
     def num_candidates(self) -> int:

@@ -7,6 +7,8 @@ For a token and a target MoE layer l, seen after layer c = l - d of the same tok
            + T[token] + P[position bucket] + B[previous token's experts at every layer]     # the context
            + U_l + V_d
     logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l
+           (+ relu(rms_normalised(router input of layer c) @ W_in_c) @ W_out_l when the trace has hidden
+              states: ProMoE's idea, a two-layer MLP from an earlier router's input, as its own path)
 previous_l is the sequence's previous token's multi-hot at l and affinity_l the sequence's running
 share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). Training minimises the
 binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
@@ -39,10 +41,11 @@ class ModelConfig:
     min_token_count: int = 3  # rarer training tokens map to the unknown token
     token_dropout: float = 0.1  # share of training tokens shown as unknown
     next_layer_share: float = 0.5  # share of training targets at horizon 1; the rest uniform
+    min_train_steps: int = 1500  # small traces get more epochs, up to this many optimizer steps (8x at most)
 
     def __post_init__(self):
-        if self.hidden_dim < 1 or self.min_token_count < 1:
-            raise ConfigError("hidden_dim and min_token_count must be >= 1")
+        if self.hidden_dim < 1 or self.min_token_count < 1 or self.min_train_steps < 0:
+            raise ConfigError("hidden_dim and min_token_count must be >= 1, min_train_steps >= 0")
         for name in ("dropout", "token_dropout", "next_layer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
@@ -101,9 +104,19 @@ class RoutingWeights:
             setattr(self, name, np.ascontiguousarray(arrays[name], dtype=np.float32))
         self.num_layers, self.num_experts, self.hidden_dim = self.prefix.shape
         self.uses_gate = bool(np.any(self.gate))
+        self.hidden_in = np.asarray(arrays.get("hidden_in", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, D, H2]
+        self.hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, H2, E]
+        self.uses_hidden = self.hidden_in.size > 0  # trained on a trace with router inputs
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in self.NAMES}
+        return {name: getattr(self, name) for name in self.NAMES} | {"hidden_in": self.hidden_in,
+                                                                     "hidden_out": self.hidden_out}
+
+    def latest(self, hidden: np.ndarray | None, layer: int) -> np.ndarray | None:
+        """[T, H2]: the hidden path's activations from the router input [T, D] of `layer`, the latest routed."""
+        if not self.uses_hidden or hidden is None:
+            return None
+        return np.maximum(unit_rms(hidden) @ self.hidden_in[layer], 0.0)
 
     def context(self, tokens: np.ndarray, buckets: np.ndarray, prev_experts: np.ndarray, has_prev: np.ndarray) -> np.ndarray:
         """[T, H] from token indices [T], position buckets [T], previous tokens' experts [T, L, K], has_prev [T]."""
@@ -119,7 +132,7 @@ class RoutingWeights:
         return step
 
     def logits(self, base: np.ndarray, targets: np.ndarray, horizons: np.ndarray, prev_hot: np.ndarray,
-               affinity: np.ndarray) -> np.ndarray:
+               affinity: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
         """[T, n, E] for targets [n] at horizons [n]; base [T, H] = prefix + context;
         prev_hot, affinity [T, n, E] at the target layers."""
         z = base[:, None, :] + self.target[targets][None] + self.horizon[np.minimum(horizons, len(self.horizon)) - 1][None]
@@ -128,7 +141,15 @@ class RoutingWeights:
         h = np.maximum(z * self.norm_w + self.norm_b, 0.0)  # [T, n, H]
         out = np.matmul(h.transpose(1, 0, 2), self.out_w[targets]).transpose(1, 0, 2)  # [T, n, E]
         skip = self.skip[:, targets]  # [2, n, E]
+        if latest is not None:
+            out = out + np.matmul(latest, self.hidden_out[targets]).transpose(1, 0, 2)  # [T, n, E]
         return out + self.out_b[targets][None] + skip[0][None] * prev_hot + skip[1][None] * affinity
+
+
+def unit_rms(x: np.ndarray) -> np.ndarray:
+    """[..., D] float32 rows scaled to unit root-mean-square."""
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-6)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

@@ -39,6 +39,7 @@ class IterationState:
         self.active = False
         self.layer_now = topology.num_layers - 1
         self._base = self._prefix = None
+        self._latest: np.ndarray | None = None  # [T, H2] the hidden path's activations
         self._table: np.ndarray | None = None  # [L, E] this iteration's probabilities, lazily
         self._reuse: np.ndarray | None = None  # [L, E] next-pass reuse probabilities, lazily
 
@@ -51,7 +52,7 @@ class IterationState:
         prev = np.stack([s.prev_experts for s in self.rows])  # [T, L, K]
         has_prev = np.array([s.has_prev for s in self.rows], dtype=np.float32)
         self._base = self.weights.context(tokens, position_bucket(ctx.positions), prev, has_prev)  # [T, H]
-        self._prefix = np.zeros_like(self._base)
+        self._prefix, self._latest = np.zeros_like(self._base), None
         self.layer_now, self.active = -1, bool(self.rows)
         self._table = self._reuse = None
 
@@ -62,6 +63,7 @@ class IterationState:
         for row, state in enumerate(self.rows):
             state.update(layer, experts[row])
         self._prefix += self.weights.prefix_step(layer, experts, event.gate_probs)
+        self._latest = self.weights.latest(event.hidden, layer)
         self.layer_now, self._reuse = layer, None
         if layer == self.topology.num_layers - 1:
             for state in self.rows:
@@ -101,7 +103,7 @@ class IterationState:
         """[T, n, E] per-row probabilities for the targets."""
         prev_hot = np.stack([s.last[targets] for s in self.rows])  # [T, n, E]: the previous token's, as targets are ahead
         affinity = np.stack([s.affinity(targets) for s in self.rows])
-        return sigmoid(self.weights.logits(self._base + self._prefix, targets, horizons, prev_hot, affinity))
+        return sigmoid(self.weights.logits(self._base + self._prefix, targets, horizons, prev_hot, affinity, self._latest))
 
     def _iteration_table(self) -> np.ndarray:
         if self._table is None:
@@ -140,17 +142,18 @@ class TraceScores:
     def scores(self, layer: int, horizon_layers: int) -> np.ndarray:
         cut = layer - horizon_layers
         if cut >= -1:
-            return self._model(layer, horizon_layers, self._prefix_until(cut))
+            latest = self.weights.latest(None if cut < 0 or self.trace.hidden is None else self.trace.hidden[:, cut], cut)
+            return self._model(layer, horizon_layers, self._prefix_until(cut), latest)
         out = self._model(layer, layer + 1, np.zeros_like(self.context))  # first tokens: their own start
         later = self.prev >= 0
         out[later] = self.reuse.trace_probs(self.trace, layer)[self.prev[later]]
         return out
 
-    def _model(self, layer: int, horizon: int, prefix: np.ndarray) -> np.ndarray:
+    def _model(self, layer: int, horizon: int, prefix: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
         E = self.trace.topology.num_experts
         prev_hot = _hot(self.trace.experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
         logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([horizon]),
-                                     prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32))
+                                     prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32), latest)
         return sigmoid(logits[:, 0])
 
     def _prefix_until(self, cut: int) -> np.ndarray:

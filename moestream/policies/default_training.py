@@ -8,6 +8,7 @@ a short warm-up and a linear decay of the learning rate. Knows traces and tensor
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from moestream.policies.default_model import (
     sequence_affinity,
     token_indices,
     token_keys,
+    unit_rms,
 )
 from moestream.policies.routing_stats import previous_rows
 from moestream.predictors.configs import TrainConfig
@@ -32,10 +34,12 @@ from moestream.trace.schema import Trace
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 200
+MAX_EPOCH_FACTOR = 8  # a small trace trains for at most this many times the configured epochs
 
 
 class RoutingNet(nn.Module):
-    def __init__(self, num_layers: int, num_experts: int, vocab_size: int, config: ModelConfig, gate: bool):
+    def __init__(self, num_layers: int, num_experts: int, vocab_size: int, config: ModelConfig, gate: bool,
+                 hidden_size: int = 0):
         super().__init__()
         L, E, H = num_layers, num_experts, config.hidden_dim
 
@@ -44,6 +48,8 @@ class RoutingNet(nn.Module):
 
         self.prefix, self.previous = param(L, E, H), param(L * E, H)
         self.gate = param(L, E, H) if gate else None
+        self.hidden_in = param(L, hidden_size, H) if hidden_size else None  # the router-input path
+        self.hidden_out = param(L, H, E) if hidden_size else None
         self.token, self.position = param(vocab_size, H), param(NUM_POSITION_BUCKETS, H)
         self.target, self.horizon = nn.Parameter(torch.zeros(L, H)), nn.Parameter(torch.zeros(L, H))
         self.norm = nn.LayerNorm(H)
@@ -66,7 +72,16 @@ class RoutingNet(nn.Module):
         z = prefix + context[:, None] + self.target[None] + self.horizon[layers[None] - cut - 1]
         h = self.drop(torch.relu(self.norm(z)))
         logits = torch.einsum("nlh,lhe->nle", h, self.out_w) + self.out_b
+        if self.hidden_in is not None:
+            logits = logits + self._hidden_path(batch["hidden"], cut)
         return logits + self.skip[0] * prev_hot + self.skip[1] * batch["affinity"]
+
+    def _hidden_path(self, hidden: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+        """[n, L, E] from router inputs [n, L, D]: each target reads its last known layer's input (none: 0)."""
+        act = torch.relu(torch.einsum("nld,ldh->nlh", hidden, self.hidden_in))  # [n, L, H]: each source layer's
+        padded = torch.cat([torch.zeros_like(act[:, :1]), act], dim=1)  # [n, L+1, H]
+        latest = padded.gather(1, (cut + 1)[:, :, None].expand(-1, -1, act.shape[-1]))  # [n, L, H]
+        return torch.einsum("nlh,lhe->nle", self.drop(latest), self.hidden_out)
 
     def export(self) -> RoutingWeights:
         num_layers, num_experts, hidden = self.prefix.shape
@@ -77,6 +92,8 @@ class RoutingNet(nn.Module):
             "norm_w": self.norm.weight, "norm_b": self.norm.bias, "out_w": self.out_w, "out_b": self.out_b,
             "skip": self.skip,
         }
+        if self.hidden_in is not None:
+            arrays |= {"hidden_in": self.hidden_in, "hidden_out": self.hidden_out}
         return RoutingWeights({name: value.detach().numpy().copy() for name, value in arrays.items()})
 
 
@@ -108,6 +125,8 @@ class Batches:
         }
         if trace.gate_probs is not None:
             batch["gate"] = torch.from_numpy(trace.gate_probs[rows].astype(np.float32))
+        if trace.hidden is not None:
+            batch["hidden"] = torch.from_numpy(unit_rms(trace.hidden[rows]))  # [n, L, D]
         return batch
 
     def _cuts(self, num_rows: int, num_layers: int) -> np.ndarray:
@@ -122,9 +141,13 @@ def train_network(trace: Trace, config: ModelConfig, train: TrainConfig, vocab: 
     """Trains a RoutingNet on every row of trace; its numpy weights and the mean loss of each epoch."""
     t = trace.topology
     with seeded(train.seed, train.num_threads):
-        net = RoutingNet(t.num_layers, t.num_experts, len(vocab) + 1, config, trace.gate_probs is not None)
+        hidden_size = 0 if trace.hidden is None else trace.hidden.shape[-1]
+        net = RoutingNet(t.num_layers, t.num_experts, len(vocab) + 1, config, trace.gate_probs is not None, hidden_size)
         batches = Batches(trace, config, vocab, np.random.default_rng(train.seed))
-        losses = _loop(net, batches, trace.num_tokens, train)
+        num_batches = max(1, -(-trace.num_tokens // train.batch_size))
+        wanted = -(-config.min_train_steps // num_batches)
+        num_epochs = max(train.num_epochs, min(wanted, MAX_EPOCH_FACTOR * train.num_epochs))
+        losses = _loop(net, batches, trace.num_tokens, replace(train, num_epochs=num_epochs))
     return net.export(), losses
 
 

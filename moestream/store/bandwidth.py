@@ -5,7 +5,9 @@ cost model. Files are dropped from the page cache first and read with O_DIRECT w
 allows it, so the figures are disk figures, not memory copies. `cold_read_samples` takes one sample
 of each way of reading: a file front to back (the sequential reference, two ways), random experts a
 decode step's top_k at a time, and a layer pass (every expert of a few layers, one batch per layer,
-as the store reads a layer whose tokens route to all its experts). Knows no experts beyond locations.
+as the store reads a layer whose tokens route to all its experts); a `ColdReadLog` keeps the samples
+of a benchmark in the order taken, so that a run between two samples is compared with the disk's
+speed at that time. Knows no experts beyond locations.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -42,6 +44,41 @@ def cold_read_samples(shard: Path, index: ExpertIndex, seed: int, direct_io: boo
         "random_experts": expert_stream_bandwidth(random_experts(index, seed), direct_io, batch=topology.top_k),
         "layer_pass": expert_stream_bandwidth(layer_pass(index, seed), direct_io, batch=topology.num_experts),
     }
+
+
+class ColdReadLog:
+    """Cold read samples taken over a benchmark: each method's rates (bytes per second) in the order taken."""
+
+    def __init__(self):
+        self.rates: dict[str, list[float]] = {method: [] for method in COLD_READ_METHODS}
+
+    def take(self, shard: Path, index: ExpertIndex, seed: int, direct_io: bool = True) -> None:
+        """Appends one sample of each method (see cold_read_samples)."""
+        for method, rate in cold_read_samples(shard, index, seed, direct_io).items():
+            self.rates[method].append(rate)
+
+    def medians(self) -> dict[str, float]:
+        return {method: float(np.median(rates)) if rates else 0.0 for method, rates in self.rates.items()}
+
+    def reference(self) -> float:
+        """The sequential reference: the better median of the two ways of reading a file front to back."""
+        medians = self.medians()
+        return max(medians["sequential"], medians["sequential_reader"])
+
+    def reference_around(self, position: int) -> float:
+        """The mean sequential reference (the better way, per sample) of samples position and position + 1
+        (the last sample alone): the disk's speed around a run taken between them."""
+        pairs = list(zip(self.rates["sequential"], self.rates["sequential_reader"]))[position : position + 2]
+        if not pairs:
+            raise ValueError(f"no cold read sample at position {position}")
+        return sum(max(pair) for pair in pairs) / len(pairs)
+
+
+def drop_page_cache(files: Iterable[str | Path]) -> None:
+    """Asks the kernel to drop the files' cached pages, so that their next reads come from disk."""
+    with DiskReader(direct_io=False) as reader:
+        for file in files:
+            reader.drop_cache(file)
 
 
 def random_experts(index: ExpertIndex, seed: int) -> list[ExpertLocation]:

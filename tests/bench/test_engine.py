@@ -2,6 +2,7 @@
 
 import json
 
+from moestream.checkpoint.index import build_index
 from moestream.cli import main
 
 
@@ -19,11 +20,38 @@ def test_bench_engine_reports_every_run(tmp_path, monkeypatch, capsys):
     assert offloaded[0]["hit_rate"] <= offloaded[1]["hit_rate"]
     assert all(run["experts_per_read_batch"] >= 1 for run in offloaded)
     assert record["sequential_read_bytes_per_s"] > 0 and record["layer_pass_vs_sequential"] > 0
-    assert set(record["targets"]) == {"stream_vs_sequential", "layer_pass_vs_sequential",
+    assert record["on_demand_vs_sequential"] > 0
+    assert set(record["targets"]) == {"serving_prefill_vs_sequential", "layer_pass_vs_sequential",
                                       "resident_tpot_vs_transformers"}
     assert record["resident_tpot_vs_transformers"] > 0
     printed = capsys.readouterr().out
-    assert "sequential read" in printed and "layer pass" in printed
+    assert "sequential read" in printed and "layer pass" in printed and "on demand" in printed
+    assert "streaming while serving" in printed and "serving prefill" in printed
+
+
+def test_bench_engine_streams_a_long_prefill_through_the_least_device_tier(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--small", "--budgets", "0.5", "--max-new-tokens", "2", "--repeats", "3",
+                 "--buffered-io", "--json", str(out)]) == 0
+    topology = build_index(tmp_path / "demo-small").topology
+    record = json.loads(out.read_text())
+    prefill = record["serving_prefill"]
+    assert prefill["device_slots"] == topology.top_k
+    assert int(prefill["expert_budget"]) == topology.top_k * topology.expert_bytes
+    assert prefill["num_prompt_tokens"] > 100
+    # some layer routes more experts than the tier holds: they stream through it within the layer
+    assert topology.num_layers * topology.top_k < prefill["expert_misses"] <= topology.total_experts
+    assert prefill["expert_hits"] == 0 and prefill["tpot_ms"] == 0
+    assert prefill["bytes_read"]["disk"] == prefill["expert_misses"] * topology.expert_bytes
+    assert 1 <= prefill["experts_per_read_batch"] <= topology.top_k
+    assert 0 < prefill["wall_bytes_per_s"] <= prefill["stream_bytes_per_s"]
+    rates, around = prefill["stream_samples_bytes_per_s"], prefill["sequential_around_bytes_per_s"]
+    ratios = sorted(rate / reference for rate, reference in zip(rates, around))
+    assert len(rates) == len(around) == 3
+    assert record["serving_prefill_vs_sequential"] == prefill["vs_sequential"] == ratios[1]
+    assert record["targets"]["serving_prefill_vs_sequential"] in ("ok", "missed")
+    assert len(record["disk_samples_bytes_per_s"]["sequential"]) == 3 * 2  # before the prefill and the budget run
 
 
 def test_bench_engine_refuses_a_bad_budget(tmp_path, capsys):

@@ -17,7 +17,7 @@ from moestream.trace.synthetic import synthetic_trace
 from tests.policies.online import OnlineOnly
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4, 5), num_experts=8, top_k=2, expert_bytes=1024)
-SMALL = DefaultConfig(hidden_dim=32, reuse_tokens=200)
+SMALL = DefaultConfig(hidden_dim=32, reuse_tokens=200, min_train_steps=0)
 QUICK = TrainConfig(num_epochs=8, learning_rate=1e-2, batch_size=64)
 
 
@@ -132,3 +132,35 @@ def run_in_cache(policy, trace, slots=10):
 def test_eviction_beats_lru_on_a_small_cache(policy, traces):
     lru = POLICIES.create("lru", TOPOLOGY)
     assert run_in_cache(policy, traces[1]) > run_in_cache(lru, traces[1])
+
+
+def _with_revealing_hidden(trace, dim=16):
+    """Router inputs whose layer-l row encodes the experts of layer l + 1 (plus noise)."""
+    rng = np.random.default_rng(3)
+    hot = np.zeros((trace.num_tokens, 5, 8), dtype=np.float32)
+    np.put_along_axis(hot, trace.experts.astype(np.int64), 1.0, axis=2)
+    nxt = np.concatenate([hot[:, 1:], np.zeros_like(hot[:, :1])], axis=1)  # [N, L, E]
+    hidden = np.concatenate([nxt, rng.standard_normal((trace.num_tokens, 5, dim - 8))], axis=2)
+    return dataclasses.replace(trace, hidden=hidden.astype(np.float16))
+
+
+def test_router_inputs_are_used_when_the_trace_has_them(traces, tmp_path):
+    train, test = (_with_revealing_hidden(t) for t in traces)
+    with_hidden, without = fitted(train), fitted(dataclasses.replace(train, hidden=None))
+    assert with_hidden.predictor.needs_hidden and not without.predictor.needs_hidden
+    f1 = lambda p: evaluate_predictor(p.predictor, test, 1).f1()  # noqa: E731
+    assert f1(with_hidden) > f1(without) + 0.05
+    fast = evaluate_predictor(with_hidden.predictor, test, 1)
+    with_hidden.predictor.reset()
+    slow = evaluate_predictor(OnlineOnly(with_hidden.predictor), test, 1)
+    assert (fast.predicted == slow.predicted).all() and np.abs(fast.hits - slow.hits).sum() <= 0.01 * fast.hits.sum()
+    with_hidden.save(tmp_path / "d")
+    loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "d")
+    assert loaded.predictor.needs_hidden
+
+
+@pytest.mark.parametrize("min_steps, epochs", [(0, 1), (20, 3), (10_000, 8)])
+def test_small_traces_train_for_more_epochs_up_to_a_cap(traces, min_steps, epochs):
+    train = traces[0]  # 420 tokens: 7 batches of 64
+    policy = fitted(train, config=dataclasses.replace(SMALL, min_train_steps=min_steps), train=TrainConfig(num_epochs=1, batch_size=64))
+    assert train.num_tokens == 420 and len(policy.predictor.losses) == epochs

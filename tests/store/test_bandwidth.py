@@ -2,8 +2,9 @@ import math
 
 import pytest
 
-from moestream.store.bandwidth import (COLD_READ_METHODS, LAYERS_PER_PASS, cold_read_samples,
-                                      expert_stream_bandwidth, layer_pass, random_experts,
+from moestream.errors import CheckpointError
+from moestream.store.bandwidth import (COLD_READ_METHODS, LAYERS_PER_PASS, ColdReadLog, cold_read_samples,
+                                      drop_page_cache, expert_stream_bandwidth, layer_pass, random_experts,
                                       sequential_read_bandwidth)
 from moestream.topology import ExpertKey
 
@@ -66,3 +67,33 @@ def test_cold_read_samples_give_a_rate_per_method(checkpoint, direct_io):
     rates = cold_read_samples(checkpoint.files[0], checkpoint.index, seed=1, direct_io=direct_io)
     assert tuple(rates) == COLD_READ_METHODS
     assert all(rate > 0 and math.isfinite(rate) for rate in rates.values())
+
+
+def test_cold_read_log_keeps_samples_in_order(checkpoint):
+    log = ColdReadLog()
+    for seed in range(2):
+        log.take(checkpoint.files[0], checkpoint.index, seed, direct_io=False)
+    assert tuple(log.rates) == COLD_READ_METHODS
+    assert all(len(rates) == 2 and min(rates) > 0 for rates in log.rates.values())
+    assert log.reference() == max(log.medians()["sequential"], log.medians()["sequential_reader"])
+
+
+def test_cold_read_log_reference_around_a_run_is_the_mean_of_its_neighbours():
+    log = ColdReadLog()
+    log.rates["sequential"] = [1.0, 4.0, 2.0]
+    log.rates["sequential_reader"] = [3.0, 2.5, 1.0]
+    assert log.reference_around(0) == pytest.approx((3.0 + 4.0) / 2)
+    assert log.reference_around(1) == pytest.approx((4.0 + 2.0) / 2)
+    assert log.reference_around(2) == pytest.approx(2.0)
+    assert log.reference() == pytest.approx(2.5)  # the better median: max(2.0, 2.5)
+    with pytest.raises(ValueError, match="position 3"):
+        log.reference_around(3)
+
+
+def test_drop_page_cache_leaves_files_intact_and_names_a_missing_one(tmp_path):
+    path = tmp_path / "blob.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    drop_page_cache([path])
+    assert path.read_bytes() == bytes(range(256)) * 64
+    with pytest.raises(CheckpointError, match="gone.bin"):
+        drop_page_cache([path, tmp_path / "gone.bin"])
