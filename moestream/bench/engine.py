@@ -2,9 +2,11 @@
 and of our path streaming experts from a cold disk; disk bandwidth while streaming beside sequential reads.
 
 Targets (reported as ok/missed, never asserted): streaming while serving >= 80% of sequential
-bandwidth, on a cold prefill of the bundled prompts as one at the least device budget the store
-accepts (top_k experts), so that each layer's experts stream through the device tier within the
-layer; with every expert resident, TPOT within 10% of plain transformers.
+bandwidth, on a cold prefill of the bundled prompts as one at the smallest budget of the run (each
+layer's missed experts are read as they are routed); with every expert resident, TPOT within 10% of
+plain transformers. The same prefill at the least device budget the store accepts (top_k experts,
+so each layer's experts stream through the device tier in groups within the layer) is reported
+beside it, for information: its reads are as small as one group.
 
 Built for stable figures on a busy machine: the same number of torch threads in every run;
 transformers and the all-resident engine loaded side by side and timed in interleaved order (ABBA
@@ -64,11 +66,11 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     try:
         rows = compare_resident(model, PROMPTS, args)
-        offloaded, disk, prefill = compare_streaming(model, PROMPTS, budgets, args)
+        offloaded, disk, prefills = compare_streaming(model, PROMPTS, budgets, args)
     finally:
         torch.set_num_threads(threads)
     rows += offloaded
-    summary = summarize(rows, disk, prefill)
+    summary = summarize(rows, disk, prefills)
     print_report(rows, summary, model, args)
     if args.json:
         write_json({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
@@ -218,16 +220,18 @@ def _paired_ratio(mine: list[Sample], theirs: list[Sample], field: str) -> float
     return _median(ratios) if ratios else None
 
 
-def compare_streaming(model_dir: Path, prompts, budgets: list[str], args) -> tuple[list[dict], object, dict]:
-    """Each repetition: a cold serving prefill, then cold runs per budget, a disk sample before each:
-    (rows of the budgets, the ColdReadLog of the disk samples, the serving prefill's row)."""
+def compare_streaming(model_dir: Path, prompts, budgets: list[str], args) -> tuple[list[dict], object, list[dict]]:
+    """Each repetition: cold serving prefills (at the first budget, at the least), then cold runs per
+    budget, a disk sample before each: (rows of the budgets, the ColdReadLog, the prefills' rows)."""
     from moestream.checkpoint.index import build_index
     from moestream.store.bandwidth import ColdReadLog
 
     index = build_index(model_dir).experts
     shards = sorted(model_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
-    least = str(index.topology.top_k * index.topology.expert_bytes)  # bytes: the least budget the store accepts
-    jobs = [(least, [" ".join(prompts * PREFILL_COPIES)], 1),  # max_new_tokens=1: the prefill alone
+    topology = index.topology
+    least = str(topology.top_k * topology.expert_bytes)  # bytes: the least budget the store accepts
+    long_prompt = [" ".join(prompts * PREFILL_COPIES)]
+    jobs = [(budgets[0], long_prompt, 1), (least, long_prompt, 1),  # max_new_tokens=1: the prefill alone
             *((budget, prompts, args.max_new_tokens) for budget in budgets)]
     runs: list[list[Sample]] = [[] for _ in jobs]
     disk = ColdReadLog()
@@ -236,9 +240,10 @@ def compare_streaming(model_dir: Path, prompts, budgets: list[str], args) -> tup
             turn = repeat * len(jobs) + i
             disk.take(shards[turn % len(shards)], index, turn, not args.buffered_io)
             runs[i] += cold_run(model_dir, *job, args)
-    around = [disk.reference_around(repeat * len(jobs)) for repeat in range(args.repeats)]
-    rows = [_engine_row(f"offload {b}", samples, len(prompts), b) for b, samples in zip(budgets, runs[1:])]
-    return rows, disk, serving_prefill(runs[0], around, index.topology)
+    rows = [_engine_row(f"offload {b}", samples, len(prompts), b) for b, samples in zip(budgets, runs[2:])]
+    prefills = [serving_prefill(runs[i], [disk.reference_around(r * len(jobs) + i) for r in range(args.repeats)],
+                                jobs[i][0], topology) for i in (0, 1)]
+    return rows, disk, prefills
 
 
 def cold_run(model_dir: Path, budget: str, prompts, max_new_tokens: int, args) -> list[Sample]:
@@ -287,11 +292,14 @@ def _stream_rate(runs: list[Sample]) -> float:
     return sum(s.disk_bytes for s in runs) / seconds if seconds else 0.0
 
 
-def serving_prefill(runs: list[Sample], around: list[float], topology) -> dict:
+def serving_prefill(runs: list[Sample], around: list[float], budget: str, topology) -> dict:
     """The cold serving prefills' row, each one's rate paired with the sequential reference around it."""
+    from moestream.store.config import Budget
+
     rates = [_stream_rate([s]) for s in runs]
-    return _engine_row("serving prefill", runs, 1, str(topology.top_k * topology.expert_bytes)) | {
-        "device_slots": topology.top_k,  # the least budget the store accepts
+    slots = Budget.parse(budget).resolve(topology.total_experts * topology.expert_bytes) // topology.expert_bytes
+    return _engine_row(f"prefill {Budget.parse(budget)}", runs, 1, budget) | {
+        "device_slots": slots,
         "num_prompt_tokens": runs[0].prompt_tokens,
         "experts_routed_fraction": runs[0].misses / topology.total_experts,  # each routed expert misses once
         "wall_bytes_per_s": _median(s.disk_bytes * 1e3 / s.ttft_ms for s in runs if s.ttft_ms),
@@ -301,8 +309,9 @@ def serving_prefill(runs: list[Sample], around: list[float], topology) -> dict:
     }
 
 
-def summarize(rows: list[dict], disk, prefill: dict) -> dict:
+def summarize(rows: list[dict], disk, prefills: list[dict]) -> dict:
     medians, reference = disk.medians(), disk.reference()
+    prefill, least = prefills
     stream = _median(r["stream_bytes_per_s"] for r in rows[2:] if r.get("stream_bytes_per_s")) or None
     prefill_ratio = prefill["vs_sequential"]
     layer_ratio = medians["layer_pass"] / reference if reference else None
@@ -313,6 +322,8 @@ def summarize(rows: list[dict], disk, prefill: dict) -> dict:
         "disk_samples_bytes_per_s": disk.rates,
         "serving_prefill": prefill,
         "serving_prefill_vs_sequential": prefill_ratio,
+        "least_budget_prefill": least,
+        "least_budget_prefill_vs_sequential": least["vs_sequential"],
         "on_demand_bytes_per_s": stream,
         "on_demand_vs_sequential": stream / reference if stream and reference else None,
         "random_experts_vs_sequential": medians["random_experts"] / reference if reference else None,
@@ -345,7 +356,7 @@ def print_report(rows: list[dict], summary: dict, model: Path, args) -> None:
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, REPORT_WIDTH)
-    console.print(_table([*rows, summary["serving_prefill"]], model, args))
+    console.print(_table([*rows, summary["serving_prefill"], summary["least_budget_prefill"]], model, args))
     disk, reference = summary["disk_medians_bytes_per_s"], summary["sequential_read_bytes_per_s"]
     console.print(f"disk, cold, outside serving (medians of {len(summary['disk_samples_bytes_per_s']['sequential'])}): "
                   f"sequential read in 16 MiB requests one at a time {_rate(disk['sequential'])}, with the "
@@ -353,7 +364,9 @@ def print_report(rows: list[dict], summary: dict, model: Path, args) -> None:
                   f"random experts, a layer's top_k per batch, {_rate(disk['random_experts'])} "
                   f"= {summary['random_experts_vs_sequential']:.0%} of the reference")
     if summary["serving_prefill_vs_sequential"] is not None:
-        console.print(_prefill_line(summary))
+        console.print(_prefill_line(summary["serving_prefill"], summary["targets"]["serving_prefill_vs_sequential"]))
+    if summary["least_budget_prefill_vs_sequential"] is not None:
+        console.print(_prefill_line(summary["least_budget_prefill"], "informational"))
     console.print(f"streaming, layer pass (each layer's experts in one read batch) / sequential: "
                   f"{_rate(disk['layer_pass'])} / {_rate(reference)} = {summary['layer_pass_vs_sequential']:.0%} "
                   f"(target >= {STREAM_TARGET:.0%}): {summary['targets']['layer_pass_vs_sequential']}")
@@ -369,14 +382,14 @@ def print_report(rows: list[dict], summary: dict, model: Path, args) -> None:
                       f"in CPU time {summary['resident_cpu_tpot_vs_transformers']:.3f}")
 
 
-def _prefill_line(summary: dict) -> str:
-    prefill, verdict = summary["serving_prefill"], summary["targets"]["serving_prefill_vs_sequential"]
-    return (f"streaming while serving (prefill, experts stream through the tier: {prefill['num_prompt_tokens']} "
-            f"tokens route {prefill['experts_routed_fraction']:.0%} of the experts, the device tier holds "
-            f"{prefill['device_slots']}, {prefill['experts_per_read_batch']:.1f} experts per read batch) / sequential: "
+def _prefill_line(prefill: dict, verdict: str) -> str:
+    target = f"target >= {STREAM_TARGET:.0%}): {verdict}" if verdict != "informational" else "informational)"
+    return (f"streaming while serving, {prefill['run']} ({prefill['num_prompt_tokens']} tokens route "
+            f"{prefill['experts_routed_fraction']:.0%} of the experts, the device tier holds {prefill['device_slots']}, "
+            f"{prefill['experts_per_read_batch']:.1f} experts per read batch) / sequential: "
             f"{_rate(prefill['stream_bytes_per_s'])} / {_rate(_median(prefill['sequential_around_bytes_per_s']))}, "
-            f"median of paired ratios {summary['serving_prefill_vs_sequential']:.0%} (target >= {STREAM_TARGET:.0%}): "
-            f"{verdict}; wall clock {_rate(prefill['wall_bytes_per_s'])} over {prefill['ttft_ms'] / 1e3:.2f} s")
+            f"median of paired ratios {prefill['vs_sequential']:.0%} ({target}; "
+            f"wall clock {_rate(prefill['wall_bytes_per_s'])} over {prefill['ttft_ms'] / 1e3:.2f} s")
 
 
 def _table(rows: list[dict], model: Path, args):
@@ -387,8 +400,8 @@ def _table(rows: list[dict], model: Path, args):
     table = Table(title=f"moestream bench engine: {model}",
                   caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
                           "transformers: every weight in memory; all resident: our path, every expert in the "
-                          "device tier; offload R: budget R, cold disk, a fresh engine per repetition; serving "
-                          "prefill: the bundled prompts as one, the least budget, cold, a fresh engine")
+                          "device tier; offload R: budget R, cold disk, a fresh engine per repetition; prefill B: "
+                          "the bundled prompts as one at budget B, cold, a fresh engine")
     for column in ("run", "TTFT ms", "TPOT ms", "TPOT CPU ms", "hit rate", "misses", "disk", "streaming"):
         table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
     for row in rows:

@@ -24,6 +24,7 @@ from moestream.trace.format import load_trace
 
 log = logging.getLogger(__name__)
 DEV_TRACE = Path("routing") / "deepseek-v2-lite" / "puffin_dev.npz"
+REPORT_WIDTH = 160  # columns of the report when printing to a file or pipe
 
 
 def add_parser(kinds) -> None:
@@ -100,6 +101,8 @@ def _names(text: str) -> list[str]:
 
 def _print(result: Comparison, config: CompareConfig, num_train: int, num_test: int) -> None:
     console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, REPORT_WIDTH)  # whole figures in a file or pipe
     console.print(f"trained on {num_train} tokens, replayed {num_test} held-out tokens")
     for protocol, by_cost in result.replays.items():
         for cost, by_policy in by_cost.items():

@@ -4,8 +4,9 @@ both prefetch and eviction.
 - Prediction (default_model): at the start of an iteration, one MLP predicts every layer's experts
   from the token context (token string or id, position, the previous token's routing, the
   sequence's expert affinity); as layers route, the token's own routing so far refines the
-  predictions for the next layers. Scores are probabilities (trained with cross-entropy). Layers
-  of the next token come from the sequence reuse model (default_reuse).
+  predictions for the next layers, and where the trace or engine gives router inputs (hidden
+  states), ProMoE's path from the latest one joins in. Scores are probabilities (trained with
+  cross-entropy). Layers of the next token come from the sequence reuse model (default_reuse).
 - Prefetch (ScorePlanner): predicted experts with probability > min_prefetch_probability that
   are not resident, in order of probability / layers until needed.
 - Eviction (DefaultEviction): evicts the expert with the longest expected time to its next use,
