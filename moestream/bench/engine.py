@@ -297,8 +297,9 @@ def serving_prefill(runs: list[Sample], around: list[float], budget: str, topolo
     from moestream.store.config import Budget
 
     rates = [_stream_rate([s]) for s in runs]
-    slots = Budget.parse(budget).resolve(topology.total_experts * topology.expert_bytes) // topology.expert_bytes
-    return _engine_row(f"prefill {Budget.parse(budget)}", runs, 1, budget) | {
+    parsed = Budget.parse(budget)
+    slots = parsed.resolve(topology.total_experts * topology.expert_bytes) // topology.expert_bytes
+    return _engine_row(f"prefill {parsed}", runs, 1, budget) | {
         "device_slots": slots,
         "num_prompt_tokens": runs[0].prompt_tokens,
         "experts_routed_fraction": runs[0].misses / topology.total_experts,  # each routed expert misses once

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 from moestream.policies.base import EVICTIONS, EvictionPolicy
 from moestream.topology import ExpertKey
@@ -38,18 +38,54 @@ class LRUPolicy(EvictionPolicy):
         self._order.move_to_end(key)
 
 
+class PriorityIndex:
+    """Keys with a priority each, smallest first: a heap whose stale entries (a key given a new
+    priority, or discarded) are skipped when met, and dropped when they outnumber the live ones."""
+
+    def __init__(self):
+        self._heap: list[tuple[Any, ExpertKey]] = []
+        self._current: dict[ExpertKey, Any] = {}
+
+    def set(self, key: ExpertKey, priority) -> None:
+        self._current[key] = priority
+        heapq.heappush(self._heap, (priority, key))
+        if len(self._heap) > 4 * len(self._current) + 64:
+            self._heap = [(value, k) for k, value in self._current.items()]
+            heapq.heapify(self._heap)
+
+    def discard(self, key: ExpertKey) -> None:
+        self._current.pop(key, None)
+
+    def get(self, key: ExpertKey, default=None):
+        return self._current.get(key, default)
+
+    def first_in(self, candidates: Sequence[ExpertKey]) -> ExpertKey | None:
+        """The live key of smallest priority among candidates (None if no candidate is indexed)."""
+        heap, kept, found = self._heap, [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            if self._current.get(entry[1]) != entry[0]:
+                continue  # stale
+            kept.append(entry)
+            if entry[1] in candidates:
+                found = entry[1]
+                break
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return found
+
+
 @EVICTIONS.register("lfu")
 class LFUPolicy(EvictionPolicy):
     """Evicts the expert accessed least often over the whole run; ties go to the least recent.
 
-    A heap of (count, last touch, key) with stale entries skipped keeps a victim O(log n).
+    A PriorityIndex of (count, last touch) keeps a victim O(log n).
     """
 
     def __init__(self):
         self._counts: Counter[ExpertKey] = Counter()
-        self._touched: dict[ExpertKey, int] = {}  # resident key -> its last insert or access
         self._clock = 0
-        self._heap: list[tuple[int, int, ExpertKey]] = []
+        self._index = PriorityIndex()  # resident key -> (count, last insert or access)
 
     def on_insert(self, key: ExpertKey) -> None:
         self._touch(key)
@@ -59,28 +95,14 @@ class LFUPolicy(EvictionPolicy):
         self._touch(key)
 
     def on_remove(self, key: ExpertKey) -> None:
-        self._touched.pop(key, None)
+        self._index.discard(key)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        heap, kept, victim = self._heap, [], None
-        while heap:
-            entry = heapq.heappop(heap)
-            if self._touched.get(entry[2]) != entry[1]:
-                continue  # stale: touched again or removed since
-            kept.append(entry)
-            if entry[2] in candidates:
-                victim = entry[2]
-                break
-        for entry in kept:
-            heapq.heappush(heap, entry)
+        victim = self._index.first_in(candidates)
         if victim is None:
-            victim = min(candidates, key=lambda k: (self._counts[k], self._touched.get(k, -1)))
+            victim = min(candidates, key=lambda k: self._index.get(k, (self._counts[k], -1)))
         return victim
 
     def _touch(self, key: ExpertKey) -> None:
         self._clock += 1
-        self._touched[key] = self._clock
-        heapq.heappush(self._heap, (self._counts[key], self._clock, key))
-        if len(self._heap) > 4 * len(self._touched) + 64:
-            self._heap = [(self._counts[k], t, k) for k, t in self._touched.items()]
-            heapq.heapify(self._heap)
+        self._index.set(key, (self._counts[key], self._clock))

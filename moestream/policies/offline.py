@@ -14,7 +14,6 @@ decode with B = their number), then checked at every iteration. Simulator only (
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
@@ -24,6 +23,7 @@ import numpy as np
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.base import POLICIES, EvictionPolicy, Policy, Prediction, Predictor
+from moestream.policies.eviction import PriorityIndex
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows
 
@@ -183,47 +183,26 @@ class OraclePredictor(FutureTracker):
 class BeladyEviction(EvictionPolicy):
     """Evicts the candidate whose next use is farthest in the future (Belady's MIN).
 
-    A heap of (-next use, key), pushed at every insert and access (the only moments a resident
-    expert's next use changes: it was just used), with stale entries skipped.
+    A PriorityIndex of -next use, set at every insert and access (the only moments a resident
+    expert's next use changes: it was just used).
     """
 
     def __init__(self, future: FutureIndex):
         self.future = future
-        self._heap: list[tuple[int, ExpertKey]] = []
-        self._latest: dict[ExpertKey, int] = {}  # resident key -> -next use it was last pushed with
+        self._index = PriorityIndex()
 
     def on_insert(self, key: ExpertKey) -> None:
-        self._push(key)
+        self._index.set(key, -self.future.next_use(key))
 
     def on_access(self, key: ExpertKey) -> None:
-        self._push(key)
+        self.on_insert(key)
 
     def on_remove(self, key: ExpertKey) -> None:
-        self._latest.pop(key, None)
+        self._index.discard(key)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        heap, latest, kept, victim = self._heap, self._latest, [], None
-        while heap:
-            entry = heapq.heappop(heap)
-            if latest.get(entry[1]) != entry[0]:
-                continue  # stale: pushed again or removed since
-            kept.append(entry)
-            if entry[1] in candidates:
-                victim = entry[1]
-                break
-        for entry in kept:
-            heapq.heappush(heap, entry)
-        if victim is None:
-            victim = max(candidates, key=self.future.next_use)
-        return victim
-
-    def _push(self, key: ExpertKey) -> None:
-        entry = (-self.future.next_use(key), key)
-        self._latest[key] = entry[0]
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 4 * len(self._latest) + 64:
-            self._heap = [(value, k) for k, value in self._latest.items()]
-            heapq.heapify(self._heap)
+        victim = self._index.first_in(candidates)
+        return max(candidates, key=self.future.next_use) if victim is None else victim
 
 
 class LookaheadEviction(EvictionPolicy):
