@@ -4,7 +4,8 @@ both prefetch and eviction.
 - Prediction (default_model): at the start of an iteration, one MLP predicts every layer's experts
   from the token context (token string or id, position, the previous token's routing, the
   sequence's expert affinity); as layers route, the token's own routing so far refines the
-  predictions for the next layers, and where the trace or engine gives router inputs (hidden
+  predictions for the next layers, together with a recall of what the sequence's earlier tokens
+  that routed alike did next (default_recall), and where the trace or engine gives router inputs (hidden
   states), ProMoE's path from the latest one joins in. Scores are probabilities (trained with
   cross-entropy). Layers of the next token come from the sequence reuse model (default_reuse).
 - Prefetch (ScorePlanner): predicted experts with probability > min_prefetch_probability that
@@ -49,6 +50,7 @@ class DefaultConfig:
     token_dropout: float = 0.1
     next_layer_share: float = 0.5
     min_train_steps: int = 1500
+    use_recall: bool = True
     reuse_tokens: int = 1500  # (token, next token) pairs the reuse model learns from
     reuse_l2: float = 1e-4
     num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k

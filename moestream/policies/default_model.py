@@ -5,13 +5,14 @@ in numpy.
 For a token and a target MoE layer l, seen after layer c = l - d of the same token has routed:
     z      = sum_{j <= c} A_j[experts of j] (+ G_j gate_probs_j when the trace has them)   # the prefix
            + T[token] + P[position bucket] + B[previous token's experts at every layer]     # the context
-           + U_l + V_d
-    logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l
+           + U_l + V_d + recall_l @ R_l
+    logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l + k_l * recall_l
            (+ relu(rms_normalised(router input of layer c) @ W_in_c) @ W_out_l when the trace has hidden
               states: ProMoE's idea, a two-layer MLP from an earlier router's input, as its own path)
 previous_l is the sequence's previous token's multi-hot at l and affinity_l the sequence's running
-share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). Training minimises the
-binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
+share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity), and recall_l the
+routing at l of the sequence's earlier tokens, weighted by how alike they routed up to c
+(default_recall). Training minimises the binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
 weights serve the whole-iteration prediction (c = -1, only token context) and its refinement as
 layers route. Tokens seen fewer than `min_token_count` times, and a share of the others while
 training, map to the unknown token, so that traces without token strings still work.
@@ -42,6 +43,7 @@ class ModelConfig:
     token_dropout: float = 0.1  # share of training tokens shown as unknown
     next_layer_share: float = 0.5  # share of training targets at horizon 1; the rest uniform
     min_train_steps: int = 1500  # small traces get more epochs, up to this many optimizer steps (8x at most)
+    use_recall: bool = True  # the in-sequence recall input (default_recall); False is its ablation
 
     def __post_init__(self):
         if self.hidden_dim < 1 or self.min_token_count < 1 or self.min_train_steps < 0:
@@ -107,10 +109,13 @@ class RoutingWeights:
         self.hidden_in = np.asarray(arrays.get("hidden_in", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, D, H2]
         self.hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, H2, E]
         self.uses_hidden = self.hidden_in.size > 0  # trained on a trace with router inputs
+        self.recall_in = np.asarray(arrays.get("recall_in", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, E, H]
+        self.recall_skip = np.asarray(arrays.get("recall_skip", np.zeros((0, 0))), dtype=np.float32)  # [L, E]
+        self.uses_recall = self.recall_in.size > 0  # weights saved before the recall input have none
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in self.NAMES} | {"hidden_in": self.hidden_in,
-                                                                     "hidden_out": self.hidden_out}
+        optional = ("hidden_in", "hidden_out", "recall_in", "recall_skip")
+        return {name: getattr(self, name) for name in self.NAMES + optional}
 
     def latest(self, hidden: np.ndarray | None, layer: int) -> np.ndarray | None:
         """[T, H2]: the hidden path's activations from the router input [T, D] of `layer`, the latest routed."""
@@ -132,10 +137,12 @@ class RoutingWeights:
         return step
 
     def logits(self, base: np.ndarray, targets: np.ndarray, horizons: np.ndarray, prev_hot: np.ndarray,
-               affinity: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
+               affinity: np.ndarray, latest: np.ndarray | None = None, recall: np.ndarray | None = None) -> np.ndarray:
         """[T, n, E] for targets [n] at horizons [n]; base [T, H] = prefix + context;
-        prev_hot, affinity [T, n, E] at the target layers."""
+        prev_hot, affinity and recall (default_recall) [T, n, E] at the target layers."""
         z = base[:, None, :] + self.target[targets][None] + self.horizon[np.minimum(horizons, len(self.horizon)) - 1][None]
+        if recall is not None:
+            z = z + np.matmul(recall.transpose(1, 0, 2), self.recall_in[targets]).transpose(1, 0, 2)  # [T, n, H]
         z = z - z.mean(axis=-1, keepdims=True)
         z = z / np.sqrt((z * z).mean(axis=-1, keepdims=True) + 1e-5)
         h = np.maximum(z * self.norm_w + self.norm_b, 0.0)  # [T, n, H]
@@ -143,6 +150,8 @@ class RoutingWeights:
         skip = self.skip[:, targets]  # [2, n, E]
         if latest is not None:
             out = out + np.matmul(latest, self.hidden_out[targets]).transpose(1, 0, 2)  # [T, n, E]
+        if recall is not None:
+            out = out + self.recall_skip[targets][None] * recall
         return out + self.out_b[targets][None] + skip[0][None] * prev_hot + skip[1][None] * affinity
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moestream.policies.default_recall import RecallWindow
 from moestream.trace.schema import Trace
 
 RATES = np.array([0.5, 0.8, 0.95], dtype=np.float32)
@@ -34,6 +35,7 @@ class SequenceState:
         self.prev_experts = np.zeros((L, top_k), dtype=np.int64)  # the last complete token's experts
         self.has_prev = False
         self.current = np.zeros((L, top_k), dtype=np.int64)
+        self.window = RecallWindow(L, E)  # the last tokens' routing, for the routing model's recall
 
     def update(self, layer: int, experts: np.ndarray) -> None:
         hot = np.zeros(self.last.shape[1], dtype=np.float32)
@@ -46,6 +48,7 @@ class SequenceState:
         self.current[layer] = experts
 
     def finish_token(self) -> None:
+        self.window.push(self.last)
         self.prev_experts = self.current.copy()
         self.has_prev = True
 

@@ -20,6 +20,7 @@ from moestream.policies.default_model import (
     token_indices,
     token_keys,
 )
+from moestream.policies.default_recall import earlier_rows, first_rows, masks, trace_recall
 from moestream.policies.default_reuse import ReuseModel, SequenceState
 from moestream.policies.routing_stats import previous_rows
 from moestream.topology import Topology
@@ -40,6 +41,7 @@ class IterationState:
         self.layer_now = topology.num_layers - 1
         self._base = self._prefix = None
         self._latest: np.ndarray | None = None  # [T, H2] the hidden path's activations
+        self._recall: np.ndarray | None = None  # [T, W] each row's recall weights over its window
         self._table: np.ndarray | None = None  # [L, E] this iteration's probabilities, lazily
         self._reuse: np.ndarray | None = None  # [L, E] next-pass reuse probabilities, lazily
 
@@ -55,6 +57,7 @@ class IterationState:
         self._prefix, self._latest = np.zeros_like(self._base), None
         self.layer_now, self.active = -1, bool(self.rows)
         self._table = self._reuse = None
+        self._recall_weights()
 
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
@@ -65,6 +68,7 @@ class IterationState:
         self._prefix += self.weights.prefix_step(layer, experts, event.gate_probs)
         self._latest = self.weights.latest(event.hidden, layer)
         self.layer_now, self._reuse = layer, None
+        self._recall_weights()
         if layer == self.topology.num_layers - 1:
             for state in self.rows:
                 state.finish_token()
@@ -103,7 +107,19 @@ class IterationState:
         """[T, n, E] per-row probabilities for the targets."""
         prev_hot = np.stack([s.last[targets] for s in self.rows])  # [T, n, E]: the previous token's, as targets are ahead
         affinity = np.stack([s.affinity(targets) for s in self.rows])
-        return sigmoid(self.weights.logits(self._base + self._prefix, targets, horizons, prev_hot, affinity, self._latest))
+        logits = self.weights.logits(self._base + self._prefix, targets, horizons, prev_hot, affinity, self._latest,
+                                     self._recall_at(targets))
+        return sigmoid(logits)
+
+    def _recall_weights(self) -> None:
+        if self.weights.uses_recall and self.rows:
+            self._recall = np.stack([s.window.weights(s.current, self.layer_now) for s in self.rows])
+
+    def _recall_at(self, targets: np.ndarray) -> np.ndarray | None:
+        """[T, n, E]: the rows' recall at the target layers."""
+        if not self.weights.uses_recall:
+            return None
+        return np.stack([s.window.recall(w, targets) for s, w in zip(self.rows, self._recall)])
 
     def _iteration_table(self) -> np.ndarray:
         if self._table is None:
@@ -134,6 +150,8 @@ class TraceScores:
         prev_experts = trace.experts[np.maximum(self.prev, 0)].astype(np.int64)
         self.context = weights.context(tokens, position_bucket(trace.positions), prev_experts, has_prev)  # [N, H]
         self.affinity = sequence_affinity(trace)  # [N, L, E]
+        self.earlier, self.valid = earlier_rows(first_rows(trace.seq_ids))  # [N, W]
+        self.bit_sets = masks(trace.experts, trace.topology.num_experts)  # [N, L, words]
         self._cut, self._prefix = -1, np.zeros_like(self.context)
 
     def holds(self, trace: Trace) -> bool:
@@ -143,17 +161,21 @@ class TraceScores:
         cut = layer - horizon_layers
         if cut >= -1:
             latest = self.weights.latest(None if cut < 0 or self.trace.hidden is None else self.trace.hidden[:, cut], cut)
-            return self._model(layer, horizon_layers, self._prefix_until(cut), latest)
-        out = self._model(layer, layer + 1, np.zeros_like(self.context))  # first tokens: their own start
+            return self._model(layer, cut, self._prefix_until(cut), latest)
+        out = self._model(layer, -1, np.zeros_like(self.context))  # first tokens: their own start
         later = self.prev >= 0
         out[later] = self.reuse.trace_probs(self.trace, layer)[self.prev[later]]
         return out
 
-    def _model(self, layer: int, horizon: int, prefix: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
-        E = self.trace.topology.num_experts
-        prev_hot = _hot(self.trace.experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
-        logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([horizon]),
-                                     prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32), latest)
+    def _model(self, layer: int, cut: int, prefix: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
+        E, experts = self.trace.topology.num_experts, self.trace.experts
+        prev_hot = _hot(experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
+        recall = None
+        if self.weights.uses_recall:
+            recall = trace_recall(experts, self.bit_sets, self.earlier, self.valid, cut, layer, E)[:, None]  # [N, 1, E]
+        logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([layer - cut]),
+                                     prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32), latest,
+                                     recall)
         return sigmoid(logits[:, 0])
 
     def _prefix_until(self, cut: int) -> np.ndarray:

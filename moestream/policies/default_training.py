@@ -26,6 +26,7 @@ from moestream.policies.default_model import (
     token_keys,
     unit_rms,
 )
+from moestream.policies.default_recall import batch_recall, earlier_rows, first_rows, masks
 from moestream.policies.routing_stats import previous_rows
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.training import multi_hot, seeded
@@ -56,6 +57,8 @@ class RoutingNet(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.out_w, self.out_b = param(L, H, E), nn.Parameter(torch.zeros(L, E))
         self.skip = nn.Parameter(torch.zeros(2, L, E))
+        self.recall_in = param(L, E, H) if config.use_recall else None  # the in-sequence recall input
+        self.recall_skip = nn.Parameter(torch.zeros(L, E)) if config.use_recall else None
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hot = batch["hot"]  # [n, L, E]
@@ -70,10 +73,15 @@ class RoutingNet(nn.Module):
         context = self.token[batch["token"]] + self.position[batch["bucket"]] + prev_hot.flatten(1) @ self.previous
         layers = torch.arange(hot.shape[1])
         z = prefix + context[:, None] + self.target[None] + self.horizon[layers[None] - cut - 1]
+        recall = batch.get("recall")  # [n, L, E]
+        if recall is not None:
+            z = z + torch.einsum("nle,leh->nlh", recall, self.recall_in)
         h = self.drop(torch.relu(self.norm(z)))
         logits = torch.einsum("nlh,lhe->nle", h, self.out_w) + self.out_b
         if self.hidden_in is not None:
             logits = logits + self._hidden_path(batch["hidden"], cut)
+        if recall is not None:
+            logits = logits + self.recall_skip * recall
         return logits + self.skip[0] * prev_hot + self.skip[1] * batch["affinity"]
 
     def _hidden_path(self, hidden: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
@@ -94,6 +102,8 @@ class RoutingNet(nn.Module):
         }
         if self.hidden_in is not None:
             arrays |= {"hidden_in": self.hidden_in, "hidden_out": self.hidden_out}
+        if self.recall_in is not None:
+            arrays |= {"recall_in": self.recall_in, "recall_skip": self.recall_skip}
         return RoutingWeights({name: value.detach().numpy().copy() for name, value in arrays.items()})
 
 
@@ -107,6 +117,8 @@ class Batches:
         self.buckets = position_bucket(trace.positions)
         self.prev = previous_rows(trace.seq_ids)
         self.affinity = sequence_affinity(trace)  # [N, L, E] float16
+        self.earlier, self.valid = earlier_rows(first_rows(trace.seq_ids))  # [N, W]
+        self.bit_sets = masks(trace.experts, trace.topology.num_experts)  # [N, L, words]
         self.num_experts = trace.topology.num_experts
 
     def __call__(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -115,19 +127,27 @@ class Batches:
         prev_hot = multi_hot(trace.experts[np.maximum(prev, 0)], self.num_experts) * torch.from_numpy(prev >= 0)[:, None, None]
         tokens = self.tokens[rows].copy()
         tokens[self.rng.random(len(rows)) < self.config.token_dropout] = UNKNOWN
+        cuts = self._cuts(len(rows), num_layers)
         batch = {
             "hot": multi_hot(trace.experts[rows], self.num_experts),
             "prev_hot": prev_hot.float(),
             "token": torch.from_numpy(tokens),
             "bucket": torch.from_numpy(self.buckets[rows]),
             "affinity": torch.from_numpy(self.affinity[rows].astype(np.float32)),
-            "cut": torch.from_numpy(self._cuts(len(rows), num_layers)),
+            "cut": torch.from_numpy(cuts),
         }
+        if self.config.use_recall:
+            batch["recall"] = torch.from_numpy(self._recall(rows, cuts))
         if trace.gate_probs is not None:
             batch["gate"] = torch.from_numpy(trace.gate_probs[rows].astype(np.float32))
         if trace.hidden is not None:
             batch["hidden"] = torch.from_numpy(unit_rms(trace.hidden[rows]))  # [n, L, D]
         return batch
+
+    def _recall(self, rows: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+        earlier = self.earlier[rows]
+        return batch_recall(self.bit_sets[rows], self.bit_sets[earlier], self.trace.experts[earlier], self.valid[rows], cuts,
+                            self.num_experts)
 
     def _cuts(self, num_rows: int, num_layers: int) -> np.ndarray:
         """[n, L]: the last known layer of each target: l-1 with probability next_layer_share, else uniform in [-1, l-1]."""

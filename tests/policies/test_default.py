@@ -164,3 +164,35 @@ def test_small_traces_train_for_more_epochs_up_to_a_cap(traces, min_steps, epoch
     train = traces[0]  # 420 tokens: 7 batches of 64
     policy = fitted(train, config=dataclasses.replace(SMALL, min_train_steps=min_steps), train=TrainConfig(num_epochs=1, batch_size=64))
     assert train.num_tokens == 420 and len(policy.predictor.losses) == epochs
+
+
+def _private_maps_trace(num_sequences=40, tokens=24, seed=5):
+    """Each sequence routes layer l to its own fixed permutation of layer l-1's experts, so only the
+    sequence's earlier tokens reveal where a token goes next."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(num_sequences):
+        perm = rng.permutation(8)
+        for _ in range(tokens):
+            path = [rng.choice(8, 2, replace=False)]
+            for _ in range(4):
+                path.append(perm[path[-1]])
+            rows.append(np.stack(path))
+    n = len(rows)
+    return dataclasses.replace(
+        synthetic_trace(TOPOLOGY, num_sequences=num_sequences, tokens_per_sequence=tokens, seed=1),
+        experts=np.stack(rows).astype(np.int16), tokens=None, token_ids=None,
+        seq_ids=np.repeat(np.arange(num_sequences), tokens).astype(np.int32),
+        positions=np.tile(np.arange(tokens), num_sequences).astype(np.int32), is_prefill=np.ones(n, dtype=bool))
+
+
+def test_recall_learns_routing_that_only_the_sequence_reveals(tmp_path):
+    train, test = _private_maps_trace().split(0.3, seed=0)
+    with_recall = fitted(train)
+    without = fitted(train, config=dataclasses.replace(SMALL, use_recall=False))
+    assert with_recall.predictor.weights.uses_recall and not without.predictor.weights.uses_recall
+    f1 = lambda p: evaluate_predictor(p.predictor, test, 1).f1()  # noqa: E731
+    assert f1(with_recall) > f1(without) + 0.05
+    without.save(tmp_path / "plain")  # weights without the recall arrays still load and score
+    loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "plain")
+    assert not loaded.predictor.weights.uses_recall and f1(loaded) == pytest.approx(f1(without))

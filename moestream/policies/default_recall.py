@@ -1,0 +1,124 @@
+"""In-sequence recall for the `default` routing model: what the same sequence's earlier tokens did
+at a target layer, weighted by how alike their routing was to this token's just before it.
+
+For a token whose routing is known up to layer c, each of the sequence's last WINDOW tokens u gets
+the weight exp(BETA x shared_u), where shared_u counts the experts u shared with this token at
+layers c-SPAN+1..c; the recall at target layer l is the weighted mean of the tokens' multi-hots at
+l (a mean over the window when nothing is known yet). Tokens that routed alike so far tend to keep
+routing alike, so this is attention over the sequence's own routing, the way fMoE's trajectory
+search matches stored maps, without leaving the sequence. BETA and SPAN were chosen by how well
+the recall alone predicts the next layer on the training prompts (docs/default-policy.md).
+Knows arrays; not traces, events or caches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WINDOW = 128  # earlier tokens of the sequence that are recalled
+SPAN = 5  # layers whose shared experts weigh a token
+BETA = 0.5  # weight per shared expert, in log units
+
+
+def span(cut: int) -> range:
+    """The layers compared when layer `cut` is the last one known."""
+    return range(max(cut - SPAN + 1, 0), cut + 1)
+
+
+def shared_experts(experts: np.ndarray, window_hot: np.ndarray) -> np.ndarray:
+    """[n, W, J]: experts each row shares with each window token per layer; experts [n, J, K], window_hot [n, W, J, E]."""
+    index = np.broadcast_to(experts[:, None], (len(experts), window_hot.shape[1], *experts.shape[1:]))
+    return np.take_along_axis(window_hot, index.astype(np.int64), axis=3).sum(axis=3, dtype=np.float32)
+
+
+def weights(shared: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[n, W, ...] normalised over the window from shared counts [n, W, ...] and valid [n, W]."""
+    valid = valid.reshape(valid.shape + (1,) * (shared.ndim - 2))
+    shared = np.where(valid, shared, 0.0)
+    w = np.exp(BETA * (shared - shared.max(axis=1, keepdims=True))) * valid
+    return w / np.maximum(w.sum(axis=1, keepdims=True), 1e-12)
+
+
+def earlier_rows(first_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, W] rows of the same sequence's previous WINDOW tokens (most recent first) and which exist,
+    for rows stored in sequence order; first_rows [N] is each row's sequence's first row."""
+    rows = np.arange(len(first_rows))[:, None] - 1 - np.arange(WINDOW)[None]  # [N, W]
+    valid = rows >= first_rows[:, None]
+    return np.where(valid, rows, 0), valid
+
+
+def first_rows(seq_ids: np.ndarray) -> np.ndarray:
+    starts = np.r_[True, seq_ids[1:] != seq_ids[:-1]] if len(seq_ids) else np.zeros(0, dtype=bool)
+    return np.maximum.accumulate(np.where(starts, np.arange(len(seq_ids)), 0)) if len(seq_ids) else np.zeros(0, dtype=np.int64)
+
+
+def masks(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """[..., words] uint64 bit sets of experts [..., K]."""
+    words = -(-num_experts // 64)
+    bits = np.left_shift(np.uint64(1), (experts % 64).astype(np.uint64))  # [..., K]
+    word = (experts // 64).astype(np.int64)
+    return np.stack([np.bitwise_or.reduce(np.where(word == i, bits, np.uint64(0)), axis=-1) for i in range(words)], axis=-1)
+
+
+def shared_ids(current: np.ndarray, window: np.ndarray) -> np.ndarray:
+    """[n, W, J]: experts each row shares with each window token per layer, from masks
+    current [n, J, words] and window [n, W, J, words]."""
+    return np.bitwise_count(current[:, None] & window).sum(axis=-1, dtype=np.float32)
+
+
+def weighted_hot(w: np.ndarray, window_experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """[n, J, E] = sum over the window of w [n, W, J] times the multi-hots of window_experts [n, W, J, K]."""
+    n, _, num_layers, k = window_experts.shape
+    cells = (np.arange(n)[:, None, None, None] * num_layers + np.arange(num_layers)[None, None, :, None]) * num_experts
+    index = (cells + window_experts).ravel()
+    values = np.broadcast_to(w[..., None], window_experts.shape).ravel()
+    return np.bincount(index, values, minlength=n * num_layers * num_experts).reshape(n, num_layers, num_experts)
+
+
+def batch_recall(current: np.ndarray, window: np.ndarray, window_experts: np.ndarray, valid: np.ndarray,
+                 cuts: np.ndarray, num_experts: int) -> np.ndarray:
+    """[n, L, E] recall at every layer, each with its own last known layer cuts [n, L] (-1: none);
+    current [n, L, words] the rows' masks, window [n, W, L, words] and window_experts [n, W, L, K]
+    their window tokens' masks and experts, valid [n, W]."""
+    shared = shared_ids(current, window)  # [n, W, L]
+    cumulative = np.concatenate([np.zeros_like(shared[:, :, :1]), np.cumsum(shared, axis=2)], axis=2)  # [n, W, L+1]
+    high = np.broadcast_to((cuts + 1)[:, None], shared.shape)
+    low = np.broadcast_to(np.maximum(cuts - SPAN + 1, 0)[:, None], shared.shape)
+    w = weights(np.take_along_axis(cumulative, high, 2) - np.take_along_axis(cumulative, low, 2), valid)  # [n, W, L]
+    return weighted_hot(w, window_experts, num_experts).astype(np.float32)
+
+
+def trace_recall(experts: np.ndarray, bit_sets: np.ndarray, earlier: np.ndarray, valid: np.ndarray, cut: int,
+                 layer: int, num_experts: int, chunk_rows: int = 4096) -> np.ndarray:
+    """[N, E] float32: every row's recall at `layer` with layers <= cut known; experts [N, L, K] and
+    their masks bit_sets [N, L, words]; earlier, valid [N, W] from earlier_rows."""
+    layers = list(span(cut))
+    out = np.zeros((len(experts), num_experts), dtype=np.float32)
+    for start in range(0, len(experts), chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        shared = shared_ids(bit_sets[rows][:, layers], bit_sets[earlier[rows]][:, :, layers]).sum(axis=2)  # [n, W]
+        w = weights(shared, valid[rows])[:, :, None]  # [n, W, 1]
+        out[rows] = weighted_hot(w, experts[earlier[rows]][:, :, [layer]], num_experts)[:, 0]
+    return out
+
+
+class RecallWindow:
+    """One sequence's last WINDOW tokens' multi-hots [W, L, E], a ring; order does not matter."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.hot = np.zeros((WINDOW, num_layers, num_experts), dtype=np.float32)
+        self.count = 0
+
+    def push(self, hot: np.ndarray) -> None:
+        self.hot[self.count % WINDOW] = hot
+        self.count += 1
+
+    def weights(self, current: np.ndarray, cut: int) -> np.ndarray:
+        """[W] for the token whose experts [L, K] are known up to layer cut."""
+        layers = list(span(cut))
+        shared = shared_experts(current[None, layers], self.hot[None][:, :, layers]).sum(axis=2)  # [1, W]
+        return weights(shared, (np.arange(WINDOW) < self.count)[None])[0]
+
+    def recall(self, w: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """[n, E] at the target layers for weights w [W]."""
+        return np.einsum("w,wne->ne", w, self.hot[:, targets])
