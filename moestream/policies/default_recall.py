@@ -25,12 +25,6 @@ def span(cut: int) -> range:
     return range(max(cut - SPAN + 1, 0), cut + 1)
 
 
-def shared_experts(experts: np.ndarray, window_hot: np.ndarray) -> np.ndarray:
-    """[n, W, J]: experts each row shares with each window token per layer; experts [n, J, K], window_hot [n, W, J, E]."""
-    index = np.broadcast_to(experts[:, None], (len(experts), window_hot.shape[1], *experts.shape[1:]))
-    return np.take_along_axis(window_hot, index.astype(np.int64), axis=3).sum(axis=3, dtype=np.float32)
-
-
 def weights(shared: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """[n, W, ...] normalised over the window from shared counts [n, W, ...] and valid [n, W]."""
     valid = valid.reshape(valid.shape + (1,) * (shared.ndim - 2))
@@ -103,20 +97,28 @@ def trace_recall(experts: np.ndarray, bit_sets: np.ndarray, earlier: np.ndarray,
 
 
 class RecallWindow:
-    """One sequence's last WINDOW tokens' multi-hots [W, L, E], a ring; order does not matter."""
+    """One sequence's last WINDOW tokens' routing, a ring (order does not matter): multi-hots
+    [W, L, E] and their masks [W, L, words]."""
 
     def __init__(self, num_layers: int, num_experts: int):
+        self.num_experts = num_experts
         self.hot = np.zeros((WINDOW, num_layers, num_experts), dtype=np.float32)
+        self.bit_sets = np.zeros((WINDOW, num_layers, -(-num_experts // 64)), dtype=np.uint64)
         self.count = 0
 
-    def push(self, hot: np.ndarray) -> None:
-        self.hot[self.count % WINDOW] = hot
+    def push(self, experts: np.ndarray) -> None:
+        """Adds a finished token's experts [L, K]."""
+        slot = self.count % WINDOW
+        self.hot[slot] = 0.0
+        np.put_along_axis(self.hot[slot], experts.astype(np.int64), 1.0, axis=1)
+        self.bit_sets[slot] = masks(experts, self.num_experts)
         self.count += 1
 
     def weights(self, current: np.ndarray, cut: int) -> np.ndarray:
         """[W] for the token whose experts [L, K] are known up to layer cut."""
         layers = list(span(cut))
-        shared = shared_experts(current[None, layers], self.hot[None][:, :, layers]).sum(axis=2)  # [1, W]
+        current_sets = masks(current[layers], self.num_experts)[None]  # [1, J, words]
+        shared = shared_ids(current_sets, self.bit_sets[None][:, :, layers]).sum(axis=2)  # [1, W]
         return weights(shared, (np.arange(WINDOW) < self.count)[None])[0]
 
     def recall(self, w: np.ndarray, targets: np.ndarray) -> np.ndarray:

@@ -48,7 +48,7 @@ class SequenceState:
         self.current[layer] = experts
 
     def finish_token(self) -> None:
-        self.window.push(self.last)
+        self.window.push(self.current)
         self.prev_experts = self.current.copy()
         self.has_prev = True
 

@@ -30,8 +30,8 @@ def test_tokens_that_routed_alike_dominate_the_recall():
     alike[4] = [6, 7]  # shares layers 0..3, differs at the target
     unlike = np.array([[6, 7], [6, 7], [6, 7], [0, 1], [3, 4]])
     window = recall.RecallWindow(L, E)
-    window.push(hot(alike))
-    window.push(hot(unlike))
+    window.push(alike)
+    window.push(unlike)
     w = window.weights(current, cut=3)
     out = window.recall(w, np.array([4]))[0]
     assert out[6] > 0.9 and out[3] < 0.1
@@ -43,7 +43,7 @@ def test_nothing_known_gives_the_mean_of_the_window():
     tokens = routed(rng, 4)
     window = recall.RecallWindow(L, E)
     for token in tokens:
-        window.push(hot(token))
+        window.push(token)
     out = window.recall(window.weights(tokens[0], cut=-1), np.arange(L))
     np.testing.assert_allclose(out, hot(tokens).mean(axis=0), atol=1e-6)
 
@@ -54,7 +54,7 @@ def test_the_window_keeps_only_the_last_tokens(monkeypatch):
     tokens = routed(rng, 5)
     window = recall.RecallWindow(L, E)
     for token in tokens:
-        window.push(hot(token))
+        window.push(token)
     out = window.recall(window.weights(tokens[0], cut=-1), np.arange(L))
     np.testing.assert_allclose(out, hot(tokens[-2:]).mean(axis=0), atol=1e-6)
 
@@ -76,7 +76,7 @@ def test_online_trace_and_batch_recall_agree(cut):
         for row in range(start, end):
             online = window.recall(window.weights(experts[row], cut), np.array([layer]))[0]
             np.testing.assert_allclose(online, offline[row], atol=1e-5)
-            window.push(hot(experts[row]))
+            window.push(experts[row])
 
 
 def test_masks_count_shared_experts_beyond_one_word():
