@@ -7,8 +7,9 @@ For a token and a target MoE layer l, seen after layer c = l - d of the same tok
            + T[token] + P[position bucket] + B[previous token's experts at every layer]     # the context
            + U_l + V_d + recall_l @ R_l
     logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l + k_l * recall_l
-           (+ relu(rms_normalised(router input of layer c) @ W_in_c) @ W_out_l when the trace has hidden
-              states: ProMoE's idea, a two-layer MLP from an earlier router's input, as its own path)
+           (+ relu(rms_normalised(router input of layer c) @ W_in_c) @ W_out_{l,min(d,D)} when the trace has
+              hidden states: ProMoE's idea, a two-layer MLP from an earlier router's input per distance,
+              as its own path)
 previous_l is the sequence's previous token's multi-hot at l and affinity_l the sequence's running
 share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity), and recall_l the
 routing at l of the sequence's earlier tokens, weighted by how alike they routed up to c
@@ -107,7 +108,8 @@ class RoutingWeights:
         self.num_layers, self.num_experts, self.hidden_dim = self.prefix.shape
         self.uses_gate = bool(np.any(self.gate))
         self.hidden_in = np.asarray(arrays.get("hidden_in", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, D, H2]
-        self.hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, H2, E]
+        hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0, 0))), dtype=np.float32)
+        self.hidden_out = hidden_out[:, None] if hidden_out.ndim == 3 else hidden_out  # [L, D, H2, E], D distances
         self.uses_hidden = self.hidden_in.size > 0  # trained on a trace with router inputs
         self.recall_in = np.asarray(arrays.get("recall_in", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, E, H]
         self.recall_skip = np.asarray(arrays.get("recall_skip", np.zeros((0, 0))), dtype=np.float32)  # [L, E]
@@ -149,7 +151,8 @@ class RoutingWeights:
         out = np.matmul(h.transpose(1, 0, 2), self.out_w[targets]).transpose(1, 0, 2)  # [T, n, E]
         skip = self.skip[:, targets]  # [2, n, E]
         if latest is not None:
-            out = out + np.matmul(latest, self.hidden_out[targets]).transpose(1, 0, 2)  # [T, n, E]
+            distance = np.minimum(horizons, self.hidden_out.shape[1]) - 1
+            out = out + np.matmul(latest, self.hidden_out[targets, distance]).transpose(1, 0, 2)  # [T, n, E]
         if recall is not None:
             out = out + self.recall_skip[targets][None] * recall
         return out + self.out_b[targets][None] + skip[0][None] * prev_hot + skip[1][None] * affinity

@@ -35,6 +35,7 @@ from moestream.trace.schema import Trace
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 200
+HIDDEN_DISTANCES = 3  # the router-input path has its own output weights at distances 1, 2 and >= 3
 MAX_EPOCH_FACTOR = 8  # a small trace trains for at most this many times the configured epochs
 
 
@@ -50,7 +51,7 @@ class RoutingNet(nn.Module):
         self.prefix, self.previous = param(L, E, H), param(L * E, H)
         self.gate = param(L, E, H) if gate else None
         self.hidden_in = param(L, hidden_size, H) if hidden_size else None  # the router-input path
-        self.hidden_out = param(L, H, E) if hidden_size else None
+        self.hidden_out = param(L, HIDDEN_DISTANCES, H, E) if hidden_size else None
         self.token, self.position = param(vocab_size, H), param(NUM_POSITION_BUCKETS, H)
         self.target, self.horizon = nn.Parameter(torch.zeros(L, H)), nn.Parameter(torch.zeros(L, H))
         self.norm = nn.LayerNorm(H)
@@ -89,7 +90,10 @@ class RoutingNet(nn.Module):
         act = torch.relu(torch.einsum("nld,ldh->nlh", hidden, self.hidden_in))  # [n, L, H]: each source layer's
         padded = torch.cat([torch.zeros_like(act[:, :1]), act], dim=1)  # [n, L+1, H]
         latest = padded.gather(1, (cut + 1)[:, :, None].expand(-1, -1, act.shape[-1]))  # [n, L, H]
-        return torch.einsum("nlh,lhe->nle", self.drop(latest), self.hidden_out)
+        by_distance = torch.einsum("nlh,ldhe->nlde", self.drop(latest), self.hidden_out)  # [n, L, D, E]
+        distance = (torch.arange(cut.shape[1])[None] - cut).clamp(max=HIDDEN_DISTANCES) - 1  # [n, L]
+        index = distance[:, :, None, None].expand(-1, -1, 1, by_distance.shape[-1])
+        return by_distance.gather(2, index)[:, :, 0]
 
     def export(self) -> RoutingWeights:
         num_layers, num_experts, hidden = self.prefix.shape
