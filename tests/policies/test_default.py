@@ -10,6 +10,7 @@ from moestream.cache import ExpertCache
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
 from moestream.policies.default import DefaultConfig
+from moestream.policies.default_model import RoutingWeights
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream
@@ -157,6 +158,19 @@ def test_router_inputs_are_used_when_the_trace_has_them(traces, tmp_path):
     with_hidden.save(tmp_path / "d")
     loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "d")
     assert loaded.predictor.needs_hidden
+
+
+def test_router_input_weights_per_distance_and_the_older_single_set_load(traces):
+    policy = fitted(_with_revealing_hidden(traces[0]))
+    arrays = policy.predictor.weights.arrays()
+    assert arrays["hidden_out"].shape[:2] == (5, 3)
+    older = RoutingWeights(arrays | {"hidden_out": arrays["hidden_out"][:, 0]})  # [L, H2, E], one set for all distances
+    rng = np.random.default_rng(0)
+    args = (rng.standard_normal((2, 32)).astype(np.float32), np.array([3]), np.array([1]),
+            np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32), rng.random((2, 32)).astype(np.float32))
+    np.testing.assert_allclose(older.logits(*args), policy.predictor.weights.logits(*args), rtol=1e-5)
+    far = args[:2] + (np.array([3]),) + args[3:]
+    assert not np.allclose(older.logits(*far), policy.predictor.weights.logits(*far))
 
 
 @pytest.mark.parametrize("min_steps, epochs", [(0, 1), (20, 3), (10_000, 8)])
