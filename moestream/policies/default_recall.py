@@ -42,8 +42,9 @@ def earlier_rows(first_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def first_rows(seq_ids: np.ndarray) -> np.ndarray:
-    starts = np.r_[True, seq_ids[1:] != seq_ids[:-1]] if len(seq_ids) else np.zeros(0, dtype=bool)
-    return np.maximum.accumulate(np.where(starts, np.arange(len(seq_ids)), 0)) if len(seq_ids) else np.zeros(0, dtype=np.int64)
+    starts = np.ones(len(seq_ids), dtype=bool)
+    starts[1:] = seq_ids[1:] != seq_ids[:-1]
+    return np.maximum.accumulate(np.where(starts, np.arange(len(seq_ids)), 0))
 
 
 def masks(experts: np.ndarray, num_experts: int) -> np.ndarray:
@@ -62,7 +63,7 @@ def shared_ids(current: np.ndarray, window: np.ndarray) -> np.ndarray:
 
 def weighted_hot(w: np.ndarray, window_experts: np.ndarray, num_experts: int) -> np.ndarray:
     """[n, J, E] = sum over the window of w [n, W, J] times the multi-hots of window_experts [n, W, J, K]."""
-    n, _, num_layers, k = window_experts.shape
+    n, _, num_layers, _ = window_experts.shape
     cells = (np.arange(n)[:, None, None, None] * num_layers + np.arange(num_layers)[None, None, :, None]) * num_experts
     index = (cells + window_experts).ravel()
     values = np.broadcast_to(w[..., None], window_experts.shape).ravel()
