@@ -88,12 +88,13 @@ def trace_recall(experts: np.ndarray, bit_sets: np.ndarray, earlier: np.ndarray,
     """[N, E] float32: every row's recall at `layer` with layers <= cut known; experts [N, L, K] and
     their masks bit_sets [N, L, words]; earlier, valid [N, W] from earlier_rows."""
     layers = list(span(cut))
+    known, targets = bit_sets[:, layers], experts[:, [layer]]  # [N, J, words], [N, 1, K]
     out = np.zeros((len(experts), num_experts), dtype=np.float32)
     for start in range(0, len(experts), chunk_rows):
         rows = slice(start, start + chunk_rows)
-        shared = shared_ids(bit_sets[rows][:, layers], bit_sets[earlier[rows]][:, :, layers]).sum(axis=2)  # [n, W]
+        shared = shared_ids(known[rows], known[earlier[rows]]).sum(axis=2)  # [n, W]
         w = weights(shared, valid[rows])[:, :, None]  # [n, W, 1]
-        out[rows] = weighted_hot(w, experts[earlier[rows]][:, :, [layer]], num_experts)[:, 0]
+        out[rows] = weighted_hot(w, targets[earlier[rows]], num_experts)[:, 0]
     return out
 
 

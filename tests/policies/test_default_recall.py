@@ -16,6 +16,13 @@ def hot(experts):
     return out
 
 
+def window_of(tokens):
+    window = recall.RecallWindow(L, E)
+    for token in tokens:
+        window.push(token)
+    return window
+
+
 def test_first_and_earlier_rows_stay_inside_each_sequence():
     first = recall.first_rows(np.array([7, 7, 7, 3, 3]))
     assert first.tolist() == [0, 0, 0, 3, 3]
@@ -29,9 +36,7 @@ def test_tokens_that_routed_alike_dominate_the_recall():
     alike = current.copy()
     alike[4] = [6, 7]  # shares layers 0..3, differs at the target
     unlike = np.array([[6, 7], [6, 7], [6, 7], [0, 1], [3, 4]])
-    window = recall.RecallWindow(L, E)
-    window.push(alike)
-    window.push(unlike)
+    window = window_of([alike, unlike])
     w = window.weights(current, cut=3)
     out = window.recall(w, np.array([4]))[0]
     assert out[6] > 0.9 and out[3] < 0.1
@@ -39,22 +44,16 @@ def test_tokens_that_routed_alike_dominate_the_recall():
 
 
 def test_nothing_known_gives_the_mean_of_the_window():
-    rng = np.random.default_rng(0)
-    tokens = routed(rng, 4)
-    window = recall.RecallWindow(L, E)
-    for token in tokens:
-        window.push(token)
+    tokens = routed(np.random.default_rng(0), 4)
+    window = window_of(tokens)
     out = window.recall(window.weights(tokens[0], cut=-1), np.arange(L))
     np.testing.assert_allclose(out, hot(tokens).mean(axis=0), atol=1e-6)
 
 
 def test_the_window_keeps_only_the_last_tokens(monkeypatch):
     monkeypatch.setattr(recall, "WINDOW", 2)
-    rng = np.random.default_rng(1)
-    tokens = routed(rng, 5)
-    window = recall.RecallWindow(L, E)
-    for token in tokens:
-        window.push(token)
+    tokens = routed(np.random.default_rng(1), 5)
+    window = window_of(tokens)
     out = window.recall(window.weights(tokens[0], cut=-1), np.arange(L))
     np.testing.assert_allclose(out, hot(tokens[-2:]).mean(axis=0), atol=1e-6)
 
