@@ -4,9 +4,10 @@ both prefetch and eviction.
 - Prediction (default_model): at the start of an iteration, one MLP predicts every layer's experts
   from the token context (token string or id, position, the previous token's routing, the
   sequence's expert affinity); as layers route, the token's own routing so far refines the
-  predictions for the next layers, together with a recall of what the sequence's earlier tokens
-  that routed alike did next (default_recall), and where the trace or engine gives router inputs (hidden
-  states), ProMoE's path from the latest one joins in. Scores are probabilities (trained with
+  predictions for the next layers, together with a recall of what other tokens that routed alike
+  did next: the sequence's earlier tokens, its earlier occurrences of the same token
+  (default_recall) and the training prompts' occurrences of it (default_memory). Where the
+  trace or engine gives router inputs (hidden states), ProMoE's path from the latest one joins in. Scores are probabilities (trained with
   cross-entropy). Layers of the next token come from the sequence reuse model (default_reuse).
 - Prefetch (ScorePlanner): predicted experts with probability > min_prefetch_probability that
   are not resident, in order of probability / layers until needed.
@@ -51,6 +52,9 @@ class DefaultConfig:
     next_layer_share: float = 0.5
     min_train_steps: int = 1500
     use_recall: bool = True
+    use_memory: bool = True
+    use_repeat: bool = True
+    memory_rows: int = 256
     reuse_tokens: int = 1500  # (token, next token) pairs the reuse model learns from
     reuse_l2: float = 1e-4
     num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k

@@ -5,15 +5,17 @@ in numpy.
 For a token and a target MoE layer l, seen after layer c = l - d of the same token has routed:
     z      = sum_{j <= c} A_j[experts of j] (+ G_j gate_probs_j when the trace has them)   # the prefix
            + T[token] + P[position bucket] + B[previous token's experts at every layer]     # the context
-           + U_l + V_d + recall_l @ R_l
-    logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l + k_l * recall_l
+           + U_l + V_d + sum_c x^c_l @ R^c_l                                                  # the recall channels
+    logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l + sum_c k^c_l * x^c_l
            (+ relu(rms_normalised(router input of layer c) @ W_in_c) @ W_out_{l,min(d,D)} when the trace has
               hidden states: ProMoE's idea, a two-layer MLP from an earlier router's input per distance,
               as its own path)
 previous_l is the sequence's previous token's multi-hot at l and affinity_l the sequence's running
-share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity), and recall_l the
-routing at l of the sequence's earlier tokens, weighted by how alike they routed up to c
-(default_recall). Training minimises the binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
+share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). The recall
+channels x^c_l are routing at l of other tokens, weighted by how alike they routed up to c
+(default_recall): "recall" the sequence's earlier tokens, "repeat" the sequence's earlier
+occurrences of the same token, "memory" the training prompts' occurrences of it (default_memory).
+Training minimises the binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
 weights serve the whole-iteration prediction (c = -1, only token context) and its refinement as
 layers route. Tokens seen fewer than `min_token_count` times, and a share of the others while
 training, map to the unknown token, so that traces without token strings still work.
@@ -27,13 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moestream.policies.default_memory import TokenMemory
+from moestream.policies.default_recall import UNKNOWN
 from moestream.predictors.configs import ConfigError, TrainConfig
 from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
 
 NUM_POSITION_BUCKETS = 12
-UNKNOWN = 0  # vocabulary index of the unknown token
+CHANNELS = ("recall", "memory", "repeat")  # the recall inputs: in-sequence, token memory, the token's repeats
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,18 @@ class ModelConfig:
     next_layer_share: float = 0.5  # share of training targets at horizon 1; the rest uniform
     min_train_steps: int = 1500  # small traces get more epochs, up to this many optimizer steps (8x at most)
     use_recall: bool = True  # the in-sequence recall input (default_recall); False is its ablation
+    use_memory: bool = True  # the token memory input (default_memory); False is its ablation
+    use_repeat: bool = True  # the recall of the token's earlier occurrences in its sequence; False is its ablation
+    memory_rows: int = 256  # training rows the memory keeps per token
+
+    def channels(self) -> tuple[str, ...]:
+        """The recall channels this model reads, in CHANNELS order."""
+        enabled = {"recall": self.use_recall, "memory": self.use_memory, "repeat": self.use_repeat}
+        return tuple(name for name in CHANNELS if enabled[name])
 
     def __post_init__(self):
-        if self.hidden_dim < 1 or self.min_token_count < 1 or self.min_train_steps < 0:
-            raise ConfigError("hidden_dim and min_token_count must be >= 1, min_train_steps >= 0")
+        if self.hidden_dim < 1 or self.min_token_count < 1 or self.min_train_steps < 0 or self.memory_rows < 1:
+            raise ConfigError("hidden_dim, min_token_count and memory_rows must be >= 1, min_train_steps >= 0")
         for name in ("dropout", "token_dropout", "next_layer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
@@ -111,13 +123,18 @@ class RoutingWeights:
         hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0, 0))), dtype=np.float32)
         self.hidden_out = hidden_out[:, None] if hidden_out.ndim == 3 else hidden_out  # [L, D, H2, E], D distances
         self.uses_hidden = self.hidden_in.size > 0  # trained on a trace with router inputs
-        self.recall_in = np.asarray(arrays.get("recall_in", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, E, H]
-        self.recall_skip = np.asarray(arrays.get("recall_skip", np.zeros((0, 0))), dtype=np.float32)  # [L, E]
-        self.uses_recall = self.recall_in.size > 0  # weights saved before the recall input have none
+        present = [name for name in CHANNELS if np.size(arrays.get(f"{name}_in", ())) > 0]  # older weights lack some
+        self.channel_in = {name: np.asarray(arrays[f"{name}_in"], dtype=np.float32) for name in present}  # [L, E, H]
+        self.channel_skip = {name: np.asarray(arrays[f"{name}_skip"], dtype=np.float32) for name in present}  # [L, E]
+        self.memory = TokenMemory.from_arrays(arrays, self.num_experts) if "memory" in present else None
+        self.channels = tuple(present)
+        self.uses_recall, self.uses_memory, self.uses_repeat = (name in present for name in CHANNELS)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        optional = ("hidden_in", "hidden_out", "recall_in", "recall_skip")
-        return {name: getattr(self, name) for name in self.NAMES + optional}
+        channels = {f"{name}_in": w for name, w in self.channel_in.items()}
+        channels |= {f"{name}_skip": w for name, w in self.channel_skip.items()}
+        memory = self.memory.arrays() if self.memory is not None else {}
+        return {name: getattr(self, name) for name in self.NAMES + ("hidden_in", "hidden_out")} | channels | memory
 
     def latest(self, hidden: np.ndarray | None, layer: int) -> np.ndarray | None:
         """[T, H2]: the hidden path's activations from the router input [T, D] of `layer`, the latest routed."""
@@ -139,12 +156,13 @@ class RoutingWeights:
         return step
 
     def logits(self, base: np.ndarray, targets: np.ndarray, horizons: np.ndarray, prev_hot: np.ndarray,
-               affinity: np.ndarray, latest: np.ndarray | None = None, recall: np.ndarray | None = None) -> np.ndarray:
+               affinity: np.ndarray, latest: np.ndarray | None = None, channels: dict | None = None) -> np.ndarray:
         """[T, n, E] for targets [n] at horizons [n]; base [T, H] = prefix + context;
-        prev_hot, affinity and recall (default_recall) [T, n, E] at the target layers."""
+        prev_hot, affinity and the recall channels (name -> [T, n, E]) at the target layers."""
+        channels = channels or {}
         z = base[:, None, :] + self.target[targets][None] + self.horizon[np.minimum(horizons, len(self.horizon)) - 1][None]
-        if recall is not None:
-            z = z + np.matmul(recall.transpose(1, 0, 2), self.recall_in[targets]).transpose(1, 0, 2)  # [T, n, H]
+        for name, x in channels.items():
+            z = z + np.matmul(x.transpose(1, 0, 2), self.channel_in[name][targets]).transpose(1, 0, 2)  # [T, n, H]
         z = z - z.mean(axis=-1, keepdims=True)
         z = z / np.sqrt((z * z).mean(axis=-1, keepdims=True) + 1e-5)
         h = np.maximum(z * self.norm_w + self.norm_b, 0.0)  # [T, n, H]
@@ -153,8 +171,8 @@ class RoutingWeights:
         if latest is not None:
             distance = np.minimum(horizons, self.hidden_out.shape[1]) - 1
             out = out + np.matmul(latest, self.hidden_out[targets, distance]).transpose(1, 0, 2)  # [T, n, E]
-        if recall is not None:
-            out = out + self.recall_skip[targets][None] * recall
+        for name, x in channels.items():
+            out = out + self.channel_skip[name][targets][None] * x
         return out + self.out_b[targets][None] + skip[0][None] * prev_hot + skip[1][None] * affinity
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+UNKNOWN = 0  # vocabulary index of the unknown token, which matches no other token
 WINDOW = 128  # earlier tokens of the sequence that are recalled
 SPAN = 5  # layers whose shared experts weigh a token
 BETA = 0.5  # weight per shared expert, in log units
@@ -29,7 +30,7 @@ def weights(shared: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """[n, W, ...] normalised over the window from shared counts [n, W, ...] and valid [n, W]."""
     valid = valid.reshape(valid.shape + (1,) * (shared.ndim - 2))
     shared = np.where(valid, shared, 0.0)
-    w = np.exp(BETA * (shared - shared.max(axis=1, keepdims=True))) * valid
+    w = np.exp(BETA * (shared - shared.max(axis=1, keepdims=True, initial=0.0))) * valid
     return w / np.maximum(w.sum(axis=1, keepdims=True), 1e-12)
 
 
@@ -39,6 +40,11 @@ def earlier_rows(first_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = np.arange(len(first_rows))[:, None] - 1 - np.arange(WINDOW)[None]  # [N, W]
     valid = rows >= first_rows[:, None]
     return np.where(valid, rows, 0), valid
+
+
+def same_token(tokens: np.ndarray, window_tokens: np.ndarray) -> np.ndarray:
+    """[n, W]: which window tokens [n, W] are the row's own token [n] (vocabulary indices)."""
+    return (window_tokens == tokens[:, None]) & (tokens != UNKNOWN)[:, None]
 
 
 def first_rows(seq_ids: np.ndarray) -> np.ndarray:
@@ -83,45 +89,57 @@ def batch_recall(current: np.ndarray, window: np.ndarray, window_experts: np.nda
     return weighted_hot(w, window_experts, num_experts).astype(np.float32)
 
 
-def trace_recall(experts: np.ndarray, bit_sets: np.ndarray, earlier: np.ndarray, valid: np.ndarray, cut: int,
-                 layer: int, num_experts: int, chunk_rows: int = 4096) -> np.ndarray:
-    """[N, E] float32: every row's recall at `layer` with layers <= cut known; experts [N, L, K] and
-    their masks bit_sets [N, L, words]; earlier, valid [N, W] from earlier_rows."""
+def trace_recall(bit_sets: np.ndarray, source_sets: np.ndarray, source_experts: np.ndarray, window: np.ndarray,
+                 valid: np.ndarray, cut: int, layer: int, num_experts: int, chunk_rows: int = 4096) -> np.ndarray:
+    """[N, E] float32: every row's recall at `layer` with layers <= cut known, from the rows' masks
+    bit_sets [N, L, words]; window, valid [N, W] index the source rows (source_sets [M, L, words],
+    source_experts [M, L, K]): the trace itself for in-sequence recall (earlier_rows), or a memory."""
     layers = list(span(cut))
-    known, targets = bit_sets[:, layers], experts[:, [layer]]  # [N, J, words], [N, 1, K]
-    out = np.zeros((len(experts), num_experts), dtype=np.float32)
-    for start in range(0, len(experts), chunk_rows):
+    known, source, targets = bit_sets[:, layers], source_sets[:, layers], source_experts[:, [layer]]
+    out = np.zeros((len(bit_sets), num_experts), dtype=np.float32)
+    for start in range(0, len(bit_sets), chunk_rows):
         rows = slice(start, start + chunk_rows)
-        shared = shared_ids(known[rows], known[earlier[rows]]).sum(axis=2)  # [n, W]
+        shared = shared_ids(known[rows], source[window[rows]]).sum(axis=2)  # [n, W]
         w = weights(shared, valid[rows])[:, :, None]  # [n, W, 1]
-        out[rows] = weighted_hot(w, targets[earlier[rows]], num_experts)[:, 0]
+        out[rows] = weighted_hot(w, targets[window[rows]], num_experts)[:, 0]
     return out
+
+
+def window_weights(current: np.ndarray, cut: int, window_sets: np.ndarray, valid: np.ndarray, num_experts: int) -> np.ndarray:
+    """[W] for one token whose experts [L, K] are known up to layer cut, over window tokens' masks [W, L, words]."""
+    layers = list(span(cut))
+    current_sets = masks(current[layers], num_experts)[None]  # [1, J, words]
+    shared = shared_ids(current_sets, window_sets[None][:, :, layers]).sum(axis=2)  # [1, W]
+    return weights(shared, valid[None])[0]
 
 
 class RecallWindow:
     """One sequence's last WINDOW tokens' routing, a ring (order does not matter): multi-hots
-    [W, L, E] and their masks [W, L, words]."""
+    [W, L, E], their masks [W, L, words] and their tokens [W] (vocabulary indices)."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.num_experts = num_experts
         self.hot = np.zeros((WINDOW, num_layers, num_experts), dtype=np.float32)
         self.bit_sets = np.zeros((WINDOW, num_layers, -(-num_experts // 64)), dtype=np.uint64)
+        self.tokens = np.full(WINDOW, UNKNOWN, dtype=np.int64)
         self.count = 0
 
-    def push(self, experts: np.ndarray) -> None:
+    def push(self, experts: np.ndarray, token: int = UNKNOWN) -> None:
         """Adds a finished token's experts [L, K]."""
         slot = self.count % WINDOW
         self.hot[slot] = 0.0
         np.put_along_axis(self.hot[slot], experts.astype(np.int64), 1.0, axis=1)
         self.bit_sets[slot] = masks(experts, self.num_experts)
+        self.tokens[slot] = token
         self.count += 1
 
-    def weights(self, current: np.ndarray, cut: int) -> np.ndarray:
-        """[W] for the token whose experts [L, K] are known up to layer cut."""
-        layers = list(span(cut))
-        current_sets = masks(current[layers], self.num_experts)[None]  # [1, J, words]
-        shared = shared_ids(current_sets, self.bit_sets[None][:, :, layers]).sum(axis=2)  # [1, W]
-        return weights(shared, (np.arange(WINDOW) < self.count)[None])[0]
+    def weights(self, current: np.ndarray, cut: int, same_as: int | None = None) -> np.ndarray:
+        """[W] for the token whose experts [L, K] are known up to layer cut; with same_as (its
+        vocabulary index), over the window's earlier occurrences of that token only."""
+        valid = np.arange(WINDOW) < self.count
+        if same_as is not None:
+            valid &= same_token(np.array([same_as]), self.tokens[None])[0]
+        return window_weights(current, cut, self.bit_sets, valid, self.num_experts)
 
     def recall(self, w: np.ndarray, targets: np.ndarray) -> np.ndarray:
         """[n, E] at the target layers for weights w [W]."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moestream.policies.default_recall import RecallWindow
+from moestream.policies.default_recall import UNKNOWN, RecallWindow
 from moestream.trace.schema import Trace
 
 RATES = np.array([0.5, 0.8, 0.95], dtype=np.float32)
@@ -36,6 +36,7 @@ class SequenceState:
         self.has_prev = False
         self.current = np.zeros((L, top_k), dtype=np.int64)
         self.window = RecallWindow(L, E)  # the last tokens' routing, for the routing model's recall
+        self.token = UNKNOWN  # the current token's vocabulary index
 
     def update(self, layer: int, experts: np.ndarray) -> None:
         hot = np.zeros(self.last.shape[1], dtype=np.float32)
@@ -48,7 +49,7 @@ class SequenceState:
         self.current[layer] = experts
 
     def finish_token(self) -> None:
-        self.window.push(self.current)
+        self.window.push(self.current, self.token)
         self.prev_experts = self.current.copy()
         self.has_prev = True
 

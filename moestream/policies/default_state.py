@@ -20,7 +20,7 @@ from moestream.policies.default_model import (
     token_indices,
     token_keys,
 )
-from moestream.policies.default_recall import earlier_rows, first_rows, masks, trace_recall
+from moestream.policies.default_recall import earlier_rows, first_rows, masks, same_token, trace_recall
 from moestream.policies.default_reuse import ReuseModel, SequenceState
 from moestream.policies.routing_stats import previous_rows
 from moestream.topology import Topology
@@ -41,7 +41,9 @@ class IterationState:
         self.layer_now = topology.num_layers - 1
         self._base = self._prefix = None
         self._latest: np.ndarray | None = None  # [T, H2] the hidden path's activations
-        self._recall: np.ndarray | None = None  # [T, W] each row's recall weights over its window
+        self._tokens: list[int] = []  # each row's vocabulary index
+        self._memory_rows: list[np.ndarray] = []  # each row's token memory rows [R]
+        self._channel_weights: dict[str, list[np.ndarray]] = {}  # per recall channel, each row's weights
         self._table: np.ndarray | None = None  # [L, E] this iteration's probabilities, lazily
         self._reuse: np.ndarray | None = None  # [L, E] next-pass reuse probabilities, lazily
 
@@ -51,13 +53,19 @@ class IterationState:
 
     def begin(self, ctx: IterationContext, tokens: np.ndarray) -> None:
         self.rows = [self.sequences.setdefault(int(s), self._new_state()) for s in ctx.seq_ids.tolist()]
+        self._tokens = tokens.tolist()
+        for state, token in zip(self.rows, self._tokens):
+            state.token = token  # the window keeps it with the token's routing
         prev = np.stack([s.prev_experts for s in self.rows])  # [T, L, K]
         has_prev = np.array([s.has_prev for s in self.rows], dtype=np.float32)
         self._base = self.weights.context(tokens, position_bucket(ctx.positions), prev, has_prev)  # [T, H]
         self._prefix, self._latest = np.zeros_like(self._base), None
         self.layer_now, self.active = -1, bool(self.rows)
         self._table = self._reuse = None
-        self._recall_weights()
+        if self.weights.uses_memory:
+            index, valid = self.weights.memory.rows(tokens)
+            self._memory_rows = [rows[ok] for rows, ok in zip(index, valid)]
+        self._weigh_channels()
 
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
@@ -68,7 +76,7 @@ class IterationState:
         self._prefix += self.weights.prefix_step(layer, experts, event.gate_probs)
         self._latest = self.weights.latest(event.hidden, layer)
         self.layer_now, self._reuse = layer, None
-        self._recall_weights()
+        self._weigh_channels()
         if layer == self.topology.num_layers - 1:
             for state in self.rows:
                 state.finish_token()
@@ -108,18 +116,30 @@ class IterationState:
         prev_hot = np.stack([s.last[targets] for s in self.rows])  # [T, n, E]: the previous token's, as targets are ahead
         affinity = np.stack([s.affinity(targets) for s in self.rows])
         logits = self.weights.logits(self._base + self._prefix, targets, horizons, prev_hot, affinity, self._latest,
-                                     self._recall_at(targets))
+                                     self._channels_at(targets))
         return sigmoid(logits)
 
-    def _recall_weights(self) -> None:
-        if self.weights.uses_recall and self.rows:
-            self._recall = np.stack([s.window.weights(s.current, self.layer_now) for s in self.rows])
+    def _weigh_channels(self) -> None:
+        """Each row's weights over its recall sources, per channel, for the routing known now."""
+        cut, memory = self.layer_now, self.weights.memory
+        weigh = {
+            "recall": lambda state, row: state.window.weights(state.current, cut),
+            "repeat": lambda state, row: state.window.weights(state.current, cut, same_as=self._tokens[row]),
+            "memory": lambda state, row: memory.weights(self._memory_rows[row], state.current, cut),
+        }
+        self._channel_weights = {name: [weigh[name](state, row) for row, state in enumerate(self.rows)]
+                                 for name in self.weights.channels}
 
-    def _recall_at(self, targets: np.ndarray) -> np.ndarray | None:
-        """[T, n, E]: the rows' recall at the target layers."""
-        if not self.weights.uses_recall:
-            return None
-        return np.stack([s.window.recall(w, targets) for s, w in zip(self.rows, self._recall)])
+    def _channels_at(self, targets: np.ndarray) -> dict[str, np.ndarray]:
+        """name -> [T, n, E]: the rows' recall channels at the target layers."""
+        memory = self.weights.memory
+        out = {}
+        for name, row_weights in self._channel_weights.items():
+            if name == "memory":
+                out[name] = np.stack([memory.recall(r, w, targets) for r, w in zip(self._memory_rows, row_weights)])
+            else:
+                out[name] = np.stack([s.window.recall(w, targets) for s, w in zip(self.rows, row_weights)])
+        return out
 
     def _iteration_table(self) -> np.ndarray:
         if self._table is None:
@@ -152,6 +172,7 @@ class TraceScores:
         self.affinity = sequence_affinity(trace)  # [N, L, E]
         self.earlier, self.valid = earlier_rows(first_rows(trace.seq_ids))  # [N, W]
         self.bit_sets = masks(trace.experts, trace.topology.num_experts)  # [N, L, words]
+        self.sources = self._sources(tokens)
         self._cut, self._prefix = -1, np.zeros_like(self.context)
 
     def holds(self, trace: Trace) -> bool:
@@ -170,13 +191,22 @@ class TraceScores:
     def _model(self, layer: int, cut: int, prefix: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
         E, experts = self.trace.topology.num_experts, self.trace.experts
         prev_hot = _hot(experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
-        recall = None
-        if self.weights.uses_recall:
-            recall = trace_recall(experts, self.bit_sets, self.earlier, self.valid, cut, layer, E)[:, None]  # [N, 1, E]
+        channels = {name: trace_recall(self.bit_sets, *source, cut, layer, E)[:, None]  # [N, 1, E]
+                    for name, source in self.sources.items()}
         logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([layer - cut]),
                                      prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32), latest,
-                                     recall)
+                                     channels)
         return sigmoid(logits[:, 0])
+
+    def _sources(self, tokens: np.ndarray) -> dict[str, tuple]:
+        """name -> (source masks, source experts, window [N, W], valid [N, W]) of each recall channel."""
+        experts, earlier, valid = self.trace.experts, self.earlier, self.valid
+        sources = {
+            "recall": lambda: (self.bit_sets, experts, earlier, valid),
+            "repeat": lambda: (self.bit_sets, experts, earlier, valid & same_token(tokens, tokens[earlier])),
+            "memory": lambda: (self.weights.memory.bit_sets, self.weights.memory.experts, *self.weights.memory.rows(tokens)),
+        }
+        return {name: sources[name]() for name in self.weights.channels}
 
     def _prefix_until(self, cut: int) -> np.ndarray:
         """[N, H]: the prefix of layers <= cut, extended from the last one computed."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from moestream.policies.default_memory import TokenMemory
 from moestream.policies.default_model import (
     NUM_POSITION_BUCKETS,
     UNKNOWN,
@@ -26,7 +27,7 @@ from moestream.policies.default_model import (
     token_keys,
     unit_rms,
 )
-from moestream.policies.default_recall import batch_recall, earlier_rows, first_rows, masks
+from moestream.policies.default_recall import batch_recall, earlier_rows, first_rows, masks, same_token
 from moestream.policies.routing_stats import previous_rows
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.training import multi_hot, seeded
@@ -58,8 +59,9 @@ class RoutingNet(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.out_w, self.out_b = param(L, H, E), nn.Parameter(torch.zeros(L, E))
         self.skip = nn.Parameter(torch.zeros(2, L, E))
-        self.recall_in = param(L, E, H) if config.use_recall else None  # the in-sequence recall input
-        self.recall_skip = nn.Parameter(torch.zeros(L, E)) if config.use_recall else None
+        names = config.channels()  # the recall channels
+        self.channel_in = nn.ParameterDict({name: param(L, E, H) for name in names})
+        self.channel_skip = nn.ParameterDict({name: nn.Parameter(torch.zeros(L, E)) for name in names})
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         hot = batch["hot"]  # [n, L, E]
@@ -74,15 +76,15 @@ class RoutingNet(nn.Module):
         context = self.token[batch["token"]] + self.position[batch["bucket"]] + prev_hot.flatten(1) @ self.previous
         layers = torch.arange(hot.shape[1])
         z = prefix + context[:, None] + self.target[None] + self.horizon[layers[None] - cut - 1]
-        recall = batch.get("recall")  # [n, L, E]
-        if recall is not None:
-            z = z + torch.einsum("nle,leh->nlh", recall, self.recall_in)
+        channels = batch["channels"]  # name -> [n, L, E]
+        for name, x in channels.items():
+            z = z + torch.einsum("nle,leh->nlh", x, self.channel_in[name])
         h = self.drop(torch.relu(self.norm(z)))
         logits = torch.einsum("nlh,lhe->nle", h, self.out_w) + self.out_b
         if self.hidden_in is not None:
             logits = logits + self._hidden_path(batch["hidden"], cut)
-        if recall is not None:
-            logits = logits + self.recall_skip * recall
+        for name, x in channels.items():
+            logits = logits + self.channel_skip[name] * x
         return logits + self.skip[0] * prev_hot + self.skip[1] * batch["affinity"]
 
     def _hidden_path(self, hidden: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,7 @@ class RoutingNet(nn.Module):
         index = distance[:, :, None, None].expand(-1, -1, 1, by_distance.shape[-1])
         return by_distance.gather(2, index)[:, :, 0]
 
-    def export(self) -> RoutingWeights:
+    def export(self, memory: TokenMemory | None) -> RoutingWeights:
         num_layers, num_experts, hidden = self.prefix.shape
         gate = self.gate if self.gate is not None else torch.zeros(num_layers, num_experts, hidden)
         arrays = {
@@ -106,9 +108,10 @@ class RoutingNet(nn.Module):
         }
         if self.hidden_in is not None:
             arrays |= {"hidden_in": self.hidden_in, "hidden_out": self.hidden_out}
-        if self.recall_in is not None:
-            arrays |= {"recall_in": self.recall_in, "recall_skip": self.recall_skip}
-        return RoutingWeights({name: value.detach().numpy().copy() for name, value in arrays.items()})
+        arrays |= {f"{name}_in": w for name, w in self.channel_in.items()}
+        arrays |= {f"{name}_skip": w for name, w in self.channel_skip.items()}
+        numpy_arrays = {name: value.detach().numpy().copy() for name, value in arrays.items()}
+        return RoutingWeights(numpy_arrays | (memory.arrays() if memory is not None else {}))
 
 
 class Batches:
@@ -124,6 +127,11 @@ class Batches:
         self.earlier, self.valid = earlier_rows(first_rows(trace.seq_ids))  # [N, W]
         self.bit_sets = masks(trace.experts, trace.topology.num_experts)  # [N, L, words]
         self.num_experts = trace.topology.num_experts
+        self.channels = config.channels()
+        self.memory = None
+        if config.use_memory:
+            self.memory = TokenMemory.build(trace.experts, self.tokens, trace.seq_ids, len(vocab) + 1, config.memory_rows,
+                                            rng, self.num_experts)
 
     def __call__(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         trace, num_layers = self.trace, self.trace.topology.num_layers
@@ -140,18 +148,24 @@ class Batches:
             "affinity": torch.from_numpy(self.affinity[rows].astype(np.float32)),
             "cut": torch.from_numpy(cuts),
         }
-        if self.config.use_recall:
-            batch["recall"] = torch.from_numpy(self._recall(rows, cuts))
+        batch["channels"] = {name: torch.from_numpy(self._channel(name, rows, tokens, cuts)) for name in self.channels}
         if trace.gate_probs is not None:
             batch["gate"] = torch.from_numpy(trace.gate_probs[rows].astype(np.float32))
         if trace.hidden is not None:
             batch["hidden"] = torch.from_numpy(unit_rms(trace.hidden[rows]))  # [n, L, D]
         return batch
 
-    def _recall(self, rows: np.ndarray, cuts: np.ndarray) -> np.ndarray:
-        earlier = self.earlier[rows]
-        return batch_recall(self.bit_sets[rows], self.bit_sets[earlier], self.trace.experts[earlier], self.valid[rows], cuts,
-                            self.num_experts)
+    def _channel(self, name: str, rows: np.ndarray, tokens: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+        """[n, L, E]: one recall channel of the rows, for their tokens as shown (a dropped token has no
+        memory and no repeats); the memory leaves out the rows' own sequences."""
+        if name == "memory":
+            index, valid = self.memory.rows(tokens, self.trace.seq_ids[rows])
+            sets, experts = self.memory.bit_sets, self.memory.experts
+        else:
+            index, valid, sets, experts = self.earlier[rows], self.valid[rows], self.bit_sets, self.trace.experts
+            if name == "repeat":
+                valid = valid & same_token(tokens, self.tokens[index])
+        return batch_recall(self.bit_sets[rows], sets[index], experts[index], valid, cuts, self.num_experts)
 
     def _cuts(self, num_rows: int, num_layers: int) -> np.ndarray:
         """[n, L]: the last known layer of each target: l-1 with probability next_layer_share, else uniform in [-1, l-1]."""
@@ -164,6 +178,8 @@ class Batches:
 def train_network(trace: Trace, config: ModelConfig, train: TrainConfig, vocab: dict) -> tuple[RoutingWeights, list[float]]:
     """Trains a RoutingNet on every row of trace; its numpy weights and the mean loss of each epoch."""
     t = trace.topology
+    if token_keys(trace)[0] is None:
+        config = replace(config, use_memory=False, use_repeat=False)  # no token keys: no memory, no repeats
     with seeded(train.seed, train.num_threads):
         hidden_size = 0 if trace.hidden is None else trace.hidden.shape[-1]
         net = RoutingNet(t.num_layers, t.num_experts, len(vocab) + 1, config, trace.gate_probs is not None, hidden_size)
@@ -172,7 +188,7 @@ def train_network(trace: Trace, config: ModelConfig, train: TrainConfig, vocab: 
         wanted = -(-config.min_train_steps // num_batches)
         num_epochs = max(train.num_epochs, min(wanted, MAX_EPOCH_FACTOR * train.num_epochs))
         losses = _loop(net, batches, trace.num_tokens, replace(train, num_epochs=num_epochs))
-    return net.export(), losses
+    return net.export(batches.memory), losses
 
 
 def _loop(net: RoutingNet, batches: Batches, num_rows: int, train: TrainConfig) -> list[float]:

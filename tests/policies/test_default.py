@@ -205,8 +205,61 @@ def test_recall_learns_routing_that_only_the_sequence_reveals(tmp_path):
     with_recall = fitted(train)
     without = fitted(train, config=dataclasses.replace(SMALL, use_recall=False))
     assert with_recall.predictor.weights.uses_recall and not without.predictor.weights.uses_recall
+    assert not with_recall.predictor.weights.uses_memory  # no token keys, so no token memory
     f1 = lambda p: evaluate_predictor(p.predictor, test, 1).f1()  # noqa: E731
     assert f1(with_recall) > f1(without) + 0.05
     without.save(tmp_path / "plain")  # weights without the recall arrays still load and score
     loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "plain")
     assert not loaded.predictor.weights.uses_recall and f1(loaded) == pytest.approx(f1(without))
+
+
+def _token_maps_trace(num_sequences=40, tokens=24, vocab=40, seed=6):
+    """Each token id routes layer l to its own fixed permutation of layer l-1's experts, so where a
+    token goes next depends on which token it is and on how it routed so far, together."""
+    rng = np.random.default_rng(seed)
+    perms = [rng.permutation(8) for _ in range(vocab)]
+    ids = rng.integers(0, vocab, num_sequences * tokens)
+    rows = []
+    for token in ids:
+        path = [rng.choice(8, 2, replace=False)]
+        for _ in range(4):
+            path.append(perms[token][path[-1]])
+        rows.append(np.stack(path))
+    return dataclasses.replace(_private_maps_trace(num_sequences, tokens), experts=np.stack(rows).astype(np.int16),
+                               token_ids=ids.astype(np.int32))
+
+
+def test_token_memory_learns_routing_that_depends_on_the_token_and_its_route_so_far(tmp_path):
+    train, test = _token_maps_trace().split(0.3, seed=0)
+    with_memory = fitted(train)
+    without = fitted(train, config=dataclasses.replace(SMALL, use_memory=False))
+    assert with_memory.predictor.weights.uses_memory and not without.predictor.weights.uses_memory
+    f1 = lambda p: evaluate_predictor(p.predictor, test, 1).f1()  # noqa: E731
+    assert f1(with_memory) > f1(without) + 0.05
+    for policy, name in ((with_memory, "memory"), (without, "plain")):  # the memory travels with the weights
+        policy.save(tmp_path / name)  # and weights saved without one still load
+        loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / name)
+        assert loaded.predictor.weights.uses_memory == (name == "memory")
+        assert f1(loaded) == pytest.approx(f1(policy))
+
+
+def _repeated_routes_trace(num_sequences=40, tokens=24, vocab=6, seed=7):
+    """Within a sequence each token id keeps one private route through all layers, so a token's
+    earlier occurrences in its sequence tell where it goes, even before its first layer routes."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, num_sequences * tokens)
+    routes = [[np.stack([rng.choice(8, 2, replace=False) for _ in range(5)]) for _ in range(vocab)]
+              for _ in range(num_sequences)]
+    rows = [routes[i // tokens][token] for i, token in enumerate(ids)]
+    return dataclasses.replace(_private_maps_trace(num_sequences, tokens), experts=np.stack(rows).astype(np.int16),
+                               token_ids=ids.astype(np.int32))
+
+
+def test_repeat_channel_recalls_the_tokens_own_earlier_route():
+    train, test = _repeated_routes_trace().split(0.3, seed=0)
+    with_repeat = fitted(train)
+    without = fitted(train, config=dataclasses.replace(SMALL, use_repeat=False))
+    assert with_repeat.predictor.weights.uses_repeat and not without.predictor.weights.uses_repeat
+    with_counts, without_counts = (evaluate_predictor(p.predictor, test, 1) for p in (with_repeat, without))
+    assert with_counts.f1(layer=0) > without_counts.f1(layer=0) + 0.2  # before any layer of the token routes
+    assert with_counts.f1() > without_counts.f1() + 0.1

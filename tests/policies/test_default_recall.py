@@ -66,7 +66,7 @@ def test_online_trace_and_batch_recall_agree(cut):
     earlier, valid = recall.earlier_rows(recall.first_rows(seq_ids))
     layer = cut + 1
     bit_sets = recall.masks(experts, E)
-    offline = recall.trace_recall(experts, bit_sets, earlier, valid, cut, layer, E, chunk_rows=5)
+    offline = recall.trace_recall(bit_sets, bit_sets, experts, earlier, valid, cut, layer, E, chunk_rows=5)
     cuts = np.full((len(experts), L), cut)
     batch = recall.batch_recall(bit_sets, bit_sets[earlier], experts[earlier], valid, cuts, E)[:, layer]
     np.testing.assert_allclose(batch, offline, atol=1e-5)
@@ -83,3 +83,16 @@ def test_masks_count_shared_experts_beyond_one_word():
     b = np.array([[[[63, 64, 100, 131]]]])  # [1, 1, 1, K]
     assert recall.masks(a, 140).shape == (1, 1, 3)
     assert recall.shared_ids(recall.masks(a, 140), recall.masks(b, 140)).item() == 2
+
+
+def test_same_as_weighs_only_the_windows_earlier_occurrences_of_the_token():
+    rng = np.random.default_rng(4)
+    tokens = routed(rng, 3)
+    window = recall.RecallWindow(L, E)
+    for experts, token in zip(tokens, (5, 9, 5)):
+        window.push(experts, token)
+    w = window.weights(tokens[0], cut=-1, same_as=5)
+    np.testing.assert_allclose(w[:3], [0.5, 0.0, 0.5])
+    np.testing.assert_allclose(window.recall(w, np.array([2]))[0], hot(tokens[[0, 2], 2]).mean(axis=0))
+    assert not window.weights(tokens[0], cut=-1, same_as=recall.UNKNOWN).any()  # the unknown token repeats nothing
+    assert not window.weights(tokens[0], cut=-1, same_as=7).any()
