@@ -7,8 +7,9 @@ both prefetch and eviction.
   predictions for the next layers, together with a recall of what other tokens that routed alike
   did next: the sequence's earlier tokens, its earlier occurrences of the same token
   (default_recall) and the training prompts' occurrences of it (default_memory). Where the
-  trace or engine gives router inputs (hidden states), ProMoE's path from the latest one joins in. Scores are probabilities (trained with
-  cross-entropy). Layers of the next token come from the sequence reuse model (default_reuse).
+  trace or engine gives router inputs (hidden states), ProMoE's path from the latest one joins
+  in. Scores are probabilities (trained with cross-entropy). Layers of the next token come from
+  the sequence reuse model (default_reuse).
 - Prefetch (ScorePlanner): predicted experts with probability > min_prefetch_probability that
   are not resident, in order of probability / layers until needed.
 - Eviction (DefaultEviction): evicts the expert with the longest expected time to its next use,

@@ -63,9 +63,9 @@ class TokenMemory:
             valid &= self.seq_ids[index] != np.asarray(seq_ids)[:, None]
         return index, valid
 
-    def weights(self, rows: np.ndarray, current: np.ndarray, cut: int) -> np.ndarray:
-        """[R] over one token's memory rows [R], for its experts [L, K] known up to layer cut."""
-        return window_weights(current, cut, self.bit_sets[rows], np.ones(len(rows), dtype=bool), self.num_experts)
+    def weights(self, rows: np.ndarray, known: tuple[list[int], np.ndarray]) -> np.ndarray:
+        """[R] over one token's memory rows [R], for its known_sets (default_recall)."""
+        return window_weights(known, self.bit_sets[rows], np.ones(len(rows), dtype=bool))
 
     def recall(self, rows: np.ndarray, w: np.ndarray, targets: np.ndarray) -> np.ndarray:
         """[n, E] at the target layers, from one token's memory rows [R] and their weights w [R]."""

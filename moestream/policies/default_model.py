@@ -128,7 +128,18 @@ class RoutingWeights:
         self.channel_skip = {name: np.asarray(arrays[f"{name}_skip"], dtype=np.float32) for name in present}  # [L, E]
         self.memory = TokenMemory.from_arrays(arrays, self.num_experts) if "memory" in present else None
         self.channels = tuple(present)
-        self.uses_recall, self.uses_memory, self.uses_repeat = (name in present for name in CHANNELS)
+
+    @property
+    def uses_recall(self) -> bool:
+        return "recall" in self.channels
+
+    @property
+    def uses_memory(self) -> bool:
+        return "memory" in self.channels
+
+    @property
+    def uses_repeat(self) -> bool:
+        return "repeat" in self.channels
 
     def arrays(self) -> dict[str, np.ndarray]:
         channels = {f"{name}_in": w for name, w in self.channel_in.items()}

@@ -105,11 +105,17 @@ def trace_recall(bit_sets: np.ndarray, source_sets: np.ndarray, source_experts: 
     return out
 
 
-def window_weights(current: np.ndarray, cut: int, window_sets: np.ndarray, valid: np.ndarray, num_experts: int) -> np.ndarray:
-    """[W] for one token whose experts [L, K] are known up to layer cut, over window tokens' masks [W, L, words]."""
+def known_sets(current: np.ndarray, cut: int, num_experts: int) -> tuple[list[int], np.ndarray]:
+    """The compared layers and one token's masks there [J, words], for its experts [L, K] known up to
+    layer cut: computed once per token and layer, and shared by every recall channel."""
     layers = list(span(cut))
-    current_sets = masks(current[layers], num_experts)[None]  # [1, J, words]
-    shared = shared_ids(current_sets, window_sets[None][:, :, layers]).sum(axis=2)  # [1, W]
+    return layers, masks(current[layers], num_experts)
+
+
+def window_weights(known: tuple[list[int], np.ndarray], window_sets: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[W] for one token's known_sets over window tokens' masks [W, L, words] and valid [W]."""
+    layers, current_sets = known
+    shared = shared_ids(current_sets[None], window_sets[None][:, :, layers]).sum(axis=2)  # [1, W]
     return weights(shared, valid[None])[0]
 
 
@@ -133,13 +139,13 @@ class RecallWindow:
         self.tokens[slot] = token
         self.count += 1
 
-    def weights(self, current: np.ndarray, cut: int, same_as: int | None = None) -> np.ndarray:
-        """[W] for the token whose experts [L, K] are known up to layer cut; with same_as (its
-        vocabulary index), over the window's earlier occurrences of that token only."""
+    def weights(self, known: tuple[list[int], np.ndarray], same_as: int | None = None) -> np.ndarray:
+        """[W] for a token's known_sets; with same_as (its vocabulary index), over the window's
+        earlier occurrences of that token only."""
         valid = np.arange(WINDOW) < self.count
         if same_as is not None:
             valid &= same_token(np.array([same_as]), self.tokens[None])[0]
-        return window_weights(current, cut, self.bit_sets, valid, self.num_experts)
+        return window_weights(known, self.bit_sets, valid)
 
     def recall(self, w: np.ndarray, targets: np.ndarray) -> np.ndarray:
         """[n, E] at the target layers for weights w [W]."""

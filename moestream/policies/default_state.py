@@ -20,7 +20,7 @@ from moestream.policies.default_model import (
     token_indices,
     token_keys,
 )
-from moestream.policies.default_recall import earlier_rows, first_rows, masks, same_token, trace_recall
+from moestream.policies.default_recall import earlier_rows, first_rows, known_sets, masks, same_token, trace_recall
 from moestream.policies.default_reuse import ReuseModel, SequenceState
 from moestream.policies.routing_stats import previous_rows
 from moestream.topology import Topology
@@ -121,11 +121,12 @@ class IterationState:
 
     def _weigh_channels(self) -> None:
         """Each row's weights over its recall sources, per channel, for the routing known now."""
-        cut, memory = self.layer_now, self.weights.memory
+        memory = self.weights.memory
+        known = [known_sets(state.current, self.layer_now, self.topology.num_experts) for state in self.rows]
         weigh = {
-            "recall": lambda state, row: state.window.weights(state.current, cut),
-            "repeat": lambda state, row: state.window.weights(state.current, cut, same_as=self._tokens[row]),
-            "memory": lambda state, row: memory.weights(self._memory_rows[row], state.current, cut),
+            "recall": lambda state, row: state.window.weights(known[row]),
+            "repeat": lambda state, row: state.window.weights(known[row], same_as=self._tokens[row]),
+            "memory": lambda state, row: memory.weights(self._memory_rows[row], known[row]),
         }
         self._channel_weights = {name: [weigh[name](state, row) for row, state in enumerate(self.rows)]
                                  for name in self.weights.channels}

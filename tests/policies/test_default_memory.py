@@ -40,7 +40,7 @@ def test_an_empty_memory_recalls_nothing():
     index, valid = memory.rows(np.array([0, 2]))
     assert not valid.any()
     rows = index[0][valid[0]]
-    w = memory.weights(rows, routed(np.random.default_rng(1), 1)[0], cut=2)
+    w = memory.weights(rows, recall.known_sets(routed(np.random.default_rng(1), 1)[0], 2, E))
     assert memory.recall(rows, w, np.array([3, 4])).tolist() == np.zeros((2, E)).tolist()
 
 
@@ -57,7 +57,8 @@ def test_online_memory_equals_whole_trace_memory_at_every_cut():
             offline = recall.trace_recall(bit_sets, restored.bit_sets, restored.experts, index, valid, cut, layer, E)
             for i in range(len(tokens)):
                 rows = index[i][valid[i]]
-                online = restored.recall(rows, restored.weights(rows, current[i], cut), np.array([layer]))[0]
+                w = restored.weights(rows, recall.known_sets(current[i], cut, E))
+                online = restored.recall(rows, w, np.array([layer]))[0]
                 np.testing.assert_allclose(online, offline[i], atol=1e-6)
 
 
@@ -67,9 +68,9 @@ def test_stored_rows_that_routed_alike_dominate():
     alike[4] = [6, 7]
     memory = TokenMemory(np.stack([alike, unlike]), np.array([0, 0, 2]), E)
     rows = np.array([0, 1])
-    w = memory.weights(rows, current, cut=3)
+    w = memory.weights(rows, recall.known_sets(current, 3, E))
     assert w[0] > 0.95 and np.isclose(w.sum(), 1.0)
     at_target = memory.recall(rows, w, np.array([4]))[0]
     assert at_target[6] > 0.95 and at_target[3] < 0.05
-    uniform = memory.weights(rows, current, cut=-1)  # nothing routed yet: the plain mean
+    uniform = memory.weights(rows, recall.known_sets(current, -1, E))  # nothing routed yet: the plain mean
     np.testing.assert_allclose(uniform, [0.5, 0.5])

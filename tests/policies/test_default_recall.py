@@ -37,7 +37,7 @@ def test_tokens_that_routed_alike_dominate_the_recall():
     alike[4] = [6, 7]  # shares layers 0..3, differs at the target
     unlike = np.array([[6, 7], [6, 7], [6, 7], [0, 1], [3, 4]])
     window = window_of([alike, unlike])
-    w = window.weights(current, cut=3)
+    w = window.weights(recall.known_sets(current, 3, E))
     out = window.recall(w, np.array([4]))[0]
     assert out[6] > 0.9 and out[3] < 0.1
     assert np.isclose(out.sum(), K)
@@ -46,7 +46,7 @@ def test_tokens_that_routed_alike_dominate_the_recall():
 def test_nothing_known_gives_the_mean_of_the_window():
     tokens = routed(np.random.default_rng(0), 4)
     window = window_of(tokens)
-    out = window.recall(window.weights(tokens[0], cut=-1), np.arange(L))
+    out = window.recall(window.weights(recall.known_sets(tokens[0], -1, E)), np.arange(L))
     np.testing.assert_allclose(out, hot(tokens).mean(axis=0), atol=1e-6)
 
 
@@ -54,7 +54,7 @@ def test_the_window_keeps_only_the_last_tokens(monkeypatch):
     monkeypatch.setattr(recall, "WINDOW", 2)
     tokens = routed(np.random.default_rng(1), 5)
     window = window_of(tokens)
-    out = window.recall(window.weights(tokens[0], cut=-1), np.arange(L))
+    out = window.recall(window.weights(recall.known_sets(tokens[0], -1, E)), np.arange(L))
     np.testing.assert_allclose(out, hot(tokens[-2:]).mean(axis=0), atol=1e-6)
 
 
@@ -73,7 +73,7 @@ def test_online_trace_and_batch_recall_agree(cut):
     for start, end in ((0, 7), (7, 12)):
         window = recall.RecallWindow(L, E)
         for row in range(start, end):
-            online = window.recall(window.weights(experts[row], cut), np.array([layer]))[0]
+            online = window.recall(window.weights(recall.known_sets(experts[row], cut, E)), np.array([layer]))[0]
             np.testing.assert_allclose(online, offline[row], atol=1e-5)
             window.push(experts[row])
 
@@ -91,8 +91,9 @@ def test_same_as_weighs_only_the_windows_earlier_occurrences_of_the_token():
     window = recall.RecallWindow(L, E)
     for experts, token in zip(tokens, (5, 9, 5)):
         window.push(experts, token)
-    w = window.weights(tokens[0], cut=-1, same_as=5)
+    w = window.weights(recall.known_sets(tokens[0], -1, E), same_as=5)
     np.testing.assert_allclose(w[:3], [0.5, 0.0, 0.5])
     np.testing.assert_allclose(window.recall(w, np.array([2]))[0], hot(tokens[[0, 2], 2]).mean(axis=0))
-    assert not window.weights(tokens[0], cut=-1, same_as=recall.UNKNOWN).any()  # the unknown token repeats nothing
-    assert not window.weights(tokens[0], cut=-1, same_as=7).any()
+    known = recall.known_sets(tokens[0], -1, E)
+    assert not window.weights(known, same_as=recall.UNKNOWN).any()  # the unknown token repeats nothing
+    assert not window.weights(known, same_as=7).any()
