@@ -56,6 +56,7 @@ class DefaultConfig:
     use_memory: bool = True
     use_repeat: bool = True
     memory_rows: int = 256
+    num_members: int = 2
     reuse_tokens: int = 1500  # (token, next token) pairs the reuse model learns from
     reuse_l2: float = 1e-4
     num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k

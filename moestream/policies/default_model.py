@@ -15,6 +15,8 @@ share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). Th
 channels x^c_l are routing at l of other tokens, weighted by how alike they routed up to c
 (default_recall): "recall" the sequence's earlier tokens, "repeat" the sequence's earlier
 occurrences of the same token, "memory" the training prompts' occurrences of it (default_memory).
+The model is an ensemble: `num_members` such networks, initialised apart, each trained on its own loss,
+with their logits averaged. It runs as one network whose hidden units are the members' side by side, each block with its own layer norm.
 Training minimises the binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
 weights serve the whole-iteration prediction (c = -1, only token context) and its refinement as
 layers route. Tokens seen fewer than `min_token_count` times, and a share of the others while
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 
 NUM_POSITION_BUCKETS = 12
 CHANNELS = ("recall", "memory", "repeat")  # the recall inputs: in-sequence, token memory, the token's repeats
+READOUTS = {"out_w": 1, "hidden_out": 2}  # arrays from hidden units to experts, and their hidden axis
+PER_EXPERT = ("out_b", "skip")  # arrays with no hidden axis (besides each channel's "_skip")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class ModelConfig:
     use_memory: bool = True  # the token memory input (default_memory); False is its ablation
     use_repeat: bool = True  # the recall of the token's earlier occurrences in its sequence; False is its ablation
     memory_rows: int = 256  # training rows the memory keeps per token
+    num_members: int = 2  # independently initialised networks trained side by side; their logits are averaged
 
     def channels(self) -> tuple[str, ...]:
         """The recall channels this model reads, in CHANNELS order."""
@@ -59,8 +64,8 @@ class ModelConfig:
         return tuple(name for name in CHANNELS if enabled[name])
 
     def __post_init__(self):
-        if self.hidden_dim < 1 or self.min_token_count < 1 or self.min_train_steps < 0 or self.memory_rows < 1:
-            raise ConfigError("hidden_dim, min_token_count and memory_rows must be >= 1, min_train_steps >= 0")
+        if min(self.hidden_dim, self.min_token_count, self.memory_rows, self.num_members) < 1 or self.min_train_steps < 0:
+            raise ConfigError("hidden_dim, min_token_count, memory_rows and num_members must be >= 1, min_train_steps >= 0")
         for name in ("dropout", "token_dropout", "next_layer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
@@ -118,6 +123,7 @@ class RoutingWeights:
         for name in self.NAMES:
             setattr(self, name, np.ascontiguousarray(arrays[name], dtype=np.float32))
         self.num_layers, self.num_experts, self.hidden_dim = self.prefix.shape
+        self.num_members = int(np.asarray(arrays.get("num_members", 1)).reshape(-1)[0])  # blocks of hidden units
         self.uses_gate = bool(np.any(self.gate))
         self.hidden_in = np.asarray(arrays.get("hidden_in", np.zeros((0, 0, 0))), dtype=np.float32)  # [L, D, H2]
         hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0, 0))), dtype=np.float32)
@@ -145,7 +151,8 @@ class RoutingWeights:
         channels = {f"{name}_in": w for name, w in self.channel_in.items()}
         channels |= {f"{name}_skip": w for name, w in self.channel_skip.items()}
         memory = self.memory.arrays() if self.memory is not None else {}
-        return {name: getattr(self, name) for name in self.NAMES + ("hidden_in", "hidden_out")} | channels | memory
+        own = {name: getattr(self, name) for name in self.NAMES + ("hidden_in", "hidden_out")}
+        return own | {"num_members": np.array([self.num_members])} | channels | memory
 
     def latest(self, hidden: np.ndarray | None, layer: int) -> np.ndarray | None:
         """[T, H2]: the hidden path's activations from the router input [T, D] of `layer`, the latest routed."""
@@ -174,9 +181,7 @@ class RoutingWeights:
         z = base[:, None, :] + self.target[targets][None] + self.horizon[np.minimum(horizons, len(self.horizon)) - 1][None]
         for name, x in channels.items():
             z = z + np.matmul(x.transpose(1, 0, 2), self.channel_in[name][targets]).transpose(1, 0, 2)  # [T, n, H]
-        z = z - z.mean(axis=-1, keepdims=True)
-        z = z / np.sqrt((z * z).mean(axis=-1, keepdims=True) + 1e-5)
-        h = np.maximum(z * self.norm_w + self.norm_b, 0.0)  # [T, n, H]
+        h = np.maximum(standardise(z, self.num_members) * self.norm_w + self.norm_b, 0.0)  # [T, n, H]
         out = np.matmul(h.transpose(1, 0, 2), self.out_w[targets]).transpose(1, 0, 2)  # [T, n, E]
         skip = self.skip[:, targets]  # [2, n, E]
         if latest is not None:
@@ -185,6 +190,29 @@ class RoutingWeights:
         for name, x in channels.items():
             out = out + self.channel_skip[name][targets][None] * x
         return out + self.out_b[targets][None] + skip[0][None] * prev_hot + skip[1][None] * affinity
+
+
+def standardise(z: np.ndarray, num_blocks: int) -> np.ndarray:
+    """[..., H] with each of num_blocks equal blocks of the last axis at zero mean and unit variance."""
+    shape = z.shape
+    z = z.reshape(*shape[:-1], num_blocks, shape[-1] // num_blocks)
+    z = z - z.mean(axis=-1, keepdims=True)
+    return (z / np.sqrt((z * z).mean(axis=-1, keepdims=True) + 1e-5)).reshape(shape)
+
+
+def join_members(members: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays of one model whose logits are the mean of the members' logits: the members' hidden
+    units side by side (each block keeps its own layer norm), their readouts and per-expert terms averaged."""
+    count, joined = len(members), {"num_members": np.array([len(members)])}
+    for name in members[0]:
+        parts = [member[name] for member in members]
+        if name in PER_EXPERT or name.endswith("_skip"):
+            joined[name] = np.mean(parts, axis=0)
+        elif name in READOUTS:
+            joined[name] = np.concatenate(parts, axis=READOUTS[name]) / count
+        else:
+            joined[name] = np.concatenate(parts, axis=-1)
+    return joined
 
 
 def unit_rms(x: np.ndarray) -> np.ndarray:

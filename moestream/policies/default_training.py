@@ -1,8 +1,10 @@
 """Offline training of the `default` policy's routing model (torch), exported as numpy weights.
 
 The network is the one `default_model.RoutingWeights` runs online; every (token, target layer) of a
-minibatch is a training example with its own horizon, drawn at random (see ModelConfig). AdamW with
-a short warm-up and a linear decay of the learning rate. Knows traces and tensors, not policies.
+minibatch is a training example with its own horizon, drawn at random (see ModelConfig). `num_members`
+networks, each initialised apart, learn side by side from the same minibatches (each from its own
+loss) and are exported as one model that averages their logits. AdamW with a short warm-up and a
+linear decay of the learning rate. Knows traces and tensors, not policies.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from moestream.policies.default_model import (
     UNKNOWN,
     ModelConfig,
     RoutingWeights,
+    join_members,
     position_bucket,
     sequence_affinity,
     token_indices,
@@ -97,7 +100,7 @@ class RoutingNet(nn.Module):
         index = distance[:, :, None, None].expand(-1, -1, 1, by_distance.shape[-1])
         return by_distance.gather(2, index)[:, :, 0]
 
-    def export(self, memory: TokenMemory | None) -> RoutingWeights:
+    def arrays(self) -> dict[str, np.ndarray]:
         num_layers, num_experts, hidden = self.prefix.shape
         gate = self.gate if self.gate is not None else torch.zeros(num_layers, num_experts, hidden)
         arrays = {
@@ -110,8 +113,22 @@ class RoutingNet(nn.Module):
             arrays |= {"hidden_in": self.hidden_in, "hidden_out": self.hidden_out}
         arrays |= {f"{name}_in": w for name, w in self.channel_in.items()}
         arrays |= {f"{name}_skip": w for name, w in self.channel_skip.items()}
-        numpy_arrays = {name: value.detach().numpy().copy() for name, value in arrays.items()}
-        return RoutingWeights(numpy_arrays | (memory.arrays() if memory is not None else {}))
+        return {name: value.detach().numpy().copy() for name, value in arrays.items()}
+
+
+class Members(nn.Module):
+    """Independently initialised RoutingNets that see the same minibatches; logits [M, n, L, E]."""
+
+    def __init__(self, num_members: int, *args):
+        super().__init__()
+        self.members = nn.ModuleList(RoutingNet(*args) for _ in range(num_members))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.stack([member(batch) for member in self.members])
+
+    def export(self, memory: TokenMemory | None) -> RoutingWeights:
+        joined = join_members([member.arrays() for member in self.members])
+        return RoutingWeights(joined | (memory.arrays() if memory is not None else {}))
 
 
 class Batches:
@@ -176,13 +193,14 @@ class Batches:
 
 
 def train_network(trace: Trace, config: ModelConfig, train: TrainConfig, vocab: dict) -> tuple[RoutingWeights, list[float]]:
-    """Trains a RoutingNet on every row of trace; its numpy weights and the mean loss of each epoch."""
+    """Trains the members on every row of trace; their joined numpy weights and the mean loss of each epoch."""
     t = trace.topology
     if token_keys(trace)[0] is None:
         config = replace(config, use_memory=False, use_repeat=False)  # no token keys: no memory, no repeats
     with seeded(train.seed, train.num_threads):
         hidden_size = 0 if trace.hidden is None else trace.hidden.shape[-1]
-        net = RoutingNet(t.num_layers, t.num_experts, len(vocab) + 1, config, trace.gate_probs is not None, hidden_size)
+        net = Members(config.num_members, t.num_layers, t.num_experts, len(vocab) + 1, config,
+                      trace.gate_probs is not None, hidden_size)
         batches = Batches(trace, config, vocab, np.random.default_rng(train.seed))
         num_batches = max(1, -(-trace.num_tokens // train.batch_size))
         wanted = -(-config.min_train_steps // num_batches)
@@ -191,7 +209,7 @@ def train_network(trace: Trace, config: ModelConfig, train: TrainConfig, vocab: 
     return net.export(batches.memory), losses
 
 
-def _loop(net: RoutingNet, batches: Batches, num_rows: int, train: TrainConfig) -> list[float]:
+def _loop(net: Members, batches: Batches, num_rows: int, train: TrainConfig) -> list[float]:
     optimizer = torch.optim.AdamW(net.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
     rng = np.random.default_rng(train.seed)
     num_batches = max(1, -(-num_rows // train.batch_size))
@@ -206,7 +224,8 @@ def _loop(net: RoutingNet, batches: Batches, num_rows: int, train: TrainConfig) 
                 for group in optimizer.param_groups:
                     group["lr"] = train.learning_rate * min(1.0, (step + 1) / warmup) * (1.0 - step / total_steps)
                 batch = batches(rows)
-                loss = loss_fn(net(batch), batch["hot"])
+                logits = net(batch)  # [M, n, L, E]
+                loss = loss_fn(logits, batch["hot"].expand_as(logits))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

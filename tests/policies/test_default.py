@@ -165,9 +165,9 @@ def test_router_input_weights_per_distance_and_the_older_single_set_load(traces)
     arrays = policy.predictor.weights.arrays()
     assert arrays["hidden_out"].shape[:2] == (5, 3)
     older = RoutingWeights(arrays | {"hidden_out": arrays["hidden_out"][:, 0]})  # [L, H2, E], one set for all distances
-    rng = np.random.default_rng(0)
-    args = (rng.standard_normal((2, 32)).astype(np.float32), np.array([3]), np.array([1]),
-            np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32), rng.random((2, 32)).astype(np.float32))
+    rng, hidden = np.random.default_rng(0), policy.predictor.weights.hidden_dim
+    args = (rng.standard_normal((2, hidden)).astype(np.float32), np.array([3]), np.array([1]),
+            np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32), rng.random((2, hidden)).astype(np.float32))
     np.testing.assert_allclose(older.logits(*args), policy.predictor.weights.logits(*args), rtol=1e-5)
     far = args[:2] + (np.array([3]),) + args[3:]
     assert not np.allclose(older.logits(*far), policy.predictor.weights.logits(*far))

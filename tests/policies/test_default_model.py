@@ -1,0 +1,61 @@
+"""The default routing model's arrays: members joined into one network give the mean of their logits;
+settings out of range are refused."""
+
+import numpy as np
+import pytest
+
+from moestream.policies.default import DefaultConfig
+from moestream.policies.default_model import RoutingWeights, join_members
+from moestream.predictors.configs import ConfigError
+
+L, E, V, D, K = 3, 5, 7, 6, 2
+
+
+def _member(rng, hidden=4):
+    shapes = {
+        "prefix": (L, E, hidden), "gate": (L, E, hidden), "token": (V, hidden), "position": (12, hidden),
+        "previous": (L * E, hidden), "target": (L, hidden), "horizon": (L, hidden), "norm_w": (hidden,),
+        "norm_b": (hidden,), "out_w": (L, hidden, E), "out_b": (L, E), "skip": (2, L, E),
+        "hidden_in": (L, D, hidden), "hidden_out": (L, 3, hidden, E), "recall_in": (L, E, hidden), "recall_skip": (L, E),
+    }
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def _logits(weights: RoutingWeights, rng_seed=1):
+    rng = np.random.default_rng(rng_seed)
+    tokens, buckets = rng.integers(0, V, 4), rng.integers(0, 12, 4)
+    prev = rng.integers(0, E, (4, L, K))
+    base = weights.context(tokens, buckets, prev, np.array([1.0, 0.0, 1.0, 1.0], np.float32))
+    base = base + weights.prefix_step(0, rng.integers(0, E, (4, K)), rng.random((4, E)).astype(np.float32))
+    latest = weights.latest(rng.standard_normal((4, D)), 0)
+    targets, horizons = np.array([1, 2]), np.array([1, 3])
+    hot, affinity, recall = (rng.random((4, 2, E)).astype(np.float32) for _ in range(3))
+    return weights.logits(base, targets, horizons, hot, affinity, latest, {"recall": recall})
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_joined_members_give_the_mean_of_their_logits(count):
+    rng = np.random.default_rng(0)
+    members = [_member(rng) for _ in range(count)]
+    joined = RoutingWeights(join_members(members))
+    mean = np.mean([_logits(RoutingWeights(member)) for member in members], axis=0)
+    np.testing.assert_allclose(_logits(joined), mean, rtol=1e-4, atol=1e-4)
+    assert (joined.num_members, joined.hidden_dim) == (count, 4 * count)
+
+
+def test_joined_weights_keep_their_member_count_through_their_arrays():
+    members = [_member(np.random.default_rng(seed)) for seed in range(2)]
+    joined = RoutingWeights(join_members(members))
+    again = RoutingWeights(joined.arrays())
+    assert again.num_members == 2
+    np.testing.assert_allclose(_logits(again), _logits(joined), rtol=1e-6)
+
+
+def test_weights_without_a_member_count_are_one_network():
+    assert RoutingWeights(_member(np.random.default_rng(0))).num_members == 1
+
+
+@pytest.mark.parametrize("field", ["num_members", "hidden_dim", "memory_rows"])
+def test_counts_below_one_are_refused(field):
+    with pytest.raises(ConfigError, match=field):
+        DefaultConfig(**{field: 0})
