@@ -15,8 +15,9 @@ share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). Th
 channels x^c_l are routing at l of other tokens, weighted by how alike they routed up to c
 (default_recall): "recall" the sequence's earlier tokens, "repeat" the sequence's earlier
 occurrences of the same token, "memory" the training prompts' occurrences of it (default_memory).
-The model is an ensemble: `num_members` such networks, initialised apart, each trained on its own loss,
-with their logits averaged. It runs as one network whose hidden units are the members' side by side, each block with its own layer norm.
+The model is an ensemble: `num_members` such networks, initialised apart, each trained on its own
+loss, with their logits averaged. It runs as one network whose hidden units are the members' side by
+side, each block with its own layer norm (`join_members`).
 Training minimises the binary cross-entropy of every (token, layer), each with a horizon d drawn at random, so the same
 weights serve the whole-iteration prediction (c = -1, only token context) and its refinement as
 layers route. Tokens seen fewer than `min_token_count` times, and a share of the others while
@@ -46,7 +47,7 @@ PER_EXPERT = ("out_b", "skip")  # arrays with no hidden axis (besides each chann
 
 @dataclass(frozen=True)
 class ModelConfig:
-    hidden_dim: int = 512
+    hidden_dim: int = 512  # per member
     dropout: float = 0.2
     min_token_count: int = 3  # rarer training tokens map to the unknown token
     token_dropout: float = 0.1  # share of training tokens shown as unknown

@@ -173,6 +173,14 @@ def test_router_input_weights_per_distance_and_the_older_single_set_load(traces)
     assert not np.allclose(older.logits(*far), policy.predictor.weights.logits(*far))
 
 
+def test_members_learn_apart_and_run_as_one_wider_network(policy, traces):
+    weights = policy.predictor.weights
+    assert (weights.num_members, weights.hidden_dim) == (2, 2 * SMALL.hidden_dim)
+    assert not np.allclose(weights.prefix[..., : SMALL.hidden_dim], weights.prefix[..., SMALL.hidden_dim :])
+    single = fitted(traces[0], config=dataclasses.replace(SMALL, num_members=1)).predictor.weights
+    assert (single.num_members, single.hidden_dim) == (1, SMALL.hidden_dim)
+
+
 @pytest.mark.parametrize("min_steps, epochs", [(0, 1), (20, 3), (10_000, 8)])
 def test_small_traces_train_for_more_epochs_up_to_a_cap(traces, min_steps, epochs):
     train = traces[0]  # 420 tokens: 7 batches of 64
