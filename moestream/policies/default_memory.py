@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moestream.policies.default_recall import UNKNOWN, masks, weighted_hot, window_weights
+from moestream.policies.default_recall import UNKNOWN, masks
 
 
 class TokenMemory:
@@ -62,12 +62,3 @@ class TokenMemory:
         if seq_ids is not None and self.seq_ids is not None:
             valid &= self.seq_ids[index] != np.asarray(seq_ids)[:, None]
         return index, valid
-
-    def weights(self, rows: np.ndarray, known: tuple[list[int], np.ndarray]) -> np.ndarray:
-        """[R] over one token's memory rows [R], for its known_sets (default_recall)."""
-        return window_weights(known, self.bit_sets[rows], np.ones(len(rows), dtype=bool))
-
-    def recall(self, rows: np.ndarray, w: np.ndarray, targets: np.ndarray) -> np.ndarray:
-        """[n, E] at the target layers, from one token's memory rows [R] and their weights w [R]."""
-        chosen = self.experts[rows][:, targets][None]  # [1, R, n, K]
-        return weighted_hot(w[None, :, None], chosen, self.num_experts)[0]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moestream.policies.default_channels import CHANNELS
 from moestream.policies.default_memory import TokenMemory
 from moestream.policies.default_recall import UNKNOWN
 from moestream.predictors.configs import ConfigError, TrainConfig
@@ -40,7 +41,6 @@ from moestream.trace.schema import Trace
 log = logging.getLogger(__name__)
 
 NUM_POSITION_BUCKETS = 12
-CHANNELS = ("recall", "memory", "repeat")  # the recall inputs: in-sequence, token memory, the token's repeats
 READOUTS = {"out_w": 1, "hidden_out": 2}  # arrays from hidden units to experts, and their hidden axis
 PER_EXPERT = ("out_b", "skip")  # arrays with no hidden axis (besides each channel's "_skip")
 
@@ -60,9 +60,8 @@ class ModelConfig:
     num_members: int = 2  # independently initialised networks trained side by side; their logits are averaged
 
     def channels(self) -> tuple[str, ...]:
-        """The recall channels this model reads, in CHANNELS order."""
-        enabled = {"recall": self.use_recall, "memory": self.use_memory, "repeat": self.use_repeat}
-        return tuple(name for name in CHANNELS if enabled[name])
+        """The recall channels this model reads (default_channels), each turned on by its use_<name> flag."""
+        return tuple(name for name in CHANNELS.names() if getattr(self, f"use_{name}"))
 
     def __post_init__(self):
         if min(self.hidden_dim, self.min_token_count, self.memory_rows, self.num_members) < 1 or self.min_train_steps < 0:
@@ -130,23 +129,11 @@ class RoutingWeights:
         hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0, 0))), dtype=np.float32)
         self.hidden_out = hidden_out[:, None] if hidden_out.ndim == 3 else hidden_out  # [L, D, H2, E], D distances
         self.uses_hidden = self.hidden_in.size > 0  # trained on a trace with router inputs
-        present = [name for name in CHANNELS if np.size(arrays.get(f"{name}_in", ())) > 0]  # older weights lack some
+        present = [name for name in CHANNELS.names() if np.size(arrays.get(f"{name}_in", ())) > 0]  # older weights lack some
         self.channel_in = {name: np.asarray(arrays[f"{name}_in"], dtype=np.float32) for name in present}  # [L, E, H]
         self.channel_skip = {name: np.asarray(arrays[f"{name}_skip"], dtype=np.float32) for name in present}  # [L, E]
-        self.memory = TokenMemory.from_arrays(arrays, self.num_experts) if "memory" in present else None
+        self.memory = TokenMemory.from_arrays(arrays, self.num_experts)
         self.channels = tuple(present)
-
-    @property
-    def uses_recall(self) -> bool:
-        return "recall" in self.channels
-
-    @property
-    def uses_memory(self) -> bool:
-        return "memory" in self.channels
-
-    @property
-    def uses_repeat(self) -> bool:
-        return "repeat" in self.channels
 
     def arrays(self) -> dict[str, np.ndarray]:
         channels = {f"{name}_in": w for name, w in self.channel_in.items()}

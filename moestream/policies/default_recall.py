@@ -13,6 +13,8 @@ Knows arrays; not traces, events or caches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 UNKNOWN = 0  # vocabulary index of the unknown token, which matches no other token
@@ -120,12 +122,12 @@ def window_weights(known: tuple[list[int], np.ndarray], window_sets: np.ndarray,
 
 
 class RecallWindow:
-    """One sequence's last WINDOW tokens' routing, a ring (order does not matter): multi-hots
-    [W, L, E], their masks [W, L, words] and their tokens [W] (vocabulary indices)."""
+    """One sequence's last WINDOW tokens' routing, a ring (order does not matter): experts [W, L, K],
+    their masks [W, L, words] and their tokens [W] (vocabulary indices)."""
 
-    def __init__(self, num_layers: int, num_experts: int):
+    def __init__(self, num_layers: int, num_experts: int, top_k: int):
         self.num_experts = num_experts
-        self.hot = np.zeros((WINDOW, num_layers, num_experts), dtype=np.float32)
+        self.experts = np.zeros((WINDOW, num_layers, top_k), dtype=np.int64)
         self.bit_sets = np.zeros((WINDOW, num_layers, -(-num_experts // 64)), dtype=np.uint64)
         self.tokens = np.full(WINDOW, UNKNOWN, dtype=np.int64)
         self.count = 0
@@ -133,20 +135,67 @@ class RecallWindow:
     def push(self, experts: np.ndarray, token: int = UNKNOWN) -> None:
         """Adds a finished token's experts [L, K]."""
         slot = self.count % WINDOW
-        self.hot[slot] = 0.0
-        np.put_along_axis(self.hot[slot], experts.astype(np.int64), 1.0, axis=1)
+        self.experts[slot] = experts
         self.bit_sets[slot] = masks(experts, self.num_experts)
         self.tokens[slot] = token
         self.count += 1
 
-    def weights(self, known: tuple[list[int], np.ndarray], same_as: int | None = None) -> np.ndarray:
-        """[W] for a token's known_sets; with same_as (its vocabulary index), over the window's
-        earlier occurrences of that token only."""
-        valid = np.arange(WINDOW) < self.count
-        if same_as is not None:
-            valid &= same_token(np.array([same_as]), self.tokens[None])[0]
-        return window_weights(known, self.bit_sets, valid)
+    def history(self) -> "History":
+        """The window as the History of one token row, the sequence's next."""
+        slots = np.arange(WINDOW)
+        return History(self.bit_sets, self.experts, self.tokens, slots[None], (slots < self.count)[None])
 
-    def recall(self, w: np.ndarray, targets: np.ndarray) -> np.ndarray:
-        """[n, E] at the target layers for weights w [W]."""
-        return np.einsum("w,wne->ne", w, self.hot[:, targets])
+
+@dataclass(frozen=True)
+class History:
+    """Routing rows a recall may look back on, and for each of n token rows its sequence's earlier rows
+    among them: the whole trace offline, one sequence's window online."""
+
+    bit_sets: np.ndarray  # [M, L, words]
+    experts: np.ndarray  # [M, L, K]
+    tokens: np.ndarray  # [M] vocabulary indices
+    earlier: np.ndarray  # [n, W] indices of each token row's earlier rows
+    valid: np.ndarray  # [n, W] which of them exist
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The rows each of n token rows recalls: stored masks [M, L, words] and experts [M, L, K],
+    index [n, R] into them and valid [n, R]."""
+
+    bit_sets: np.ndarray
+    experts: np.ndarray
+    index: np.ndarray
+    valid: np.ndarray
+
+    def at(self, bit_sets: np.ndarray, cut: int, layer: int, num_experts: int) -> np.ndarray:
+        """[n, E] at one layer, for token rows with masks bit_sets [n, L, words] known up to cut."""
+        return trace_recall(bit_sets, self.bit_sets, self.experts, self.index, self.valid, cut, layer, num_experts)
+
+    def batch(self, bit_sets: np.ndarray, cuts: np.ndarray, num_experts: int) -> np.ndarray:
+        """[n, L, E] at every layer, each known up to its own cut [n, L]."""
+        return batch_recall(bit_sets, self.bit_sets[self.index], self.experts[self.index], self.valid, cuts, num_experts)
+
+    def row(self, i: int) -> "RowSources":
+        return RowSources(self.bit_sets[self.index[i]], self.experts[self.index[i]], self.valid[i])
+
+
+@dataclass(frozen=True)
+class RowSources:
+    """One token row's recalled rows, gathered once: masks [R, L, words], experts [R, L, K], valid [R]."""
+
+    bit_sets: np.ndarray
+    experts: np.ndarray
+    valid: np.ndarray
+
+    def weights(self, known: tuple[list[int], np.ndarray]) -> np.ndarray:
+        """[R] for the token's known_sets."""
+        return window_weights(known, self.bit_sets, self.valid)
+
+    def recall(self, w: np.ndarray, targets: np.ndarray, num_experts: int) -> np.ndarray:
+        """[n, E] at the target layers for weights w [R]."""
+        chosen = self.experts[:, targets]  # [R, n, K]
+        index = (chosen + (np.arange(len(targets)) * num_experts)[None, :, None]).ravel()
+        values = np.repeat(w, chosen[0].size)
+        out = np.bincount(index, values, minlength=len(targets) * num_experts)
+        return out.reshape(len(targets), num_experts).astype(np.float32)

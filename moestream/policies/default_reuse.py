@@ -34,9 +34,7 @@ class SequenceState:
         self.passes = np.zeros(L, dtype=np.float32)
         self.prev_experts = np.zeros((L, top_k), dtype=np.int64)  # the last complete token's experts
         self.has_prev = False
-        self.current = np.zeros((L, top_k), dtype=np.int64)
-        self.window = RecallWindow(L, E)  # the last tokens' routing, for the routing model's recall
-        self.token = UNKNOWN  # the current token's vocabulary index
+        self.window = RecallWindow(L, E, top_k)  # the last tokens' routing, for the routing model's recall
 
     def update(self, layer: int, experts: np.ndarray) -> None:
         hot = np.zeros(self.last.shape[1], dtype=np.float32)
@@ -46,11 +44,11 @@ class SequenceState:
         self.decay[:, layer] = RATES[:, None] * self.decay[:, layer] + (1.0 - RATES)[:, None] * hot
         self.counts[layer] += hot
         self.passes[layer] += 1.0
-        self.current[layer] = experts
 
-    def finish_token(self) -> None:
-        self.window.push(self.current, self.token)
-        self.prev_experts = self.current.copy()
+    def finish_token(self, experts: np.ndarray, token: int = UNKNOWN) -> None:
+        """A token of the sequence (experts [L, K], vocabulary index token) has passed every layer."""
+        self.window.push(experts, token)
+        self.prev_experts = np.array(experts, dtype=np.int64)
         self.has_prev = True
 
     def affinity(self, layers) -> np.ndarray:

@@ -20,7 +20,8 @@ from moestream.policies.default_model import (
     token_indices,
     token_keys,
 )
-from moestream.policies.default_recall import earlier_rows, first_rows, known_sets, masks, same_token, trace_recall
+from moestream.policies.default_channels import CHANNELS
+from moestream.policies.default_recall import History, RowSources, Sources, earlier_rows, first_rows, known_sets, masks
 from moestream.policies.default_reuse import ReuseModel, SequenceState
 from moestream.policies.routing_stats import previous_rows
 from moestream.topology import Topology
@@ -42,7 +43,8 @@ class IterationState:
         self._base = self._prefix = None
         self._latest: np.ndarray | None = None  # [T, H2] the hidden path's activations
         self._tokens: list[int] = []  # each row's vocabulary index
-        self._memory_rows: list[np.ndarray] = []  # each row's token memory rows [R]
+        self._current = np.zeros((0, topology.num_layers, topology.top_k), dtype=np.int64)  # [T, L, K] routed so far
+        self._sources: dict[str, list[RowSources]] = {}  # per recall channel, each row's recalled rows
         self._channel_weights: dict[str, list[np.ndarray]] = {}  # per recall channel, each row's weights
         self._table: np.ndarray | None = None  # [L, E] this iteration's probabilities, lazily
         self._reuse: np.ndarray | None = None  # [L, E] next-pass reuse probabilities, lazily
@@ -54,32 +56,31 @@ class IterationState:
     def begin(self, ctx: IterationContext, tokens: np.ndarray) -> None:
         self.rows = [self.sequences.setdefault(int(s), self._new_state()) for s in ctx.seq_ids.tolist()]
         self._tokens = tokens.tolist()
-        for state, token in zip(self.rows, self._tokens):
-            state.token = token  # the window keeps it with the token's routing
+        self._current = np.zeros((len(self.rows),) + self._current.shape[1:], dtype=np.int64)
         prev = np.stack([s.prev_experts for s in self.rows])  # [T, L, K]
         has_prev = np.array([s.has_prev for s in self.rows], dtype=np.float32)
         self._base = self.weights.context(tokens, position_bucket(ctx.positions), prev, has_prev)  # [T, H]
         self._prefix, self._latest = np.zeros_like(self._base), None
         self.layer_now, self.active = -1, bool(self.rows)
         self._table = self._reuse = None
-        if self.weights.uses_memory:
-            index, valid = self.weights.memory.rows(tokens)
-            self._memory_rows = [rows[ok] for rows, ok in zip(index, valid)]
+        self._sources = {name: [self._row_sources(name, state, token) for state, token in zip(self.rows, self._tokens)]
+                         for name in self.weights.channels}
         self._weigh_channels()
 
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
             return
         layer, experts = event.layer, event.expert_ids
-        for row, state in enumerate(self.rows):
+        for row, state in enumerate(self.rows):  # rows of one sequence (a prefill) update it in token order
             state.update(layer, experts[row])
+        self._current[:, layer] = experts
         self._prefix += self.weights.prefix_step(layer, experts, event.gate_probs)
         self._latest = self.weights.latest(event.hidden, layer)
         self.layer_now, self._reuse = layer, None
         self._weigh_channels()
         if layer == self.topology.num_layers - 1:
-            for state in self.rows:
-                state.finish_token()
+            for state, current, token in zip(self.rows, self._current, self._tokens):
+                state.finish_token(current, token)
 
     def end_sequence(self, seq_id: int) -> None:
         ended = self.sequences.pop(seq_id, None)
@@ -119,28 +120,21 @@ class IterationState:
                                      self._channels_at(targets))
         return sigmoid(logits)
 
+    def _row_sources(self, name: str, state: SequenceState, token: int) -> RowSources:
+        """The rows one token row recalls through a channel; fixed for the iteration."""
+        return CHANNELS.create(name).sources(state.window.history(), self.weights.memory, np.array([token])).row(0)
+
     def _weigh_channels(self) -> None:
-        """Each row's weights over its recall sources, per channel, for the routing known now."""
-        memory = self.weights.memory
-        known = [known_sets(state.current, self.layer_now, self.topology.num_experts) for state in self.rows]
-        weigh = {
-            "recall": lambda state, row: state.window.weights(known[row]),
-            "repeat": lambda state, row: state.window.weights(known[row], same_as=self._tokens[row]),
-            "memory": lambda state, row: memory.weights(self._memory_rows[row], known[row]),
-        }
-        self._channel_weights = {name: [weigh[name](state, row) for row, state in enumerate(self.rows)]
-                                 for name in self.weights.channels}
+        """Each row's weights over its recalled rows, per channel, for the routing known now."""
+        known = [known_sets(current, self.layer_now, self.topology.num_experts) for current in self._current]
+        self._channel_weights = {name: [source.weights(k) for source, k in zip(sources, known)]
+                                 for name, sources in self._sources.items()}
 
     def _channels_at(self, targets: np.ndarray) -> dict[str, np.ndarray]:
         """name -> [T, n, E]: the rows' recall channels at the target layers."""
-        memory = self.weights.memory
-        out = {}
-        for name, row_weights in self._channel_weights.items():
-            if name == "memory":
-                out[name] = np.stack([memory.recall(r, w, targets) for r, w in zip(self._memory_rows, row_weights)])
-            else:
-                out[name] = np.stack([s.window.recall(w, targets) for s, w in zip(self.rows, row_weights)])
-        return out
+        E = self.topology.num_experts
+        return {name: np.stack([source.recall(w, targets, E) for source, w in zip(sources, self._channel_weights[name])])
+                for name, sources in self._sources.items()}
 
     def _iteration_table(self) -> np.ndarray:
         if self._table is None:
@@ -171,9 +165,11 @@ class TraceScores:
         prev_experts = trace.experts[np.maximum(self.prev, 0)].astype(np.int64)
         self.context = weights.context(tokens, position_bucket(trace.positions), prev_experts, has_prev)  # [N, H]
         self.affinity = sequence_affinity(trace)  # [N, L, E]
-        self.earlier, self.valid = earlier_rows(first_rows(trace.seq_ids))  # [N, W]
+        earlier, valid = earlier_rows(first_rows(trace.seq_ids))  # [N, W]
         self.bit_sets = masks(trace.experts, trace.topology.num_experts)  # [N, L, words]
-        self.sources = self._sources(tokens)
+        history = History(self.bit_sets, trace.experts, tokens, earlier, valid)
+        self.sources: dict[str, Sources] = {name: CHANNELS.create(name).sources(history, weights.memory, tokens)
+                                            for name in weights.channels}
         self._cut, self._prefix = -1, np.zeros_like(self.context)
 
     def holds(self, trace: Trace) -> bool:
@@ -192,22 +188,12 @@ class TraceScores:
     def _model(self, layer: int, cut: int, prefix: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
         E, experts = self.trace.topology.num_experts, self.trace.experts
         prev_hot = _hot(experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
-        channels = {name: trace_recall(self.bit_sets, *source, cut, layer, E)[:, None]  # [N, 1, E]
+        channels = {name: source.at(self.bit_sets, cut, layer, E)[:, None]  # [N, 1, E]
                     for name, source in self.sources.items()}
         logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([layer - cut]),
                                      prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32), latest,
                                      channels)
         return sigmoid(logits[:, 0])
-
-    def _sources(self, tokens: np.ndarray) -> dict[str, tuple]:
-        """name -> (source masks, source experts, window [N, W], valid [N, W]) of each recall channel."""
-        experts, earlier, valid = self.trace.experts, self.earlier, self.valid
-        sources = {
-            "recall": lambda: (self.bit_sets, experts, earlier, valid),
-            "repeat": lambda: (self.bit_sets, experts, earlier, valid & same_token(tokens, tokens[earlier])),
-            "memory": lambda: (self.weights.memory.bit_sets, self.weights.memory.experts, *self.weights.memory.rows(tokens)),
-        }
-        return {name: sources[name]() for name in self.weights.channels}
 
     def _prefix_until(self, cut: int) -> np.ndarray:
         """[N, H]: the prefix of layers <= cut, extended from the last one computed."""

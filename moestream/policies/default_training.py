@@ -30,7 +30,8 @@ from moestream.policies.default_model import (
     token_keys,
     unit_rms,
 )
-from moestream.policies.default_recall import batch_recall, earlier_rows, first_rows, masks, same_token
+from moestream.policies.default_channels import CHANNELS
+from moestream.policies.default_recall import History, earlier_rows, first_rows, masks
 from moestream.policies.routing_stats import previous_rows
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.training import multi_hot, seeded
@@ -175,14 +176,9 @@ class Batches:
     def _channel(self, name: str, rows: np.ndarray, tokens: np.ndarray, cuts: np.ndarray) -> np.ndarray:
         """[n, L, E]: one recall channel of the rows, for their tokens as shown (a dropped token has no
         memory and no repeats); the memory leaves out the rows' own sequences."""
-        if name == "memory":
-            index, valid = self.memory.rows(tokens, self.trace.seq_ids[rows])
-            sets, experts = self.memory.bit_sets, self.memory.experts
-        else:
-            index, valid, sets, experts = self.earlier[rows], self.valid[rows], self.bit_sets, self.trace.experts
-            if name == "repeat":
-                valid = valid & same_token(tokens, self.tokens[index])
-        return batch_recall(self.bit_sets[rows], sets[index], experts[index], valid, cuts, self.num_experts)
+        history = History(self.bit_sets, self.trace.experts, self.tokens, self.earlier[rows], self.valid[rows])
+        sources = CHANNELS.create(name).sources(history, self.memory, tokens, self.trace.seq_ids[rows])
+        return sources.batch(self.bit_sets[rows], cuts, self.num_experts)
 
     def _cuts(self, num_rows: int, num_layers: int) -> np.ndarray:
         """[n, L]: the last known layer of each target: l-1 with probability next_layer_share, else uniform in [-1, l-1]."""

@@ -13,7 +13,7 @@ from moestream.policies.default import DefaultConfig
 from moestream.policies.default_model import RoutingWeights
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream
+from moestream.trace.replay import decode_stream, iteration
 from moestream.trace.synthetic import synthetic_trace
 from tests.policies.online import OnlineOnly
 
@@ -212,13 +212,13 @@ def test_recall_learns_routing_that_only_the_sequence_reveals(tmp_path):
     train, test = _private_maps_trace().split(0.3, seed=0)
     with_recall = fitted(train)
     without = fitted(train, config=dataclasses.replace(SMALL, use_recall=False))
-    assert with_recall.predictor.weights.uses_recall and not without.predictor.weights.uses_recall
-    assert not with_recall.predictor.weights.uses_memory  # no token keys, so no token memory
+    assert "recall" in with_recall.predictor.weights.channels and "recall" not in without.predictor.weights.channels
+    assert "memory" not in with_recall.predictor.weights.channels  # no token keys, so no token memory
     f1 = lambda p: evaluate_predictor(p.predictor, test, 1).f1()  # noqa: E731
     assert f1(with_recall) > f1(without) + 0.05
     without.save(tmp_path / "plain")  # weights without the recall arrays still load and score
     loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "plain")
-    assert not loaded.predictor.weights.uses_recall and f1(loaded) == pytest.approx(f1(without))
+    assert "recall" not in loaded.predictor.weights.channels and f1(loaded) == pytest.approx(f1(without))
 
 
 def _token_maps_trace(num_sequences=40, tokens=24, vocab=40, seed=6):
@@ -241,13 +241,13 @@ def test_token_memory_learns_routing_that_depends_on_the_token_and_its_route_so_
     train, test = _token_maps_trace().split(0.3, seed=0)
     with_memory = fitted(train)
     without = fitted(train, config=dataclasses.replace(SMALL, use_memory=False))
-    assert with_memory.predictor.weights.uses_memory and not without.predictor.weights.uses_memory
+    assert "memory" in with_memory.predictor.weights.channels and "memory" not in without.predictor.weights.channels
     f1 = lambda p: evaluate_predictor(p.predictor, test, 1).f1()  # noqa: E731
     assert f1(with_memory) > f1(without) + 0.05
     for policy, name in ((with_memory, "memory"), (without, "plain")):  # the memory travels with the weights
         policy.save(tmp_path / name)  # and weights saved without one still load
         loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / name)
-        assert loaded.predictor.weights.uses_memory == (name == "memory")
+        assert ("memory" in loaded.predictor.weights.channels) == (name == "memory")
         assert f1(loaded) == pytest.approx(f1(policy))
 
 
@@ -267,7 +267,30 @@ def test_repeat_channel_recalls_the_tokens_own_earlier_route():
     train, test = _repeated_routes_trace().split(0.3, seed=0)
     with_repeat = fitted(train)
     without = fitted(train, config=dataclasses.replace(SMALL, use_repeat=False))
-    assert with_repeat.predictor.weights.uses_repeat and not without.predictor.weights.uses_repeat
+    assert "repeat" in with_repeat.predictor.weights.channels and "repeat" not in without.predictor.weights.channels
     with_counts, without_counts = (evaluate_predictor(p.predictor, test, 1) for p in (with_repeat, without))
     assert with_counts.f1(layer=0) > without_counts.f1(layer=0) + 0.2  # before any layer of the token routes
     assert with_counts.f1() > without_counts.f1() + 0.1
+
+
+def test_a_prefill_leaves_the_sequence_as_token_by_token_decoding_would(policy, traces):
+    test, predictor = traces[1], policy.predictor
+    _, start, end = test.sequence_bounds()[0]
+    rows = np.arange(start, end)
+
+    def next_token_predictions(chunks):
+        predictor.reset()
+        for step, chunk in enumerate(chunks):
+            it = iteration(test, chunk, step)
+            predictor.begin_iteration(it.ctx)
+            for event in it.events:
+                predictor.observe(event)
+        it = iteration(test, rows[8:9], len(chunks))
+        predictor.begin_iteration(it.ctx)
+        before = predictor.predict(-1, 1)
+        predictor.observe(it.events[0])
+        return [(p.layer, p.expert, p.tokens_ahead, round(p.score, 6)) for p in before + predictor.predict(0, 1)]
+
+    prefill = next_token_predictions([rows[:8]])  # one iteration of 8 rows of the same sequence
+    assert iteration(test, rows[:8], 0).ctx.is_prefill
+    assert prefill == next_token_predictions([rows[i:i + 1] for i in range(8)])

@@ -2,6 +2,7 @@ import numpy as np
 
 from moestream.policies import default_recall as recall
 from moestream.policies.default_memory import TokenMemory
+from moestream.policies.default_recall import Sources
 
 L, E, K = 5, 8, 2
 
@@ -39,9 +40,9 @@ def test_an_empty_memory_recalls_nothing():
     memory, _ = built([0, 0, 0], [1, 2, 3])
     index, valid = memory.rows(np.array([0, 2]))
     assert not valid.any()
-    rows = index[0][valid[0]]
-    w = memory.weights(rows, recall.known_sets(routed(np.random.default_rng(1), 1)[0], 2, E))
-    assert memory.recall(rows, w, np.array([3, 4])).tolist() == np.zeros((2, E)).tolist()
+    rows = Sources(memory.bit_sets, memory.experts, index, valid).row(0)
+    w = rows.weights(recall.known_sets(routed(np.random.default_rng(1), 1)[0], 2, E))
+    assert rows.recall(w, np.array([3, 4]), E).tolist() == np.zeros((2, E)).tolist()
 
 
 def test_online_memory_equals_whole_trace_memory_at_every_cut():
@@ -51,14 +52,13 @@ def test_online_memory_equals_whole_trace_memory_at_every_cut():
     tokens = np.array([1, 2, 3, 0])
     current = routed(rng, len(tokens))
     bit_sets = recall.masks(current, E)
-    index, valid = restored.rows(tokens)
+    sources = Sources(restored.bit_sets, restored.experts, *restored.rows(tokens))
     for cut in range(-1, L - 1):
         for layer in range(cut + 1, L):
-            offline = recall.trace_recall(bit_sets, restored.bit_sets, restored.experts, index, valid, cut, layer, E)
+            offline = sources.at(bit_sets, cut, layer, E)
             for i in range(len(tokens)):
-                rows = index[i][valid[i]]
-                w = restored.weights(rows, recall.known_sets(current[i], cut, E))
-                online = restored.recall(rows, w, np.array([layer]))[0]
+                rows = sources.row(i)
+                online = rows.recall(rows.weights(recall.known_sets(current[i], cut, E)), np.array([layer]), E)[0]
                 np.testing.assert_allclose(online, offline[i], atol=1e-6)
 
 
@@ -67,10 +67,10 @@ def test_stored_rows_that_routed_alike_dominate():
     alike, unlike = current.copy(), np.array([[6, 7], [6, 7], [6, 7], [0, 1], [3, 4]])
     alike[4] = [6, 7]
     memory = TokenMemory(np.stack([alike, unlike]), np.array([0, 0, 2]), E)
-    rows = np.array([0, 1])
-    w = memory.weights(rows, recall.known_sets(current, 3, E))
+    rows = Sources(memory.bit_sets, memory.experts, *memory.rows(np.array([1]))).row(0)
+    w = rows.weights(recall.known_sets(current, 3, E))
     assert w[0] > 0.95 and np.isclose(w.sum(), 1.0)
-    at_target = memory.recall(rows, w, np.array([4]))[0]
+    at_target = rows.recall(w, np.array([4]), E)[0]
     assert at_target[6] > 0.95 and at_target[3] < 0.05
-    uniform = memory.weights(rows, recall.known_sets(current, -1, E))  # nothing routed yet: the plain mean
+    uniform = rows.weights(recall.known_sets(current, -1, E))  # nothing routed yet: the plain mean
     np.testing.assert_allclose(uniform, [0.5, 0.5])

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from moestream.policies import default_recall as recall
+from moestream.policies.default_channels import CHANNELS
 
 L, E, K = 5, 8, 2
 
@@ -17,10 +18,16 @@ def hot(experts):
 
 
 def window_of(tokens):
-    window = recall.RecallWindow(L, E)
+    window = recall.RecallWindow(L, E, K)
     for token in tokens:
         window.push(token)
     return window
+
+
+def recall_online(window, current, cut, targets):
+    """[n, E]: the window's in-sequence recall for a token routed as current [L, K] up to cut."""
+    rows = CHANNELS.create("recall").sources(window.history(), None, np.array([recall.UNKNOWN])).row(0)
+    return rows.recall(rows.weights(recall.known_sets(current, cut, E)), targets, E)
 
 
 def test_first_and_earlier_rows_stay_inside_each_sequence():
@@ -36,25 +43,21 @@ def test_tokens_that_routed_alike_dominate_the_recall():
     alike = current.copy()
     alike[4] = [6, 7]  # shares layers 0..3, differs at the target
     unlike = np.array([[6, 7], [6, 7], [6, 7], [0, 1], [3, 4]])
-    window = window_of([alike, unlike])
-    w = window.weights(recall.known_sets(current, 3, E))
-    out = window.recall(w, np.array([4]))[0]
+    out = recall_online(window_of([alike, unlike]), current, 3, np.array([4]))[0]
     assert out[6] > 0.9 and out[3] < 0.1
     assert np.isclose(out.sum(), K)
 
 
 def test_nothing_known_gives_the_mean_of_the_window():
     tokens = routed(np.random.default_rng(0), 4)
-    window = window_of(tokens)
-    out = window.recall(window.weights(recall.known_sets(tokens[0], -1, E)), np.arange(L))
+    out = recall_online(window_of(tokens), tokens[0], -1, np.arange(L))
     np.testing.assert_allclose(out, hot(tokens).mean(axis=0), atol=1e-6)
 
 
 def test_the_window_keeps_only_the_last_tokens(monkeypatch):
     monkeypatch.setattr(recall, "WINDOW", 2)
     tokens = routed(np.random.default_rng(1), 5)
-    window = window_of(tokens)
-    out = window.recall(window.weights(recall.known_sets(tokens[0], -1, E)), np.arange(L))
+    out = recall_online(window_of(tokens), tokens[0], -1, np.arange(L))
     np.testing.assert_allclose(out, hot(tokens[-2:]).mean(axis=0), atol=1e-6)
 
 
@@ -71,9 +74,9 @@ def test_online_trace_and_batch_recall_agree(cut):
     batch = recall.batch_recall(bit_sets, bit_sets[earlier], experts[earlier], valid, cuts, E)[:, layer]
     np.testing.assert_allclose(batch, offline, atol=1e-5)
     for start, end in ((0, 7), (7, 12)):
-        window = recall.RecallWindow(L, E)
+        window = recall.RecallWindow(L, E, K)
         for row in range(start, end):
-            online = window.recall(window.weights(recall.known_sets(experts[row], cut, E)), np.array([layer]))[0]
+            online = recall_online(window, experts[row], cut, np.array([layer]))[0]
             np.testing.assert_allclose(online, offline[row], atol=1e-5)
             window.push(experts[row])
 
@@ -83,17 +86,3 @@ def test_masks_count_shared_experts_beyond_one_word():
     b = np.array([[[[63, 64, 100, 131]]]])  # [1, 1, 1, K]
     assert recall.masks(a, 140).shape == (1, 1, 3)
     assert recall.shared_ids(recall.masks(a, 140), recall.masks(b, 140)).item() == 2
-
-
-def test_same_as_weighs_only_the_windows_earlier_occurrences_of_the_token():
-    rng = np.random.default_rng(4)
-    tokens = routed(rng, 3)
-    window = recall.RecallWindow(L, E)
-    for experts, token in zip(tokens, (5, 9, 5)):
-        window.push(experts, token)
-    w = window.weights(recall.known_sets(tokens[0], -1, E), same_as=5)
-    np.testing.assert_allclose(w[:3], [0.5, 0.0, 0.5])
-    np.testing.assert_allclose(window.recall(w, np.array([2]))[0], hot(tokens[[0, 2], 2]).mean(axis=0))
-    known = recall.known_sets(tokens[0], -1, E)
-    assert not window.weights(known, same_as=recall.UNKNOWN).any()  # the unknown token repeats nothing
-    assert not window.weights(known, same_as=7).any()
