@@ -23,7 +23,7 @@ Knows the policy contract, not the mechanism, time or bytes.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,33 +45,23 @@ if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
 @dataclass(frozen=True)
-class DefaultConfig:
-    hidden_dim: int = 512
-    dropout: float = 0.2
-    min_token_count: int = 3
-    token_dropout: float = 0.1
-    next_layer_share: float = 0.5
-    min_train_steps: int = 1500
-    use_recall: bool = True
-    use_memory: bool = True
-    use_repeat: bool = True
-    memory_rows: int = 256
-    num_members: int = 2
+class DefaultConfig(ModelConfig):
+    """The routing model's settings (ModelConfig) and the policy's own."""
+
     reuse_tokens: int = 1500  # (token, next token) pairs the reuse model learns from
     reuse_l2: float = 1e-4
     num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k
     min_prefetch_probability: float = 0.5
 
     def __post_init__(self):
-        self.model()  # validates the model's fields
+        super().__post_init__()
         if self.reuse_tokens < 1 or self.num_candidates < 0 or self.reuse_l2 < 0:
             raise ConfigError("need reuse_tokens >= 1, num_candidates >= 0 and reuse_l2 >= 0")
         if not 0.0 <= self.min_prefetch_probability <= 1.0:
             raise ConfigError(f"min_prefetch_probability must lie in [0, 1], got {self.min_prefetch_probability}")
 
     def model(self) -> ModelConfig:
-        names = {f.name for f in fields(ModelConfig)}
-        return ModelConfig(**{k: v for k, v in asdict(self).items() if k in names})
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
 
 
 class DefaultPredictor(TrainablePredictor):

@@ -64,8 +64,11 @@ class ModelConfig:
         return tuple(name for name in CHANNELS.names() if getattr(self, f"use_{name}"))
 
     def __post_init__(self):
-        if min(self.hidden_dim, self.min_token_count, self.memory_rows, self.num_members) < 1 or self.min_train_steps < 0:
-            raise ConfigError("hidden_dim, min_token_count, memory_rows and num_members must be >= 1, min_train_steps >= 0")
+        for name in ("hidden_dim", "min_token_count", "memory_rows", "num_members"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_train_steps < 0:
+            raise ConfigError(f"min_train_steps must be >= 0, got {self.min_train_steps}")
         for name in ("dropout", "token_dropout", "next_layer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")

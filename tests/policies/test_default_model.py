@@ -55,7 +55,17 @@ def test_weights_without_a_member_count_are_one_network():
     assert RoutingWeights(_member(np.random.default_rng(0))).num_members == 1
 
 
-@pytest.mark.parametrize("field", ["num_members", "hidden_dim", "memory_rows"])
-def test_counts_below_one_are_refused(field):
-    with pytest.raises(ConfigError, match=field):
+@pytest.mark.parametrize("field", ["num_members", "hidden_dim", "memory_rows", "min_token_count"])
+def test_counts_below_one_are_refused_by_name(field):
+    with pytest.raises(ConfigError, match=f"^{field} must be >= 1, got 0$"):
         DefaultConfig(**{field: 0})
+
+
+def test_the_policys_own_settings_are_checked_after_the_models():
+    with pytest.raises(ConfigError, match="reuse_tokens"):
+        DefaultConfig(reuse_tokens=0)
+    with pytest.raises(ConfigError, match="^min_train_steps must be >= 0"):
+        DefaultConfig(min_train_steps=-1)
+    config = DefaultConfig(hidden_dim=7, num_members=3, reuse_l2=0.5)
+    assert config.model().hidden_dim == 7 and config.model().num_members == 3
+    assert not hasattr(config.model(), "reuse_l2")
