@@ -194,8 +194,7 @@ class RowSources:
 
     def recall(self, w: np.ndarray, targets: np.ndarray, num_experts: int) -> np.ndarray:
         """[n, E] at the target layers for weights w [R]."""
-        chosen = self.experts[:, targets]  # [R, n, K]
+        chosen = self.experts[:, targets]  # [R, n, K]; weighted_hot for one row, without its broadcasts (hot path)
         index = (chosen + (np.arange(len(targets)) * num_experts)[None, :, None]).ravel()
-        values = np.repeat(w, chosen[0].size)
-        out = np.bincount(index, values, minlength=len(targets) * num_experts)
+        out = np.bincount(index, np.repeat(w, chosen[0].size), minlength=len(targets) * num_experts)
         return out.reshape(len(targets), num_experts).astype(np.float32)

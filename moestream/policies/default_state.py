@@ -44,6 +44,7 @@ class IterationState:
         self._latest: np.ndarray | None = None  # [T, H2] the hidden path's activations
         self._tokens: list[int] = []  # each row's vocabulary index
         self._current = np.zeros((0, topology.num_layers, topology.top_k), dtype=np.int64)  # [T, L, K] routed so far
+        self._channels = {name: CHANNELS.create(name) for name in weights.channels}
         self._sources: dict[str, list[RowSources]] = {}  # per recall channel, each row's recalled rows
         self._channel_weights: dict[str, list[np.ndarray]] = {}  # per recall channel, each row's weights
         self._table: np.ndarray | None = None  # [L, E] this iteration's probabilities, lazily
@@ -63,8 +64,7 @@ class IterationState:
         self._prefix, self._latest = np.zeros_like(self._base), None
         self.layer_now, self.active = -1, bool(self.rows)
         self._table = self._reuse = None
-        self._sources = {name: [self._row_sources(name, state, token) for state, token in zip(self.rows, self._tokens)]
-                         for name in self.weights.channels}
+        self._sources = self._row_sources()
         self._weigh_channels()
 
     def observe(self, event: RoutingEvent) -> None:
@@ -120,9 +120,13 @@ class IterationState:
                                      self._channels_at(targets))
         return sigmoid(logits)
 
-    def _row_sources(self, name: str, state: SequenceState, token: int) -> RowSources:
-        """The rows one token row recalls through a channel; fixed for the iteration."""
-        return CHANNELS.create(name).sources(state.window.history(), self.weights.memory, np.array([token])).row(0)
+    def _row_sources(self) -> dict[str, list[RowSources]]:
+        """Per channel, the rows each token row recalls; fixed for the iteration."""
+        histories = [state.window.history() for state in self.rows]
+        memory = self.weights.memory
+        return {name: [channel.sources(history, memory, np.array([token])).row(0)
+                       for history, token in zip(histories, self._tokens)]
+                for name, channel in self._channels.items()}
 
     def _weigh_channels(self) -> None:
         """Each row's weights over its recalled rows, per channel, for the routing known now."""

@@ -30,7 +30,7 @@ from moestream.policies.default_model import (
     token_keys,
     unit_rms,
 )
-from moestream.policies.default_channels import CHANNELS
+from moestream.policies.default_channels import CHANNELS, Channel
 from moestream.policies.default_recall import History, earlier_rows, first_rows, masks
 from moestream.policies.routing_stats import previous_rows
 from moestream.predictors.configs import TrainConfig
@@ -145,7 +145,7 @@ class Batches:
         self.earlier, self.valid = earlier_rows(first_rows(trace.seq_ids))  # [N, W]
         self.bit_sets = masks(trace.experts, trace.topology.num_experts)  # [N, L, words]
         self.num_experts = trace.topology.num_experts
-        self.channels = config.channels()
+        self.channels = {name: CHANNELS.create(name) for name in config.channels()}
         self.memory = None
         if config.use_memory:
             self.memory = TokenMemory.build(trace.experts, self.tokens, trace.seq_ids, len(vocab) + 1, config.memory_rows,
@@ -166,18 +166,19 @@ class Batches:
             "affinity": torch.from_numpy(self.affinity[rows].astype(np.float32)),
             "cut": torch.from_numpy(cuts),
         }
-        batch["channels"] = {name: torch.from_numpy(self._channel(name, rows, tokens, cuts)) for name in self.channels}
+        batch["channels"] = {name: torch.from_numpy(self._channel(channel, rows, tokens, cuts))
+                             for name, channel in self.channels.items()}
         if trace.gate_probs is not None:
             batch["gate"] = torch.from_numpy(trace.gate_probs[rows].astype(np.float32))
         if trace.hidden is not None:
             batch["hidden"] = torch.from_numpy(unit_rms(trace.hidden[rows]))  # [n, L, D]
         return batch
 
-    def _channel(self, name: str, rows: np.ndarray, tokens: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    def _channel(self, channel: Channel, rows: np.ndarray, tokens: np.ndarray, cuts: np.ndarray) -> np.ndarray:
         """[n, L, E]: one recall channel of the rows, for their tokens as shown (a dropped token has no
         memory and no repeats); the memory leaves out the rows' own sequences."""
         history = History(self.bit_sets, self.trace.experts, self.tokens, self.earlier[rows], self.valid[rows])
-        sources = CHANNELS.create(name).sources(history, self.memory, tokens, self.trace.seq_ids[rows])
+        sources = channel.sources(history, self.memory, tokens, self.trace.seq_ids[rows])
         return sources.batch(self.bit_sets[rows], cuts, self.num_experts)
 
     def _cuts(self, num_rows: int, num_layers: int) -> np.ndarray:
