@@ -4,13 +4,15 @@ in numpy.
 
 For a token and a target MoE layer l, seen after layer c = l - d of the same token has routed:
     z      = sum_{j <= c} A_j[experts of j] (+ G_j gate_probs_j when the trace has them)   # the prefix
+           + sum_{i < R} Q_{i,c-i}[experts of c-i]                                           # the latest layers again
            + T[token] + P[position bucket] + B[previous token's experts at every layer]     # the context
            + U_l + V_d + sum_c x^c_l @ R^c_l                                                  # the recall channels
     logits = relu(layernorm(z)) @ W_l + b_l + s_l * previous_l + r_l * affinity_l + sum_c k^c_l * x^c_l
            (+ relu(rms_normalised(router input of layer c) @ W_in_c) @ W_out_{l,min(d,D)} when the trace has
               hidden states: ProMoE's idea, a two-layer MLP from an earlier router's input per distance,
               as its own path)
-previous_l is the sequence's previous token's multi-hot at l and affinity_l the sequence's running
+The latest R layers (num_recent_layers) are embedded a second time, apart from the prefix sum, so that
+the layers nearest the target weigh more than a sum can make them. previous_l is the sequence's previous token's multi-hot at l and affinity_l the sequence's running
 share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). The recall
 channels x^c_l are routing at l of other tokens, weighted by how alike they routed up to c
 (default_recall): "recall" the sequence's earlier tokens, "repeat" the sequence's earlier
@@ -34,7 +36,7 @@ import numpy as np
 
 from moestream.policies.default_channels import CHANNELS
 from moestream.policies.default_memory import TokenMemory
-from moestream.policies.default_recall import UNKNOWN
+from moestream.policies.default_recall import UNKNOWN, hot_rows
 from moestream.predictors.configs import ConfigError, TrainConfig
 from moestream.trace.schema import Trace
 
@@ -58,6 +60,7 @@ class ModelConfig:
     use_repeat: bool = True  # the recall of the token's earlier occurrences in its sequence; False is its ablation
     memory_rows: int = 256  # training rows the memory keeps per token
     num_members: int = 2  # independently initialised networks trained side by side; their logits are averaged
+    num_recent_layers: int = 2  # latest known layers embedded again, apart from the prefix sum; 0 is its ablation
 
     def channels(self) -> tuple[str, ...]:
         """The recall channels this model reads (default_channels), each turned on by its use_<name> flag."""
@@ -67,8 +70,9 @@ class ModelConfig:
         for name in ("hidden_dim", "min_token_count", "memory_rows", "num_members"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.min_train_steps < 0:
-            raise ConfigError(f"min_train_steps must be >= 0, got {self.min_train_steps}")
+        for name in ("min_train_steps", "num_recent_layers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("dropout", "token_dropout", "next_layer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
@@ -132,6 +136,8 @@ class RoutingWeights:
         hidden_out = np.asarray(arrays.get("hidden_out", np.zeros((0, 0, 0, 0))), dtype=np.float32)
         self.hidden_out = hidden_out[:, None] if hidden_out.ndim == 3 else hidden_out  # [L, D, H2, E], D distances
         self.uses_hidden = self.hidden_in.size > 0  # trained on a trace with router inputs
+        no_recent = np.zeros((0,) + self.prefix.shape, dtype=np.float32)
+        self.recent = np.asarray(arrays.get("recent", no_recent), dtype=np.float32)  # [R, L, E, H]
         present = [name for name in CHANNELS.names() if np.size(arrays.get(f"{name}_in", ())) > 0]  # older weights lack some
         self.channel_in = {name: np.asarray(arrays[f"{name}_in"], dtype=np.float32) for name in present}  # [L, E, H]
         self.channel_skip = {name: np.asarray(arrays[f"{name}_skip"], dtype=np.float32) for name in present}  # [L, E]
@@ -142,7 +148,7 @@ class RoutingWeights:
         channels = {f"{name}_in": w for name, w in self.channel_in.items()}
         channels |= {f"{name}_skip": w for name, w in self.channel_skip.items()}
         memory = self.memory.arrays() if self.memory is not None else {}
-        own = {name: getattr(self, name) for name in self.NAMES + ("hidden_in", "hidden_out")}
+        own = {name: getattr(self, name) for name in self.NAMES + ("hidden_in", "hidden_out", "recent")}
         return own | {"num_members": np.array([self.num_members])} | channels | memory
 
     def latest(self, hidden: np.ndarray | None, layer: int) -> np.ndarray | None:
@@ -163,6 +169,13 @@ class RoutingWeights:
         if self.uses_gate and gate_probs is not None:
             step = step + gate_probs @ self.gate[layer]
         return step
+
+    def recent_step(self, cut: int, experts: np.ndarray) -> np.ndarray:
+        """[T, H]: the latest known layers cut, cut-1, ... embedded again, from experts [T, L, K] (0 before any)."""
+        out = np.zeros((len(experts), self.hidden_dim), dtype=np.float32)
+        for i in range(min(len(self.recent), cut + 1)):
+            out += hot_rows(experts[:, cut - i], self.num_experts) @ self.recent[i, cut - i]
+        return out
 
     def logits(self, base: np.ndarray, targets: np.ndarray, horizons: np.ndarray, prev_hot: np.ndarray,
                affinity: np.ndarray, latest: np.ndarray | None = None, channels: dict | None = None) -> np.ndarray:

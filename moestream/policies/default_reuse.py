@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moestream.policies.default_recall import UNKNOWN, RecallWindow
+from moestream.policies.default_model import sigmoid
+from moestream.policies.default_recall import UNKNOWN, RecallWindow, hot_rows
 from moestream.trace.schema import Trace
 
 RATES = np.array([0.5, 0.8, 0.95], dtype=np.float32)
@@ -77,7 +78,7 @@ class ReuseModel:
         share = state.affinity(layers)
         x = features(state.last[layers], state.before[layers], state.decay[:, layers], share,
                      self.pop_logit[layers], state.passes[layers])
-        return _sigmoid(x @ self.weights[:-1] + self.weights[-1])
+        return sigmoid(x @ self.weights[:-1] + self.weights[-1])
 
     def fit(self, trace: Trace, max_tokens: int, l2: float, seed: int) -> None:
         """Learns the weights from up to max_tokens (token, next token) pairs of trace."""
@@ -88,18 +89,18 @@ class ReuseModel:
         for layer in range(trace.topology.num_layers):
             x_layer, _ = self.trace_features(trace, layer, rows)
             x.append(x_layer.reshape(-1, NUM_FEATURES))
-            y.append(_hot(trace.experts[rows + 1, layer], trace.topology.num_experts).ravel())
+            y.append(hot_rows(trace.experts[rows + 1, layer], trace.topology.num_experts).ravel())
         self.weights = newton_logistic(np.concatenate(x), np.concatenate(y), l2)
 
     def trace_probs(self, trace: Trace, layer: int) -> np.ndarray:
         """[N, E]: after each row's token, the probability for the sequence's next token at layer."""
         x, _ = self.trace_features(trace, layer, np.arange(trace.num_tokens))
-        return _sigmoid(x @ self.weights[:-1] + self.weights[-1])
+        return sigmoid(x @ self.weights[:-1] + self.weights[-1])
 
     def trace_features(self, trace: Trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[len(rows), E, F] features of `layer` just after each of `rows` (sorted), and the rows."""
         E = trace.topology.num_experts
-        hot = _hot(trace.experts[:, layer], E)  # [N, E]
+        hot = hot_rows(trace.experts[:, layer], E)  # [N, E]
         out = np.zeros((len(rows), E, NUM_FEATURES), dtype=np.float32)
         wanted = np.zeros(trace.num_tokens, dtype=bool)
         wanted[rows] = True
@@ -128,7 +129,7 @@ def newton_logistic(x: np.ndarray, y: np.ndarray, l2: float, steps: int = 12) ->
     penalty = np.full(x.shape[1], l2)
     penalty[-1] = 0.0
     for _ in range(steps):
-        p = _sigmoid(x @ w)
+        p = sigmoid(x @ w)
         grad = x.T @ (p - y) / len(x) + penalty * w
         hess = (x * (p * (1 - p))[:, None]).T @ x / len(x) + np.diag(penalty + 1e-9)
         step = np.linalg.solve(hess, grad)
@@ -144,16 +145,6 @@ def _pairs(trace: Trace, max_tokens: int, seed: int) -> np.ndarray:
     if len(same) > max_tokens:
         same = np.sort(np.random.default_rng(seed).choice(same, size=max_tokens, replace=False))
     return same
-
-
-def _hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    out = np.zeros((len(experts), num_experts), dtype=np.float32)
-    np.put_along_axis(out, experts.astype(np.int64), 1.0, axis=1)
-    return out
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-np.clip(x, -30.0, 30.0)))
 
 
 def popularity_logit(trace: Trace, prior_tokens: float = 1.0) -> np.ndarray:

@@ -21,7 +21,16 @@ from moestream.policies.default_model import (
     token_keys,
 )
 from moestream.policies.default_channels import CHANNELS
-from moestream.policies.default_recall import History, RowSources, Sources, earlier_rows, first_rows, known_sets, masks
+from moestream.policies.default_recall import (
+    History,
+    RowSources,
+    Sources,
+    earlier_rows,
+    first_rows,
+    hot_rows,
+    known_sets,
+    masks,
+)
 from moestream.policies.default_reuse import ReuseModel, SequenceState
 from moestream.policies.routing_stats import previous_rows
 from moestream.topology import Topology
@@ -40,7 +49,7 @@ class IterationState:
         self.rows: list[SequenceState] = []
         self.active = False
         self.layer_now = topology.num_layers - 1
-        self._base = self._prefix = None
+        self._base = self._prefix = self._recent = None
         self._latest: np.ndarray | None = None  # [T, H2] the hidden path's activations
         self._tokens: list[int] = []  # each row's vocabulary index
         self._current = np.zeros((0, topology.num_layers, topology.top_k), dtype=np.int64)  # [T, L, K] routed so far
@@ -61,7 +70,7 @@ class IterationState:
         prev = np.stack([s.prev_experts for s in self.rows])  # [T, L, K]
         has_prev = np.array([s.has_prev for s in self.rows], dtype=np.float32)
         self._base = self.weights.context(tokens, position_bucket(ctx.positions), prev, has_prev)  # [T, H]
-        self._prefix, self._latest = np.zeros_like(self._base), None
+        self._prefix, self._recent, self._latest = np.zeros_like(self._base), np.zeros_like(self._base), None
         self.layer_now, self.active = -1, bool(self.rows)
         self._table = self._reuse = None
         self._sources = self._row_sources()
@@ -75,6 +84,7 @@ class IterationState:
             state.update(layer, experts[row])
         self._current[:, layer] = experts
         self._prefix += self.weights.prefix_step(layer, experts, event.gate_probs)
+        self._recent = self.weights.recent_step(layer, self._current)
         self._latest = self.weights.latest(event.hidden, layer)
         self.layer_now, self._reuse = layer, None
         self._weigh_channels()
@@ -116,7 +126,7 @@ class IterationState:
         """[T, n, E] per-row probabilities for the targets."""
         prev_hot = np.stack([s.last[targets] for s in self.rows])  # [T, n, E]: the previous token's, as targets are ahead
         affinity = np.stack([s.affinity(targets) for s in self.rows])
-        logits = self.weights.logits(self._base + self._prefix, targets, horizons, prev_hot, affinity, self._latest,
+        logits = self.weights.logits(self._base + self._prefix + self._recent, targets, horizons, prev_hot, affinity, self._latest,
                                      self._channels_at(targets))
         return sigmoid(logits)
 
@@ -175,6 +185,7 @@ class TraceScores:
         self.sources: dict[str, Sources] = {name: CHANNELS.create(name).sources(history, weights.memory, tokens)
                                             for name in weights.channels}
         self._cut, self._prefix = -1, np.zeros_like(self.context)
+        self._recent: tuple[int, np.ndarray] | None = None  # the last cut's recent_step
 
     def holds(self, trace: Trace) -> bool:
         return trace is self.trace
@@ -183,7 +194,7 @@ class TraceScores:
         cut = layer - horizon_layers
         if cut >= -1:
             latest = self.weights.latest(None if cut < 0 or self.trace.hidden is None else self.trace.hidden[:, cut], cut)
-            return self._model(layer, cut, self._prefix_until(cut), latest)
+            return self._model(layer, cut, self._prefix_until(cut) + self._recent_at(cut), latest)
         out = self._model(layer, -1, np.zeros_like(self.context))  # first tokens: their own start
         later = self.prev >= 0
         out[later] = self.reuse.trace_probs(self.trace, layer)[self.prev[later]]
@@ -191,13 +202,18 @@ class TraceScores:
 
     def _model(self, layer: int, cut: int, prefix: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
         E, experts = self.trace.topology.num_experts, self.trace.experts
-        prev_hot = _hot(experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
+        prev_hot = hot_rows(experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
         channels = {name: source.at(self.bit_sets, cut, layer, E)[:, None]  # [N, 1, E]
                     for name, source in self.sources.items()}
         logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([layer - cut]),
                                      prev_hot[:, None], self.affinity[:, layer][:, None].astype(np.float32), latest,
                                      channels)
         return sigmoid(logits[:, 0])
+
+    def _recent_at(self, cut: int) -> np.ndarray:
+        if self._recent is None or self._recent[0] != cut:
+            self._recent = cut, self.weights.recent_step(cut, self.trace.experts)
+        return self._recent[1]
 
     def _prefix_until(self, cut: int) -> np.ndarray:
         """[N, H]: the prefix of layers <= cut, extended from the last one computed."""
@@ -206,14 +222,10 @@ class TraceScores:
         trace, w = self.trace, self.weights
         while self._cut < cut:
             self._cut += 1
-            hot = _hot(trace.experts[:, self._cut], trace.topology.num_experts)
+            hot = hot_rows(trace.experts[:, self._cut], trace.topology.num_experts)
             self._prefix = self._prefix + hot @ w.prefix[self._cut]
             if w.uses_gate and trace.gate_probs is not None:
                 self._prefix = self._prefix + trace.gate_probs[:, self._cut].astype(np.float32) @ w.gate[self._cut]
         return self._prefix
 
 
-def _hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    out = np.zeros((len(experts), num_experts), dtype=np.float32)
-    np.put_along_axis(out, experts.astype(np.int64), 1.0, axis=1)
-    return out

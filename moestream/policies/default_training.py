@@ -58,6 +58,7 @@ class RoutingNet(nn.Module):
         self.hidden_in = param(L, hidden_size, H) if hidden_size else None  # the router-input path
         self.hidden_out = param(L, HIDDEN_DISTANCES, H, E) if hidden_size else None
         self.token, self.position = param(vocab_size, H), param(NUM_POSITION_BUCKETS, H)
+        self.recent = param(config.num_recent_layers, L, E, H) if config.num_recent_layers else None
         self.target, self.horizon = nn.Parameter(torch.zeros(L, H)), nn.Parameter(torch.zeros(L, H))
         self.norm = nn.LayerNorm(H)
         self.drop = nn.Dropout(config.dropout)
@@ -80,6 +81,8 @@ class RoutingNet(nn.Module):
         context = self.token[batch["token"]] + self.position[batch["bucket"]] + prev_hot.flatten(1) @ self.previous
         layers = torch.arange(hot.shape[1])
         z = prefix + context[:, None] + self.target[None] + self.horizon[layers[None] - cut - 1]
+        if self.recent is not None:
+            z = z + self._recent(hot, cut)
         channels = batch["channels"]  # name -> [n, L, E]
         for name, x in channels.items():
             z = z + torch.einsum("nle,leh->nlh", x, self.channel_in[name])
@@ -90,6 +93,15 @@ class RoutingNet(nn.Module):
         for name, x in channels.items():
             logits = logits + self.channel_skip[name] * x
         return logits + self.skip[0] * prev_hot + self.skip[1] * batch["affinity"]
+
+    def _recent(self, hot: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+        """[n, L, H]: each target's latest known layers cut, cut-1, ... embedded again, from multi-hots [n, L, E]."""
+        out = 0.0
+        for i, table in enumerate(self.recent):  # [L, E, H]
+            step = torch.einsum("nle,leh->nlh", hot, table)  # [n, L, H]: every source layer's
+            padded = torch.cat([torch.zeros_like(step[:, : i + 1]), step], dim=1)  # source j at j + i + 1
+            out = out + padded.gather(1, (cut + 1)[:, :, None].expand(-1, -1, step.shape[-1]))  # source cut - i
+        return out
 
     def _hidden_path(self, hidden: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
         """[n, L, E] from router inputs [n, L, D]: each target reads its last known layer's input (none: 0)."""
@@ -112,6 +124,8 @@ class RoutingNet(nn.Module):
         }
         if self.hidden_in is not None:
             arrays |= {"hidden_in": self.hidden_in, "hidden_out": self.hidden_out}
+        if self.recent is not None:
+            arrays["recent"] = self.recent
         arrays |= {f"{name}_in": w for name, w in self.channel_in.items()}
         arrays |= {f"{name}_skip": w for name, w in self.channel_skip.items()}
         return {name: value.detach().numpy().copy() for name, value in arrays.items()}
