@@ -13,9 +13,9 @@ For a token and a target MoE layer l, seen after layer c = l - d of the same tok
               as its own path)
 The latest R layers (num_recent_layers) are embedded a second time, apart from the prefix sum, so
 that the layers nearest the target weigh more than a sum can make them. previous_l is the sequence's
-previous token's multi-hot at l and affinity_l the sequence's running share of tokens routed to each expert at l (its EAM row, as in MoE-Infinity). The recall
-channels x^c_l are routing at l of other tokens, weighted by how alike they routed up to c
-(default_recall): "recall" the sequence's earlier tokens, "repeat" the sequence's earlier
+previous token's multi-hot at l and affinity_l the sequence's running share of tokens routed to
+each expert at l (its EAM row, as in MoE-Infinity). The recall channels x^c_l are routing at l of
+other tokens, weighted by how alike they routed up to c (default_recall): "recall" the sequence's earlier tokens, "repeat" the sequence's earlier
 occurrences of the same token, "memory" the training prompts' occurrences of it (default_memory).
 The model is an ensemble: `num_members` such networks, initialised apart, each trained on its own
 loss, with their logits averaged. It runs as one network whose hidden units are the members' side by
