@@ -15,8 +15,9 @@ The latest R layers (num_recent_layers) are embedded a second time, apart from t
 that the layers nearest the target weigh more than a sum can make them. previous_l is the sequence's
 previous token's multi-hot at l and affinity_l the sequence's running share of tokens routed to
 each expert at l (its EAM row, as in MoE-Infinity). The recall channels x^c_l are routing at l of
-other tokens, weighted by how alike they routed up to c (default_recall): "recall" the sequence's earlier tokens, "repeat" the sequence's earlier
-occurrences of the same token, "memory" the training prompts' occurrences of it (default_memory).
+other tokens, weighted by how alike they routed up to c (default_recall): "recall" the sequence's
+earlier tokens, "repeat" the sequence's earlier occurrences of the same token, "memory" the training
+prompts' occurrences of it (default_memory).
 The model is an ensemble: `num_members` such networks, initialised apart, each trained on its own
 loss, with their logits averaged. It runs as one network whose hidden units are the members' side by
 side, each block with its own layer norm (`join_members`).
@@ -36,8 +37,9 @@ import numpy as np
 
 from moestream.policies.default_channels import CHANNELS
 from moestream.policies.default_memory import TokenMemory
-from moestream.policies.default_recall import UNKNOWN, hot_rows
+from moestream.policies.default_recall import UNKNOWN
 from moestream.predictors.configs import ConfigError, TrainConfig
+from moestream.predictors.paths import expert_mask
 from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
@@ -174,7 +176,7 @@ class RoutingWeights:
         """[T, H]: the latest known layers cut, cut-1, ... embedded again, from experts [T, L, K] (0 before any)."""
         out = np.zeros((len(experts), self.hidden_dim), dtype=np.float32)
         for i in range(min(len(self.recent), cut + 1)):
-            out += hot_rows(experts[:, cut - i], self.num_experts) @ self.recent[i, cut - i]
+            out += expert_mask(experts[:, cut - i], self.num_experts).astype(np.float32) @ self.recent[i, cut - i]
         return out
 
     def logits(self, base: np.ndarray, targets: np.ndarray, horizons: np.ndarray, prev_hot: np.ndarray,

@@ -55,13 +55,6 @@ def first_rows(seq_ids: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.where(starts, np.arange(len(seq_ids)), 0))
 
 
-def hot_rows(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """[N, E] float32 multi-hots of experts [N, K]."""
-    out = np.zeros((len(experts), num_experts), dtype=np.float32)
-    np.put_along_axis(out, experts.astype(np.int64), 1.0, axis=1)
-    return out
-
-
 def masks(experts: np.ndarray, num_experts: int) -> np.ndarray:
     """[..., words] uint64 bit sets of experts [..., K]."""
     words = -(-num_experts // 64)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from moestream.policies.default_model import sigmoid
-from moestream.policies.default_recall import UNKNOWN, RecallWindow, hot_rows
+from moestream.policies.default_recall import UNKNOWN, RecallWindow
+from moestream.predictors.paths import expert_mask
 from moestream.trace.schema import Trace
 
 RATES = np.array([0.5, 0.8, 0.95], dtype=np.float32)
@@ -89,7 +90,7 @@ class ReuseModel:
         for layer in range(trace.topology.num_layers):
             x_layer, _ = self.trace_features(trace, layer, rows)
             x.append(x_layer.reshape(-1, NUM_FEATURES))
-            y.append(hot_rows(trace.experts[rows + 1, layer], trace.topology.num_experts).ravel())
+            y.append(expert_mask(trace.experts[rows + 1, layer], trace.topology.num_experts).astype(np.float32).ravel())
         self.weights = newton_logistic(np.concatenate(x), np.concatenate(y), l2)
 
     def trace_probs(self, trace: Trace, layer: int) -> np.ndarray:
@@ -100,7 +101,7 @@ class ReuseModel:
     def trace_features(self, trace: Trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[len(rows), E, F] features of `layer` just after each of `rows` (sorted), and the rows."""
         E = trace.topology.num_experts
-        hot = hot_rows(trace.experts[:, layer], E)  # [N, E]
+        hot = expert_mask(trace.experts[:, layer], E).astype(np.float32)  # [N, E]
         out = np.zeros((len(rows), E, NUM_FEATURES), dtype=np.float32)
         wanted = np.zeros(trace.num_tokens, dtype=bool)
         wanted[rows] = True

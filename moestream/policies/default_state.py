@@ -27,12 +27,12 @@ from moestream.policies.default_recall import (
     Sources,
     earlier_rows,
     first_rows,
-    hot_rows,
     known_sets,
     masks,
 )
 from moestream.policies.default_reuse import ReuseModel, SequenceState
 from moestream.policies.routing_stats import previous_rows
+from moestream.predictors.paths import expert_mask
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
 
@@ -126,8 +126,9 @@ class IterationState:
         """[T, n, E] per-row probabilities for the targets."""
         prev_hot = np.stack([s.last[targets] for s in self.rows])  # [T, n, E]: the previous token's, as targets are ahead
         affinity = np.stack([s.affinity(targets) for s in self.rows])
-        logits = self.weights.logits(self._base + self._prefix + self._recent, targets, horizons, prev_hot, affinity, self._latest,
-                                     self._channels_at(targets))
+        base = self._base + self._prefix + self._recent  # [T, H]
+        channels = self._channels_at(targets)
+        logits = self.weights.logits(base, targets, horizons, prev_hot, affinity, self._latest, channels)
         return sigmoid(logits)
 
     def _row_sources(self) -> dict[str, list[RowSources]]:
@@ -202,7 +203,8 @@ class TraceScores:
 
     def _model(self, layer: int, cut: int, prefix: np.ndarray, latest: np.ndarray | None = None) -> np.ndarray:
         E, experts = self.trace.topology.num_experts, self.trace.experts
-        prev_hot = hot_rows(experts[np.maximum(self.prev, 0), layer], E) * (self.prev >= 0)[:, None]
+        has_prev = (self.prev >= 0)[:, None]
+        prev_hot = (expert_mask(experts[np.maximum(self.prev, 0), layer], E) & has_prev).astype(np.float32)  # [N, E]
         channels = {name: source.at(self.bit_sets, cut, layer, E)[:, None]  # [N, 1, E]
                     for name, source in self.sources.items()}
         logits = self.weights.logits(self.context + prefix, np.array([layer]), np.array([layer - cut]),
@@ -222,7 +224,7 @@ class TraceScores:
         trace, w = self.trace, self.weights
         while self._cut < cut:
             self._cut += 1
-            hot = hot_rows(trace.experts[:, self._cut], trace.topology.num_experts)
+            hot = expert_mask(trace.experts[:, self._cut], trace.topology.num_experts).astype(np.float32)
             self._prefix = self._prefix + hot @ w.prefix[self._cut]
             if w.uses_gate and trace.gate_probs is not None:
                 self._prefix = self._prefix + trace.gate_probs[:, self._cut].astype(np.float32) @ w.gate[self._cut]

@@ -73,10 +73,8 @@ class RoutingNet(nn.Module):
         step = torch.einsum("nle,leh->nlh", hot, self.prefix)
         if self.gate is not None:
             step = step + torch.einsum("nle,leh->nlh", batch["gate"], self.gate)
-        padded = torch.cat([torch.zeros_like(step[:, :1]), torch.cumsum(step, dim=1)], dim=1)  # [n, L+1, H]
         cut = batch["cut"]  # [n, L] last known layer, -1: none
-        index = (cut + 1)[:, :, None].expand(-1, -1, step.shape[-1])
-        prefix = padded.gather(1, index)  # [n, L, H]
+        prefix = at_source(torch.cumsum(step, dim=1), cut)  # [n, L, H]
         prev_hot = batch["prev_hot"]  # [n, L, E]
         context = self.token[batch["token"]] + self.position[batch["bucket"]] + prev_hot.flatten(1) @ self.previous
         layers = torch.arange(hot.shape[1])
@@ -96,18 +94,12 @@ class RoutingNet(nn.Module):
 
     def _recent(self, hot: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
         """[n, L, H]: each target's latest known layers cut, cut-1, ... embedded again, from multi-hots [n, L, E]."""
-        out = 0.0
-        for i, table in enumerate(self.recent):  # [L, E, H]
-            step = torch.einsum("nle,leh->nlh", hot, table)  # [n, L, H]: every source layer's
-            padded = torch.cat([torch.zeros_like(step[:, : i + 1]), step], dim=1)  # source j at j + i + 1
-            out = out + padded.gather(1, (cut + 1)[:, :, None].expand(-1, -1, step.shape[-1]))  # source cut - i
-        return out
+        return sum(at_source(torch.einsum("nle,leh->nlh", hot, table), cut - i) for i, table in enumerate(self.recent))
 
     def _hidden_path(self, hidden: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
         """[n, L, E] from router inputs [n, L, D]: each target reads its last known layer's input (none: 0)."""
         act = torch.relu(torch.einsum("nld,ldh->nlh", hidden, self.hidden_in))  # [n, L, H]: each source layer's
-        padded = torch.cat([torch.zeros_like(act[:, :1]), act], dim=1)  # [n, L+1, H]
-        latest = padded.gather(1, (cut + 1)[:, :, None].expand(-1, -1, act.shape[-1]))  # [n, L, H]
+        latest = at_source(act, cut)  # [n, L, H]
         by_distance = torch.einsum("nlh,ldhe->nlde", self.drop(latest), self.hidden_out)  # [n, L, D, E]
         distance = (torch.arange(cut.shape[1])[None] - cut).clamp(max=HIDDEN_DISTANCES) - 1  # [n, L]
         index = distance[:, :, None, None].expand(-1, -1, 1, by_distance.shape[-1])
@@ -129,6 +121,13 @@ class RoutingNet(nn.Module):
         arrays |= {f"{name}_in": w for name, w in self.channel_in.items()}
         arrays |= {f"{name}_skip": w for name, w in self.channel_skip.items()}
         return {name: value.detach().numpy().copy() for name, value in arrays.items()}
+
+
+def at_source(per_source: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """[n, L, H]: for each target, per_source [n, L, H] at its source layer [n, L]; zero where source < 0."""
+    padded = torch.cat([torch.zeros_like(per_source[:, :1]), per_source], dim=1)  # source j at j + 1
+    index = (source.clamp(min=-1) + 1)[:, :, None].expand(-1, -1, per_source.shape[-1])
+    return padded.gather(1, index)
 
 
 class Members(nn.Module):
