@@ -34,6 +34,7 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse
 
 from moestream.policies.default_channels import CHANNELS
 from moestream.policies.default_memory import TokenMemory
@@ -51,7 +52,7 @@ PER_EXPERT = ("out_b", "skip")  # arrays with no hidden axis (besides each chann
 
 @dataclass(frozen=True)
 class ModelConfig:
-    hidden_dim: int = 512  # per member
+    hidden_dim: int = 1024  # per member
     dropout: float = 0.2
     min_token_count: int = 3  # rarer training tokens map to the unknown token
     token_dropout: float = 0.1  # share of training tokens shown as unknown
@@ -60,8 +61,8 @@ class ModelConfig:
     use_recall: bool = True  # the in-sequence recall input (default_recall); False is its ablation
     use_memory: bool = True  # the token memory input (default_memory); False is its ablation
     use_repeat: bool = True  # the recall of the token's earlier occurrences in its sequence; False is its ablation
-    memory_rows: int = 256  # training rows the memory keeps per token
-    num_members: int = 2  # independently initialised networks trained side by side; their logits are averaged
+    memory_rows: int = 512  # training rows the memory keeps per token
+    num_members: int = 3  # independently initialised networks trained side by side; their logits are averaged
     num_recent_layers: int = 2  # latest known layers embedded again, apart from the prefix sum; 0 is its ablation
 
     def channels(self) -> tuple[str, ...]:
@@ -78,6 +79,16 @@ class ModelConfig:
         for name in ("dropout", "token_dropout", "next_layer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+
+
+def summed_rows(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """[T, H]: the rows of table [R, H] named by each row of index [T, n], summed. One sparse product,
+    so a whole trace never gathers a [T, n, H] array."""
+    num_rows, n = index.shape
+    starts = np.arange(0, num_rows * n + 1, n)
+    picks = scipy.sparse.csr_matrix((np.ones(num_rows * n, dtype=table.dtype), index.ravel(), starts),
+                                    shape=(num_rows, len(table)))
+    return np.asarray(picks @ table)
 
 
 def position_bucket(positions: np.ndarray) -> np.ndarray:
@@ -162,7 +173,7 @@ class RoutingWeights:
     def context(self, tokens: np.ndarray, buckets: np.ndarray, prev_experts: np.ndarray, has_prev: np.ndarray) -> np.ndarray:
         """[T, H] from token indices [T], position buckets [T], previous tokens' experts [T, L, K], has_prev [T]."""
         flat = prev_experts + (np.arange(self.num_layers) * self.num_experts)[None, :, None]  # [T, L, K]
-        prev = self.previous[flat.reshape(len(tokens), -1)].sum(axis=1) * has_prev[:, None]  # [T, H]
+        prev = summed_rows(self.previous, flat.reshape(len(tokens), -1)) * has_prev[:, None]  # [T, H]
         return self.token[tokens] + self.position[buckets] + prev
 
     def prefix_step(self, layer: int, experts: np.ndarray, gate_probs: np.ndarray | None) -> np.ndarray:

@@ -175,8 +175,10 @@ def test_router_input_weights_per_distance_and_the_older_single_set_load(traces)
 
 def test_members_learn_apart_and_run_as_one_wider_network(policy, traces):
     weights = policy.predictor.weights
-    assert (weights.num_members, weights.hidden_dim) == (2, 2 * SMALL.hidden_dim)
-    assert not np.allclose(weights.prefix[..., : SMALL.hidden_dim], weights.prefix[..., SMALL.hidden_dim :])
+    assert SMALL.num_members > 1
+    assert (weights.num_members, weights.hidden_dim) == (SMALL.num_members, SMALL.num_members * SMALL.hidden_dim)
+    first, second = weights.prefix[..., : SMALL.hidden_dim], weights.prefix[..., SMALL.hidden_dim : 2 * SMALL.hidden_dim]
+    assert not np.allclose(first, second)
     single = fitted(traces[0], config=dataclasses.replace(SMALL, num_members=1)).predictor.weights
     assert (single.num_members, single.hidden_dim) == (1, SMALL.hidden_dim)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moestream.policies.default import DefaultConfig
-from moestream.policies.default_model import ModelConfig, RoutingWeights, join_members
+from moestream.policies.default_model import ModelConfig, RoutingWeights, join_members, summed_rows
 from moestream.policies.default_training import RoutingNet
 from moestream.predictors.configs import ConfigError
 from moestream.predictors.training import multi_hot
@@ -94,6 +94,14 @@ def test_training_embeds_the_latest_layers_as_the_online_model_does():
 def test_no_recent_layers_is_the_ablation():
     net = RoutingNet(L, E, V, ModelConfig(hidden_dim=4, num_recent_layers=0, use_memory=False), gate=False)
     assert "recent" not in net.arrays()
+
+
+def test_summed_rows_add_the_named_rows_repeats_included():
+    table = np.random.default_rng(0).standard_normal((7, 3)).astype(np.float32)
+    index = np.array([[0, 6, 6], [2, 3, 4]])
+    out = summed_rows(table, index)
+    assert out.shape == (2, 3) and out.dtype == np.float32
+    np.testing.assert_allclose(out, table[index].sum(axis=1), rtol=1e-6)
 
 
 @pytest.mark.parametrize("field", ["num_members", "hidden_dim", "memory_rows", "min_token_count"])
