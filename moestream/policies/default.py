@@ -10,8 +10,9 @@ both prefetch and eviction.
   trace or engine gives router inputs (hidden states), ProMoE's path from the latest one joins
   in. Scores are probabilities (trained with cross-entropy). Layers of the next token come from
   the sequence reuse model (default_reuse).
-- Prefetch (ScorePlanner): predicted experts with probability > min_prefetch_probability that
-  are not resident, in order of probability / layers until needed.
+- Prefetch (IdleAwarePlanner): predicted experts with probability > min_prefetch_probability that
+  are not resident, in order of probability / layers until needed; while nothing is moving to the
+  tier the bar drops to idle_prefetch_probability: a link with nothing to move is cheap to use.
 - Eviction (DefaultEviction): evicts the expert with the longest expected time to its next use,
   in layers: for an expert of a layer still ahead in this iteration, (layers until it) +
   (1 - p) x L / q, with p its predicted probability now and q the reuse probability for the next
@@ -33,7 +34,7 @@ from moestream.policies.base import POLICIES, EvictionPolicy, Prediction, Prefet
 from moestream.policies.default_model import ModelConfig, RoutingWeights, build_vocabulary, token_keys
 from moestream.policies.default_reuse import ReuseModel, popularity_logit
 from moestream.policies.default_state import IterationState, TraceScores
-from moestream.policies.planning import ScorePlanner
+from moestream.policies.planning import IdleAwarePlanner
 from moestream.policies.scored_eviction import ScoredEviction
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import ConfigError, TrainConfig
@@ -52,13 +53,15 @@ class DefaultConfig(ModelConfig):
     reuse_l2: float = 1e-4
     num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k
     min_prefetch_probability: float = 0.5
+    idle_prefetch_probability: float = 0.1  # the bar when nothing is moving to the tier
 
     def __post_init__(self):
         super().__post_init__()
         if self.reuse_tokens < 1 or self.num_candidates < 0 or self.reuse_l2 < 0:
             raise ConfigError("need reuse_tokens >= 1, num_candidates >= 0 and reuse_l2 >= 0")
-        if not 0.0 <= self.min_prefetch_probability <= 1.0:
-            raise ConfigError(f"min_prefetch_probability must lie in [0, 1], got {self.min_prefetch_probability}")
+        for name in ("min_prefetch_probability", "idle_prefetch_probability"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
 
     def model(self) -> ModelConfig:
         return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
@@ -198,7 +201,7 @@ class Default(TrainedPolicy):
         return DefaultPredictor(self.topology, self.config, self.train_config)
 
     def make_planner(self) -> PrefetchPlanner:
-        return ScorePlanner(min_score=self.config.min_prefetch_probability)
+        return IdleAwarePlanner(self.config.min_prefetch_probability, self.config.idle_prefetch_probability)
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
         return DefaultEviction(self.predictor)

@@ -1,4 +1,4 @@
-"""The default planner and the predictor that predicts nothing."""
+"""The score planners and the predictor that predicts nothing."""
 
 from __future__ import annotations
 
@@ -30,10 +30,26 @@ class ScorePlanner(PrefetchPlanner):
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
         best: dict = {}
+        min_score = self.threshold(view)
         for p in predictions:
-            if p.score <= self.min_score or p.key in view.resident or p.key in view.in_flight:
+            if p.score <= min_score or p.key in view.resident or p.key in view.in_flight:
                 continue
             priority = self.scale * p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
             best[p.key] = max(priority, best.get(p.key, 0.0))
         ranked = sorted(best.items(), key=lambda item: (-item[1], item[0]))[: view.capacity]
         return [TransferRequest(key, priority) for key, priority in ranked]
+
+    def threshold(self, view: CacheView) -> float:
+        """The score a prediction must exceed to be requested now."""
+        return self.min_score
+
+
+class IdleAwarePlanner(ScorePlanner):
+    """Requests experts of probability > min_score, or > idle_score while nothing moves to the tier."""
+
+    def __init__(self, min_score: float, idle_score: float):
+        super().__init__(min_score)
+        self.idle_score = idle_score
+
+    def threshold(self, view: CacheView) -> float:
+        return self.min_score if view.in_flight else self.idle_score

@@ -249,9 +249,10 @@ class Promoe(TrainedPolicy):
 
     def load(self, directory: str | Path) -> None:
         """Loads the MLPs; the engine switches and the priority band stay this policy's."""
-        own = self.switches()
+        own = self.switches() | {"speculative_priority": self.planner.ceiling}
         super().load(directory)
-        self.config = replace(self.config, speculative_priority=self.planner.ceiling, **own)
+        self.config = replace(self.config, **own)
+        self.planner = self.make_planner()
 
     def switches(self) -> dict[str, bool]:
         """The engine mechanisms this policy asks for (consumed by the asynchronous engine)."""

@@ -169,8 +169,10 @@ class TrainedPolicy(Policy):
         return save_predictor(self.predictor, directory)
 
     def load(self, directory: str | Path) -> None:
+        """Loads a saved predictor; its saved config becomes the policy's, planner included."""
         load_predictor(self.predictor, directory)
         self.config = self.predictor.config
+        self.planner = self.make_planner()
         self.pretrained = True
 
 

@@ -9,6 +9,7 @@ import pytest
 from moestream.cache import ExpertCache
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
+from moestream.policies.base import CacheView, Prediction
 from moestream.policies.default import DefaultConfig
 from moestream.policies.default_model import RoutingWeights
 from moestream.predictors.configs import TrainConfig
@@ -94,6 +95,15 @@ def test_save_and_load_give_the_same_scores(policy, traces, tmp_path):
     test = traces[1]
     for layer in (0, 3):
         np.testing.assert_allclose(loaded.predictor.score_rows(test, layer, 2), policy.predictor.score_rows(test, layer, 2))
+
+
+def test_a_loaded_policy_plans_with_its_saved_settings(traces, tmp_path):
+    eager = dataclasses.replace(SMALL, min_prefetch_probability=0.3)
+    fitted(traces[0], eager, TrainConfig(num_epochs=1, batch_size=64)).save(tmp_path / "eager")
+    loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "eager")
+    moving = CacheView(frozenset(), frozenset({ExpertKey(4, 0)}), capacity=4, layer_now=0, num_layers=5)
+    requested = [r.key for r in loaded.planner.plan([Prediction(2, 1, 0.4), Prediction(2, 3, 0.2)], moving)]
+    assert requested == [ExpertKey(2, 1)]  # 0.4 clears the saved 0.3, not the class default 0.5
 
 
 def test_works_without_token_strings_and_with_gate_probs(traces):
