@@ -25,7 +25,7 @@ Knows the policy contract, not the mechanism, time or bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -54,14 +54,13 @@ class DefaultConfig(ModelConfig):
     num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k
     min_prefetch_probability: float = 0.5
     idle_prefetch_probability: float = 0.1  # the bar when nothing is moving to the tier
+    UNIT_FIELDS: ClassVar[tuple[str, ...]] = ModelConfig.UNIT_FIELDS + ("min_prefetch_probability",
+                                                                     "idle_prefetch_probability")
 
     def __post_init__(self):
         super().__post_init__()
         if self.reuse_tokens < 1 or self.num_candidates < 0 or self.reuse_l2 < 0:
             raise ConfigError("need reuse_tokens >= 1, num_candidates >= 0 and reuse_l2 >= 0")
-        for name in ("min_prefetch_probability", "idle_prefetch_probability"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
 
     def model(self) -> ModelConfig:
         return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import scipy.sparse
@@ -64,6 +65,7 @@ class ModelConfig:
     memory_rows: int = 512  # training rows the memory keeps per token
     num_members: int = 3  # independently initialised networks trained side by side; their logits are averaged
     num_recent_layers: int = 2  # latest known layers embedded again, apart from the prefix sum; 0 is its ablation
+    UNIT_FIELDS: ClassVar[tuple[str, ...]] = ("dropout", "token_dropout", "next_layer_share")  # each in [0, 1]
 
     def channels(self) -> tuple[str, ...]:
         """The recall channels this model reads (default_channels), each turned on by its use_<name> flag."""
@@ -76,7 +78,7 @@ class ModelConfig:
         for name in ("min_train_steps", "num_recent_layers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("dropout", "token_dropout", "next_layer_share"):
+        for name in self.UNIT_FIELDS:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
 

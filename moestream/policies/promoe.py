@@ -247,12 +247,9 @@ class Promoe(TrainedPolicy):
     def make_planner(self) -> PrefetchPlanner:
         return SpeculativePlanner(self.config.speculative_priority)
 
-    def load(self, directory: str | Path) -> None:
-        """Loads the MLPs; the engine switches and the priority band stay this policy's."""
-        own = self.switches() | {"speculative_priority": self.planner.ceiling}
-        super().load(directory)
-        self.config = replace(self.config, **own)
-        self.planner = self.make_planner()
+    def loaded_config(self, saved: PromoeConfig) -> PromoeConfig:
+        """The saved MLP settings; the engine switches and the priority band stay this policy's."""
+        return replace(saved, speculative_priority=self.config.speculative_priority, **self.switches())
 
     def switches(self) -> dict[str, bool]:
         """The engine mechanisms this policy asks for (consumed by the asynchronous engine)."""

@@ -171,9 +171,13 @@ class TrainedPolicy(Policy):
     def load(self, directory: str | Path) -> None:
         """Loads a saved predictor; its saved config becomes the policy's, planner included."""
         load_predictor(self.predictor, directory)
-        self.config = self.predictor.config
+        self.config = self.loaded_config(self.predictor.config)
         self.planner = self.make_planner()
         self.pretrained = True
+
+    def loaded_config(self, saved: Any) -> Any:
+        """The config to run with after loading one saved with the predictor (a design may keep some of its own)."""
+        return saved
 
 
 def load_matching(policy: Policy, directories: Sequence[str | Path]) -> Path | None:
