@@ -1,6 +1,7 @@
 """`moestream bench policies`: every registered design, ablation and baseline, the ORACLE and
 `default`, side by side on a real routing trace, in the stream and MoE-Beyond protocols, at several
-cache ratios and cost models; prediction quality at horizons 1..8; overhead per layer.
+cache ratios and cost models; prediction quality at horizons 1..8; overhead per layer; how far ahead
+the replayed tokens reuse their experts (the foresight Belady and the oracle exploit).
 
 Trains on the training trace (by default a seeded 80% of the prompts of --trace) and replays
 prompts it has never seen. Prints tables, writes JSON and PNG plots.
@@ -17,6 +18,7 @@ from rich.table import Table
 
 from moestream.atomic import write_json
 from moestream.errors import MoestreamError
+from moestream.eval.reuse import ReuseProfile, reuse_profile
 from moestream.policies import POLICIES
 from moestream.sim.compare import CompareConfig, Comparison, compare
 from moestream.sim.cost import PRESETS
@@ -60,11 +62,12 @@ def run(args) -> int:
         predictor_dirs=tuple(args.predictor_dir),
     )
     result = compare(train, test, config)
-    _print(result, config, train.num_tokens, test.num_tokens)
+    reuse = reuse_profile(test)
+    _print(result, config, (train.num_tokens, test.num_tokens), reuse)
     if args.plot_dir:
         _plot(result, args.plot_dir)
     if args.json:
-        write_json(_document(result, config, train, test), args.json)
+        write_json(_document(result, config, train, test) | {"reuse": asdict(reuse)}, args.json)
     return 0
 
 
@@ -99,11 +102,12 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _print(result: Comparison, config: CompareConfig, num_train: int, num_test: int) -> None:
+def _print(result: Comparison, config: CompareConfig, num_tokens: tuple[int, int], reuse: ReuseProfile) -> None:
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, REPORT_WIDTH)  # whole figures in a file or pipe
-    console.print(f"trained on {num_train} tokens, replayed {num_test} held-out tokens")
+    console.print("trained on {} tokens, replayed {} held-out tokens".format(*num_tokens))
+    console.print(_reuse_line(reuse))
     for protocol, by_cost in result.replays.items():
         for cost, by_policy in by_cost.items():
             label = protocol if protocol == "moe-beyond" else f"{protocol}, {cost}"
@@ -112,6 +116,13 @@ def _print(result: Comparison, config: CompareConfig, num_train: int, num_test: 
     for name, reason in result.skipped.items():
         console.print(f"[yellow]{name}: not run: {reason}[/yellow]")
     _print_verdict(console, result)
+
+
+def _reuse_line(reuse: ReuseProfile) -> str:
+    spans = "/".join(str(span) for span in reuse.within_tokens)
+    shares = "/".join(f"{100 * share:.0f}" for share in reuse.within_tokens.values())
+    return (f"expert reuse in the replayed tokens: next use a median {reuse.median_tokens:g} tokens ahead; "
+            f"within {spans} tokens: {shares}%; {100 * reuse.same_sequence_share:.1f}% in the same sequence")
 
 
 def _replay_table(label: str, by_policy: dict, ratios, with_stall: bool) -> Table:

@@ -34,6 +34,7 @@ from moestream.policies.base import POLICIES, EvictionPolicy, Prediction, Prefet
 from moestream.policies.default_model import ModelConfig, RoutingWeights, build_vocabulary, token_keys
 from moestream.policies.default_reuse import ReuseModel, popularity_logit
 from moestream.policies.default_state import IterationState, TraceScores
+from moestream.policies.offline import FutureIndex, FutureTracker, LookaheadEviction
 from moestream.policies.planning import IdleAwarePlanner
 from moestream.policies.scored_eviction import ScoredEviction
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
@@ -204,3 +205,31 @@ class Default(TrainedPolicy):
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
         return DefaultEviction(self.predictor)
+
+
+@POLICIES.register("default-lookahead-4")
+class DefaultLookahead4(Default):
+    """Offline bound: `default` whose eviction also knows the next 4 tokens' routing exactly.
+
+    Experts needed within the window are kept as Belady keeps them; among the rest, the default's
+    eviction decides. It measures how much of the gap to the oracle a perfect short-range view of
+    the future would close. Shares the default's trained predictor (same kind).
+    """
+
+    offline = True
+    num_tokens = 4
+
+    def __init__(self, topology: Topology, config: DefaultConfig | None = None, train: TrainConfig | None = None,
+                 predictor_dir=None):
+        self.future = FutureIndex(topology)
+        self.tracker = FutureTracker(topology, self.future)
+        super().__init__(topology, config, train, predictor_dir)
+
+    def observers(self) -> list:
+        return [self.tracker, *super().observers()]
+
+    def make_eviction(self, tier: str) -> EvictionPolicy:
+        return LookaheadEviction(self.future, self.num_tokens, super().make_eviction(tier))
+
+    def prepare(self, trace: "Trace") -> None:
+        self.future.reset(trace)

@@ -6,6 +6,7 @@ import heapq
 from collections import Counter, OrderedDict
 from typing import Any, Sequence
 
+from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.base import EVICTIONS, EvictionPolicy
 from moestream.topology import ExpertKey
 
@@ -36,6 +37,31 @@ class LRUPolicy(EvictionPolicy):
     def _touch(self, key: ExpertKey) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
+
+
+class NarrowingEviction(EvictionPolicy):
+    """Passes every hook to an inner policy; a subclass narrows the candidates the inner one chooses from."""
+
+    def __init__(self, inner: EvictionPolicy):
+        self.inner = inner
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self.inner.on_insert(key)
+
+    def on_access(self, key: ExpertKey) -> None:
+        self.inner.on_access(key)
+
+    def on_remove(self, key: ExpertKey) -> None:
+        self.inner.on_remove(key)
+
+    def begin_iteration(self, ctx: IterationContext) -> None:
+        self.inner.begin_iteration(ctx)
+
+    def observe(self, event: RoutingEvent) -> None:
+        self.inner.observe(event)
+
+    def end_sequence(self, seq_id: int) -> None:
+        self.inner.end_sequence(seq_id)
 
 
 class PriorityIndex:

@@ -3,7 +3,8 @@
 `belady` prefetches nothing and evicts the resident expert whose next use is farthest away.
 `lookahead-1` and `lookahead-8` evict like `belady` but see the future only that many tokens ahead
 (beyond it, least recently used first): the bound for a policy that knows the next tokens'
-routing exactly and nothing more.
+routing exactly and nothing more. `LookaheadEviction` takes any fallback policy for what lies
+beyond its window (`default-lookahead-4` gives it the default's eviction).
 `oracle` predicts exactly the experts of the next `horizon_layers` layers (crossing into the next
 iterations), each with score 1, so the default planner orders them by time of need; it evicts like
 `belady`. Both get the trace through `prepare(trace)` and follow the replay from the events they
@@ -15,15 +16,15 @@ decode with B = their number), then checked at every iteration. Simulator only (
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.base import POLICIES, EvictionPolicy, Policy, Prediction, Predictor
-from moestream.policies.eviction import PriorityIndex
+from moestream.policies.eviction import LRUPolicy, NarrowingEviction, PriorityIndex
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows
 
@@ -205,33 +206,49 @@ class BeladyEviction(EvictionPolicy):
         return max(candidates, key=self.future.next_use) if victim is None else victim
 
 
-class LookaheadEviction(EvictionPolicy):
-    """Belady within `num_tokens` iterations of foresight; least recently used beyond it.
+class LookaheadEviction(NarrowingEviction):
+    """Belady within `num_tokens` iterations of foresight; beyond it, the fallback policy decides.
 
-    The victim is the least recently used candidate not needed within the window (found by
-    walking the recency order from the oldest); if every candidate is, the one needed last.
+    The victim is the fallback's choice among the candidates not needed within the window (least
+    recently used first, by default); if every candidate is needed, the one needed last.
     """
 
-    def __init__(self, future: FutureIndex, num_tokens: int):
+    def __init__(self, future: FutureIndex, num_tokens: int, fallback: EvictionPolicy | None = None):
+        super().__init__(LRUPolicy() if fallback is None else fallback)
         self.future, self.window = future, num_tokens * future.topology.num_layers
-        self._recency: OrderedDict[ExpertKey, None] = OrderedDict()
-
-    def on_insert(self, key: ExpertKey) -> None:
-        self.on_access(key)
-
-    def on_access(self, key: ExpertKey) -> None:
-        self._recency[key] = None
-        self._recency.move_to_end(key)
-
-    def on_remove(self, key: ExpertKey) -> None:
-        self._recency.pop(key, None)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        horizon = self.future.position + self.window
-        for key in self._recency:
-            if key in candidates and self.future.next_use(key) > horizon:
-                return key
+        unforeseen = Unforeseen(candidates, self.future, self.future.position + self.window)
+        if unforeseen:
+            return self.inner.victim(unforeseen)
         return max(candidates, key=self.future.next_use)
+
+
+class Unforeseen(Sequence):
+    """The candidates not needed up to position `horizon`; membership costs O(1), as the cache's."""
+
+    def __init__(self, candidates: Sequence[ExpertKey], future: FutureIndex, horizon: int):
+        self._candidates, self._future, self._horizon = candidates, future, horizon
+        self._list: list[ExpertKey] | None = None
+
+    def __contains__(self, key) -> bool:
+        return key in self._candidates and self._future.next_use(key) > self._horizon
+
+    def __bool__(self) -> bool:
+        if self._list is None:  # stops at the first candidate beyond the horizon
+            return any(self._future.next_use(key) > self._horizon for key in self._candidates)
+        return bool(self._list)
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __getitem__(self, index):
+        return self._keys()[index]
+
+    def _keys(self) -> list[ExpertKey]:
+        if self._list is None:
+            self._list = [key for key in self._candidates if self._future.next_use(key) > self._horizon]
+        return self._list
 
 
 class _Offline(Policy):

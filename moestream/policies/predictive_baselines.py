@@ -23,7 +23,7 @@ import numpy as np
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.base import POLICIES, EvictionPolicy, Policy, Prediction, Predictor
-from moestream.policies.eviction import LRUPolicy
+from moestream.policies.eviction import LRUPolicy, NarrowingEviction
 from moestream.policies.routing_stats import (
     Cooccurrence,
     Evidence,
@@ -336,26 +336,17 @@ def _edge_rows_of_sequences(ctx: IterationContext, last: bool) -> np.ndarray:
     return edge
 
 
-class PinnedLRU(EvictionPolicy):
+class PinnedLRU(NarrowingEviction):
     """LRU that passes over pinned experts unless every candidate is pinned."""
 
     def __init__(self, pinned: Callable[[], frozenset[ExpertKey]]):
+        super().__init__(LRUPolicy())
         self.pinned = pinned
-        self._lru = LRUPolicy()
-
-    def on_insert(self, key: ExpertKey) -> None:
-        self._lru.on_insert(key)
-
-    def on_access(self, key: ExpertKey) -> None:
-        self._lru.on_access(key)
-
-    def on_remove(self, key: ExpertKey) -> None:
-        self._lru.on_remove(key)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
         pinned = self.pinned()
         free = [key for key in candidates if key not in pinned]
-        return self._lru.victim(free or list(candidates))
+        return self.inner.victim(free or list(candidates))
 
 
 @POLICIES.register("static")

@@ -1,21 +1,23 @@
 """Side-by-side comparison of registered policies on one trace: fit once, replay many settings.
 
-Each policy is fitted once on the training trace, then deep-copied for every (protocol, cost model,
-cache ratio) replay of the test trace, so no run sees another's online state. Runs are spread over
-worker processes. Also measures prediction quality per horizon and the policy's own time per layer
-(observe + predict + plan), which is the overhead the engine pays per decision. Knows policies only
-through the registry and the policy contract.
+Each policy is fitted once on the training trace (each trained predictor kind once), then
+deep-copied for every (protocol, cost model, cache ratio) replay of the test trace, so no run sees
+another's online state. Runs are spread over worker processes. Also measures prediction quality
+per horizon and the policy's own time per layer (observe + predict + plan), which is the overhead
+the engine pays per decision. Knows policies only through the registry and the policy contract.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import tempfile
 import time
 from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
+from pathlib import Path
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
 from moestream.policies.base import CacheView, Policy
-from moestream.policies.trained import load_matching
+from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
 from moestream.sim.protocols import simulate
@@ -116,21 +118,31 @@ def single_threaded_torch():
 
 
 def fit_policies(train: Trace, test: Trace, config: CompareConfig, result: Comparison) -> dict[str, Policy]:
+    """Fits every policy, or loads a directory of its predictor's kind. A kind is trained once: the
+    first of its policies saves what it learned, and the others (ablations and bounds built on the
+    same design, which differ only in how they act) load it."""
     fitted = {}
-    for name in config.policies:
-        policy_class = POLICIES.get(name)
-        missing = [f for f in policy_class.trace_needs if getattr(train, f) is None or getattr(test, f) is None]
-        if missing:
-            result.skipped[name] = f"needs trace field(s) {', '.join(missing)}, absent from this trace"
-            continue
-        start = time.perf_counter()
-        policy = policy_class(test.topology)
-        if load_matching(policy, config.predictor_dirs) is None:
-            policy.fit(train)
-        result.fit_seconds[name] = round(time.perf_counter() - start, 2)
-        log.info("fitted %s in %.1f s", name, result.fit_seconds[name])
-        fitted[name] = policy
+    with tempfile.TemporaryDirectory(prefix="moestream-fit-") as scratch:
+        directories = list(config.predictor_dirs)
+        for name in config.policies:
+            policy_class = POLICIES.get(name)
+            missing = [f for f in policy_class.trace_needs if getattr(train, f) is None or getattr(test, f) is None]
+            if missing:
+                result.skipped[name] = f"needs trace field(s) {', '.join(missing)}, absent from this trace"
+                continue
+            start = time.perf_counter()
+            fitted[name] = _fitted(policy_class(test.topology), train, directories, Path(scratch) / name)
+            result.fit_seconds[name] = round(time.perf_counter() - start, 2)
+            log.info("fitted %s in %.1f s", name, result.fit_seconds[name])
     return fitted
+
+
+def _fitted(policy: Policy, train: Trace, directories: list, scratch: Path) -> Policy:
+    if load_matching(policy, directories) is None:
+        policy.fit(train)
+        if isinstance(policy, TrainedPolicy):
+            directories.append(policy.save(scratch))
+    return policy
 
 
 def replay_jobs(fitted: dict[str, Policy], config: CompareConfig) -> list[Job]:

@@ -18,12 +18,13 @@ def test_prints_writes_json_and_plots(tmp_path, capsys):
             "--json", str(out), "--plot-dir", str(plots)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "h100-pcie5" in printed and "F1" in printed
+    assert "h100-pcie5" in printed and "F1" in printed and "expert reuse in the replayed tokens" in printed
     doc = json.loads(out.read_text())
     assert doc["train"]["num_tokens"] + doc["test"]["num_tokens"] == 100
     assert set(doc["replays"]["stream"]) == {"pcie4-consumer", "h100-pcie5"}
     assert set(doc["replays"]["stream"]["h100-pcie5"]["token"]) == {"0.25"}
     assert "1" in doc["prediction"]["token"] and doc["default_losses"] == []
+    assert doc["reuse"]["num_accesses"] == doc["test"]["num_tokens"] * 3 * 2
     assert sorted(p.name for p in plots.iterdir()) == ["moe-beyond.png", "stream-h100-pcie5.png", "stream-pcie4-consumer.png"]
 
 

@@ -306,3 +306,24 @@ def test_a_prefill_leaves_the_sequence_as_token_by_token_decoding_would(policy, 
     prefill = next_token_predictions([rows[:8]])  # one iteration of 8 rows of the same sequence
     assert iteration(test, rows[:8], 0).ctx.is_prefill
     assert prefill == next_token_predictions([rows[i:i + 1] for i in range(8)])
+
+
+class _NoForesight(POLICIES.get("default-lookahead-4")):
+    num_tokens = 0
+
+
+def test_the_lookahead_bound_is_the_default_without_foresight_and_gains_with_it(policy, traces, tmp_path):
+    from moestream.sim import SimConfig, simulate
+    from tests.sim import tiny
+
+    policy.save(tmp_path / "default")
+    test = traces[1]
+    config = SimConfig(cache_ratio=0.25, cost=tiny.cost(), horizon_layers=2)
+    runs = {}
+    makers = {"default": POLICIES.get("default"), "none": _NoForesight, "four": POLICIES.get("default-lookahead-4")}
+    for name, make in makers.items():
+        bound = make(TOPOLOGY, predictor_dir=tmp_path / "default")
+        bound.prepare(test)
+        runs[name] = simulate(bound, test, config)["hits"]
+    assert runs["none"] == runs["default"]
+    assert runs["four"] > runs["default"]

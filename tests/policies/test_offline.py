@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from moestream.policies import POLICIES
-from moestream.policies.offline import NEVER, FutureIndex, OfflinePolicyError
+from moestream.policies.eviction import LRUPolicy
+from moestream.policies.offline import NEVER, FutureIndex, LookaheadEviction, OfflinePolicyError
 from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey, Topology
 from moestream.trace import replay
@@ -131,3 +132,43 @@ def test_lookahead_spans_lru_to_belady(trace, ratio):
     assert hits(_Window(TOPOLOGY)) == hits(POLICIES.create("lru", TOPOLOGY))  # no foresight: LRU
     assert hits(_Unbounded(TOPOLOGY)) == hits(POLICIES.create("belady", TOPOLOGY))  # all of it: MIN
     assert hits(POLICIES.create("lookahead-8", TOPOLOGY)) >= hits(POLICIES.create("lru", TOPOLOGY))
+
+
+class _Newest(LRUPolicy):
+    """Evicts the most recently used offered candidate, and records what it was offered."""
+
+    offered = None
+
+    def victim(self, candidates):
+        self.offered = list(candidates)
+        return next(key for key in reversed(self._order) if key in candidates)
+
+
+def _lookahead_after_two_tokens(trace, num_tokens):
+    iterations = list(replay.decode_stream(trace))
+    future, fallback = FutureIndex(TOPOLOGY), _Newest()
+    future.reset(trace)
+    eviction = LookaheadEviction(future, num_tokens, fallback)
+    for it in iterations[:2]:
+        future.begin(it.ctx)
+        for event in it.events:
+            future.observe(event)
+            for expert in event.expert_ids.ravel().tolist():
+                eviction.on_access(ExpertKey(event.layer, expert))
+    return eviction, fallback, future
+
+
+def test_lookahead_leaves_to_its_fallback_only_the_experts_it_does_not_foresee(trace):
+    eviction, fallback, future = _lookahead_after_two_tokens(trace, num_tokens=1)
+    candidates = [key for key in TOPOLOGY.keys() if key in fallback._order]
+    victim = eviction.victim(candidates)
+    horizon = future.position + TOPOLOGY.num_layers
+    assert fallback.offered == [key for key in candidates if future.next_use(key) > horizon]
+    assert victim == next(key for key in reversed(fallback._order) if key in fallback.offered)
+
+
+def test_lookahead_evicts_the_one_needed_last_when_it_foresees_every_candidate(trace):
+    eviction, fallback, future = _lookahead_after_two_tokens(trace, num_tokens=10**6)
+    candidates = [key for key in TOPOLOGY.keys() if future.next_use(key) < NEVER][:5]
+    assert eviction.victim(candidates) == max(candidates, key=future.next_use)
+    assert fallback.offered is None

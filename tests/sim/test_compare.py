@@ -57,6 +57,18 @@ def test_a_trained_predictor_directory_replaces_fitting(traces, tmp_path):
     assert fitted["expertflow"].pretrained and not hasattr(fitted["lru"], "pretrained")
 
 
+def test_a_predictor_kind_is_trained_once_and_shared_by_its_policies(traces):
+    from moestream.sim.compare import fit_policies
+
+    train, _ = traces
+    fitted = fit_policies(train, train, _config(policies=("expertflow", "expertflow-nocorrect")), Comparison())
+    first, second = fitted["expertflow"], fitted["expertflow-nocorrect"]
+    assert not first.pretrained and second.pretrained  # fitted once, then loaded
+    for layer in range(3):
+        scores = [policy.predictor.score_rows(train, layer, 1) for policy in (first, second)]
+        np.testing.assert_allclose(scores[1], scores[0])
+
+
 def test_default_losses_name_the_setting_and_ignore_offline_bounds():
     metrics = lambda hit, stall: {"hit_rate": hit, "stall_ms_per_token": stall}  # noqa: E731
     result = Comparison(fit_seconds={"default": 1.0, "lru": 0.0, "oracle": 0.0})
