@@ -18,6 +18,9 @@ both prefetch and eviction.
   (1 - p) x L / q, with p its predicted probability now and q the reuse probability for the next
   token; for one of a layer already passed, (layers until the next token reaches it) +
   L x (1 / q - 1). That is Belady's rule with the future replaced by calibrated expectations.
+- `default-lookahead-4`: an offline bound, not a policy to serve with. The same design, whose
+  eviction also sees the next 4 tokens' routing exactly (as Belady does), to measure how much
+  foresight the gap to the oracle takes.
 Settings were chosen by cross-validation on the dev trace (docs/default-policy.md).
 Knows the policy contract, not the mechanism, time or bytes.
 """
@@ -25,12 +28,13 @@ Knows the policy contract, not the mechanism, time or bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import POLICIES, EvictionPolicy, Prediction, PrefetchPlanner
+from moestream.policies.base import POLICIES, EvictionPolicy, Observer, Prediction, PrefetchPlanner
 from moestream.policies.default_model import ModelConfig, RoutingWeights, build_vocabulary, token_keys
 from moestream.policies.default_reuse import ReuseModel, popularity_logit
 from moestream.policies.default_state import IterationState, TraceScores
@@ -220,12 +224,12 @@ class DefaultLookahead4(Default):
     num_tokens = 4
 
     def __init__(self, topology: Topology, config: DefaultConfig | None = None, train: TrainConfig | None = None,
-                 predictor_dir=None):
+                 predictor_dir: str | Path | None = None):
         self.future = FutureIndex(topology)
         self.tracker = FutureTracker(topology, self.future)
         super().__init__(topology, config, train, predictor_dir)
 
-    def observers(self) -> list:
+    def observers(self) -> list[Observer]:
         return [self.tracker, *super().observers()]
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
