@@ -28,7 +28,6 @@ Knows the policy contract, not the mechanism, time or bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -223,11 +222,10 @@ class DefaultLookahead4(Default):
     offline = True
     num_tokens = 4
 
-    def __init__(self, topology: Topology, config: DefaultConfig | None = None, train: TrainConfig | None = None,
-                 predictor_dir: str | Path | None = None):
+    def __init__(self, topology: Topology, *args, **kwargs):
+        super().__init__(topology, *args, **kwargs)
         self.future = FutureIndex(topology)
         self.tracker = FutureTracker(topology, self.future)
-        super().__init__(topology, config, train, predictor_dir)
 
     def observers(self) -> list[Observer]:
         return [self.tracker, *super().observers()]
