@@ -15,12 +15,13 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from moestream.checkpoint.index import CheckpointIndex, build_index
+from moestream.checkpoint.manifest import load_manifest
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.policies import POLICIES
 from moestream.policies.base import Observer, Policy, TransferRequest
@@ -60,7 +61,7 @@ class Engine:
         self._background = offload_predictor(self.policy)  # before observers() lists the predictor
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store = ExpertStore(self.checkpoint.experts, self.config.store_config(),
-                                 evictions["device"], evictions["host"])
+                                 evictions["device"], evictions["host"], load_manifest(self.checkpoint))
         self.publisher = Publisher([*self.policy.observers(), *evictions.values(), *observers],
                                    always_hidden=self.config.publish_hidden)
         self.prefetcher = Prefetcher(self.policy, self.store, self.config.horizon_layers)
@@ -113,8 +114,11 @@ class Engine:
         """The prompt's token ids with the checkpoint's tokenizer (no chat template)."""
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32) -> GenerationResult:
-        """Greedy generation for a batch of prompts (text, or token ids)."""
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32,
+                 on_tokens: Callable[[list[int | None]], None] | None = None) -> GenerationResult:
+        """Greedy generation for a batch of prompts (text, or token ids).
+
+        on_tokens: called after each step with each prompt's new token (None once it has finished)."""
         if max_new_tokens < 1:
             raise MoestreamError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         seqs = [Sequence(next(self._seq_counter), ids) for ids in self._prompt_ids(prompts)]
@@ -126,7 +130,9 @@ class Engine:
             plan = runner.prefill(next(self._step_counter), seqs)
             while plan is not None:
                 self._begin(plan)
-                self._update(seqs, runner.run(plan).argmax(dim=-1).tolist(), max_new_tokens)
+                new = self._update(seqs, runner.run(plan).argmax(dim=-1).tolist(), max_new_tokens)
+                if on_tokens is not None:
+                    on_tokens(new)
                 clock.mark()
                 done = all(s.finished for s in seqs)
                 plan = None if done else runner.decode(next(self._step_counter), seqs)
@@ -160,15 +166,18 @@ class Engine:
         self.publisher.begin_iteration(ctx)
         self.prefetcher.after(-1)
 
-    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int) -> None:
-        eos = self._eos_ids()
+    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int) -> list[int | None]:
+        """Appends each unfinished sequence's token; returns the tokens appended (None: finished before)."""
+        eos, new = self._eos_ids(), []
         for seq, token in zip(seqs, tokens):
+            new.append(None if seq.finished else int(token))
             if seq.finished:
                 continue
             seq.output_ids.append(int(token))
             if int(token) in eos or len(seq.output_ids) >= max_new_tokens:
                 seq.finished = True
                 self.publisher.end_sequence(seq.seq_id)
+        return new
 
     def _result(self, seqs: list[Sequence], clock: StepClock, decode_text: bool) -> GenerationResult:
         stats = self.store.stats()

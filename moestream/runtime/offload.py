@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.policies.base import CacheView, Observer, Policy
+from moestream.runtime.finite import check_finite
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.topology import ExpertKey
 
@@ -160,7 +161,8 @@ class OffloadedExperts:
         logits = self._router_logits.pop(layer, None)
         if any(map(_observes, self.publisher.observers)):
             self.publisher.publish(layer, _routing(active, top_k_index, top_k_weights), rows, hidden, logits)
-        out = self._compute(layer, math, hidden, top_k_index, top_k_weights, active)
+        out = check_finite(self._compute(layer, math, hidden, top_k_index, top_k_weights, active),
+                           f"the routed experts' output of MoE layer {layer}")  # [T, H]
         if self.prefetcher is not None:
             self.prefetcher.after(layer)
         return out
