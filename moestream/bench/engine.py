@@ -58,6 +58,7 @@ def run(args) -> int:
 
     from moestream.cli.demo import PROMPTS, demo_checkpoint
     from moestream.atomic import write_json
+    from moestream.bench.integrity import report_integrity
 
     _check_args(args)
     budgets = _budgets(args.budgets)
@@ -72,9 +73,10 @@ def run(args) -> int:
     rows += offloaded
     summary = summarize(rows, disk, prefills)
     print_report(rows, summary, model, args)
+    integrity = report_integrity(model, args.device, not args.buffered_io)  # digest and finite check costs
     if args.json:
         write_json({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
-                   "runs": rows, **summary}, args.json)
+                   "runs": rows, **summary, "integrity": integrity}, args.json)
     return 0
 
 

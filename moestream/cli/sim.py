@@ -137,6 +137,7 @@ def _config(args, ratio: float):
 def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
     from moestream.policies import POLICIES
     from moestream.policies.trained import load_matching
+    from moestream.progress import progress_bar
     from moestream.sim import simulate
     from moestream.sim.protocols import check_compatible
 
@@ -149,7 +150,7 @@ def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
     elif _learns(policy):
         print(f"moestream: note: policy {name!r} learns from a trace but no --train was given; it runs unfitted", file=sys.stderr)
     results = {}
-    for config in configs:
+    for config in progress_bar(configs, desc=f"sim {name}", unit="ratio"):
         start = time.perf_counter()
         results[config.cache_ratio] = simulate(copy.deepcopy(policy), trace, config, args.protocol)
         results[config.cache_ratio]["replay_seconds"] = round(time.perf_counter() - start, 3)

@@ -27,6 +27,8 @@ def test_bench_engine_reports_every_run(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "sequential read" in printed and "layer pass" in printed and "on demand" in printed
     assert "streaming while serving, prefill" in printed and "informational)" in printed
+    assert "digest check:" in printed and "finite check:" in printed
+    assert record["integrity"]["digest_check_vs_disk_read"] > 0 and record["integrity"]["finite_check_us_per_token"] > 0
 
 
 def test_bench_engine_streams_a_long_prefill_at_the_first_and_the_least_budget(tmp_path, monkeypatch, capsys):
