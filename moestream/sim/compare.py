@@ -26,6 +26,7 @@ from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
 from moestream.policies.base import CacheView, Policy
 from moestream.policies.trained import TrainedPolicy, load_matching
+from moestream.progress import progress_bar
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
 from moestream.sim.protocols import simulate
@@ -94,7 +95,7 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
         futures = {job: pool.submit(run_job, fitted[job.policy], test, job, config.horizon_layers) for job in jobs}
         for name, policy in fitted.items():
             result.prediction[name] = prediction_quality(policy, test, config)
-        for job, future in futures.items():
+        for job, future in progress_bar(futures.items(), total=len(futures), desc="replays", unit="replay"):
             by_policy = result.replays.setdefault(job.protocol, {}).setdefault(job.cost_model, {})
             by_policy.setdefault(job.policy, {})[job.cache_ratio] = future.result()
     for name, policy in fitted.items():  # timed once the workers are done, on a quieter machine
