@@ -51,8 +51,10 @@ def published_sha256(shard: Path) -> str | None:
     return target.name if target.parent.name == "blobs" and _SHA256.match(target.name) else None
 
 
-def verify(path: str | Path, on_bytes: Callable[[int], None] = lambda n: None, rewrite: bool = False) -> VerifyReport:
-    """Checks every shard of the checkpoint in `path`; on_bytes(n) is told of each chunk read.
+def verify(path: str | Path, on_bytes: Callable[[int], None] = lambda n: None, rewrite: bool = False,
+           on_start: Callable[[int], None] = lambda total: None) -> VerifyReport:
+    """Checks every shard of the checkpoint in `path`: on_start(total bytes) once the headers are read,
+    then on_bytes(n) for each chunk read.
 
     rewrite: record the digests afresh instead of comparing them with the manifest already there."""
     began = time.perf_counter()
@@ -64,6 +66,7 @@ def verify(path: str | Path, on_bytes: Callable[[int], None] = lambda n: None, r
         for number, piece in enumerate(found):
             by_shard.setdefault(piece.shard, []).append((key, number, piece))
     shards = sorted({info.file for info in checkpoint.tensors.values()})
+    on_start(sum(shard.stat().st_size for shard in shards))
     digests: dict[tuple[ExpertKey, int], int] = {}
     records, published = {}, 0
     for shard in shards:

@@ -24,7 +24,7 @@ def run(args) -> int:
     from moestream.store.config import format_bytes
 
     with progress_bar(desc="verify", unit="B", unit_scale=True, unit_divisor=1024) as bar:
-        report = verify(args.model, bar.update, rewrite=args.rewrite)
+        report = verify(args.model, bar.update, rewrite=args.rewrite, on_start=lambda total: bar.reset(total=total))
     published = (f"sha256 matched the published digest of {report.num_published} of {report.num_shards} shards"
                  if report.num_published else "no published digest to compare (not a Hugging Face cache snapshot)")
     action = "wrote" if report.manifest_written else "matched"

@@ -162,7 +162,8 @@ class OffloadedExperts:
         if any(map(_observes, self.publisher.observers)):
             self.publisher.publish(layer, _routing(active, top_k_index, top_k_weights), rows, hidden, logits)
         out = check_finite(self._compute(layer, math, hidden, top_k_index, top_k_weights, active),
-                           f"the routed experts' output of MoE layer {layer}")  # [T, H]
+                           f"the routed experts' output of MoE layer {layer} "
+                           f"(decoder layer {self.store.topology.moe_layer_ids[layer]})")  # [T, H]
         if self.prefetcher is not None:
             self.prefetcher.after(layer)
         return out
