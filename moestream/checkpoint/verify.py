@@ -61,22 +61,18 @@ def verify(path: str | Path, on_bytes: Callable[[int], None] = lambda n: None, r
     checkpoint = build_index(Path(path))  # damaged headers and truncated shards fail here
     previous = None if rewrite else load_manifest(checkpoint)
     pieces = expert_pieces(checkpoint)
-    by_shard: dict[str, list[tuple[ExpertKey, int, Piece]]] = {}
-    for key, found in pieces.items():
-        for number, piece in enumerate(found):
-            by_shard.setdefault(piece.shard, []).append((key, number, piece))
+    by_shard = _by_shard(pieces)
     shards = sorted({info.file for info in checkpoint.tensors.values()})
     on_start(sum(shard.stat().st_size for shard in shards))
     digests: dict[tuple[ExpertKey, int], int] = {}
-    records, published = {}, 0
+    records = {}
     for shard in shards:
-        published_digest = published_sha256(shard)
-        published += published_digest is not None
-        found = _scan(shard, by_shard.get(shard.name, []), published_digest is not None, on_bytes)
-        if published_digest is not None and found[0] != published_digest:
-            raise IntegrityError(f"damaged shard {shard}: sha256 {found[0]}, published {published_digest}")
-        digests.update(found[1])
-        records[shard.name] = {"bytes": shard.stat().st_size, "sha256": published_digest}
+        published = published_sha256(shard)
+        sha256, found = _scan(shard, by_shard.get(shard.name, []), published is not None, on_bytes)
+        if published is not None and sha256 != published:
+            raise IntegrityError(f"damaged shard {shard}: sha256 {sha256}, published {published}")
+        digests.update(found)
+        records[shard.name] = {"bytes": shard.stat().st_size, "sha256": published}
     manifest = Manifest(checkpoint.path, pieces,
                         {key: tuple(digests[key, n] for n in range(len(found))) for key, found in pieces.items()},
                         records)
@@ -84,8 +80,18 @@ def verify(path: str | Path, on_bytes: Callable[[int], None] = lambda n: None, r
         _compare(previous, manifest)
     else:
         manifest.save()
+    published = sum(record["sha256"] is not None for record in records.values())
     return VerifyReport(checkpoint.path, len(shards), published, len(pieces),
                         sum(s.stat().st_size for s in shards), time.perf_counter() - began, previous is None)
+
+
+def _by_shard(pieces: dict[ExpertKey, tuple[Piece, ...]]) -> dict[str, list[tuple[ExpertKey, int, Piece]]]:
+    """Each shard's pieces as (expert, piece number, piece)."""
+    by_shard: dict[str, list[tuple[ExpertKey, int, Piece]]] = {}
+    for key, found in pieces.items():
+        for number, piece in enumerate(found):
+            by_shard.setdefault(piece.shard, []).append((key, number, piece))
+    return by_shard
 
 
 def _scan(shard: Path, pieces: list[tuple[ExpertKey, int, Piece]], with_sha256: bool,
