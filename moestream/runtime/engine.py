@@ -15,7 +15,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence as Seq
+from typing import Callable, Protocol, Sequence as Seq
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -44,6 +44,16 @@ class GenerationResult:
     token_ids: list[list[int]]  # generated ids of each prompt (prompt excluded; EOS kept when emitted)
     texts: list[str]  # decoded generated text of each prompt ("" without a tokenizer)
     metrics: GenerationMetrics
+
+
+class TokenSampler(Protocol):
+    """Chooses each row's next token and may end sequences early (e.g. sampling, stop strings)."""
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row of logits [B, V]."""
+
+    def stops(self, row: int, seq: Sequence) -> bool:
+        """Whether the row's sequence ends after the token just appended."""
 
 
 class Engine:
@@ -115,13 +125,15 @@ class Engine:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32,
-                 on_tokens: Callable[[list[int | None]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int | None]], None] | None = None,
+                 sampler: TokenSampler | None = None) -> GenerationResult:
         """Greedy generation for a batch of prompts (text, or token ids).
 
-        on_tokens: called after each step with each prompt's new token (None once it has finished)."""
+        on_tokens: called after each step with each prompt's new token (None once it has finished).
+        sampler: chooses the tokens instead of argmax and may end sequences before max_new_tokens."""
         if max_new_tokens < 1:
             raise MoestreamError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        seqs = [Sequence(next(self._seq_counter), ids) for ids in self._prompt_ids(prompts)]
+        seqs = [Sequence(next(self._seq_counter), ids) for ids in self.prompt_ids(prompts)]
         runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
                                 self.pad_id, self.config.device)
         self.store.reset_stats()
@@ -130,7 +142,9 @@ class Engine:
             plan = runner.prefill(next(self._step_counter), seqs)
             while plan is not None:
                 self._begin(plan)
-                new = self._update(seqs, runner.run(plan).argmax(dim=-1).tolist(), max_new_tokens)
+                logits = runner.run(plan)  # [B, V]
+                tokens = logits.argmax(dim=-1).tolist() if sampler is None else sampler.choose(logits, seqs)
+                new = self._update(seqs, tokens, max_new_tokens, sampler)
                 if on_tokens is not None:
                     on_tokens(new)
                 clock.mark()
@@ -166,15 +180,17 @@ class Engine:
         self.publisher.begin_iteration(ctx)
         self.prefetcher.after(-1)
 
-    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int) -> list[int | None]:
+    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int,
+                sampler: TokenSampler | None = None) -> list[int | None]:
         """Appends each unfinished sequence's token; returns the tokens appended (None: finished before)."""
         eos, new = self._eos_ids(), []
-        for seq, token in zip(seqs, tokens):
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
             new.append(None if seq.finished else int(token))
             if seq.finished:
                 continue
             seq.output_ids.append(int(token))
-            if int(token) in eos or len(seq.output_ids) >= max_new_tokens:
+            stopped = sampler is not None and sampler.stops(row, seq)
+            if stopped or int(token) in eos or len(seq.output_ids) >= max_new_tokens:
                 seq.finished = True
                 self.publisher.end_sequence(seq.seq_id)
         return new
@@ -195,7 +211,8 @@ class Engine:
 
     # -- inputs ----------------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompts) -> list[list[int]]:
+    def prompt_ids(self, prompts) -> list[list[int]]:
+        """Each prompt's token ids (text is encoded), refused if empty or outside the vocabulary."""
         if isinstance(prompts, str) or not prompts:
             raise MoestreamError("generate needs a non-empty list of prompts")
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
