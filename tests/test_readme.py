@@ -19,3 +19,10 @@ def test_the_python_example_runs(tiny_checkpoint, capsys):
     exec(compile(example.replace("path/to/checkpoint", str(model)), "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) >= 2 and "disk" in printed[-1]
+
+
+def test_the_sampling_example_runs(tiny_checkpoint, capsys):
+    example = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[1]
+    model = tiny_checkpoint("mixtral", num_layers=2)
+    exec(compile(example.replace("path/to/checkpoint", str(model)), "README.md", "exec"), {})
+    assert capsys.readouterr().out.split()[-1] in ("stop", "length")

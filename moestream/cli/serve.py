@@ -1,0 +1,51 @@
+"""`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) for one checkpoint.
+
+Binds 127.0.0.1 unless --host says otherwise; with --api-key every /v1 request needs the bearer
+key. Requests that arrive together are generated as one batch (up to --max-batch-size, waiting at
+most --max-wait-ms); beyond --max-queue waiting requests the server answers 429. Arguments are
+checked before the heavy imports.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from moestream.cli.generate import add_engine_arguments, check_engine_arguments, engine_config
+from moestream.errors import MoestreamError
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument("--served-model-name", help="the model id clients name (default: the directory's name)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="requests generated together (default 16)")
+    parser.add_argument("--max-wait-ms", type=float, default=20.0,
+                        help="how long a batch's first request waits for others (default 20)")
+    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which 429 is answered")
+    add_engine_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    if not 0 <= args.port < 65536:
+        raise MoestreamError(f"--port must lie in [0, 65536), got {args.port}")
+    check_engine_arguments(args)
+    try:
+        from moestream.serving.server import Server
+    except ImportError as error:
+        raise MoestreamError(f"serve needs the server extra: pip install 'moestream[serve]' ({error.name} "
+                             "is missing)") from None
+    from moestream.runtime import Engine
+    from moestream.serving.worker import WorkerConfig
+
+    workers = WorkerConfig(args.max_batch_size, args.max_wait_ms, args.max_queue)
+    with Engine(args.model, engine_config(args), progress=True) as engine:
+        server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
+                        args.api_key, workers)
+        print(f"moestream: serving {args.model} on http://{args.host}:{args.port}", file=sys.stderr)
+        server.run()
+    return 0

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (streamed as
+server-sent events or whole), /v1/models, /health and /metrics, in front of one `EngineWorker`.
+
+Requests are checked here (parameters, model name, context length, API key) and refused with
+OpenAI-style error JSON; a streamed request whose client goes away is cancelled. It never runs the
+engine itself: generation happens on the worker's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+from fastapi import Depends, FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import AutoTokenizer
+
+from moestream.errors import MoestreamError
+from moestream.serving.generation import TextDelta
+from moestream.serving.protocol import ChatBody, CompletionBody, chunk, error_json, request_id, response
+from moestream.serving.sampling import SamplingError, SamplingParams
+from moestream.serving.worker import EngineWorker, Overloaded, Request
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class Frontend:
+    """Turns checked HTTP bodies into worker requests and worker deltas into OpenAI JSON."""
+
+    def __init__(self, worker: EngineWorker, model_name: str):
+        engine = worker.engine
+        self.worker, self.model_name = worker, model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint.path)  # the event loop's own
+        text_config = engine.model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.context_len = getattr(text_config, "max_position_embeddings", None)
+
+    def prompt_ids(self, body: CompletionBody | ChatBody) -> list[int]:
+        if isinstance(body, ChatBody):
+            return list(self.tokenizer(self.chat_prompt(body), add_special_tokens=False)["input_ids"])
+        if isinstance(body.prompt, str):
+            return list(self.tokenizer(body.prompt)["input_ids"])
+        if not all(0 <= t < self.vocab_size for t in body.prompt):
+            raise ApiError(400, f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
+        return list(body.prompt)
+
+    def chat_prompt(self, body: ChatBody) -> str:
+        """The checkpoint's chat template when it has one, else 'role: content' lines."""
+        messages = [m.model_dump() for m in body.messages]
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    def check(self, body: CompletionBody | ChatBody, prompt_ids: list[int]) -> SamplingParams:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist", "model", "model_not_found")
+        if body.n != 1:
+            raise ApiError(400, "only n=1 is supported", "n")
+        if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        if not prompt_ids:
+            raise ApiError(400, "the prompt has no tokens", "prompt")
+        try:
+            params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        except SamplingError as error:
+            raise ApiError(400, str(error)) from None
+        if self.context_len and len(prompt_ids) + params.max_tokens > self.context_len:
+            raise ApiError(400, f"this model's maximum context length is {self.context_len} tokens; the prompt "
+                           f"has {len(prompt_ids)} and max_tokens is {params.max_tokens}", "max_tokens",
+                           "context_length_exceeded")
+        return params
+
+    async def answer(self, body: CompletionBody | ChatBody):
+        chat = isinstance(body, ChatBody)
+        prompt_ids = self.prompt_ids(body)
+        params = self.check(body, prompt_ids)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        request = Request(prompt_ids, params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        try:
+            self.worker.submit(request)
+        except Overloaded as error:
+            raise ApiError(429, str(error), code="overloaded") from None
+        rid = request_id(chat)
+        if body.stream:
+            return StreamingResponse(self._stream(rid, chat, request, events), media_type="text/event-stream")
+        return await self._whole(rid, chat, request, events)
+
+    async def _whole(self, rid: str, chat: bool, request: Request, events: asyncio.Queue) -> dict:
+        pieces = []
+        try:
+            while True:
+                delta = _raise_failure(await events.get())
+                pieces.append(delta.text)
+                if delta.finished:
+                    return response(rid, self.model_name, chat, "".join(pieces), delta.finish_reason,
+                                    len(request.prompt_ids), request.num_tokens)
+        finally:
+            request.cancel()  # a no-op once finished; frees the slot of a client that went away
+
+    async def _stream(self, rid: str, chat: bool, request: Request, events: asyncio.Queue):
+        first = True
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Exception):
+                    yield _sse(error_json(f"generation failed: {event}", "server_error"))
+                    break
+                yield _sse(chunk(rid, self.model_name, chat, event.text, event.finish_reason, first))
+                first = False
+                if event.finished:
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            request.cancel()  # the client disconnected (or the stream ended): the sequence stops
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _raise_failure(event: TextDelta | Exception) -> TextDelta:
+    if isinstance(event, Exception):
+        raise ApiError(503 if isinstance(event, Overloaded) else 500, f"generation failed: {event}",
+                       code="server_error")
+    return event
+
+
+def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the worker's thread and stops it (the engine stays open)."""
+    frontend = Frontend(worker, model_name)
+
+    async def lifespan(app):
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.close)
+
+    app = FastAPI(title="moestream", lifespan=lifespan)
+    _add_error_handlers(app)
+    authorized = [Depends(_bearer(api_key))] if api_key else []
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionBody):
+        return await frontend.answer(body)
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatBody):
+        return await frontend.answer(body)
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "moestream"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _bearer(api_key: str):
+    def check(http: HttpRequest) -> None:
+        given = http.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key")
+    return check
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_, error: ApiError):
+        kind = "authentication_error" if error.status == 401 else "invalid_request_error"
+        return JSONResponse(error_json(str(error), kind, error.param, error.code), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_, error: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
+        return JSONResponse(error_json(f"invalid request: {problems}"), status_code=400)
+
+    @app.exception_handler(MoestreamError)
+    async def user_error(_, error: MoestreamError):
+        return JSONResponse(error_json(str(error)), status_code=400)

@@ -1,0 +1,53 @@
+"""The server's Prometheus metrics, in a registry of its own (no process-global state): request
+latencies (TTFT, TPOT), queue depth, batch sizes, the expert store's hits per tier, bytes moved and
+prefetch precision/recall. It reads store statistics and knows no HTTP route or policy."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class ServerMetrics:
+    def __init__(self, queue_depth: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("moestream_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("moestream_tpot_seconds", "Mean time per output token after the first",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.batch_size = Histogram("moestream_batch_size", "Sequences per engine batch", buckets=BATCH_BUCKETS, registry=r)
+        self.requests = Counter("moestream_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter("moestream_rejected_requests", "Requests refused because the queue was full", registry=r)
+        self.tokens = Counter("moestream_generated_tokens", "Generated tokens", registry=r)
+        self.lookups = Counter("moestream_expert_lookups", "Expert lookups by tier and result", ["tier", "result"], registry=r)
+        self.bytes_moved = Counter("moestream_expert_bytes_moved", "Expert bytes copied up, by source", ["source"], registry=r)
+        self.prefetched = Counter("moestream_experts_prefetched", "Experts brought in by prefetch", registry=r)
+        self.prefetch_hits = Counter("moestream_prefetch_hits", "Lookups that hit a prefetched expert", registry=r)
+        self.prefetch_precision = Gauge("moestream_prefetch_precision", "Prefetched experts later used / prefetched", registry=r)
+        self.prefetch_recall = Gauge("moestream_prefetch_recall",
+                                     "Needed experts that prefetch brought in / needed experts not resident before", registry=r)
+        queue = Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r)
+        queue.set_function(queue_depth)
+        self._totals = [0, 0, 0]  # prefetched, prefetch hits, device misses: for the ratios
+
+    def observe_store(self, stats) -> None:
+        """Adds one batch's store statistics (a StoreStats reset at the batch's start)."""
+        self.lookups.labels("device", "hit").inc(stats.hits)
+        self.lookups.labels("device", "miss").inc(stats.misses)
+        self.lookups.labels("host", "hit").inc(stats.host_hits)
+        self.lookups.labels("host", "miss").inc(stats.host_misses)
+        for source, count in stats.bytes_read.items():
+            self.bytes_moved.labels(source).inc(count)
+        self.prefetched.inc(stats.prefetched)
+        self.prefetch_hits.inc(stats.prefetch_hits)
+        self._totals = [a + b for a, b in zip(self._totals, (stats.prefetched, stats.prefetch_hits, stats.misses))]
+        prefetched, used, misses = self._totals
+        self.prefetch_precision.set(used / prefetched if prefetched else 0.0)
+        self.prefetch_recall.set(used / (used + misses) if used + misses else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

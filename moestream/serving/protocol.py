@@ -1,0 +1,84 @@
+"""The OpenAI-compatible request bodies (pydantic) and the JSON the server answers with: errors in
+OpenAI's shape, completion and chat responses and their streamed chunks. No engine, no routes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moestream.serving.sampling import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # an extension of OpenAI's API, as in vLLM (0: all tokens)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Raises SamplingError on values out of range."""
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=self.stop or ())
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def error_json(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def request_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _envelope(rid: str, model: str, obj: str, choice: dict) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def chunk(rid: str, model: str, chat: bool, text: str, finish_reason: str | None, first: bool) -> dict:
+    """One streamed chunk in OpenAI's format."""
+    if chat:
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _envelope(rid, model, "chat.completion.chunk", choice)
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(rid, model, "text_completion", choice)
+
+
+def response(rid: str, model: str, chat: bool, text: str, finish_reason: str,
+             num_prompt_tokens: int, num_tokens: int) -> dict:
+    """The whole answer of a non-streamed request, with its token usage."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        body = _envelope(rid, model, "chat.completion", choice)
+    else:
+        body = _envelope(rid, model, "text_completion",
+                         {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+    usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
+             "total_tokens": num_prompt_tokens + num_tokens}
+    return body | {"usage": usage}

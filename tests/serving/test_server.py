@@ -1,0 +1,170 @@
+"""A real server on loopback: OpenAI-shaped answers, streaming, concurrency, cancellation, errors,
+the API key, and nothing left running after shutdown."""
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from moestream import LLM, SamplingParams
+from moestream.runtime import Engine, EngineConfig
+from moestream.serving.server import Server
+from moestream.serving.worker import WorkerConfig
+
+KEY = "sk-test"
+MODEL = "tiny"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engine(serving_checkpoint):
+    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
+        yield engine
+
+
+@pytest.fixture
+def server(engine):
+    with Server(engine, MODEL, api_key=KEY, worker_config=WorkerConfig(max_batch_size=8, max_queue=40)) as server:
+        yield server
+
+
+def _post(server, path, body, headers=AUTH, **kwargs):
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kwargs)
+
+
+def _events(lines) -> list[dict]:
+    data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_completion_alone_equals_offline_generate(server, serving_checkpoint):
+    body = {"model": MODEL, "prompt": "The cat sat on", "max_tokens": 6, "temperature": 0.8, "seed": 5}
+    answer = _post(server, "/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    with LLM(serving_checkpoint, expert_budget="0.5", direct_io=False) as llm:
+        offline = llm.generate("The cat sat on", SamplingParams(max_tokens=6, temperature=0.8, seed=5))[0]
+    assert choice["text"] == offline.text and choice["finish_reason"] == offline.finish_reason
+    assert answer.json()["usage"]["completion_tokens"] == len(offline.token_ids)
+
+
+def test_streamed_text_equals_the_whole_answer(server):
+    body = {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True},
+                      headers=AUTH, timeout=60) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        chunks = _events(stream.iter_lines())
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_chat_streams_deltas_with_a_role_first(server):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
+        chunks = _events(stream.iter_lines())
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    whole = _post(server, "/v1/chat/completions", body | {"stream": False}).json()
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": text}
+
+
+def test_32_concurrent_clients_get_what_they_would_get_alone(server):
+    prompts = [f"Request number {i} says" for i in range(32)]
+
+    async def ask(client, prompt):
+        answer = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        return answer.status_code, answer.json()["choices"][0]
+
+    async def everyone():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as client:
+            return await asyncio.gather(*(ask(client, p) for p in prompts))
+
+    answers = asyncio.run(everyone())
+    assert all(status == 200 for status, _ in answers)
+    alone = _post(server, "/v1/completions", {"prompt": prompts[3], "max_tokens": 4, "temperature": 0})
+    assert answers[3][1]["text"] == alone.json()["choices"][0]["text"]
+    metrics = httpx.get(server.url + "/metrics").text
+    batches = [line for line in metrics.splitlines() if line.startswith("moestream_batch_size_count")]
+    assert float(batches[0].split()[-1]) < 33  # requests that arrived together shared batches
+
+
+def test_a_client_leaving_mid_stream_cancels_its_sequence(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    for _ in range(200):
+        metrics = httpx.get(server.url + "/metrics").text
+        if 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics:
+            break
+        threading.Event().wait(0.05)
+    assert 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
+    ("/v1/completions", {"prompt": "x", "temperature": -2}, 400),
+    ("/v1/completions", {"prompt": "x", "top_p": 7}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400),
+    ("/v1/completions", {"prompt": [10**7]}, 400),
+    ("/v1/completions", {"prompt": "word " * 2000, "max_tokens": 4}, 400),
+    ("/v1/completions", {"max_tokens": 4}, 400),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+])
+def test_bad_requests_get_openai_errors(server, path, body, status):
+    answer = _post(server, path, body)
+    assert answer.status_code == status, answer.text
+    assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_malformed_json_is_a_400(server):
+    answer = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=AUTH | {"content-type": "application/json"})
+    assert answer.status_code == 400 and "error" in answer.json()
+
+
+def test_the_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        answer = _post(server, "/v1/completions", {"prompt": "x"}, headers=headers)
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_full_queue_answers_429(engine):
+    config = WorkerConfig(max_batch_size=1, max_queue=1, max_wait_ms=0)
+    body = {"prompt": "Busy busy", "max_tokens": 30, "temperature": 0}
+
+    async def flood(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(12)))
+
+    with Server(engine, MODEL, worker_config=config) as server:
+        statuses = [a.status_code for a in asyncio.run(flood(server.url))]
+        assert 429 in statuses and 200 in statuses
+        assert "moestream_rejected_requests_total" in httpx.get(server.url + "/metrics").text
+
+
+def test_metrics_report_latency_and_experts(server):
+    _post(server, "/v1/completions", {"prompt": "Metrics please", "max_tokens": 3, "temperature": 0})
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("moestream_ttft_seconds_bucket", "moestream_tpot_seconds_bucket", "moestream_queue_depth",
+                 'moestream_expert_lookups_total{result="miss",tier="device"}', "moestream_expert_bytes_moved_total",
+                 "moestream_prefetch_precision", "moestream_prefetch_recall"):
+        assert name in text
+
+
+def test_no_threads_are_left_after_shutdown(engine):
+    before = set(threading.enumerate())
+    with Server(engine, MODEL) as server:
+        httpx.post(server.url + "/v1/completions", json={"prompt": "bye", "max_tokens": 2}, timeout=60)
+    assert set(threading.enumerate()) <= before
