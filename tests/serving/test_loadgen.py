@@ -1,0 +1,57 @@
+"""loadgen replays a small synthetic trace against a real server and reports what it measured."""
+
+import json
+
+import pytest
+
+from moestream.cli import main
+from moestream.runtime import Engine, EngineConfig
+from moestream.serving.server import Server
+from moestream.serving.workload import TraceRequest, plan, read_trace
+
+
+def _azure(path, rows):
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" +
+                    "".join(f"2023-11-16 18:15:{s:02d}.5000000,{i},{o}\n" for s, i, o in rows))
+    return path
+
+
+def test_traces_are_read_relative_to_their_first_request(tmp_path):
+    azure = read_trace(_azure(tmp_path / "t.csv", [(40, 30, 3), (42, 10, 2)]))
+    assert azure == [TraceRequest(0.0, 30, 3), TraceRequest(2.0, 10, 2)]
+    mooncake = tmp_path / "t.jsonl"
+    mooncake.write_text('{"timestamp": 500, "input_length": 7, "output_length": 2}\n'
+                        '{"timestamp": 2500, "input_length": 9, "output_length": 4}\n')
+    assert read_trace(mooncake) == [TraceRequest(0.0, 7, 2), TraceRequest(2.0, 9, 4)]
+
+
+def test_plan_stretches_arrivals_to_the_rate_and_scales_lengths():
+    trace = [TraceRequest(t, 100, 40) for t in (0.0, 1.0, 3.0, 4.0)]  # 3 gaps over 4 s: 0.75 req/s
+    planned = plan(trace, ["one two three"], rps=1.5, duration_s=10, scale_lengths=0.1, max_requests=10)
+    assert [p.send_at_s for p in planned] == pytest.approx([0.0, 0.5, 1.5, 2.0])
+    assert all(p.max_tokens == 4 and len(p.prompt.split()) == 8 for p in planned)
+    assert len(plan(trace, ["x"], rps=1.5, duration_s=1.0, scale_lengths=1, max_requests=10)) == 2
+
+
+def test_loadgen_against_a_live_server(serving_checkpoint, tmp_path, capsys):
+    trace = _azure(tmp_path / "trace.csv", [(s, 40, 30) for s in range(0, 12, 1)])
+    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
+        with Server(engine, "tiny") as server:
+            code = main(["loadgen", "--url", server.url, "--trace", str(trace), "--rps", "4", "--duration", "2",
+                         "--scale-lengths", "0.2", "--data-dir", str(tmp_path), "--json", str(tmp_path / "r.json"),
+                         "--plot", str(tmp_path / "cdf.png")])
+    assert code == 0
+    figures = json.loads((tmp_path / "r.json").read_text())
+    assert figures["num_requests"] == 9 and figures["num_completed"] == 9  # arrivals 0..2 s at 4 req/s
+    assert figures["ttft_ms"]["p50"] > 0 and 0 <= figures["slo_attainment"] <= 1
+    assert (tmp_path / "cdf.png").stat().st_size > 0
+    assert "req/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--url", "http://example.com:80", "--trace", "azure-conv"], "this machine"),
+    (["--url", "http://127.0.0.1:9", "--trace", "nowhere.csv"], "does not exist"),
+])
+def test_loadgen_refuses_remote_servers_and_missing_traces(tmp_path, capsys, argv, message):
+    assert main(["loadgen", *argv, "--rps", "1", "--duration", "1", "--data-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
