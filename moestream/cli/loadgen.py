@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from moestream.cli.serve import require_serve_extra
 from moestream.errors import MoestreamError
 
 
@@ -46,6 +47,7 @@ def _check(args) -> None:
 
 def run(args) -> int:
     _check(args)
+    require_serve_extra()
     import asyncio
 
     from moestream.atomic import write_json

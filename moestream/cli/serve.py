@@ -30,16 +30,24 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
+def require_serve_extra() -> None:
+    """Refuses in one line when the server's libraries (the `serve` extra) are not installed."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client", "httpx")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MoestreamError(f"this command needs the serve extra: pip install 'moestream[serve]' "
+                             f"({', '.join(missing)} missing)")
+
+
 def run(args) -> int:
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port must lie in [0, 65536), got {args.port}")
     check_engine_arguments(args)
-    try:
-        from moestream.serving.server import Server
-    except ImportError as error:
-        raise MoestreamError(f"serve needs the server extra: pip install 'moestream[serve]' ({error.name} "
-                             "is missing)") from None
+    require_serve_extra()
     from moestream.runtime import Engine
+    from moestream.serving.server import Server
     from moestream.serving.worker import WorkerConfig
 
     workers = WorkerConfig(args.max_batch_size, args.max_wait_ms, args.max_queue)

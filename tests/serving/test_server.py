@@ -63,6 +63,20 @@ def test_streamed_text_equals_the_whole_answer(server):
     assert all(c["object"] == "text_completion" for c in chunks)
 
 
+def test_a_streamed_stop_string_is_trimmed_like_the_whole_answer(server):
+    body = {"prompt": "The cat sat on", "max_tokens": 12, "temperature": 0}
+    full = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    if len(full) < 4:
+        pytest.skip("the random model ended too early to pick a stop string")
+    body |= {"stop": [full[2:4]]}
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True},
+                      headers=AUTH, timeout=60) as stream:
+        chunks = _events(stream.iter_lines())
+    assert whole["text"] == full[: full.find(full[2:4])] and whole["finish_reason"] == "stop"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+
+
 def test_chat_streams_deltas_with_a_role_first(server):
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
