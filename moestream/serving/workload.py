@@ -109,15 +109,15 @@ def prompt_texts(data_dir: Path) -> list[str]:
 
 def plan(trace: list[TraceRequest], prompts: list[str], rps: float, duration_s: float,
          scale_lengths: float, max_requests: int) -> list[PlannedRequest]:
-    """The trace's arrivals stretched to rps on average (burstiness kept), cut at duration_s; lengths
-    scaled by scale_lengths (at least one token); prompt i cut or repeated to its input length."""
-    span = trace[-1].arrival_s - trace[0].arrival_s
-    stretch = (len(trace) - 1) / (span * rps) if span > 0 else 0.0
+    """The trace's first rps * duration_s requests (at most max_requests), their gaps stretched so
+    that they arrive at rps on average (the bursts within them kept); lengths scaled by
+    scale_lengths (at least one token); prompt i cut or repeated to its input length."""
+    window = trace[: max(1, min(max_requests, round(rps * duration_s)))]
+    span = window[-1].arrival_s - window[0].arrival_s
+    stretch = (len(window) - 1) / (span * rps) if span > 0 else 0.0
     planned = []
-    for index, request in enumerate(trace[:max_requests]):
-        send_at = request.arrival_s * stretch if stretch else index / rps
-        if send_at > duration_s:
-            break
+    for index, request in enumerate(window):
+        send_at = (request.arrival_s - window[0].arrival_s) * stretch if stretch else index / rps
         words = max(1, round(request.num_input_tokens * scale_lengths * WORDS_PER_TOKEN))
         planned.append(PlannedRequest(send_at, _prompt(prompts[index % len(prompts)], words),
                                       max(1, round(request.num_output_tokens * scale_lengths))))

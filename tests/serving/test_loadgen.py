@@ -25,12 +25,12 @@ def test_traces_are_read_relative_to_their_first_request(tmp_path):
     assert read_trace(mooncake) == [TraceRequest(0.0, 7, 2), TraceRequest(2.0, 9, 4)]
 
 
-def test_plan_stretches_arrivals_to_the_rate_and_scales_lengths():
-    trace = [TraceRequest(t, 100, 40) for t in (0.0, 1.0, 3.0, 4.0)]  # 3 gaps over 4 s: 0.75 req/s
-    planned = plan(trace, ["one two three"], rps=1.5, duration_s=10, scale_lengths=0.1, max_requests=10)
-    assert [p.send_at_s for p in planned] == pytest.approx([0.0, 0.5, 1.5, 2.0])
+def test_plan_takes_rate_times_duration_requests_at_the_rate_and_scales_lengths():
+    trace = [TraceRequest(t, 100, 40) for t in (5.0, 6.0, 8.0, 9.0, 30.0)]
+    planned = plan(trace, ["one two three"], rps=1.5, duration_s=2, scale_lengths=0.1, max_requests=10)
+    assert [p.send_at_s for p in planned] == pytest.approx([0.0, 2 / 4.5, 2 / 1.5])  # 2 gaps at 1.5 req/s
     assert all(p.max_tokens == 4 and len(p.prompt.split()) == 8 for p in planned)
-    assert len(plan(trace, ["x"], rps=1.5, duration_s=1.0, scale_lengths=1, max_requests=10)) == 2
+    assert len(plan(trace, ["x"], rps=10, duration_s=10, scale_lengths=1, max_requests=4)) == 4
 
 
 def test_loadgen_against_a_live_server(serving_checkpoint, tmp_path, capsys):
@@ -42,7 +42,7 @@ def test_loadgen_against_a_live_server(serving_checkpoint, tmp_path, capsys):
                          "--plot", str(tmp_path / "cdf.png")])
     assert code == 0
     figures = json.loads((tmp_path / "r.json").read_text())
-    assert figures["num_requests"] == 9 and figures["num_completed"] == 9  # arrivals 0..2 s at 4 req/s
+    assert figures["num_requests"] == 8 and figures["num_completed"] == 8  # 4 req/s for 2 s
     assert figures["ttft_ms"]["p50"] > 0 and 0 <= figures["slo_attainment"] <= 1
     assert (tmp_path / "cdf.png").stat().st_size > 0
     assert "req/s" in capsys.readouterr().out

@@ -1,0 +1,103 @@
+"""`moestream bench serving`: the highest request rate each policy sustains behind the HTTP server.
+
+For each policy (at --expert-budget) the server is started on loopback and the trace is replayed at
+each rate of --rates in turn; a rate is sustained when every request completes and the p99 TPOT
+stays within --tpot-factor times the all-resident TPOT (every expert in the device tier, measured
+first at the lowest rate). Prints one line per run and, per policy, the highest rate sustained.
+Figures only: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+
+
+def add_parser(kinds) -> None:
+    parser = kinds.add_parser("serving", help="highest request rate per policy behind the server")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    parser.add_argument("--policies", default="lru,default", help="comma-separated policy names (default lru,default)")
+    parser.add_argument("--expert-budget", default="0.25", help="device-tier budget of the policies' runs (default 0.25)")
+    parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
+    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="where workloads/ lies")
+    parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    parser.add_argument("--scale-lengths", type=float, default=0.05, help="scale of the trace's lengths (default 0.05)")
+    parser.add_argument("--tpot-factor", type=float, default=2.0, help="p99 TPOT limit / all-resident TPOT (default 2)")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="server batch size (default 16)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
+    parser.set_defaults(handler=run)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise MoestreamError(f"--rates must be numbers separated by commas, got {text!r}") from None
+    if not rates or min(rates) <= 0 or rates != sorted(rates):
+        raise MoestreamError(f"--rates must be positive and ascending, got {text!r}")
+    return rates
+
+
+def run(args) -> int:
+    from moestream.cli.serve import require_serve_extra
+
+    rates = _rates(args.rates)
+    if not (args.duration > 0 and args.scale_lengths > 0 and args.tpot_factor > 0):
+        raise MoestreamError("--duration, --scale-lengths and --tpot-factor must be > 0")
+    require_serve_extra()
+    from moestream.atomic import write_json
+    from moestream.cli.demo import demo_checkpoint
+    from moestream.serving import workload
+
+    model = args.model or demo_checkpoint(args.small)
+    trace = workload.read_trace(workload.trace_path(args.trace, args.data_dir))
+    prompts = workload.prompt_texts(args.data_dir)
+    runs = [_serve_and_replay(model, "1.0", "lru", rates[0], trace, prompts, args) | {"policy": "all-resident"}]
+    limit_ms = args.tpot_factor * runs[0]["tpot_ms"]["p50"]
+    print(f"all-resident TPOT p50 {runs[0]['tpot_ms']['p50']:.1f} ms: limit p99 TPOT {limit_ms:.1f} ms", flush=True)
+    best = {}
+    for policy in [p for p in args.policies.split(",") if p]:
+        best[policy] = 0.0
+        for rate in rates:
+            figures = _serve_and_replay(model, args.expert_budget, policy, rate, trace, prompts, args)
+            runs.append(figures | {"policy": policy})
+            if not _sustained(figures, limit_ms):
+                break
+            best[policy] = rate
+    for policy, rate in best.items():
+        print(f"{policy}: highest rate sustained {rate:g} req/s")
+    if args.json:
+        write_json({"model": str(model), "trace": args.trace, "tpot_limit_ms": limit_ms, "best_rps": best,
+                    "runs": runs}, args.json)
+    return 0
+
+
+def _sustained(figures: dict, limit_ms: float) -> bool:
+    p99 = figures["tpot_ms"]["p99"]
+    return figures["num_failed"] == 0 and p99 is not None and p99 <= limit_ms
+
+
+def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace, prompts, args) -> dict:
+    """One server run: a fresh engine (budget, policy), the trace replayed at rate; its figures."""
+    from moestream.runtime import Engine, EngineConfig
+    from moestream.serving import loadgen, workload
+    from moestream.serving.server import Server
+    from moestream.serving.worker import WorkerConfig
+
+    planned = workload.plan(trace, prompts, rate, args.duration, args.scale_lengths, max_requests=10_000)
+    config = EngineConfig(device=args.device, expert_budget=budget, policy=policy, direct_io=False)
+    with Engine(model, config) as engine:
+        if budget == "1.0":
+            engine.preload()
+        with Server(engine, model.name, worker_config=WorkerConfig(max_batch_size=args.max_batch_size)) as server:
+            measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
+    figures = loadgen.report(measured, wall, loadgen.Slo()) | {"rps": rate, "expert_budget": budget}
+    print(f"{policy} @ {budget} budget, {rate:g} req/s: {loadgen.summary(figures)}", file=sys.stderr, flush=True)
+    return figures
