@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 
 from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,7 @@ from moestream.serving.sampling import SamplingError, SamplingParams
 from moestream.serving.worker import EngineWorker, Overloaded, Request
 
 DEFAULT_MAX_TOKENS = 16
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is there
 
 
 class ApiError(Exception):
@@ -78,7 +80,7 @@ class Frontend:
                            "context_length_exceeded")
         return params
 
-    async def answer(self, body: CompletionBody | ChatBody):
+    async def answer(self, body: CompletionBody | ChatBody, http: HttpRequest):
         chat = isinstance(body, ChatBody)
         prompt_ids = self.prompt_ids(body)
         params = self.check(body, prompt_ids)
@@ -91,17 +93,26 @@ class Frontend:
         rid = request_id(chat)
         if body.stream:
             return StreamingResponse(self._stream(rid, chat, request, events), media_type="text/event-stream")
-        return await self._whole(rid, chat, request, events)
+        return await self._whole(rid, chat, request, events, http)
 
-    async def _whole(self, rid: str, chat: bool, request: Request, events: asyncio.Queue) -> dict:
-        pieces = []
+    async def _whole(self, rid: str, chat: bool, request: Request, events: asyncio.Queue,
+                     http: HttpRequest) -> dict | Response:
+        pieces, checked = [], time.monotonic()
         try:
             while True:
-                delta = _raise_failure(await events.get())
-                pieces.append(delta.text)
-                if delta.finished:
-                    return response(rid, self.model_name, chat, "".join(pieces), delta.finish_reason,
-                                    len(request.prompt_ids), request.num_tokens)
+                try:
+                    delta = _raise_failure(await asyncio.wait_for(events.get(), DISCONNECT_POLL_S))
+                except asyncio.TimeoutError:
+                    delta = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await http.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it; the finally cancels
+                if delta is not None:
+                    pieces.append(delta.text)
+                    if delta.finished:
+                        return response(rid, self.model_name, chat, "".join(pieces), delta.finish_reason,
+                                        len(request.prompt_ids), request.num_tokens)
         finally:
             request.cancel()  # a no-op once finished; frees the slot of a client that went away
 
@@ -147,12 +158,12 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     authorized = [Depends(_bearer(api_key))] if api_key else []
 
     @app.post("/v1/completions", dependencies=authorized)
-    async def completions(body: CompletionBody):
-        return await frontend.answer(body)
+    async def completions(body: CompletionBody, http: HttpRequest):
+        return await frontend.answer(body, http)
 
     @app.post("/v1/chat/completions", dependencies=authorized)
-    async def chat_completions(body: ChatBody):
-        return await frontend.answer(body)
+    async def chat_completions(body: ChatBody, http: HttpRequest):
+        return await frontend.answer(body, http)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():
@@ -170,7 +181,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
 
 def _bearer(api_key: str):
-    def check(http: HttpRequest) -> None:
+    async def check(http: HttpRequest) -> None:
         given = http.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key")

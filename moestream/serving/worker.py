@@ -117,6 +117,9 @@ class EngineWorker:
                 batch.append(self._queue.get(timeout=max(0.0, deadline - time.perf_counter())))
             except queue.Empty:
                 break
+        for request in batch:
+            if request.cancelled:
+                self.metrics.requests.labels("abort").inc()
         return [r for r in batch if not r.cancelled]
 
     def run(self, batch: list[Request]) -> None:

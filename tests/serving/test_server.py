@@ -121,6 +121,19 @@ def test_a_client_leaving_mid_stream_cancels_its_sequence(server):
     assert 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics
 
 
+def test_a_client_leaving_before_a_whole_answer_cancels_its_sequence(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 1.0, "seed": 1}  # 330 tokens to EOS
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.2)
+    for _ in range(200):
+        metrics = httpx.get(server.url + "/metrics").text
+        if 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics:
+            break
+        threading.Event().wait(0.05)
+    assert 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics, [
+        line for line in metrics.splitlines() if line.startswith(("moestream_requests_total", "moestream_generated_tokens_total"))]
+
+
 @pytest.mark.parametrize("path, body, status", [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
     ("/v1/completions", {"prompt": "x", "temperature": -2}, 400),
