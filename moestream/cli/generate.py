@@ -39,6 +39,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lru", help="prefetch/eviction policy by name (default lru)")
     parser.add_argument("--predictor-dir", help="trained predictor of the policy (from `moestream train-predictor`)")
     parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache, not O_DIRECT")
+    parser.add_argument("--sync", action="store_true",
+                        help="transfer experts on the compute thread (the on-demand baseline; default: async)")
+    parser.add_argument("--replay-routing", metavar="TRACE",
+                        help="follow this trace's routing instead of the router's (measurement only; "
+                             "outputs are labelled as replayed)")
 
 
 def engine_config(args, **overrides):
@@ -46,7 +51,8 @@ def engine_config(args, **overrides):
     from moestream.runtime import EngineConfig
 
     settings = dict(device=args.device, expert_budget=args.expert_budget, host_budget=args.host_budget,
-                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io)
+                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io,
+                    sync=args.sync, replay_routing=args.replay_routing)
     return EngineConfig(**(settings | overrides))
 
 
@@ -59,6 +65,10 @@ def run(args) -> int:
         raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     records = _generate(args, prompts)
+    if args.replay_routing is not None:
+        from moestream.runtime.replay import REPLAY_LABEL
+
+        print(f"[{REPLAY_LABEL} from {args.replay_routing}: the text below is for measurement only]")
     if args.prompts_file is None:
         print(records[0]["text"])
     else:
@@ -117,6 +127,7 @@ def report(result, row: int) -> dict:
         "expert_hits": m.expert_hits,
         "expert_misses": m.expert_misses,
         "bytes_read": dict(m.bytes_read),
+        "replayed": result.replayed,
     }
 
 
