@@ -1,4 +1,4 @@
-"""`moestream bench engine` measures every run it reports, on a small demo checkpoint."""
+"""`moestream bench streaming` measures every run it reports, on a small demo checkpoint."""
 
 import json
 
@@ -6,10 +6,10 @@ from moestream.checkpoint.index import build_index
 from moestream.cli import main
 
 
-def test_bench_engine_reports_every_run(tmp_path, monkeypatch, capsys):
+def test_bench_streaming_reports_every_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
     out = tmp_path / "bench.json"
-    assert main(["bench", "engine", "--small", "--budgets", "0.25,0.5", "--max-new-tokens", "3",
+    assert main(["bench", "streaming", "--small", "--budgets", "0.25,0.5", "--max-new-tokens", "3",
                  "--buffered-io", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     plain, resident, *offloaded = record["runs"]
@@ -29,10 +29,10 @@ def test_bench_engine_reports_every_run(tmp_path, monkeypatch, capsys):
     assert "streaming while serving, prefill" in printed and "informational)" in printed
 
 
-def test_bench_engine_streams_a_long_prefill_at_the_first_and_the_least_budget(tmp_path, monkeypatch, capsys):
+def test_bench_streaming_streams_a_long_prefill_at_the_first_and_the_least_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
     out = tmp_path / "bench.json"
-    assert main(["bench", "engine", "--small", "--budgets", "0.5", "--max-new-tokens", "2", "--repeats", "3",
+    assert main(["bench", "streaming", "--small", "--budgets", "0.5", "--max-new-tokens", "2", "--repeats", "3",
                  "--buffered-io", "--json", str(out)]) == 0
     topology = build_index(tmp_path / "demo-small").topology
     record = json.loads(out.read_text())
@@ -58,6 +58,6 @@ def test_bench_engine_streams_a_long_prefill_at_the_first_and_the_least_budget(t
     assert first["expert_misses"] == prefill["expert_misses"]  # the same tokens route the same experts
 
 
-def test_bench_engine_refuses_a_bad_budget(tmp_path, capsys):
-    assert main(["bench", "engine", "--model", str(tmp_path), "--budgets", "0.25,lots"]) == 2
+def test_bench_streaming_refuses_a_bad_budget(tmp_path, capsys):
+    assert main(["bench", "streaming", "--model", str(tmp_path), "--budgets", "0.25,lots"]) == 2
     assert "lots" in capsys.readouterr().err

@@ -1,0 +1,176 @@
+"""The runs of `bench engine` and the figures around them: disk bandwidth, the all-resident run, the
+calibrated cost model, each budget's physical limit, and one row per run in the issue's JSON schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+from moestream.bench.engine import CAP_SLACK_MIB
+from moestream.bench.engine.child import RunSpec
+from moestream.bench.engine.isolation import RunFailed, cap_support, run_isolated
+from moestream.errors import MoestreamError
+
+MIB = 2**20
+HF = "hf-accelerate"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    policy: str
+    sync: bool
+    kind: str = "engine"
+
+    @property
+    def mode(self) -> str:
+        return "sync" if self.sync else "async"
+
+
+def jobs(designs: str) -> list[Job]:
+    """Per budget: on-demand LRU, async LRU, each design, default, transformers + accelerate."""
+    names = [name.strip() for name in designs.split(",") if name.strip()]
+    return [Job("lru", True), Job("lru", False), *(Job(name, False) for name in names), Job("default", False)]
+
+
+def measure(args) -> dict:
+    from moestream.checkpoint.index import build_index
+    from moestream.cli.demo import PROMPTS, demo_checkpoint
+
+    budgets = _check(args)
+    model = args.model or demo_checkpoint(args.small)
+    topology = build_index(model).topology
+    base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS, max_new_tokens=args.max_new_tokens,
+                   threads=args.threads, direct_io=not args.buffered_io, replay_routing=args.replay_routing,
+                   predictor_dirs=tuple(args.predictor_dir))
+    disk = _disk(Path(model), args)
+    resident = run_isolated(dataclasses.replace(base, preload=True))
+    cost = _cost_model(topology, resident, disk)
+    dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
+    context = {"resident": resident, "cost": cost, "disk_bw": disk["bandwidth"], "topology": topology,
+               "replayed": _replayed(args, resident), "dense_mib": dense_mib, "cap": _cap(args)}
+    rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
+    skipped: list[dict] = []
+    for budget in budgets:
+        _budget_runs(base, budget, _run_list(args), context, rows, skipped)
+    floors = [row.pop("floor_rss_mib") for row in rows]
+    return {"runs": rows, "resident_tpot_ms": resident["tpot_ms"], "floor_rss_mib": statistics.median(floors),
+            "dense_mib": dense_mib, "disk_bw_gbps": disk["bandwidth"] / 1e9, "model": str(model),
+            "replay_routing": args.replay_routing, "replay_wraps": resident.get("replay_wraps", 0),
+            "threads": args.threads, "max_new_tokens": args.max_new_tokens, "skipped": skipped,
+            "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost)}
+
+
+def _run_list(args) -> list[Job]:
+    return jobs(args.designs) + ([] if args.no_hf else [Job(HF, True, HF)])
+
+
+def _check(args) -> list[str]:
+    from moestream.store.config import Budget
+
+    if args.threads < 1 or args.max_new_tokens < 1:
+        raise MoestreamError("--threads and --max-new-tokens must be >= 1")
+    if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
+        raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
+    budgets = [part.strip() for part in args.budgets.split(",") if part.strip()]
+    for budget in budgets:
+        Budget.parse(budget)
+    return budgets
+
+
+def _disk(model: Path, args) -> dict:
+    """Cold O_DIRECT figures of the largest shard: sequential bandwidth (the better of two ways) and
+    random experts read a decode step's top_k in flight together, as the engine reads its misses."""
+    from moestream.checkpoint.index import build_index
+    from moestream.store.bandwidth import cold_read_samples
+
+    shard = max(model.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    samples = cold_read_samples(shard, build_index(model).experts, 0, not args.buffered_io)
+    return {"bandwidth": max(samples["sequential"], samples["sequential_reader"]), "random": samples["random_experts"]}
+
+
+def _cost_model(topology, resident: dict, disk: dict):
+    from moestream.sim.cost import measured_cost_model
+
+    read_ms = topology.expert_bytes / disk["random"] * 1e3
+    return measured_cost_model(topology.num_layers, resident["tpot_ms"], topology.expert_bytes, read_ms,
+                               "bench engine: all-resident decode TPOT; cold O_DIRECT random experts, top_k per batch")
+
+
+def _replayed(args, resident: dict):
+    from moestream.bench.engine.simulated import replayed
+    from moestream.trace.format import load_trace
+
+    if args.replay_routing is None:
+        return None
+    return replayed(load_trace(args.replay_routing), resident["iterations"], resident["prefill"])
+
+
+def _cap(args) -> dict:
+    if args.memory_cap is None:
+        return {"requested": None, "applied": False, "reason": "not requested"}
+    reason = cap_support()
+    return {"requested": args.memory_cap, "applied": reason is None, "reason": reason or "cgroup v2 memory.max"}
+
+
+def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict, rows: list, skipped: list) -> None:
+    from moestream.store.config import Budget
+
+    topology = context["topology"]
+    budget_mib = Budget.parse(budget).resolve(topology.total_expert_bytes) / MIB
+    limit = _limit(context, budget)
+    for job in run_list:
+        spec = dataclasses.replace(base, budget=budget, policy=job.policy if job.kind == "engine" else "lru",
+                                   sync=job.sync, kind=job.kind)
+        try:
+            result = run_isolated(spec, _cap_bytes(context, budget_mib))
+        except (RunFailed, OSError) as error:
+            skipped.append({"policy": job.policy, "budget": budget, "mode": job.mode, "reason": str(error)})
+            continue
+        rows.append(_row(job, budget, result, limit, topology))
+
+
+def _cap_bytes(context: dict, budget_mib: float) -> int | None:
+    cap = context["cap"]
+    if not cap["applied"]:
+        return None
+    if cap["requested"] != "auto":
+        return int(cap["requested"]) * MIB
+    floor = context["resident"]["floor_rss_mib"]
+    return int((floor + context["dense_mib"] + budget_mib + CAP_SLACK_MIB) * MIB)
+
+
+def _limit(context: dict, budget: str) -> float | None:
+    """max(resident TPOT, oracle bytes per token / O_DIRECT bandwidth), or None without a replayed trace."""
+    from moestream.bench.engine.simulated import oracle_bytes_per_token, sim_ratio
+    from moestream.store.config import Budget
+
+    run = context["replayed"]
+    if run is None:
+        return None
+    topology = context["topology"]
+    slots = Budget.parse(budget).resolve(topology.total_expert_bytes) // topology.expert_bytes
+    moved = oracle_bytes_per_token(run, sim_ratio(slots, topology), context["cost"])
+    return max(context["resident"]["tpot_ms"], moved / context["disk_bw"] * 1e3)
+
+
+def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> dict:
+    from moestream.store.config import Budget
+
+    parsed = Budget.parse(budget)
+    return {
+        "policy": job.policy,
+        "budget": parsed.resolve(topology.total_expert_bytes) / topology.total_expert_bytes,
+        "budget_mib": parsed.resolve(topology.total_expert_bytes) / MIB,
+        "mode": job.mode,
+        "tpot_ms": result["tpot_ms"],
+        "ttft_ms": result["ttft_ms"],
+        "hit_rate": result["hit_rate"],
+        "stall_ms_per_token": result["stall_ms_per_token"],
+        "overlap": result["overlap"],
+        "bytes_per_token": result["bytes_per_token"],
+        "peak_rss_mib": result["peak_rss_mib"],
+        "limit_tpot_ms": limit,
+        "floor_rss_mib": result["floor_rss_mib"],  # popped into the document's median floor
+    }
