@@ -98,6 +98,7 @@ def summarize(counters: Counters, stall_ms: float, transfer_ms: float) -> dict:
         "overlap": max(0.0, 1.0 - stall_ms / transfer_ms) if transfer_ms > 0 else None,
         "bytes_per_token": counters.disk_bytes / tokens,
         "transfer_ms_per_token": transfer_ms / tokens,
+        "expert_read_ms": counters.read_ms / counters.misses if counters.misses else None,
         "decode_tokens": counters.decode_tokens,
         "prompt_tokens": counters.prompt_tokens,
         "expert_hits": counters.hits,

@@ -44,17 +44,20 @@ def measure(args) -> dict:
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS, max_new_tokens=args.max_new_tokens,
                    threads=args.threads, direct_io=not args.buffered_io, replay_routing=args.replay_routing,
                    predictor_dirs=tuple(args.predictor_dir))
-    disk = _disk(Path(model), args)
+    disk = disk_figures(Path(model), not args.buffered_io)
     resident = run_isolated(dataclasses.replace(base, preload=True))
-    cost = _cost_model(topology, resident, disk)
     dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
-    context = {"resident": resident, "cost": cost, "disk_bw": disk["bandwidth"], "topology": topology,
-               "replayed": _replayed(args, resident), "dense_mib": dense_mib, "cap": _cap(args)}
-    rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
-    skipped: list[dict] = []
+    context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
+               "cap": _cap(args)}
+    results, skipped = [], []
     for budget in budgets:
-        _budget_runs(base, budget, _run_list(args), context, rows, skipped)
+        results += _budget_runs(base, budget, _run_list(args), context, skipped)
+    cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]})
+    limits = _limits(budgets, _replayed(args, resident), cost, context)
+    rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
+    rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
     floors = [row.pop("floor_rss_mib") for row in rows]
+    # issue 21: the digest-check cost figures join the document here
     return {"runs": rows, "resident_tpot_ms": resident["tpot_ms"], "floor_rss_mib": statistics.median(floors),
             "dense_mib": dense_mib, "disk_bw_gbps": disk["bandwidth"] / 1e9, "model": str(model),
             "replay_routing": args.replay_routing, "replay_wraps": resident.get("replay_wraps", 0),
@@ -79,23 +82,35 @@ def _check(args) -> list[str]:
     return budgets
 
 
-def _disk(model: Path, args) -> dict:
+def disk_figures(model: Path, direct_io: bool) -> dict:
     """Cold O_DIRECT figures of the largest shard: sequential bandwidth (the better of two ways) and
     random experts read a decode step's top_k in flight together, as the engine reads its misses."""
     from moestream.checkpoint.index import build_index
     from moestream.store.bandwidth import cold_read_samples
 
     shard = max(model.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    samples = cold_read_samples(shard, build_index(model).experts, 0, not args.buffered_io)
-    return {"bandwidth": max(samples["sequential"], samples["sequential_reader"]), "random": samples["random_experts"]}
+    index = build_index(model).experts
+    samples = cold_read_samples(shard, index, 0, direct_io)
+    return {"bandwidth": max(samples["sequential"], samples["sequential_reader"]),
+            "expert_read_ms": index.topology.expert_bytes / samples["random_experts"] * 1e3}
 
 
-def _cost_model(topology, resident: dict, disk: dict):
+def calibrate(topology, run: dict):
+    """The simulator's cost model from a run's decode compute (TPOT less stall) and its mean expert read time:
+    an on-demand (--sync) run reads each miss on the compute thread, so both are the engine's own."""
     from moestream.sim.cost import measured_cost_model
 
-    read_ms = topology.expert_bytes / disk["random"] * 1e3
-    return measured_cost_model(topology.num_layers, resident["tpot_ms"], topology.expert_bytes, read_ms,
-                               "bench engine: all-resident decode TPOT; cold O_DIRECT random experts, top_k per batch")
+    compute_ms = run["tpot_ms"] - run["stall_ms_per_token"]
+    return measured_cost_model(topology.num_layers, compute_ms, topology.expert_bytes, run["expert_read_ms"],
+                               "bench engine: decode compute (TPOT - stall) and mean expert read time of "
+                               f"{'an on-demand LRU run' if run['stall_ms_per_token'] else 'the all-resident run'}")
+
+
+def _calibration_run(results: list, topology) -> dict | None:
+    """The on-demand LRU run nearest the 25% budget, the one the simulator's costs come from."""
+    runs = [(abs(_fraction(budget, topology) - 0.25), result) for job, budget, result in results
+            if job == Job("lru", True) and result["expert_read_ms"]]
+    return min(runs, key=lambda pair: pair[0])[1] if runs else None
 
 
 def _replayed(args, resident: dict):
@@ -114,21 +129,20 @@ def _cap(args) -> dict:
     return {"requested": args.memory_cap, "applied": reason is None, "reason": reason or "cgroup v2 memory.max"}
 
 
-def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict, rows: list, skipped: list) -> None:
+def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict, skipped: list) -> list:
+    """(job, budget, figures) of every run at this budget that completed; the others go to skipped."""
     from moestream.store.config import Budget
 
-    topology = context["topology"]
-    budget_mib = Budget.parse(budget).resolve(topology.total_expert_bytes) / MIB
-    limit = _limit(context, budget)
+    budget_mib = Budget.parse(budget).resolve(context["topology"].total_expert_bytes) / MIB
+    done = []
     for job in run_list:
         spec = dataclasses.replace(base, budget=budget, policy=job.policy if job.kind == "engine" else "lru",
                                    sync=job.sync, kind=job.kind)
         try:
-            result = run_isolated(spec, _cap_bytes(context, budget_mib))
+            done.append((job, budget, run_isolated(spec, _cap_bytes(context, budget_mib))))
         except (RunFailed, OSError) as error:
             skipped.append({"policy": job.policy, "budget": budget, "mode": job.mode, "reason": str(error)})
-            continue
-        rows.append(_row(job, budget, result, limit, topology))
+    return done
 
 
 def _cap_bytes(context: dict, budget_mib: float) -> int | None:
@@ -141,28 +155,33 @@ def _cap_bytes(context: dict, budget_mib: float) -> int | None:
     return int((floor + context["dense_mib"] + budget_mib + CAP_SLACK_MIB) * MIB)
 
 
-def _limit(context: dict, budget: str) -> float | None:
-    """max(resident TPOT, oracle bytes per token / O_DIRECT bandwidth), or None without a replayed trace."""
+def _limits(budgets: list[str], run, cost, context: dict) -> dict[str, float]:
+    """Per budget: max(resident TPOT, oracle bytes per token / O_DIRECT bandwidth); none without a replayed trace."""
     from moestream.bench.engine.simulated import oracle_bytes_per_token, sim_ratio
     from moestream.store.config import Budget
 
-    run = context["replayed"]
     if run is None:
-        return None
-    topology = context["topology"]
-    slots = Budget.parse(budget).resolve(topology.total_expert_bytes) // topology.expert_bytes
-    moved = oracle_bytes_per_token(run, sim_ratio(slots, topology), context["cost"])
-    return max(context["resident"]["tpot_ms"], moved / context["disk_bw"] * 1e3)
+        return {}
+    topology, limits = context["topology"], {}
+    for budget in budgets:
+        slots = Budget.parse(budget).resolve(topology.total_expert_bytes) // topology.expert_bytes
+        moved = oracle_bytes_per_token(run, sim_ratio(slots, topology), cost)
+        limits[budget] = max(context["resident"]["tpot_ms"], moved / context["disk_bw"] * 1e3)
+    return limits
+
+
+def _fraction(budget: str, topology) -> float:
+    """The budget as a share of all routed-expert bytes (whether given as a ratio or a size)."""
+    from moestream.store.config import Budget
+
+    return Budget.parse(budget).resolve(topology.total_expert_bytes) / topology.total_expert_bytes
 
 
 def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> dict:
-    from moestream.store.config import Budget
-
-    parsed = Budget.parse(budget)
     return {
         "policy": job.policy,
-        "budget": parsed.resolve(topology.total_expert_bytes) / topology.total_expert_bytes,
-        "budget_mib": parsed.resolve(topology.total_expert_bytes) / MIB,
+        "budget": _fraction(budget, topology),
+        "budget_mib": _fraction(budget, topology) * topology.total_expert_bytes / MIB,
         "mode": job.mode,
         "tpot_ms": result["tpot_ms"],
         "ttft_ms": result["ttft_ms"],

@@ -33,15 +33,16 @@ class Replayed:
 def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool]) -> Replayed:
     """The sub-trace of the rows fed to each iteration (repeated rows, after a wrap, are new rows)."""
     rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in iterations])  # [N]
-    prompt = np.cumsum(np.repeat(np.asarray(prefill), [len(r) for r in iterations])) - 1  # [N] prompt of each row
+    sizes = [len(r) for r in iterations]
+    prompt = np.repeat(np.cumsum(prefill) - 1, sizes)  # [N] the prompt of each row
     starts = np.flatnonzero(np.r_[True, prompt[1:] != prompt[:-1]])
     positions = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
-    is_prefill = np.repeat(np.asarray(prefill), [len(r) for r in iterations])
+    is_prefill = np.repeat(np.asarray(prefill, dtype=bool), sizes)
     sub = Trace(topology=trace.topology, experts=trace.experts[rows], seq_ids=prompt.astype(np.int32),
                 positions=positions.astype(np.int32), is_prefill=is_prefill,
                 gate_weights=None if trace.gate_weights is None else trace.gate_weights[rows],
                 source=f"replayed rows of {trace.source}")
-    return Replayed(sub, [len(r) for r in iterations], list(prefill))
+    return Replayed(sub, sizes, list(prefill))
 
 
 def engine_iterations(run: Replayed) -> list[Iteration]:

@@ -1,0 +1,65 @@
+"""`moestream bench engine --small` end to end: every run in its own process, the issue's JSON schema,
+every figure sane. Figures themselves are the benchmark's business, not the test's."""
+
+import json
+
+import pytest
+
+from moestream.checkpoint.index import build_index
+from moestream.cli import main
+from moestream.trace.format import save_trace
+from moestream.trace.synthetic import synthetic_trace
+
+RUN_KEYS = {"policy", "budget", "budget_mib", "mode", "tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token",
+            "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms"}
+TOP_KEYS = {"runs", "resident_tpot_ms", "floor_rss_mib", "dense_mib", "disk_bw_gbps"}
+
+
+@pytest.fixture(scope="module")
+def small_bench(tmp_path_factory):
+    """The small demo model, a synthetic trace of its routing shape, and the bench's JSON and output."""
+    root = tmp_path_factory.mktemp("bench_engine")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOESTREAM_CACHE", str(root))
+        from moestream.cli.demo import demo_checkpoint
+
+        topology = build_index(demo_checkpoint(small=True)).topology
+        trace = root / "trace.npz"
+        save_trace(synthetic_trace(topology, num_sequences=3, tokens_per_sequence=10, seed=1), trace)
+        out = root / "bench.json"
+        code = main(["bench", "engine", "--small", "--replay-routing", str(trace), "--budgets", "0.5",
+                     "--designs", "", "--max-new-tokens", "3", "--buffered-io", "--memory-cap", "auto",
+                     "--json", str(out)])
+    return code, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_the_document_follows_the_issue_schema(small_bench):
+    code, record = small_bench
+    assert code == 0
+    assert TOP_KEYS <= set(record)
+    assert all(set(run) == RUN_KEYS for run in record["runs"])
+    assert [(r["policy"], r["mode"], r["budget"]) for r in record["runs"]] == [
+        ("lru", "async", 1.0), ("lru", "sync", 0.5), ("lru", "async", 0.5), ("hf-accelerate", "sync", 0.5)]
+    assert [(s["policy"], s["budget"]) for s in record["skipped"]] == [("default", "0.5")]  # no trained predictor
+    assert "trained predictor" in record["skipped"][0]["reason"]
+
+
+@pytest.mark.slow
+def test_every_figure_is_sane(small_bench):
+    _, record = small_bench
+    resident, *offloaded = record["runs"]
+    assert resident["hit_rate"] == 1.0 and resident["bytes_per_token"] == 0
+    assert record["resident_tpot_ms"] == resident["tpot_ms"] > 0
+    assert record["floor_rss_mib"] > 50 and record["dense_mib"] > 0 and record["disk_bw_gbps"] > 0
+    for run in record["runs"]:
+        assert run["tpot_ms"] > 0 and run["ttft_ms"] > 0 and run["bytes_per_token"] >= 0
+        assert run["peak_rss_mib"] > record["floor_rss_mib"] * 0.9
+        assert run["limit_tpot_ms"] >= record["resident_tpot_ms"]
+        assert run["overlap"] is None or 0.0 <= run["overlap"] <= 1.0
+    for run in offloaded[:2]:  # our engine at half the experts: misses cost reads and stalls
+        assert 0.0 < run["hit_rate"] < 1.0 and run["bytes_per_token"] > 0 and run["stall_ms_per_token"] > 0
+        assert run["budget_mib"] == pytest.approx(resident["budget_mib"] / 2, rel=0.01)
+    assert offloaded[0]["hit_rate"] == offloaded[1]["hit_rate"]  # same replayed rows, same LRU
+    assert record["cost_model"]["layer_compute_ms"] > 0 and record["cost_model"]["disk_to_host_gbps"] > 0
+    assert record["memory_cap"]["requested"] == "auto" and record["memory_cap"]["reason"]
