@@ -203,3 +203,25 @@ def test_trace_recording_needs_a_decoder_only_model(tiny_checkpoint, tmp_path, c
     assert main([*args, "--record-trace", str(tmp_path / "t.npz")]) == 2
     assert "decoder-only" in _error_line(capsys)
     assert main(args) == 0
+
+
+def test_replayed_routing_is_labelled_and_a_mismatched_trace_is_one_error_line(model_dir, tmp_path, capsys):
+    import dataclasses
+
+    from moestream.checkpoint.index import build_index
+    from moestream.trace.format import save_trace
+    from moestream.trace.synthetic import synthetic_trace
+
+    topology = build_index(model_dir).topology
+    trace, out = tmp_path / "trace.npz", tmp_path / "run.json"
+    save_trace(synthetic_trace(topology, num_sequences=1, tokens_per_sequence=8), trace)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "3",
+                 "--buffered-io", "--replay-routing", str(trace), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["replayed"] is True
+    assert "replayed routing" in capsys.readouterr().out
+    other = tmp_path / "other.npz"
+    save_trace(synthetic_trace(dataclasses.replace(topology, top_k=topology.top_k + 1), num_sequences=1,
+                               tokens_per_sequence=4), other)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--buffered-io",
+                 "--replay-routing", str(other)]) == 2
+    assert "cannot replay" in _error_line(capsys)
