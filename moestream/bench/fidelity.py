@@ -67,7 +67,8 @@ def compare(args) -> dict:
     return {"model": str(model), "budget": args.budget, "policy": args.policy,
             "mode": "sync" if args.sync else "async", "replay_routing": args.replay_routing,
             "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
-                                              "decode_tokens", "expert_hits", "expert_misses")},
+                                              "decode_tokens", "expert_hits", "expert_misses", "expert_read_ms",
+                                              "experts_per_read_batch")},
             "simulator": simulated, "agreement": agreement(engine, simulated),
             "cost_model": dataclasses.asdict(cost)}
 
@@ -120,3 +121,7 @@ def _print(document: dict) -> None:
           f"(within {STALL_TOLERANCE:.0%}): {agree['stall']}")
     print(f"{'TPOT ms':14}{engine['tpot_ms']:>10.2f}{sim['tpot_ms']:>12.2f}   (informational)")
     print(f"{'KiB/tok':14}{engine['bytes_per_token'] / 1024:>10.0f}{sim['bytes_per_token'] / 1024:>12.0f}")
+    if engine["expert_read_ms"]:
+        print(f"engine reads: {engine['expert_read_ms']:.2f} ms per expert, {engine['experts_per_read_batch']:.1f} "
+              f"experts per read batch; simulator: {document['cost_model']['disk_to_host_latency_ms']:.2f} ms "
+              f"+ bytes / {document['cost_model']['disk_to_host_gbps']:.2f} GB/s per expert, one at a time")

@@ -65,6 +65,7 @@ class Counters:
     misses: int = 0
     disk_bytes: int = 0
     read_ms: float = 0.0  # time the disk reader was busy
+    read_batches: int = 0  # batches of reads in flight together
     decode_tokens: int = 0
     prompt_tokens: int = 0
     ttft_ms: list[float] = field(default_factory=list)
@@ -99,6 +100,7 @@ def summarize(counters: Counters, stall_ms: float, transfer_ms: float) -> dict:
         "bytes_per_token": counters.disk_bytes / tokens,
         "transfer_ms_per_token": transfer_ms / tokens,
         "expert_read_ms": counters.read_ms / counters.misses if counters.misses else None,
+        "experts_per_read_batch": counters.misses / counters.read_batches if counters.read_batches else None,
         "decode_tokens": counters.decode_tokens,
         "prompt_tokens": counters.prompt_tokens,
         "expert_hits": counters.hits,

@@ -50,6 +50,7 @@ class DecodeMeter(Observer):
         counters.misses += end.misses - start.misses
         counters.disk_bytes += end.bytes_read["disk"] - start.bytes_read["disk"]
         counters.read_ms += (end.disk_read_s - start.disk_read_s) * 1e3
+        counters.read_batches += end.disk_batches - start.disk_batches
         counters.decode_tokens += self.decode_tokens
 
 
