@@ -91,7 +91,7 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     from moestream.bench.engine.simulated import engine_iterations, replayed, sim_ratio, simulate
     from moestream.trace.format import load_trace
 
-    run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"])
+    run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology)
     policy = make_policy(spec, topology)
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost)
 

@@ -53,7 +53,7 @@ def measure(args) -> dict:
     for budget in budgets:
         results += _budget_runs(base, budget, _run_list(args), context, skipped)
     cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]})
-    limits = _limits(budgets, _replayed(args, resident), cost, context)
+    limits = _limits(budgets, _replayed(args, resident, topology), cost, context)
     rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
     rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
     floors = [row.pop("floor_rss_mib") for row in rows]
@@ -113,13 +113,13 @@ def _calibration_run(results: list, topology) -> dict | None:
     return min(runs, key=lambda pair: pair[0])[1] if runs else None
 
 
-def _replayed(args, resident: dict):
+def _replayed(args, resident: dict, topology):
     from moestream.bench.engine.simulated import replayed
     from moestream.trace.format import load_trace
 
     if args.replay_routing is None:
         return None
-    return replayed(load_trace(args.replay_routing), resident["iterations"], resident["prefill"])
+    return replayed(load_trace(args.replay_routing), resident["iterations"], resident["prefill"], topology)
 
 
 def _cap(args) -> dict:

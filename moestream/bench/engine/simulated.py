@@ -30,15 +30,16 @@ class Replayed:
     prefill: list[bool]  # whether each engine iteration was a prompt's prefill
 
 
-def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool]) -> Replayed:
-    """The sub-trace of the rows fed to each iteration (repeated rows, after a wrap, are new rows)."""
+def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool], model: Topology) -> Replayed:
+    """The sub-trace of the rows fed to each iteration (repeated rows, after a wrap, are new rows), with
+    the replaying model's topology: its expert size, not the recorded model's, sets the bytes moved."""
     rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in iterations])  # [N]
     sizes = [len(r) for r in iterations]
     prompt = np.repeat(np.cumsum(prefill) - 1, sizes)  # [N] the prompt of each row
     starts = np.flatnonzero(np.r_[True, prompt[1:] != prompt[:-1]])
     positions = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
     is_prefill = np.repeat(np.asarray(prefill, dtype=bool), sizes)
-    sub = Trace(topology=trace.topology, experts=trace.experts[rows], seq_ids=prompt.astype(np.int32),
+    sub = Trace(topology=model, experts=trace.experts[rows], seq_ids=prompt.astype(np.int32),
                 positions=positions.astype(np.int32), is_prefill=is_prefill,
                 gate_weights=None if trace.gate_weights is None else trace.gate_weights[rows],
                 source=f"replayed rows of {trace.source}")
