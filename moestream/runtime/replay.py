@@ -14,7 +14,8 @@ is set by its prompts and flags, not by the trace, and wrapping keeps the record
 Experts: the trace's experts replace the router's top-k of the active rows; padding rows keep the
 router's choice (they run no experts). Weights: the trace's gate weights when it has them, else the
 router's own top-k weights in their order, so their scale and normalisation stay the model's; which
-replayed expert gets which weight is then arbitrary, as the outputs under replay mean nothing.
+replayed expert gets which weight is then arbitrary, as the outputs under replay mean nothing. The
+router's full distribution (gate probabilities for policies that ask) stays the model's own.
 
 The replay is an observer (it learns each iteration's token count from `begin_iteration`) and the
 experts forward asks it for each layer's routing (`moestream.runtime.experts.attach_replay`); it
