@@ -27,11 +27,12 @@ from moestream.policies import POLICIES
 from moestream.policies.base import Observer, Policy, TransferRequest
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.config import EngineConfig
-from moestream.runtime.experts import bind_experts
+from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
+from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import RUNNERS, Sequence, StepPlan
 from moestream.store.store import TIERS, ExpertStore
 
@@ -44,6 +45,7 @@ class GenerationResult:
     token_ids: list[list[int]]  # generated ids of each prompt (prompt excluded; EOS kept when emitted)
     texts: list[str]  # decoded generated text of each prompt ("" without a tokenizer)
     metrics: GenerationMetrics
+    replayed: bool = False  # routing came from a recorded trace (config.replay_routing): for measurement only
 
 
 class Engine:
@@ -70,8 +72,10 @@ class Engine:
         self._tokenizer = None
         self._seq_counter = itertools.count()
         self._step_counter = itertools.count()
+        self.replay: RoutingReplay | None = None
         try:
             self.model = self._load_model(progress)
+            self.replay = self._replay()
         except BaseException:
             self.close()
             raise
@@ -86,6 +90,18 @@ class Engine:
                  self.checkpoint.path, self.config.device, topology.num_layers, topology.num_experts,
                  self.store.device_slots, self.store.host_slots)
         return model
+
+    def _replay(self) -> RoutingReplay | None:
+        """The routing replay of config.replay_routing, attached to every experts module, or None."""
+        if self.config.replay_routing is None:
+            return None
+        if not self.records_traces:
+            raise ReplayError(f"{self.checkpoint.adapter.model_type} routes its encoder and decoder tokens "
+                              "apart; routing replay needs a decoder-only model")
+        replay = load_replay(self.config.replay_routing, self.checkpoint.topology)
+        attach_replay(self.model, replay)
+        self.add_observer(replay)
+        return replay
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -191,7 +207,8 @@ class Engine:
             num_generated_tokens=sum(len(s.output_ids) for s in seqs),
         )
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if decode_text else "" for s in seqs]
-        return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics)
+        return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics,
+                                replayed=self.replay is not None)
 
     # -- inputs ----------------------------------------------------------------------------------
 

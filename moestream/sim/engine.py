@@ -21,6 +21,9 @@ Mechanism rules (documented choices):
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
+- A layer looks its experts up in ascending id order, as the engine does (`bench fidelity` found
+  that routing order, the order before, made LRU evict other experts than the engine's among those
+  a layer used at once).
 This module knows the policy contract, not any policy by name.
 """
 
@@ -124,8 +127,7 @@ class StreamSimulator:
         self.counters.num_iterations += 1
 
     def _layer(self, layer: int, expert_ids: list[int], num_tokens: int) -> None:
-        if num_tokens > 1:
-            expert_ids = list(dict.fromkeys(expert_ids))
+        expert_ids = sorted(set(expert_ids))  # the engine's order: its eviction breaks a layer's ties by it
         keys = self.keys[layer]
         needed = [keys[e] for e in expert_ids]
         if len(needed) > self.device.capacity:

@@ -1,4 +1,4 @@
-"""`moestream bench engine`: TTFT and TPOT of plain transformers, of our path with every expert resident
+"""`moestream bench streaming`: TTFT and TPOT of plain transformers, of our path with every expert resident
 and of our path streaming experts from a cold disk; disk bandwidth while streaming beside sequential reads.
 
 Targets (reported as ok/missed, never asserted): streaming while serving >= 80% of sequential
@@ -38,7 +38,7 @@ PREFILL_COPIES = 4  # the bundled prompts, repeated this often, make the serving
 
 
 def add_parser(kinds) -> None:
-    parser = kinds.add_parser("engine", help="engine latency and disk streaming on the demo checkpoint")
+    parser = kinds.add_parser("streaming", help="resident latency vs transformers and disk streaming bandwidth")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
     parser.add_argument("--budgets", default=BUDGETS,
                         help=f"offloaded expert budgets, comma separated (default {BUDGETS})")
@@ -58,7 +58,6 @@ def run(args) -> int:
 
     from moestream.cli.demo import PROMPTS, demo_checkpoint
     from moestream.atomic import write_json
-    from moestream.bench.integrity import report_integrity
 
     _check_args(args)
     budgets = _budgets(args.budgets)
@@ -73,10 +72,9 @@ def run(args) -> int:
     rows += offloaded
     summary = summarize(rows, disk, prefills)
     print_report(rows, summary, model, args)
-    integrity = report_integrity(model, args.device, not args.buffered_io)  # digest and finite check costs
     if args.json:
         write_json({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
-                   "runs": rows, **summary, "integrity": integrity}, args.json)
+                   "runs": rows, **summary}, args.json)
     return 0
 
 
@@ -400,7 +398,7 @@ def _table(rows: list[dict], model: Path, args):
 
     from moestream.store.config import format_bytes
 
-    table = Table(title=f"moestream bench engine: {model}",
+    table = Table(title=f"moestream bench streaming: {model}",
                   caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
                           "transformers: every weight in memory; all resident: our path, every expert in the "
                           "device tier; offload R: budget R, cold disk, a fresh engine per repetition; prefill B: "
