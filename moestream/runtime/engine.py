@@ -23,7 +23,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.policies import POLICIES
-from moestream.policies.base import Observer, Policy, TransferRequest
+from moestream.policies.contracts import Observer, Policy, TransferRequest
+from moestream.policies.driver import PolicyDriver
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.config import EngineConfig
 from moestream.runtime.experts import bind_experts
@@ -61,9 +62,9 @@ class Engine:
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store = ExpertStore(self.checkpoint.experts, self.config.store_config(),
                                  evictions["device"], evictions["host"])
-        self.publisher = Publisher([*self.policy.observers(), *evictions.values(), *observers],
-                                   always_hidden=self.config.publish_hidden)
-        self.prefetcher = Prefetcher(self.policy, self.store, self.config.horizon_layers)
+        self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
+        self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
+        self.prefetcher = Prefetcher(self.driver, self.store)
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher)
         self._hooks: list = []
         self._tokenizer = None
@@ -107,7 +108,7 @@ class Engine:
         return len(self.store.prefetch(requests))
 
     def add_observer(self, observer: Observer) -> None:
-        self.publisher.observers.append(observer)
+        self.driver.add_observer(observer)
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids with the checkpoint's tokenizer (no chat template)."""

@@ -24,7 +24,8 @@ import numpy as np
 from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
-from moestream.policies.base import CacheView, Policy
+from moestream.policies.contracts import CacheView, Policy
+from moestream.policies.driver import PolicyDriver
 from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
@@ -176,27 +177,28 @@ def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> di
 
 
 def overhead_us_per_layer(policy: Policy, test: Trace, config: CompareConfig) -> float:
-    """Wall time of the policy's own work per MoE layer: observe, predict, plan, evict hooks."""
+    """Wall time of the policy's own work per MoE layer decision, as its driver measures it: every
+    observer hook, predict and plan (the eviction's victim choice is not timed)."""
     sample = head_tokens(test, config.num_overhead_tokens)
     policy = copy.deepcopy(policy)
     policy.prepare(sample)
-    observers = policy.observers() + [policy.make_eviction("device")]
-    layers = sample.topology.num_layers
-    view = CacheView(frozenset(), frozenset(), max(1, sample.topology.total_experts // 10), -1, layers)
-    start, decisions = time.perf_counter(), 0
-    for it in decode_stream(sample):
-        for observer in observers:
-            observer.begin_iteration(it.ctx)
-        for event in it.events:
-            for observer in observers:
-                observer.observe(event)
-            predictions = policy.predictor.predict(event.layer, config.horizon_layers)
-            policy.planner.plan(predictions, CacheView(view.resident, view.in_flight, view.capacity, event.layer, layers))
-            decisions += 1
-        for seq in it.finished:
-            for observer in observers:
-                observer.end_sequence(seq)
-    return 1e6 * (time.perf_counter() - start) / max(1, decisions)
+    driver = PolicyDriver(policy, [policy.make_eviction("device")], horizon_layers=config.horizon_layers)
+    capacity = max(1, sample.topology.total_experts // 10)
+    driver.run(decode_stream(sample), _PlanEveryLayer(driver, capacity, sample.topology.num_layers))
+    return driver.us_per_layer_decision()
+
+
+class _PlanEveryLayer:
+    """A mechanism that only plans, against an empty tier of a fixed capacity."""
+
+    def __init__(self, driver: PolicyDriver, capacity: int, num_layers: int):
+        self.driver, self.capacity, self.num_layers = driver, capacity, num_layers
+
+    def routed(self, event, num_tokens: int) -> None:
+        pass
+
+    def predicted(self, layer_now: int, predictions: list) -> None:
+        self.driver.plan(predictions, CacheView(frozenset(), frozenset(), self.capacity, layer_now, self.num_layers))
 
 
 def head_tokens(trace: Trace, num_tokens: int) -> Trace:
@@ -209,6 +211,6 @@ def head_tokens(trace: Trace, num_tokens: int) -> Trace:
 
 
 def _predicts_nothing(policy: Policy) -> bool:
-    from moestream.policies.planning import NullPredictor
+    from moestream.policies.contracts import NullPredictor
 
     return isinstance(policy.predictor, NullPredictor)
