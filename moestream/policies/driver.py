@@ -46,7 +46,6 @@ class PolicyDriver:
         self.horizon_layers = horizon_layers
         self.observers: list[Observer] = [*policy.observers(), *evictions, *observers]
         self.decision_seconds = 0.0  # wall time spent in the policy's calls made through this driver
-        self.num_layer_decisions = 0  # predict() calls after a routed layer
 
     def add_observer(self, observer: Observer) -> None:
         self.observers.append(observer)
@@ -76,7 +75,6 @@ class PolicyDriver:
         start = time.perf_counter()
         predictions = self.policy.predictor.predict(layer_now, self.horizon_layers)
         self.decision_seconds += time.perf_counter() - start
-        self.num_layer_decisions += layer_now >= 0
         return predictions
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
@@ -105,7 +103,3 @@ class PolicyDriver:
     def run(self, iterations: Iterable[Iteration], mechanism: LayerMechanism) -> None:
         for it in iterations:
             self.run_iteration(it, mechanism)
-
-    def us_per_layer_decision(self) -> float:
-        """Mean microseconds of policy work per routed layer so far."""
-        return 1e6 * self.decision_seconds / max(1, self.num_layer_decisions)

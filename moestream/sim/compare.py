@@ -3,8 +3,9 @@
 Each policy is fitted once on the training trace (each trained predictor kind once), then
 deep-copied for every (protocol, cost model, cache ratio) replay of the test trace, so no run sees
 another's online state. Runs are spread over worker processes. Also measures prediction quality
-per horizon and the policy's own time per layer (observe + predict + plan), which is the overhead
-the engine pays per decision. Knows policies only through the registry and the policy contract.
+per horizon and the policy's own time per layer decision (observe + predict + plan, timed by its
+driver), which is the overhead the engine pays per decision. Knows policies only through the
+registry and the policy contract.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class CompareConfig:
 class Comparison:
     replays: dict = field(default_factory=dict)  # protocol -> cost model -> policy -> ratio -> metrics
     prediction: dict = field(default_factory=dict)  # policy -> horizon -> {precision, recall, f1}
-    overhead_us_per_layer: dict = field(default_factory=dict)  # policy -> microseconds
+    overhead_us_per_layer: dict = field(default_factory=dict)  # policy -> median microseconds per layer decision
     fit_seconds: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)  # policy -> reason
 
@@ -177,28 +178,37 @@ def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> di
 
 
 def overhead_us_per_layer(policy: Policy, test: Trace, config: CompareConfig) -> float:
-    """Wall time of the policy's own work per MoE layer decision, as its driver measures it: every
-    observer hook, predict and plan (the eviction's victim choice is not timed)."""
+    """Median wall time of the policy's work per MoE layer decision, as its driver measures it: the
+    layer's observer hooks, predict and plan, with an iteration's begin and sequence ends counted in
+    the layer that follows them (the eviction's victim choice is not timed). A policy whose predictor
+    runs on a worker in the engine runs inline here, so its worker's work is counted too."""
     sample = head_tokens(test, config.num_overhead_tokens)
     policy = copy.deepcopy(policy)
     policy.prepare(sample)
     driver = PolicyDriver(policy, [policy.make_eviction("device")], horizon_layers=config.horizon_layers)
-    capacity = max(1, sample.topology.total_experts // 10)
-    driver.run(decode_stream(sample), _PlanEveryLayer(driver, capacity, sample.topology.num_layers))
-    return driver.us_per_layer_decision()
+    timer = _LayerTimer(driver, max(1, sample.topology.total_experts // 10), sample.topology.num_layers)
+    driver.run(decode_stream(sample), timer)
+    return 1e6 * float(np.median(timer.seconds)) if timer.seconds else 0.0
 
 
-class _PlanEveryLayer:
-    """A mechanism that only plans, against an empty tier of a fixed capacity."""
+class _LayerTimer:
+    """A mechanism that only plans, against an empty tier of a fixed capacity, and keeps the time
+    the driver spent in the policy for each layer decision."""
 
     def __init__(self, driver: PolicyDriver, capacity: int, num_layers: int):
         self.driver, self.capacity, self.num_layers = driver, capacity, num_layers
+        self.seconds: list[float] = []
+        self._counted = 0.0
 
     def routed(self, event, num_tokens: int) -> None:
         pass
 
     def predicted(self, layer_now: int, predictions: list) -> None:
-        self.driver.plan(predictions, CacheView(frozenset(), frozenset(), self.capacity, layer_now, self.num_layers))
+        if predictions:
+            self.driver.plan(predictions, CacheView(frozenset(), frozenset(), self.capacity, layer_now, self.num_layers))
+        if layer_now >= 0:
+            self.seconds.append(self.driver.decision_seconds - self._counted)
+            self._counted = self.driver.decision_seconds
 
 
 def head_tokens(trace: Trace, num_tokens: int) -> Trace:

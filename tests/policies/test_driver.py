@@ -70,8 +70,7 @@ def test_one_iteration_runs_in_the_contract_order():
     driver.run(decode_stream(trace), Mechanism(log))
     per_layer = [[("observe", l), ("tail", l), ("routed", l), ("predict", l, 1), ("predicted", l, 1)] for l in range(3)]
     assert log == [("begin", 0), ("predict", -1, 1), ("predicted", -1, 1), *sum(per_layer, []), ("end", 0)]
-    assert driver.num_layer_decisions == 3 and driver.decision_seconds > 0
-    assert driver.us_per_layer_decision() == 1e6 * driver.decision_seconds / 3
+    assert driver.decision_seconds > 0
 
 
 def test_decide_plans_against_the_view_of_its_layer_and_nothing_at_horizon_zero():

@@ -40,7 +40,7 @@ import scipy.sparse
 from moestream.policies.default.channels import CHANNELS
 from moestream.policies.default.memory import TokenMemory
 from moestream.policies.default.recall import UNKNOWN
-from moestream.predictors.configs import ConfigError, TrainConfig
+from moestream.predictors.configs import ConfigError
 from moestream.predictors.paths import expert_mask
 from moestream.trace.schema import Trace
 

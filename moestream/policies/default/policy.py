@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import POLICIES, EvictionPolicy, Observer, Prediction, PrefetchPlanner
+from moestream.policies.contracts import POLICIES, EvictionPolicy, Prediction, PrefetchPlanner
 from moestream.policies.default.model import ModelConfig, RoutingWeights, build_vocabulary, token_keys
 from moestream.policies.default.reuse import ReuseModel, popularity_logit
 from moestream.policies.default.state import IterationState, TraceScores

@@ -9,8 +9,7 @@ and the GOODPRED metric that picks how far ahead to predict.
 - Planner: speculative prefetches of the predicted experts at a low priority band; precise on-demand
   loads are the mechanism's and always go first.
 - Chunked prefetch, early preemption after the gate and cache-aware reordering of experts are
-  engine mechanisms; `PromoeConfig` carries their switches for the engine to read, and the
-  ablations `promoe-nochunk`, `promoe-nopreempt`, `promoe-noreorder` turn one off each.
+  engine mechanisms, not the policy's: no switch for them lives here until an engine reads one.
 - GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): `goodpred_table`.
 
 The policy knows routing events and hidden states as arrays; it does not know time, bytes or torch
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -40,19 +38,12 @@ if TYPE_CHECKING:
 
     from moestream.trace.schema import Trace
 
-ENGINE_SWITCHES = ("chunked_prefetch", "early_preemption", "cache_aware_reorder")
-
-
 @dataclass
 class PromoeConfig:
     num_distances: int = 3  # MLPs for k = 1..num_distances layers ahead (at most L-1)
     hidden_units: int = 256
     window_layers: int = 2  # promoe-routing: routing of layers i-k-w+1 .. i-k feeds layer i
     speculative_priority: float = 0.5  # speculative prefetches get priorities in (0, this]
-    # Engine mechanisms (read by the asynchronous engine, not by the policy or the simulator):
-    chunked_prefetch: bool = True  # split each expert transfer into chunks that on-demand loads can pass
-    early_preemption: bool = True  # cancel speculative transfers the gate has just proved useless
-    cache_aware_reorder: bool = True  # compute a layer's resident experts first, missing ones last
 
     def __post_init__(self):
         if self.num_distances < 1 or self.hidden_units < 1 or self.window_layers < 1:
@@ -234,12 +225,7 @@ class Promoe(TrainedPolicy):
     config_class = PromoeConfig
     trace_needs = ("hidden",)
     predicts_in_background = True  # the MLPs run on the CPU beside inference
-    ablation: ClassVar[dict[str, bool]] = {}  # engine switches an ablation turns off
     predictor: PromoePredictor
-
-    def __init__(self, topology: Topology, config: PromoeConfig | None = None, train: TrainConfig | None = None,
-                 predictor_dir: str | Path | None = None):
-        super().__init__(topology, replace(config or PromoeConfig(), **self.ablation), train, predictor_dir)
 
     def make_predictor(self) -> PromoePredictor:
         return HiddenStatePredictor(self.topology, self.config, self.train_config)
@@ -248,12 +234,8 @@ class Promoe(TrainedPolicy):
         return SpeculativePlanner(self.config.speculative_priority)
 
     def loaded_config(self, saved: PromoeConfig) -> PromoeConfig:
-        """The saved MLP settings; the engine switches and the priority band stay this policy's."""
-        return replace(saved, speculative_priority=self.config.speculative_priority, **self.switches())
-
-    def switches(self) -> dict[str, bool]:
-        """The engine mechanisms this policy asks for (consumed by the asynchronous engine)."""
-        return {name: getattr(self.config, name) for name in ENGINE_SWITCHES}
+        """The saved MLP settings; the priority band stays this policy's."""
+        return replace(saved, speculative_priority=self.config.speculative_priority)
 
 
 @POLICIES.register("promoe-routing")
@@ -264,27 +246,6 @@ class PromoeRouting(Promoe):
 
     def make_predictor(self) -> PromoePredictor:
         return RoutingWindowPredictor(self.topology, self.config, self.train_config)
-
-
-@POLICIES.register("promoe-nochunk")
-class PromoeNoChunk(Promoe):
-    """Ablation: whole-expert transfers (no chunked prefetch)."""
-
-    ablation = {"chunked_prefetch": False}
-
-
-@POLICIES.register("promoe-nopreempt")
-class PromoeNoPreempt(Promoe):
-    """Ablation: speculative transfers are not preempted after the gate."""
-
-    ablation = {"early_preemption": False}
-
-
-@POLICIES.register("promoe-noreorder")
-class PromoeNoReorder(Promoe):
-    """Ablation: experts run in routing order, not resident ones first."""
-
-    ablation = {"cache_aware_reorder": False}
 
 
 @dataclass(frozen=True)

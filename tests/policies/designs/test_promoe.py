@@ -1,4 +1,3 @@
-import dataclasses
 
 import numpy as np
 import pytest
@@ -7,7 +6,7 @@ from moestream.errors import MoestreamError, TraceError
 from moestream.events import RoutingEvent
 from moestream.policies import POLICIES
 from moestream.policies.contracts import CacheView, Prediction
-from moestream.policies.designs.promoe import ENGINE_SWITCHES, PromoeConfig, SpeculativePlanner, goodpred_table
+from moestream.policies.designs.promoe import PromoeConfig, SpeculativePlanner, goodpred_table
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.paths import expert_mask, top_k_mask
 from moestream.topology import ExpertKey, Topology
@@ -103,10 +102,10 @@ def _online(policy, trace, horizon):
 
 def test_save_load_round_trip_predicts_the_same(promoe, hidden_split, tmp_path):
     promoe.save(tmp_path / "p")
-    loaded = POLICIES.create("promoe-nochunk", TOPOLOGY, predictor_dir=tmp_path / "p")
+    loaded = POLICIES.create("promoe", TOPOLOGY, config=PromoeConfig(speculative_priority=0.25), predictor_dir=tmp_path / "p")
     test = hidden_split[1]
     assert _online(loaded, test, 3) == _online(promoe, test, 3)
-    assert loaded.switches()["chunked_prefetch"] is False  # switches stay the policy's own
+    assert loaded.config.speculative_priority == 0.25  # the priority band stays the policy's own
     assert loaded.config.num_distances == CONFIG.num_distances
 
 
@@ -129,14 +128,6 @@ def test_speculative_planner_stays_in_its_low_band():
     plan = SpeculativePlanner(0.5).plan(predictions, view)
     assert [r.key for r in plan] == [ExpertKey(1, 1), ExpertKey(2, 0)]
     assert all(0 < r.priority <= 0.5 for r in plan)
-
-
-@pytest.mark.parametrize("name", ["promoe", "promoe-routing", "promoe-nochunk", "promoe-nopreempt", "promoe-noreorder"])
-def test_engine_switches_and_ablations(name):
-    switches = POLICIES.create(name, TOPOLOGY).switches()
-    assert set(switches) == set(ENGINE_SWITCHES)
-    ablated = dataclasses.asdict(PromoeConfig()).keys() & POLICIES.get(name).ablation.keys()
-    assert all(switches[s] is (s not in ablated) for s in ENGINE_SWITCHES)
 
 
 def test_goodpred_is_accuracy_times_fetch_rate(promoe, hidden_split):
