@@ -1,10 +1,10 @@
 """The recall channels of the `default` routing model, registered by name in CHANNELS: each picks the
-stored routing rows a token recalls. Every channel is weighed and recalled alike (default_recall), in
+stored routing rows a token recalls. Every channel is weighed and recalled alike (`recall.py`), in
 training, in whole-trace scoring and online; a channel only picks the rows.
 
 - "recall": the sequence's earlier tokens (its last WINDOW);
 - "repeat": those of them that are the same token (the unknown token repeats nothing);
-- "memory": the training prompts' rows of the same token (default_memory); while training, a token
+- "memory": the training prompts' rows of the same token (`memory.py`); while training, a token
   never recalls its own sequence's rows.
 ModelConfig turns a channel on with its `use_<name>` flag. Knows arrays; not traces, events or caches.
 """

@@ -1,5 +1,5 @@
 """Token memory for the `default` routing model: how the training prompts' tokens with the same key
-routed, recalled with default_recall's weighting.
+routed, recalled with the weighting of `recall.py`.
 
 The memory keeps, for every known token (vocabulary index), at most `max_rows` of its training rows
 (a seeded sample; the unknown token keeps none). For a token whose routing is known up to layer c,

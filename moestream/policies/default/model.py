@@ -15,9 +15,9 @@ The latest R layers (num_recent_layers) are embedded a second time, apart from t
 that the layers nearest the target weigh more than a sum can make them. previous_l is the sequence's
 previous token's multi-hot at l and affinity_l the sequence's running share of tokens routed to
 each expert at l (its EAM row, as in MoE-Infinity). The recall channels x^c_l are routing at l of
-other tokens, weighted by how alike they routed up to c (default_recall): "recall" the sequence's
+other tokens, weighted by how alike they routed up to c (`recall.py`): "recall" the sequence's
 earlier tokens, "repeat" the sequence's earlier occurrences of the same token, "memory" the training
-prompts' occurrences of it (default_memory).
+prompts' occurrences of it (`memory.py`).
 The model is an ensemble: `num_members` such networks, initialised apart, each trained on its own
 loss, with their logits averaged. It runs as one network whose hidden units are the members' side by
 side, each block with its own layer norm (`join_members`).
@@ -59,8 +59,8 @@ class ModelConfig:
     token_dropout: float = 0.1  # share of training tokens shown as unknown
     next_layer_share: float = 0.5  # share of training targets at horizon 1; the rest uniform
     min_train_steps: int = 1500  # small traces get more epochs, up to this many optimizer steps (8x at most)
-    use_recall: bool = True  # the in-sequence recall input (default_recall); False is its ablation
-    use_memory: bool = True  # the token memory input (default_memory); False is its ablation
+    use_recall: bool = True  # the in-sequence recall input (`recall.py`); False is its ablation
+    use_memory: bool = True  # the token memory input (`memory.py`); False is its ablation
     use_repeat: bool = True  # the recall of the token's earlier occurrences in its sequence; False is its ablation
     memory_rows: int = 512  # training rows the memory keeps per token
     num_members: int = 3  # independently initialised networks trained side by side; their logits are averaged
@@ -68,7 +68,7 @@ class ModelConfig:
     UNIT_FIELDS: ClassVar[tuple[str, ...]] = ("dropout", "token_dropout", "next_layer_share")  # each in [0, 1]
 
     def channels(self) -> tuple[str, ...]:
-        """The recall channels this model reads (default_channels), each turned on by its use_<name> flag."""
+        """The recall channels this model reads (`channels.py`), each turned on by its use_<name> flag."""
         return tuple(name for name in CHANNELS.names() if getattr(self, f"use_{name}"))
 
     def __post_init__(self):

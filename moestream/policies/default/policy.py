@@ -1,15 +1,15 @@
 """`default`: moestream's own policy. Calibrated probabilities from a learned routing model drive
 both prefetch and eviction.
 
-- Prediction (default_model): at the start of an iteration, one MLP predicts every layer's experts
+- Prediction (`model.py`): at the start of an iteration, one MLP predicts every layer's experts
   from the token context (token string or id, position, the previous token's routing, the
   sequence's expert affinity); as layers route, the token's own routing so far refines the
   predictions for the next layers, together with a recall of what other tokens that routed alike
   did next: the sequence's earlier tokens, its earlier occurrences of the same token
-  (default_recall) and the training prompts' occurrences of it (default_memory). Where the
+  (`recall.py`) and the training prompts' occurrences of it (`memory.py`). Where the
   trace or engine gives router inputs (hidden states), ProMoE's path from the latest one joins
   in. Scores are probabilities (trained with cross-entropy). Layers of the next token come from
-  the sequence reuse model (default_reuse).
+  the sequence reuse model (`reuse.py`).
 - Prefetch (IdleAwarePlanner): predicted experts with probability > min_prefetch_probability that
   are not resident, in order of probability / layers until needed; while nothing is moving to the
   tier the bar drops to idle_prefetch_probability: a link with nothing to move is cheap to use.

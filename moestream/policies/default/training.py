@@ -1,6 +1,6 @@
 """Offline training of the `default` policy's routing model (torch), exported as numpy weights.
 
-The network is the one `default_model.RoutingWeights` runs online; every (token, target layer) of a
+The network is the one `model.RoutingWeights` runs online; every (token, target layer) of a
 minibatch is a training example with its own horizon, drawn at random (see ModelConfig). `num_members`
 networks, each initialised apart, learn side by side from the same minibatches (each from its own
 loss) and are exported as one model that averages their logits. AdamW with a short warm-up and a
