@@ -310,9 +310,3 @@ def batch_path_accuracy(predicted: np.ndarray, actual: np.ndarray, batches: Iter
         raise MoestreamError("batch path accuracy needs at least one batch")
     return BatchPathAccuracy(float(np.mean(recalls)), float(np.mean(precisions)), len(recalls))
 
-
-def trace_batch_accuracy(predictor: ExpertFlowPredictor, trace: "Trace", batch_size: int) -> BatchPathAccuracy:
-    """Batch-level accuracy of a trained predictor over a trace replayed as batched decode."""
-    predicted = top_k_mask(predictor.trace_probabilities(trace), trace.topology.top_k)  # [N, L, E]
-    actual = expert_mask(trace.experts, trace.topology.num_experts)  # [N, L, E]
-    return batch_path_accuracy(predicted, actual, (rows for rows, _ in batched_rows(trace, batch_size)))

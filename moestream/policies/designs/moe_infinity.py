@@ -97,11 +97,6 @@ def layer_shares(eams: np.ndarray) -> np.ndarray:
     return np.divide(eams, sums, out=np.zeros_like(eams, dtype=np.float32), where=sums > 0)
 
 
-def eam_distance(m1: np.ndarray, m2: np.ndarray) -> float:
-    """1 - mean over layers of cos(m1[l], m2[l]); a layer where either row is zero has cosine 0."""
-    return float(1.0 - (unit_rows(m1) * unit_rows(m2)).sum(axis=-1).mean())
-
-
 def build_collection(eams: np.ndarray, capacity: int, seed: int = 0) -> np.ndarray:
     """At most `capacity` representative EAMs: k-means medoids (see the module doc). [P, L, E]."""
     points = unit_rows(eams).reshape(len(eams), -1)  # [n, L*E]

@@ -10,7 +10,6 @@ from moestream.policies.designs.expertflow import (
     CorrectionEviction,
     LayerOrderPlanner,
     batch_path_accuracy,
-    trace_batch_accuracy,
 )
 from moestream.policies.trained import PredictorFileError
 from moestream.predictors.configs import RoutingPathConfig, TrainConfig
@@ -205,9 +204,3 @@ def test_batch_path_accuracy_on_a_hand_made_case():
     assert result.accuracy == pytest.approx((2 / 3 + 1) / 2)
     assert result.precision == pytest.approx((2 / 3 + 1) / 2)
     assert result.num_batches == 2
-
-
-def test_trace_batch_accuracy_groups_tokens_as_batched_decode(policy, split):
-    single = trace_batch_accuracy(policy.predictor, split[1], 1)
-    assert 0.9 < single.accuracy <= 1.0
-    assert trace_batch_accuracy(policy.predictor, split[1], 4).num_batches < single.num_batches

@@ -14,7 +14,6 @@ from moestream.policies.designs.moe_infinity import (
     MoEInfinityPlanner,
     MoEInfinityPredictor,
     build_collection,
-    eam_distance,
     sequence_eams,
     unit_rows,
 )
@@ -92,22 +91,12 @@ def test_online_eam_is_kept_per_sequence_in_a_batch():
     assert not predictor.eam(5)[1:].any()
 
 
-def test_eam_distance_is_one_minus_mean_layer_cosine():
-    m = np.array([[3, 1, 0, 0], [0, 2, 2, 0], [1, 1, 1, 1], [0, 0, 0, 5]], dtype=float)
-    assert eam_distance(m, m) == pytest.approx(0.0, abs=1e-6)
-    assert eam_distance(m, 7 * m) == pytest.approx(0.0, abs=1e-6)
-    disjoint = np.array([[0, 0, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=float)
-    assert eam_distance(m, disjoint) == pytest.approx(1.0)
-    half = m.copy()
-    half[2:] = disjoint[2:]
-    assert eam_distance(m, half) == pytest.approx(0.5)
-
-
 def test_squared_euclidean_of_unit_rows_is_proportional_to_the_distance():
     rng = np.random.default_rng(0)
     m1, m2 = rng.integers(1, 9, size=(2, 4, 6)).astype(float)
     squared = ((unit_rows(m1) - unit_rows(m2)) ** 2).sum()
-    assert squared == pytest.approx(2 * 4 * eam_distance(m1, m2), rel=1e-5)
+    distance = 1.0 - (unit_rows(m1) * unit_rows(m2)).sum(axis=-1).mean()  # 1 - mean_l cos(M1[l], M2[l])
+    assert squared == pytest.approx(2 * 4 * distance, rel=1e-5)
 
 
 def clustered_eams(rng, num_groups=3, per_group=6):
