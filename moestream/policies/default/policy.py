@@ -168,7 +168,7 @@ class DefaultPredictor(TrainablePredictor):
 
     def _require_trained(self) -> None:
         if self.weights is None:
-            from moestream.policies.baselines.predictive import NotFittedError
+            from moestream.policies.baselines.row_scores import NotFittedError
 
             raise NotFittedError("the default policy must be fitted before scoring a trace")
 
