@@ -101,7 +101,12 @@ class ExpertFlowPredictor(TrainablePredictor):
 
     def trace_probabilities(self, trace: "Trace") -> np.ndarray:
         """[N, L, E] per-token probabilities for every row of a trace, in one batched pass."""
-        from moestream.predictors.routing_path import context_windows, path_probabilities, sequence_starts, token_values
+        from moestream.predictors.routing_path import (
+            context_windows,
+            path_probabilities,
+            sequence_starts,
+            token_values,
+        )
 
         source, values = token_values(trace)
         if source != self.vocab.source:
