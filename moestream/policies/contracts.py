@@ -4,13 +4,18 @@ Policy decides, mechanism acts. A predictor scores future experts, an eviction p
 victim, a planner turns predictions into prioritised transfer requests. None of them moves bytes,
 keeps time or knows whether it runs in the engine or in the simulator; the same objects serve both.
 
-Call order for every iteration (one token per sequence in decode, a whole prompt in prefill):
-    begin_iteration(ctx)
+Call order for every iteration (one token per sequence in decode, a whole prompt in prefill), as
+`moestream.policies.driver.PolicyDriver` makes it everywhere (simulator, evaluation, engine):
+    begin_iteration(ctx)                          # every observer: predictor, evictions, others
+    predict(layer_now=-1, horizon_layers=D)       # the plan before the first layer
     for each MoE layer l in order:
         observe(event_l)                          # the gate of layer l has routed
-        predict(layer_now=l, horizon_layers=D)    # then plan and prefetch
+        (the mechanism serves layer l's experts: eviction hooks, victim())
+        predict(layer_now=l, horizon_layers=D)    # then plan(predictions, view) and prefetch
     end_sequence(seq_id) when a sequence finishes.
-Before the first layer of an iteration, predict(layer_now=-1, ...) may be called.
+plan() is called only with a non-empty prediction list. fit() and prepare() run before a replay,
+never during one. Predictors must answer predict() without changing their state: the driver may
+ask more often than a consumer uses the answer.
 """
 
 from __future__ import annotations
