@@ -73,10 +73,11 @@ def fitted(name, trace):
 
 
 class _Recorder:
-    """A mechanism that keeps every (layer_now, predictions, plan) the driver hands it."""
+    """A mechanism that keeps every (layer_now, predictions, plan) the driver hands it; with
+    ask_twice it asks the predictor again at each step, which must change nothing."""
 
-    def __init__(self, driver, resident):
-        self.driver, self.resident, self.steps = driver, resident, []
+    def __init__(self, driver, resident, ask_twice=False):
+        self.driver, self.resident, self.ask_twice, self.steps = driver, resident, ask_twice, []
 
     def routed(self, event, num_tokens):
         pass
@@ -86,14 +87,16 @@ class _Recorder:
         given = list(predictions)
         plan = self.driver.plan(predictions, view) if predictions else []
         assert predictions == given, "the planner modified the predictions it was given"
+        if self.ask_twice:
+            assert self.driver.predict(layer_now) == predictions
         self.steps.append((layer_now, predictions, plan))
 
 
-def run(policy, trace, resident=frozenset()):
+def run(policy, trace, resident=frozenset(), ask_twice=False):
     """Every step of the policy through the driver, on read-only events."""
     evictions = [policy.make_eviction(tier) for tier in ("device", "host")]
     driver = PolicyDriver(policy, evictions, horizon_layers=HORIZON)
-    recorder = _Recorder(driver, resident)
+    recorder = _Recorder(driver, resident, ask_twice)
     driver.run(map(_read_only, decode_stream(trace)), recorder)
     return recorder.steps
 
@@ -127,6 +130,10 @@ def check_deterministic(name, trace):
     assert run(fitted(name, trace), trace) == run(fitted(name, trace), trace)
 
 
+def check_predict_leaves_state_alone(name, trace):
+    assert run(fitted(name, trace), trace, ask_twice=True) == run(fitted(name, trace), trace)
+
+
 def check_each_tier_gets_its_own_eviction_policy(name, trace):
     policy = fitted(name, trace)
     assert policy.make_eviction("device") is not policy.make_eviction("host")
@@ -144,6 +151,7 @@ POLICY_CHECKS = (
     check_predictions_are_valid_and_within_the_horizon,
     check_plans_skip_resident_and_respect_capacity,
     check_deterministic,
+    check_predict_leaves_state_alone,
     check_each_tier_gets_its_own_eviction_policy,
     check_replays_in_the_simulator,
 )
