@@ -150,7 +150,7 @@ def _prediction_table(result: Comparison, horizons) -> Table:
     for name, overhead in result.overhead_us_per_layer.items():
         quality = result.prediction.get(name, {})
         cells = [f"{quality[h]['f1']:.3f}" if h in quality else "-" for h in horizons]
-        table.add_row(name, *cells, f"{overhead:.0f}", f"{result.fit_seconds.get(name, 0):.1f}")
+        table.add_row(name, *cells, f"{overhead:.1f}", f"{result.fit_seconds.get(name, 0):.1f}")
     return table
 
 
