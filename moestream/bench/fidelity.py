@@ -48,7 +48,7 @@ def run(args) -> int:
 
 
 def compare(args) -> dict:
-    from moestream.bench.engine.child import RunSpec
+    from moestream.bench.engine.spec import RunSpec
     from moestream.bench.engine.isolation import run_isolated
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS, demo_checkpoint

@@ -162,7 +162,7 @@ def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
 
 def _learns(policy) -> bool:
     """The policy or its predictor overrides fit()."""
-    from moestream.policies.base import Policy, Predictor
+    from moestream.policies.contracts import Policy, Predictor
 
     return type(policy).fit is not Policy.fit or type(policy.predictor).fit is not Predictor.fit
 

@@ -24,7 +24,8 @@ from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import load_manifest
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.policies import POLICIES
-from moestream.policies.base import Observer, Policy, TransferRequest
+from moestream.policies.contracts import Observer, Policy, TransferRequest
+from moestream.policies.driver import PolicyDriver
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
@@ -64,9 +65,9 @@ class Engine:
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store = ExpertStore(self.checkpoint.experts, self.config.store_config(),
                                  evictions["device"], evictions["host"], load_manifest(self.checkpoint))
-        self.publisher = Publisher([*self.policy.observers(), *evictions.values(), *observers],
-                                   always_hidden=self.config.publish_hidden)
-        self.prefetcher = Prefetcher(self.policy, self.store, self.config.horizon_layers)
+        self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
+        self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
+        self.prefetcher = Prefetcher(self.driver, self.store)
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher)
         self._hooks: list = []
         self._tokenizer = None
@@ -124,7 +125,7 @@ class Engine:
         return len(self.store.prefetch(requests))
 
     def add_observer(self, observer: Observer) -> None:
-        self.publisher.observers.append(observer)
+        self.driver.add_observer(observer)
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids with the checkpoint's tokenizer (no chat template)."""

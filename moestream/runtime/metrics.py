@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch
 
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
 

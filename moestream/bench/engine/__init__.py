@@ -19,7 +19,6 @@ from pathlib import Path
 
 BUDGETS = "0.1,0.25,0.5"
 DESIGNS = "moe-infinity,expertflow,fmoe,promoe"  # each design's own policy (the paper systems)
-CAP_SLACK_MIB = 64  # the memory cap: floor + dense part + budget + this
 
 
 def add_parser(kinds) -> None:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import moestream
-from moestream.bench.engine.child import RunSpec
+from moestream.bench.engine.spec import RunSpec
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 RUN_TIMEOUT_S = 1800

@@ -1,5 +1,5 @@
 """What one `bench engine` run executes, by kind: our engine, or transformers with accelerate's disk
-offload at the same memory. Each returns the figures of `child.summarize` plus what the caller needs
+offload at the same memory. Each returns the figures of `spec.summarize` plus what the caller needs
 (the routing replay's rows, for the simulator). Both start cold: the checkpoint's pages (and
 accelerate's offload folder) are dropped from the page cache after loading, before generating.
 """
@@ -10,9 +10,9 @@ import os
 import time
 from pathlib import Path
 
-from moestream.bench.engine.child import Counters, RunSpec, summarize
+from moestream.bench.engine.spec import Counters, RunSpec, summarize
 from moestream.errors import MoestreamError
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
 from moestream.registry import Registry
 
 RUNS: Registry = Registry("bench engine run kind")
