@@ -43,6 +43,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lru", help="prefetch/eviction policy by name (default lru)")
     parser.add_argument("--predictor-dir", help="trained predictor of the policy (from `moestream train-predictor`)")
     parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache, not O_DIRECT")
+    parser.add_argument("--sync", action="store_true",
+                        help="transfer experts on the compute thread (the on-demand baseline; default: async)")
+    parser.add_argument("--replay-routing", metavar="TRACE",
+                        help="follow this trace's routing instead of the router's (measurement only; "
+                             "outputs are labelled as replayed)")
 
 
 def require_checkpoint_dir(path: Path) -> None:
@@ -66,7 +71,8 @@ def engine_config(args, **overrides):
     from moestream.runtime import EngineConfig
 
     settings = dict(device=args.device, expert_budget=args.expert_budget, host_budget=args.host_budget,
-                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io)
+                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io,
+                    sync=args.sync, replay_routing=args.replay_routing)
     return EngineConfig(**(settings | overrides))
 
 
@@ -79,6 +85,10 @@ def run(args) -> int:
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
 
+    if args.replay_routing is not None:
+        from moestream.runtime.replay import REPLAY_LABEL
+
+        print(f"[{REPLAY_LABEL} from {args.replay_routing}: the text below is for measurement only]", flush=True)
     records = _generate(args, prompts)
     print(summary(records), file=sys.stderr)
     if args.json:
@@ -177,6 +187,7 @@ def report(result, row: int) -> dict:
         "expert_hits": m.expert_hits,
         "expert_misses": m.expert_misses,
         "bytes_read": dict(m.bytes_read),
+        "replayed": result.replayed,
     }
 
 

@@ -29,7 +29,7 @@ import torch
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
-from moestream.policies.base import EvictionPolicy, TransferRequest
+from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.pool import CopyEngine, SlotPool

@@ -276,3 +276,25 @@ def test_bad_paths_and_budgets_are_refused_before_torch_is_imported(args, messag
 def test_version():
     done = subprocess.run([sys.executable, "-m", "moestream", "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"moestream {moestream.__version__}"
+
+
+def test_replayed_routing_is_labelled_and_a_mismatched_trace_is_one_error_line(model_dir, tmp_path, capsys):
+    import dataclasses
+
+    from moestream.checkpoint.index import build_index
+    from moestream.trace.format import save_trace
+    from moestream.trace.synthetic import synthetic_trace
+
+    topology = build_index(model_dir).topology
+    trace, out = tmp_path / "trace.npz", tmp_path / "run.json"
+    save_trace(synthetic_trace(topology, num_sequences=1, tokens_per_sequence=8), trace)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "3",
+                 "--buffered-io", "--replay-routing", str(trace), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["replayed"] is True
+    assert "replayed routing" in capsys.readouterr().out
+    other = tmp_path / "other.npz"
+    save_trace(synthetic_trace(dataclasses.replace(topology, top_k=topology.top_k + 1), num_sequences=1,
+                               tokens_per_sequence=4), other)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--buffered-io",
+                 "--replay-routing", str(other)]) == 2
+    assert "cannot replay" in _error_line(capsys)

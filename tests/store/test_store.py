@@ -5,7 +5,7 @@ import torch
 from moestream.cache import CacheFullError
 from moestream.checkpoint.layout import ExpertIndex, ExpertLocation
 from moestream.errors import BudgetError, CheckpointError
-from moestream.policies.base import TransferRequest
+from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.topology import ExpertKey
