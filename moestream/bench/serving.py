@@ -14,6 +14,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from moestream.cli.serve import add_batching_arguments, batching_config
 from moestream.errors import MoestreamError
 
 
@@ -28,7 +29,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     parser.add_argument("--scale-lengths", type=float, default=0.05, help="scale of the trace's lengths (default 0.05)")
     parser.add_argument("--tpot-factor", type=float, default=2.0, help="p99 TPOT limit / all-resident TPOT (default 2)")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="server batch size (default 16)")
+    add_batching_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
@@ -96,7 +97,7 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     with Engine(model, config) as engine:
         if budget == "1.0":
             engine.preload()
-        with Server(engine, model.name, worker_config=WorkerConfig(max_batch_size=args.max_batch_size)) as server:
+        with Server(engine, model.name, worker_config=WorkerConfig(batching=batching_config(args))) as server:
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
     figures = loadgen.report(measured, wall, loadgen.Slo()) | {"rps": rate, "expert_budget": budget}
     print(f"{policy} @ {budget} budget, {rate:g} req/s: {loadgen.summary(figures)}", file=sys.stderr, flush=True)

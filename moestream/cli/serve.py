@@ -1,9 +1,9 @@
 """`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) for one checkpoint.
 
 Binds 127.0.0.1 unless --host says otherwise; with --api-key every /v1 request needs the bearer
-key. Requests that arrive together are generated as one batch (up to --max-batch-size, waiting at
-most --max-wait-ms); beyond --max-queue waiting requests the server answers 429. Arguments are
-checked before the heavy imports.
+key. Requests join the running batch between steps (continuous batching, up to --max-num-seqs
+sequences and --kv-budget of KV cache); beyond --max-queue waiting requests the server answers 429.
+Arguments are checked before the heavy imports.
 """
 
 from __future__ import annotations
@@ -22,12 +22,37 @@ def add_parser(commands) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="requests generated together (default 16)")
+    add_batching_arguments(parser)
     parser.add_argument("--max-wait-ms", type=float, default=20.0,
-                        help="how long a batch's first request waits for others (default 20)")
+                        help="how long the first request reaching an idle engine waits for others (default 20)")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which 429 is answered")
+    parser.add_argument("--max-queue-wait-ms", type=float, default=60_000.0,
+                        help="a request not started within this is answered 503 (default 60000)")
     add_engine_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def add_batching_arguments(parser) -> None:
+    """The continuous batcher's options (serve, bench serving)."""
+    parser.add_argument("--max-batch-size", type=int, default=16, help="sequences per decode step (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="running sequences at most; above the batch size, batches decode in turn (default: the batch size)")
+    parser.add_argument("--kv-budget", default="1GiB", help="KV cache the running sequences may reserve (default 1GiB)")
+    parser.add_argument("--prefill-token-budget", type=int, default=2048, help="prompt tokens per prefill step (default 2048)")
+    parser.add_argument("--token-scheduler", default="fifo",
+                        help="how running sequences form batches: fifo or expertflow (routing similarity)")
+
+
+def batching_config(args):
+    """The BatchingConfig of add_batching_arguments' options."""
+    from moestream.budget import Budget
+    from moestream.serving.batching import BatchingConfig
+
+    kv = Budget.parse(args.kv_budget)
+    if kv.size_bytes is None:
+        raise MoestreamError(f"--kv-budget is a size like 512MiB, got {args.kv_budget!r}")
+    return BatchingConfig(args.max_batch_size, args.max_num_seqs, kv.size_bytes, args.prefill_token_budget,
+                          args.token_scheduler)
 
 
 def require_serve_extra() -> None:
@@ -50,7 +75,7 @@ def run(args) -> int:
     from moestream.serving.server import Server
     from moestream.serving.worker import WorkerConfig
 
-    workers = WorkerConfig(args.max_batch_size, args.max_wait_ms, args.max_queue)
+    workers = WorkerConfig(args.max_wait_ms, args.max_queue, args.max_queue_wait_ms, batching_config(args))
     with Engine(args.model, engine_config(args), progress=True) as engine:
         server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
                         args.api_key, workers)

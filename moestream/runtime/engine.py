@@ -34,7 +34,7 @@ from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
-from moestream.runtime.runner import RUNNERS, Sequence, StepPlan
+from moestream.runtime.runner import RUNNERS, ModelRunner, Sequence, StepPlan
 from moestream.store.store import TIERS, ExpertStore
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,9 @@ class Engine:
     def add_observer(self, observer: Observer) -> None:
         self.driver.add_observer(observer)
 
+    def remove_observer(self, observer: Observer) -> None:
+        self.driver.observers.remove(observer)
+
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids with the checkpoint's tokenizer (no chat template)."""
         return list(self.tokenizer(prompt)["input_ids"])
@@ -151,8 +154,7 @@ class Engine:
         if max_new_tokens < 1:
             raise MoestreamError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         seqs = [Sequence(next(self._seq_counter), ids) for ids in self.prompt_ids(prompts)]
-        runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
-                                self.pad_id, self.config.device)
+        runner = self.make_runner()
         self.store.reset_stats()
         clock = StepClock()
         with torch.inference_mode():
@@ -181,6 +183,32 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- steps driven by a scheduler outside generate (continuous batching) -----------------------
+
+    @property
+    def runner_class(self) -> type[ModelRunner]:
+        return RUNNERS.get(self.checkpoint.adapter.auto_class)
+
+    def new_sequence(self, prompt_ids: list[int]) -> Sequence:
+        return Sequence(next(self._seq_counter), list(prompt_ids))
+
+    def next_step(self) -> int:
+        return next(self._step_counter)
+
+    def make_runner(self) -> ModelRunner:
+        return RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
+                              self.pad_id, self.config.device)
+
+    def run_step(self, runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
+        """Announces the plan's iteration and runs it: next-token logits [B, V]."""
+        with torch.inference_mode():
+            self._begin(plan)
+            return runner.run(plan)
+
+    def end_sequence(self, seq_id: int) -> None:
+        """Ends a sequence's per-sequence state in the policy and observers."""
+        self.publisher.end_sequence(seq_id)
 
     # -- steps -----------------------------------------------------------------------------------
 

@@ -74,6 +74,16 @@ def prefill_plan(step: int, seqs: list[Sequence], pad_id: int, device: str) -> S
     return StepPlan(step, True, ids.to(device), mask.to(device), positions.to(device), rows, ctx)
 
 
+def merged_decode_plan(step: int, seqs: list[Sequence], past_mask: torch.Tensor, device: str) -> StepPlan:
+    """One token per sequence over a batch cache merged from per-sequence caches (runtime/kv.py):
+    past_mask [B, W] marks each row's cached positions; each row continues at its own position."""
+    ids = _last_tokens(seqs)
+    positions = torch.tensor([len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]).unsqueeze(1)  # [B, 1]
+    mask = torch.cat([past_mask, past_mask.new_ones((len(seqs), 1))], dim=-1)  # [B, W + 1]
+    rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
+    return StepPlan(step, False, ids.to(device), mask.to(device), positions.to(device), rows, ctx)
+
+
 class ModelRunner:
     """Runs plans through one model for one batch, keeping its cache; returns next-token logits [B, V]."""
 

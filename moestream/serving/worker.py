@@ -1,10 +1,11 @@
 """The engine thread: the one thread that runs the engine, fed by a bounded queue of requests.
 
-The loop is schedule -> run -> update over plain records: `schedule` takes the requests that arrived
-together (up to max_batch_size, waiting at most max_wait_ms after the first), `run` generates them
-as one batch, and each step's text goes back to its request through the request's `emit` callable
-(called on the engine thread). A cancelled request leaves its batch after the current step. The
-worker knows no HTTP; a full queue raises `Overloaded`.
+Its loop admits waiting requests into the continuous batcher (serving/batching.py) while the running
+set has room (slots and KV budget; when idle, the first request waits up to max_wait_ms for company
+so that their prompts prefill together), fails requests that waited longer than max_queue_wait_ms,
+and runs one schedule -> run -> update step. Each step's text goes back to its request through the
+request's `emit` callable (called on the engine thread). The worker knows no HTTP; a full queue
+raises `Overloaded`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moestream.errors import MoestreamError
-from moestream.serving.generation import TextDelta, run_batch
+from moestream.serving.batching import BatchingConfig, ContinuousBatcher, KvBudgetError
+from moestream.serving.generation import TextDelta
 from moestream.serving.metrics import ServerMetrics
 from moestream.serving.sampling import BatchSampler, SamplingParams
 
@@ -31,13 +33,14 @@ class Overloaded(MoestreamError):
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    max_batch_size: int = 16
-    max_wait_ms: float = 20.0  # how long the first request of a batch waits for others
+    max_wait_ms: float = 20.0  # how long the first request reaching an idle engine waits for others
     max_queue: int = 64  # requests waiting beyond this many are refused
+    max_queue_wait_ms: float = 60_000.0  # a request not admitted within this is failed (503)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
 
     def __post_init__(self):
-        if self.max_batch_size < 1 or self.max_queue < 1 or not self.max_wait_ms >= 0:
-            raise MoestreamError("max_batch_size and max_queue must be >= 1 and max_wait_ms >= 0")
+        if self.max_queue < 1 or not self.max_wait_ms >= 0 or not self.max_queue_wait_ms > 0:
+            raise MoestreamError("max_queue must be >= 1, max_wait_ms >= 0 and max_queue_wait_ms > 0")
 
 
 @dataclass
@@ -77,7 +80,9 @@ class EngineWorker:
         self.engine = engine
         self.config = config or WorkerConfig()
         self._queue: queue.Queue[Request] = queue.Queue(self.config.max_queue)
+        self._head: Request | None = None  # taken from the queue, waiting for room
         self.metrics = ServerMetrics(self._queue.qsize)
+        self.batcher = ContinuousBatcher(engine, self.config.batching, self.update)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
@@ -92,60 +97,113 @@ class EngineWorker:
             raise Overloaded(f"the request queue is full ({self.config.max_queue} waiting)") from None
 
     def close(self) -> None:
-        """Stops the thread after its current batch; queued requests are failed."""
+        """Stops the thread after its current step; running and queued requests end."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        self.batcher.close()
+        if self._head is not None:
+            self._head.emit(Overloaded("the server is shutting down"))
+            self._head = None
         while not self._queue.empty():
             self._queue.get_nowait().emit(Overloaded("the server is shutting down"))
 
+    @property
+    def num_running(self) -> int:
+        return len(self.batcher.slots)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            batch = self.schedule()
-            if batch:
-                self.run(batch)
+            self.admit()
+            if self.batcher.slots:
+                self.metrics.batch_size.observe(len(self.batcher.slots))
+                self.batcher.step()
+                self.metrics.observe_store(self.engine.store.stats())
 
-    def schedule(self) -> list[Request]:
-        """The next batch: the first request waiting, and those arriving within max_wait_ms of it."""
-        try:
-            first = self._queue.get(timeout=POLL_S)
-        except queue.Empty:
-            return []
-        batch, deadline = [first], time.perf_counter() + self.config.max_wait_ms / 1e3
-        while len(batch) < self.config.max_batch_size:
-            try:
-                batch.append(self._queue.get(timeout=max(0.0, deadline - time.perf_counter())))
-            except queue.Empty:
+    def admit(self) -> list[Request]:
+        """Takes waiting requests in while the batcher has room; an idle engine waits up to POLL_S
+        for a first request, then up to max_wait_ms for others. Returns the requests taken in."""
+        self._drop_expired()
+        idle = not self.batcher.slots
+        admitted = self._admit_ready(block_s=POLL_S if idle else 0.0)
+        if idle and admitted:
+            deadline = time.perf_counter() + self.config.max_wait_ms / 1e3
+            while (left := deadline - time.perf_counter()) > 0 and self._room():
+                admitted += self._admit_ready(block_s=left, limit=1)
+        return admitted
+
+    def _admit_ready(self, block_s: float, limit: int | None = None) -> list[Request]:
+        admitted = []
+        while self._room() and (limit is None or len(admitted) < limit):
+            request = self._take(block_s if not admitted else 0.0)
+            if request is None:
                 break
-        for request in batch:
-            if request.cancelled:
-                self.metrics.requests.labels("abort").inc()
-        return [r for r in batch if not r.cancelled]
+            if self._admissible(request):
+                admitted.append(request)
+        return admitted
 
-    def run(self, batch: list[Request]) -> None:
-        if not batch:
-            return
-        self.metrics.batch_size.observe(len(batch))
+    def _drop_expired(self) -> None:
+        """Fails the oldest waiting requests while they are cancelled or waited too long."""
+        while True:
+            if self._head is None:
+                try:
+                    self._head = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+            head = self._head
+            if not head.cancelled and _waited_ms(head) <= self.config.max_queue_wait_ms:
+                return
+            self._head = None
+            self._admissible(head)  # fails it
+
+    def _room(self) -> bool:
+        return len(self.batcher.slots) < self.batcher.config.num_seqs
+
+    def _take(self, block_s: float) -> Request | None:
+        """The head request if the batcher can take it now (else it stays the head), or None."""
+        if self._head is None:
+            try:
+                self._head = self._queue.get(timeout=block_s) if block_s > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return None
+        head = self._head
+        if head.cancelled or self.batcher.can_admit(head) or _waited_ms(head) > self.config.max_queue_wait_ms:
+            self._head = None
+            return head
+        return None
+
+    def _admissible(self, request: Request) -> bool:
+        """Admits the request into the batcher, or fails it (cancelled, waited too long, too big)."""
+        if request.cancelled:
+            self.metrics.requests.labels("abort").inc()
+            return False
+        if _waited_ms(request) > self.config.max_queue_wait_ms:
+            self.metrics.rejected.inc()
+            request.emit(Overloaded(f"the request waited over {self.config.max_queue_wait_ms:g} ms for room"))
+            return False
         try:
-            run_batch(self.engine, [r.prompt_ids for r in batch], [r.params for r in batch],
-                      on_delta=lambda delta: self.update(batch[delta.row], delta),
-                      on_sampler=lambda sampler: [r.attach(sampler, row) for row, r in enumerate(batch)])
-        except Exception as error:  # the batch's clients get the error; the server stays up
-            log.exception("engine batch failed")
-            for request in batch:
-                request.emit(error)
-        self.metrics.observe_store(self.engine.store.stats())
+            self.batcher.admit(request)
+        except KvBudgetError as error:
+            request.emit(error)
+            return False
+        return True
 
-    def update(self, request: Request, delta: TextDelta) -> None:
-        """Records the request's latencies and hands it its new text."""
+    def update(self, request: Request, delta: TextDelta, new_token: bool = True) -> None:
+        """Records the request's latencies and hands it its new text (new_token: False when a
+        sequence ends without one, e.g. cancelled between steps)."""
         now = time.perf_counter()
-        request.num_tokens += 1
-        if request.first_token is None:
-            request.first_token = now
-            self.metrics.ttft.observe(now - request.arrived)
+        if new_token:
+            request.num_tokens += 1
+            if request.first_token is None:
+                request.first_token = now
+                self.metrics.ttft.observe(now - request.arrived)
         if delta.finished:
             self.metrics.requests.labels(delta.finish_reason).inc()
             self.metrics.tokens.inc(request.num_tokens)
             if request.num_tokens > 1:
                 self.metrics.tpot.observe((now - request.first_token) / (request.num_tokens - 1))
         request.emit(delta)
+
+
+def _waited_ms(request: Request) -> float:
+    return (time.perf_counter() - request.arrived) * 1e3

@@ -10,6 +10,7 @@ import pytest
 
 from moestream import LLM, SamplingParams
 from moestream.runtime import Engine, EngineConfig
+from moestream.serving.batching import BatchingConfig
 from moestream.serving.server import Server
 from moestream.serving.worker import WorkerConfig
 
@@ -26,7 +27,7 @@ def engine(serving_checkpoint):
 
 @pytest.fixture
 def server(engine):
-    with Server(engine, MODEL, api_key=KEY, worker_config=WorkerConfig(max_batch_size=8, max_queue=40)) as server:
+    with Server(engine, MODEL, api_key=KEY, worker_config=WorkerConfig(max_queue=40, batching=BatchingConfig(max_batch_size=8))) as server:
         yield server
 
 
@@ -90,22 +91,24 @@ def test_chat_streams_deltas_with_a_role_first(server):
 
 def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     prompts = [f"Request number {i} says" for i in range(32)]
+    lengths = [3 + i % 5 for i in range(32)]  # sequences leave at different steps, others join
 
-    async def ask(client, prompt):
-        answer = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
-        return answer.status_code, answer.json()["choices"][0]
+    async def ask(client, prompt, max_tokens):
+        answer = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        return answer.status_code, answer.json()["choices"][0]["text"]
 
     async def everyone():
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as client:
-            return await asyncio.gather(*(ask(client, p) for p in prompts))
+            return await asyncio.gather(*(ask(client, p, n) for p, n in zip(prompts, lengths)))
 
     answers = asyncio.run(everyone())
     assert all(status == 200 for status, _ in answers)
-    alone = _post(server, "/v1/completions", {"prompt": prompts[3], "max_tokens": 4, "temperature": 0})
-    assert answers[3][1]["text"] == alone.json()["choices"][0]["text"]
-    metrics = httpx.get(server.url + "/metrics").text
-    batches = [line for line in metrics.splitlines() if line.startswith("moestream_batch_size_count")]
-    assert float(batches[0].split()[-1]) < 33  # requests that arrived together shared batches
+    alone = [_post(server, "/v1/completions", {"prompt": p, "max_tokens": n, "temperature": 0}).json()["choices"][0]["text"]
+             for p, n in zip(prompts, lengths)]
+    assert [text for _, text in answers] == alone
+    metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(server.url + "/metrics").text.splitlines()
+               if line.startswith("moestream_batch_size_")}
+    assert metrics["moestream_batch_size_sum"] / metrics["moestream_batch_size_count"] > 1  # steps were shared
 
 
 def test_a_client_leaving_mid_stream_cancels_its_sequence(server):
@@ -168,7 +171,7 @@ def test_the_api_key_is_required(server):
 
 
 def test_a_full_queue_answers_429(engine):
-    config = WorkerConfig(max_batch_size=1, max_queue=1, max_wait_ms=0)
+    config = WorkerConfig(max_queue=1, max_wait_ms=0, batching=BatchingConfig(max_batch_size=1))
     body = {"prompt": "Busy busy", "max_tokens": 30, "temperature": 0}
 
     async def flood(url):

@@ -1,49 +1,95 @@
-"""The engine worker's schedule: requests waiting together form batches of at most max_batch_size,
-cancelled ones are dropped (counted as aborted), and a full queue refuses with Overloaded."""
+"""The engine worker's admission: waiting requests join while the batcher has room, an idle engine
+waits at most max_wait_ms for company, cancelled ones are dropped (counted as aborted), requests that
+wait too long fail, and a full queue refuses with Overloaded."""
 
 import time
 
 import pytest
 
 from moestream.errors import MoestreamError
+from moestream.runtime import Engine, EngineConfig
+from moestream.serving.batching import BatchingConfig
 from moestream.serving.sampling import SamplingParams
 from moestream.serving.worker import EngineWorker, Overloaded, Request, WorkerConfig
 
 
+@pytest.fixture(scope="module")
+def engine(serving_checkpoint):
+    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
+        yield engine
+
+
+@pytest.fixture
+def make_worker(engine):
+    workers = []
+
+    def make(**fields):
+        workers.append(EngineWorker(engine, WorkerConfig(**fields)))
+        return workers[-1]
+
+    yield make
+    for worker in workers:
+        worker.close()
+
+
 def _request(seen=None):
-    return Request([1, 2, 3], SamplingParams(), (seen if seen is not None else []).append)
+    return Request([1, 2, 3], SamplingParams(max_tokens=2), (seen if seen is not None else []).append)
 
 
-def test_waiting_requests_form_batches_of_at_most_the_batch_size():
-    worker = EngineWorker(None, WorkerConfig(max_batch_size=3, max_wait_ms=0))
+def _measured(worker):
+    """Runs one request through, so that the batcher knows the KV bytes per token."""
+    worker.submit(_request())
+    worker.admit()
+    while worker.batcher.step():
+        pass
+
+
+def test_waiting_requests_join_while_there_are_slots(make_worker):
+    worker = make_worker(max_wait_ms=0, batching=BatchingConfig(max_batch_size=3))
+    _measured(worker)
     requests = [_request() for _ in range(5)]
     for request in requests:
         worker.submit(request)
-    assert worker.schedule() == requests[:3]
-    assert worker.schedule() == requests[3:]
-    assert worker.schedule() == []
+    assert worker.admit() == requests[:3]
+    assert worker.admit() == []  # full until a sequence leaves
+    while worker.num_running == 3:
+        worker.batcher.step()
+    free = 3 - worker.num_running
+    assert worker.admit() == requests[3:3 + free]
 
 
-def test_the_first_request_waits_at_most_max_wait_for_company():
-    worker = EngineWorker(None, WorkerConfig(max_batch_size=4, max_wait_ms=50))
+def test_an_idle_engine_waits_at_most_max_wait_for_company(make_worker):
+    worker = make_worker(max_wait_ms=50)
+    _measured(worker)
     worker.submit(_request())
     started = time.perf_counter()
-    assert len(worker.schedule()) == 1
+    assert len(worker.admit()) == 1
     assert 0.04 <= time.perf_counter() - started < 1.0
 
 
-def test_cancelled_requests_are_dropped_and_counted():
-    worker = EngineWorker(None, WorkerConfig(max_wait_ms=0))
+def test_cancelled_requests_are_dropped_and_counted(make_worker):
+    worker = make_worker(max_wait_ms=0)
     kept, dropped = _request(), _request()
     worker.submit(kept)
     worker.submit(dropped)
     dropped.cancel()
-    assert worker.schedule() == [kept]
+    assert worker.admit() == [kept]
     assert 'moestream_requests_total{finish_reason="abort"} 1.0' in worker.metrics.render().decode()
 
 
-def test_a_full_queue_refuses_and_close_fails_the_waiting():
-    worker = EngineWorker(None, WorkerConfig(max_queue=2))
+def test_a_request_waiting_too_long_fails(make_worker):
+    worker = make_worker(max_wait_ms=0, max_queue_wait_ms=1, batching=BatchingConfig(max_batch_size=1))
+    running, late = [], []
+    worker.submit(_request(running))
+    worker.submit(_request(late))
+    assert len(worker.admit()) == 1
+    time.sleep(0.01)
+    assert worker.admit() == []
+    assert len(late) == 1 and isinstance(late[0], Overloaded)
+
+
+def test_a_full_queue_refuses_and_close_fails_the_waiting(make_worker):
+    worker = make_worker(max_queue=2)
     seen = []
     worker.submit(_request(seen))
     worker.submit(_request(seen))
@@ -53,7 +99,14 @@ def test_a_full_queue_refuses_and_close_fails_the_waiting():
     assert len(seen) == 2 and all(isinstance(e, Overloaded) for e in seen)
 
 
-@pytest.mark.parametrize("fields", [{"max_batch_size": 0}, {"max_queue": 0}, {"max_wait_ms": -1}])
+@pytest.mark.parametrize("fields", [{"max_queue": 0}, {"max_wait_ms": -1}, {"max_queue_wait_ms": 0}])
 def test_bad_worker_config_is_refused(fields):
     with pytest.raises(MoestreamError):
         WorkerConfig(**fields)
+
+
+@pytest.mark.parametrize("fields", [{"max_batch_size": 0}, {"kv_budget_bytes": 0}, {"prefill_token_budget": 0},
+                                    {"token_scheduler": "psychic"}])
+def test_bad_batching_config_is_refused(fields):
+    with pytest.raises(MoestreamError):
+        BatchingConfig(**fields)

@@ -1,0 +1,69 @@
+"""Per-sequence KV caches for batches whose membership changes between steps.
+
+A `SeqCache` holds one sequence's keys and values at every attention layer, without padding. A step's
+batch cache is built by left-padding the sequences' caches to the longest and concatenating them
+along the batch dimension (`merge`); after the step, `split` cuts each row's own tokens back out.
+Left padding keeps each row's tokens contiguous and right-aligned, so attention masks, position ids
+and sliding windows (measured as distances) see exactly what a sequence run alone sees. The caches
+are transformers' `DynamicCache` with full layers; this module knows no model, policy or server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class SeqCache:
+    """One sequence's past: keys and values [1, H, L, D] per attention layer."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0][0].shape[-2]) if self.layers else 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+
+def empty_cache() -> DynamicCache:
+    """A cache for a prefill whose result `split` can cut (full layers, no sliding-window trimming)."""
+    return DynamicCache()
+
+
+def merge(caches: list[SeqCache]) -> tuple[DynamicCache, torch.Tensor]:
+    """The batch cache of the sequences, left padded to the longest, and its attention mask [B, W]."""
+    width = max(c.length for c in caches)
+    layers = []
+    for layer in range(len(caches[0].layers)):
+        keys = torch.cat([_left_pad(c.layers[layer][0], width) for c in caches])  # [B, H, W, D]
+        values = torch.cat([_left_pad(c.layers[layer][1], width) for c in caches])  # [B, H, W, D]
+        layers.append((keys, values))
+    mask = torch.zeros((len(caches), width), dtype=torch.long)  # [B, W]
+    for row, cache in enumerate(caches):
+        mask[row, width - cache.length:] = 1
+    return DynamicCache(ddp_cache_data=layers), mask
+
+
+def split(cache: DynamicCache, lengths: list[int]) -> list[SeqCache]:
+    """Each row's last lengths[row] positions of the batch cache, copied so the batch can be freed."""
+    out = []
+    for row, length in enumerate(lengths):
+        layers = [(layer.keys[row: row + 1, :, -length:].clone(), layer.values[row: row + 1, :, -length:].clone())
+                  for layer in cache.layers]  # each [1, H, length, D]
+        out.append(SeqCache(layers))
+    return out
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """[1, H, L, D] -> [1, H, width, D] with zeros before the sequence's own positions."""
+    missing = width - tensor.shape[-2]
+    if missing == 0:
+        return tensor
+    pad = tensor.new_zeros(tensor.shape[:-2] + (missing, tensor.shape[-1]))
+    return torch.cat([pad, tensor], dim=-2)

@@ -1,0 +1,224 @@
+"""Continuous batching: sequences join and leave the running set between steps.
+
+Each step is schedule -> run -> update over plain records. `admit` takes a request in while the
+running set stays within max_num_seqs and its reserved KV bytes (prompt + max_tokens per sequence)
+within kv_budget_bytes. `schedule` drops cancelled sequences, then picks either one prefill (the
+waiting prompts, up to prefill_token_budget tokens) or one decode of a batch of running sequences;
+a prefill never runs twice in a row while sequences decode, so decode latency stays bounded by one
+prefill while prompts arrive. When more sequences run than max_batch_size, the token scheduler
+splits them into batches that decode in turn. Each sequence keeps its own KV cache (runtime/kv.py),
+merged into the step's batch and split back after it; sequences that leave end their state in the
+policy (`Engine.end_sequence`). The batcher knows no HTTP and no queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from moestream.errors import MoestreamError
+from moestream.runtime import kv
+from moestream.runtime.engine import eos_ids
+from moestream.runtime.runner import Sequence, merged_decode_plan, prefill_plan
+from moestream.serving.generation import TextDelta, TextStream
+from moestream.serving.sampling import BatchSampler
+from moestream.serving.token_scheduler import TOKEN_SCHEDULERS, RoutingPaths
+
+if TYPE_CHECKING:
+    from moestream.serving.worker import Request
+
+log = logging.getLogger(__name__)
+
+
+class KvBudgetError(MoestreamError):
+    """A request needs more KV cache than the whole budget."""
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch_size: int = 16  # sequences per decode step
+    max_num_seqs: int = 0  # running sequences at most (0: max_batch_size); above a batch, batches alternate
+    kv_budget_bytes: int = 1 << 30  # KV cache reserved by the running sequences at most
+    prefill_token_budget: int = 2048  # prompt tokens per prefill step (one longer prompt runs alone)
+    token_scheduler: str = "fifo"  # how running sequences are split into batches (TOKEN_SCHEDULERS)
+
+    def __post_init__(self):
+        if self.max_batch_size < 1 or self.max_num_seqs < 0 or self.prefill_token_budget < 1:
+            raise MoestreamError("max_batch_size and prefill_token_budget must be >= 1, max_num_seqs >= 0")
+        if self.kv_budget_bytes < 1:
+            raise MoestreamError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if self.token_scheduler not in TOKEN_SCHEDULERS:
+            raise MoestreamError(f"unknown token scheduler {self.token_scheduler!r}; "
+                                 f"choose from {', '.join(TOKEN_SCHEDULERS.names())}")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.max_num_seqs or self.max_batch_size
+
+
+@dataclass
+class Slot:
+    """A running sequence: its request, engine sequence, sampler, text stream and KV cache."""
+
+    request: Request
+    seq: Sequence
+    sampler: BatchSampler
+    stream: TextStream
+    reserved_bytes: int = 0
+    cache: kv.SeqCache | None = None  # None until prefilled
+
+
+@dataclass(frozen=True)
+class Step:
+    is_prefill: bool
+    slots: list[Slot]
+
+
+@dataclass
+class ContinuousBatcher:
+    engine: object
+    config: BatchingConfig
+    on_delta: Callable[[Request, TextDelta, bool], None]  # (request, delta, with a new token)
+    slots: list[Slot] = field(default_factory=list)
+    bytes_per_token: float | None = None  # measured on the first prefill
+    _groups: list[list[int]] = field(default_factory=list)  # seq ids of the decode batches
+    _turn: int = 0
+    _last_prefill: bool = False
+
+    def __post_init__(self):
+        self.runner = self.engine.make_runner()
+        self.scheduler = TOKEN_SCHEDULERS.create(self.config.token_scheduler)
+        self.paths = RoutingPaths(self.engine.checkpoint.topology)
+        self.engine.add_observer(self.paths)
+        self.eos = eos_ids(self.engine.model.generation_config)
+        self.decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(s.reserved_bytes for s in self.slots)
+
+    def need_bytes(self, request: Request) -> int:
+        return int((len(request.prompt_ids) + request.params.max_tokens) * (self.bytes_per_token or 0))
+
+    def can_admit(self, request: Request) -> bool:
+        """Room for the request: a free slot and its KV bytes within the budget (the first one alone
+        until a prefill has measured the bytes per token)."""
+        if len(self.slots) >= self.config.num_seqs:
+            return False
+        if self.bytes_per_token is None:
+            return not self.slots
+        return self.reserved_bytes + self.need_bytes(request) <= self.config.kv_budget_bytes
+
+    def admit(self, request: Request) -> None:
+        need = self.need_bytes(request)
+        if need > self.config.kv_budget_bytes:
+            raise KvBudgetError(f"the request needs {need} bytes of KV cache, over the budget of "
+                                f"{self.config.kv_budget_bytes}")
+        sampler = BatchSampler([request.params], self.decode)
+        request.attach(sampler, 0)
+        slot = Slot(request, self.engine.new_sequence(request.prompt_ids), sampler, TextStream(request.params.stop), need)
+        self.slots.append(slot)
+
+    # -- schedule -> run -> update ---------------------------------------------------------------
+
+    def schedule(self) -> Step | None:
+        """The next step: a prefill of waiting prompts, or the next batch's decode (None: idle)."""
+        for slot in [s for s in self.slots if s.request.cancelled]:
+            self._finish(slot, "abort")
+        waiting = [s for s in self.slots if s.cache is None]
+        running = [s for s in self.slots if s.cache is not None]
+        if waiting and not (self._last_prefill and running):
+            return Step(True, self._prefill_batch(waiting))
+        if running:
+            return Step(False, self._next_batch(running))
+        return None
+
+    def run(self, step: Step) -> torch.Tensor:
+        """Runs the step's forward pass: next-token logits [B, V]; each row's cache is updated."""
+        seqs = [s.seq for s in step.slots]
+        if step.is_prefill:
+            plan = prefill_plan(self.engine.next_step(), seqs, self.engine.pad_id, self.engine.config.device)
+            self.runner.cache = kv.empty_cache()
+            lengths = [len(s.prompt_ids) for s in seqs]
+        else:
+            self.runner.cache, mask = kv.merge([s.cache for s in step.slots])
+            plan = merged_decode_plan(self.engine.next_step(), seqs, mask, self.engine.config.device)
+            lengths = [s.cache.length + 1 for s in step.slots]
+        logits = self.engine.run_step(self.runner, plan)  # [B, V]
+        for slot, cache in zip(step.slots, kv.split(self.runner.cache, lengths)):
+            slot.cache = cache
+        self.runner.cache = None
+        if step.is_prefill and self.bytes_per_token is None:
+            self.bytes_per_token = step.slots[0].cache.num_bytes / max(1, step.slots[0].cache.length)
+        return logits
+
+    def update(self, step: Step, logits: torch.Tensor) -> None:
+        """Appends each row's token, streams its text and ends the sequences that are done."""
+        self._last_prefill = step.is_prefill
+        for row, slot in enumerate(step.slots):
+            token = slot.sampler.choose(logits[row: row + 1], [slot.seq])[0]
+            slot.seq.output_ids.append(int(token))
+            stopped = slot.sampler.stops(0, slot.seq) or int(token) in self.eos
+            reason = slot.sampler.finish_reason(0) if stopped else None
+            if stopped:
+                self._finish(slot, reason, emit=False)
+            text = slot.sampler.text(0, slot.seq.output_ids)
+            self.on_delta(slot.request, TextDelta(0, slot.stream.delta(text, stopped), stopped, reason), True)
+
+    def step(self) -> bool:
+        """One schedule -> run -> update; False when there was nothing to run."""
+        step = self.schedule()
+        if step is None:
+            return False
+        try:
+            self.update(step, self.run(step))
+        except Exception as error:  # the step's clients get the error; the batcher stays up
+            log.exception("engine step failed")
+            for slot in [s for s in step.slots if s in self.slots]:
+                self._finish(slot, None, emit=False)
+                slot.request.emit(error)
+        return True
+
+    def close(self) -> None:
+        """Aborts every running sequence and stops observing the engine."""
+        for slot in list(self.slots):
+            self._finish(slot, "abort")
+        if self.paths in self.engine.driver.observers:
+            self.engine.remove_observer(self.paths)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _prefill_batch(self, waiting: list[Slot]) -> list[Slot]:
+        batch, tokens = [], 0
+        for slot in waiting[: self.config.max_batch_size]:
+            if batch and tokens + len(slot.seq.prompt_ids) > self.config.prefill_token_budget:
+                break
+            batch.append(slot)
+            tokens += len(slot.seq.prompt_ids)
+        return batch
+
+    def _next_batch(self, running: list[Slot]) -> list[Slot]:
+        """The next decode batch in turn; batches are regrouped when the running set changed."""
+        by_id = {s.seq.seq_id: s for s in running}
+        if sorted(by_id) != sorted(i for group in self._groups for i in group):
+            paths = np.stack([self.paths.path(s.seq.seq_id) for s in running])  # [N, L * E]
+            self._groups = [[running[row].seq.seq_id for row in group]
+                            for group in self.scheduler.group(paths, self.config.max_batch_size)]
+            self._turn = 0
+        group = self._groups[self._turn % len(self._groups)]
+        self._turn += 1
+        return [by_id[i] for i in group]
+
+    def _finish(self, slot: Slot, reason: str | None, emit: bool = True) -> None:
+        """Frees the slot and its KV cache and ends the sequence's state in the policy."""
+        self.slots.remove(slot)
+        slot.cache = None
+        self.engine.end_sequence(slot.seq.seq_id)
+        if emit and reason is not None:
+            self.on_delta(slot.request, TextDelta(0, "", True, reason), False)

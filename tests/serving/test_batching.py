@@ -1,0 +1,110 @@
+"""Continuous batching: sequences that join a running batch mid-way get exactly the tokens they get
+alone; admission respects the slots and the KV budget; sequences that leave end their policy state."""
+
+import pytest
+
+from moestream.policies.contracts import Observer
+from moestream.runtime import Engine, EngineConfig
+from moestream.serving.batching import BatchingConfig, ContinuousBatcher, KvBudgetError
+from moestream.serving.sampling import SamplingParams
+from moestream.serving.worker import Request
+
+PROMPTS = [[5, 9, 2, 7], [11, 3], [8, 8, 1, 4, 6, 2, 9], [4], [13, 2, 2]]
+MAX_TOKENS = [6, 9, 4, 7, 5]
+
+
+class Ends(Observer):
+    def __init__(self):
+        self.ended = []
+
+    def end_sequence(self, seq_id):
+        self.ended.append(seq_id)
+
+
+def _request(prompt, max_tokens, seed=None, temperature=0.0):
+    return Request(prompt, SamplingParams(max_tokens=max_tokens, seed=seed, temperature=temperature), lambda e: None)
+
+
+def _drive(batcher, requests, joins):
+    """Steps the batcher until all are done; request i is admitted before step joins[i].
+    Returns each request's engine sequence."""
+    seqs, step = {}, 0
+    while len(seqs) < len(requests) or batcher.slots:
+        for row, request in enumerate(requests):
+            if joins[row] <= step and row not in seqs:
+                batcher.admit(request)
+                seqs[row] = batcher.slots[-1].seq
+        batcher.step()
+        step += 1
+    return [seqs[row] for row in range(len(requests))]
+
+
+def _engine(path):
+    return Engine(path, EngineConfig(expert_budget="0.5", direct_io=False))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v2", "gpt_oss"])
+def test_sequences_joining_mid_way_get_their_tokens_alone(tiny_checkpoint, family):
+    path = tiny_checkpoint(family, num_layers=2)
+    with _engine(path) as engine:
+        alone = [engine.generate([p], max_new_tokens=n).token_ids[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
+        batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=3, max_num_seqs=4),
+                                    lambda request, delta, new: None)
+        seqs = _drive(batcher, [_request(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)], joins=[0, 0, 2, 3, 5])
+        batcher.close()
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_seeded_sampling_does_not_depend_on_company(serving_checkpoint):
+    with _engine(serving_checkpoint) as engine:
+        def tokens(joins, company):
+            batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=4), lambda r, d, n: None)
+            first = _request(PROMPTS[0], 8, seed=3, temperature=1.0)
+            others = [_request(p, 5, seed=9, temperature=1.0) for p in PROMPTS[1:1 + company]]
+            seqs = _drive(batcher, [first, *others], joins)
+            batcher.close()
+            return seqs[0].output_ids
+        assert tokens([0], 0) == tokens([0, 1, 2], 2)
+
+
+def test_admission_respects_slots_and_the_kv_budget(serving_checkpoint):
+    with _engine(serving_checkpoint) as engine:
+        batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=2, kv_budget_bytes=10**9),
+                                    lambda r, d, n: None)
+        first, second, third = (_request(p, 4) for p in PROMPTS[:3])
+        assert batcher.can_admit(first)
+        batcher.admit(first)
+        assert not batcher.can_admit(second)  # the bytes per token are not measured yet: one alone
+        batcher.step()  # the prefill measures them
+        assert batcher.bytes_per_token > 0 and batcher.can_admit(second)
+        batcher.admit(second)
+        assert not batcher.can_admit(third)  # both slots taken
+        small = ContinuousBatcher(engine, BatchingConfig(kv_budget_bytes=1), lambda r, d, n: None)
+        small.bytes_per_token = batcher.bytes_per_token
+        with pytest.raises(KvBudgetError):
+            small.admit(third)
+        batcher.close()
+        small.close()
+
+
+def test_leaving_sequences_end_their_state_and_free_their_cache(serving_checkpoint):
+    ends = Ends()
+    with _engine(serving_checkpoint) as engine:
+        engine.add_observer(ends)
+        deltas = []
+        batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=4), lambda r, d, n: deltas.append((r, d)))
+        short, cancelled = _request(PROMPTS[0], 2), _request(PROMPTS[1], 50)
+        batcher.admit(short)
+        batcher.admit(cancelled)
+        ids = [s.seq.seq_id for s in batcher.slots]
+        for _ in range(4):
+            batcher.step()
+        cancelled.cancel()
+        while batcher.step():
+            pass
+        assert batcher.slots == [] and batcher.reserved_bytes == 0
+        assert sorted(ends.ended) == sorted(ids)
+        reasons = [d.finish_reason for r, d in deltas if d.finished]
+        assert sorted(reasons) == ["abort", "length"]
+        assert batcher.paths.paths == {}
+        batcher.close()
