@@ -88,6 +88,7 @@ class ModelRunner:
     """Runs plans through one model for one batch, keeping its cache; returns next-token logits [B, V]."""
 
     records_traces: ClassVar[bool] = True  # every MoE layer routes exactly the iteration's tokens
+    per_sequence_cache: ClassVar[bool] = False  # runs batches merged from per-sequence caches (runtime/kv.py)
 
     def __init__(self, model: torch.nn.Module, publisher: Publisher, pad_id: int, device: str):
         self.model = model
@@ -130,6 +131,8 @@ def _accepts(model: torch.nn.Module, argument: str) -> bool:
 
 @RUNNERS.register("AutoModelForCausalLM")
 class CausalRunner(ModelRunner):
+    per_sequence_cache = True
+
     def decode(self, step: int, seqs: list[Sequence]) -> StepPlan:
         """Positions and mask continue the previous step's, as `generate` extends them."""
         previous = self.previous

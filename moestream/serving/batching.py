@@ -90,6 +90,9 @@ class ContinuousBatcher:
     _last_prefill: bool = False
 
     def __post_init__(self):
+        if not self.engine.runner_class.per_sequence_cache:
+            raise MoestreamError(f"continuous batching needs a decoder-only model; "
+                                 f"{self.engine.checkpoint.adapter.model_type} is not one")
         self.runner = self.engine.make_runner()
         self.scheduler = TOKEN_SCHEDULERS.create(self.config.token_scheduler)
         self.paths = RoutingPaths(self.engine.checkpoint.topology)

@@ -3,6 +3,7 @@ alone; admission respects the slots and the KV budget; sequences that leave end 
 
 import pytest
 
+from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.serving.batching import BatchingConfig, ContinuousBatcher, KvBudgetError
@@ -108,3 +109,19 @@ def test_leaving_sequences_end_their_state_and_free_their_cache(serving_checkpoi
         assert sorted(reasons) == ["abort", "length"]
         assert batcher.paths.paths == {}
         batcher.close()
+
+
+def test_an_encoder_decoder_model_is_refused(tiny_checkpoint):
+    with _engine(tiny_checkpoint("switch_transformers", num_layers=2)) as engine:
+        with pytest.raises(MoestreamError, match="decoder-only"):
+            ContinuousBatcher(engine, BatchingConfig(), lambda r, d, n: None)
+
+
+def test_expertflow_regrouping_keeps_every_sequence_s_tokens(serving_checkpoint):
+    with _engine(serving_checkpoint) as engine:
+        alone = [engine.generate([p], max_new_tokens=n).token_ids[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
+        batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=2, max_num_seqs=5, token_scheduler="expertflow"),
+                                    lambda r, d, n: None)
+        seqs = _drive(batcher, [_request(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)], joins=[0, 0, 1, 1, 4])
+        batcher.close()
+    assert [s.output_ids for s in seqs] == alone
