@@ -23,6 +23,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
     parser.add_argument("--policies", default="lru,default", help="comma-separated policy names (default lru,default)")
     parser.add_argument("--expert-budget", default="0.25", help="device-tier budget of the policies' runs (default 0.25)")
+    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
     parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="where workloads/ lies")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
@@ -93,7 +94,8 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     from moestream.serving.worker import WorkerConfig
 
     planned = workload.plan(trace, prompts, rate, args.duration, args.scale_lengths, max_requests=10_000)
-    config = EngineConfig(device=args.device, expert_budget=budget, policy=policy, direct_io=False)
+    config = EngineConfig(device=args.device, expert_budget=budget, policy=policy, direct_io=False,
+                          replay_routing=args.replay_routing)
     with Engine(model, config) as engine:
         if budget == "1.0":
             engine.preload()

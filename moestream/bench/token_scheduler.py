@@ -1,0 +1,102 @@
+"""`moestream bench token-scheduler`: the continuous batcher with each token scheduler in turn.
+
+--num-seqs sequences (prompts from the real prompt sets) run together, split into decode batches of
+--max-batch-size that take turns; per scheduler (a fresh engine each): the distinct experts each
+decode batch activates (mean), the device-tier hit rate, and decode throughput. Figures only:
+nothing is asserted. Under --replay-routing each iteration takes the trace's next rows whatever the
+sequence, so a sequence's routing path no longer predicts its next token's (see the report line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+
+
+def add_parser(kinds) -> None:
+    parser = kinds.add_parser("token-scheduler", help="activated experts, hit rate and throughput per token scheduler")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    parser.add_argument("--schedulers", default="fifo,expertflow", help="token schedulers to compare (default fifo,expertflow)")
+    parser.add_argument("--expert-budget", default="0.25", help="device-tier budget (default 0.25)")
+    parser.add_argument("--policy", default="lru", help="caching policy (default lru)")
+    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
+    parser.add_argument("--num-seqs", type=int, default=32, help="sequences running together (default 32)")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="sequences per decode batch (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per sequence (default 32)")
+    parser.add_argument("--prompt-words", type=int, default=48, help="words kept of each prompt (default 48)")
+    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="where workloads/ lies")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    if min(args.num_seqs, args.max_batch_size, args.max_tokens, args.prompt_words) < 1:
+        raise MoestreamError("--num-seqs, --max-batch-size, --max-tokens and --prompt-words must be >= 1")
+    from moestream.atomic import write_json
+    from moestream.cli.demo import demo_checkpoint
+    from moestream.serving import workload
+    from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
+
+    schedulers = [s for s in args.schedulers.split(",") if s]
+    unknown = [s for s in schedulers if s not in TOKEN_SCHEDULERS]
+    if unknown or not schedulers:
+        raise MoestreamError(f"unknown token scheduler(s) {unknown}; choose from {', '.join(TOKEN_SCHEDULERS.names())}")
+    model = args.model or demo_checkpoint(args.small)
+    texts = workload.prompt_texts(args.data_dir)
+    prompts = [" ".join(texts[i % len(texts)].split()[: args.prompt_words]) for i in range(args.num_seqs)]
+    rows = [_measure(model, name, prompts, args) for name in schedulers]
+    for row in rows:
+        print(f"{row['scheduler']:>10}: {row['activated_experts_per_batch']:.1f} experts activated per decode batch "
+              f"(of {row['num_experts_total']}), hit rate {row['hit_rate']:.3f}, "
+              f"{row['decode_tokens_per_s']:.2f} tokens/s ({row['num_tokens']} tokens in {row['wall_s']:.1f} s)")
+    if args.replay_routing:
+        print("routing replayed: iterations take the trace's next rows whatever the sequence, so a sequence's "
+              "last path predicts its next one only as well as any row predicts the next")
+    if args.json:
+        write_json({"model": str(model), "args": {k: str(v) for k, v in vars(args).items() if k != "handler"},
+                    "runs": rows}, args.json)
+    return 0
+
+
+def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
+    """One fresh engine; every prompt admitted at once, then steps until all are done."""
+    from moestream.runtime import Engine, EngineConfig
+    from moestream.serving.batching import BatchingConfig, ContinuousBatcher
+    from moestream.serving.sampling import SamplingParams
+    from moestream.serving.worker import Request
+
+    config = EngineConfig(device=args.device, expert_budget=args.expert_budget, policy=args.policy,
+                          direct_io=False, replay_routing=args.replay_routing)
+    batching = BatchingConfig(max_batch_size=args.max_batch_size, max_num_seqs=args.num_seqs,
+                              kv_budget_bytes=1 << 40, token_scheduler=scheduler)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    tokens = []  # one entry per token generated
+
+    def count(request, delta, new_token: bool) -> None:
+        tokens.extend([1] if new_token else [])
+
+    with Engine(model, config) as engine:
+        batcher = ContinuousBatcher(engine, batching, count)
+        for prompt in prompts:
+            batcher.admit(Request(engine.encode(prompt), params, lambda event: None))
+        while any(s.cache is None for s in batcher.slots):  # prefills are not what is compared
+            batcher.step()
+        engine.store.reset_stats()
+        started, done = time.perf_counter(), len(tokens)
+        while batcher.step():
+            pass
+        wall = time.perf_counter() - started
+        stats, topology = engine.store.stats(), engine.checkpoint.topology
+        batcher.close()
+    num_tokens = len(tokens) - done
+    print(f"{scheduler}: done in {wall:.1f} s", file=sys.stderr, flush=True)
+    return {"scheduler": scheduler, "activated_experts_per_batch": batcher.paths.mean_activated(),
+            "num_experts_total": topology.num_layers * topology.num_experts, "hit_rate": stats.hit_rate,
+            "decode_tokens_per_s": num_tokens / wall, "num_tokens": num_tokens, "wall_s": wall,
+            "bytes_read": dict(stats.bytes_read)}
