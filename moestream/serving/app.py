@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
 from moestream.errors import MoestreamError
+from moestream.serving.batching import KvBudgetError
 from moestream.serving.generation import TextDelta
 from moestream.serving.protocol import ChatBody, CompletionBody, chunk, error_json, request_id, response
 from moestream.serving.sampling import SamplingError, SamplingParams
@@ -138,6 +139,8 @@ def _sse(payload: dict) -> str:
 
 
 def _raise_failure(event: TextDelta | Exception) -> TextDelta:
+    if isinstance(event, KvBudgetError):
+        raise ApiError(400, str(event), "max_tokens", "kv_budget_exceeded")
     if isinstance(event, Exception):
         raise ApiError(503 if isinstance(event, Overloaded) else 500, f"generation failed: {event}",
                        code="server_error")
@@ -149,6 +152,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     frontend = Frontend(worker, model_name)
 
     async def lifespan(app):
+        app.state.loop = asyncio.get_running_loop()  # Server.tasks() asks it from another thread
         worker.start()
         yield
         await asyncio.to_thread(worker.close)

@@ -118,9 +118,13 @@ class ContinuousBatcher:
             return not self.slots
         return self.reserved_bytes + self.need_bytes(request) <= self.config.kv_budget_bytes
 
+    def fits(self, request: Request) -> bool:
+        """Whether the request fits the KV budget at all (alone)."""
+        return self.need_bytes(request) <= self.config.kv_budget_bytes
+
     def admit(self, request: Request) -> None:
         need = self.need_bytes(request)
-        if need > self.config.kv_budget_bytes:
+        if not self.fits(request):
             raise KvBudgetError(f"the request needs {need} bytes of KV cache, over the budget of "
                                 f"{self.config.kv_budget_bytes}")
         sampler = BatchSampler([request.params], self.decode)

@@ -1,5 +1,5 @@
 """The server's Prometheus metrics, in a registry of its own (no process-global state): request
-latencies (TTFT, TPOT), queue depth, batch sizes, the expert store's hits per tier, bytes moved and
+latencies (TTFT, TPOT), queue depth, running sequences and their reserved KV bytes, batch sizes, the expert store's hits per tier, bytes moved and
 prefetch precision/recall. It reads store statistics and knows no HTTP route or policy."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ServerMetrics:
-    def __init__(self, queue_depth: Callable[[], int]):
+    def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int] = lambda: 0,
+                 kv_reserved_bytes: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("moestream_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r)
@@ -32,20 +33,25 @@ class ServerMetrics:
                                      "Needed experts that prefetch brought in / needed experts not resident before", registry=r)
         queue = Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r)
         queue.set_function(queue_depth)
-        self._totals = [0, 0, 0]  # prefetched, prefetch hits, device misses: for the ratios
+        Gauge("moestream_running_sequences", "Sequences holding a slot", registry=r).set_function(running)
+        Gauge("moestream_kv_reserved_bytes", "KV cache bytes reserved by the running sequences",
+              registry=r).set_function(kv_reserved_bytes)
+        self._last = None  # the store statistics seen last
 
     def observe_store(self, stats) -> None:
-        """Adds one batch's store statistics (a StoreStats reset at the batch's start)."""
-        self.lookups.labels("device", "hit").inc(stats.hits)
-        self.lookups.labels("device", "miss").inc(stats.misses)
-        self.lookups.labels("host", "hit").inc(stats.host_hits)
-        self.lookups.labels("host", "miss").inc(stats.host_misses)
+        """Adds what the store's cumulative statistics (a StoreStats) gained since the last call."""
+        before, self._last = self._last, stats.copy()
+        gained = {name: getattr(stats, name) - (getattr(before, name) if before else 0)
+                  for name in ("hits", "misses", "host_hits", "host_misses", "prefetched", "prefetch_hits")}
+        self.lookups.labels("device", "hit").inc(gained["hits"])
+        self.lookups.labels("device", "miss").inc(gained["misses"])
+        self.lookups.labels("host", "hit").inc(gained["host_hits"])
+        self.lookups.labels("host", "miss").inc(gained["host_misses"])
         for source, count in stats.bytes_read.items():
-            self.bytes_moved.labels(source).inc(count)
-        self.prefetched.inc(stats.prefetched)
-        self.prefetch_hits.inc(stats.prefetch_hits)
-        self._totals = [a + b for a, b in zip(self._totals, (stats.prefetched, stats.prefetch_hits, stats.misses))]
-        prefetched, used, misses = self._totals
+            self.bytes_moved.labels(source).inc(count - (before.bytes_read.get(source, 0) if before else 0))
+        self.prefetched.inc(gained["prefetched"])
+        self.prefetch_hits.inc(gained["prefetch_hits"])
+        prefetched, used, misses = stats.prefetched, stats.prefetch_hits, stats.misses
         self.prefetch_precision.set(used / prefetched if prefetched else 0.0)
         self.prefetch_recall.set(used / (used + misses) if used + misses else 0.0)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -21,8 +22,8 @@ class Server:
     def __init__(self, engine, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, worker_config: WorkerConfig | None = None):
         self.worker = EngineWorker(engine, worker_config)
-        app = create_app(self.worker, model_name, api_key)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+        self.app = create_app(self.worker, model_name, api_key)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                                      timeout_graceful_shutdown=5))
         self._thread: threading.Thread | None = None
 
@@ -48,6 +49,12 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://{self._server.config.host}:{self.port}"
+
+    def tasks(self) -> list[str]:
+        """The names of the event loop's tasks (beside the one asking): what a finished run left."""
+        async def others() -> list[str]:
+            return sorted(t.get_name() for t in asyncio.all_tasks() if t is not asyncio.current_task())
+        return asyncio.run_coroutine_threadsafe(others(), self.app.state.loop).result(START_TIMEOUT_S)
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -81,8 +81,9 @@ class EngineWorker:
         self.config = config or WorkerConfig()
         self._queue: queue.Queue[Request] = queue.Queue(self.config.max_queue)
         self._head: Request | None = None  # taken from the queue, waiting for room
-        self.metrics = ServerMetrics(self._queue.qsize)
         self.batcher = ContinuousBatcher(engine, self.config.batching, self.update)
+        self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.slots),
+                                     lambda: self.batcher.reserved_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
@@ -113,6 +114,7 @@ class EngineWorker:
         return len(self.batcher.slots)
 
     def _loop(self) -> None:
+        self.engine.store.reset_stats()  # the metrics count from here
         while not self._stop.is_set():
             self.admit()
             if self.batcher.slots:
@@ -167,7 +169,8 @@ class EngineWorker:
             except queue.Empty:
                 return None
         head = self._head
-        if head.cancelled or self.batcher.can_admit(head) or _waited_ms(head) > self.config.max_queue_wait_ms:
+        if head.cancelled or self.batcher.can_admit(head) or not self.batcher.fits(head) \
+                or _waited_ms(head) > self.config.max_queue_wait_ms:
             self._head = None
             return head
         return None

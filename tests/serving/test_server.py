@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from moestream import LLM, SamplingParams
+from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.serving.batching import BatchingConfig
 from moestream.serving.server import Server
@@ -17,6 +18,14 @@ from moestream.serving.worker import WorkerConfig
 KEY = "sk-test"
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class Ends(Observer):
+    def __init__(self):
+        self.ended = []
+
+    def end_sequence(self, seq_id):
+        self.ended.append(seq_id)
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +120,74 @@ def test_32_concurrent_clients_get_what_they_would_get_alone(server):
     assert metrics["moestream_batch_size_sum"] / metrics["moestream_batch_size_count"] > 1  # steps were shared
 
 
-def test_a_client_leaving_mid_stream_cancels_its_sequence(server):
-    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as stream:
-        lines = stream.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
+def _settled(server, expected: str) -> str:
+    """The /metrics text once it holds expected (or after 10 s)."""
     for _ in range(200):
         metrics = httpx.get(server.url + "/metrics").text
-        if 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics:
+        if expected in metrics:
             break
         threading.Event().wait(0.05)
+    return metrics
+
+
+def test_a_client_leaving_mid_stream_cancels_its_sequence(server, engine):
+    ends = Ends()
+    engine.add_observer(ends)
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert "moestream_running_sequences 1.0" in httpx.get(server.url + "/metrics").text
+        metrics = _settled(server, 'moestream_requests_total{finish_reason="abort"} 1.0')
+    finally:
+        engine.remove_observer(ends)
     assert 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics
+    assert "moestream_running_sequences 0.0" in metrics and "moestream_kv_reserved_bytes 0.0" in metrics
+    assert len(ends.ended) == 1  # the policy's per-sequence state was ended
+    assert server.worker.num_running == 0
+
+
+def _threads() -> set[threading.Thread]:
+    """Live threads, less the store's reader pool (the engine's own, bounded, started on demand)."""
+    return {t for t in threading.enumerate() if not t.name.startswith("moestream-io")}
+
+
+def test_a_run_leaves_no_tasks_threads_or_slots(engine):
+    threads = _threads()
+    observers = list(engine.driver.observers)
+    streamed = {"prompt": "Leak check", "max_tokens": 300, "temperature": 1.0, "seed": 2, "stream": True}
+
+    async def run(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json=streamed) as stream:  # left mid-way
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            await asyncio.gather(*(client.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 3})
+                                   for i in range(6)))
+
+    with Server(engine, MODEL) as server:
+        idle = server.tasks()
+        asyncio.run(run(server.url))
+        metrics = _settled(server, "moestream_running_sequences 0.0")
+        for _ in range(100):
+            if server.tasks() == idle:
+                break
+            threading.Event().wait(0.05)
+        assert server.tasks() == idle
+        assert "moestream_running_sequences 0.0" in metrics and "moestream_queue_depth 0.0" in metrics
+        assert server.worker.batcher.reserved_bytes == 0
+    assert _threads() <= threads
+    assert engine.driver.observers == observers  # the batcher's routing-path observer left with it
+
+
+def test_a_request_over_the_kv_budget_is_a_400(engine):
+    config = WorkerConfig(batching=BatchingConfig(kv_budget_bytes=4096))
+    with Server(engine, MODEL, worker_config=config) as server:
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
+        answer = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 500}, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "kv_budget_exceeded"
 
 
 def test_a_client_leaving_before_a_whole_answer_cancels_its_sequence(server):
@@ -149,6 +215,14 @@ def test_a_client_leaving_before_a_whole_answer_cancels_its_sequence(server):
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404),
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
+    ("/v1/completions", {"prompt": "x", "top_k": -1}, 400),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400),
+    ("/v1/completions", {"prompt": "x", "stop": [str(i) for i in range(17)]}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400),
+    ("/v1/completions", {"prompt": {"text": "x"}}, 400),
+    ("/v1/completions", {"prompt": []}, 400),
 ])
 def test_bad_requests_get_openai_errors(server, path, body, status):
     answer = _post(server, path, body)
@@ -194,7 +268,7 @@ def test_metrics_report_latency_and_experts(server):
 
 
 def test_no_threads_are_left_after_shutdown(engine):
-    before = set(threading.enumerate())
+    before = _threads()
     with Server(engine, MODEL) as server:
         httpx.post(server.url + "/v1/completions", json={"prompt": "bye", "max_tokens": 2}, timeout=60)
-    assert set(threading.enumerate()) <= before
+    assert _threads() <= before

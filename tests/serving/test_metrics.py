@@ -1,0 +1,21 @@
+"""Server metrics: store statistics are cumulative and counted once; gauges read the worker live."""
+
+from moestream.serving.metrics import ServerMetrics
+from moestream.store.store import StoreStats
+
+
+def _value(metrics: ServerMetrics, line_start: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.render().decode().splitlines() if line.startswith(line_start))
+
+
+def test_cumulative_store_statistics_are_counted_once():
+    metrics = ServerMetrics(lambda: 3, lambda: 2, lambda: 4096)
+    metrics.observe_store(StoreStats(hits=2, misses=1, bytes_read={"disk": 100, "host": 0}))
+    metrics.observe_store(StoreStats(hits=5, misses=1, bytes_read={"disk": 300, "host": 0}, prefetched=4, prefetch_hits=1))
+    assert _value(metrics, 'moestream_expert_lookups_total{result="hit",tier="device"}') == 5
+    assert _value(metrics, 'moestream_expert_lookups_total{result="miss",tier="device"}') == 1
+    assert _value(metrics, 'moestream_expert_bytes_moved_total{source="disk"}') == 300
+    assert _value(metrics, "moestream_prefetch_precision") == 0.25
+    assert _value(metrics, "moestream_queue_depth") == 3
+    assert _value(metrics, "moestream_running_sequences") == 2
+    assert _value(metrics, "moestream_kv_reserved_bytes") == 4096
