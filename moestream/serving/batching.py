@@ -163,6 +163,8 @@ class ContinuousBatcher:
         self.runner.cache = None
         if step.is_prefill and self.bytes_per_token is None:
             self.bytes_per_token = step.slots[0].cache.num_bytes / max(1, step.slots[0].cache.length)
+            for slot in self.slots:  # admitted before the bytes were known
+                slot.reserved_bytes = self.need_bytes(slot.request)
         return logits
 
     def update(self, step: Step, logits: torch.Tensor) -> None:

@@ -78,6 +78,7 @@ def test_admission_respects_slots_and_the_kv_budget(serving_checkpoint):
         assert not batcher.can_admit(second)  # the bytes per token are not measured yet: one alone
         batcher.step()  # the prefill measures them
         assert batcher.bytes_per_token > 0 and batcher.can_admit(second)
+        assert batcher.reserved_bytes == int((len(PROMPTS[0]) + 4) * batcher.bytes_per_token)
         batcher.admit(second)
         assert not batcher.can_admit(third)  # both slots taken
         small = ContinuousBatcher(engine, BatchingConfig(kv_budget_bytes=1), lambda r, d, n: None)
