@@ -130,7 +130,7 @@ class EngineWorker:
         admitted = self._admit_ready(block_s=POLL_S if idle else 0.0)
         if idle and admitted:
             deadline = time.perf_counter() + self.config.max_wait_ms / 1e3
-            while (left := deadline - time.perf_counter()) > 0 and self._room():
+            while (left := deadline - time.perf_counter()) > 0 and self._room() and self._head is None:
                 admitted += self._admit_ready(block_s=left, limit=1)
         return admitted
 
