@@ -33,6 +33,7 @@ def add_parser(kinds) -> None:
     add_batching_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
+    parser.add_argument("--plot-dir", type=Path, help="write each run's latency CDF plot (PNG) in this directory")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
@@ -102,5 +103,10 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
         with Server(engine, model.name, worker_config=WorkerConfig(batching=batching_config(args))) as server:
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
     figures = loadgen.report(measured, wall, loadgen.Slo()) | {"rps": rate, "expert_budget": budget}
+    if args.plot_dir:
+        label = "all-resident" if budget == "1.0" else policy
+        plot = loadgen.plot_cdf(measured, args.plot_dir / f"{label}-{rate:g}rps.png", f"{label}, {rate:g} req/s")
+        figures["plot"] = str(plot)
+        print(f"latency CDF: {plot}", file=sys.stderr, flush=True)
     print(f"{policy} @ {budget} budget, {rate:g} req/s: {loadgen.summary(figures)}", file=sys.stderr, flush=True)
     return figures

@@ -15,8 +15,9 @@ def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_
     out = tmp_path / "bench.json"
     assert main(["bench", "serving", "--model", str(model), "--trace", str(trace), "--data-dir", str(tmp_path),
                  "--policies", "lru", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
-                 "--tpot-factor", "1000", "--json", str(out)]) == 0
+                 "--tpot-factor", "1000", "--json", str(out), "--plot-dir", str(tmp_path / "plots")]) == 0
     figures = json.loads(out.read_text())
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["all-resident-2rps.png", "lru-2rps.png", "lru-4rps.png"]
     assert [r["policy"] for r in figures["runs"]] == ["all-resident", "lru", "lru"]
     assert [r["num_requests"] for r in figures["runs"]] == [2, 2, 4]
     assert figures["best_rps"] == {"lru": 4.0}
