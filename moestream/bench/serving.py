@@ -24,6 +24,8 @@ def add_parser(kinds) -> None:
     parser.add_argument("--policies", default="lru,default", help="comma-separated policy names (default lru,default)")
     parser.add_argument("--expert-budget", default="0.25", help="device-tier budget of the policies' runs (default 0.25)")
     parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
+    parser.add_argument("--predictor-dir", metavar="DIR",
+                        help="a trained predictor (`moestream train-predictor`) for the policies that learn one")
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
     parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="where workloads/ lies")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
@@ -89,14 +91,17 @@ def _sustained(figures: dict, limit_ms: float) -> bool:
 
 def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace, prompts, args) -> dict:
     """One server run: a fresh engine (budget, policy), the trace replayed at rate; its figures."""
+    from moestream.policies import POLICIES
+    from moestream.policies.trained import TrainedPolicy
     from moestream.runtime import Engine, EngineConfig
     from moestream.serving import loadgen, workload
     from moestream.serving.server import Server
     from moestream.serving.worker import WorkerConfig
 
     planned = workload.plan(trace, prompts, rate, args.duration, args.scale_lengths, max_requests=10_000)
+    predictor_dir = args.predictor_dir if issubclass(POLICIES.get(policy), TrainedPolicy) else None
     config = EngineConfig(device=args.device, expert_budget=budget, policy=policy, direct_io=False,
-                          replay_routing=args.replay_routing)
+                          replay_routing=args.replay_routing, predictor_dir=predictor_dir)
     with Engine(model, config) as engine:
         if budget == "1.0":
             engine.preload()
