@@ -39,14 +39,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lru", help="prefetch/eviction policy by name (default lru)")
     parser.add_argument("--predictor-dir", help="trained predictor of the policy (from `moestream train-predictor`)")
     parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache, not O_DIRECT")
+    parser.add_argument("--sync", action="store_true",
+                        help="fetch experts on demand on the compute thread (the baseline); default: beside compute")
+    parser.add_argument("--chunk-size", default="0",
+                        help="largest piece of one expert transfer, e.g. 256KiB (default 0: one weight matrix)")
+    parser.add_argument("--no-reorder", action="store_true",
+                        help="compute a layer's experts in expert order instead of resident ones first")
 
 
 def engine_config(args, **overrides):
     """The EngineConfig the engine flags describe (imported lazily: `moestream --help` stays fast)."""
     from moestream.runtime import EngineConfig
 
+    from moestream.store.config import parse_size
+
     settings = dict(device=args.device, expert_budget=args.expert_budget, host_budget=args.host_budget,
-                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io)
+                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io,
+                    sync=args.sync, chunk_bytes=parse_size(args.chunk_size, "--chunk-size"),
+                    reorder=not args.no_reorder)
     return EngineConfig(**(settings | overrides))
 
 
@@ -117,6 +127,8 @@ def report(result, row: int) -> dict:
         "expert_hits": m.expert_hits,
         "expert_misses": m.expert_misses,
         "bytes_read": dict(m.bytes_read),
+        "stall_ms": m.stall_ms,
+        "transfer_ms": m.transfer_ms,
     }
 
 

@@ -23,6 +23,10 @@ class EngineConfig:
     publish_gate_probs: bool = False  # add the router's full distribution to routing events
     publish_hidden: bool = False  # add router inputs to routing events even if no policy asks
     predictor_dir: str | None = None  # a trained predictor for the policy (`moestream train-predictor`)
+    sync: bool = False  # transfers on the compute thread, on demand (the baseline); else beside compute
+    chunk_bytes: int = 0  # largest piece of one expert transfer (0: one weight matrix)
+    reorder: bool = True  # a layer computes resident experts first, then the others as they land
+    transfer_timeout_s: float = 60.0  # longest wait for expert bytes before it fails
 
     def __post_init__(self):
         store = self.store_config()  # validates budgets and the device
@@ -41,4 +45,7 @@ class EngineConfig:
             host_budget=self.host_budget,
             device=self.device,
             direct_io=self.direct_io,
+            asynchronous=not self.sync,
+            chunk_bytes=self.chunk_bytes,
+            transfer_timeout_s=self.transfer_timeout_s,
         )

@@ -17,6 +17,8 @@ class GenerationMetrics:
     bytes_read: dict[str, int] = field(default_factory=dict)  # {"disk": .., "host": ..}
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    stall_ms: float = 0.0  # whole run: time the compute thread waited for expert bytes
+    transfer_ms: float = 0.0  # whole run: time the disk link was busy
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.errors import BudgetError
+from moestream.errors import BudgetError, MoestreamError
 from moestream.topology import Topology
 
 _UNITS = {
@@ -80,6 +80,14 @@ class Budget:
         return f"{self.ratio:g}" if self.ratio is not None else format_bytes(self.size_bytes)
 
 
+def parse_size(text: str, what: str) -> int:
+    """A byte count written like a budget's size ('256KiB', '1048576'); ratios are refused."""
+    budget = Budget.parse(text)
+    if budget.size_bytes is None:
+        raise BudgetError(f"{what} takes a size such as 256KiB, not a ratio ({text!r})")
+    return budget.size_bytes
+
+
 def _parse_device(device: "str | torch.device") -> str:
     try:
         parsed = torch.device(device)
@@ -99,12 +107,18 @@ class StoreConfig:
     """Budgets of the device tier (compute memory) and host tier (RAM), and how to read disk.
 
     direct_io=False forces buffered reads (followed by dropping the page cache for the range read).
+    asynchronous: transfers run on an I/O worker beside the caller (where the tiers allow it);
+    chunk_bytes: the largest piece of one transfer (0: one weight matrix); transfer_timeout_s: the
+    longest any wait for expert bytes may last before it fails.
     """
 
     device_budget: Budget
     host_budget: Budget
     device: str = "cpu"
     direct_io: bool = True
+    asynchronous: bool = False
+    chunk_bytes: int = 0
+    transfer_timeout_s: float = 60.0
 
     def __post_init__(self):
         object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
@@ -112,6 +126,10 @@ class StoreConfig:
         object.__setattr__(self, "device", _parse_device(self.device))
         if self.device_budget.ratio is not None and self.device_budget.ratio <= 0.0:
             raise BudgetError("the device budget ratio must be in (0, 1], got 0")
+        if self.chunk_bytes < 0:
+            raise MoestreamError(f"chunk_bytes must be >= 0 (0: one weight matrix), got {self.chunk_bytes}")
+        if not self.transfer_timeout_s > 0:
+            raise MoestreamError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
 
     @property
     def uses_cuda(self) -> bool:

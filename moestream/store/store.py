@@ -14,6 +14,15 @@ store knows no model family and no policy.
 Counters: hits/misses count acquire's device-tier lookups; host_hits/host_misses count every
 device fill (demand or prefetch) by where it came from; bytes_read["disk"] is bytes read from the
 files, bytes_read["host"] bytes copied from host memory to the device.
+
+Asynchronous mode (`StoreConfig.asynchronous`, where the device tier is host memory, i.e. on the
+CPU with no host tier): `prefetch` admits its experts and queues their transfers for the disk
+worker (`moestream.store.transfer`) and returns at once; `fetch` pins a layer's experts, puts its
+misses at the head of the queue, drops the queued speculative transfers of the same layers that the
+gate did not choose, and hands the experts out as they land. An admitted expert whose bytes are in
+flight is pinned by its transfer, so that nothing evicts a slot being written. Every wait has a
+timeout. stall_s counts the time the caller's thread waited for expert bytes, transfer_s the time
+the disk link was busy (both equal in synchronous mode, where every transfer runs on the caller).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -53,6 +62,10 @@ class StoreStats:
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     disk_read_s: float = 0.0  # wall time of the disk reads (a batch's requests in flight together count once)
     disk_batches: int = 0  # batches of disk reads (each in flight together)
+    stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
+    transfer_s: float = 0.0  # time the disk link was busy
+    late: int = 0  # fetch hits whose bytes were still in flight
+    cancelled: int = 0  # queued speculative transfers dropped before they ran
 
     @property
     def hit_rate(self) -> float:
@@ -104,7 +117,7 @@ class ExpertStore:
                         misses.append(key)
                     self._device.pin([key])
                     pinned.append(key)
-                self._load(misses)
+                self._timed_load(misses)
             except BaseException:
                 self._device.unpin(pinned)
                 self._discard(misses)
@@ -115,6 +128,20 @@ class ExpertStore:
         """Unpin experts returned by acquire (once per acquire)."""
         with self._lock:
             self._device.unpin(_key(k) for k in keys)
+
+    def fetch(self, keys: Sequence[ExpertKey]) -> "Fetch":
+        """Pins keys in the device tier and brings in the missing ones; the Fetch hands them out.
+
+        Here every transfer runs before fetch returns (the synchronous, on-demand path)."""
+        wanted = list(dict.fromkeys(_key(k) for k in keys))
+        self.acquire(wanted)
+        return Fetch(self, wanted)
+
+    def next_ready(self, candidates: Sequence[ExpertKey]) -> tuple[ExpertKey, torch.Tensor]:
+        """One of the fetched candidates whose bytes are in place, with its slot (all are, here)."""
+        key = candidates[0]
+        with self._lock:
+            return key, self._device_pool.slot(self._device.slot(key))
 
     def _hit(self, key: ExpertKey) -> bool:
         if self._device.access(key) is None:
@@ -152,6 +179,16 @@ class ExpertStore:
         for key in keys:
             if key in self._device:
                 self._device.remove(key)
+
+    def _timed_load(self, keys: list[ExpertKey]) -> None:
+        """_load on the calling thread: its time is both stall and link time."""
+        began = time.perf_counter()
+        try:
+            self._load(keys)
+        finally:
+            elapsed = time.perf_counter() - began if keys else 0.0
+            self._stats.stall_s += elapsed
+            self._stats.transfer_s += elapsed
 
     def _load(self, keys: list[ExpertKey]) -> None:
         """Copy the bytes of keys, just admitted to the device tier, into their device slots."""
@@ -211,9 +248,14 @@ class ExpertStore:
             return
         began = time.perf_counter()
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
-        self._stats.bytes_read["disk"] += self._reader.read_batch(batch)
+        self._reader.read_batch(batch)
         self._stats.disk_read_s += time.perf_counter() - began
         self._stats.disk_batches += 1
+        self._arrived(keys)
+
+    def _arrived(self, keys: Sequence[ExpertKey]) -> None:
+        """The one place that runs after experts' bytes are read from disk into their slots (both modes)."""
+        self._stats.bytes_read["disk"] += len(keys) * self.topology.expert_bytes
 
     def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int) -> None:
         pool.mark_read(slot, self._copier.copy(dst, pool.slot(slot)))
@@ -232,7 +274,7 @@ class ExpertStore:
         with self._lock:
             brought, kept = self._admit_prefetches(requests, max_evictions)
             try:
-                self._load(brought)
+                self._timed_load(brought)
             except BaseException:
                 self._discard(brought)
                 raise
@@ -290,6 +332,9 @@ class ExpertStore:
             ordered = [k for k in wanted if k in self._device] + [k for k in wanted if k not in self._device]
         return [ordered[i : i + room] for i in range(0, len(ordered), room)]
 
+    def wait_idle(self) -> None:
+        """Returns at once: here transfers finish before the calls that start them return."""
+
     def stats(self) -> StoreStats:
         with self._lock:
             return self._stats.copy()
@@ -333,3 +378,31 @@ def _check_index(index: ExpertIndex) -> None:
             raise CheckpointError(
                 f"expert {tuple(key)} has {location.nbytes} bytes on disk, the topology says {topology.expert_bytes}"
             )
+
+
+class Fetch:
+    """Experts pinned for one computation, handed out resident first, then as they land; release() once."""
+
+    def __init__(self, store: ExpertStore, keys: list[ExpertKey]):
+        self.keys = keys
+        self._store = store
+        self._released = False
+
+    def ready(self, reorder: bool = True) -> Iterator[tuple[ExpertKey, torch.Tensor]]:
+        """(key, slot) for every key: the first in place when reorder, else in the order given."""
+        remaining = list(self.keys)
+        while remaining:
+            key, slot = self._store.next_ready(remaining if reorder else remaining[:1])
+            remaining.remove(key)
+            yield key, slot
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store.release(self.keys)
+
+    def __enter__(self) -> "Fetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
