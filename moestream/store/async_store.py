@@ -52,7 +52,7 @@ class AsyncExpertStore(ExpertStore):
         self._pending: dict[ExpertKey, Transfer] = {}
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
-        self._worker = DiskWorker(self._cond, self._queue, self._reader.read_batch, self._landed, self._failed)
+        self._worker = DiskWorker(self._cond, self._queue, self._read_chunk, self._landed, self._failed)
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -216,9 +216,14 @@ class AsyncExpertStore(ExpertStore):
             raise TransferError(f"timed out after {self.config.transfer_timeout_s:g} s waiting for {what}")
         self._cond.wait(left)
 
-    # -- worker callbacks (under the lock) ---------------------------------------------------------
+    # -- worker callbacks ------------------------------------------------------------------------
 
-    def _landed(self, transfer: Transfer) -> None:
+    def _read_chunk(self, batch) -> int:
+        """The worker's read (outside the lock), through whichever reader the store holds."""
+        return self._reader.read_batch(batch)
+
+
+    def _landed(self, transfer: Transfer) -> None:  # under the lock
         if self._pending.get(transfer.key) is not transfer:
             return  # forgotten by close()
         del self._pending[transfer.key]
@@ -229,7 +234,7 @@ class AsyncExpertStore(ExpertStore):
         self._arrived([transfer.key])
         self._cond.notify_all()
 
-    def _failed(self, transfer: Transfer, error: BaseException) -> None:
+    def _failed(self, transfer: Transfer, error: BaseException) -> None:  # under the lock
         self._stats.transfer_s += transfer.busy_s
         if self._pending.get(transfer.key) is transfer:
             failure = TransferError(f"reading expert {tuple(transfer.key)} from disk failed: {error}")
