@@ -41,7 +41,8 @@ from moestream.errors import CheckpointError
 from moestream.policies.base import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader
-from moestream.store.pool import CopyEngine, SlotPool
+from moestream.store.pool import SlotPool
+from moestream.store.streams import make_link
 from moestream.topology import ExpertKey, Topology
 
 TIERS = ("device", "host")
@@ -93,7 +94,7 @@ class ExpertStore:
         bounce_slots = min(BOUNCE_SLOTS, self.device_slots) if pin and not self.host_slots else 0
         self._bounce = SlotPool(bounce_slots, expert_bytes, "cpu", pin_memory=pin)
         self._reader = DiskReader(direct_io=config.direct_io)
-        self._copier = CopyEngine(config.device)
+        self._link = make_link(config.device)  # host -> device
         self._lock = threading.RLock()
         self._unused_prefetches: set[ExpertKey] = set()
         self._stats = StoreStats()
@@ -258,7 +259,9 @@ class ExpertStore:
         self._stats.bytes_read["disk"] += len(keys) * self.topology.expert_bytes
 
     def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int) -> None:
-        pool.mark_read(slot, self._copier.copy(dst, pool.slot(slot)))
+        done = self._link.copy(dst, pool.slot(slot))
+        done.wait_on_compute()
+        pool.mark_read(slot, done)
         self._stats.bytes_read["host"] += dst.numel()
 
     # -- prefetch ------------------------------------------------------------------------------
@@ -346,7 +349,7 @@ class ExpertStore:
 
     def close(self) -> None:
         with self._lock:
-            self._copier.synchronize()
+            self._link.synchronize()
             self._reader.close()
 
     def __enter__(self) -> "ExpertStore":
