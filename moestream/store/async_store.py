@@ -2,9 +2,12 @@
 
 `AsyncExpertStore` keeps the residency, budgets and counters of `ExpertStore` and moves bytes on
 the disk link's worker (`moestream.store.transfer`) instead of the caller's thread. It serves a
-device tier that is host memory (the CPU, no host tier): one tier, each expert held once, filled
-straight from disk. `open_store` picks it when the configuration asks for asynchronous transfers
-and the tiers allow it, else the synchronous store.
+device tier with no host tier. On the CPU that is one tier, each expert held once, read straight
+from disk into its slot. On CUDA the worker reads each chunk into one pinned staging slot, copies
+it up on the link's copy stream and waits for that copy's event (on the worker thread: the compute
+stream and the device are never synchronised) before the next chunk reuses the staging slot.
+`open_store` picks this store when the configuration asks for asynchronous transfers and there is
+no host tier, else the synchronous store.
 
 Life of an expert: admitted to a slot and pinned by its transfer (in flight: `in_flight()`), then
 landed (unpinned, resident), or cancelled while queued (slot freed), or failed (slot freed, the
@@ -36,17 +39,18 @@ STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its ch
 def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                host_eviction: EvictionPolicy) -> ExpertStore:
     """The asynchronous store when asked for and the tiers allow it, else the synchronous one."""
-    one_tier = not config.uses_cuda and config.host_slots(index.topology) == 0
-    kind = AsyncExpertStore if config.asynchronous and one_tier else ExpertStore
+    kind = AsyncExpertStore if config.asynchronous and config.host_slots(index.topology) == 0 else ExpertStore
     return kind(index, config, device_eviction, host_eviction)
 
 
 class AsyncExpertStore(ExpertStore):
+    bounce_slots = 1  # the disk worker's staging slot where the device tier is not host memory
+
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                  host_eviction: EvictionPolicy):
         super().__init__(index, config, device_eviction, host_eviction)
-        if self._host is not None or self._bounce.num_slots:
-            raise ValueError("the asynchronous store serves a device tier in host memory only")
+        if self._host is not None:
+            raise ValueError("the asynchronous store serves a device tier without a host tier")
         self._cond = threading.Condition(self._lock)
         self._queue = TransferQueue(self.device_slots)
         self._pending: dict[ExpertKey, Transfer] = {}
@@ -219,8 +223,14 @@ class AsyncExpertStore(ExpertStore):
     # -- worker callbacks ------------------------------------------------------------------------
 
     def _read_chunk(self, batch) -> int:
-        """The worker's read (outside the lock), through whichever reader the store holds."""
-        return self._reader.read_batch(batch)
+        """The worker's read of one chunk (outside the lock): into the slot, or staged and copied up."""
+        if not self._bounce.num_slots:
+            return self._reader.read_batch(batch)
+        ((segments, dst),) = batch
+        staging = self._bounce.slot(0)[: dst.numel()]  # [chunk bytes], pinned
+        got = self._reader.read_batch([(segments, staging)])
+        self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
+        return got
 
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock

@@ -78,6 +78,8 @@ class StoreStats:
 
 
 class ExpertStore:
+    bounce_slots = BOUNCE_SLOTS  # pinned staging slots when a CUDA device tier has no host tier
+
     def __init__(self, index: ExpertIndex, config: StoreConfig,
                  device_eviction: EvictionPolicy, host_eviction: EvictionPolicy):
         self.index = index
@@ -91,7 +93,7 @@ class ExpertStore:
         expert_bytes, pin = self.topology.expert_bytes, config.uses_cuda
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
-        bounce_slots = min(BOUNCE_SLOTS, self.device_slots) if pin and not self.host_slots else 0
+        bounce_slots = min(self.bounce_slots, self.device_slots) if pin and not self.host_slots else 0
         self._bounce = SlotPool(bounce_slots, expert_bytes, "cpu", pin_memory=pin)
         self._reader = DiskReader(direct_io=config.direct_io)
         self._link = make_link(config.device)  # host -> device

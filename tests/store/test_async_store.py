@@ -173,3 +173,24 @@ def test_close_stops_the_worker_and_refuses_later_calls(checkpoint):
     assert threading.active_count() == threads and store.in_flight() == frozenset()
     with pytest.raises(TransferError, match="closed"):
         store.fetch([K(0, 0)])
+
+
+class StagedStore(AsyncExpertStore):
+    """The CUDA path's staging (read into a pinned slot, copy up through the link) run on the CPU link."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._bounce = type(self._bounce)(1, self.topology.expert_bytes, "cpu")
+        self._bounce.data.zero_()
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 40])
+def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_bytes):
+    eb = checkpoint.index.topology.expert_bytes
+    config = StoreConfig(str(3 * eb), "0", asynchronous=True, chunk_bytes=chunk_bytes)
+    with StagedStore(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
+        store.prefetch([TransferRequest(K(1, 2), 1.0)])
+        for keys in ([K(0, 0), K(1, 3)], [K(1, 2), K(0, 1)]):
+            for key, slot in take(store, keys):
+                assert_holds_expert(checkpoint, slot, key)
+        assert store._bounce.slot(0).any()  # the bytes came through the staging slot
