@@ -56,7 +56,8 @@ class AsyncExpertStore(ExpertStore):
         self._pending: dict[ExpertKey, Transfer] = {}
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
-        self._worker = DiskWorker(self._cond, self._queue, self._read_chunk, self._landed, self._failed)
+        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, self._landed, self._failed,
+                                  self._link_busy)
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -222,15 +223,20 @@ class AsyncExpertStore(ExpertStore):
 
     # -- worker callbacks ------------------------------------------------------------------------
 
-    def _read_chunk(self, batch) -> int:
-        """The worker's read of one chunk (outside the lock): into the slot, or staged and copied up."""
+    def _read_chunks(self, batch) -> int:
+        """The worker's read of chunks (outside the lock): into their slots together, or staged one by one."""
         if not self._bounce.num_slots:
             return self._reader.read_batch(batch)
-        ((segments, dst),) = batch
-        staging = self._bounce.slot(0)[: dst.numel()]  # [chunk bytes], pinned
-        got = self._reader.read_batch([(segments, staging)])
-        self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
+        got = 0
+        for segments, dst in batch:
+            staging = self._bounce.slot(0)[: dst.numel()]  # [chunk bytes], pinned
+            got += self._reader.read_batch([(segments, staging)])
+            self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
         return got
+
+    def _link_busy(self, seconds: float) -> None:  # under the lock
+        self._stats.transfer_s += seconds
+        self._stats.disk_read_s += seconds
 
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock
@@ -239,13 +245,10 @@ class AsyncExpertStore(ExpertStore):
         del self._pending[transfer.key]
         self._device.unpin([transfer.key])
         self._stats.host_misses += 1
-        self._stats.transfer_s += transfer.busy_s
-        self._stats.disk_read_s += transfer.busy_s
         self._arrived([transfer.key])
         self._cond.notify_all()
 
     def _failed(self, transfer: Transfer, error: BaseException) -> None:  # under the lock
-        self._stats.transfer_s += transfer.busy_s
         if self._pending.get(transfer.key) is transfer:
             failure = TransferError(f"reading expert {tuple(transfer.key)} from disk failed: {error}")
             failure.__cause__ = error

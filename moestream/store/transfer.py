@@ -4,9 +4,11 @@ A `Transfer` moves one expert's bytes from the checkpoint's files into its slot,
 (one chunk per weight matrix, or pieces of at most `chunk_bytes`). The `TransferQueue` orders
 transfers: demand transfers (the compute thread waits on them) first, in the order asked, then
 speculative ones by priority. Requests are re-prioritised and cancelled by key, and the queue never
-holds more transfers than it was sized for. The `DiskWorker` thread takes the head transfer, reads
-one chunk, and puts the transfer back whenever another one now ranks ahead of it, so that a demand
-miss waits at most one chunk behind speculative work.
+holds more transfers than it was sized for. The `DiskWorker` thread reads every queued demand
+transfer whole, all at once; otherwise it reads up to `max_chunks` chunks from the head of the
+queue together (each its own request in flight, so that the disk is kept busy), then puts the
+unfinished transfers back and looks at the queue again: a demand miss waits at most for one round
+of chunks in flight behind speculative work.
 
 Queue and worker share the store's condition: every change of the queue happens under its lock, and
 the worker reads outside it. The worker reports each finished or failed transfer through the two
@@ -32,6 +34,7 @@ from moestream.topology import ExpertKey
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle worker sleeps before it checks for stop again
+MAX_CHUNKS_IN_FLIGHT = 8  # speculative chunks read together (each its own request in flight)
 
 
 class TransferError(MoestreamError):
@@ -52,7 +55,6 @@ class Transfer:
     demand: bool = False  # the compute thread waits on it
     order: int = 0  # tie-break: first asked, first served
     next_chunk: int = 0
-    busy_s: float = 0.0  # time the link spent reading this transfer
 
     @property
     def rank(self) -> tuple:
@@ -145,9 +147,11 @@ class DiskWorker:
 
     def __init__(self, cond: threading.Condition, queue: TransferQueue,
                  read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],
-                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None]):
+                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
+                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
         self._cond, self._queue, self._read = cond, queue, read
-        self._landed, self._failed = landed, failed
+        self._landed, self._failed, self._busy = landed, failed, busy
+        self.max_chunks = max_chunks
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="moestream-disk-link", daemon=True)
         self._thread.start()
@@ -161,48 +165,58 @@ class DiskWorker:
             raise TransferError(f"the disk worker did not stop within {timeout_s:g} s")
 
     def _run(self) -> None:
-        transfer = None
+        held: list[tuple[Transfer, int]] = []
         while True:
             with self._cond:
-                transfer = self._next(transfer)
-                if transfer is None:
+                for transfer, _ in held:  # back in the queue: whatever ranks ahead now goes first
+                    if not transfer.done:
+                        self._queue.push(transfer, new=False)
+                held = self._take()
+                if not held:
                     return
-            self._step(transfer)
+            self._step(held)
 
-    def _next(self, current: Transfer | None) -> Transfer | None:
-        """The transfer to read a chunk of next (the current one unless another ranks ahead); None: stop."""
-        if self._stopping:
-            return None
-        if current is not None and not current.done:
-            head = self._queue.head_rank()
-            if head is None or head >= current.rank:
-                return current
-            self._queue.push(current, new=False)
+    def _take(self) -> list[tuple[Transfer, int]]:
+        """What to read next, as (transfer, number of its next chunks); empty: stop.
+
+        Demand transfers are read whole, all those queued together. Speculative ones give up to
+        max_chunks chunks from the head of the queue, read together, after which the queue is
+        consulted again."""
         while not self._stopping:
-            transfer = self._queue.pop()
-            if transfer is not None:
-                return transfer
-            self._cond.wait(IDLE_WAIT_S)
-        return None
+            head = self._queue.pop()
+            if head is None:
+                self._cond.wait(IDLE_WAIT_S)
+                continue
+            taken, room = [], self.max_chunks
+            while head is not None:
+                count = len(head.chunks) - head.next_chunk if head.demand else min(room, len(head.chunks) - head.next_chunk)
+                taken.append((head, count))
+                room -= count
+                rank = self._queue.head_rank()
+                if rank is None or (rank[0] != 0 and (head.demand or room <= 0)):
+                    break
+                head = self._queue.pop()
+            return taken
+        return []
 
-    def _step(self, transfer: Transfer) -> None:
-        chunk = transfer.chunks[transfer.next_chunk]
+    def _step(self, held: list[tuple[Transfer, int]]) -> None:
+        """Reads the held chunks together; reports the transfers that finished or failed."""
+        batch = [(chunk.segments, chunk.dst) for transfer, count in held
+                 for chunk in transfer.chunks[transfer.next_chunk : transfer.next_chunk + count]]
         began = time.perf_counter()
         try:
-            self._read([(chunk.segments, chunk.dst)])
-        except BaseException as error:  # handed to the thread that waits on this expert
-            log.debug("transfer of expert %s failed: %s", tuple(transfer.key), error)
+            self._read(batch)
+        except BaseException as error:  # handed to the thread that waits on these experts
+            log.debug("a disk read of %d chunks failed: %s", len(batch), error)
             with self._cond:
-                self._account(transfer, began)
-                transfer.next_chunk = len(transfer.chunks)
-                self._failed(transfer, error)
+                self._busy(time.perf_counter() - began)
+                for transfer, _ in held:
+                    transfer.next_chunk = len(transfer.chunks)
+                    self._failed(transfer, error)
             return
         with self._cond:
-            self._account(transfer, began)
-            transfer.next_chunk += 1
-            if transfer.done:
-                self._landed(transfer)
-
-    @staticmethod
-    def _account(transfer: Transfer, began: float) -> None:
-        transfer.busy_s += time.perf_counter() - began
+            self._busy(time.perf_counter() - began)
+            for transfer, count in held:
+                transfer.next_chunk += count
+                if transfer.done:
+                    self._landed(transfer)

@@ -62,12 +62,13 @@ def test_a_demand_waits_at_most_one_chunk_behind_speculative_work():
     started = threading.Event()
 
     def read(batch):
-        reads.append(batch[0][0][0].offset)
+        reads.extend(segments[0].offset for segments, _ in batch)
         started.set()
         time.sleep(0.01)
         return 1
 
-    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: None)
+    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: None, lambda s: None,
+                        max_chunks=1)
     speculative = transfer(K(0, 0), num_chunks=6, priority=1.0)
     with cond:
         queue.push(speculative)
@@ -93,7 +94,8 @@ def test_a_failed_read_is_reported_and_the_worker_goes_on():
             raise OSError("injected")
         return 1
 
-    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: failed.append((t.key, e)))
+    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: failed.append((t.key, e)),
+                        lambda s: None, max_chunks=1)
     bad = Transfer(K(0, 0), chunks_of([Segment("bad", 0, 1)], torch.zeros(1, dtype=torch.uint8), 0))
     with cond:
         queue.push(bad)
@@ -104,3 +106,29 @@ def test_a_failed_read_is_reported_and_the_worker_goes_on():
         time.sleep(0.01)
     worker.stop(5)
     assert landed == [K(0, 1)] and failed[0][0] == K(0, 0) and "injected" in str(failed[0][1])
+
+
+def test_demand_transfers_are_read_whole_together_and_speculation_in_rounds():
+    cond, queue, batches, busy = threading.Condition(threading.RLock()), TransferQueue(8), [], []
+    gate = threading.Event()
+
+    def read(batch):
+        gate.wait(5)
+        batches.append(sorted(segments[0].offset for segments, _ in batch))
+        return 1
+
+    with cond:
+        queue.push(transfer(K(0, 0), num_chunks=3, priority=0.5))
+        queue.push(transfer(K(0, 1), num_chunks=3, at=1000, priority=0.9))
+        queue.push(transfer(K(1, 0), num_chunks=2, at=5000, demand=True))
+        queue.push(transfer(K(1, 1), num_chunks=2, at=7000, demand=True))
+    landed = []
+    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: None, busy.append,
+                        max_chunks=4)
+    gate.set()
+    deadline = time.time() + 5
+    while len(landed) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    worker.stop(5)
+    assert batches == [[5000, 5100, 7000, 7100], [0, 1000, 1100, 1200], [100, 200]]
+    assert landed == [K(1, 0), K(1, 1), K(0, 1), K(0, 0)] and len(busy) == 3
