@@ -29,7 +29,8 @@ import torch
 from moestream.checkpoint.layout import ExpertIndex
 from moestream.policies.base import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
-from moestream.store.store import ExpertStore, Fetch, _key
+from moestream.store.fetch import Fetch
+from moestream.store.store import ExpertStore, _key
 from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.topology import ExpertKey
 

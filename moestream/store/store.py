@@ -31,7 +31,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ from moestream.errors import CheckpointError
 from moestream.policies.base import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader
+from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
 from moestream.store.streams import make_link
 from moestream.topology import ExpertKey, Topology
@@ -384,30 +385,3 @@ def _check_index(index: ExpertIndex) -> None:
                 f"expert {tuple(key)} has {location.nbytes} bytes on disk, the topology says {topology.expert_bytes}"
             )
 
-
-class Fetch:
-    """Experts pinned for one computation, handed out resident first, then as they land; release() once."""
-
-    def __init__(self, store: ExpertStore, keys: list[ExpertKey]):
-        self.keys = keys
-        self._store = store
-        self._released = False
-
-    def ready(self, reorder: bool = True) -> Iterator[tuple[ExpertKey, torch.Tensor]]:
-        """(key, slot) for every key: the first in place when reorder, else in the order given."""
-        remaining = list(self.keys)
-        while remaining:
-            key, slot = self._store.next_ready(remaining if reorder else remaining[:1])
-            remaining.remove(key)
-            yield key, slot
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._store.release(self.keys)
-
-    def __enter__(self) -> "Fetch":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()

@@ -189,7 +189,8 @@ class DiskWorker:
                 continue
             taken, room = [], self.max_chunks
             while head is not None:
-                count = len(head.chunks) - head.next_chunk if head.demand else min(room, len(head.chunks) - head.next_chunk)
+                left = len(head.chunks) - head.next_chunk
+                count = left if head.demand else min(room, left)
                 taken.append((head, count))
                 room -= count
                 rank = self._queue.head_rank()
