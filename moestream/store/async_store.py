@@ -58,7 +58,7 @@ class AsyncExpertStore(ExpertStore):
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
         self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, self._landed, self._failed,
-                                  self._link_busy)
+                                  self._link_read)
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -235,9 +235,10 @@ class AsyncExpertStore(ExpertStore):
             self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
         return got
 
-    def _link_busy(self, seconds: float) -> None:  # under the lock
+    def _link_read(self, seconds: float) -> None:  # under the lock: one read of chunks in flight together
         self._stats.transfer_s += seconds
         self._stats.disk_read_s += seconds
+        self._stats.disk_batches += 1
 
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock
