@@ -188,7 +188,7 @@ class AsyncExpertStore(ExpertStore):
         """A full tier with nothing evictable: cancel queued speculative transfers, then wait for landings."""
         deadline = time.perf_counter() + self.config.transfer_timeout_s
         speculative = self._queue.speculative()
-        while len(self._device) >= self.device_slots and not self._device.evictable():
+        while len(self._device) >= self.device_slots and not self._device.has_evictable():
             if speculative:
                 self._cancel(speculative.pop(0))
             else:

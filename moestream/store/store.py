@@ -315,7 +315,7 @@ class ExpertStore:
 
     def _may_evict(self, evictions: int, max_evictions: int | None) -> bool:
         under_limit = max_evictions is None or evictions < max_evictions
-        return under_limit and bool(self._device.evictable())
+        return under_limit and self._device.has_evictable()
 
     # -- views of the state --------------------------------------------------------------------
 
