@@ -79,7 +79,7 @@ def chunks_of(segments: Sequence[Segment], slot: torch.Tensor, chunk_bytes: int)
 
 @dataclass
 class TransferQueue:
-    """Pending transfers by rank, with lazy deletion; at most `capacity` of them."""
+    """Pending transfers by rank, with lazy deletion; at most `capacity` of them (and a bounded heap)."""
 
     capacity: int
     _heap: list = field(default_factory=list)  # [(rank, transfer)]; stale entries skipped on pop
@@ -100,7 +100,7 @@ class TransferQueue:
         if new:
             transfer.order = next(self._orders)
         self._queued[transfer.key] = transfer
-        heapq.heappush(self._heap, (transfer.rank, transfer.order, transfer))
+        self._add(transfer)
 
     def pop(self) -> Transfer | None:
         while self._heap:
@@ -125,7 +125,14 @@ class TransferQueue:
         elif not transfer.demand and priority is not None:
             transfer.priority = priority
         if self._queued.get(transfer.key) is transfer:
-            heapq.heappush(self._heap, (transfer.rank, transfer.order, transfer))
+            self._add(transfer)
+
+    def _add(self, transfer: Transfer) -> None:
+        """A heap entry for the transfer's rank; stale entries are swept once they outnumber the live ones."""
+        heapq.heappush(self._heap, (transfer.rank, transfer.order, transfer))
+        if len(self._heap) > 2 * self.capacity + 16:
+            self._heap = [(t.rank, t.order, t) for t in self._queued.values()]
+            heapq.heapify(self._heap)
 
     def cancel(self, key: ExpertKey) -> Transfer | None:
         """Removes a queued transfer (not the one the worker is reading); returns it."""

@@ -46,6 +46,17 @@ def test_the_queue_is_bounded():
         queue.push(transfer(K(0, 1)))
 
 
+def test_repeated_reprioritising_keeps_the_heap_bounded_and_the_order_right():
+    queue = TransferQueue(capacity=4)
+    transfers = [transfer(K(0, e), priority=0.0) for e in range(4)]
+    for t in transfers:
+        queue.push(t)
+    for step in range(1000):
+        queue.reprioritise(transfers[step % 4], priority=float(step))
+    assert len(queue._heap) <= 2 * 4 + 16
+    assert [queue.pop().key for _ in range(4)] == [K(0, 3), K(0, 2), K(0, 1), K(0, 0)]
+
+
 def test_chunks_cover_the_slot_by_matrix_or_by_size():
     slot = torch.arange(10, dtype=torch.uint8)
     segments = [Segment("a", 0, 6), Segment("b", 50, 4)]
