@@ -164,11 +164,12 @@ class OffloadedExperts:
         ids = top_k_index.reshape(-1).cpu().numpy()  # [S = T * K]
         used = np.repeat(active, top_k)  # [S]
         groups = self.store.streaming_groups([ExpertKey(layer, int(e)) for e in np.unique(ids[used])])
-        first = self.store.fetch(groups[0]) if groups else None  # 2. this layer's misses first
+        chosen = [key for group in groups for key in group]
+        first = self.store.fetch(groups[0], chosen) if groups else None  # 2. this layer's misses first
         try:
             if self.prefetcher is not None:
                 self.prefetcher.after(layer)  # 3. transfers of later layers planned and queued
-            plan = RowPlan(ids, used, [key.expert for group in groups for key in group])
+            plan = RowPlan(ids, used, [key.expert for key in chosen])
             out = self._compute(math, hidden, top_k_weights, plan, groups, first)  # 4. compute: [S, H]
         finally:
             if first is not None:
@@ -189,7 +190,7 @@ class OffloadedExperts:
         out_dtype = torch.promote_types(hidden.dtype, top_k_weights.dtype)
         out = torch.zeros(plan.num_rows, hidden.shape[-1], dtype=out_dtype, device=hidden.device)  # [S, H]
         for number, group in enumerate(groups):
-            fetch = first if number == 0 else self.store.fetch(group)
+            fetch = first if number == 0 else self.store.fetch(group, [key for g in groups for key in g])
             try:
                 for key, slot in fetch.ready(self.reorder):
                     a, b = plan.span(key.expert)

@@ -62,12 +62,13 @@ class AsyncExpertStore(ExpertStore):
 
     # -- compute thread --------------------------------------------------------------------------
 
-    def fetch(self, keys: Sequence[ExpertKey]) -> Fetch:
+    def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> Fetch:
+        """chosen: every expert the gate chose in these layers (default: keys), which preemption keeps."""
         wanted = list(dict.fromkeys(_key(k) for k in keys))
         with self._lock:
             self._check_open()
             self._check_fits(wanted)
-            self._preempt(wanted)
+            self._preempt(wanted, {_key(k) for k in chosen} | set(wanted))
             pinned: list[ExpertKey] = []
             try:
                 for key in wanted:
@@ -164,9 +165,9 @@ class AsyncExpertStore(ExpertStore):
         """Experts pinned by callers; transfers' own pins do not count: they are cancelled or land."""
         return set(self._device.pinned()) - self._pending.keys()
 
-    def _preempt(self, wanted: list[ExpertKey]) -> None:
+    def _preempt(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
         """Drops queued speculative transfers of the wanted experts' layers that the gate did not choose."""
-        layers, chosen = {k.layer for k in wanted}, set(wanted)
+        layers = {k.layer for k in wanted}
         for transfer in self._queue.speculative():
             if transfer.key.layer in layers and transfer.key not in chosen:
                 self._cancel(transfer)

@@ -133,8 +133,9 @@ class ExpertStore:
         with self._lock:
             self._device.unpin(_key(k) for k in keys)
 
-    def fetch(self, keys: Sequence[ExpertKey]) -> "Fetch":
+    def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> "Fetch":
         """Pins keys in the device tier and brings in the missing ones; the Fetch hands them out.
+        chosen: every expert the gate chose in these layers (keys may be one group of them).
 
         Here every transfer runs before fetch returns (the synchronous, on-demand path)."""
         wanted = list(dict.fromkeys(_key(k) for k in keys))

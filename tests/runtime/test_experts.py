@@ -81,9 +81,9 @@ class GroupLog:
         self.store = store
         self.groups = []
 
-    def fetch(self, keys):
+    def fetch(self, keys, chosen=()):
         self.groups.append(list(keys))
-        return self.store.fetch(keys)
+        return self.store.fetch(keys, chosen)
 
     def __getattr__(self, name):
         return getattr(self.store, name)

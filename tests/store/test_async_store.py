@@ -194,3 +194,19 @@ def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_by
             for key, slot in take(store, keys):
                 assert_holds_expert(checkpoint, slot, key)
         assert store._bounce.slot(0).any()  # the bytes came through the staging slot
+
+
+def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_experts(checkpoint):
+    gate = threading.Event()
+    with make_async(checkpoint, device_slots=6) as store:
+        store._reader = reader = GatedReader(store._reader, gate)
+        store.prefetch([TransferRequest(K(0, 3), 0.9)])  # the worker blocks on its first chunk
+        while not reader.files:
+            time.sleep(0.001)
+        store.prefetch([TransferRequest(K(1, 1), 0.5), TransferRequest(K(1, 2), 0.4)])
+        fetch = store.fetch([K(1, 0)], chosen=[K(1, 0), K(1, 1)])
+        assert store.in_flight() == {K(0, 3), K(1, 0), K(1, 1)}  # K(1, 2) dropped, K(1, 1) kept
+        gate.set()
+        list(fetch.ready())
+        fetch.release()
+        store.wait_idle()
