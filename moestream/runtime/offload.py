@@ -174,9 +174,10 @@ class OffloadedExperts:
         finally:
             if first is not None:
                 first.release()
-        return self._combined(layer, out.view(num_tokens, top_k, -1), hidden.dtype)
+        return self._combined(out.view(num_tokens, top_k, -1), hidden.dtype)
 
-    def _combined(self, layer: int, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _combined(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The one place after a layer's expert outputs [T, K, H] are combined (summed over k) -> [T, H]."""
         return out.sum(dim=1).to(dtype)
 
