@@ -34,7 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that map onto EngineConfig (shared by generate, demo and bench)."""
     parser.add_argument("--expert-budget", default="0.25",
                         help="device-tier budget: a ratio of all routed-expert bytes (0.25, 25%%) or a size (512MiB)")
-    parser.add_argument("--host-budget", default="0", help="host-tier budget, same forms (default 0: no host tier)")
+    parser.add_argument("--host-budget", default="0",
+                        help="host-tier budget, same forms (default 0: no host tier); on the CPU without --sync "
+                             "it joins the expert budget, since host and device memory are one tier there")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--policy", default="lru", help="prefetch/eviction policy by name (default lru)")
     parser.add_argument("--predictor-dir", help="trained predictor of the policy (from `moestream train-predictor`)")

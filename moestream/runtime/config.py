@@ -16,7 +16,7 @@ from moestream.store.config import Budget, StoreConfig
 class EngineConfig:
     device: str = "cpu"  # where the dense part and the device tier live: "cpu" or "cuda[:N]"
     expert_budget: Budget | str = "0.25"  # device tier: ratio of the routed-expert bytes, or a size
-    host_budget: Budget | str = "0"  # host tier between disk and device (0: none)
+    host_budget: Budget | str = "0"  # host tier between disk and device (0: none; async on the CPU: one tier)
     policy: str = "lru"  # name in moestream.policies.POLICIES
     horizon_layers: int = 2  # how many MoE layers ahead the policy predicts after each layer
     direct_io: bool = True  # read experts with O_DIRECT where the filesystem allows it

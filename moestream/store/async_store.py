@@ -20,6 +20,7 @@ an in-flight one to land. Every wait has a timeout (`StoreConfig.transfer_timeou
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Sequence
@@ -28,7 +29,7 @@ import torch
 
 from moestream.checkpoint.layout import ExpertIndex
 from moestream.policies.base import EvictionPolicy, TransferRequest
-from moestream.store.config import StoreConfig
+from moestream.store.config import Budget, StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.store import ExpertStore, _key
 from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
@@ -39,9 +40,24 @@ STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its ch
 
 def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                host_eviction: EvictionPolicy) -> ExpertStore:
-    """The asynchronous store when asked for and the tiers allow it, else the synchronous one."""
+    """The asynchronous store when asked for and the tiers allow it, else the synchronous one.
+
+    On the CPU, host and device memory are the same: an asynchronous store there is one tier whose
+    budget is the two budgets together, each expert held once."""
+    if config.asynchronous and not config.uses_cuda:
+        config = one_tier(config, index.topology)
     kind = AsyncExpertStore if config.asynchronous and config.host_slots(index.topology) == 0 else ExpertStore
     return kind(index, config, device_eviction, host_eviction)
+
+
+def one_tier(config: StoreConfig, topology) -> StoreConfig:
+    """The configuration with the host budget moved into the device tier."""
+    host_bytes = config.host_budget.resolve(topology.total_expert_bytes)
+    if not host_bytes:
+        return config
+    device_bytes = config.device_budget.resolve(topology.total_expert_bytes)
+    return dataclasses.replace(config, device_budget=Budget(size_bytes=device_bytes + host_bytes),
+                               host_budget=Budget(size_bytes=0))
 
 
 class AsyncExpertStore(ExpertStore):

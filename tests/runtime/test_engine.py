@@ -180,7 +180,7 @@ def test_bad_generation_requests_are_user_errors(checkpoint):
 
 def test_a_host_tier_serves_repeated_misses_without_disk(reference):
     path, model = reference("qwen2_moe")
-    with _engine(path, "min", host_budget="1.0") as engine:
+    with _engine(path, "min", host_budget="1.0", sync=True) as engine:  # async on the CPU: one tier
         prompts = [engine.encode(p) for p in PROMPTS]
         first = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
         again = engine.generate(prompts, max_new_tokens=NEW_TOKENS)

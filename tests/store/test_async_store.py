@@ -60,7 +60,14 @@ def test_open_store_picks_the_asynchronous_store_only_for_one_tier(checkpoint):
         config = StoreConfig(str(4 * eb), str(host * eb), asynchronous=asynchronous)
         with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
             kinds[asynchronous, host] = type(store)
-    assert kinds == {(True, 0): AsyncExpertStore, (True, 2): ExpertStore, (False, 0): ExpertStore}
+    assert kinds == {(True, 0): AsyncExpertStore, (True, 2): AsyncExpertStore, (False, 0): ExpertStore}
+
+
+def test_on_the_cpu_the_host_budget_joins_the_one_tier(checkpoint):
+    eb = checkpoint.index.topology.expert_bytes
+    config = StoreConfig(str(3 * eb), str(2 * eb), asynchronous=True)
+    with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
+        assert (store.device_slots, store.host_slots) == (5, 0)
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 40, 4096])
