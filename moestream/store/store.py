@@ -66,6 +66,7 @@ class StoreStats:
     disk_batches: int = 0  # batches of disk reads (each in flight together)
     stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
     transfer_s: float = 0.0  # time the disk link was busy
+    copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
     late: int = 0  # fetch hits whose bytes were still in flight
     cancelled: int = 0  # queued speculative transfers dropped before they ran
 
