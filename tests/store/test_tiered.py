@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from moestream.errors import CheckpointError
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
@@ -173,6 +174,31 @@ def test_a_failed_read_and_a_failed_copy_surface_as_errors_and_the_store_recover
         assert_holds_expert(checkpoint, dict(take(store, [K(0, 1)]))[K(0, 1)], K(0, 1))
         stats = store.stats()
         assert (stats.host_misses, stats.host_hits) == (1, 1) and not store._host.pinned()
+
+
+class Damaged:
+    """An Integrity that finds one expert damaged."""
+
+    def __init__(self, key):
+        self.key, self.checked = key, []
+
+    def check_batch(self, keys, buffers):
+        self.checked.extend(keys)
+        if self.key in keys:
+            raise CheckpointError(f"expert {tuple(self.key)} is damaged")
+
+
+def test_a_damaged_expert_fails_in_its_host_slot_before_any_copy_up(checkpoint):
+    eb = checkpoint.index.topology.expert_bytes
+    config = StoreConfig(str(2 * eb), str(4 * eb), asynchronous=True)
+    integrity = Damaged(K(1, 2))
+    with TieredAsyncStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+        with pytest.raises(CheckpointError, match=r"\(1, 2\) is damaged"):
+            take(store, [K(1, 1), K(1, 2)])
+        store.wait_idle()
+        assert store.resident("host") == {K(1, 1)} and store.resident() == {K(1, 1)}
+        assert store.stats().bytes_read == {"disk": 2 * eb, "host": eb}  # K(1, 2) was never copied up
+        assert sorted(integrity.checked) == [K(1, 1), K(1, 2)] and not store._host.pinned()
 
 
 def test_a_stuck_copy_times_out(checkpoint):
