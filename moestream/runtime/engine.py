@@ -36,7 +36,7 @@ from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import RUNNERS, Sequence, StepPlan
-from moestream.store.async_store import open_store
+from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
 
 log = logging.getLogger(__name__)

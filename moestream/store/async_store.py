@@ -6,8 +6,8 @@ device tier with no host tier. On the CPU that is one tier, each expert held onc
 from disk into its slot. On CUDA the worker reads each chunk into one pinned staging slot, copies
 it up on the link's copy stream and waits for that copy's event (on the worker thread: the compute
 stream and the device are never synchronised) before the next chunk reuses the staging slot.
-`open_store` picks this store when the configuration asks for asynchronous transfers and there is
-no host tier, else the synchronous store.
+`TieredAsyncStore` (`moestream.store.tiered`) extends it to a host tier with a second link's
+worker; `open_store` (`moestream.store.factory`) picks the store for a configuration.
 
 Life of an expert: admitted to a slot and pinned by its transfer (in flight: `in_flight()`), then
 landed (unpinned, resident), or cancelled while queued (slot freed), or failed (slot freed, the
@@ -20,7 +20,6 @@ an in-flight one to land. Every wait has a timeout (`StoreConfig.transfer_timeou
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Sequence
@@ -30,7 +29,7 @@ import torch
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy, TransferRequest
-from moestream.store.config import Budget, StoreConfig
+from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.store import ExpertStore, _key
 from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
@@ -39,35 +38,14 @@ from moestream.topology import ExpertKey
 STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its chunk
 
 
-def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-               host_eviction: EvictionPolicy, integrity: Integrity | None = None) -> ExpertStore:
-    """The asynchronous store when asked for and the tiers allow it, else the synchronous one.
-
-    On the CPU, host and device memory are the same: an asynchronous store there is one tier whose
-    budget is the two budgets together, each expert held once."""
-    if config.asynchronous and not config.uses_cuda:
-        config = one_tier(config, index.topology)
-    kind = AsyncExpertStore if config.asynchronous and config.host_slots(index.topology) == 0 else ExpertStore
-    return kind(index, config, device_eviction, host_eviction, integrity)
-
-
-def one_tier(config: StoreConfig, topology) -> StoreConfig:
-    """The configuration with the host budget moved into the device tier."""
-    host_bytes = config.host_budget.resolve(topology.total_expert_bytes)
-    if not host_bytes:
-        return config
-    device_bytes = config.device_budget.resolve(topology.total_expert_bytes)
-    return dataclasses.replace(config, device_budget=Budget(size_bytes=device_bytes + host_bytes),
-                               host_budget=Budget(size_bytes=0))
-
-
 class AsyncExpertStore(ExpertStore):
     bounce_slots = 1  # the disk worker's staging slot where the device tier is not host memory
+    serves_host_tier = False  # TieredAsyncStore (moestream.store.tiered) serves one
 
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                  host_eviction: EvictionPolicy, integrity: Integrity | None = None):
         super().__init__(index, config, device_eviction, host_eviction, integrity)
-        if self._host is not None:
+        if self._host is not None and not self.serves_host_tier:
             raise ValueError("the asynchronous store serves a device tier without a host tier")
         self._cond = threading.Condition(self._lock)
         self._queue = TransferQueue(self.device_slots)
@@ -131,10 +109,11 @@ class AsyncExpertStore(ExpertStore):
             self._device.unpin(kept)
             for key in kept:
                 if key in self._pending:
-                    self._queue.reprioritise(self._pending[key], priority=priorities[key])
-            for key in brought:  # each keeps the pin _admit_prefetches gave it until it lands
-                self._enqueue(key, priorities[key], demand=False)
-                self._unused_prefetches.add(key)
+                    transfer = self._pending[key]
+                    self._queue_of(transfer).reprioritise(transfer, priority=priorities[key])
+            # each keeps the pin _admit_prefetches gave it until it lands (or leaves the tier if refused)
+            brought = [key for key in brought if self._enqueue(key, priorities[key], demand=False)]
+            self._unused_prefetches.update(brought)
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
@@ -156,15 +135,15 @@ class AsyncExpertStore(ExpertStore):
             return frozenset(self._pending)
 
     def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
-        """Experts whose bytes are in place (those in flight excluded)."""
+        """Experts whose bytes are in place in the tier (those still arriving there excluded)."""
         with self._lock:
-            return super().resident(tier) - self._pending.keys()
+            return super().resident(tier) - self._arriving(tier)
 
     def close(self) -> None:
         """Stops the worker after its current chunk, drops the queued transfers, closes the files."""
         with self._lock:
             self._closed = True
-        self._worker.stop(STOP_TIMEOUT_S)
+        self._stop_workers()
         with self._cond:
             for transfer in list(self._pending.values()):
                 self._forget(transfer)
@@ -172,7 +151,14 @@ class AsyncExpertStore(ExpertStore):
             self._cond.notify_all()
         super().close()
 
+    def _stop_workers(self) -> None:
+        self._worker.stop(STOP_TIMEOUT_S)
+
     # -- under the lock --------------------------------------------------------------------------
+
+    def _arriving(self, tier: str) -> set[ExpertKey]:
+        """Experts admitted to the tier whose bytes are still on their way there."""
+        return set(self._pending)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -185,7 +171,7 @@ class AsyncExpertStore(ExpertStore):
     def _preempt(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
         """Drops queued speculative transfers of the wanted experts' layers that the gate did not choose."""
         layers = {k.layer for k in wanted}
-        for transfer in self._queue.speculative():
+        for transfer in self._speculative():
             if transfer.key.layer in layers and transfer.key not in chosen:
                 self._cancel(transfer)
 
@@ -194,44 +180,63 @@ class AsyncExpertStore(ExpertStore):
             transfer = self._pending.get(key)
             if transfer is not None:
                 self._stats.late += 1
-                self._queue.reprioritise(transfer, demand=True)
+                self._queue_of(transfer).reprioritise(transfer, demand=True)
             return
         self._stats.misses += 1
         self._make_room()
         self._admit(key)
         self._device.pin([key])  # the transfer's pin
-        self._enqueue(key, 0.0, demand=True)
+        try:
+            self._enqueue(key, 0.0, demand=True)
+        except BaseException:
+            self._forget_admission(key)
+            raise
 
     def _make_room(self) -> None:
         """A full tier with nothing evictable: cancel queued speculative transfers, then wait for landings."""
         deadline = time.perf_counter() + self.config.transfer_timeout_s
-        speculative = self._queue.speculative()
+        speculative = self._speculative()
         while len(self._device) >= self.device_slots and not self._device.has_evictable():
             if speculative:
                 self._cancel(speculative.pop(0))
             else:
                 self._wait(deadline, "a free device slot")
 
-    def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> None:
+    def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
+        """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier)."""
         self._errors.pop(key, None)
-        slot = self._device_pool.slot(self._device.slot(key))
+        self._queue_read(key, self._device_pool.slot(self._device.slot(key)), priority, demand)
+        return True
+
+    def _queue_read(self, key: ExpertKey, slot: torch.Tensor, priority: float, demand: bool) -> None:
+        """Queues the disk read of key's bytes into slot (1-D uint8)."""
         transfer = Transfer(key, chunks_of(self.index.locations[key].segments, slot, self.config.chunk_bytes),
                             priority=priority, demand=demand)
         self._queue.push(transfer)
         self._pending[key] = transfer
         self._cond.notify_all()
 
+    def _speculative(self) -> list[Transfer]:
+        """Queued speculative transfers (not those a worker holds), lowest priority first."""
+        return self._queue.speculative()
+
+    def _queue_of(self, transfer: Transfer) -> TransferQueue:
+        return self._queue
+
     def _cancel(self, transfer: Transfer) -> None:
-        if self._queue.cancel(transfer.key) is transfer:
+        if self._queue_of(transfer).cancel(transfer.key) is transfer:
             self._stats.cancelled += 1
             self._unused_prefetches.discard(transfer.key)
             self._forget(transfer)
 
     def _forget(self, transfer: Transfer) -> None:
-        """The transfer's expert leaves the tier (its bytes never arrived)."""
+        """The transfer's expert leaves the device tier (its bytes never arrived there)."""
         self._pending.pop(transfer.key, None)
-        if transfer.key in self._device:
-            self._device.remove(transfer.key)
+        self._forget_admission(transfer.key)
+
+    def _forget_admission(self, key: ExpertKey) -> None:
+        if key in self._device:
+            self._device.remove(key)
 
     def _wait(self, deadline: float, what: str) -> None:
         self._check_open()
@@ -258,7 +263,6 @@ class AsyncExpertStore(ExpertStore):
         self._stats.disk_read_s += seconds
         self._stats.disk_batches += 1
 
-
     def _landed(self, transfer: Transfer) -> None:  # under the lock
         if self._pending.get(transfer.key) is not transfer:
             return  # forgotten by close()
@@ -273,9 +277,12 @@ class AsyncExpertStore(ExpertStore):
         self._cond.notify_all()
 
     def _failed(self, transfer: Transfer, error: BaseException) -> None:  # under the lock
+        self._fail(transfer, error, f"reading expert {tuple(transfer.key)} from disk failed")
+
+    def _fail(self, transfer: Transfer, error: BaseException, what: str) -> None:  # under the lock
+        """The error kept for the thread that waits on the transfer's expert, which leaves the tier."""
         if self._pending.get(transfer.key) is transfer:
-            failure = error if isinstance(error, CheckpointError) else TransferError(
-                f"reading expert {tuple(transfer.key)} from disk failed: {error}")
+            failure = error if isinstance(error, CheckpointError) else TransferError(f"{what}: {error}")
             failure.__cause__ = None if failure is error else error
             self._errors[transfer.key] = failure
             self._forget(transfer)

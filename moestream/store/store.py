@@ -15,14 +15,16 @@ Counters: hits/misses count acquire's device-tier lookups; host_hits/host_misses
 device fill (demand or prefetch) by where it came from; bytes_read["disk"] is bytes read from the
 files, bytes_read["host"] bytes copied from host memory to the device.
 
-Asynchronous mode (`StoreConfig.asynchronous`, where the device tier is host memory, i.e. on the
-CPU with no host tier): `prefetch` admits its experts and queues their transfers for the disk
-worker (`moestream.store.transfer`) and returns at once; `fetch` pins a layer's experts, puts its
-misses at the head of the queue, drops the queued speculative transfers of the same layers that the
-gate did not choose, and hands the experts out as they land. An admitted expert whose bytes are in
+Asynchronous mode (`StoreConfig.asynchronous`; the subclasses in `moestream.store.async_store`,
+one tier, and `moestream.store.tiered`, a host tier with a worker per link; `open_store` in
+`moestream.store.factory` picks one): `prefetch` admits its experts and queues their transfers for
+the I/O workers (`moestream.store.transfer`, `moestream.store.copier`) and returns at once; `fetch`
+pins a layer's experts, puts its misses at the head of the queue, drops the queued speculative
+transfers of the same layers that the gate did not choose, and hands the experts out as they land. An admitted expert whose bytes are in
 flight is pinned by its transfer, so that nothing evicts a slot being written. Every wait has a
 timeout. stall_s counts the time the caller's thread waited for expert bytes, transfer_s the time
-the disk link was busy (both equal in synchronous mode, where every transfer runs on the caller).
+the disk link was busy (both equal in synchronous mode, where every transfer runs on the caller),
+copy_s the time the asynchronous host -> device link was busy.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class StoreStats:
     disk_batches: int = 0  # batches of disk reads (each in flight together)
     stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
     transfer_s: float = 0.0  # time the disk link was busy
+    copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
     late: int = 0  # fetch hits whose bytes were still in flight
     cancelled: int = 0  # queued speculative transfers dropped before they ran
 

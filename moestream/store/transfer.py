@@ -12,7 +12,9 @@ of chunks in flight behind speculative work.
 
 Queue and worker share the store's condition: every change of the queue happens under its lock, and
 the worker reads outside it. The worker reports each finished or failed transfer through the two
-callbacks it is given; it knows no eviction, no policy and no tier.
+callbacks it is given; it knows no eviction, no policy and no tier. `LinkWorker` is what every
+link's thread shares (start, stop, the callbacks); the host -> device link's is in
+`moestream.store.copier`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import itertools
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -149,18 +152,22 @@ class TransferQueue:
         return queued
 
 
-class DiskWorker:
-    """The disk link's one I/O thread (see the module doc)."""
+class LinkWorker(ABC):
+    """One link's I/O thread over a queue it shares with the store (the condition's lock guards both).
 
-    def __init__(self, cond: threading.Condition, queue: TransferQueue,
-                 read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],
-                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
-                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        self._cond, self._queue, self._read = cond, queue, read
+    It reports each finished or failed transfer through `landed` and `failed`, and the time it was
+    busy through `busy`, all called under the lock."""
+
+    name = "link"
+
+    def __init__(self, cond: threading.Condition, queue: TransferQueue, landed: Callable[[Transfer], None],
+                 failed: Callable[[Transfer, BaseException], None], busy: Callable[[float], None]):
+        self._cond, self._queue = cond, queue
         self._landed, self._failed, self._busy = landed, failed, busy
-        self.max_chunks = max_chunks
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="moestream-disk-link", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"moestream-{self.name}-link", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float) -> None:
@@ -169,7 +176,26 @@ class DiskWorker:
             self._cond.notify_all()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            raise TransferError(f"the disk worker did not stop within {timeout_s:g} s")
+            raise TransferError(f"the {self.name} worker did not stop within {timeout_s:g} s")
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The thread's loop: take from the queue under the lock, move bytes outside it, report; until stop."""
+
+
+class DiskWorker(LinkWorker):
+    """The disk link's one I/O thread (see the module doc)."""
+
+    name = "disk"
+
+    def __init__(self, cond: threading.Condition, queue: TransferQueue,
+                 read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],
+                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
+                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
+        super().__init__(cond, queue, landed, failed, busy)
+        self._read = read
+        self.max_chunks = max_chunks
+        self.start()
 
     def _run(self) -> None:
         held: list[tuple[Transfer, int]] = []

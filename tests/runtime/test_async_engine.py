@@ -15,7 +15,10 @@ from moestream.policies.contracts import Observer
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.runtime import Engine, EngineConfig
+import moestream.runtime.engine as engine_module
 from moestream.store.async_store import AsyncExpertStore
+from moestream.store.factory import store_kind
+from moestream.store.tiered import TieredAsyncStore
 from moestream.store.transfer import TransferError
 from moestream.trace.recorder import TraceRecorder
 from tests.runtime.conftest import PROMPTS
@@ -158,4 +161,44 @@ def test_ctrl_c_during_generate_then_close_shuts_down_cleanly(mixtral):
         interrupt.at = -1
         again = engine.generate(list(PROMPTS), max_new_tokens=5).token_ids
     assert again == _generate(mixtral, None, list(PROMPTS), steps=1, sync=True)[0]
+    assert _counts() == before
+
+
+@pytest.fixture
+def tiered(monkeypatch):
+    """Engines built while it is active keep their tiers apart, as open_store does on CUDA: an asynchronous
+    engine with a host tier gets the two-tier store, here on the CPU link (on the CPU open_store merges them)."""
+    monkeypatch.setattr(engine_module, "open_store", _open_tiers_apart)
+
+
+def _open_tiers_apart(index, config, *args):
+    return store_kind(config, index.topology)(index, config, *args)
+
+
+@pytest.mark.parametrize("name", ["lru", "cooccur"])
+def test_the_two_tier_store_generates_the_same_as_sync(mixtral, trace, tiered, name):
+    prompts = list(PROMPTS[:2])
+    host = dict(host_budget="0.75")
+    expected = _generate(mixtral, _policy(name, trace), prompts, sync=True, **host)
+    for config in (dict(), dict(chunk_bytes=512, reorder=False)):
+        with _engine(mixtral, _policy(name, trace), **host, **config) as engine:
+            assert isinstance(engine.store, TieredAsyncStore)
+            got = [engine.generate(prompts, max_new_tokens=5).token_ids for _ in range(2)]
+            stats = engine.store.stats()
+        assert got == expected, config
+        assert stats.host_hits > 0 and stats.copy_s > 0 and stats.transfer_s > 0
+
+
+def test_the_two_tier_store_under_random_delays_and_failures_is_exact_or_fails_clearly(mixtral, tiered):
+    prompts, before = list(PROMPTS), _counts()
+    expected = _generate(mixtral, None, prompts, steps=1, sync=True)[0]
+    with _engine(mixtral, host_budget="0.75", chunk_bytes=1024, transfer_timeout_s=20) as engine:
+        engine.store._reader = FaultyReader(engine.store._reader, random.Random(3))
+        assert engine.generate(prompts, max_new_tokens=5).token_ids == expected
+        engine.store._reader.failure_rate = 0.2
+        with pytest.raises(TransferError, match="injected read failure"):
+            for _ in range(20):
+                engine.generate(prompts, max_new_tokens=5)
+        engine.store._reader.failure_rate = 0.0
+        assert engine.generate(prompts, max_new_tokens=5).token_ids == expected
     assert _counts() == before

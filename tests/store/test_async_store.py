@@ -9,8 +9,8 @@ import torch
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
-from moestream.store.async_store import AsyncExpertStore, open_store
-from moestream.store.store import ExpertStore
+from moestream.store.async_store import AsyncExpertStore
+from moestream.store.factory import open_store
 from moestream.store.transfer import TransferError
 from moestream.topology import ExpertKey
 from tests.store.test_store import assert_holds_expert
@@ -51,23 +51,6 @@ def take(store, keys, reorder=True):
         return [(key, slot.clone()) for key, slot in fetch.ready(reorder)]
     finally:
         fetch.release()
-
-
-def test_open_store_picks_the_asynchronous_store_only_for_one_tier(checkpoint):
-    eb = checkpoint.index.topology.expert_bytes
-    kinds = {}
-    for asynchronous, host in [(True, 0), (True, 2), (False, 0)]:
-        config = StoreConfig(str(4 * eb), str(host * eb), asynchronous=asynchronous)
-        with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
-            kinds[asynchronous, host] = type(store)
-    assert kinds == {(True, 0): AsyncExpertStore, (True, 2): AsyncExpertStore, (False, 0): ExpertStore}
-
-
-def test_on_the_cpu_the_host_budget_joins_the_one_tier(checkpoint):
-    eb = checkpoint.index.topology.expert_bytes
-    config = StoreConfig(str(3 * eb), str(2 * eb), asynchronous=True)
-    with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
-        assert (store.device_slots, store.host_slots) == (5, 0)
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 40, 4096])
