@@ -1,0 +1,11 @@
+"""`default-lean`: moestream's lean default policy, one package with one entry point (policy.DefaultLean).
+
+- model.py: settings, weights and the one forward pass (numpy online, torch in training)
+- features.py: the model's inputs for whole traces; state.py: the same inputs kept online
+- training.py: torch training (imported lazily); storage.py: safetensors + JSON, no torch
+- policy.py: predictor, eviction and the registered policy; timing.py: `python -m` figures
+"""
+
+from moestream.policies.default_lean.policy import DefaultLean
+
+__all__ = ["DefaultLean"]

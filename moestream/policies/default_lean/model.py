@@ -1,0 +1,94 @@
+"""The lean routing model of `default-lean`: its settings, its weights and its one forward pass.
+
+For a token t and a target layer l, seen from a cut c (the last layer of t already routed), the
+logits over l's E experts are a sum of a few weight gathers and two small matmuls:
+    bias[b, l] + features @ dense[b, l] + token_embedding[t] @ token_out[b, l]
+where b is the horizon bucket (0: c = l-1, 1: c = l-2, 2: the token's start, nothing of it routed)
+and `features` is the concatenation of six E-vectors (moestream.policies.default_lean.features):
+the token's experts at c and c-1, the previous two tokens' experts at l, the in-sequence recall
+at l and the sequence's running share at l.
+
+`logits` is written once for both array libraries: numpy online and over whole traces, torch in
+training (it uses only indexing, `@` and `+`), so training produces exactly the weights it reads.
+Knows arrays, not events, caches or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from moestream.predictors.configs import ConfigError
+
+NUM_BUCKETS = 3  # d = 1, d = 2, the token's start
+START = 2  # the bucket of a prediction that sees none of the token's own routing
+NUM_BLOCKS = 6  # E-vectors in the features: cur, cur-1, prev, prev2, recall, share
+WEIGHT_NAMES = ("bias", "dense", "token", "token_out")
+
+
+@dataclass(frozen=True)
+class LeanConfig:
+    """The model's sizes and the policy's prefetch bars."""
+
+    window_tokens: int = 32  # earlier tokens of the sequence the recall weighs
+    recall_beta: float = 0.5  # recall weight exp(beta x experts shared at c and c-1)
+    token_rank: int = 16  # width of the token embedding
+    min_token_count: int = 3  # rarer training tokens map to the unknown token (index 0)
+    min_prefetch_probability: float = 0.5
+    idle_prefetch_probability: float = 0.1  # the bar while nothing moves to the tier
+
+    def __post_init__(self):
+        if self.window_tokens < 1 or self.token_rank < 1 or self.min_token_count < 1:
+            raise ConfigError("window_tokens, token_rank and min_token_count must be >= 1")
+        if self.recall_beta < 0:
+            raise ConfigError("recall_beta must be >= 0")
+        for name in ("min_prefetch_probability", "idle_prefetch_probability"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must lie in [0, 1]")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def bucket(horizon: int) -> int:
+    """The horizon bucket of a prediction made `horizon` layers ahead (>= 3: from the start)."""
+    return min(horizon, NUM_BUCKETS) - 1
+
+
+@dataclass
+class LeanWeights:
+    """The model's arrays (numpy online, torch tensors in training)."""
+
+    bias: Any  # [B, L, E]
+    dense: Any  # [B, L, 6E, E]
+    token: Any  # [V, R]
+    token_out: Any  # [B, L, R, E]
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_experts: int, vocab_size: int, rank: int) -> "LeanWeights":
+        B, L, E = NUM_BUCKETS, num_layers, num_experts
+        return cls(np.zeros((B, L, E), np.float32), np.zeros((B, L, NUM_BLOCKS * E, E), np.float32),
+                   np.zeros((vocab_size, rank), np.float32), np.zeros((B, L, rank, E), np.float32))
+
+    def arrays(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in WEIGHT_NAMES}
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays().values())
+
+
+def logits(w: LeanWeights, features, tokens, buckets, targets):
+    """[T, n, E] logits. features [T, n, 6E]; tokens [T, n] or [T, 1] vocabulary indices; buckets, targets [n]."""
+    dense = (features[..., None, :] @ w.dense[buckets, targets])[..., 0, :]  # [T, n, E]
+    token = (w.token[tokens][..., None, :] @ w.token_out[buckets, targets])[..., 0, :]  # [T, n, E]
+    return w.bias[buckets, targets] + dense + token
+
+
+def sigmoid(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    out = np.negative(x, out=out)
+    np.exp(out, out=out)
+    out += 1.0
+    return np.reciprocal(out, out=out)

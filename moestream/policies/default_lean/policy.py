@@ -1,0 +1,188 @@
+"""`default-lean`: calibrated probabilities from the lean routing model drive prefetch and eviction.
+
+- Prediction: state.IterationState runs model.logits, at each token's start for every layer and at
+  each routed layer c for c+1, c+2 and the next token's layer c. Scores are probabilities.
+- Prefetch: moestream's IdleAwarePlanner (probability > min_prefetch_probability, or >
+  idle_prefetch_probability while nothing moves to the tier), in order of probability / layers ahead.
+- Eviction (LeanEviction): the resident expert with the longest expected wait to its next use, in
+  layers: (layers until it) + (1 - p) x L / q for a layer still ahead in this token, with p its
+  probability now and q the next token's; (layers until the next token reaches it) + L x (1/q - 1)
+  for a layer passed.
+Without a trained model it refuses to run (UntrainedPolicyError): it never silently acts as LRU.
+Saved as safetensors (numpy) + JSON; loading and running import no torch.
+Knows the policy contract, not the mechanism, time or bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moestream.errors import MoestreamError
+from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.base import POLICIES, EvictionPolicy, Prediction, PrefetchPlanner
+from moestream.policies.default_lean.features import TraceFeatures, build_vocabulary, token_keys
+from moestream.policies.default_lean.model import START, LeanConfig, LeanWeights, bucket, logits, sigmoid
+from moestream.policies.default_lean.state import IterationState
+from moestream.policies.default_lean.storage import load_directory, save_directory
+from moestream.policies.planning import IdleAwarePlanner
+from moestream.policies.scored_eviction import ScoredEviction
+from moestream.policies.trained import TrainablePredictor, TrainedPolicy
+from moestream.predictors.configs import TrainConfig
+from moestream.topology import Topology
+
+if TYPE_CHECKING:
+    from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+KIND = "default-lean"
+
+
+class UntrainedPolicyError(MoestreamError):
+    """default-lean asked to run with no trained model."""
+
+    def __init__(self):
+        super().__init__(f"policy {KIND!r} has no trained model: pass --predictor-dir DIR (made by `moestream "
+                         f"train-predictor --kind {KIND} --trace TRACE --out DIR`), or --train TRACE where the "
+                         f"command has it")
+
+
+class LeanPredictor(TrainablePredictor):
+    kind = KIND
+
+    def __init__(self, topology: Topology, config: LeanConfig, train: TrainConfig):
+        super().__init__(topology, config, train)
+        self.weights: LeanWeights | None = None
+        self.vocab: dict[str, int] = {}
+        self.key_kind = ""  # "tokens", "token_ids" or "" (the training trace had no token keys)
+        self.state: IterationState | None = None
+        self._trace: TraceFeatures | None = None
+
+    @property
+    def is_trained(self) -> bool:
+        return self.weights is not None
+
+    # -- offline ---------------------------------------------------------------------------
+    def fit(self, trace: "Trace") -> None:
+        from moestream.policies.default_lean.training import train_weights
+
+        keys, self.key_kind = token_keys(trace)
+        self.vocab = build_vocabulary(keys, self.config.min_token_count)
+        self.weights, self.losses = train_weights(trace, self._indices(keys), len(self.vocab) + 1, self.config,
+                                                  self.train_config)
+        self.reset()
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return self.weights.arrays()
+
+    def meta(self) -> dict:
+        return {"config": self.config.to_dict(), "vocab": self.vocab, "key_kind": self.key_kind}
+
+    def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
+        self.config = LeanConfig(**meta["config"])
+        self.weights = LeanWeights(**{name: tensors[name] for name in ("bias", "dense", "token", "token_out")})
+        self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
+        self.reset()
+
+    def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
+        """[N, E]: what predict() gives for each row's `layer`, horizon_layers positions earlier."""
+        self.require_trained()
+        if self._trace is None or not self._trace.holds(trace):
+            keys, kind = token_keys(trace)
+            tokens = self._indices(keys if kind == self.key_kind else None, trace.num_tokens)
+            self._trace = TraceFeatures(trace, tokens, self.config.window_tokens, self.config.recall_beta)
+        cut = layer - horizon_layers
+        tokens = self._trace.tokens
+        if cut < -1:  # predicted at the previous token, before this one was known
+            tokens = np.where(self._trace.prev >= 0, 0, tokens)
+        b = bucket(horizon_layers) if cut >= 0 else START
+        x = self._trace.features(layer, cut if b != START else -1)[:, None]  # [N, 1, 6E]
+        return sigmoid(logits(self.weights, x, tokens[:, None], np.array([b]), np.array([layer])))[:, 0]
+
+    def _indices(self, keys: list | None, count: int = 0) -> np.ndarray:
+        if keys is None:
+            return np.zeros(count, dtype=np.int64)
+        return np.fromiter((self.vocab.get(str(k), 0) for k in keys), dtype=np.int64, count=len(keys))
+
+    def require_trained(self) -> None:
+        if self.weights is None:
+            raise UntrainedPolicyError()
+
+    # -- online ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.config)
+
+    def begin_iteration(self, ctx: IterationContext) -> None:
+        self.require_trained()
+        keys = ctx.tokens if self.key_kind == "tokens" else ctx.token_ids if self.key_kind == "token_ids" else None
+        self.state.begin(ctx, self._indices(None if keys is None else list(keys), ctx.num_tokens))
+
+    def observe(self, event: RoutingEvent) -> None:
+        if self.state is not None:
+            self.state.observe(event)
+
+    def end_sequence(self, seq_id: int) -> None:
+        if self.state is not None:
+            self.state.end_sequence(seq_id)
+
+    def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
+        state = self.state
+        if state is None or not state.active:
+            return []
+        L, k, predictions = self.topology.num_layers, self.topology.top_k, []
+        for target in range(layer_now + 1, min(layer_now + horizon_layers, 2 * L - 1) + 1):
+            if target >= L:
+                scores, layer, ahead = state.next[target - L], target - L, 1
+            else:
+                scores, layer, ahead = state.fresh.get(target, state.start[target]) if layer_now >= 0 else state.start[target], target, 0
+            top = np.argpartition(-scores, k)[:k]
+            predictions += [Prediction(layer, e, s, ahead) for e, s in zip(top.tolist(), scores[top].tolist())]
+        return predictions
+
+    def retention(self) -> np.ndarray:
+        """[L, E]: minus the expected layers until each expert is next needed (higher: keep)."""
+        if self.state is None:
+            return np.zeros((self.topology.num_layers, self.topology.num_experts))
+        return self.state.retention()
+
+
+class LeanEviction(ScoredEviction):
+    """Evicts the expert whose next use is expected furthest away (see the module docstring)."""
+
+    def __init__(self, predictor: LeanPredictor):
+        super().__init__()
+        self.predictor = predictor
+
+    def score_matrix(self) -> np.ndarray:
+        return self.predictor.retention()
+
+
+@POLICIES.register(KIND)
+class DefaultLean(TrainedPolicy):
+    """moestream's lean default: a sparse linear routing model for prefetch and Belady-like eviction."""
+
+    config_class = LeanConfig
+
+    def make_predictor(self) -> LeanPredictor:
+        return LeanPredictor(self.topology, self.config, self.train_config)
+
+    def make_planner(self) -> PrefetchPlanner:
+        return IdleAwarePlanner(self.config.min_prefetch_probability, self.config.idle_prefetch_probability)
+
+    def make_eviction(self, tier: str) -> EvictionPolicy:
+        return LeanEviction(self.predictor)
+
+    def prepare(self, trace: "Trace") -> None:
+        self.predictor.require_trained()
+
+    def save(self, directory: str | Path) -> Path:
+        return save_directory(self.predictor, directory)
+
+    def load(self, directory: str | Path) -> None:
+        load_directory(self.predictor, directory)
+        self.config = self.predictor.config
+        self.planner = self.make_planner()
+        self.pretrained = True

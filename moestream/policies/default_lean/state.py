@@ -1,0 +1,152 @@
+"""Online state of `default-lean`: each sequence's recent routing, and the current iteration's
+probabilities, kept incrementally so that one layer decision is a handful of numpy calls.
+
+Per iteration (T token rows; in a prefill every row sees its sequence as it was before the
+iteration): begin() predicts every layer from the tokens' start (horizon bucket START); each
+observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for predictions past the
+last layer, the next token's layer c, in ONE call of model.logits. A batch's probability for an
+expert is the chance that at least one of its rows routes to it. Knows arrays and events, not caches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.default_lean.features import recall_weights
+from moestream.policies.default_lean.model import NUM_BLOCKS, START, LeanConfig, LeanWeights, logits, sigmoid
+from moestream.topology import Topology
+
+
+def union(probs: np.ndarray) -> np.ndarray:
+    """[T, ...] -> [...]: probability that at least one row needs it (rows independent)."""
+    return probs[0] if len(probs) == 1 else 1.0 - np.prod(1.0 - probs, axis=0)
+
+
+class SequenceHistory:
+    """One sequence's last W tokens' routing (a ring), its last two tokens and its running sums."""
+
+    def __init__(self, window_tokens: int, num_layers: int, num_experts: int):
+        shape = (num_layers, num_experts)
+        self.ring = np.zeros((window_tokens,) + shape, dtype=np.float32)  # [W, L, E]
+        self.count = self.slot = self.num_tokens = 0
+        self.prev, self.prev2 = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
+        self.window_sum, self.total = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
+
+    def start_features(self, out: np.ndarray) -> None:
+        """Fills out [L, 6E] with the START inputs of the sequence's next token."""
+        E = self.prev.shape[1]
+        out[:, 2 * E:3 * E], out[:, 3 * E:4 * E] = self.prev, self.prev2
+        out[:, 4 * E:5 * E] = self.window_sum / max(self.count, 1)
+        out[:, 5 * E:] = self.total / max(self.num_tokens, 1)
+
+    def next_start(self, layer: int, hot: np.ndarray, out: np.ndarray) -> None:
+        """Fills out [6E] with the next token's START inputs at layer, given this token's hot [E] there."""
+        E, W = len(hot), len(self.ring)
+        out[:2 * E] = 0.0
+        out[2 * E:3 * E], out[3 * E:4 * E] = hot, self.prev[layer]
+        dropped = self.ring[self.slot, layer] if self.count == W else 0.0
+        out[4 * E:5 * E] = (self.window_sum[layer] - dropped + hot) / min(self.count + 1, W)
+        out[5 * E:] = (self.total[layer] + hot) / (self.num_tokens + 1)
+
+    def finish_token(self, routed: np.ndarray) -> None:
+        """Appends a token's [L, E] routing."""
+        if self.count == len(self.ring):
+            self.window_sum -= self.ring[self.slot]
+        self.ring[self.slot] = routed
+        self.window_sum += routed
+        self.total += routed
+        self.prev2, self.prev = self.prev, routed.copy()
+        self.slot, self.count = (self.slot + 1) % len(self.ring), min(self.count + 1, len(self.ring))
+        self.num_tokens += 1
+
+
+class IterationState:
+    """Probabilities of the current iteration's layers and of the next token, for predict and eviction."""
+
+    def __init__(self, topology: Topology, weights: LeanWeights, config: LeanConfig):
+        self.topology, self.weights, self.config = topology, weights, config
+        L, E = topology.num_layers, topology.num_experts
+        self.sequences: dict[int, SequenceHistory] = {}
+        self.rows: list[SequenceHistory] = []
+        self.active, self.layer_now = False, L - 1
+        self.start = np.zeros((L, E))  # [L, E] this token's layers, predicted from its start
+        self.ahead = np.zeros((L, E))  # [L, E] the latest prediction of each of this token's layers
+        self.next = np.zeros((L, E))  # [L, E] the next token's layers (filled as layers pass)
+        self.fresh: dict[int, np.ndarray] = {}  # target layer -> [E] from the last cut (d = 1, 2)
+        self._retention: np.ndarray | None = None
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
+        self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
+
+    def begin(self, ctx: IterationContext, tokens: np.ndarray) -> None:
+        L, E = self.topology.num_layers, self.topology.num_experts
+        self.rows = [self._history(int(s)) for s in ctx.seq_ids.tolist()]
+        self._tokens, self.layer_now, self.active = tokens, -1, bool(self.rows)
+        self._routed = np.zeros((len(self.rows), L, E), np.float32)
+        self._shared = np.zeros((len(self.rows), self.config.window_tokens), np.float32)
+        x = np.zeros((len(self.rows), L, NUM_BLOCKS * E), np.float32)  # [T, L, 6E]
+        for row, history in enumerate(self.rows):
+            history.start_features(x[row])
+        layers = np.arange(L)
+        self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], np.full(L, START), layers)))
+        self.ahead, self.next = self.start.copy(), self.start.copy()
+        self.fresh, self._retention = {}, None
+
+    def observe(self, event: RoutingEvent) -> None:
+        if not self.active:
+            return
+        c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
+        routed = self._routed[:, c]  # [T, E]
+        np.put_along_axis(routed, event.expert_ids.astype(np.int64), 1.0, axis=1)
+        targets = [t for t in (c + 1, c + 2) if t < L]
+        x = np.zeros((len(self.rows), len(targets) + 1, NUM_BLOCKS * E), np.float32)  # [T, n+1, 6E]
+        for row, history in enumerate(self.rows):
+            self._cut_features(row, history, c, targets, x[row, :-1])
+            history.next_start(c, routed[row], x[row, -1])
+        tokens = np.zeros((len(self.rows), len(targets) + 1), np.int64)  # the next token is not known yet
+        tokens[:, :-1] = self._tokens[:, None]
+        buckets = np.array([0, 1, START][:len(targets)] + [START])
+        probs = union(sigmoid(logits(self.weights, x, tokens, buckets, np.array(targets + [c]))))  # [n+1, E]
+        self.fresh = dict(zip(targets, probs))
+        self.ahead[targets] = probs[:-1]
+        self.next[c] = probs[-1]
+        self.layer_now, self._retention = c, None
+        if c == L - 1:
+            for history, routed_token in zip(self.rows, self._routed):
+                history.finish_token(routed_token)
+
+    def _cut_features(self, row: int, history: SequenceHistory, c: int, targets: list[int], out: np.ndarray) -> None:
+        """Fills out [n, 6E] with the row's inputs for the targets, seen from cut c."""
+        E, m = self.topology.num_experts, history.count
+        routed = self._routed[row]
+        shared_c = history.ring[:m, c] @ routed[c]  # [m]
+        weights = recall_weights(shared_c + self._shared[row, :m], np.ones(m, np.float32), self.config.recall_beta)
+        self._shared[row, :m] = shared_c
+        out[:, :E] = routed[c]
+        if c >= 1:
+            out[:, E:2 * E] = routed[c - 1]
+        out[:, 2 * E:3 * E], out[:, 3 * E:4 * E] = history.prev[targets], history.prev2[targets]
+        out[:, 4 * E:5 * E] = np.einsum("w,wne->ne", weights, history.ring[:m, targets])
+        out[:, 5 * E:] = history.total[targets] / max(history.num_tokens, 1)
+
+    def end_sequence(self, seq_id: int) -> None:
+        ended = self.sequences.pop(seq_id, None)
+        if ended is not None and all(history is ended for history in self.rows):
+            self.rows, self.active = [], False
+
+    def retention(self) -> np.ndarray:
+        """[L, E]: minus the expected number of layers until each expert is needed again."""
+        if self._retention is None:
+            L = self.topology.num_layers
+            q = np.maximum(self.next, 1e-4)
+            ahead = (np.arange(L) - self.layer_now)[:, None].astype(np.float64)  # [L, 1]
+            wait = np.where(ahead <= 0, ahead + L / q, ahead + (1.0 - self.ahead) * L / q)
+            self._retention = -wait
+        return self._retention
+
+    def _history(self, seq_id: int) -> SequenceHistory:
+        if seq_id not in self.sequences:
+            t = self.topology
+            self.sequences[seq_id] = SequenceHistory(self.config.window_tokens, t.num_layers, t.num_experts)
+        return self.sequences[seq_id]

@@ -1,0 +1,95 @@
+"""Training of the lean routing model: torch over the same `logits` function the numpy path runs.
+
+Every step takes a minibatch of rows and all (target layer, horizon bucket) pairs at once: d = 1
+(cut = l-1), d = 2 (cut = l-2) and the token's start (cut = -1, also what the next token is
+predicted from). The expensive inputs (the recall per pair) are computed once before the first
+epoch; the rest is gathered per minibatch. The loss is binary cross-entropy, so the outputs are
+probabilities. torch is imported here only, inside train_weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moestream.policies.default_lean.features import TraceFeatures
+from moestream.policies.default_lean.model import NUM_BLOCKS, START, LeanConfig, LeanWeights, logits
+from moestream.predictors.configs import TrainConfig
+
+if TYPE_CHECKING:
+    from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+
+TOKEN_DROPOUT = 0.1  # share of training rows whose token is shown as unknown
+
+
+def pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(targets, buckets, cuts) [P] of every trained (layer, bucket) pair."""
+    rows = [(l, b, l - 1 - b) for b in (0, 1) for l in range(1 + b, num_layers)]
+    rows += [(l, START, -1) for l in range(num_layers)]
+    return tuple(np.array(column) for column in zip(*rows))
+
+
+def pair_features(features: TraceFeatures, cuts: np.ndarray, targets: np.ndarray, rows: np.ndarray,
+                  recall: np.ndarray) -> np.ndarray:
+    """[B, P, 6E] float32 inputs of the rows for every pair (recall [N, P, E] precomputed)."""
+    hot, E = features.hot, features.hot.shape[2]
+    out = np.zeros((len(rows), len(cuts), NUM_BLOCKS * E), dtype=np.float32)
+    own = hot[rows]  # [B, L, E]
+    for block, shift in ((0, 0), (1, 1)):
+        has = cuts - shift >= 0
+        out[:, has, block * E:(block + 1) * E] = own[:, (cuts - shift)[has]]
+    for block, before in ((2, features.prev[rows]), (3, features.prev2[rows])):
+        out[:, :, block * E:(block + 1) * E] = hot[np.maximum(before, 0)][:, targets] & (before >= 0)[:, None, None]
+    out[:, :, 4 * E:5 * E] = recall[rows]
+    out[:, :, 5 * E:] = features.share[rows][:, targets]
+    return out
+
+
+def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: LeanConfig,
+                  train: TrainConfig) -> tuple[LeanWeights, list[float]]:
+    """Fits the model on the trace's rows; returns numpy weights and each epoch's mean loss."""
+    import torch
+    from tqdm import tqdm
+
+    torch.manual_seed(train.seed)
+    torch.set_num_threads(train.num_threads)
+    rng = np.random.default_rng(train.seed)
+    L, E = trace.topology.num_layers, trace.topology.num_experts
+    targets, buckets, cuts = pairs(L)
+    features = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta)
+    recall = np.zeros((trace.num_tokens, len(targets), E), np.float32)  # [N, P, E]
+    for cut in np.unique(cuts).tolist():
+        recall[:, cuts == cut] = features.recall_many(targets[cuts == cut].tolist(), cut)
+    labels = features.hot[:, targets]  # [N, P, E]
+    weights = LeanWeights(*(torch.zeros(a.shape, requires_grad=True) for a in
+                            LeanWeights.zeros(L, E, vocab_size, config.token_rank).arrays().values()))
+    with torch.no_grad():
+        weights.token.normal_(0.0, 0.1)
+    optimizer = torch.optim.AdamW(list(weights.arrays().values()), lr=train.learning_rate,
+                                  weight_decay=train.weight_decay)
+    t_buckets, t_targets = torch.from_numpy(buckets), torch.from_numpy(targets)
+    steps = -(-trace.num_tokens // train.batch_size)
+    bar = tqdm(total=train.num_epochs * steps, desc="default-lean", unit="step", file=sys.stderr,
+               disable=not train.progress, ascii=not sys.stderr.isatty(), mininterval=0.5 if sys.stderr.isatty() else 15)
+    losses = []
+    for _ in range(train.num_epochs):
+        total = 0.0
+        for rows in np.array_split(rng.permutation(trace.num_tokens), steps):
+            x = torch.from_numpy(pair_features(features, cuts, targets, rows, recall))
+            shown = np.where(rng.random(len(rows)) < TOKEN_DROPOUT, 0, tokens[rows])
+            out = logits(weights, x, torch.from_numpy(shown[:, None]), t_buckets, t_targets)  # [B, P, E]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(out, torch.from_numpy(labels[rows]).float())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(rows)
+            bar.update()
+        losses.append(total / trace.num_tokens)
+        log.info("default-lean epoch %d: loss %.4f", len(losses), losses[-1])
+    bar.close()
+    return LeanWeights(*(t.detach().numpy().copy() for t in weights.arrays().values())), losses
