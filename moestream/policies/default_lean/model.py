@@ -1,12 +1,14 @@
 """The lean routing model of `default-lean`: its settings, its weights and its one forward pass.
 
 For a token t and a target layer l, seen from a cut c (the last layer of t already routed), the
-logits over l's E experts are a sum of a few weight gathers and two small matmuls:
-    bias[b, l] + features @ dense[b, l] + token_embedding[t] @ token_out[b, l]
-where b is the horizon bucket (0: c = l-1, 1: c = l-2, 2: the token's start, nothing of it routed)
-and `features` is the concatenation of six E-vectors (moestream.policies.default_lean.features):
-the token's experts at c and c-1, the previous two tokens' experts at l, the in-sequence recall
-at l and the sequence's running share at l.
+logits over l's E experts are a bias plus two small matmuls:
+    bias[a, b] + features @ dense[a, b] + token_embedding[t] @ token_out[a, b]
+where b is the horizon bucket (0: l = c+1, 1: l = c+2, START: t's start, nothing of it routed) and
+a is the anchor: the cut c for buckets 0 and 1, the target l for START. So the weights one routed
+layer needs online are one contiguous block, dense[c], and a token's start needs dense[:, START]:
+views, no copies. `features` is the concatenation of six E-vectors (features.py): the token's
+experts at c and c-1, the previous two tokens' experts at l, the in-sequence recall at l and the
+sequence's running share at l.
 
 `logits` is written once for both array libraries: numpy online and over whole traces, torch in
 training (it uses only indexing, `@` and `+`), so training produces exactly the weights it reads.
@@ -52,25 +54,30 @@ class LeanConfig:
         return asdict(self)
 
 
-def bucket(horizon: int) -> int:
-    """The horizon bucket of a prediction made `horizon` layers ahead (>= 3: from the start)."""
-    return min(horizon, NUM_BUCKETS) - 1
+def weight_index(layer: int, cut: int) -> tuple[int, int]:
+    """(anchor, bucket) of the weights predicting `layer` with layers <= cut routed."""
+    return (cut, layer - cut - 1) if 0 <= cut and layer - cut <= 2 else (layer, START)
+
+
+def target_of(anchor: np.ndarray, buckets: np.ndarray) -> np.ndarray:
+    """The target layers of (anchor, bucket) weights."""
+    return np.where(buckets == START, anchor, anchor + buckets + 1)
 
 
 @dataclass
 class LeanWeights:
     """The model's arrays (numpy online, torch tensors in training)."""
 
-    bias: Any  # [B, L, E]
-    dense: Any  # [B, L, 6E, E]
+    bias: Any  # [L, B, E]  (anchor, bucket)
+    dense: Any  # [L, B, 6E, E]
     token: Any  # [V, R]
-    token_out: Any  # [B, L, R, E]
+    token_out: Any  # [L, B, R, E]
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int, vocab_size: int, rank: int) -> "LeanWeights":
         B, L, E = NUM_BUCKETS, num_layers, num_experts
-        return cls(np.zeros((B, L, E), np.float32), np.zeros((B, L, NUM_BLOCKS * E, E), np.float32),
-                   np.zeros((vocab_size, rank), np.float32), np.zeros((B, L, rank, E), np.float32))
+        return cls(np.zeros((L, B, E), np.float32), np.zeros((L, B, NUM_BLOCKS * E, E), np.float32),
+                   np.zeros((vocab_size, rank), np.float32), np.zeros((L, B, rank, E), np.float32))
 
     def arrays(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in WEIGHT_NAMES}
@@ -80,11 +87,15 @@ class LeanWeights:
         return sum(a.nbytes for a in self.arrays().values())
 
 
-def logits(w: LeanWeights, features, tokens, buckets, targets):
-    """[T, n, E] logits. features [T, n, 6E]; tokens [T, n] or [T, 1] vocabulary indices; buckets, targets [n]."""
-    dense = (features[..., None, :] @ w.dense[buckets, targets])[..., 0, :]  # [T, n, E]
-    token = (w.token[tokens][..., None, :] @ w.token_out[buckets, targets])[..., 0, :]  # [T, n, E]
-    return w.bias[buckets, targets] + dense + token
+def logits(w: LeanWeights, features, tokens, index):
+    """[T, n, E] logits of the n (anchor, bucket) weights w.dense[index] ([n, 6E, E]).
+
+    features [T, n, 6E]; tokens [T, n] or [T, 1] vocabulary indices; index any index of the
+    first two axes of the weights that selects n of them (online: views, c or (slice, START)).
+    """
+    dense = features.swapaxes(0, 1) @ w.dense[index]  # [n, T, E]
+    token = w.token[tokens].swapaxes(0, 1) @ w.token_out[index]  # [n, T, E]
+    return (dense + token).swapaxes(0, 1) + w.bias[index]  # [T, n, E]
 
 
 def sigmoid(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -25,14 +25,13 @@ from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.base import POLICIES, EvictionPolicy, Prediction, PrefetchPlanner
 from moestream.policies.default_lean.features import TraceFeatures, build_vocabulary, token_keys
-from moestream.policies.default_lean.model import START, LeanConfig, LeanWeights, bucket, logits, sigmoid
+from moestream.policies.default_lean.model import START, LeanConfig, LeanWeights, logits, sigmoid, weight_index
 from moestream.policies.default_lean.state import IterationState
 from moestream.policies.default_lean.storage import load_directory, save_directory
 from moestream.policies.planning import IdleAwarePlanner
-from moestream.policies.scored_eviction import ScoredEviction
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import TrainConfig
-from moestream.topology import Topology
+from moestream.topology import ExpertKey, Topology
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
@@ -98,9 +97,9 @@ class LeanPredictor(TrainablePredictor):
         tokens = self._trace.tokens
         if cut < -1:  # predicted at the previous token, before this one was known
             tokens = np.where(self._trace.prev >= 0, 0, tokens)
-        b = bucket(horizon_layers) if cut >= 0 else START
+        anchor, b = weight_index(layer, cut)
         x = self._trace.features(layer, cut if b != START else -1)[:, None]  # [N, 1, 6E]
-        return sigmoid(logits(self.weights, x, tokens[:, None], np.array([b]), np.array([layer])))[:, 0]
+        return sigmoid(logits(self.weights, x, tokens[:, None], ([anchor], [b])))[:, 0]
 
     def _indices(self, keys: list | None, count: int = 0) -> np.ndarray:
         if keys is None:
@@ -134,11 +133,9 @@ class LeanPredictor(TrainablePredictor):
             return []
         L, k, predictions = self.topology.num_layers, self.topology.top_k, []
         for target in range(layer_now + 1, min(layer_now + horizon_layers, 2 * L - 1) + 1):
-            if target >= L:
-                scores, layer, ahead = state.next[target - L], target - L, 1
-            else:
-                scores, layer, ahead = state.fresh.get(target, state.start[target]) if layer_now >= 0 else state.start[target], target, 0
-            top = np.argpartition(-scores, k)[:k]
+            layer, ahead = (target - L, 1) if target >= L else (target, 0)
+            scores = state.scores(layer_now, target)
+            top = np.argpartition(scores, -k)[-k:]
             predictions += [Prediction(layer, e, s, ahead) for e, s in zip(top.tolist(), scores[top].tolist())]
         return predictions
 
@@ -149,15 +146,37 @@ class LeanPredictor(TrainablePredictor):
         return self.state.retention()
 
 
-class LeanEviction(ScoredEviction):
-    """Evicts the expert whose next use is expected furthest away (see the module docstring)."""
+class LeanEviction(EvictionPolicy):
+    """Evicts the resident expert whose next use is expected furthest away (the module docstring).
+
+    Keeps the resident set as an [L, E] mask and the retention masked by it, so a victim is one
+    argmin; only when that expert may not be evicted (pinned, protected) are the candidates ranked.
+    """
 
     def __init__(self, predictor: LeanPredictor):
-        super().__init__()
         self.predictor = predictor
+        shape = (predictor.topology.num_layers, predictor.topology.num_experts)
+        self.resident = np.zeros(shape, dtype=bool)  # [L, E]
+        self._retention: np.ndarray | None = None  # the predictor's table the mask was applied to
+        self._masked = np.full(shape, np.inf)  # [L, E] retention of residents, inf elsewhere
 
-    def score_matrix(self) -> np.ndarray:
-        return self.predictor.retention()
+    def on_insert(self, key: ExpertKey) -> None:
+        self.resident[key] = True
+        if self._retention is not None:
+            self._masked[key] = self._retention[key]
+
+    def on_remove(self, key: ExpertKey) -> None:
+        self.resident[key] = False
+        self._masked[key] = np.inf
+
+    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        retention = self.predictor.retention()
+        if retention is not self._retention:
+            self._retention, self._masked = retention, np.where(self.resident, retention, np.inf)
+        best = ExpertKey(*divmod(int(self._masked.argmin()), self.resident.shape[1]))
+        if best in candidates:
+            return best
+        return min(candidates, key=lambda key: (retention[key], key))
 
 
 @POLICIES.register(KIND)

@@ -14,7 +14,7 @@ import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default_lean.features import recall_weights
-from moestream.policies.default_lean.model import NUM_BLOCKS, START, LeanConfig, LeanWeights, logits, sigmoid
+from moestream.policies.default_lean.model import NUM_BLOCKS, NUM_BUCKETS, START, LeanConfig, LeanWeights, logits, sigmoid
 from moestream.topology import Topology
 
 
@@ -73,10 +73,13 @@ class IterationState:
         self.start = np.zeros((L, E))  # [L, E] this token's layers, predicted from its start
         self.ahead = np.zeros((L, E))  # [L, E] the latest prediction of each of this token's layers
         self.next = np.zeros((L, E))  # [L, E] the next token's layers (filled as layers pass)
-        self.fresh: dict[int, np.ndarray] = {}  # target layer -> [E] from the last cut (d = 1, 2)
+        self.fresh = np.zeros((NUM_BUCKETS, E))  # [3, E] from the last cut: c+1, c+2, the next token's c
         self._retention: np.ndarray | None = None
         self._tokens = np.zeros(0, dtype=np.int64)
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
+        self._x = np.zeros((0, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)  # [T, 3, 6E] the last cut's inputs
+        self._row_index = np.zeros((0, 1), np.int64)
+        self._cut_tokens = np.zeros((0, NUM_BUCKETS), np.int64)
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
 
     def begin(self, ctx: IterationContext, tokens: np.ndarray) -> None:
@@ -88,47 +91,57 @@ class IterationState:
         x = np.zeros((len(self.rows), L, NUM_BLOCKS * E), np.float32)  # [T, L, 6E]
         for row, history in enumerate(self.rows):
             history.start_features(x[row])
-        layers = np.arange(L)
-        self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], np.full(L, START), layers)))
+        self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], (slice(None), START))))  # [L, E]
         self.ahead, self.next = self.start.copy(), self.start.copy()
-        self.fresh, self._retention = {}, None
+        self.fresh, self._retention = self.start[:NUM_BUCKETS], None
+        self._x = np.zeros((len(self.rows), NUM_BUCKETS, NUM_BLOCKS * E), np.float32)
+        self._row_index = np.arange(len(self.rows))[:, None]
+        self._cut_tokens = np.zeros((len(self.rows), NUM_BUCKETS), np.int64)  # the next token is not known yet
+        self._cut_tokens[:, :START] = tokens[:, None]
 
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
             return
-        c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
+        c, L = event.layer, self.topology.num_layers
         routed = self._routed[:, c]  # [T, E]
-        np.put_along_axis(routed, event.expert_ids.astype(np.int64), 1.0, axis=1)
-        targets = [t for t in (c + 1, c + 2) if t < L]
-        x = np.zeros((len(self.rows), len(targets) + 1, NUM_BLOCKS * E), np.float32)  # [T, n+1, 6E]
+        routed[self._row_index, event.expert_ids] = 1.0
+        x = self._x  # [T, 3, 6E]: targets c+1, c+2, the next token's c
+        x.fill(0.0)
         for row, history in enumerate(self.rows):
-            self._cut_features(row, history, c, targets, x[row, :-1])
-            history.next_start(c, routed[row], x[row, -1])
-        tokens = np.zeros((len(self.rows), len(targets) + 1), np.int64)  # the next token is not known yet
-        tokens[:, :-1] = self._tokens[:, None]
-        buckets = np.array([0, 1, START][:len(targets)] + [START])
-        probs = union(sigmoid(logits(self.weights, x, tokens, buckets, np.array(targets + [c]))))  # [n+1, E]
-        self.fresh = dict(zip(targets, probs))
-        self.ahead[targets] = probs[:-1]
-        self.next[c] = probs[-1]
+            self._cut_features(row, history, c, x[row])
+            history.next_start(c, routed[row], x[row, START])
+        self.fresh = union(sigmoid(logits(self.weights, x, self._cut_tokens, c)))  # [3, E]: the weights of cut c
+        ahead = min(2, L - 1 - c)
+        self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
+        self.next[c] = self.fresh[START]
         self.layer_now, self._retention = c, None
         if c == L - 1:
             for history, routed_token in zip(self.rows, self._routed):
                 history.finish_token(routed_token)
 
-    def _cut_features(self, row: int, history: SequenceHistory, c: int, targets: list[int], out: np.ndarray) -> None:
-        """Fills out [n, 6E] with the row's inputs for the targets, seen from cut c."""
+    def _cut_features(self, row: int, history: SequenceHistory, c: int, out: np.ndarray) -> None:
+        """Fills out[:2] ([2, 6E]) with the row's inputs for targets c+1 and c+2 (those below L), seen from c."""
         E, m = self.topology.num_experts, history.count
+        n, span = min(2, self.topology.num_layers - 1 - c), slice(c + 1, c + 3)
         routed = self._routed[row]
         shared_c = history.ring[:m, c] @ routed[c]  # [m]
-        weights = recall_weights(shared_c + self._shared[row, :m], np.ones(m, np.float32), self.config.recall_beta)
+        weights = recall_weights(shared_c + self._shared[row, :m], 1.0, self.config.recall_beta)  # [m]
         self._shared[row, :m] = shared_c
-        out[:, :E] = routed[c]
+        out[:n, :E] = routed[c]
         if c >= 1:
-            out[:, E:2 * E] = routed[c - 1]
-        out[:, 2 * E:3 * E], out[:, 3 * E:4 * E] = history.prev[targets], history.prev2[targets]
-        out[:, 4 * E:5 * E] = np.einsum("w,wne->ne", weights, history.ring[:m, targets])
-        out[:, 5 * E:] = history.total[targets] / max(history.num_tokens, 1)
+            out[:n, E:2 * E] = routed[c - 1]
+        out[:n, 2 * E:3 * E], out[:n, 3 * E:4 * E] = history.prev[span], history.prev2[span]
+        out[:n, 4 * E:5 * E] = (weights @ history.ring[:m, span].reshape(m, n * E)).reshape(n, E)
+        out[:n, 5 * E:] = history.total[span] / max(history.num_tokens, 1)
+
+    def scores(self, layer_now: int, target: int) -> np.ndarray:
+        """[E]: probabilities for `target` (>= L: the next token's target - L) seen from layer_now."""
+        L = self.topology.num_layers
+        if target >= L:
+            return self.next[target - L]
+        if layer_now < 0 or target - layer_now > 2:
+            return self.start[target]
+        return self.fresh[target - layer_now - 1]
 
     def end_sequence(self, seq_id: int) -> None:
         ended = self.sequences.pop(seq_id, None)

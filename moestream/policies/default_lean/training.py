@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 TOKEN_DROPOUT = 0.1  # share of training rows whose token is shown as unknown
 
 
-def pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(targets, buckets, cuts) [P] of every trained (layer, bucket) pair."""
-    rows = [(l, b, l - 1 - b) for b in (0, 1) for l in range(1 + b, num_layers)]
-    rows += [(l, START, -1) for l in range(num_layers)]
+def pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(anchors, buckets, targets, cuts) [P] of every trained weight block."""
+    rows = [(c, b, c + 1 + b, c) for b in (0, 1) for c in range(num_layers - 1 - b)]
+    rows += [(l, START, l, -1) for l in range(num_layers)]
     return tuple(np.array(column) for column in zip(*rows))
 
 
@@ -60,7 +60,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: L
     torch.set_num_threads(train.num_threads)
     rng = np.random.default_rng(train.seed)
     L, E = trace.topology.num_layers, trace.topology.num_experts
-    targets, buckets, cuts = pairs(L)
+    anchors, buckets, targets, cuts = pairs(L)
     features = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta)
     recall = np.zeros((trace.num_tokens, len(targets), E), np.float32)  # [N, P, E]
     for cut in np.unique(cuts).tolist():
@@ -72,7 +72,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: L
         weights.token.normal_(0.0, 0.1)
     optimizer = torch.optim.AdamW(list(weights.arrays().values()), lr=train.learning_rate,
                                   weight_decay=train.weight_decay)
-    t_buckets, t_targets = torch.from_numpy(buckets), torch.from_numpy(targets)
+    index = (torch.from_numpy(anchors), torch.from_numpy(buckets))
     steps = -(-trace.num_tokens // train.batch_size)
     bar = tqdm(total=train.num_epochs * steps, desc="default-lean", unit="step", file=sys.stderr,
                disable=not train.progress, ascii=not sys.stderr.isatty(), mininterval=0.5 if sys.stderr.isatty() else 15)
@@ -82,7 +82,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: L
         for rows in np.array_split(rng.permutation(trace.num_tokens), steps):
             x = torch.from_numpy(pair_features(features, cuts, targets, rows, recall))
             shown = np.where(rng.random(len(rows)) < TOKEN_DROPOUT, 0, tokens[rows])
-            out = logits(weights, x, torch.from_numpy(shown[:, None]), t_buckets, t_targets)  # [B, P, E]
+            out = logits(weights, x, torch.from_numpy(shown[:, None]), index)  # [B, P, E]
             loss = torch.nn.functional.binary_cross_entropy_with_logits(out, torch.from_numpy(labels[rows]).float())
             optimizer.zero_grad()
             loss.backward()

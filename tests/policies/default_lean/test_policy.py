@@ -114,3 +114,13 @@ def test_loading_and_running_import_no_torch(policy, traces, tmp_path):
     done = subprocess.run([sys.executable, "-c", LOAD_AND_SCORE, str(tmp_path / "lean"), str(tmp_path / "test.npz")],
                           capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_sim_without_a_trained_model_exits_with_one_line(traces, tmp_path, capsys):
+    from moestream.cli import main
+    from moestream.trace.format import save_trace
+
+    save_trace(traces[1], tmp_path / "test.npz")
+    rc = main(["sim", "--trace", str(tmp_path / "test.npz"), "--policy", "default-lean", "--cache-ratio", "0.25"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert rc == 2 and len(errors) == 1 and "--predictor-dir DIR" in errors[0]
