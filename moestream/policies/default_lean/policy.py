@@ -139,44 +139,44 @@ class LeanPredictor(TrainablePredictor):
             predictions += [Prediction(layer, e, s, ahead) for e, s in zip(top.tolist(), scores[top].tolist())]
         return predictions
 
-    def retention(self) -> np.ndarray:
-        """[L, E]: minus the expected layers until each expert is next needed (higher: keep)."""
+    def expected_wait(self) -> np.ndarray:
+        """[L, E]: the expected layers until each expert is next needed (the largest goes first)."""
         if self.state is None:
             return np.zeros((self.topology.num_layers, self.topology.num_experts))
-        return self.state.retention()
+        return self.state.expected_wait()
 
 
 class LeanEviction(EvictionPolicy):
     """Evicts the resident expert whose next use is expected furthest away (the module docstring).
 
     Keeps the resident set as an [L, E] mask and the retention masked by it, so a victim is one
-    argmin; only when that expert may not be evicted (pinned, protected) are the candidates ranked.
+    argmax; only when that expert may not be evicted (pinned, protected) are the candidates ranked.
     """
 
     def __init__(self, predictor: LeanPredictor):
         self.predictor = predictor
         shape = (predictor.topology.num_layers, predictor.topology.num_experts)
         self.resident = np.zeros(shape, dtype=bool)  # [L, E]
-        self._retention: np.ndarray | None = None  # the predictor's table the mask was applied to
-        self._masked = np.full(shape, np.inf)  # [L, E] retention of residents, inf elsewhere
+        self._wait: np.ndarray | None = None  # the predictor's table the mask was applied to
+        self._masked = np.full(shape, -np.inf)  # [L, E] expected wait of residents, -inf elsewhere
 
     def on_insert(self, key: ExpertKey) -> None:
         self.resident[key] = True
-        if self._retention is not None:
-            self._masked[key] = self._retention[key]
+        if self._wait is not None:
+            self._masked[key] = self._wait[key]
 
     def on_remove(self, key: ExpertKey) -> None:
         self.resident[key] = False
-        self._masked[key] = np.inf
+        self._masked[key] = -np.inf
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        retention = self.predictor.retention()
-        if retention is not self._retention:
-            self._retention, self._masked = retention, np.where(self.resident, retention, np.inf)
-        best = ExpertKey(*divmod(int(self._masked.argmin()), self.resident.shape[1]))
+        wait = self.predictor.expected_wait()
+        if wait is not self._wait:
+            self._wait, self._masked = wait, np.where(self.resident, wait, -np.inf)
+        best = ExpertKey(*divmod(int(self._masked.argmax()), self.resident.shape[1]))
         if best in candidates:
             return best
-        return min(candidates, key=lambda key: (retention[key], key))
+        return max(candidates, key=lambda key: (wait[key], key))
 
 
 @POLICIES.register(KIND)

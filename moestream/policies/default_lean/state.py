@@ -74,7 +74,10 @@ class IterationState:
         self.ahead = np.zeros((L, E))  # [L, E] the latest prediction of each of this token's layers
         self.next = np.zeros((L, E))  # [L, E] the next token's layers (filled as layers pass)
         self.fresh = np.zeros((NUM_BUCKETS, E))  # [3, E] from the last cut: c+1, c+2, the next token's c
-        self._retention: np.ndarray | None = None
+        self._wait: np.ndarray | None = None
+        layers = np.arange(L)
+        self._offsets = np.where(layers[None, :] > layers[:, None], 0, L)[:, :, None] + (layers[None, :] - layers[:, None])[:, :, None]
+        # [c, L, 1]: layers from cut c to layer l of this token if l > c, else to l of the next token
         self._tokens = np.zeros(0, dtype=np.int64)
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
         self._x = np.zeros((0, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)  # [T, 3, 6E] the last cut's inputs
@@ -93,7 +96,7 @@ class IterationState:
             history.start_features(x[row])
         self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], (slice(None), START))))  # [L, E]
         self.ahead, self.next = self.start.copy(), self.start.copy()
-        self.fresh, self._retention = self.start[:NUM_BUCKETS], None
+        self.fresh, self._wait = self.start[:NUM_BUCKETS], None
         self._x = np.zeros((len(self.rows), NUM_BUCKETS, NUM_BLOCKS * E), np.float32)
         self._row_index = np.arange(len(self.rows))[:, None]
         self._cut_tokens = np.zeros((len(self.rows), NUM_BUCKETS), np.int64)  # the next token is not known yet
@@ -114,7 +117,7 @@ class IterationState:
         ahead = min(2, L - 1 - c)
         self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
         self.next[c] = self.fresh[START]
-        self.layer_now, self._retention = c, None
+        self.layer_now, self._wait = c, None
         if c == L - 1:
             for history, routed_token in zip(self.rows, self._routed):
                 history.finish_token(routed_token)
@@ -148,15 +151,17 @@ class IterationState:
         if ended is not None and all(history is ended for history in self.rows):
             self.rows, self.active = [], False
 
-    def retention(self) -> np.ndarray:
-        """[L, E]: minus the expected number of layers until each expert is needed again."""
-        if self._retention is None:
-            L = self.topology.num_layers
-            q = np.maximum(self.next, 1e-4)
-            ahead = (np.arange(L) - self.layer_now)[:, None].astype(np.float64)  # [L, 1]
-            wait = np.where(ahead <= 0, ahead + L / q, ahead + (1.0 - self.ahead) * L / q)
-            self._retention = -wait
-        return self._retention
+    def expected_wait(self) -> np.ndarray:
+        """[L, E]: the expected number of layers until each expert is needed again (cached per layer)."""
+        if self._wait is None:
+            L, c = self.topology.num_layers, self.layer_now
+            factor = 1.0 - self.ahead  # [L, E] layers ahead: needed by this token with probability p
+            factor[:c + 1] = 1.0  # layers passed: only the next token can need them
+            factor /= np.maximum(self.next, 1e-4)
+            factor *= L
+            factor += self._offsets[c]
+            self._wait = factor
+        return self._wait
 
     def _history(self, seq_id: int) -> SequenceHistory:
         if seq_id not in self.sequences:

@@ -62,13 +62,15 @@ def test_eviction_keeps_the_experts_it_expects_sooner(policy, traces):
     predictor.begin_iteration(it.ctx)
     for event in it.events[:2]:
         predictor.observe(event)
-    retention = predictor.retention()  # [L, E]
+    wait = predictor.expected_wait()  # [L, E]
     keys = [ExpertKey(layer, e) for layer in range(TOPOLOGY.num_layers) for e in range(TOPOLOGY.num_experts)]
     cache = ExpertCache(len(keys), eviction)
     for key in keys:
         cache.admit(key)
     victim = eviction.victim(keys)
-    assert retention[victim] == retention.min()
+    assert wait[victim] == wait.max()
+    layers = np.arange(TOPOLOGY.num_layers)[:, None]
+    assert (wait[layers[:, 0] > 1] > layers[layers[:, 0] > 1] - 1 - 1e-9).all()  # a layer ahead waits at least until it
 
 
 def test_save_and_load_give_the_same_scores(policy, traces, tmp_path):
