@@ -23,9 +23,25 @@ import numpy as np
 
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import POLICIES, EvictionPolicy, Prediction, PrefetchPlanner
-from moestream.policies.default_lean.features import TraceFeatures, build_vocabulary, token_keys
-from moestream.policies.default_lean.model import START, LeanConfig, LeanWeights, logits, sigmoid, weight_index
+from moestream.policies.base import (
+    POLICIES,
+    EvictionPolicy,
+    Prediction,
+    PrefetchPlanner,
+)
+from moestream.policies.default_lean.features import (
+    TraceFeatures,
+    build_vocabulary,
+    token_keys,
+)
+from moestream.policies.default_lean.model import (
+    START,
+    LeanConfig,
+    LeanWeights,
+    logits,
+    sigmoid,
+    weight_index,
+)
 from moestream.policies.default_lean.state import IterationState
 from moestream.policies.default_lean.storage import load_directory, save_directory
 from moestream.policies.planning import IdleAwarePlanner

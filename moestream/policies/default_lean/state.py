@@ -14,7 +14,15 @@ import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default_lean.features import recall_weights
-from moestream.policies.default_lean.model import NUM_BLOCKS, NUM_BUCKETS, START, LeanConfig, LeanWeights, logits, sigmoid
+from moestream.policies.default_lean.model import (
+    NUM_BLOCKS,
+    NUM_BUCKETS,
+    START,
+    LeanConfig,
+    LeanWeights,
+    logits,
+    sigmoid,
+)
 from moestream.topology import Topology
 
 
@@ -75,9 +83,7 @@ class IterationState:
         self.next = np.zeros((L, E))  # [L, E] the next token's layers (filled as layers pass)
         self.fresh = np.zeros((NUM_BUCKETS, E))  # [3, E] from the last cut: c+1, c+2, the next token's c
         self._wait: np.ndarray | None = None
-        layers = np.arange(L)
-        self._offsets = np.where(layers[None, :] > layers[:, None], 0, L)[:, :, None] + (layers[None, :] - layers[:, None])[:, :, None]
-        # [c, L, 1]: layers from cut c to layer l of this token if l > c, else to l of the next token
+        self._offsets = (np.arange(L)[None, :] - np.arange(-1, L)[:, None])[:, :, None]  # [c+1, L, 1]: l - c
         self._tokens = np.zeros(0, dtype=np.int64)
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
         self._x = np.zeros((0, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)  # [T, 3, 6E] the last cut's inputs
@@ -159,7 +165,7 @@ class IterationState:
             factor[:c + 1] = 1.0  # layers passed: only the next token can need them
             factor /= np.maximum(self.next, 1e-4)
             factor *= L
-            factor += self._offsets[c]
+            factor += self._offsets[c + 1]
             self._wait = factor
         return self._wait
 

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 
 from moestream.atomic import atomic_path, write_json
 from moestream.errors import MoestreamError
-from moestream.policies.trained import FORMAT_VERSION, META_FILE, WEIGHTS_FILE, PredictorFileError, read_meta
+from moestream.policies.trained import (
+    FORMAT_VERSION,
+    META_FILE,
+    WEIGHTS_FILE,
+    PredictorFileError,
+    read_meta,
+)
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import Topology
 

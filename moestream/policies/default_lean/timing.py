@@ -111,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     policy = DefaultLean(trace.topology, predictor_dir=args.predictor_dir)
     figures = measure(policy, trace, args.cache_ratio, args.horizon_layers, args.max_tokens)
     micros = figures.micros
-    print(f"default-lean: {len(micros)} layer decisions; median {np.median(micros):.1f} µs, mean {micros.mean():.1f} µs, "
-          f"p90 {np.percentile(micros, 90):.1f} µs per layer decision (CPU time)")
+    print(f"default-lean: {len(micros)} layer decisions; median {np.median(micros):.1f} µs, "
+          f"mean {micros.mean():.1f} µs, p90 {np.percentile(micros, 90):.1f} µs per layer decision (CPU time)")
     print(f"model: {figures.model_bytes / 2**20:.2f} MiB of weights; state per sequence: "
-          f"{figures.sequence_bytes / 2**10:.0f} KiB; one layer decision allocates {figures.decision_alloc_bytes / 2**10:.1f} KiB (tracemalloc peak)")
+          f"{figures.sequence_bytes / 2**10:.0f} KiB; one layer decision allocates "
+          f"{figures.decision_alloc_bytes / 2**10:.1f} KiB (tracemalloc peak)")
     return 0
 
 

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moestream.policies.default_lean.features import TraceFeatures
-from moestream.policies.default_lean.model import NUM_BLOCKS, START, LeanConfig, LeanWeights, logits
+from moestream.policies.default_lean.model import (
+    NUM_BLOCKS,
+    START,
+    LeanConfig,
+    LeanWeights,
+    logits,
+)
 from moestream.predictors.configs import TrainConfig
 
 if TYPE_CHECKING:
@@ -74,8 +80,9 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: L
                                   weight_decay=train.weight_decay)
     index = (torch.from_numpy(anchors), torch.from_numpy(buckets))
     steps = -(-trace.num_tokens // train.batch_size)
+    tty = sys.stderr.isatty()  # plain text, updated every 15 s, when not a terminal
     bar = tqdm(total=train.num_epochs * steps, desc="default-lean", unit="step", file=sys.stderr,
-               disable=not train.progress, ascii=not sys.stderr.isatty(), mininterval=0.5 if sys.stderr.isatty() else 15)
+               disable=not train.progress, ascii=not tty, mininterval=0.5 if tty else 15)
     losses = []
     for _ in range(train.num_epochs):
         total = 0.0
