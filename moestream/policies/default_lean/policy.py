@@ -15,7 +15,6 @@ Knows the policy contract, not the mechanism, time or bytes.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -36,6 +35,7 @@ from moestream.policies.default_lean.features import (
 )
 from moestream.policies.default_lean.model import (
     START,
+    WEIGHT_NAMES,
     LeanConfig,
     LeanWeights,
     logits,
@@ -52,7 +52,6 @@ from moestream.topology import ExpertKey, Topology
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
-log = logging.getLogger(__name__)
 KIND = "default-lean"
 
 
@@ -98,7 +97,7 @@ class LeanPredictor(TrainablePredictor):
 
     def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
         self.config = LeanConfig(**meta["config"])
-        self.weights = LeanWeights(**{name: tensors[name] for name in ("bias", "dense", "token", "token_out")})
+        self.weights = LeanWeights(**{name: tensors[name] for name in WEIGHT_NAMES})
         self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
         self.reset()
 
