@@ -11,7 +11,7 @@ from collections.abc import Container, Sequence
 from typing import Iterable, Iterator
 
 from moestream.errors import BudgetError
-from moestream.policies.base import EvictionPolicy
+from moestream.policies.contracts import EvictionPolicy
 from moestream.topology import ExpertKey
 
 

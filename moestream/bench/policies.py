@@ -141,16 +141,16 @@ def _replay_table(label: str, by_policy: dict, ratios, with_stall: bool) -> Tabl
 
 
 def _prediction_table(result: Comparison, horizons) -> Table:
-    table = Table(title="prediction F1 by horizon (layers ahead); overhead per layer")
+    table = Table(title="prediction F1 by horizon (layers ahead); median µs of policy work per layer decision")
     table.add_column("policy")
     for horizon in horizons:
         table.add_column(f"h={horizon}", justify="right")
-    table.add_column("us/layer", justify="right")
+    table.add_column("µs/layer decision", justify="right")
     table.add_column("fit s", justify="right")
     for name, overhead in result.overhead_us_per_layer.items():
         quality = result.prediction.get(name, {})
         cells = [f"{quality[h]['f1']:.3f}" if h in quality else "-" for h in horizons]
-        table.add_row(name, *cells, f"{overhead:.0f}", f"{result.fit_seconds.get(name, 0):.1f}")
+        table.add_row(name, *cells, f"{overhead:.1f}", f"{result.fit_seconds.get(name, 0):.1f}")
     return table
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, Sequence
 
 import torch
 
@@ -55,3 +56,9 @@ class ExpertIndex:
             p.param: slot[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
             for p in self.layout
         }
+
+
+class Integrity(Protocol):
+    """Checks experts' bytes just read from disk; raises a CheckpointError naming a damaged one."""
+
+    def check_batch(self, keys: Sequence[ExpertKey], buffers: Sequence[torch.Tensor]) -> None: ...

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from tqdm.auto import tqdm
+from moestream.progress import progress_bar
 from transformers import AutoConfig, PretrainedConfig
 
 from moestream.checkpoint.spec import ModelSpec, demo_spec
@@ -84,7 +84,7 @@ def _check_out(out: Path) -> None:
 def _write(spec: ModelSpec, directory: Path, progress: bool) -> None:
     config = make_config(spec)  # config and tokenizer first: their errors come before any progress output
     tokenizer = train_tokenizer(spec.vocab_size)
-    stages = tqdm(total=3, desc=f"make-model {spec.family}", disable=not progress, unit="step")
+    stages = progress_bar(total=3, desc=f"make-model {spec.family}", disable=not progress, unit="step")
     with stages, _transformers_progress(progress):
         model = build_model(spec, config)
         stages.update()

@@ -1,6 +1,7 @@
 """The `moestream` command. Each module in this package adds one subcommand through add_parser().
 
-Every subcommand's handler is `args.handler(args) -> int`. User errors (MoestreamError) become one
+Only the module of the command being run is imported (all of them for help or an unknown command),
+so that errors in arguments come back before the heavy imports of other commands. Every subcommand's handler is `args.handler(args) -> int`. User errors (MoestreamError) become one
 line on stderr and exit code 2, never a traceback.
 """
 
@@ -12,22 +13,35 @@ import logging
 import pkgutil
 import sys
 
+from moestream import __version__
 from moestream.errors import MoestreamError
 
 DESCRIPTION = "Serve Mixture-of-Experts models whose experts live on disk and in host memory."
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with every subcommand, or only the one argv names."""
     parser = argparse.ArgumentParser(prog="moestream", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        importlib.import_module(f"{__name__}.{info.name}").add_parser(commands)
+    for name in _command_modules(argv):
+        importlib.import_module(f"{__name__}.{name}").add_parser(commands)
     return parser
 
 
+def _command_modules(argv: list[str] | None) -> list[str]:
+    names = sorted(info.name for info in pkgutil.iter_modules(__path__))
+    if argv is not None and "--version" in argv:
+        return []
+    command = next((arg for arg in argv or [] if not arg.startswith("-")), None)
+    module = command.replace("-", "_") if command else None
+    return [module] if module in names else names
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return int(args.handler(args) or 0)

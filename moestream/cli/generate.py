@@ -1,15 +1,19 @@
-"""`moestream generate`: greedy generation with experts offloaded, printing the text and figures.
+"""`moestream generate`: greedy generation with experts offloaded, text on stdout, figures on stderr.
 
 One prompt (--prompt) or many (--prompts-file, one per line, run in batches of --batch-size);
---record-trace files every prompt's routing as one sequence of a single trace.
+--record-trace files every prompt's routing as one sequence of a single trace. With a batch of one
+the text is streamed as tokens are produced (Ctrl-C keeps what was printed); one summary line goes to
+stderr at the end. Paths and budgets are checked before the heavy imports (torch, transformers).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from moestream.errors import MoestreamError
+from moestream.budget import Budget
+from moestream.errors import CheckpointError, MoestreamError
 
 
 def add_parser(commands) -> None:
@@ -39,6 +43,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lru", help="prefetch/eviction policy by name (default lru)")
     parser.add_argument("--predictor-dir", help="trained predictor of the policy (from `moestream train-predictor`)")
     parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache, not O_DIRECT")
+    parser.add_argument("--sync", action="store_true",
+                        help="transfer experts on the compute thread (the on-demand baseline; default: async)")
+    parser.add_argument("--replay-routing", metavar="TRACE",
+                        help="follow this trace's routing instead of the router's (measurement only; "
+                             "outputs are labelled as replayed)")
+
+
+def require_checkpoint_dir(path: Path) -> None:
+    """Refuses a checkpoint path that is not a directory with a config.json (no heavy imports)."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"no config.json in checkpoint directory {path}")
+
+
+def check_engine_arguments(args) -> None:
+    """The engine flags' budgets and the checkpoint path, checked before torch is imported."""
+    Budget.parse(args.expert_budget)
+    Budget.parse(args.host_budget)
+    if getattr(args, "model", None) is not None:
+        require_checkpoint_dir(args.model)
 
 
 def engine_config(args, **overrides):
@@ -46,27 +71,47 @@ def engine_config(args, **overrides):
     from moestream.runtime import EngineConfig
 
     settings = dict(device=args.device, expert_budget=args.expert_budget, host_budget=args.host_budget,
-                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io)
+                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io,
+                    sync=args.sync, replay_routing=args.replay_routing)
     return EngineConfig(**(settings | overrides))
 
 
 def run(args) -> int:
-    from moestream.atomic import write_json
-
     if args.max_new_tokens < 1:
         raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
         raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_engine_arguments(args)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
+    from moestream.atomic import write_json
+
+    if args.replay_routing is not None:
+        from moestream.runtime.replay import REPLAY_LABEL
+
+        print(f"[{REPLAY_LABEL} from {args.replay_routing}: the text below is for measurement only]", flush=True)
     records = _generate(args, prompts)
-    if args.prompts_file is None:
-        print(records[0]["text"])
-    else:
-        for number, record in enumerate(records, 1):
-            print(f"--- prompt {number}/{len(records)} ---\n{record['text']}")
+    print(summary(records), file=sys.stderr)
     if args.json:
         write_json(records[0] if args.prompts_file is None else records, args.json)
     return 0
+
+
+def summary(records: list[dict]) -> str:
+    """One line of figures over every prompt: tokens, TTFT, TPOT, expert hit rate, bytes read."""
+    from moestream.store.config import format_bytes
+
+    tokens = sum(len(r["token_ids"]) for r in records)
+    hits, misses = sum(r["expert_hits"] for r in records), sum(r["expert_misses"] for r in records)
+    rate = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
+    disk, host = (sum(r["bytes_read"].get(tier, 0) for r in records) for tier in ("disk", "host"))
+    return (f"{tokens} tokens, TTFT {_mean(r['ttft_ms'] for r in records):.1f} ms, "
+            f"TPOT {_mean(r['tpot_ms'] for r in records):.1f} ms, expert hit rate {rate}, "
+            f"read {format_bytes(disk)} from disk, {format_bytes(host)} from host")
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -95,7 +140,9 @@ def _generate(args, prompts: list[str]) -> list[dict]:
         recorder = _recorder(engine, args) if recording else None
         for start in range(0, len(prompts), args.batch_size):
             batch = prompts[start: start + args.batch_size]
-            result = engine.generate(batch, max_new_tokens=args.max_new_tokens)
+            if many:
+                print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
+            result = _run_batch(engine, batch, args.max_new_tokens)
             for row, prompt in enumerate(batch):
                 if recorder is not None:
                     recorder.set_text(result.seq_ids[row], prompt)
@@ -104,6 +151,29 @@ def _generate(args, prompts: list[str]) -> list[dict]:
         if recorder is not None:
             _save_trace(recorder, args.record_trace)
     return records
+
+
+def _run_batch(engine, batch: list[str], max_new_tokens: int):
+    """Generates; one prompt's text is streamed to stdout as produced, a batch's printed at the end."""
+    if len(batch) > 1:
+        result = engine.generate(batch, max_new_tokens=max_new_tokens)
+        print("\n".join(f"[{row + 1}] {text}" for row, text in enumerate(result.texts)), flush=True)
+        return result
+    from transformers import TextStreamer
+
+    streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
+    try:
+        result = engine.generate(batch, max_new_tokens=max_new_tokens,
+                                 on_tokens=lambda new: streamer.put(_tensor(new)))
+    finally:
+        streamer.end()  # prints the words held back, also on Ctrl-C
+    return result
+
+
+def _tensor(tokens: list[int | None]):
+    import torch
+
+    return torch.tensor([t for t in tokens if t is not None], dtype=torch.long)
 
 
 def report(result, row: int) -> dict:
@@ -117,6 +187,7 @@ def report(result, row: int) -> dict:
         "expert_hits": m.expert_hits,
         "expert_misses": m.expert_misses,
         "bytes_read": dict(m.bytes_read),
+        "replayed": result.replayed,
     }
 
 

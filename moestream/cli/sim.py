@@ -45,7 +45,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--policy", required=True, metavar="NAME[,NAME...]", help="registered policies")
     parser.add_argument("--cache-ratio", required=True, metavar="R[,R...]", help="device slots / routed experts, in (0, 1]")
     parser.add_argument("--protocol", default="stream", choices=PROTOCOLS.names())
-    parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=sorted(PRESETS))
+    parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
+                        help=f"a preset ({', '.join(sorted(PRESETS))}) or measured:PATH (a calibration written "
+                             f"by `moestream bench engine --json` or `bench fidelity --json`)")
     parser.add_argument("--train", type=Path, help="trace to fit the policies on (default: none, unfitted)")
     parser.add_argument("--train-tokens", type=Path, help="tokens jsonl of a DeepSeek --train npz")
     parser.add_argument("--predictor-dir", type=Path, action="append", default=[], metavar="DIR",
@@ -137,6 +139,7 @@ def _config(args, ratio: float):
 def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
     from moestream.policies import POLICIES
     from moestream.policies.trained import load_matching
+    from moestream.progress import progress_bar
     from moestream.sim import simulate
     from moestream.sim.protocols import check_compatible
 
@@ -149,7 +152,7 @@ def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
     elif _learns(policy):
         print(f"moestream: note: policy {name!r} learns from a trace but no --train was given; it runs unfitted", file=sys.stderr)
     results = {}
-    for config in configs:
+    for config in progress_bar(configs, desc=f"sim {name}", unit="ratio"):
         start = time.perf_counter()
         results[config.cache_ratio] = simulate(copy.deepcopy(policy), trace, config, args.protocol)
         results[config.cache_ratio]["replay_seconds"] = round(time.perf_counter() - start, 3)
@@ -159,7 +162,7 @@ def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
 
 def _learns(policy) -> bool:
     """The policy or its predictor overrides fit()."""
-    from moestream.policies.base import Policy, Predictor
+    from moestream.policies.contracts import Policy, Predictor
 
     return type(policy).fit is not Policy.fit or type(policy.predictor).fit is not Predictor.fit
 

@@ -24,7 +24,9 @@ from typing import Iterator, Protocol, runtime_checkable
 import numpy as np
 
 from moestream.errors import MoestreamError, TraceError
-from moestream.policies.base import POLICIES, Prediction, Predictor
+from moestream.events import RoutingEvent
+from moestream.policies.contracts import POLICIES, Prediction, Predictor
+from moestream.policies.driver import PolicyDriver
 from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
 
@@ -129,33 +131,56 @@ def top_experts(predictions: list[Prediction], layer: int, tokens_ahead: int, k:
     return np.asarray(ranked[:k], dtype=np.int64)
 
 
+class _AheadSets:
+    """The LayerMechanism that collects each token's predicted sets D layers ahead (horizon >= 1)."""
+
+    def __init__(self, topology, horizon: int):
+        self.num_layers, self.k, self.horizon = topology.num_layers, topology.top_k, horizon
+        self.pending: dict[int, dict[int, np.ndarray]] = {}  # seq -> sets for its next token's first layers
+        self.sets: dict[int, np.ndarray] = {}
+        self.upcoming: dict[int, np.ndarray] = {}
+
+    def start(self, seq: int) -> None:
+        self.carried, self.sets, self.upcoming = self.pending.pop(seq, None), {}, {}
+
+    def routed(self, event: RoutingEvent, num_tokens: int) -> None:
+        pass
+
+    def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
+        if layer_now < 0:
+            self.sets = {layer: top_experts(predictions, layer, 0, self.k) for layer in range(min(self.horizon, self.num_layers))}
+            if self.carried is not None:
+                self.sets.update(self.carried)
+            return
+        target = layer_now + self.horizon
+        if target < self.num_layers:
+            self.sets[target] = top_experts(predictions, target, 0, self.k)
+        elif target - self.num_layers < self.horizon - 1:
+            self.upcoming[target - self.num_layers] = top_experts(predictions, target - self.num_layers, 1, self.k)
+
+
 def _ahead_sets(predictor: Predictor, test: Trace, horizon: int) -> Iterator[tuple[int, dict[int, np.ndarray]]]:
     """(row, {layer: predicted experts}) for every token of the decode stream, horizon >= 1."""
-    num_layers, k = test.topology.num_layers, test.topology.top_k
-    pending: dict[int, dict[int, np.ndarray]] = {}  # seq -> sets for its next token's first layers
+    driver = PolicyDriver(_Predicting(predictor), horizon_layers=horizon)
+    collect = _AheadSets(test.topology, horizon)
     for it in decode_stream(test):
         seq = int(it.ctx.seq_ids[0])
-        carried = pending.pop(seq, None)
-        predictor.begin_iteration(it.ctx)
-        start = predictor.predict(-1, horizon)
-        sets = {layer: top_experts(start, layer, 0, k) for layer in range(min(horizon, num_layers))}
-        if carried is not None:
-            sets.update(carried)
-        upcoming: dict[int, np.ndarray] = {}
-        for event in it.events:
-            predictor.observe(event)
-            target = event.layer + horizon
-            if target < num_layers:
-                sets[target] = top_experts(predictor.predict(event.layer, horizon), target, 0, k)
-            elif target - num_layers < horizon - 1:
-                upcoming[target - num_layers] = top_experts(
-                    predictor.predict(event.layer, horizon), target - num_layers, 1, k
-                )
-        pending[seq] = upcoming
+        collect.start(seq)
+        driver.run_iteration(it, collect)
+        collect.pending[seq] = collect.upcoming
         for finished in it.finished:
-            predictor.end_sequence(finished)
-            pending.pop(finished, None)
-        yield int(it.rows[0]), sets
+            collect.pending.pop(finished, None)
+        yield int(it.rows[0]), collect.sets
+
+
+class _Predicting:
+    """A predictor alone, seen by the driver as a policy."""
+
+    def __init__(self, predictor: Predictor):
+        self.predictor = predictor
+
+    def observers(self) -> list[Predictor]:
+        return [self.predictor]
 
 
 def _gate_sets(predictor: Predictor, test: Trace) -> Iterator[tuple[int, dict[int, np.ndarray]]]:

@@ -1,13 +1,18 @@
 """Policies: predictors, eviction policies and planners, registered by name.
 
-Importing this package imports every module in it, so each registers its classes.
+The tree shows the architecture: `contracts` (what every policy implements, and the registries),
+`driver` (the one place that calls a policy, in order), building blocks (`eviction`, `planning`,
+`scored_eviction`, `routing_stats`, `trained`), and one package per kind of policy: `baselines`,
+`bounds` (offline), `designs` (published designs) and `default` (moestream's own).
+Importing this package imports every module and package in it, so each registers its classes;
+none of them imports torch (training code imports it when it runs).
 """
 
 import sys
 
-from moestream.policies.base import EVICTIONS, POLICIES, Policy
+from moestream.policies.contracts import EVICTIONS, PLANNERS, POLICIES, Policy
 from moestream.registry import import_submodules
 
 import_submodules(sys.modules[__name__])
 
-__all__ = ["EVICTIONS", "POLICIES", "Policy"]
+__all__ = ["EVICTIONS", "PLANNERS", "POLICIES", "Policy"]

@@ -7,7 +7,7 @@ from collections import Counter, OrderedDict
 from typing import Any, Sequence
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import EVICTIONS, EvictionPolicy
+from moestream.policies.contracts import EVICTIONS, EvictionPolicy
 from moestream.topology import ExpertKey
 
 

@@ -1,23 +1,17 @@
-"""The score planners and the predictor that predicts nothing."""
+"""The score planners: predicted experts by score discounted with distance."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from moestream.policies.base import CacheView, Prediction, Predictor, PrefetchPlanner, TransferRequest
-
-
-class NullPredictor(Predictor):
-    """For policies that only react: predicts nothing, so nothing is prefetched."""
-
-    def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
-        return []
+from moestream.policies.contracts import PLANNERS, CacheView, Prediction, PrefetchPlanner, TransferRequest
 
 
 def layers_ahead(prediction: Prediction, layer_now: int, num_layers: int) -> int:
     return prediction.layer - layer_now + prediction.tokens_ahead * num_layers
 
 
+@PLANNERS.register("score")
 class ScorePlanner(PrefetchPlanner):
     """Requests predicted experts that are not resident, by score discounted with distance.
 

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from moestream.policies.base import EvictionPolicy
+from moestream.policies.contracts import EvictionPolicy
 from moestream.topology import ExpertKey
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from moestream.atomic import atomic_path, write_json
 from moestream.errors import MoestreamError
-from moestream.policies.base import Policy, Predictor
+from moestream.policies.contracts import Policy, Predictor
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import Topology
 

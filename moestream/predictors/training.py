@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from moestream.progress import progress_bar
 
 from moestream.predictors.configs import TrainConfig
 
@@ -51,7 +51,7 @@ def train_loop(
     num_batches = -(-num_rows // config.batch_size)
     losses: list[float] = []
     model.train()
-    with tqdm(total=config.num_epochs * num_batches, desc=desc, disable=not config.progress, unit="batch") as bar:
+    with progress_bar(total=config.num_epochs * num_batches, desc=desc, disable=not config.progress, unit="batch") as bar:
         for epoch in range(config.num_epochs):
             order = rng.permutation(num_rows)
             total = 0.0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import Policy, Prediction, Predictor
+from moestream.policies.contracts import Policy, Prediction, Predictor
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace

@@ -23,6 +23,8 @@ class EngineConfig:
     publish_gate_probs: bool = False  # add the router's full distribution to routing events
     publish_hidden: bool = False  # add router inputs to routing events even if no policy asks
     predictor_dir: str | None = None  # a trained predictor for the policy (`moestream train-predictor`)
+    sync: bool = False  # transfers on the compute thread: the on-demand baseline
+    replay_routing: str | None = None  # follow this trace's routing instead of the router's (measurement only)
 
     def __post_init__(self):
         store = self.store_config()  # validates budgets and the device

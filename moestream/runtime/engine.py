@@ -15,22 +15,25 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from moestream.checkpoint.index import CheckpointIndex, build_index
+from moestream.checkpoint.manifest import load_manifest
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.policies import POLICIES
-from moestream.policies.base import Observer, Policy, TransferRequest
+from moestream.policies.contracts import Observer, Policy, TransferRequest
+from moestream.policies.driver import PolicyDriver
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.config import EngineConfig
-from moestream.runtime.experts import bind_experts
+from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
+from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import RUNNERS, Sequence, StepPlan
 from moestream.store.store import TIERS, ExpertStore
 
@@ -43,6 +46,7 @@ class GenerationResult:
     token_ids: list[list[int]]  # generated ids of each prompt (prompt excluded; EOS kept when emitted)
     texts: list[str]  # decoded generated text of each prompt ("" without a tokenizer)
     metrics: GenerationMetrics
+    replayed: bool = False  # routing came from a recorded trace (config.replay_routing): for measurement only
 
 
 class Engine:
@@ -60,17 +64,19 @@ class Engine:
         self._background = offload_predictor(self.policy)  # before observers() lists the predictor
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store = ExpertStore(self.checkpoint.experts, self.config.store_config(),
-                                 evictions["device"], evictions["host"])
-        self.publisher = Publisher([*self.policy.observers(), *evictions.values(), *observers],
-                                   always_hidden=self.config.publish_hidden)
-        self.prefetcher = Prefetcher(self.policy, self.store, self.config.horizon_layers)
+                                 evictions["device"], evictions["host"], load_manifest(self.checkpoint))
+        self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
+        self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
+        self.prefetcher = Prefetcher(self.driver, self.store)
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher)
         self._hooks: list = []
         self._tokenizer = None
         self._seq_counter = itertools.count()
         self._step_counter = itertools.count()
+        self.replay: RoutingReplay | None = None
         try:
             self.model = self._load_model(progress)
+            self.replay = self._replay()
         except BaseException:
             self.close()
             raise
@@ -85,6 +91,18 @@ class Engine:
                  self.checkpoint.path, self.config.device, topology.num_layers, topology.num_experts,
                  self.store.device_slots, self.store.host_slots)
         return model
+
+    def _replay(self) -> RoutingReplay | None:
+        """The routing replay of config.replay_routing, attached to every experts module, or None."""
+        if self.config.replay_routing is None:
+            return None
+        if not self.records_traces:
+            raise ReplayError(f"{self.checkpoint.adapter.model_type} routes its encoder and decoder tokens "
+                              "apart; routing replay needs a decoder-only model")
+        replay = load_replay(self.config.replay_routing, self.checkpoint.topology)
+        attach_replay(self.model, replay)
+        self.add_observer(replay)
+        return replay
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -107,14 +125,17 @@ class Engine:
         return len(self.store.prefetch(requests))
 
     def add_observer(self, observer: Observer) -> None:
-        self.publisher.observers.append(observer)
+        self.driver.add_observer(observer)
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids with the checkpoint's tokenizer (no chat template)."""
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32) -> GenerationResult:
-        """Greedy generation for a batch of prompts (text, or token ids)."""
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32,
+                 on_tokens: Callable[[list[int | None]], None] | None = None) -> GenerationResult:
+        """Greedy generation for a batch of prompts (text, or token ids).
+
+        on_tokens: called after each step with each prompt's new token (None once it has finished)."""
         if max_new_tokens < 1:
             raise MoestreamError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         seqs = [Sequence(next(self._seq_counter), ids) for ids in self._prompt_ids(prompts)]
@@ -126,7 +147,9 @@ class Engine:
             plan = runner.prefill(next(self._step_counter), seqs)
             while plan is not None:
                 self._begin(plan)
-                self._update(seqs, runner.run(plan).argmax(dim=-1).tolist(), max_new_tokens)
+                new = self._update(seqs, runner.run(plan).argmax(dim=-1).tolist(), max_new_tokens)
+                if on_tokens is not None:
+                    on_tokens(new)
                 clock.mark()
                 done = all(s.finished for s in seqs)
                 plan = None if done else runner.decode(next(self._step_counter), seqs)
@@ -160,15 +183,18 @@ class Engine:
         self.publisher.begin_iteration(ctx)
         self.prefetcher.after(-1)
 
-    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int) -> None:
-        eos = self._eos_ids()
+    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int) -> list[int | None]:
+        """Appends each unfinished sequence's token; returns the tokens appended (None: finished before)."""
+        eos, new = self._eos_ids(), []
         for seq, token in zip(seqs, tokens):
+            new.append(None if seq.finished else int(token))
             if seq.finished:
                 continue
             seq.output_ids.append(int(token))
             if int(token) in eos or len(seq.output_ids) >= max_new_tokens:
                 seq.finished = True
                 self.publisher.end_sequence(seq.seq_id)
+        return new
 
     def _result(self, seqs: list[Sequence], clock: StepClock, decode_text: bool) -> GenerationResult:
         stats = self.store.stats()
@@ -182,7 +208,8 @@ class Engine:
             num_generated_tokens=sum(len(s.output_ids) for s in seqs),
         )
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if decode_text else "" for s in seqs]
-        return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics)
+        return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics,
+                                replayed=self.replay is not None)
 
     # -- inputs ----------------------------------------------------------------------------------
 

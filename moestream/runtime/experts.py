@@ -10,6 +10,7 @@ the original class name in `EXPERT_SWAPS`. Nothing here knows a policy.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from moestream.registry import Registry
 from moestream.runtime.offload import FusedExpertMath, OffloadedExperts
+from moestream.runtime.replay import RoutingReplay
 
 IMPLEMENTATION = "moestream"
 BINDING_ATTR = "moestream_binding"
@@ -27,6 +29,7 @@ BINDING_ATTR = "moestream_binding"
 class LayerBinding:
     layer: int  # MoE-layer index
     experts: OffloadedExperts
+    replay: RoutingReplay | None = None  # a recorded trace's routing replaces the router's (measurement only)
 
 
 def _binding(module: torch.nn.Module) -> LayerBinding:
@@ -41,6 +44,9 @@ def moestream_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
     binding = _binding(self)
+    if binding.replay is not None:
+        active = binding.experts.publisher.rows(hidden_states.shape[0]).active  # [T] bool
+        top_k_index, top_k_weights = binding.replay.route(binding.layer, active, top_k_index, top_k_weights)
     return binding.experts.forward(binding.layer, FusedExpertMath(self), hidden_states, top_k_index, top_k_weights)
 
 
@@ -127,3 +133,14 @@ def bind_experts(model: torch.nn.Module, checkpoint, experts: OffloadedExperts, 
     if adapter.uses_experts_registry:
         model.set_experts_implementation(IMPLEMENTATION)
     return hooks
+
+
+def attach_replay(model: torch.nn.Module, replay: RoutingReplay) -> int:
+    """Makes every registry-bound experts module follow the replay; how many modules were bound."""
+    bound = 0
+    for module in model.modules():
+        binding = getattr(module, BINDING_ATTR, None)
+        if binding is not None and not isinstance(module, OneHotDenseExperts):
+            setattr(module, BINDING_ATTR, dataclasses.replace(binding, replay=replay))
+            bound += 1
+    return bound

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,8 @@ class GenerationMetrics:
     bytes_read: dict[str, int] = field(default_factory=dict)  # {"disk": .., "host": ..}
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    stall_ms: float = 0.0  # whole run: time the compute thread waited for expert bytes
+    transfer_ms: float = 0.0  # whole run: time the disk link was busy
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moestream.policies.base import CacheView, Observer, Policy
+from moestream.policies.contracts import CacheView, Observer
+from moestream.policies.driver import PolicyDriver
+from moestream.runtime.finite import check_finite
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.topology import ExpertKey
 
@@ -78,29 +80,25 @@ class FusedExpertMath:
 
 
 class Prefetcher:
-    """After a layer's routing: ask the policy's predictor, plan, and prefetch into the device tier."""
+    """After a layer's routing: the driver's transfer requests for the layers ahead, into the device tier."""
 
-    def __init__(self, policy: Policy, store, horizon_layers: int):
-        self.policy = policy
+    def __init__(self, driver: PolicyDriver, store):
+        self.driver = driver
         self.store = store
-        self.horizon_layers = horizon_layers
 
     def after(self, layer_now: int) -> None:
-        if self.horizon_layers == 0:
-            return
-        predictions = self.policy.predictor.predict(layer_now, self.horizon_layers)
-        if not predictions:
-            return
-        view = CacheView(
+        requests = self.driver.decide(layer_now, self._view)
+        if requests:
+            self.store.prefetch(requests)
+
+    def _view(self, layer_now: int) -> CacheView:
+        return CacheView(
             resident=self.store.resident(),
             in_flight=self.store.in_flight(),
             capacity=self.store.device_slots,
             layer_now=layer_now,
             num_layers=self.store.topology.num_layers,
         )
-        requests = self.policy.planner.plan(predictions, view)
-        if requests:
-            self.store.prefetch(requests)
 
 
 def _observes(observer) -> bool:
@@ -160,7 +158,9 @@ class OffloadedExperts:
         logits = self._router_logits.pop(layer, None)
         if any(map(_observes, self.publisher.observers)):
             self.publisher.publish(layer, _routing(active, top_k_index, top_k_weights), rows, hidden, logits)
-        out = self._compute(layer, math, hidden, top_k_index, top_k_weights, active)
+        out = check_finite(self._compute(layer, math, hidden, top_k_index, top_k_weights, active),
+                           f"the routed experts' output of MoE layer {layer} "
+                           f"(decoder layer {self.store.topology.moe_layer_ids[layer]})")  # [T, H]
         if self.prefetcher is not None:
             self.prefetcher.after(layer)
         return out

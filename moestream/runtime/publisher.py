@@ -3,7 +3,8 @@
 The engine tells the publisher which sequence and position each row of the next forward pass
 belongs to (a `RowContext`); the experts forward hands it each layer's routing, and it turns that
 into a `RoutingEvent` of the rows that really run (padding, finished and dropped tokens excluded).
-It knows no policy: observers are any `moestream.policies.base.Observer`.
+It knows no policy: it hands each event to a `PolicyDriver` (moestream.policies.driver), which calls
+the policy's observers and any others in the contract's order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
+from moestream.policies.driver import PolicyDriver
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,14 @@ class Routing:
 
 
 class Publisher:
-    def __init__(self, observers: Sequence[Observer] = (), always_hidden: bool = False):
-        self.observers: list[Observer] = list(observers)
+    def __init__(self, driver: PolicyDriver | None = None, always_hidden: bool = False):
+        self.driver = driver  # None: nobody observes (a forward outside the engine)
         self.always_hidden = always_hidden
         self._rows: RowContext | None = None
+
+    @property
+    def observers(self) -> Sequence[Observer]:
+        return () if self.driver is None else self.driver.observers
 
     @property
     def needs_hidden(self) -> bool:
@@ -74,12 +80,12 @@ class Publisher:
         return self._rows
 
     def begin_iteration(self, ctx: IterationContext) -> None:
-        for observer in self.observers:
-            observer.begin_iteration(ctx)
+        if self.driver is not None:
+            self.driver.begin_iteration(ctx)
 
     def end_sequence(self, seq_id: int) -> None:
-        for observer in self.observers:
-            observer.end_sequence(seq_id)
+        if self.driver is not None:
+            self.driver.end_sequence(seq_id)
 
     def publish(self, layer: int, routing: Routing, rows: RowContext, hidden: torch.Tensor,
                 router_logits: torch.Tensor | None) -> RoutingEvent:
@@ -95,8 +101,8 @@ class Publisher:
             gate_probs=None if probs is None else _numpy(probs),
             hidden=_numpy(hidden[routing.rows]) if self.needs_hidden else None,
         )
-        for observer in self.observers:
-            observer.observe(event)
+        if self.driver is not None:
+            self.driver.observe(event)
         return event
 
 

@@ -18,6 +18,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 
 from moestream.events import IterationContext
 from moestream.registry import Registry
+from moestream.runtime.finite import check_finite
 from moestream.runtime.publisher import Publisher, RowContext
 
 
@@ -108,6 +109,11 @@ class ModelRunner:
 RUNNERS: Registry[ModelRunner] = Registry("model runner")
 
 
+def _next_logits(out) -> torch.Tensor:
+    """The logits [B, V] of each row's next token, refused if any is NaN or infinite."""
+    return check_finite(out.logits[:, -1, :].float(), "the logits (the model's output head)")
+
+
 def _accepts(model: torch.nn.Module, argument: str) -> bool:
     return argument in inspect.signature(model.forward).parameters
 
@@ -129,9 +135,9 @@ class CausalRunner(ModelRunner):
             self.cache = DynamicCache(config=self.model.config)
         extra = {"logits_to_keep": 1} if _accepts(self.model, "logits_to_keep") else {}
         out = self._forward(plan.rows, input_ids=plan.input_ids, attention_mask=plan.attention_mask,
-                            position_ids=plan.position_ids, past_key_values=self.cache, use_cache=True, **extra)
-        self.cache = out.past_key_values
-        return out.logits[:, -1, :].float()  # [B, V]
+                            position_ids=plan.position_ids, cache=self.cache, use_cache=True, **extra)
+        self.cache = out.cache
+        return _next_logits(out)  # [B, V]
 
 
 @RUNNERS.register("AutoModelForSeq2SeqLM")
@@ -160,9 +166,9 @@ class Seq2SeqRunner(ModelRunner):
             self._encode(plan)
             decoder_ids, rows = self._start(plan)
         out = self._forward(rows, encoder_outputs=self.encoder_outputs, attention_mask=self.encoder_mask,
-                            decoder_input_ids=decoder_ids, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
-        return out.logits[:, -1, :].float()  # [B, V]
+                            decoder_input_ids=decoder_ids, cache=self.cache, use_cache=True)
+        self.cache = out.cache
+        return _next_logits(out)  # [B, V]
 
     def _encode(self, plan: StepPlan) -> None:
         config = self.model.config

@@ -3,8 +3,9 @@
 Each policy is fitted once on the training trace (each trained predictor kind once), then
 deep-copied for every (protocol, cost model, cache ratio) replay of the test trace, so no run sees
 another's online state. Runs are spread over worker processes. Also measures prediction quality
-per horizon and the policy's own time per layer (observe + predict + plan), which is the overhead
-the engine pays per decision. Knows policies only through the registry and the policy contract.
+per horizon and the policy's own time per layer decision (observe + predict + plan, timed by its
+driver), which is the overhead the engine pays per decision. Knows policies only through the
+registry and the policy contract.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import numpy as np
 from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
-from moestream.policies.base import CacheView, Policy
+from moestream.policies.contracts import CacheView, Policy
+from moestream.policies.driver import PolicyDriver
 from moestream.policies.trained import TrainedPolicy, load_matching
+from moestream.progress import progress_bar
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
 from moestream.sim.protocols import simulate
@@ -73,7 +76,7 @@ class CompareConfig:
 class Comparison:
     replays: dict = field(default_factory=dict)  # protocol -> cost model -> policy -> ratio -> metrics
     prediction: dict = field(default_factory=dict)  # policy -> horizon -> {precision, recall, f1}
-    overhead_us_per_layer: dict = field(default_factory=dict)  # policy -> microseconds
+    overhead_us_per_layer: dict = field(default_factory=dict)  # policy -> median microseconds per layer decision
     fit_seconds: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)  # policy -> reason
 
@@ -94,7 +97,7 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
         futures = {job: pool.submit(run_job, fitted[job.policy], test, job, config.horizon_layers) for job in jobs}
         for name, policy in fitted.items():
             result.prediction[name] = prediction_quality(policy, test, config)
-        for job, future in futures.items():
+        for job, future in progress_bar(futures.items(), total=len(futures), desc="replays", unit="replay"):
             by_policy = result.replays.setdefault(job.protocol, {}).setdefault(job.cost_model, {})
             by_policy.setdefault(job.policy, {})[job.cache_ratio] = future.result()
     for name, policy in fitted.items():  # timed once the workers are done, on a quieter machine
@@ -176,27 +179,37 @@ def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> di
 
 
 def overhead_us_per_layer(policy: Policy, test: Trace, config: CompareConfig) -> float:
-    """Wall time of the policy's own work per MoE layer: observe, predict, plan, evict hooks."""
+    """Median wall time of the policy's work per MoE layer decision, as its driver measures it: the
+    layer's observer hooks, predict and plan, with an iteration's begin and sequence ends counted in
+    the layer that follows them (the eviction's victim choice is not timed). A policy whose predictor
+    runs on a worker in the engine runs inline here, so its worker's work is counted too."""
     sample = head_tokens(test, config.num_overhead_tokens)
     policy = copy.deepcopy(policy)
     policy.prepare(sample)
-    observers = policy.observers() + [policy.make_eviction("device")]
-    layers = sample.topology.num_layers
-    view = CacheView(frozenset(), frozenset(), max(1, sample.topology.total_experts // 10), -1, layers)
-    start, decisions = time.perf_counter(), 0
-    for it in decode_stream(sample):
-        for observer in observers:
-            observer.begin_iteration(it.ctx)
-        for event in it.events:
-            for observer in observers:
-                observer.observe(event)
-            predictions = policy.predictor.predict(event.layer, config.horizon_layers)
-            policy.planner.plan(predictions, CacheView(view.resident, view.in_flight, view.capacity, event.layer, layers))
-            decisions += 1
-        for seq in it.finished:
-            for observer in observers:
-                observer.end_sequence(seq)
-    return 1e6 * (time.perf_counter() - start) / max(1, decisions)
+    driver = PolicyDriver(policy, [policy.make_eviction("device")], horizon_layers=config.horizon_layers)
+    timer = _LayerTimer(driver, max(1, sample.topology.total_experts // 10), sample.topology.num_layers)
+    driver.run(decode_stream(sample), timer)
+    return 1e6 * float(np.median(timer.seconds)) if timer.seconds else 0.0
+
+
+class _LayerTimer:
+    """A mechanism that only plans, against an empty tier of a fixed capacity, and keeps the time
+    the driver spent in the policy for each layer decision."""
+
+    def __init__(self, driver: PolicyDriver, capacity: int, num_layers: int):
+        self.driver, self.capacity, self.num_layers = driver, capacity, num_layers
+        self.seconds: list[float] = []
+        self._counted = 0.0
+
+    def routed(self, event, num_tokens: int) -> None:
+        pass
+
+    def predicted(self, layer_now: int, predictions: list) -> None:
+        if predictions:
+            self.driver.plan(predictions, CacheView(frozenset(), frozenset(), self.capacity, layer_now, self.num_layers))
+        if layer_now >= 0:
+            self.seconds.append(self.driver.decision_seconds - self._counted)
+            self._counted = self.driver.decision_seconds
 
 
 def head_tokens(trace: Trace, num_tokens: int) -> Trace:
@@ -209,6 +222,6 @@ def head_tokens(trace: Trace, num_tokens: int) -> Trace:
 
 
 def _predicts_nothing(policy: Policy) -> bool:
-    from moestream.policies.planning import NullPredictor
+    from moestream.policies.contracts import NullPredictor
 
     return isinstance(policy.predictor, NullPredictor)

@@ -29,13 +29,21 @@ Presets
   expert about 5 ms (8.65 M of the 83 M params); a further token ~2 ms (estimate, not measured).
   The machine is shared, so these are rough.
 
+``measured:PATH``: a cost model calibrated on the machine at hand from the engine's own measurements
+  (`moestream bench engine --json PATH` and `moestream bench fidelity --json PATH` write one under
+  "cost_model"; a JSON object of CostModel fields works too): compute per MoE layer from the
+  all-resident decode TPOT, transfers from cold O_DIRECT reads of experts, a decode step's top_k in
+  flight together, as the engine reads its misses. Experts come from disk (no host tier).
+
 Every field can be overridden (the CLI's ``--layer-compute-ms``, ``--link-gbps`` ...) with
 ``CostModel.with_overrides``.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from moestream.errors import MoestreamError
 
@@ -128,9 +136,40 @@ PRESETS: dict[str, CostModel] = {
 }
 
 DEFAULT_COST_MODEL = "pcie4-consumer"
+MEASURED_PREFIX = "measured:"
 
 
 def get_cost_model(name: str) -> CostModel:
+    if name.startswith(MEASURED_PREFIX):
+        return load_measured(Path(name[len(MEASURED_PREFIX):]))
     if name not in PRESETS:
         raise CostModelError(f"unknown cost model {name!r}; known: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
+
+
+def measured_cost_model(num_layers: int, decode_ms_per_token: float, expert_bytes: int, expert_read_ms: float,
+                        source: str) -> CostModel:
+    """The cost model of a machine whose all-resident decode step takes decode_ms_per_token and whose disk
+    reads one expert (of expert_bytes) in expert_read_ms on average."""
+    if num_layers < 1 or decode_ms_per_token <= 0 or expert_read_ms <= 0:
+        raise CostModelError("a measured cost model needs a positive decode time and expert read time")
+    return CostModel(name="measured", layer_compute_ms=decode_ms_per_token / num_layers,
+                     host_to_device_gbps=PRESETS["local-disk"].host_to_device_gbps,
+                     disk_to_host_gbps=expert_bytes / (expert_read_ms * 1e6), disk_to_host_latency_ms=0.0,
+                     host_holds_all=False, source=source)
+
+
+def load_measured(path: Path) -> CostModel:
+    """A measured cost model from a JSON file: CostModel fields, at top level or under "cost_model"."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise CostModelError(f"cannot read a measured cost model from {path}: {error}") from None
+    data = data.get("cost_model", data) if isinstance(data, dict) else None
+    names = {f.name for f in fields(CostModel)}
+    if not isinstance(data, dict) or not {"layer_compute_ms", "disk_to_host_gbps"} <= set(data):
+        raise CostModelError(f"{path} holds no measured cost model (layer_compute_ms, disk_to_host_gbps, ...)")
+    try:
+        return CostModel(**({k: v for k, v in data.items() if k in names} | {"name": f"{MEASURED_PREFIX}{path}"}))
+    except TypeError as error:
+        raise CostModelError(f"{path}: {error}") from None

@@ -1,13 +1,14 @@
 """The stream protocol: the engine's mechanism in virtual time, driven by a replayed trace.
 
-Per iteration: `begin_iteration` on every observer, then a plan for the layers ahead
-(`predict(layer_now=-1)`). Per MoE layer, at the time its gate routes: every observer sees the
-event (predictor first, then the tiers' eviction policies); the layer's experts are pinned; a
-ready expert is a hit (accessed); one already moving is waited for (a late prefetch if a plan sent
-it); any other is loaded on demand ahead of every prefetch, and a prefetch still queued for it is
-promoted to that demand load. Then `predict(layer_now=l)` and the planner's requests replace the
-queued prefetches; transfers in flight continue. The layer computes once its experts are ready
-(the wait is the stall) while the links keep moving; then its pins are released.
+The policy is called through a `PolicyDriver` (moestream.policies.driver), which owns the call
+order; this module is the `LayerMechanism` it calls at each layer. Per MoE layer, once every
+observer has seen the routing (predictor first, then the tiers' eviction policies): the layer's
+experts are pinned; a ready expert is a hit (accessed); one already moving is waited for (a late
+prefetch if a plan sent it); any other is loaded on demand ahead of every prefetch, and a prefetch
+still queued for it is promoted to that demand load. Then the predictions after the layer and the
+planner's requests replace the queued prefetches; transfers in flight continue. The layer computes
+once its experts are ready (the wait is the stall) while the links keep moving; then its pins are
+released.
 
 Mechanism rules (documented choices):
 - One transfer at a time per link, never pre-empted; demand loads are committed when issued (their
@@ -21,6 +22,9 @@ Mechanism rules (documented choices):
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
+- A layer looks its experts up in ascending id order, as the engine does (`bench fidelity` found
+  that routing order, the order before, made LRU evict other experts than the engine's among those
+  a layer used at once).
 This module knows the policy contract, not any policy by name.
 """
 
@@ -31,7 +35,8 @@ from typing import Iterable
 
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.errors import BudgetError
-from moestream.policies.base import CacheView, Policy
+from moestream.policies.contracts import CacheView, Policy, Prediction
+from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
 from moestream.sim.metrics import LayerCounts, StreamCounters
 from moestream.sim.protocols import PROTOCOLS, REPLAYS, Protocol
@@ -89,7 +94,7 @@ class StreamSimulator:
             self.lower_link = Link("disk_to_host", cost.transfer_ms(nbytes, "disk_to_host"), nbytes)
         self.links = [self.device_link] + ([self.lower_link] if self.lower_link else [])
         tiers = [self.device] + ([self.host] if self.host else [])
-        self.observers = list(policy.observers()) + [tier.policy for tier in tiers]
+        self.driver = PolicyDriver(policy, [tier.policy for tier in tiers], horizon_layers=config.horizon_layers)
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
         self.loading: dict[ExpertKey, Transfer] = {}  # queued or moving towards the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
@@ -97,35 +102,23 @@ class StreamSimulator:
         self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
         self.now = 0.0
         self._compute_cache: dict[tuple[int, int], float] = {}
+        self._layer: tuple[list[ExpertKey], float, list[ExpertKey], int] | None = None  # routed, not yet computed
         self.counters = StreamCounters(LayerCounts(topo.num_layers))
 
     def run(self, iterations: Iterable[Iteration]) -> StreamCounters:
         for it in iterations:
-            self._iteration(it)
+            self.driver.run_iteration(it, self)
+            self.counters.num_tokens += it.ctx.num_tokens
+            self.counters.num_iterations += 1
         counters = self.counters
         counters.sim_ms = self.now
         counters.bytes_by_link = {link.name: link.bytes_moved for link in self.links}
         return counters
 
-    def _iteration(self, it: Iteration) -> None:
-        observers = self.observers
-        for observer in observers:
-            observer.begin_iteration(it.ctx)
-        self._plan(-1)
-        num_tokens = it.ctx.num_tokens
-        for event in it.events:
-            for observer in observers:
-                observer.observe(event)
-            self._layer(event.layer, event.expert_ids.ravel().tolist(), num_tokens)
-        for seq in it.finished:
-            for observer in observers:
-                observer.end_sequence(seq)
-        self.counters.num_tokens += num_tokens
-        self.counters.num_iterations += 1
-
-    def _layer(self, layer: int, expert_ids: list[int], num_tokens: int) -> None:
-        if num_tokens > 1:
-            expert_ids = list(dict.fromkeys(expert_ids))
+    def routed(self, event, num_tokens: int) -> None:
+        """Pin the layer's experts, count hits and start demand loads (LayerMechanism)."""
+        layer, expert_ids = event.layer, event.expert_ids.ravel().tolist()
+        expert_ids = sorted(set(expert_ids))  # the engine's order: its eviction breaks a layer's ties by it
         keys = self.keys[layer]
         needed = [keys[e] for e in expert_ids]
         if len(needed) > self.device.capacity:
@@ -135,7 +128,16 @@ class StreamSimulator:
             )
         self.device.pin(needed)
         ready_ms, missed = self._gather(layer, needed)
-        self._plan(layer)
+        self._layer = needed, ready_ms, missed, num_tokens
+
+    def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
+        """Plan the predictions; after a routed layer, compute it (LayerMechanism)."""
+        self._plan(layer_now, predictions)
+        if layer_now >= 0:
+            self._compute_layer(*self._layer)
+            self._layer = None
+
+    def _compute_layer(self, needed: list[ExpertKey], ready_ms: float, missed: list[ExpertKey], num_tokens: int) -> None:
         compute_ms = self._compute_ms(num_tokens, len(needed))
         counters = self.counters
         counters.resident_ms += compute_ms
@@ -233,10 +235,8 @@ class StreamSimulator:
         transfer.stage = MOVING
         return self.device_link.commit(transfer, max(self.now, transfer.lower_end_ms))
 
-    def _plan(self, layer_now: int) -> None:
+    def _plan(self, layer_now: int, predictions: list[Prediction]) -> None:
         """Replace the queued prefetches with the planner's requests for what is predicted now."""
-        horizon = self.config.horizon_layers
-        predictions = self.policy.predictor.predict(layer_now, horizon) if horizon else []
         if layer_now < 0 and not predictions:
             return  # nothing new before the first layer: the last layer's plan stands
         for link in self.links:
@@ -256,7 +256,7 @@ class StreamSimulator:
         view = CacheView(
             _ReadyKeys(self.device, self.loading), frozenset(self.loading), self.device.capacity, layer_now, num_layers
         )
-        requests = sorted(self.policy.planner.plan(predictions, view), key=lambda r: -r.priority)
+        requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(requests, need)
         for link in self.links:
             link.wake(self.now)

@@ -12,7 +12,9 @@
   observing layer l-1 (for layer 0, `predict(-1)` after `begin_iteration`). Then the gate's real
   experts are looked up: a hit refreshes, a miss is inserted.
 - hit rate = hits / lookups, pooled over every scored token of every prompt.
-No bandwidth, no time: the stream protocol (`engine.py`) measures those. Knows no policy by name.
+No bandwidth, no time: the stream protocol (`engine.py`) measures those. The policy is called through
+a `PolicyDriver` (which owns the call order); `_Run` is the mechanism it calls at each layer. Knows no
+policy by name.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from __future__ import annotations
 import numpy as np
 
 from moestream.cache import ExpertCache
-from moestream.policies.base import Policy, Prediction
+from moestream.policies.contracts import Policy, Prediction
+from moestream.policies.driver import PolicyDriver
 from moestream.policies.eviction import LRUPolicy
 from moestream.sim.config import SimConfig
 from moestream.sim.metrics import LayerCounts, MoeBeyondCounters
 from moestream.sim.protocols import PROTOCOLS, Protocol
 from moestream.topology import ExpertKey
+from moestream.events import RoutingEvent
 from moestream.trace.replay import Iteration, decode_stream
 from moestream.trace.schema import Trace
 
@@ -35,7 +39,7 @@ def pool_slots(total_experts: int, ratio: float) -> int:
 
 
 class _Run:
-    """One replay of the protocol: the pool, the policy's observers and the counters."""
+    """One replay of the protocol: the pool and the counters; the LayerMechanism of its driver."""
 
     def __init__(self, policy: Policy, config: SimConfig):
         topo = policy.topology
@@ -43,35 +47,34 @@ class _Run:
         own = config.protocol_eviction == "policy"
         eviction = policy.make_eviction("device") if own else LRUPolicy()
         self.pool = ExpertCache(pool_slots(topo.total_experts, config.cache_ratio), eviction)
-        self.observers = list(policy.observers()) + ([eviction] if own else [])
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
         self.all_keys = [key for layer_keys in self.keys for key in layer_keys]
         self.rng = np.random.default_rng(config.seed)
-        self.horizon = max(1, config.horizon_layers)
+        self.driver = PolicyDriver(policy, [eviction] if own else [], horizon_layers=max(1, config.horizon_layers))
         self.counters = MoeBeyondCounters(LayerCounts(topo.num_layers))
         self.prompt: int | None = None
         self.index = 0  # tokens of the current prompt seen so far
+        self.seq = -1  # the sequence of the current token
+        self.scored = False  # whether the current token is scored
 
     def iteration(self, it: Iteration) -> None:
-        for observer in self.observers:
-            observer.begin_iteration(it.ctx)
-        seq = int(it.ctx.seq_ids[0])
-        if seq != self.prompt:
-            self._new_prompt(seq)
-        scored = self.index >= self.config.warmup_tokens
-        self._push(self.policy.predictor.predict(-1, self.horizon), 0, scored)
-        last = self.topology.num_layers - 1
-        for event in it.events:
-            for observer in self.observers:
-                observer.observe(event)
-            self._lookup(event.layer, event.expert_ids.ravel().tolist(), scored)
-            if event.layer < last:
-                self._push(self.policy.predictor.predict(event.layer, self.horizon), event.layer + 1, scored)
-        for seq_id in it.finished:
-            for observer in self.observers:
-                observer.end_sequence(seq_id)
+        self.seq = int(it.ctx.seq_ids[0])
+        self.driver.run_iteration(it, self)
         self.index += 1
-        self.counters.scored_tokens += scored
+        self.counters.scored_tokens += self.scored
+
+    def routed(self, event: RoutingEvent, num_tokens: int) -> None:
+        self._lookup(event.layer, event.expert_ids.ravel().tolist(), self.scored)
+
+    def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
+        """Before the first layer, a new prompt refills the pool; the predictions for the next layer
+        go through it (none after the last layer)."""
+        if layer_now < 0:
+            if self.seq != self.prompt:
+                self._new_prompt(self.seq)
+            self.scored = self.index >= self.config.warmup_tokens
+        if layer_now < self.topology.num_layers - 1:
+            self._push(predictions, layer_now + 1, self.scored)
 
     def _new_prompt(self, seq: int) -> None:
         """Empty the pool and refill it with random experts."""

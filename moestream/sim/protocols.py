@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Callable, Iterator
 
 from moestream.errors import MoestreamError
-from moestream.policies.base import Policy
+from moestream.policies.contracts import Policy
 from moestream.registry import Registry
 from moestream.sim.config import SimConfig
 from moestream.trace import replay

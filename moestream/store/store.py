@@ -27,9 +27,9 @@ from typing import Iterable, Sequence
 import torch
 
 from moestream.cache import CacheFullError, ExpertCache
-from moestream.checkpoint.layout import ExpertIndex
+from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
-from moestream.policies.base import EvictionPolicy, TransferRequest
+from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.pool import CopyEngine, SlotPool
@@ -65,8 +65,10 @@ class StoreStats:
 
 class ExpertStore:
     def __init__(self, index: ExpertIndex, config: StoreConfig,
-                 device_eviction: EvictionPolicy, host_eviction: EvictionPolicy):
+                 device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None):
+        """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest)."""
         self.index = index
+        self.integrity = integrity
         self.config = config
         self.topology: Topology = index.topology
         _check_index(index)
@@ -212,6 +214,8 @@ class ExpertStore:
         began = time.perf_counter()
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
         self._stats.bytes_read["disk"] += self._reader.read_batch(batch)
+        if self.integrity is not None:  # a damaged expert raises before any slot holding it is used
+            self.integrity.check_batch(keys, dsts)
         self._stats.disk_read_s += time.perf_counter() - began
         self._stats.disk_batches += 1
 

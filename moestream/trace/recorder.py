@@ -17,7 +17,7 @@ import numpy as np
 
 from moestream.errors import TraceError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
 

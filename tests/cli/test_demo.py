@@ -38,6 +38,10 @@ def test_small_demo_runs_twice_on_one_checkpoint(tmp_path, monkeypatch, capsys):
     assert offloaded["expert_misses"] > 0 and offloaded["bytes_read"]["disk"] > 0
     assert resident["expert_misses"] == 0 and resident["bytes_read"]["disk"] == 0
     assert "creating the demo checkpoint" in first and "TTFT" in first
+    sample = first[first.index("sample:"):]
+    assert "random weights, so the text is noise" in sample and "offloaded and resident tokens are identical" in sample
+    assert offloaded["expert_budget"] == "25%" and resident["expert_budget"] == "100%"
+    assert "no host tier" in first and "host" not in first.split("no host tier")[0].split("disk")[-1]
     made = (tmp_path / SMALL_NAME / "config.json").stat().st_mtime_ns
     assert main(args) == 0
     assert "creating" not in capsys.readouterr().out

@@ -2,10 +2,13 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+import moestream
 from moestream.cli import main
 from moestream.runtime import Engine, EngineConfig
 from moestream.trace.format import load_trace
@@ -203,3 +206,95 @@ def test_trace_recording_needs_a_decoder_only_model(tiny_checkpoint, tmp_path, c
     assert main([*args, "--record-trace", str(tmp_path / "t.npz")]) == 2
     assert "decoder-only" in _error_line(capsys)
     assert main(args) == 0
+
+
+def test_generate_streams_the_text_and_summarises_on_stderr(model_dir, monkeypatch, capsys):
+    printed_during_generation = []
+    real = Engine.generate
+
+    def watched(self, prompts, max_new_tokens=32, on_tokens=None):
+        def spy(new):
+            on_tokens(new)
+            printed_during_generation.append(capsys.readouterr().out)
+        return real(self, prompts, max_new_tokens, spy)
+
+    monkeypatch.setattr(Engine, "generate", watched)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "6",
+                 "--buffered-io"]) == 0
+    captured = capsys.readouterr()
+    with Engine(model_dir, EngineConfig(direct_io=False)) as engine:
+        expected = real(engine, [PROMPT], 6).texts[0]
+    assert ("".join(printed_during_generation) + captured.out).rstrip("\n") == expected
+    assert sum(1 for chunk in printed_during_generation if chunk) >= 2  # text appeared before the end
+    summary = captured.err.strip().splitlines()[-1]
+    assert summary.startswith("6 tokens, TTFT ") and "TPOT" in summary and "expert hit rate" in summary
+    assert "from disk" in summary
+
+
+def test_ctrl_c_keeps_the_text_already_printed(model_dir, monkeypatch, capsys):
+    real = Engine.generate
+
+    def interrupted(self, prompts, max_new_tokens=32, on_tokens=None):
+        steps = []
+
+        def stop_after_three(new):
+            on_tokens(new)
+            steps.append(new)
+            if len(steps) == 3:
+                raise KeyboardInterrupt
+        return real(self, prompts, max_new_tokens, stop_after_three)
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "8",
+                 "--buffered-io"]) == 130
+    captured = capsys.readouterr()
+    with Engine(model_dir, EngineConfig(direct_io=False)) as engine:
+        expected = real(engine, [PROMPT], 3).texts[0]
+    assert captured.out.rstrip("\n") == expected and "interrupted" in captured.err
+
+
+def _run_cli(*args: str) -> tuple[int, bool, str]:
+    """(exit code, whether torch was imported, stderr) of the CLI in a fresh interpreter."""
+    code = ("import sys; from moestream.cli import main; code = main(sys.argv[1:]); "
+            "print('torch' in sys.modules); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout.strip().endswith("True"), done.stderr.strip()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("generate", "--model", "/no/such/dir", "--prompt", "hi"), "does not exist"),
+    (("generate", "--model", ".", "--prompt", "hi"), "no config.json"),
+    (("generate", "--model", "/no/such/dir", "--prompt", "hi", "--expert-budget", "12XB"), "unknown size unit"),
+    (("demo", "--host-budget", "lots"), "cannot read budget"),
+    (("verify", "--model", "/no/such/dir"), "does not exist"),
+])
+def test_bad_paths_and_budgets_are_refused_before_torch_is_imported(args, message):
+    code, imported_torch, err = _run_cli(*args)
+    assert code == 2 and not imported_torch and message in err and len(err.splitlines()) == 1
+
+
+def test_version():
+    done = subprocess.run([sys.executable, "-m", "moestream", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"moestream {moestream.__version__}"
+
+
+def test_replayed_routing_is_labelled_and_a_mismatched_trace_is_one_error_line(model_dir, tmp_path, capsys):
+    import dataclasses
+
+    from moestream.checkpoint.index import build_index
+    from moestream.trace.format import save_trace
+    from moestream.trace.synthetic import synthetic_trace
+
+    topology = build_index(model_dir).topology
+    trace, out = tmp_path / "trace.npz", tmp_path / "run.json"
+    save_trace(synthetic_trace(topology, num_sequences=1, tokens_per_sequence=8), trace)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "3",
+                 "--buffered-io", "--replay-routing", str(trace), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["replayed"] is True
+    assert "replayed routing" in capsys.readouterr().out
+    other = tmp_path / "other.npz"
+    save_trace(synthetic_trace(dataclasses.replace(topology, top_k=topology.top_k + 1), num_sequences=1,
+                               tokens_per_sequence=4), other)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--buffered-io",
+                 "--replay-routing", str(other)]) == 2
+    assert "cannot replay" in _error_line(capsys)

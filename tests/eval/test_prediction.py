@@ -14,7 +14,7 @@ from moestream.eval.prediction import (
     fetch_rate,
 )
 from moestream.policies import POLICIES
-from moestream.policies.base import Prediction, Predictor
+from moestream.policies.contracts import Prediction, Predictor
 from moestream.topology import Topology
 from moestream.trace.synthetic import synthetic_trace
 from tests.policies.online import OnlineOnly

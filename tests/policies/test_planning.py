@@ -1,7 +1,7 @@
 """ScorePlanner: non-resident predictions above a score floor, by scaled score / layers ahead; IdleAwarePlanner:
 a lower floor while nothing moves to the tier."""
 
-from moestream.policies.base import CacheView, Prediction
+from moestream.policies.contracts import CacheView, Prediction
 from moestream.policies.planning import IdleAwarePlanner, ScorePlanner
 from moestream.topology import ExpertKey
 

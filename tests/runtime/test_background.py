@@ -8,7 +8,7 @@ import pytest
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
-from moestream.policies.base import Prediction, Predictor
+from moestream.policies.contracts import Prediction, Predictor
 from moestream.runtime.background import BackgroundPredictor, offload_predictor
 from moestream.topology import Topology
 from moestream.trace.replay import batched_decode

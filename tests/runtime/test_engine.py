@@ -8,7 +8,7 @@ from moestream.checkpoint.index import build_index
 from moestream.errors import MoestreamError
 from moestream.families import FAMILIES
 from moestream.policies import POLICIES
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.runtime import Engine, EngineConfig

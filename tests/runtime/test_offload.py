@@ -3,7 +3,7 @@ routing events built only for observers that read them."""
 
 import numpy as np
 
-from moestream.policies.base import Observer
+from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.offload import RowPlan
 

@@ -1,5 +1,7 @@
 """Cost-model presets and the arithmetic of transfers and compute."""
 
+import json
+
 import pytest
 
 from moestream.errors import MoestreamError
@@ -51,3 +53,29 @@ def test_bad_names_and_values_are_user_errors():
         get_cost_model("pcie4-consumer").with_overrides(host_to_device_gbps=0.0)
     with pytest.raises(MoestreamError, match="unknown link"):
         get_cost_model("pcie4-consumer").transfer_ms(1, "carrier_pigeon")
+
+
+def test_a_measured_cost_model_reads_back_from_a_bench_document(tmp_path):
+    from dataclasses import asdict
+
+    from moestream.sim.cost import measured_cost_model
+
+    model = measured_cost_model(num_layers=4, decode_ms_per_token=20.0, expert_bytes=2_000_000, expert_read_ms=2.0,
+                                source="test")
+    assert model.layer_compute_ms == 5.0 and not model.host_holds_all
+    assert model.transfer_ms(2_000_000) == pytest.approx(2.0)  # experts come from disk, 1 GB/s
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"runs": [], "cost_model": asdict(model)}))
+    loaded = get_cost_model(f"measured:{path}")
+    assert loaded.transfer_ms(2_000_000) == pytest.approx(2.0) and loaded.layer_compute_ms == 5.0
+    assert loaded.name == f"measured:{path}"
+
+
+def test_a_measured_cost_model_that_is_missing_or_not_one_is_a_user_error(tmp_path):
+    from moestream.sim.cost import CostModelError
+
+    with pytest.raises(CostModelError, match="cannot read"):
+        get_cost_model(f"measured:{tmp_path / 'absent.json'}")
+    (tmp_path / "other.json").write_text(json.dumps({"runs": []}))
+    with pytest.raises(CostModelError, match="no measured cost model"):
+        get_cost_model(f"measured:{tmp_path / 'other.json'}")

@@ -5,7 +5,7 @@ import pytest
 
 from moestream.errors import BudgetError
 from moestream.policies import POLICIES
-from moestream.policies.base import Predictor
+from moestream.policies.contracts import Predictor
 from moestream.sim import SimConfig, simulate
 from moestream.topology import Topology
 from moestream.trace.replay import batched_rows

@@ -1,7 +1,7 @@
 """The MoE-Beyond hit-rate protocol: warm-up, pool size, pushes, and the order of predictions."""
 
 from moestream.policies import POLICIES
-from moestream.policies.base import Prediction, Predictor
+from moestream.policies.contracts import Prediction, Predictor
 from moestream.sim import SimConfig, simulate
 from moestream.sim.moe_beyond import pool_slots
 from moestream.topology import Topology

@@ -5,7 +5,7 @@ import torch
 from moestream.cache import CacheFullError
 from moestream.checkpoint.layout import ExpertIndex, ExpertLocation
 from moestream.errors import BudgetError, CheckpointError
-from moestream.policies.base import TransferRequest
+from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.topology import ExpertKey
@@ -288,3 +288,34 @@ def test_a_failed_read_leaves_no_trace(checkpoint, host_slots):
             store.acquire([K(0, 0), last.key])
         assert last.key not in store.resident() and last.key not in store.resident("host")
         use(store, K(1, 0), K(0, 1))  # no pins were left behind
+
+
+class RefuseOne:
+    """An integrity check that finds one expert damaged."""
+
+    def __init__(self, damaged: ExpertKey):
+        self.damaged = damaged
+        self.checked: list[ExpertKey] = []
+
+    def check_batch(self, keys, buffers):
+        for key, buffer in zip(keys, buffers):
+            assert buffer.device.type == "cpu" and buffer.dtype == torch.uint8
+            self.checked.append(key)
+            if key == self.damaged:
+                raise CheckpointError(f"damaged {key}")
+
+
+@pytest.mark.parametrize("host_slots", [0, 3])
+def test_an_expert_that_fails_its_check_is_never_kept(checkpoint, host_slots):
+    eb = checkpoint.index.topology.expert_bytes
+    config = StoreConfig(str(3 * eb), str(host_slots * eb), "cpu", True)
+    integrity = RefuseOne(K(1, 2))
+    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+        use(store, K(0, 0))
+        with pytest.raises(CheckpointError, match="damaged"):
+            store.acquire([K(0, 1), K(1, 2)])
+        with pytest.raises(CheckpointError, match="damaged"):
+            store.prefetch([TransferRequest(K(1, 2), 1.0)])
+        assert K(1, 2) not in store.resident("device") | store.resident("host") | store.in_flight()
+        assert K(0, 0) in store.resident("device") and integrity.checked[0] == K(0, 0)
+        assert_holds_expert(checkpoint, use(store, K(1, 1))[K(1, 1)], K(1, 1))

@@ -1,0 +1,53 @@
+"""`moestream bench engine`: the engine end to end on the demo checkpoint, cold, experts on disk.
+
+For each budget (10/25/50% by default): TTFT, TPOT, stall per token, overlap (transfer time hidden
+behind compute), hit rate, bytes read per token and peak RSS of `--sync` on-demand LRU, async `lru`,
+each design's policy, `default`, and transformers with accelerate's disk offload at the same memory;
+beside them all experts resident and the physical limit of the budget: max(resident TPOT, bytes the
+offline `oracle` moves per token on the same replayed rows in the simulator / cold O_DIRECT
+bandwidth). Every run is a fresh process (its own peak RSS; the process floor, Python + torch +
+transformers imported, is measured in each) with the checkpoint dropped from the page cache. With
+`--replay-routing TRACE` the engine follows a recorded trace's routing (figures labelled replayed).
+Targets are printed as ok/missed, never asserted. The calibrated cost model is written with
+`--json` for `moestream sim --cost-model measured:PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+BUDGETS = "0.1,0.25,0.5"
+DESIGNS = "moe-infinity,expertflow,fmoe,promoe"  # each design's own policy (the paper systems)
+
+
+def add_parser(kinds) -> None:
+    parser = kinds.add_parser("engine", help="TPOT, stalls, hit rate and peak RSS per policy, cold, against "
+                                             "the physical limit")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
+    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
+                        help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
+    parser.add_argument("--memory-cap", metavar="auto|MiB",
+                        help="run under a cgroup v2 memory limit: auto (floor + dense + budget + 64 MiB) or MiB")
+    parser.add_argument("--json", type=Path, help="write the figures (and the calibrated cost model) here")
+    parser.add_argument("--budgets", default=BUDGETS, help=f"expert budgets, comma separated (default {BUDGETS})")
+    parser.add_argument("--designs", default=DESIGNS, help=f"design policies to run (default {DESIGNS}; '' none)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers + accelerate disk offload")
+    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from moestream.atomic import write_json
+    from moestream.bench.engine.plan import measure
+    from moestream.bench.engine.report import print_report
+
+    document = measure(args)
+    print_report(document, args)
+    if args.json:
+        write_json(document, args.json)
+    return 0

@@ -1,0 +1,196 @@
+"""The runs of `bench engine` and the figures around them: disk bandwidth, the all-resident run, the
+calibrated cost model, each budget's physical limit, and one row per run in the issue's JSON schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+from moestream.bench.engine.spec import RunSpec
+from moestream.bench.engine.isolation import RunFailed, cap_support, run_isolated
+from moestream.errors import MoestreamError
+
+MIB = 2**20
+HF = "hf-accelerate"
+CAP_SLACK_MIB = 64  # the memory cap: floor + dense part + budget + this
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    policy: str
+    sync: bool
+    kind: str = "engine"
+
+    @property
+    def mode(self) -> str:
+        return "sync" if self.sync else "async"
+
+
+def jobs(designs: str) -> list[Job]:
+    """Per budget: on-demand LRU, async LRU, each design, default, transformers + accelerate."""
+    names = [name.strip() for name in designs.split(",") if name.strip()]
+    return [Job("lru", True), Job("lru", False), *(Job(name, False) for name in names), Job("default", False)]
+
+
+def measure(args) -> dict:
+    from moestream.bench.integrity import report_integrity
+    from moestream.checkpoint.index import build_index
+    from moestream.cli.demo import PROMPTS, demo_checkpoint
+
+    budgets = _check(args)
+    model = args.model or demo_checkpoint(args.small)
+    topology = build_index(model).topology
+    base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS, max_new_tokens=args.max_new_tokens,
+                   threads=args.threads, direct_io=not args.buffered_io, replay_routing=args.replay_routing,
+                   predictor_dirs=tuple(args.predictor_dir))
+    disk = disk_figures(Path(model), not args.buffered_io)
+    resident = run_isolated(dataclasses.replace(base, preload=True))
+    dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
+    context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
+               "cap": _cap(args)}
+    results, skipped = [], []
+    for budget in budgets:
+        results += _budget_runs(base, budget, _run_list(args), context, skipped)
+    cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]})
+    limits = _limits(budgets, _replayed(args, resident, topology), cost, context)
+    rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
+    rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
+    floors = [row.pop("floor_rss_mib") for row in rows]
+    integrity = report_integrity(Path(model), "cpu", not args.buffered_io)  # digest and finite check costs
+    return {"runs": rows, "resident_tpot_ms": resident["tpot_ms"], "floor_rss_mib": statistics.median(floors),
+            "dense_mib": dense_mib, "disk_bw_gbps": disk["bandwidth"] / 1e9, "model": str(model),
+            "replay_routing": args.replay_routing, "replay_wraps": resident.get("replay_wraps", 0),
+            "threads": args.threads, "max_new_tokens": args.max_new_tokens, "skipped": skipped,
+            "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost), "integrity": integrity}
+
+
+def _run_list(args) -> list[Job]:
+    return jobs(args.designs) + ([] if args.no_hf else [Job(HF, True, HF)])
+
+
+def _check(args) -> list[str]:
+    from moestream.store.config import Budget
+
+    if args.threads < 1 or args.max_new_tokens < 1:
+        raise MoestreamError("--threads and --max-new-tokens must be >= 1")
+    if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
+        raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
+    budgets = [part.strip() for part in args.budgets.split(",") if part.strip()]
+    for budget in budgets:
+        Budget.parse(budget)
+    return budgets
+
+
+def disk_figures(model: Path, direct_io: bool) -> dict:
+    """Cold O_DIRECT figures of the largest shard: sequential bandwidth (the better of two ways) and
+    random experts read a decode step's top_k in flight together, as the engine reads its misses."""
+    from moestream.checkpoint.index import build_index
+    from moestream.store.bandwidth import cold_read_samples
+
+    shard = max(model.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    index = build_index(model).experts
+    samples = cold_read_samples(shard, index, 0, direct_io)
+    return {"bandwidth": max(samples["sequential"], samples["sequential_reader"]),
+            "expert_read_ms": index.topology.expert_bytes / samples["random_experts"] * 1e3}
+
+
+def calibrate(topology, run: dict):
+    """The simulator's cost model from a run's decode compute (TPOT less stall) and its mean expert read time:
+    an on-demand (--sync) run reads each miss on the compute thread, so both are the engine's own."""
+    from moestream.sim.cost import measured_cost_model
+
+    compute_ms = run["tpot_ms"] - run["stall_ms_per_token"]
+    return measured_cost_model(topology.num_layers, compute_ms, topology.expert_bytes, run["expert_read_ms"],
+                               "bench engine: decode compute (TPOT - stall) and mean expert read time of "
+                               f"{'an on-demand LRU run' if run['stall_ms_per_token'] else 'the all-resident run'}")
+
+
+def _calibration_run(results: list, topology) -> dict | None:
+    """The on-demand LRU run nearest the 25% budget, the one the simulator's costs come from."""
+    runs = [(abs(_fraction(budget, topology) - 0.25), result) for job, budget, result in results
+            if job == Job("lru", True) and result["expert_read_ms"]]
+    return min(runs, key=lambda pair: pair[0])[1] if runs else None
+
+
+def _replayed(args, resident: dict, topology):
+    from moestream.bench.engine.simulated import replayed
+    from moestream.trace.format import load_trace
+
+    if args.replay_routing is None:
+        return None
+    return replayed(load_trace(args.replay_routing), resident["iterations"], resident["prefill"], topology)
+
+
+def _cap(args) -> dict:
+    if args.memory_cap is None:
+        return {"requested": None, "applied": False, "reason": "not requested"}
+    reason = cap_support()
+    return {"requested": args.memory_cap, "applied": reason is None, "reason": reason or "cgroup v2 memory.max"}
+
+
+def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict, skipped: list) -> list:
+    """(job, budget, figures) of every run at this budget that completed; the others go to skipped."""
+    from moestream.store.config import Budget
+
+    budget_mib = Budget.parse(budget).resolve(context["topology"].total_expert_bytes) / MIB
+    done = []
+    for job in run_list:
+        spec = dataclasses.replace(base, budget=budget, policy=job.policy if job.kind == "engine" else "lru",
+                                   sync=job.sync, kind=job.kind)
+        try:
+            done.append((job, budget, run_isolated(spec, _cap_bytes(context, budget_mib))))
+        except (RunFailed, OSError) as error:
+            skipped.append({"policy": job.policy, "budget": budget, "mode": job.mode, "reason": str(error)})
+    return done
+
+
+def _cap_bytes(context: dict, budget_mib: float) -> int | None:
+    cap = context["cap"]
+    if not cap["applied"]:
+        return None
+    if cap["requested"] != "auto":
+        return int(cap["requested"]) * MIB
+    floor = context["resident"]["floor_rss_mib"]
+    return int((floor + context["dense_mib"] + budget_mib + CAP_SLACK_MIB) * MIB)
+
+
+def _limits(budgets: list[str], run, cost, context: dict) -> dict[str, float]:
+    """Per budget: max(resident TPOT, oracle bytes per token / O_DIRECT bandwidth); none without a replayed trace."""
+    from moestream.bench.engine.simulated import oracle_bytes_per_token, sim_ratio
+    from moestream.store.config import Budget
+
+    if run is None:
+        return {}
+    topology, limits = context["topology"], {}
+    for budget in budgets:
+        slots = Budget.parse(budget).resolve(topology.total_expert_bytes) // topology.expert_bytes
+        moved = oracle_bytes_per_token(run, sim_ratio(slots, topology), cost)
+        limits[budget] = max(context["resident"]["tpot_ms"], moved / context["disk_bw"] * 1e3)
+    return limits
+
+
+def _fraction(budget: str, topology) -> float:
+    """The budget as a share of all routed-expert bytes (whether given as a ratio or a size)."""
+    from moestream.store.config import Budget
+
+    return Budget.parse(budget).resolve(topology.total_expert_bytes) / topology.total_expert_bytes
+
+
+def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> dict:
+    return {
+        "policy": job.policy,
+        "budget": _fraction(budget, topology),
+        "budget_mib": _fraction(budget, topology) * topology.total_expert_bytes / MIB,
+        "mode": job.mode,
+        "tpot_ms": result["tpot_ms"],
+        "ttft_ms": result["ttft_ms"],
+        "hit_rate": result["hit_rate"],
+        "stall_ms_per_token": result["stall_ms_per_token"],
+        "overlap": result["overlap"],
+        "bytes_per_token": result["bytes_per_token"],
+        "peak_rss_mib": result["peak_rss_mib"],
+        "limit_tpot_ms": limit,
+        "floor_rss_mib": result["floor_rss_mib"],  # popped into the document's median floor
+    }

@@ -1,0 +1,82 @@
+"""The printed report of `bench engine`: one table of every run beside its budget's physical limit, the
+process floor and memory cap, and the issue's targets at 25% as ok/missed (never asserted)."""
+
+from __future__ import annotations
+
+TARGET_BUDGET = 0.25
+LIMIT_TARGET = 1.2  # default TPOT / physical limit, at most
+RESIDENT_TARGET = 1.3  # default TPOT / all-resident TPOT, at most
+SYNC_TARGET = 1.6  # on-demand LRU TPOT / default TPOT, at least
+REPORT_WIDTH = 140
+
+
+def targets(document: dict) -> dict[str, str]:
+    """The issue's targets at 25%, as "ok", "missed" or why they could not be checked."""
+    at = {(r["policy"], r["mode"]): r for r in document["runs"] if abs(r["budget"] - TARGET_BUDGET) < 1e-3}
+    default, sync, hf = at.get(("default", "async")), at.get(("lru", "sync")), at.get(("hf-accelerate", "sync"))
+    if default is None:
+        return {"default at 25%": "not measured (no default run at 25%)"}
+    floor, dense = document["floor_rss_mib"], document["dense_mib"]
+    memory = floor + dense + default["budget_mib"] + 64
+    return {
+        f"default TPOT <= {LIMIT_TARGET}x physical limit": _check(default["tpot_ms"], default["limit_tpot_ms"], LIMIT_TARGET),
+        f"default TPOT <= {RESIDENT_TARGET}x all resident": _check(default["tpot_ms"], document["resident_tpot_ms"],
+                                                                   RESIDENT_TARGET),
+        f"default >= {SYNC_TARGET}x faster than --sync LRU": _check(SYNC_TARGET * default["tpot_ms"],
+                                                                    sync and sync["tpot_ms"], 1.0),
+        "default faster than HF accelerate offload": _check(default["tpot_ms"], hf and hf["tpot_ms"], 1.0),
+        f"default peak RSS <= floor + dense + budget + 64 MiB ({memory:.0f} MiB)": _check(default["peak_rss_mib"],
+                                                                                        memory, 1.0),
+    }
+
+
+def _check(value: float, reference: float | None, factor: float) -> str:
+    if not reference:
+        return "not measured"
+    return f"{'ok' if value <= factor * reference else 'missed'} ({value / reference:.2f}x)"
+
+
+def print_report(document: dict, args) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, REPORT_WIDTH)
+    if document["replay_routing"]:
+        console.print(f"[replayed routing from {document['replay_routing']}: the engine follows the trace's "
+                      f"routing; figures are for measurement only]")
+    console.print(_table(document, args))
+    console.print(f"process floor (Python + torch + transformers) {document['floor_rss_mib']:.0f} MiB, dense part "
+                  f"{document['dense_mib']:.0f} MiB, cold O_DIRECT sequential read {document['disk_bw_gbps']:.2f} GB/s")
+    cap = document["memory_cap"]
+    if cap["requested"] is not None:
+        console.print(f"memory cap {cap['requested']}: {'applied' if cap['applied'] else 'NOT applied'} "
+                      f"({cap['reason']}); peak RSS is reported for every run either way")
+    for skipped in document["skipped"]:
+        console.print(f"skipped {skipped['policy']} {skipped['mode']} at {skipped['budget']}: {skipped['reason']}")
+    for name, verdict in targets(document).items():
+        console.print(f"target at 25%: {name}: {verdict}")
+
+
+def _table(document: dict, args):
+    from rich.table import Table
+
+    table = Table(title=f"moestream bench engine: {document['model']}",
+                  caption=f"{args.threads} torch thread(s), {document['max_new_tokens']} new tokens per prompt, cold "
+                          "start, a fresh process per run; per-token figures over decode steps; limit: max(resident "
+                          "TPOT, oracle bytes per token / O_DIRECT bandwidth)")
+    columns = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "stall ms/tok", "overlap", "hit rate",
+               "KiB/tok", "peak RSS MiB", "limit ms", "TPOT/limit")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("policy", "mode") else "right", no_wrap=True)
+    for r in document["runs"]:
+        limit = r["limit_tpot_ms"]
+        table.add_row(f"{r['budget']:.0%}", r["policy"], r["mode"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.1f}",
+                      _fmt(r["stall_ms_per_token"], "{:.1f}"), _fmt(r["overlap"], "{:.0%}"),
+                      _fmt(r["hit_rate"], "{:.1%}"), f"{r['bytes_per_token'] / 1024:.0f}", f"{r['peak_rss_mib']:.0f}",
+                      _fmt(limit, "{:.1f}"), _fmt(limit and r["tpot_ms"] / limit, "{:.2f}"))
+    return table
+
+
+def _fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)

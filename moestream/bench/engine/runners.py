@@ -1,0 +1,203 @@
+"""What one `bench engine` run executes, by kind: our engine, or transformers with accelerate's disk
+offload at the same memory. Each returns the figures of `spec.summarize` plus what the caller needs
+(the routing replay's rows, for the simulator). Both start cold: the checkpoint's pages (and
+accelerate's offload folder) are dropped from the page cache after loading, before generating.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from moestream.bench.engine.spec import Counters, RunSpec, summarize
+from moestream.errors import MoestreamError
+from moestream.policies.contracts import Observer
+from moestream.registry import Registry
+
+RUNS: Registry = Registry("bench engine run kind")
+
+
+def shards(model: str | Path) -> list[Path]:
+    return sorted(Path(model).glob("*.safetensors"))
+
+
+class DecodeMeter(Observer):
+    """Snapshots the store's counters when a generation's first decode step begins."""
+
+    def __init__(self, store):
+        self.store = store
+        self.steps = 0
+        self.decode_tokens = 0
+        self.at_decode = None  # StoreStats at the start of the first decode step
+
+    def start(self) -> None:
+        self.steps, self.decode_tokens, self.at_decode = 0, 0, None
+
+    def begin_iteration(self, ctx) -> None:
+        self.steps += 1
+        if self.steps == 2:
+            self.at_decode = self.store.stats()
+        if self.steps >= 2:
+            self.decode_tokens += ctx.num_tokens
+
+    def add_decode(self, counters: Counters, end) -> None:
+        """Adds the decode steps' counters (the store's at the end minus at the first decode step)."""
+        if self.at_decode is None:
+            return
+        start = self.at_decode
+        counters.hits += end.hits - start.hits
+        counters.misses += end.misses - start.misses
+        counters.disk_bytes += end.bytes_read["disk"] - start.bytes_read["disk"]
+        counters.read_ms += (end.disk_read_s - start.disk_read_s) * 1e3
+        counters.read_batches += end.disk_batches - start.disk_batches
+        counters.decode_tokens += self.decode_tokens
+
+
+def make_policy(spec: RunSpec, topology):
+    """The named policy, its trained predictor loaded from the first matching --predictor-dir."""
+    from moestream.policies import POLICIES
+    from moestream.policies.trained import TrainedPolicy, load_matching
+
+    policy = POLICIES.create(spec.policy, topology)
+    if load_matching(policy, spec.predictor_dirs) is None and isinstance(policy, TrainedPolicy):
+        raise MoestreamError(f"policy {spec.policy!r} needs a trained predictor of kind {policy.predictor.kind!r} "
+                             "(--predictor-dir)")
+    return policy
+
+
+@RUNS.register("engine")
+class EngineRun:
+    """Our engine on the spec's prompts, one generation per prompt."""
+
+    def run(self, spec: RunSpec) -> dict:
+        from moestream.checkpoint.index import build_index
+        from moestream.runtime import Engine, EngineConfig
+        from moestream.store.bandwidth import drop_page_cache
+
+        drop_page_cache(shards(spec.model))
+        config = EngineConfig(expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
+                              policy=spec.policy, replay_routing=spec.replay_routing)
+        policy = make_policy(spec, build_index(spec.model).topology)
+        with Engine(spec.model, config, policy=policy) as engine:
+            if spec.preload:
+                engine.preload()
+            drop_page_cache(shards(spec.model))
+            return self._generate(engine, spec)
+
+    def _generate(self, engine, spec: RunSpec) -> dict:
+        meter, counters = DecodeMeter(engine.store), Counters()
+        engine.add_observer(meter)
+        stall_ms, prefill, token_ids = 0.0, [], []
+        for prompt in spec.inputs:
+            meter.start()
+            result = engine.generate([prompt], spec.max_new_tokens)
+            metrics = result.metrics
+            meter.add_decode(counters, engine.store.stats())
+            counters.ttft_ms.append(metrics.ttft_ms)
+            if metrics.num_generated_tokens > 1:
+                counters.tpot_ms.append(metrics.tpot_ms)
+            counters.prompt_tokens += metrics.num_prompt_tokens
+            stall_ms += _decode_stall_ms(metrics, spec, engine.store.stats(), meter, counters)
+            prefill += [True] + [False] * (meter.steps - 1)
+            token_ids.append(result.token_ids[0])
+        replay = engine.replay
+        return summarize(counters, stall_ms, counters.read_ms) | {
+            "replayed": replay is not None,
+            "replay_wraps": replay.wraps if replay else 0,
+            "iterations": [rows.tolist() for rows in replay.iterations] if replay else [],
+            "prefill": prefill,
+            "token_ids": token_ids,
+            "device_slots": engine.store.device_slots,
+        }
+
+
+def _decode_stall_ms(metrics, spec: RunSpec, end, meter: DecodeMeter, counters: Counters) -> float:
+    """This generation's decode stall. An engine without stall accounting (or --sync) reads every
+    expert on the compute thread: the stall is the reader's busy time. Otherwise the engine's
+    whole-run stall, in the decode steps' share of the reader's busy time."""
+    if meter.at_decode is None:
+        return 0.0
+    decode_read_ms = (end.disk_read_s - meter.at_decode.disk_read_s) * 1e3
+    if spec.sync or metrics.stall_ms <= 0.0:
+        return decode_read_ms
+    total_read_ms = end.disk_read_s * 1e3
+    return metrics.stall_ms * decode_read_ms / total_read_ms if total_read_ms > 0 else 0.0
+
+
+@RUNS.register("hf-accelerate")
+class HfAccelerateRun:
+    """transformers with accelerate's disk offload: what fits in dense part + budget stays in memory, the
+    rest of the weights is read from an offload folder at every forward. Routing is the model's own (no
+    replay without patching transformers); offloaded modules hold a whole layer's experts, so the bytes
+    read do not depend on routing."""
+
+    def run(self, spec: RunSpec) -> dict:
+        import transformers
+
+        from moestream.checkpoint.index import build_index
+        from moestream.store.bandwidth import drop_page_cache
+        from moestream.store.config import Budget
+
+        topology = build_index(spec.model).topology
+        dense_bytes = sum(p.stat().st_size for p in shards(spec.model)) - topology.total_expert_bytes
+        budget = Budget.parse(spec.budget).resolve(topology.total_expert_bytes)
+        folder = Path(spec.scratch_dir) / "offload"
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            spec.model, device_map="auto", max_memory={"cpu": dense_bytes + budget}, offload_folder=str(folder),
+            dtype="auto").eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(spec.model)
+        os.sync()  # the offload folder was just written: dirty pages cannot be dropped
+        drop_page_cache([*shards(spec.model), *folder.glob("*")])
+        counters = Counters()
+        for prompt in spec.inputs:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"] if isinstance(prompt, str) else _ids(prompt)
+            _generate_timed(model, ids, spec.max_new_tokens, counters)
+        return summarize(counters, 0.0, 0.0) | {"replayed": False, "stall_ms_per_token": None, "hit_rate": None}
+
+
+def _ids(prompt: list[int]):
+    import torch
+
+    return torch.tensor([prompt], dtype=torch.long)  # [1, S]
+
+
+def _generate_timed(model, ids, max_new_tokens: int, counters: Counters) -> None:
+    """One greedy generation, timed per step by a logits processor; disk bytes of the decode steps."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    marks = StepMarks()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             logits_processor=LogitsProcessorList([marks]))
+    generated = out.shape[1] - ids.shape[1]
+    counters.ttft_ms.append((marks.times[0] - started) * 1e3)
+    if generated > 1:
+        counters.tpot_ms.append((marks.times[-1] - marks.times[0]) * 1e3 / (len(marks.times) - 1))
+        counters.disk_bytes += _read_bytes() - marks.read_bytes_at_first
+        counters.decode_tokens += generated - 1
+    counters.prompt_tokens += ids.shape[1]
+
+
+class StepMarks:
+    """A logits processor that notes when each step's logits are ready (and the disk bytes at the first)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.read_bytes_at_first = 0
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        if len(self.times) == 1:
+            self.read_bytes_at_first = _read_bytes()
+        return scores
+
+
+def _read_bytes() -> int:
+    """Bytes this process caused to be read from storage (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0

@@ -1,0 +1,101 @@
+"""The engine's replayed runs in the simulator: the same trace rows, iteration by iteration, under a cost
+model calibrated from the engine's own measurements. Used for the physical limit of `bench engine`
+(what the offline `oracle` must move) and for `bench fidelity` (engine vs simulator).
+
+Figures are over the decode iterations only, as the engine's (prefill iterations run first and
+warm the caches). Knows no policy by name beyond the offline bound it is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moestream.policies.contracts import Policy
+from moestream.sim.config import SimConfig
+from moestream.sim.cost import CostModel
+from moestream.sim.engine import StreamSimulator
+from moestream.topology import Topology
+from moestream.trace.replay import Iteration, decode_stream, iteration
+from moestream.trace.schema import Trace
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The rows one engine run processed, as a trace of their own, and its iterations' shapes."""
+
+    trace: Trace  # rows in processing order; one sequence per prompt
+    sizes: list[int]  # tokens of each engine iteration
+    prefill: list[bool]  # whether each engine iteration was a prompt's prefill
+
+
+def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool], model: Topology) -> Replayed:
+    """The sub-trace of the rows fed to each iteration (repeated rows, after a wrap, are new rows), with
+    the replaying model's topology: its expert size, not the recorded model's, sets the bytes moved."""
+    rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in iterations])  # [N]
+    sizes = [len(r) for r in iterations]
+    prompt = np.repeat(np.cumsum(prefill) - 1, sizes)  # [N] the prompt of each row
+    starts = np.flatnonzero(np.r_[True, prompt[1:] != prompt[:-1]])
+    positions = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
+    is_prefill = np.repeat(np.asarray(prefill, dtype=bool), sizes)
+    sub = Trace(topology=model, experts=trace.experts[rows], seq_ids=prompt.astype(np.int32),
+                positions=positions.astype(np.int32), is_prefill=is_prefill,
+                gate_weights=None if trace.gate_weights is None else trace.gate_weights[rows],
+                source=f"replayed rows of {trace.source}")
+    return Replayed(sub, sizes, list(prefill))
+
+
+def engine_iterations(run: Replayed) -> list[Iteration]:
+    """The engine's iterations exactly: a prompt's prefill as one iteration, then one per decode token."""
+    bounds = np.r_[0, np.cumsum(run.sizes)]
+    ends = [i + 1 == len(run.prefill) or run.prefill[i + 1] for i in range(len(run.prefill))]
+    return [iteration(run.trace, np.arange(bounds[i], bounds[i + 1]), i,
+                      (int(run.trace.seq_ids[bounds[i]]),) if ends[i] else ())
+            for i in range(len(run.sizes))]
+
+
+def sim_ratio(device_slots: int, topology: Topology) -> float:
+    """The cache ratio whose slot count (`Topology.slots_for_ratio`) is the engine's device slots."""
+    return min(1.0, (device_slots + 0.5) / topology.total_experts)
+
+
+def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
+             horizon_layers: int = 2) -> dict:
+    """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
+    hit rate, stall and bytes per token, TPOT."""
+    sim = StreamSimulator(policy, SimConfig(cache_ratio=ratio, cost=cost, horizon_layers=horizon_layers))
+    decode = {"hits": 0, "accesses": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
+    for it in iterations:
+        before = _snapshot(sim)
+        sim.run([it])
+        if run.trace.is_prefill[it.rows].any():
+            continue
+        after = _snapshot(sim)
+        for name in decode:
+            decode[name] += after[name] - before[name]
+    tokens = max(decode["tokens"], 1)
+    return {
+        "hit_rate": decode["hits"] / decode["accesses"] if decode["accesses"] else 1.0,
+        "stall_ms_per_token": decode["stall_ms"] / tokens,
+        "bytes_per_token": decode["bytes"] / tokens,
+        "tpot_ms": decode["ms"] / max(decode["steps"], 1),
+        "decode_tokens": decode["tokens"],
+    }
+
+
+def _snapshot(sim: StreamSimulator) -> dict:
+    counters = sim.counters
+    return {"hits": counters.layers.total_hits, "accesses": counters.layers.total_accesses,
+            "stall_ms": counters.stall_ms, "bytes": sim.device_link.bytes_moved, "tokens": counters.num_tokens,
+            "ms": sim.now, "steps": counters.num_iterations}
+
+
+def oracle_bytes_per_token(run: Replayed, ratio: float, cost: CostModel) -> float:
+    """What the offline oracle moves per decode token at this ratio, the rows replayed one token per
+    iteration (the order the offline future index knows)."""
+    from moestream.policies import POLICIES
+
+    oracle = POLICIES.create("oracle", run.trace.topology)
+    oracle.prepare(run.trace)
+    return simulate(oracle, run, list(decode_stream(run.trace)), ratio, cost)["bytes_per_token"]

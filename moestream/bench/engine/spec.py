@@ -1,0 +1,86 @@
+"""What one `bench engine` run is (`RunSpec`), the counters it keeps and the per-token figures it reports.
+
+Plain data shared by the parent (plan, isolation) and the child process; knows no policy by name.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+from dataclasses import asdict, dataclass, field
+
+KINDS = ("engine", "hf-accelerate")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: str
+    budget: str  # expert budget: a ratio ("0.25") or a size
+    kind: str = "engine"  # "engine" (ours) or "hf-accelerate"
+    policy: str = "lru"
+    sync: bool = False
+    preload: bool = False  # fill the device tier before timing (the all-resident run)
+    replay_routing: str | None = None
+    predictor_dirs: tuple[str, ...] = ()
+    prompts: tuple[str, ...] = ()  # text prompts
+    prompt_ids: tuple[tuple[int, ...], ...] = ()  # or token-id prompts
+    max_new_tokens: int = 16
+    threads: int = 1
+    direct_io: bool = True
+    scratch_dir: str = ""  # where hf-accelerate writes its offload folder
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        data = json.loads(text)
+        data["predictor_dirs"] = tuple(data["predictor_dirs"])
+        data["prompts"] = tuple(data["prompts"])
+        data["prompt_ids"] = tuple(tuple(p) for p in data["prompt_ids"])
+        return cls(**data)
+
+    @property
+    def inputs(self) -> list:
+        return list(self.prompts) or [list(p) for p in self.prompt_ids]
+
+
+@dataclass
+class Counters:
+    """Store counters summed over the decode steps of every prompt."""
+
+    hits: int = 0
+    misses: int = 0
+    disk_bytes: int = 0
+    read_ms: float = 0.0  # time the disk reader was busy
+    read_batches: int = 0  # batches of reads in flight together
+    decode_tokens: int = 0
+    prompt_tokens: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def summarize(counters: Counters, stall_ms: float, transfer_ms: float) -> dict:
+    """The per-token figures of a run from its decode counters."""
+    tokens = max(counters.decode_tokens, 1)
+    lookups = counters.hits + counters.misses
+    return {
+        "ttft_ms": statistics.median(counters.ttft_ms) if counters.ttft_ms else 0.0,
+        "tpot_ms": statistics.median(counters.tpot_ms) if counters.tpot_ms else 0.0,
+        "hit_rate": counters.hits / lookups if lookups else 1.0,
+        "stall_ms_per_token": stall_ms / tokens,
+        "overlap": max(0.0, 1.0 - stall_ms / transfer_ms) if transfer_ms > 0 else None,
+        "bytes_per_token": counters.disk_bytes / tokens,
+        "transfer_ms_per_token": transfer_ms / tokens,
+        "expert_read_ms": counters.read_ms / counters.misses if counters.misses else None,
+        "experts_per_read_batch": counters.misses / counters.read_batches if counters.read_batches else None,
+        "decode_tokens": counters.decode_tokens,
+        "prompt_tokens": counters.prompt_tokens,
+        "expert_hits": counters.hits,
+        "expert_misses": counters.misses,
+    }

@@ -1,0 +1,127 @@
+"""`moestream bench fidelity`: does the simulator predict the engine? The same replayed rows run in both.
+
+The engine runs once (a fresh process, cold, `--replay-routing TRACE`) and records which trace rows
+fed each iteration; the simulator replays exactly those iterations (each prompt's prefill as one,
+then one per decode token) with the same policy and as many device slots, under a cost model
+calibrated from this machine's engine (an on-demand LRU run at the same budget: decode compute = TPOT
+less stall, and its mean expert read time) or given as `--cost-model measured:PATH` (from `bench
+engine --json`). Decode-phase hit rate must agree
+within 0.03 and stall per token within 15%; printed as ok/missed, never asserted. `--sync` compares
+the on-demand path; the default compares whatever the engine's default (async) path does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+HIT_RATE_TOLERANCE = 0.03  # absolute
+STALL_TOLERANCE = 0.15  # relative to the engine's stall
+
+
+def add_parser(kinds) -> None:
+    parser = kinds.add_parser("fidelity", help="engine vs simulator on the same replayed routing")
+    parser.add_argument("--replay-routing", required=True, metavar="TRACE", help="trace whose routing both follow")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
+    parser.add_argument("--policy", default="lru", help="policy of both (default lru)")
+    parser.add_argument("--sync", action="store_true", help="the engine's on-demand path")
+    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
+    parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from moestream.atomic import write_json
+
+    document = compare(args)
+    _print(document)
+    if args.json:
+        write_json(document, args.json)
+    return 0
+
+
+def compare(args) -> dict:
+    from moestream.bench.engine.spec import RunSpec
+    from moestream.bench.engine.isolation import run_isolated
+    from moestream.checkpoint.index import build_index
+    from moestream.cli.demo import PROMPTS, demo_checkpoint
+    from moestream.errors import MoestreamError
+
+    if args.max_new_tokens < 2 or args.threads < 1:
+        raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
+    model = args.model or demo_checkpoint(args.small)
+    topology = build_index(model).topology
+    spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, prompts=PROMPTS,
+                   max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=not args.buffered_io,
+                   replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir))
+    engine = run_isolated(spec)
+    cost = _cost_model(args, spec, engine, topology)
+    simulated = _simulate(args, spec, engine, topology, cost)
+    return {"model": str(model), "budget": args.budget, "policy": args.policy,
+            "mode": "sync" if args.sync else "async", "replay_routing": args.replay_routing,
+            "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
+                                              "decode_tokens", "expert_hits", "expert_misses", "expert_read_ms",
+                                              "experts_per_read_batch")},
+            "simulator": simulated, "agreement": agreement(engine, simulated),
+            "cost_model": dataclasses.asdict(cost)}
+
+
+def _cost_model(args, spec, engine: dict, topology):
+    """--cost-model, else a calibration run: on-demand LRU at the same budget (the compared run itself
+    when it is one: then the stall check tests the simulator's mechanism and miss counts, not its costs)."""
+    from moestream.bench.engine.isolation import run_isolated
+    from moestream.bench.engine.plan import calibrate
+    from moestream.sim.cost import get_cost_model
+
+    if args.cost_model:
+        return get_cost_model(args.cost_model)
+    calibration = spec if spec.sync and spec.policy == "lru" else dataclasses.replace(spec, sync=True, policy="lru")
+    return calibrate(topology, engine if calibration == spec else run_isolated(calibration))
+
+
+def _simulate(args, spec, engine: dict, topology, cost) -> dict:
+    from moestream.bench.engine.runners import make_policy
+    from moestream.bench.engine.simulated import engine_iterations, replayed, sim_ratio, simulate
+    from moestream.trace.format import load_trace
+
+    run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology)
+    policy = make_policy(spec, topology)
+    return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost)
+
+
+def agreement(engine: dict, simulated: dict) -> dict:
+    """Hit rate within HIT_RATE_TOLERANCE (absolute), stall per token within STALL_TOLERANCE of the engine's."""
+    hit_gap = simulated["hit_rate"] - engine["hit_rate"]
+    stall = engine["stall_ms_per_token"]
+    stall_gap = (simulated["stall_ms_per_token"] - stall) / stall if stall > 0 else None
+    stall_ok = abs(stall_gap) <= STALL_TOLERANCE if stall_gap is not None else simulated["stall_ms_per_token"] == 0
+    return {"hit_rate_gap": hit_gap, "hit_rate": "ok" if abs(hit_gap) <= HIT_RATE_TOLERANCE else "missed",
+            "stall_gap": stall_gap, "stall": "ok" if stall_ok else "missed"}
+
+
+def _print(document: dict) -> None:
+    engine, sim, agree = document["engine"], document["simulator"], document["agreement"]
+    print(f"[replayed routing from {document['replay_routing']}: figures are for measurement only]")
+    print(f"fidelity: {document['policy']} {document['mode']} at budget {document['budget']}, "
+          f"{engine['decode_tokens']} decode tokens, cost model {document['cost_model']['name']} "
+          f"({document['cost_model']['layer_compute_ms']:.2f} ms per layer, "
+          f"{document['cost_model']['disk_to_host_gbps']:.2f} GB/s expert reads)")
+    print(f"{'':14}{'engine':>10}{'simulator':>12}")
+    print(f"{'hit rate':14}{engine['hit_rate']:>10.3f}{sim['hit_rate']:>12.3f}   gap {agree['hit_rate_gap']:+.3f} "
+          f"(within {HIT_RATE_TOLERANCE}): {agree['hit_rate']}")
+    gap = "-" if agree["stall_gap"] is None else f"{agree['stall_gap']:+.1%}"
+    print(f"{'stall ms/tok':14}{engine['stall_ms_per_token']:>10.2f}{sim['stall_ms_per_token']:>12.2f}   gap {gap} "
+          f"(within {STALL_TOLERANCE:.0%}): {agree['stall']}")
+    print(f"{'TPOT ms':14}{engine['tpot_ms']:>10.2f}{sim['tpot_ms']:>12.2f}   (informational)")
+    print(f"{'KiB/tok':14}{engine['bytes_per_token'] / 1024:>10.0f}{sim['bytes_per_token'] / 1024:>12.0f}")
+    if engine["expert_read_ms"]:
+        print(f"engine reads: {engine['expert_read_ms']:.2f} ms per expert, {engine['experts_per_read_batch']:.1f} "
+              f"experts per read batch; simulator: {document['cost_model']['disk_to_host_latency_ms']:.2f} ms "
+              f"+ bytes / {document['cost_model']['disk_to_host_gbps']:.2f} GB/s per expert, one at a time")

@@ -1,0 +1,79 @@
+"""Memory budgets as the user writes them: a byte count or a ratio of all routed-expert bytes.
+
+Parsing needs no torch, so that the CLI refuses a bad budget before its heavy imports. How many
+expert slots a budget buys is the store's business (`moestream.store.config`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from moestream.errors import BudgetError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*|%)\s*$")
+
+
+def format_bytes(num_bytes: int) -> str:
+    """A human-readable size in binary units, e.g. '512.0 MiB'."""
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Exactly one of size_bytes (an absolute size) or ratio (of total routed-expert bytes)."""
+
+    size_bytes: int | None = None
+    ratio: float | None = None
+
+    def __post_init__(self):
+        if (self.size_bytes is None) == (self.ratio is None):
+            raise BudgetError("a budget is either a byte count or a ratio, not both or neither")
+        if self.size_bytes is not None and self.size_bytes < 0:
+            raise BudgetError(f"a budget cannot be negative, got {self.size_bytes} bytes")
+        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
+            raise BudgetError(f"a budget ratio must be in [0, 1], got {self.ratio}")
+
+    @classmethod
+    def parse(cls, text: "str | int | float | Budget") -> "Budget":
+        """'0.25' or '25%' (ratio), '512MiB', '1GB', '1073741824' (bytes; an integer is bytes)."""
+        if isinstance(text, Budget):
+            return text
+        if isinstance(text, (int, float)) and not isinstance(text, bool):
+            text = str(text)
+        match = _BUDGET.match(text) if isinstance(text, str) else None
+        if match is None:
+            raise BudgetError(f"cannot read budget {text!r}: use a ratio like 0.25 or 25%, or a size like 512MiB")
+        number, unit = match.group(1), match.group(2).lower()
+        if unit == "%":
+            return cls(ratio=float(number) / 100)
+        if not unit and "." in number:
+            return cls(ratio=float(number))
+        if unit not in _UNITS:
+            known = ", ".join(u for u in _UNITS if u)
+            raise BudgetError(f"unknown size unit {match.group(2)!r} in budget {text!r}; known: {known}")
+        return cls(size_bytes=int(float(number) * _UNITS[unit]))
+
+    def resolve(self, total_bytes: int) -> int:
+        """The budget in bytes, given the model's total routed-expert bytes."""
+        if self.size_bytes is not None:
+            return self.size_bytes
+        return int(round(total_bytes * self.ratio))
+
+    def __str__(self) -> str:
+        return f"{self.ratio:g}" if self.ratio is not None else format_bytes(self.size_bytes)
+
+    def percent(self, total_bytes: int) -> str:
+        """The budget as a percentage of the model's total routed-expert bytes, e.g. '25%'."""
+        share = 100 * self.resolve(total_bytes) / total_bytes if total_bytes else 0.0
+        return f"{share:.3g}%"

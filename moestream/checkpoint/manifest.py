@@ -1,0 +1,159 @@
+"""Per-expert digests of a checkpoint, and the check of an expert's bytes against them.
+
+`moestream verify` writes the manifest (`moestream-manifest.json`, beside the checkpoint's
+safetensors index) once it has checked the shards. An expert's bytes in its slot are the
+concatenation of pieces, each a whole tensor or one expert's slice of a tensor fused over experts;
+the manifest holds one xxh3-64 digest per piece, so that a mismatch names the shard, the tensor and
+the expert. `Manifest.check(key, buffer)` is what the engine calls right after an expert's bytes
+were read from disk. This module knows checkpoints' files and tensors, not tiers, runtimes or
+policies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import xxhash
+
+from moestream.atomic import write_json
+from moestream.checkpoint.index import CheckpointIndex
+from moestream.checkpoint.shards import TensorInfo
+from moestream.errors import CheckpointError
+from moestream.topology import ExpertKey
+
+MANIFEST_FILE = "moestream-manifest.json"
+FORMAT = "moestream-manifest"
+VERSION = 1
+HASH = "xxh3_64"
+
+
+class IntegrityError(CheckpointError):
+    """Bytes of a checkpoint that differ from their recorded digest."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [slot_offset, slot_offset + nbytes) of an expert's slot: all or part of one disk tensor."""
+
+    tensor: str
+    shard: str  # file name in the checkpoint directory
+    file_offset: int
+    slot_offset: int
+    nbytes: int
+
+
+def digest(data) -> int:
+    """The xxh3-64 digest of a bytes-like object (a numpy array or memoryview too)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def expert_pieces(checkpoint: CheckpointIndex) -> dict[ExpertKey, tuple[Piece, ...]]:
+    """Every expert's slot cut at the boundaries of the disk tensors it comes from."""
+    by_file: dict[Path, list[TensorInfo]] = {}
+    for info in checkpoint.tensors.values():
+        by_file.setdefault(info.file, []).append(info)
+    for infos in by_file.values():
+        infos.sort(key=lambda t: t.offset)
+    starts = {file: [t.offset for t in infos] for file, infos in by_file.items()}
+    pieces: dict[ExpertKey, tuple[Piece, ...]] = {}
+    for key, location in checkpoint.experts.locations.items():
+        found, slot = [], 0
+        for segment in location.segments:
+            file = Path(segment.file)
+            for piece in _cut(by_file[file], starts[file], segment.offset, segment.nbytes, slot):
+                found.append(piece)
+            slot += segment.nbytes
+        pieces[key] = tuple(found)
+    return pieces
+
+
+def _cut(infos: list[TensorInfo], starts: list[int], offset: int, nbytes: int, slot: int) -> list[Piece]:
+    """The pieces of the file range [offset, offset + nbytes), one per tensor it crosses."""
+    pieces, end = [], offset + nbytes
+    while offset < end:
+        info = infos[bisect.bisect_right(starts, offset) - 1]
+        size = min(end, info.offset + info.nbytes) - offset
+        if size <= 0:
+            raise CheckpointError(f"byte {offset} of {info.file} lies in no tensor")
+        pieces.append(Piece(info.name, info.file.name, offset, slot, size))
+        offset, slot = offset + size, slot + size
+    return pieces
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path  # the checkpoint directory
+    pieces: dict[ExpertKey, tuple[Piece, ...]]
+    digests: dict[ExpertKey, tuple[int, ...]]  # one per piece
+    shards: dict[str, dict]  # shard file name -> {"bytes": size, "sha256": hex or None}
+
+    def check(self, key: ExpertKey, buffer: torch.Tensor) -> None:
+        """Raises IntegrityError unless the expert's slot (1-D uint8 on the CPU) matches its digests."""
+        data = buffer.numpy()
+        for piece, want in zip(self.pieces[key], self.digests[key]):
+            got = digest(data[piece.slot_offset : piece.slot_offset + piece.nbytes])
+            if got != want:
+                raise IntegrityError(mismatch(self.path, key, piece, got, want))
+
+    def check_batch(self, keys: Sequence[ExpertKey], buffers: Sequence[torch.Tensor]) -> None:
+        for key, buffer in zip(keys, buffers):
+            self.check(key, buffer)
+
+    def save(self) -> Path:
+        experts = {
+            f"{key.layer}/{key.expert}": [[p.tensor, p.shard, p.file_offset, p.slot_offset, p.nbytes, f"{d:016x}"]
+                                          for p, d in zip(self.pieces[key], self.digests[key])]
+            for key in sorted(self.pieces)
+        }
+        data = {"format": FORMAT, "version": VERSION, "hash": HASH, "shards": self.shards, "experts": experts}
+        return write_json(data, self.path / MANIFEST_FILE)
+
+
+def mismatch(path: Path, key: ExpertKey, piece: Piece, got: int, want: int) -> str:
+    """The one-line message of a damaged piece."""
+    return (f"damaged expert bytes: shard {piece.shard}, tensor {piece.tensor}, MoE layer {key.layer} "
+            f"expert {key.expert} ({HASH} {got:016x}, manifest {want:016x}); re-download the shard, "
+            f"then run `moestream verify --model {path}`")
+
+
+def load_manifest(checkpoint: CheckpointIndex) -> Manifest | None:
+    """The checkpoint's manifest, None if it has none; CheckpointError if it is unreadable or stale."""
+    file = checkpoint.path / MANIFEST_FILE
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+        if data.get("format") != FORMAT or data.get("version") != VERSION or data.get("hash") != HASH:
+            raise ValueError("unknown format, version or hash")
+        recorded = {_key(name): [tuple(entry) for entry in entries] for name, entries in data["experts"].items()}
+        shards = dict(data["shards"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"unreadable manifest {file} ({error}); run `moestream verify` again") from None
+    pieces = expert_pieces(checkpoint)
+    _check_current(checkpoint, file, pieces, recorded, shards)
+    digests = {key: tuple(int(entry[5], 16) for entry in recorded[key]) for key in pieces}
+    return Manifest(checkpoint.path, pieces, digests, shards)
+
+
+def _key(name: str) -> ExpertKey:
+    layer, expert = name.split("/")
+    return ExpertKey(int(layer), int(expert))
+
+
+def _check_current(checkpoint: CheckpointIndex, file: Path, pieces, recorded, shards) -> None:
+    """The manifest describes these shards and this layout of every expert."""
+    for shard, info in shards.items():
+        size = (checkpoint.path / shard).stat().st_size if (checkpoint.path / shard).is_file() else None
+        if size != info.get("bytes"):
+            raise CheckpointError(f"manifest {file} is stale: shard {shard} has {size} bytes, the manifest "
+                                  f"says {info.get('bytes')}; run `moestream verify` again")
+    for key, found in pieces.items():
+        layout = [(p.tensor, p.shard, p.file_offset, p.slot_offset, p.nbytes) for p in found]
+        if [tuple(entry[:5]) for entry in recorded.get(key, [])] != layout:
+            raise CheckpointError(f"manifest {file} is stale: MoE layer {key.layer} expert {key.expert} "
+                                  "is laid out differently; run `moestream verify` again")

@@ -1,0 +1,322 @@
+"""MoE-Infinity (Xue et al., "MoE-Infinity: Activation-Aware Expert Offloading"): prefetching and
+caching guided by sequence-level Expert Activation Matrices.
+
+- EAM: per sequence, an [L, E] matrix of how many of its tokens each expert served so far.
+- EAMC: at most P EAMs kept from a dataset (fit: one EAM per training sequence), chosen by k-means
+  under the distance 1 - mean_l cos(M1[l], M2[l]); per cluster the member nearest the centroid is
+  kept. k-means runs (scikit-learn) on flattened EAMs whose rows are L2-normalised: then
+  ||x - y||^2 = sum_l (2 - 2 cos_l) = 2 L * distance (a zero row counts as cosine 0 on both sides),
+  so squared Euclidean distance ranks pairs exactly like the paper's distance.
+- Algorithm 1 (prefetch): after each layer's routing, the sequence's nearest EAM in the EAMC gives,
+  for every later layer fl and expert e, ratio = eam[fl][e] / sum(eam[fl]) (the predictor's score)
+  and priority = (ratio + eps) * (1 - fl / L) (the planner). Every layer re-matches and re-plans;
+  the mechanism replaces the queue, serves misses first and moves one transfer per link at a time.
+  As in the released implementation, experts the matched EAM never activated are not submitted
+  (`prefetch_unseen=True` submits them at priority eps * (1 - fl / L), as the pseudo-code reads).
+- Algorithm 2 (replacement): evict the cached expert with the lowest (ratio + eps) * (1 - l / L),
+  ratio taken in the current sequence's own EAM; one policy per tier, reading the predictor's state.
+- Distribution shift: a sequence whose top-k prediction accuracy (from its matched EAM, measured
+  layer by layer) ends below `poor_accuracy` is kept; after `rebuild_after_poor` of them the EAMC is
+  rebuilt from the dataset plus those EAMs on a worker thread, and installed exactly
+  `rebuild_lag_sequences` ended sequences later (waiting if needed), so results never depend on
+  thread timing; a lag of 0 rebuilds inline.
+- Batches: one EAM per sequence; the ratios of their matches are averaged.
+
+This module does not know the cache's contents beyond a CacheView, nor time or bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+import numpy as np
+
+from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.contracts import (
+    POLICIES,
+    CacheView,
+    EvictionPolicy,
+    Policy,
+    Prediction,
+    Predictor,
+    PrefetchPlanner,
+    TransferRequest,
+)
+from moestream.policies.designs.moe_infinity.eams import (
+    EAMCollection,
+    build_collection,
+    layer_shares,
+    sequence_eams,
+    unit_rows,
+)
+from moestream.policies.scored_eviction import ScoredEviction
+from moestream.topology import ExpertKey, Topology
+
+if TYPE_CHECKING:
+    from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MoEInfinityConfig:
+    num_eams: int = 300  # P, the EAMC capacity (not tuned to any data)
+    eps: float = 1e-6  # the epsilon of Algorithms 1 and 2
+    refine: bool = True  # re-match at every layer; False: once per iteration
+    prefetch_unseen: bool = False  # also submit experts the matched EAM never activated
+    poor_accuracy: float = 0.5  # a sequence below this top-k accuracy is a poor prediction
+    rebuild_after_poor: int = 32  # poor sequences that trigger a rebuild of the EAMC
+    rebuild_lag_sequences: int = 8  # ended sequences between a rebuild's start and its install
+    max_dataset_eams: int = 4096  # EAMs kept for rebuilds (the oldest go first)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_eams < 1 or self.rebuild_after_poor < 1 or self.max_dataset_eams < 1:
+            raise ValueError("num_eams, rebuild_after_poor and max_dataset_eams must be >= 1")
+        if self.eps < 0 or not 0.0 <= self.poor_accuracy <= 1.0 or self.rebuild_lag_sequences < 0:
+            raise ValueError("need eps >= 0, poor_accuracy in [0, 1], rebuild_lag_sequences >= 0")
+
+
+class _Sequence:
+    """One sequence's EAM, its per-layer cosines with the EAMC, its match and its accuracy."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.counts = np.zeros((num_layers, num_experts), dtype=np.float32)  # [L, E]
+        self.cosines: np.ndarray | None = None  # [L, P] cos(counts[l], eamc[p][l])
+        self.version = -1
+        self.match = -1  # index in the EAMC of the latest nearest EAM
+        self.hits = 0
+        self.total = 0
+
+    def nearest(self, eamc: EAMCollection) -> int:
+        """Algorithm 1's FIND_NEAREST; -1 while the sequence has no routing yet."""
+        if self.version != eamc.version:
+            self.cosines = np.einsum("le,lep->lp", unit_rows(self.counts), eamc.unit)
+            self.version = eamc.version
+        similarity = self.cosines.sum(axis=0)  # [P]
+        self.match = int(np.argmax(similarity)) if self.counts.any() else -1
+        return self.match
+
+    def add(self, layer: int, experts: np.ndarray, eamc: EAMCollection | None) -> None:
+        row = self.counts[layer]  # [E], updated in place
+        np.add.at(row, experts.ravel(), 1.0)
+        if eamc is not None and self.version == eamc.version:
+            self.cosines[layer] = (row / np.sqrt(row @ row)) @ eamc.unit[layer]  # [P]
+
+    def score(self, layer: int, experts: np.ndarray, eamc: EAMCollection | None) -> None:
+        """Count how many routed experts the matched EAM's top-k at this layer foresaw."""
+        if eamc is None or self.match < 0 or self.version != eamc.version:
+            return
+        self.hits += int(eamc.top[self.match, layer][experts].sum())
+        self.total += experts.size
+
+
+class _Rebuild:
+    """Builds a new EAMC on a worker thread; hands it over after a fixed number of ended sequences."""
+
+    def __init__(self, capacity: int, seed: int, lag_sequences: int):
+        self.capacity, self.seed, self.lag = capacity, seed, lag_sequences
+        self._thread: threading.Thread | None = None
+        self._result: np.ndarray | BaseException | None = None
+        self._countdown = 0
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def start(self, eams: np.ndarray) -> np.ndarray | None:
+        """Begin a rebuild; the new EAMs at once when the lag is 0, else None."""
+        if self.lag == 0:
+            return build_collection(eams, self.capacity, self.seed)
+        self._countdown = self.lag
+        self._thread = threading.Thread(target=self._build, args=(eams,), name="moestream-eamc", daemon=True)
+        self._thread.start()
+        return None
+
+    def sequence_ended(self) -> np.ndarray | None:
+        """The rebuilt EAMs when their install point has come, else None."""
+        if self._thread is None:
+            return None
+        self._countdown -= 1
+        if self._countdown > 0:
+            return None
+        self._thread.join()
+        self._thread, result, self._result = None, self._result, None
+        if isinstance(result, BaseException):
+            raise RuntimeError("rebuilding the EAM collection failed") from result
+        return result
+
+    def _build(self, eams: np.ndarray) -> None:
+        try:
+            self._result = build_collection(eams, self.capacity, self.seed)
+        except BaseException as error:  # re-raised in the predictor's thread at install time
+            self._result = error
+
+
+class MoEInfinityPredictor(Predictor):
+    """Tracks an EAM per sequence; predicts from the nearest EAM of the EAMC (Algorithm 1)."""
+
+    def __init__(self, topology: Topology, config: MoEInfinityConfig = MoEInfinityConfig()):
+        super().__init__(topology)
+        self.config = config
+        self.eamc: EAMCollection | None = None
+        self.dataset = np.zeros((0, topology.num_layers, topology.num_experts), dtype=np.float32)
+        self.num_rebuilds = 0
+        self._versions = 0  # collections installed so far: a cached cosine is valid for one only
+        self._rebuild = _Rebuild(config.num_eams, config.seed, config.rebuild_lag_sequences)
+        self._poor: list[np.ndarray] = []
+        self.reset()
+
+    def fit(self, trace: "Trace") -> None:
+        self.dataset = sequence_eams(trace)[-self.config.max_dataset_eams :]
+        self._install(build_collection(self.dataset, self.config.num_eams, self.config.seed), rebuilt=False)
+
+    def reset(self) -> None:
+        self._sequences: dict[int, _Sequence] = {}
+        self._active: tuple[int, ...] = ()
+        self._plan: np.ndarray | None = None  # [L, E] combined ratios of the current matches
+        self._current_shares: np.ndarray | None = None
+
+    def begin_iteration(self, ctx: IterationContext) -> None:
+        self._active = tuple(int(s) for s in np.unique(ctx.seq_ids))
+        self._plan = self._current_shares = None
+
+    def observe(self, event: RoutingEvent) -> None:
+        seqs, inverse = np.unique(event.seq_ids, return_inverse=True)
+        if not self._active:
+            self._active = tuple(int(s) for s in seqs)
+        for i, seq in enumerate(seqs.tolist()):
+            state = self._sequence(seq)
+            experts = event.expert_ids if len(seqs) == 1 else event.expert_ids[inverse == i]  # [T_seq, K]
+            state.score(event.layer, experts, self.eamc)
+            state.add(event.layer, experts, self.eamc)
+        self._current_shares = None
+
+    def end_sequence(self, seq_id: int) -> None:
+        rebuilt = self._rebuild.sequence_ended()
+        if rebuilt is not None:
+            self._install(rebuilt, rebuilt=True)
+        state = self._sequences.pop(seq_id, None)
+        if state is not None and state.total and state.hits / state.total < self.config.poor_accuracy:
+            self._record_poor(state.counts)
+
+    def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
+        first, last = layer_now + 1, min(self.topology.num_layers - 1, layer_now + horizon_layers)
+        if first > last or self.eamc is None:
+            return []
+        if self.config.refine or self._plan is None:
+            self._plan = self._match()
+        if self._plan is None:
+            return []
+        block = self._plan[first : last + 1]  # [D, E]
+        layers, experts = np.nonzero(block >= 0 if self.config.prefetch_unseen else block > 0)
+        scores = np.minimum(block[layers, experts], 1.0).tolist()
+        return [Prediction(first + l, e, s) for l, e, s in zip(layers.tolist(), experts.tolist(), scores)]
+
+    def eam(self, seq_id: int) -> np.ndarray:
+        """[L, E] a copy of a live sequence's EAM (zeros for an unknown sequence)."""
+        state = self._sequences.get(seq_id)
+        shape = (self.topology.num_layers, self.topology.num_experts)
+        return np.zeros(shape, np.float32) if state is None else state.counts.copy()
+
+    def current_shares(self) -> np.ndarray:
+        """[L, E]: the active sequences' own EAM rows as shares, averaged (Algorithm 2's ratio)."""
+        if self._current_shares is None:
+            states = [self._sequences[s] for s in self._active if s in self._sequences]
+            shape = (self.topology.num_layers, self.topology.num_experts)
+            shares = [layer_shares(state.counts) for state in states]
+            self._current_shares = np.mean(shares, axis=0) if shares else np.zeros(shape, np.float32)
+        return self._current_shares
+
+    def _sequence(self, seq: int) -> _Sequence:
+        if seq not in self._sequences:
+            self._sequences[seq] = _Sequence(self.topology.num_layers, self.topology.num_experts)
+        return self._sequences[seq]
+
+    def _match(self) -> np.ndarray | None:
+        """[L, E]: the mean over active sequences of their nearest EAM's ratios, None if none matched."""
+        matches = [self._sequences[s].nearest(self.eamc) for s in self._active if s in self._sequences]
+        matches = [m for m in matches if m >= 0]
+        if len(matches) <= 1:
+            return self.eamc.ratios[matches[0]] if matches else None
+        return self.eamc.ratios[matches].mean(axis=0)
+
+    def _record_poor(self, counts: np.ndarray) -> None:
+        self._poor.append(counts)
+        if len(self._poor) < self.config.rebuild_after_poor or self._rebuild.pending:
+            return
+        self.dataset = np.concatenate([self.dataset, np.stack(self._poor)])[-self.config.max_dataset_eams :]
+        self._poor = []
+        log.info("moe-infinity: rebuilding the EAMC from %d EAMs", len(self.dataset))
+        rebuilt = self._rebuild.start(self.dataset)
+        if rebuilt is not None:
+            self._install(rebuilt, rebuilt=True)
+
+    def _install(self, eams: np.ndarray, rebuilt: bool) -> None:
+        self.num_rebuilds += rebuilt
+        self.eamc = EAMCollection(eams, self.topology.top_k, self._versions)
+        self._versions += 1
+        self._plan = None
+
+
+class MoEInfinityPlanner(PrefetchPlanner):
+    """Algorithm 1's queue order: priority = (ratio + eps) * (1 - fl / L), skipping resident and
+    in-flight experts, at most `capacity` requests."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
+        best: dict[tuple[int, int], float] = {}
+        skip, num_layers = (view.resident, view.in_flight), view.num_layers
+        for p in predictions:
+            key = (p.layer, p.expert)  # hashes like ExpertKey, without building one per prediction
+            if key in skip[0] or key in skip[1]:
+                continue
+            priority = (p.score + self.eps) * (1.0 - p.layer / num_layers)
+            if priority > best.get(key, -1.0):
+                best[key] = priority
+        ranked = sorted(best.items(), key=lambda item: -item[1])[: view.capacity]
+        return [TransferRequest(ExpertKey(*key), priority) for key, priority in ranked]
+
+
+class MoEInfinityEviction(ScoredEviction):
+    """Algorithm 2: evict the lowest (ratio + eps) * (1 - layer / L); ties go to the least recent."""
+
+    def __init__(self, predictor: MoEInfinityPredictor, eps: float):
+        super().__init__()
+        self.predictor = predictor
+        self.eps = eps
+
+    def score_matrix(self) -> np.ndarray:
+        num_layers = self.predictor.topology.num_layers
+        layer_weight = 1.0 - np.arange(num_layers)[:, None] / num_layers  # [L, 1]
+        return (self.predictor.current_shares() + self.eps) * layer_weight  # [L, E]
+
+
+@POLICIES.register("moe-infinity")
+class MoEInfinity(Policy):
+    """MoE-Infinity: EAMC matching refined at every layer, Algorithm 1 prefetch, Algorithm 2 eviction."""
+
+    config: ClassVar[MoEInfinityConfig] = MoEInfinityConfig()
+
+    def make_predictor(self) -> MoEInfinityPredictor:
+        self.eam_predictor = MoEInfinityPredictor(self.topology, self.config)
+        return self.eam_predictor
+
+    def make_planner(self) -> PrefetchPlanner:
+        return MoEInfinityPlanner(self.config.eps)
+
+    def make_eviction(self, tier: str) -> EvictionPolicy:
+        return MoEInfinityEviction(self.eam_predictor, self.config.eps)
+
+
+@POLICIES.register("moe-infinity-norefine")
+class MoEInfinityNoRefine(MoEInfinity):
+    """Ablation: the nearest EAM is found once per iteration (at its start, or after layer 0 for a
+    sequence with no routing yet) and not refined at later layers."""
+
+    config: ClassVar[MoEInfinityConfig] = replace(MoEInfinityConfig(), refine=False)

@@ -1,0 +1,40 @@
+"""Progress bars that stay plain where output is not a terminal.
+
+On a terminal, `progress_bar(...)` is a tqdm bar redrawn in place. Elsewhere (a log file, a CI job, a
+pipe) it writes whole lines, at most one every `PLAIN_INTERVAL_S` seconds, with no carriage
+returns or cursor escapes. This module knows nothing of what is being counted.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from tqdm.auto import tqdm
+
+PLAIN_INTERVAL_S = 10.0
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class LineWriter:
+    """A file for tqdm that turns each redraw into one plain line (blank redraws dropped)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        for part in _ESCAPES.sub("", text).replace("\r", "\n").split("\n"):
+            if part.strip():
+                self.stream.write(part.rstrip() + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(iterable=None, *, stream=None, **options) -> tqdm:
+    """A tqdm bar (same options) on stderr, plain lines when stderr is not a terminal."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        options = {"mininterval": PLAIN_INTERVAL_S, "ascii": True, "dynamic_ncols": False, "ncols": 80} | options
+        stream = LineWriter(stream)
+    return tqdm(iterable, file=stream, **options)

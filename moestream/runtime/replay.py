@@ -1,0 +1,113 @@
+"""Routing replay, for measurement only: the engine follows a recorded trace's routing instead of its
+router's, so that a random-weight checkpoint meets the routing of a trained model.
+
+Which rows: the trace is read as one token stream, in trace order. Each iteration takes the next
+rows, one per token it processes (its active rows, batch-major, as the model flattens them); every
+MoE layer of that iteration uses the same rows, at its own layer. Sequence boundaries of the trace
+and of the prompts are not aligned (a prompt of 9 tokens may take the tail of one recorded prompt
+and the head of the next): the point is real routing statistics, not a given prompt's routing.
+
+Running out of rows wraps around to the first row (and is logged once): a benchmark's token count
+is set by its prompts and flags, not by the trace, and wrapping keeps the recorded distribution
+(the number of wraps is kept in `wraps`, so a report can say so).
+
+Experts: the trace's experts replace the router's top-k of the active rows; padding rows keep the
+router's choice (they run no experts). Weights: the trace's gate weights when it has them, else the
+router's own top-k weights in their order, so their scale and normalisation stay the model's; which
+replayed expert gets which weight is then arbitrary, as the outputs under replay mean nothing. The
+router's full distribution (gate probabilities for policies that ask) stays the model's own.
+
+The replay is an observer (it learns each iteration's token count from `begin_iteration`) and the
+experts forward asks it for each layer's routing (`moestream.runtime.experts.attach_replay`); it
+knows no policy and no store.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from moestream.errors import MoestreamError
+from moestream.events import IterationContext
+from moestream.policies.contracts import Observer
+from moestream.topology import Topology
+from moestream.trace.schema import Trace
+
+log = logging.getLogger(__name__)
+
+REPLAY_LABEL = "replayed routing"  # printed beside figures measured under replay
+
+
+class ReplayError(MoestreamError):
+    """A trace that cannot drive this model's routing."""
+
+
+def check_topology(trace: Trace, model: Topology, path: str = "trace") -> None:
+    """The routing shape (MoE layers, experts per layer, top_k) must match; expert sizes may differ."""
+    ours, theirs = model, trace.topology
+    if _routing_shape(ours) != _routing_shape(theirs):
+        raise ReplayError(
+            f"cannot replay {path}: it routes {theirs.num_layers} MoE layers x {theirs.num_experts} experts, "
+            f"top-{theirs.top_k}; the model has {ours.num_layers} x {ours.num_experts}, top-{ours.top_k}")
+    if not trace.num_tokens:
+        raise ReplayError(f"cannot replay {path}: it has no tokens")
+
+
+def _routing_shape(topology: Topology) -> tuple[int, int, int]:
+    return topology.num_layers, topology.num_experts, topology.top_k
+
+
+class RoutingReplay(Observer):
+    """Hands each iteration the next rows of the trace and substitutes their experts for the router's."""
+
+    def __init__(self, trace: Trace, model_topology: Topology, source: str = "trace"):
+        check_topology(trace, model_topology, source)
+        self.trace = trace
+        self.source = source
+        self.cursor = 0  # the next trace row
+        self.wraps = 0  # times the cursor went past the last row
+        self.iterations: list[np.ndarray] = []  # [T] trace rows fed to each iteration, in order
+        self._experts = torch.from_numpy(trace.experts.astype(np.int64))  # [N, L, K]
+        weights = trace.gate_weights
+        self._weights = None if weights is None else torch.from_numpy(weights.astype(np.float32))  # [N, L, K]
+
+    def begin_iteration(self, ctx: IterationContext) -> None:
+        n = self.trace.num_tokens
+        rows = (self.cursor + np.arange(ctx.num_tokens)) % n  # [T]
+        wraps = (self.cursor + ctx.num_tokens) // n
+        if wraps and not self.wraps:
+            log.info("routing replay wrapped around %s after %d rows", self.source, n)
+        self.wraps += wraps
+        self.cursor = (self.cursor + ctx.num_tokens) % n
+        self.iterations.append(rows)
+
+    @property
+    def rows_used(self) -> int:
+        return sum(len(rows) for rows in self.iterations)
+
+    def route(self, layer: int, active: np.ndarray, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """active [T] bool, top_k_index/top_k_weights [T, K] -> the replayed [T, K] pair."""
+        if not self.iterations:
+            raise RuntimeError("routing replay got a layer before any iteration began")
+        rows = torch.from_numpy(self.iterations[-1])  # [A]
+        picked = torch.from_numpy(np.flatnonzero(active)).to(top_k_index.device)  # [A]
+        if len(picked) != len(rows):
+            raise RuntimeError(f"the iteration announced {len(rows)} tokens but layer {layer} runs {len(picked)}")
+        index = top_k_index.clone()
+        index[picked] = self._experts[rows, layer].to(index.device, index.dtype)  # [A, K]
+        if self._weights is None:
+            return index, top_k_weights
+        weights = top_k_weights.clone()
+        weights[picked] = self._weights[rows, layer].to(weights.device, weights.dtype)  # [A, K]
+        return index, weights
+
+
+
+def load_replay(path: str, model_topology: Topology) -> RoutingReplay:
+    """The replay of a trace file (a moestream trace or a DeepSeek routing npz) for this model."""
+    from moestream.trace.format import load_trace
+
+    return RoutingReplay(load_trace(path), model_topology, str(path))

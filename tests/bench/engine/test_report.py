@@ -1,0 +1,28 @@
+"""The issue's targets at 25%, read off a bench document: ok, missed, or not measured."""
+
+from moestream.bench.engine.report import targets
+
+
+def _run(policy: str, mode: str, tpot_ms: float, budget: float = 0.25, rss: float = 500.0) -> dict:
+    return {"policy": policy, "mode": mode, "budget": budget, "budget_mib": 100.0, "tpot_ms": tpot_ms,
+            "limit_tpot_ms": 80.0, "peak_rss_mib": rss}
+
+
+def _document(*runs) -> dict:
+    return {"runs": list(runs), "resident_tpot_ms": 70.0, "floor_rss_mib": 300.0, "dense_mib": 50.0}
+
+
+def test_every_target_is_checked_against_its_reference():
+    verdicts = targets(_document(_run("default", "async", 90.0), _run("lru", "sync", 160.0),
+                                 _run("hf-accelerate", "sync", 85.0), _run("default", "async", 10.0, budget=0.5)))
+    by_start = {name.split(" (")[0][:30]: verdict.split()[0] for name, verdict in verdicts.items()}
+    assert list(by_start.values()) == ["ok", "ok", "ok", "missed", "ok"]  # 90 > 85: slower than HF
+    assert verdicts["default TPOT <= 1.2x physical limit"] == "ok (1.12x)"
+
+
+def test_missing_runs_are_not_measured_rather_than_passed():
+    verdicts = targets(_document(_run("default", "async", 200.0, rss=600.0)))
+    assert verdicts["default TPOT <= 1.2x physical limit"].startswith("missed")
+    assert verdicts["default >= 1.6x faster than --sync LRU"] == "not measured"
+    assert verdicts["default faster than HF accelerate offload"] == "not measured"
+    assert targets(_document(_run("lru", "sync", 1.0))) == {"default at 25%": "not measured (no default run at 25%)"}

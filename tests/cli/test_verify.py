@@ -1,0 +1,68 @@
+"""`moestream verify` and damaged checkpoints end to end: one-line errors, exit 2, nothing written."""
+
+import pytest
+
+from moestream.cli import main
+from moestream.checkpoint.manifest import MANIFEST_FILE
+from tests.checkpoint.damage import copy_checkpoint, nan_in_experts, scramble_experts
+
+PROMPT = "The experts are"
+
+
+@pytest.fixture
+def model_dir(tiny_checkpoint, tmp_path):
+    source = tiny_checkpoint("qwen2_moe", num_layers=2, max_shard_bytes=300_000)
+    return copy_checkpoint(source, tmp_path / "model")
+
+
+def _error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("moestream:")]
+    assert len(err) == 1 and "Traceback" not in err[0]
+    return err[0]
+
+
+def _generate(model_dir, out) -> int:
+    return main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "4",
+                 "--buffered-io", "--json", str(out)])
+
+
+def test_verify_writes_the_manifest_and_prints_its_throughput(model_dir, capsys):
+    assert main(["verify", "--model", str(model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "verified" in out and "/s" in out and "wrote the digests of" in out
+    assert (model_dir / MANIFEST_FILE).is_file()
+    assert main(["verify", "--model", str(model_dir)]) == 0
+    assert "matched the digests of" in capsys.readouterr().out
+
+
+def test_damaged_expert_bytes_with_a_manifest_stop_generation(model_dir, tmp_path, capsys):
+    assert main(["verify", "--model", str(model_dir)]) == 0
+    (info, _), *_ = scramble_experts(model_dir, layer=0)
+    capsys.readouterr()
+    out = tmp_path / "run.json"
+    assert _generate(model_dir, out) == 2
+    line = _error_line(capsys)
+    assert "damaged expert bytes" in line and f"shard {info.file.name}" in line and "MoE layer 0 expert" in line
+    assert "tensor model.layers.0." in line and not out.exists()
+    assert main(["verify", "--model", str(model_dir)]) == 2
+    assert "damaged expert bytes" in _error_line(capsys)
+
+
+def test_damaged_expert_bytes_without_a_manifest_stop_at_the_layer(model_dir, tmp_path, capsys):
+    scramble_experts(model_dir, layer=0)
+    out = tmp_path / "run.json"
+    assert _generate(model_dir, out) == 2
+    line = _error_line(capsys)
+    assert "non-finite values" in line and "MoE layer 0" in line and not out.exists()
+
+
+def test_nan_in_an_expert_tensor_stops_generation_naming_the_layer(model_dir, tmp_path, capsys):
+    nan_in_experts(model_dir, layer=1)
+    assert _generate(model_dir, tmp_path / "run.json") == 2
+    line = _error_line(capsys)
+    assert "non-finite values" in line and "MoE layer 1" in line
+
+
+def test_a_missing_checkpoint_is_refused(tmp_path, capsys):
+    assert main(["verify", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in _error_line(capsys)
