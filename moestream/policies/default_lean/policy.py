@@ -22,7 +22,7 @@ import numpy as np
 
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.base import (
+from moestream.policies.contracts import (
     POLICIES,
     EvictionPolicy,
     Prediction,

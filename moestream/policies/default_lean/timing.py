@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from moestream.cache import ExpertCache
-from moestream.policies.base import CacheView, EvictionPolicy
+from moestream.policies.contracts import CacheView, EvictionPolicy
 from moestream.policies.default_lean.policy import DefaultLean
 from moestream.policies.default_lean.state import SequenceHistory
 from moestream.topology import ExpertKey
