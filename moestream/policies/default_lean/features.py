@@ -60,8 +60,8 @@ def multi_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
 class TraceFeatures:
     """Every row's model inputs for one (layer, cut), computed for a whole trace."""
 
-    def __init__(self, trace: "Trace", tokens: np.ndarray, window_tokens: int, beta: float):
-        self.trace, self.tokens, self.beta = trace, tokens, beta
+    def __init__(self, trace: "Trace", tokens: np.ndarray, window_tokens: int, beta: float, cut_recall: bool = True):
+        self.trace, self.tokens, self.beta, self.cut_recall = trace, tokens, beta, cut_recall
         E = trace.topology.num_experts
         self.hot = multi_hot(trace.experts, E)  # [N, L, E]
         self.prev = previous_rows(trace.seq_ids)  # [N]
@@ -95,9 +95,11 @@ class TraceFeatures:
         return self.recall_many([layer], cut)[:, 0]
 
     def recall_many(self, layers: list[int], cut: int) -> np.ndarray:
-        """[N, n, E]: recall() at several layers from one cut, as one sparse [N, N] product."""
+        """[N, n, E]: recall() at several layers from one cut, as one sparse [N, N] product (without
+        cut_recall, the window's mean routing whatever the cut)."""
         from scipy.sparse import csr_matrix
 
+        cut = cut if self.cut_recall else -1
         shared = sum(self._shared_at(c) for c in (cut, cut - 1) if c >= 0)
         weights = recall_weights(np.asarray(shared, dtype=np.float32), self.valid, self.beta)  # [N, W]
         n = len(self.prev)

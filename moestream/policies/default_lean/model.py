@@ -1,8 +1,9 @@
 """The lean routing model of `default-lean`: its settings, its weights and its one forward pass.
 
 For a token t and a target layer l, seen from a cut c (the last layer of t already routed), the
-logits over l's E experts are a bias plus two small matmuls:
-    bias[a, b] + features @ dense[a, b] + token_embedding[t] @ token_out[a, b]
+pre-activations are a bias plus two small matmuls (U units: E when linear, else hidden_units):
+    pre = bias[a, b] + features @ dense[a, b] + token_embedding[t] @ token_out[a, b]    # [U]
+and the logits over l's E experts are pre itself (linear), or relu(pre) @ out[a, b] + out_bias[a, b]
 where b is the horizon bucket (0: l = c+1, 1: l = c+2, START: t's start, nothing of it routed) and
 a is the anchor: the cut c for buckets 0 and 1, the target l for START. So the weights one routed
 layer needs online are one contiguous block, dense[c], and a token's start needs dense[:, START]:
@@ -10,8 +11,9 @@ views, no copies. `features` is the concatenation of six E-vectors (features.py)
 experts at c and c-1, the previous two tokens' experts at l, the in-sequence recall at l and the
 sequence's running share at l.
 
-`logits` is written once for both array libraries: numpy online and over whole traces, torch in
-training (it uses only indexing, `@` and `+`), so training produces exactly the weights it reads.
+`pre_activation` and `head` (composed: `logits`) are written once for both array libraries: numpy
+online and over whole traces, torch in training (they use only indexing, `@`, `+` and `*`), so
+training produces exactly the weights it reads.
 Knows arrays, not events, caches or torch.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from scipy.special import expit
 
 from moestream.predictors.configs import ConfigError
 
@@ -28,6 +31,7 @@ NUM_BUCKETS = 3  # d = 1, d = 2, the token's start
 START = 2  # the bucket of a prediction that sees none of the token's own routing
 NUM_BLOCKS = 6  # E-vectors in the features: cur, cur-1, prev, prev2, recall, share
 WEIGHT_NAMES = ("bias", "dense", "token", "token_out")
+HIDDEN_NAMES = ("out", "out_bias")  # only with hidden_units > 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class LeanConfig:
     window_tokens: int = 32  # earlier tokens of the sequence the recall weighs
     recall_beta: float = 0.5  # recall weight exp(beta x experts shared at c and c-1)
     token_rank: int = 16  # width of the token embedding
+    hidden_units: int = 0  # 0: linear; else one ReLU layer of this width
+    cut_recall: bool = True  # recall at c+1, c+2 weighted by the token's own routing (else the window mean)
     min_token_count: int = 3  # rarer training tokens map to the unknown token (index 0)
     min_prefetch_probability: float = 0.5
     idle_prefetch_probability: float = 0.1  # the bar while nothing moves to the tier
@@ -44,6 +50,8 @@ class LeanConfig:
     def __post_init__(self):
         if self.window_tokens < 1 or self.token_rank < 1 or self.min_token_count < 1:
             raise ConfigError("window_tokens, token_rank and min_token_count must be >= 1")
+        if self.hidden_units < 0:
+            raise ConfigError("hidden_units must be >= 0")
         if self.recall_beta < 0:
             raise ConfigError("recall_beta must be >= 0")
         for name in ("min_prefetch_probability", "idle_prefetch_probability"):
@@ -68,38 +76,54 @@ def target_of(anchor: np.ndarray, buckets: np.ndarray) -> np.ndarray:
 class LeanWeights:
     """The model's arrays (numpy online, torch tensors in training)."""
 
-    bias: Any  # [L, B, E]  (anchor, bucket)
-    dense: Any  # [L, B, 6E, E]
+    bias: Any  # [L, B, U]  (anchor, bucket); U = E when linear, else hidden_units
+    dense: Any  # [L, B, 6E, U]
     token: Any  # [V, R]
-    token_out: Any  # [L, B, R, E]
+    token_out: Any  # [L, B, R, U]
+    out: Any = None  # [L, B, H, E] with a hidden layer
+    out_bias: Any = None  # [L, B, E] with a hidden layer
 
     @classmethod
-    def zeros(cls, num_layers: int, num_experts: int, vocab_size: int, rank: int) -> "LeanWeights":
+    def zeros(cls, num_layers: int, num_experts: int, vocab_size: int, rank: int, hidden: int = 0) -> "LeanWeights":
         B, L, E = NUM_BUCKETS, num_layers, num_experts
-        return cls(np.zeros((L, B, E), np.float32), np.zeros((L, B, NUM_BLOCKS * E, E), np.float32),
-                   np.zeros((vocab_size, rank), np.float32), np.zeros((L, B, rank, E), np.float32))
+        U = hidden or E
+        extra = (np.zeros((L, B, U, E), np.float32), np.zeros((L, B, E), np.float32)) if hidden else ()
+        return cls(np.zeros((L, B, U), np.float32), np.zeros((L, B, NUM_BLOCKS * E, U), np.float32),
+                   np.zeros((vocab_size, rank), np.float32), np.zeros((L, B, rank, U), np.float32), *extra)
 
     def arrays(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in WEIGHT_NAMES}
+        names = WEIGHT_NAMES + (HIDDEN_NAMES if self.out is not None else ())
+        return {name: getattr(self, name) for name in names}
 
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes for a in self.arrays().values())
 
 
-def logits(w: LeanWeights, features, tokens, index):
-    """[T, n, E] logits of the n (anchor, bucket) weights w.dense[index] ([n, 6E, E]).
+def pre_activation(w: LeanWeights, features, tokens, index):
+    """[T, n, U] pre-activations of the n (anchor, bucket) weights w.dense[index] ([n, 6E, U]).
 
     features [T, n, 6E]; tokens [T, n] or [T, 1] vocabulary indices; index any index of the
     first two axes of the weights that selects n of them (online: views, c or (slice, START)).
     """
-    dense = features.swapaxes(0, 1) @ w.dense[index]  # [n, T, E]
-    token = w.token[tokens].swapaxes(0, 1) @ w.token_out[index]  # [n, T, E]
-    return (dense + token).swapaxes(0, 1) + w.bias[index]  # [T, n, E]
+    dense = features.swapaxes(0, 1) @ w.dense[index]  # [n, T, U]
+    token = w.token[tokens].swapaxes(0, 1) @ w.token_out[index]  # [n, T, U]
+    return (dense + token).swapaxes(0, 1) + w.bias[index]  # [T, n, U]
 
 
-def sigmoid(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    out = np.negative(x, out=out)
-    np.exp(out, out=out)
-    out += 1.0
-    return np.reciprocal(out, out=out)
+def head(w: LeanWeights, pre, index):
+    """[T, n, E] logits from [T, n, U] pre-activations: themselves, or through the hidden layer."""
+    if w.out is None:
+        return pre
+    hidden = (pre * (pre > 0)).swapaxes(0, 1)  # [n, T, H] ReLU
+    return (hidden @ w.out[index]).swapaxes(0, 1) + w.out_bias[index]  # [T, n, E]
+
+
+def logits(w: LeanWeights, features, tokens, index):
+    """[T, n, E] logits: head(pre_activation(...)) (see pre_activation for the arguments)."""
+    return head(w, pre_activation(w, features, tokens, index), index)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """Probabilities from logits, in one call (scipy's expit, which does not overflow)."""
+    return expit(x)

@@ -35,7 +35,6 @@ from moestream.policies.default_lean.features import (
 )
 from moestream.policies.default_lean.model import (
     START,
-    WEIGHT_NAMES,
     LeanConfig,
     LeanWeights,
     logits,
@@ -97,7 +96,7 @@ class LeanPredictor(TrainablePredictor):
 
     def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
         self.config = LeanConfig(**meta["config"])
-        self.weights = LeanWeights(**{name: tensors[name] for name in WEIGHT_NAMES})
+        self.weights = LeanWeights(**tensors)
         self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
         self.reset()
 
@@ -107,7 +106,8 @@ class LeanPredictor(TrainablePredictor):
         if self._trace is None or not self._trace.holds(trace):
             keys, kind = token_keys(trace)
             tokens = self._indices(keys if kind == self.key_kind else None, trace.num_tokens)
-            self._trace = TraceFeatures(trace, tokens, self.config.window_tokens, self.config.recall_beta)
+            config = self.config
+            self._trace = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta, config.cut_recall)
         cut = layer - horizon_layers
         tokens = self._trace.tokens
         if cut < -1:  # predicted at the previous token, before this one was known
@@ -144,14 +144,16 @@ class LeanPredictor(TrainablePredictor):
 
     def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
         state = self.state
-        if state is None or not state.active:
+        L, k = self.topology.num_layers, self.topology.top_k
+        targets = range(layer_now + 1, min(layer_now + horizon_layers, 2 * L - 1) + 1)
+        if state is None or not state.active or not targets:
             return []
-        L, k, predictions = self.topology.num_layers, self.topology.top_k, []
-        for target in range(layer_now + 1, min(layer_now + horizon_layers, 2 * L - 1) + 1):
+        scores = state.scores_ahead(layer_now, len(targets))  # [n, E]
+        top = np.argpartition(scores, -k, axis=1)[:, -k:].tolist()  # [n, k]
+        predictions = []
+        for target, experts, probs in zip(targets, top, scores.tolist()):
             layer, ahead = (target - L, 1) if target >= L else (target, 0)
-            scores = state.scores(layer_now, target)
-            top = np.argpartition(scores, -k)[-k:]
-            predictions += [Prediction(layer, e, s, ahead) for e, s in zip(top.tolist(), scores[top].tolist())]
+            predictions += [Prediction(layer, e, probs[e], ahead) for e in experts]
         return predictions
 
     def expected_wait(self) -> np.ndarray:

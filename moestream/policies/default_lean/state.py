@@ -4,7 +4,9 @@ probabilities, kept incrementally so that one layer decision is a handful of num
 Per iteration (T token rows; in a prefill every row sees its sequence as it was before the
 iteration): begin() predicts every layer from the tokens' start (horizon bucket START); each
 observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for predictions past the
-last layer, the next token's layer c, in ONE call of model.logits. A batch's probability for an
+last layer, the next token's layer c, in ONE call of model.logits. The inputs that do not depend
+on the token's own routing are laid out per layer in begin(), so a layer only copies them and adds
+its routed experts (and, with cut_recall, the recall they weight). A batch's probability for an
 expert is the chance that at least one of its rows routes to it. Knows arrays and events, not caches.
 """
 
@@ -41,21 +43,21 @@ class SequenceHistory:
         self.prev, self.prev2 = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
         self.window_sum, self.total = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
 
-    def start_features(self, out: np.ndarray) -> None:
-        """Fills out [L, 6E] with the START inputs of the sequence's next token."""
-        E = self.prev.shape[1]
-        out[:, 2 * E:3 * E], out[:, 3 * E:4 * E] = self.prev, self.prev2
-        out[:, 4 * E:5 * E] = self.window_sum / max(self.count, 1)
-        out[:, 5 * E:] = self.total / max(self.num_tokens, 1)
-
-    def next_start(self, layer: int, hot: np.ndarray, out: np.ndarray) -> None:
-        """Fills out [6E] with the next token's START inputs at layer, given this token's hot [E] there."""
-        E, W = len(hot), len(self.ring)
-        out[:2 * E] = 0.0
-        out[2 * E:3 * E], out[3 * E:4 * E] = hot, self.prev[layer]
-        dropped = self.ring[self.slot, layer] if self.count == W else 0.0
-        out[4 * E:5 * E] = (self.window_sum[layer] - dropped + hot) / min(self.count + 1, W)
-        out[5 * E:] = (self.total[layer] + hot) / (self.num_tokens + 1)
+    def fill_inputs(self, ahead: np.ndarray, following: np.ndarray) -> tuple[float, float]:
+        """Fills ahead [L, 4E] with the sequence's next token's inputs at each target layer (blocks 2-5
+        of the features: prev, prev2, recall as the window's mean, share) and following [L, 4E] with
+        the token after it's START inputs but what that next token adds; returns the weights the next
+        token's routing adds with to following's recall and share."""
+        E, W = self.prev.shape[1], len(self.ring)
+        ahead[:, :E], ahead[:, E:2 * E] = self.prev, self.prev2
+        ahead[:, 2 * E:3 * E] = self.window_sum / max(self.count, 1)
+        ahead[:, 3 * E:] = self.total / max(self.num_tokens, 1)
+        dropped = self.ring[self.slot] if self.count == W else 0.0
+        recall_step, share_step = 1.0 / min(self.count + 1, W), 1.0 / (self.num_tokens + 1)
+        following[:, E:2 * E] = self.prev
+        following[:, 2 * E:3 * E] = (self.window_sum - dropped) * recall_step
+        following[:, 3 * E:] = self.total * share_step
+        return recall_step, share_step
 
     def finish_token(self, routed: np.ndarray) -> None:
         """Appends a token's [L, E] routing."""
@@ -92,33 +94,42 @@ class IterationState:
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
 
     def begin(self, ctx: IterationContext, tokens: np.ndarray) -> None:
-        L, E = self.topology.num_layers, self.topology.num_experts
+        L, E, T = self.topology.num_layers, self.topology.num_experts, ctx.num_tokens
         self.rows = [self._history(int(s)) for s in ctx.seq_ids.tolist()]
         self._tokens, self.layer_now, self.active = tokens, -1, bool(self.rows)
-        self._routed = np.zeros((len(self.rows), L, E), np.float32)
-        self._shared = np.zeros((len(self.rows), self.config.window_tokens), np.float32)
-        x = np.zeros((len(self.rows), L, NUM_BLOCKS * E), np.float32)  # [T, L, 6E]
+        self._routed = np.zeros((T, L, E), np.float32)
+        self._shared = np.zeros((T, self.config.window_tokens), np.float32)
+        self._ahead_inputs = np.zeros((T, L + 2, 4 * E), np.float32)  # [T, L+2, 4E] two zero layers past L
+        self._next_inputs = np.zeros((T, L, 4 * E), np.float32)  # [T, L, 4E]
+        self._steps = np.zeros((T, 2, 1), np.float32)  # [T, 2, 1] the recall and share steps
         for row, history in enumerate(self.rows):
-            history.start_features(x[row])
+            self._steps[row, :, 0] = history.fill_inputs(self._ahead_inputs[row, :L], self._next_inputs[row])
+        x = np.zeros((T, L, NUM_BLOCKS * E), np.float32)  # [T, L, 6E]
+        x[:, :, 2 * E:] = self._ahead_inputs[:, :L]
         self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], (slice(None), START))))  # [L, E]
         self.ahead, self.next = self.start.copy(), self.start.copy()
         self.fresh, self._wait = self.start[:NUM_BUCKETS], None
-        self._x = np.zeros((len(self.rows), NUM_BUCKETS, NUM_BLOCKS * E), np.float32)
-        self._row_index = np.arange(len(self.rows))[:, None]
-        self._cut_tokens = np.zeros((len(self.rows), NUM_BUCKETS), np.int64)  # the next token is not known yet
+        self._x = np.zeros((T, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)
+        self._row_index = np.arange(T)[:, None]
+        self._cut_tokens = np.zeros((T, NUM_BUCKETS), np.int64)  # the next token is not known yet
         self._cut_tokens[:, :START] = tokens[:, None]
 
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
             return
-        c, L = event.layer, self.topology.num_layers
+        c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
         routed = self._routed[:, c]  # [T, E]
         routed[self._row_index, event.expert_ids] = 1.0
         x = self._x  # [T, 3, 6E]: targets c+1, c+2, the next token's c
-        x.fill(0.0)
-        for row, history in enumerate(self.rows):
-            self._cut_features(row, history, c, x[row])
-            history.next_start(c, routed[row], x[row, START])
+        x[:, :START, :E] = routed[:, None]
+        if c >= 1:
+            x[:, :START, E:2 * E] = self._routed[:, c - 1, None]
+        x[:, :START, 2 * E:] = self._ahead_inputs[:, c + 1:c + 3]
+        x[:, START, 2 * E:] = self._next_inputs[:, c]
+        x[:, START, 2 * E:3 * E] = routed
+        x[:, START, 4 * E:].reshape(-1, 2, E)[:] += routed[:, None] * self._steps  # [T, 2, E] recall, share
+        if self.config.cut_recall:
+            self._cut_recall(c, x)
         self.fresh = union(sigmoid(logits(self.weights, x, self._cut_tokens, c)))  # [3, E]: the weights of cut c
         ahead = min(2, L - 1 - c)
         self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
@@ -128,20 +139,17 @@ class IterationState:
             for history, routed_token in zip(self.rows, self._routed):
                 history.finish_token(routed_token)
 
-    def _cut_features(self, row: int, history: SequenceHistory, c: int, out: np.ndarray) -> None:
-        """Fills out[:2] ([2, 6E]) with the row's inputs for targets c+1 and c+2 (those below L), seen from c."""
-        E, m = self.topology.num_experts, history.count
+    def _cut_recall(self, c: int, x: np.ndarray) -> None:
+        """Writes x[:, :2]'s recall block (targets c+1 and c+2 below L): the window's routing there,
+        weighted by the experts each earlier token shared with this one at c and c-1."""
+        E = self.topology.num_experts
         n, span = min(2, self.topology.num_layers - 1 - c), slice(c + 1, c + 3)
-        routed = self._routed[row]
-        shared_c = history.ring[:m, c] @ routed[c]  # [m]
-        weights = recall_weights(shared_c + self._shared[row, :m], 1.0, self.config.recall_beta)  # [m]
-        self._shared[row, :m] = shared_c
-        out[:n, :E] = routed[c]
-        if c >= 1:
-            out[:n, E:2 * E] = routed[c - 1]
-        out[:n, 2 * E:3 * E], out[:n, 3 * E:4 * E] = history.prev[span], history.prev2[span]
-        out[:n, 4 * E:5 * E] = (weights @ history.ring[:m, span].reshape(m, n * E)).reshape(n, E)
-        out[:n, 5 * E:] = history.total[span] / max(history.num_tokens, 1)
+        for row, history in enumerate(self.rows):
+            m = history.count
+            shared_c = history.ring[:m, c] @ self._routed[row, c]  # [m]
+            weights = recall_weights(shared_c + self._shared[row, :m], 1.0, self.config.recall_beta)  # [m]
+            self._shared[row, :m] = shared_c
+            x[row, :n, 4 * E:5 * E] = (weights @ history.ring[:m, span].reshape(m, n * E)).reshape(n, E)
 
     def scores(self, layer_now: int, target: int) -> np.ndarray:
         """[E]: probabilities for `target` (>= L: the next token's target - L) seen from layer_now."""
@@ -151,6 +159,12 @@ class IterationState:
         if layer_now < 0 or target - layer_now > 2:
             return self.start[target]
         return self.fresh[target - layer_now - 1]
+
+    def scores_ahead(self, layer_now: int, num_targets: int) -> np.ndarray:
+        """[n, E]: scores() of the n targets after layer_now (a view of the last cut's when it has them)."""
+        if 0 <= layer_now and num_targets <= min(2, self.topology.num_layers - 1 - layer_now):
+            return self.fresh[:num_targets]
+        return np.stack([self.scores(layer_now, layer_now + 1 + i) for i in range(num_targets)])
 
     def end_sequence(self, seq_id: int) -> None:
         ended = self.sequences.pop(seq_id, None)

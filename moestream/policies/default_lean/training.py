@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TOKEN_DROPOUT = 0.1  # share of training rows whose token is shown as unknown
+INIT_STD = 0.05  # initial spread of the hidden layer's weights
 
 
 def pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -67,15 +68,18 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: L
     rng = np.random.default_rng(train.seed)
     L, E = trace.topology.num_layers, trace.topology.num_experts
     anchors, buckets, targets, cuts = pairs(L)
-    features = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta)
+    features = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta, config.cut_recall)
     recall = np.zeros((trace.num_tokens, len(targets), E), np.float32)  # [N, P, E]
     for cut in np.unique(cuts).tolist():
         recall[:, cuts == cut] = features.recall_many(targets[cuts == cut].tolist(), cut)
     labels = features.hot[:, targets]  # [N, P, E]
-    weights = LeanWeights(*(torch.zeros(a.shape, requires_grad=True) for a in
-                            LeanWeights.zeros(L, E, vocab_size, config.token_rank).arrays().values()))
+    zeros = LeanWeights.zeros(L, E, vocab_size, config.token_rank, config.hidden_units)
+    weights = LeanWeights(**{name: torch.zeros(a.shape, requires_grad=True) for name, a in zeros.arrays().items()})
     with torch.no_grad():
         weights.token.normal_(0.0, 0.1)
+        if config.hidden_units:  # break the hidden units' symmetry
+            weights.dense.normal_(0.0, INIT_STD)
+            weights.out.normal_(0.0, INIT_STD)
     optimizer = torch.optim.AdamW(list(weights.arrays().values()), lr=train.learning_rate,
                                   weight_decay=train.weight_decay)
     index = (torch.from_numpy(anchors), torch.from_numpy(buckets))
@@ -99,4 +103,4 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: L
         losses.append(total / trace.num_tokens)
         log.info("default-lean epoch %d: loss %.4f", len(losses), losses[-1])
     bar.close()
-    return LeanWeights(*(t.detach().numpy().copy() for t in weights.arrays().values())), losses
+    return LeanWeights(**{name: t.detach().numpy().copy() for name, t in weights.arrays().items()}), losses

@@ -1,6 +1,7 @@
 """default-lean: fit, online predictions equal to whole-trace scoring, calibration, eviction by
 expected next use, save/load, and the error when it has no trained model."""
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from moestream.cache import ExpertCache
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
+from moestream.policies.default_lean.model import LeanConfig
 from moestream.policies.default_lean.policy import UntrainedPolicyError
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
@@ -43,6 +45,20 @@ def test_online_predictions_equal_whole_trace_scoring(policy, traces, horizon):
     online = evaluate_predictor(OnlineOnly(policy.predictor), test, horizon)
     np.testing.assert_array_equal(scored.hits, online.hits)
     np.testing.assert_array_equal(scored.predicted, online.predicted)
+
+
+@pytest.mark.parametrize("overrides", [{"cut_recall": False}, {"hidden_units": 8}, {"hidden_units": 8, "cut_recall": False}])
+def test_every_variant_predicts_online_what_it_scores(traces, overrides):
+    config = dataclasses.replace(LeanConfig(), **overrides)
+    policy = POLICIES.create("default-lean", TOPOLOGY, config=config, train=TrainConfig(num_epochs=3, batch_size=64))
+    policy.fit(traces[0])
+    assert set(policy.predictor.tensors()) >= ({"out", "out_bias"} if config.hidden_units else set())
+    for horizon in (1, 3):
+        scored = evaluate_predictor(policy.predictor, traces[1], horizon)
+        policy.predictor.reset()
+        online = evaluate_predictor(OnlineOnly(policy.predictor), traces[1], horizon)
+        np.testing.assert_array_equal(scored.hits, online.hits)
+        np.testing.assert_array_equal(scored.predicted, online.predicted)
 
 
 def test_beats_chance_and_is_calibrated(policy, traces):
