@@ -2,7 +2,7 @@
 
 `TraceFeatures.features(layer, cut)` gives, for each row t and target `layer`, seen once t's layers
 <= cut have routed (cut = -1: t's start, nothing routed), the [N, 6E] features of
-moestream.policies.default_lean.model: t's experts at cut and cut-1, the previous two tokens'
+moestream.policies.default.model: t's experts at cut and cut-1, the previous two tokens'
 experts at the layer, the in-sequence recall at the layer and the sequence's running share there.
 The online state (state.py) keeps the same numbers incrementally; `recall_weights` is the code both
 use. Token keys and the vocabulary are here too. Knows traces and arrays, not events or caches.

@@ -1,5 +1,5 @@
-"""`python -m moestream.policies.default_lean.timing`: what one layer decision of a trained
-`default-lean` costs on this machine, and the memory its model and one decision take.
+"""`python -m moestream.policies.default.timing`: what one layer decision of a trained
+`default` costs on this machine, and the memory its model and one decision take.
 
 A decision per layer is everything the policy does on the compute thread for that layer: observe
 the routing, predict the next `--horizon-layers`, plan the prefetch, and the eviction hooks of the
@@ -22,8 +22,8 @@ import numpy as np
 
 from moestream.cache import ExpertCache
 from moestream.policies.contracts import CacheView, EvictionPolicy
-from moestream.policies.default_lean.policy import DefaultLean
-from moestream.policies.default_lean.state import SequenceHistory
+from moestream.policies.default.policy import Default
+from moestream.policies.default.state import SequenceHistory
 from moestream.topology import ExpertKey
 from moestream.trace.format import load_trace
 from moestream.trace.replay import decode_stream
@@ -62,7 +62,7 @@ class Figures:
     decision_alloc_bytes: int
 
 
-def measure(policy: DefaultLean, trace, cache_ratio: float, horizon: int, max_tokens: int) -> Figures:
+def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens: int) -> Figures:
     topology, predictor = policy.topology, policy.predictor
     eviction = TimedEviction(policy.make_eviction("device"))
     cache = ExpertCache(max(1, int(topology.total_experts * cache_ratio)), eviction)
@@ -99,8 +99,8 @@ def measure(policy: DefaultLean, trace, cache_ratio: float, horizon: int, max_to
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moestream.policies.default_lean.timing", description=__doc__)
-    parser.add_argument("--predictor-dir", required=True, help="a trained default-lean directory")
+    parser = argparse.ArgumentParser(prog="python -m moestream.policies.default.timing", description=__doc__)
+    parser.add_argument("--predictor-dir", required=True, help="a trained default directory")
     parser.add_argument("--trace", required=True, help="routing trace (.npz) to replay")
     parser.add_argument("--tokens", help="tokens jsonl of a DeepSeek routing npz")
     parser.add_argument("--max-tokens", type=int, default=2000, help="tokens to replay (default 2000)")
@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--horizon-layers", type=int, default=2)
     args = parser.parse_args(argv)
     trace = load_trace(args.trace, args.tokens)
-    policy = DefaultLean(trace.topology, predictor_dir=args.predictor_dir)
+    policy = Default(trace.topology, predictor_dir=args.predictor_dir)
     figures = measure(policy, trace, args.cache_ratio, args.horizon_layers, args.max_tokens)
     micros = figures.micros
-    print(f"default-lean: {len(micros)} layer decisions; median {np.median(micros):.1f} µs, "
+    print(f"default: {len(micros)} layer decisions; median {np.median(micros):.1f} µs, "
           f"mean {micros.mean():.1f} µs, p90 {np.percentile(micros, 90):.1f} µs per layer decision (CPU time)")
     print(f"model: {figures.model_bytes / 2**20:.2f} MiB of weights; state per sequence: "
           f"{figures.sequence_bytes / 2**10:.0f} KiB; one layer decision allocates "

@@ -1,4 +1,4 @@
-"""Saving and loading a trained `default-lean` model: weights.safetensors (numpy arrays, no torch)
+"""Saving and loading a trained `default` model: weights.safetensors (numpy arrays, no torch)
 plus predictor.json, in the format of moestream.policies.trained, each file written atomically."""
 
 from __future__ import annotations
