@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moestream.policies.routing_stats import previous_rows
+
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
@@ -40,14 +42,6 @@ def build_vocabulary(keys: list | None, min_count: int) -> dict[str, int]:
     counts = Counter(str(k) for k in keys or [])
     kept = sorted(k for k, n in counts.items() if n >= min_count)
     return {k: i + 1 for i, k in enumerate(kept)}
-
-
-def previous_rows(seq_ids: np.ndarray) -> np.ndarray:
-    """[N]: the row of the same sequence's previous token, or -1 for a sequence's first token."""
-    prev = np.arange(-1, len(seq_ids) - 1)
-    if len(seq_ids):
-        prev[np.r_[True, seq_ids[1:] != seq_ids[:-1]]] = -1
-    return prev
 
 
 def multi_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
