@@ -77,3 +77,11 @@ class Budget:
         """The budget as a percentage of the model's total routed-expert bytes, e.g. '25%'."""
         share = 100 * self.resolve(total_bytes) / total_bytes if total_bytes else 0.0
         return f"{share:.3g}%"
+
+
+def parse_size(text: str, what: str) -> int:
+    """A byte count written like a budget's size ('256KiB', '1048576'); ratios are refused."""
+    budget = Budget.parse(text)
+    if budget.size_bytes is None:
+        raise BudgetError(f"{what} takes a size such as 256KiB, not a ratio ({text!r})")
+    return budget.size_bytes

@@ -90,6 +90,10 @@ class ExpertCache:
     def evictable(self) -> list[ExpertKey]:
         return list(Evictable(self._slots, self._pins))
 
+    def has_evictable(self) -> bool:
+        """Whether some resident key may be evicted (stops at the first one; no list is built)."""
+        return bool(Evictable(self._slots, self._pins))
+
     def _evict(self, protect: Container[ExpertKey] = ()) -> ExpertKey:
         candidates = Evictable(self._slots, self._pins, protect)
         if not candidates:

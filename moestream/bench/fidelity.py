@@ -4,7 +4,8 @@ The engine runs once (a fresh process, cold, `--replay-routing TRACE`) and recor
 fed each iteration; the simulator replays exactly those iterations (each prompt's prefill as one,
 then one per decode token) with the same policy and as many device slots, under a cost model
 calibrated from this machine's engine (an on-demand LRU run at the same budget: decode compute = TPOT
-less stall, and its mean expert read time) or given as `--cost-model measured:PATH` (from `bench
+less stall; its mean expert read time and read batch size with the disk's cold bandwidth give a fixed
+cost per read batch plus each expert's bytes) or given as `--cost-model measured:PATH` (from `bench
 engine --json`). Decode-phase hit rate must agree
 within 0.03 and stall per token within 15%; printed as ok/missed, never asserted. `--sync` compares
 the on-demand path; the default compares whatever the engine's default (async) path does.
@@ -77,13 +78,14 @@ def _cost_model(args, spec, engine: dict, topology):
     """--cost-model, else a calibration run: on-demand LRU at the same budget (the compared run itself
     when it is one: then the stall check tests the simulator's mechanism and miss counts, not its costs)."""
     from moestream.bench.engine.isolation import run_isolated
-    from moestream.bench.engine.plan import calibrate
+    from moestream.bench.engine.plan import calibrate, disk_figures
     from moestream.sim.cost import get_cost_model
 
     if args.cost_model:
         return get_cost_model(args.cost_model)
     calibration = spec if spec.sync and spec.policy == "lru" else dataclasses.replace(spec, sync=True, policy="lru")
-    return calibrate(topology, engine if calibration == spec else run_isolated(calibration))
+    disk_bw = disk_figures(Path(spec.model), spec.direct_io)["bandwidth"]
+    return calibrate(topology, engine if calibration == spec else run_isolated(calibration), disk_bw)
 
 
 def _simulate(args, spec, engine: dict, topology, cost) -> dict:
@@ -123,5 +125,5 @@ def _print(document: dict) -> None:
     print(f"{'KiB/tok':14}{engine['bytes_per_token'] / 1024:>10.0f}{sim['bytes_per_token'] / 1024:>12.0f}")
     if engine["expert_read_ms"]:
         print(f"engine reads: {engine['expert_read_ms']:.2f} ms per expert, {engine['experts_per_read_batch']:.1f} "
-              f"experts per read batch; simulator: {document['cost_model']['disk_to_host_latency_ms']:.2f} ms "
-              f"+ bytes / {document['cost_model']['disk_to_host_gbps']:.2f} GB/s per expert, one at a time")
+              f"experts per read batch; simulator: {document['cost_model']['demand_batch_ms']:.2f} ms per batch of "
+              f"a layer's demand loads + bytes / {document['cost_model']['disk_to_host_gbps']:.2f} GB/s per expert")

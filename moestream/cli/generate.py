@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moestream.budget import Budget
+from moestream.budget import Budget, parse_size
 from moestream.errors import CheckpointError, MoestreamError
 
 
@@ -38,13 +38,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that map onto EngineConfig (shared by generate, demo and bench)."""
     parser.add_argument("--expert-budget", default="0.25",
                         help="device-tier budget: a ratio of all routed-expert bytes (0.25, 25%%) or a size (512MiB)")
-    parser.add_argument("--host-budget", default="0", help="host-tier budget, same forms (default 0: no host tier)")
+    parser.add_argument("--host-budget", default="0",
+                        help="host-tier budget, same forms (default 0: no host tier); on the CPU without --sync "
+                             "it joins the expert budget, since host and device memory are one tier there")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--policy", default="lru", help="prefetch/eviction policy by name (default lru)")
     parser.add_argument("--predictor-dir", help="trained predictor of the policy (from `moestream train-predictor`)")
     parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache, not O_DIRECT")
     parser.add_argument("--sync", action="store_true",
                         help="transfer experts on the compute thread (the on-demand baseline; default: async)")
+    parser.add_argument("--chunk-size", default="0",
+                        help="largest piece of one expert transfer, e.g. 256KiB (default 0: one weight matrix)")
+    parser.add_argument("--no-reorder", action="store_true",
+                        help="compute a layer's experts in expert order instead of resident ones first")
     parser.add_argument("--replay-routing", metavar="TRACE",
                         help="follow this trace's routing instead of the router's (measurement only; "
                              "outputs are labelled as replayed)")
@@ -62,6 +68,7 @@ def check_engine_arguments(args) -> None:
     """The engine flags' budgets and the checkpoint path, checked before torch is imported."""
     Budget.parse(args.expert_budget)
     Budget.parse(args.host_budget)
+    parse_size(args.chunk_size, "--chunk-size")
     if getattr(args, "model", None) is not None:
         require_checkpoint_dir(args.model)
 
@@ -72,7 +79,8 @@ def engine_config(args, **overrides):
 
     settings = dict(device=args.device, expert_budget=args.expert_budget, host_budget=args.host_budget,
                     policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io,
-                    sync=args.sync, replay_routing=args.replay_routing)
+                    sync=args.sync, replay_routing=args.replay_routing,
+                    chunk_bytes=parse_size(args.chunk_size, "--chunk-size"), reorder=not args.no_reorder)
     return EngineConfig(**(settings | overrides))
 
 
@@ -188,6 +196,8 @@ def report(result, row: int) -> dict:
         "expert_misses": m.expert_misses,
         "bytes_read": dict(m.bytes_read),
         "replayed": result.replayed,
+        "stall_ms": m.stall_ms,
+        "transfer_ms": m.transfer_ms,
     }
 
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Prediction:
     layer: int  # MoE-layer index of the predicted need
     expert: int
@@ -105,7 +105,7 @@ class EvictionPolicy(Observer, ABC):
         """One of candidates (resident and evictable), never empty."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TransferRequest:
     key: ExpertKey
     priority: float  # larger goes first

@@ -24,12 +24,15 @@ class ScorePlanner(PrefetchPlanner):
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
         best: dict = {}
-        min_score = self.threshold(view)
+        min_score, resident, in_flight = self.threshold(view), view.resident, view.in_flight
         for p in predictions:
-            if p.score <= min_score or p.key in view.resident or p.key in view.in_flight:
+            if p.score <= min_score:
+                continue
+            key = p.key
+            if key in resident or key in in_flight:
                 continue
             priority = self.scale * p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
-            best[p.key] = max(priority, best.get(p.key, 0.0))
+            best[key] = max(priority, best.get(key, 0.0))
         ranked = sorted(best.items(), key=lambda item: (-item[1], item[0]))[: view.capacity]
         return [TransferRequest(key, priority) for key, priority in ranked]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence as Seq
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from moestream.checkpoint.index import CheckpointIndex, build_index
@@ -35,6 +36,7 @@ from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import RUNNERS, ModelRunner, Sequence, StepPlan
+from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
 
 log = logging.getLogger(__name__)
@@ -73,12 +75,12 @@ class Engine:
         self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
         self._background = offload_predictor(self.policy)  # before observers() lists the predictor
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
-        self.store = ExpertStore(self.checkpoint.experts, self.config.store_config(),
-                                 evictions["device"], evictions["host"], load_manifest(self.checkpoint))
+        self.store: ExpertStore = open_store(self.checkpoint.experts, self.config.store_config(),
+                                             evictions["device"], evictions["host"], load_manifest(self.checkpoint))
         self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
         self.prefetcher = Prefetcher(self.driver, self.store)
-        self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher)
+        self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder)
         self._hooks: list = []
         self._tokenizer = None
         self._seq_counter = itertools.count()
@@ -87,6 +89,8 @@ class Engine:
         try:
             self.model = self._load_model(progress)
             self.replay = self._replay()
+            if self.store.device_slots >= self.checkpoint.topology.total_experts:
+                self.preload(progress)
         except BaseException:
             self.close()
             raise
@@ -127,12 +131,18 @@ class Engine:
         """Whether routing events cover each iteration's tokens at every MoE layer (trace recording)."""
         return RUNNERS.get(self.checkpoint.adapter.auto_class).records_traces
 
-    def preload(self) -> int:
-        """Fills the device tier with experts in layer order (all of them when the budget allows),
-        e.g. to time a run with every expert resident. Returns how many were brought in."""
+    def preload(self, progress: bool = False) -> int:
+        """Fills the device tier with experts in layer order (all of them when the budget allows; done
+        at start-up when it does), a layer at a time. Returns how many were brought in."""
         keys = list(self.checkpoint.topology.keys())[: self.store.device_slots]
-        requests = [TransferRequest(key, float(len(keys) - rank)) for rank, key in enumerate(keys)]
-        return len(self.store.prefetch(requests))
+        brought = 0
+        with tqdm(total=len(keys), desc="loading experts", unit="expert", disable=not progress) as bar:
+            for _, group in itertools.groupby(keys, key=lambda key: key.layer):
+                group = list(group)
+                brought += len(self.store.prefetch([TransferRequest(key, 1.0) for key in group]))
+                self.store.wait_idle()
+                bar.update(len(group))
+        return brought
 
     def add_observer(self, observer: Observer) -> None:
         self.driver.add_observer(observer)
@@ -250,6 +260,8 @@ class Engine:
             bytes_read=dict(stats.bytes_read),
             num_prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
             num_generated_tokens=sum(len(s.output_ids) for s in seqs),
+            stall_ms=stats.stall_s * 1e3,
+            transfer_ms=stats.transfer_s * 1e3,
         )
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if decode_text else "" for s in seqs]
         return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics,

@@ -1,7 +1,8 @@
 """Builds a transformers model whose dense part is real and whose routed experts never leave disk.
 
 The skeleton is built on the meta device (no memory); then every dense tensor of the checkpoint is
-read, renamed by the family adapter and placed on the compute device one at a time; tied weights
+read (its own byte range only, with readahead off, so that loading the dense part reads no expert
+bytes), renamed by the family adapter and placed on the compute device one at a time; tied weights
 are tied and non-persistent buffers (rotary inverse frequencies) are computed on the device by the
 model's own initialiser. The routed experts' parameters stay on meta: the experts implementation
 computes from the store's slots instead. Shared experts are ordinary dense modules.
@@ -11,15 +12,16 @@ This module knows no policy and names no family.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import transformers
-from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from moestream.checkpoint.index import CheckpointIndex
+from moestream.checkpoint.shards import TensorInfo
 from moestream.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -54,15 +56,34 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
 def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: str, bar) -> set[str]:
     loaded = set()
     try:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into expert bytes
             for name in names:
                 key = checkpoint.adapter.model_key(name)
-                if _assign(model, key, reader.get_tensor(name), device):
+                if _assign(model, key, _read_tensor(fd, checkpoint.tensors[name]), device):
                     loaded.add(key)
                 bar.update(1)
-    except (SafetensorError, OSError, RuntimeError) as error:
+        finally:
+            os.close(fd)
+    except (OSError, RuntimeError, KeyError) as error:
         raise CheckpointError(f"cannot read dense tensors from {file}: {error}") from None
     return loaded
+
+
+def _read_tensor(fd: int, info: TensorInfo) -> torch.Tensor:
+    """The tensor's bytes read from its own range of the file."""
+    data = bytearray(info.nbytes)
+    view, got = memoryview(data), 0
+    while got < info.nbytes:
+        n = os.preadv(fd, [view[got:]], info.offset + got)
+        if n == 0:
+            raise OSError(f"the file ends before tensor {info.name!r} does")
+        got += n
+    if not info.nbytes:
+        return torch.empty(info.shape, dtype=info.dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
 
 
 def _assign(model: torch.nn.Module, key: str, value: torch.Tensor, device: str) -> bool:

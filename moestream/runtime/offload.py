@@ -1,17 +1,20 @@
-"""One MoE layer's experts, served from the expert store: publish the routing, fetch, compute, prefetch.
+"""One MoE layer's experts, served from the expert store: the engine's expert path in one place.
 
-The routing event is built only when some observer overrides `Observer.observe` (reactive
-policies, e.g. plain LRU, read none, and building it costs as much as a layer's bookkeeping).
+`OffloadedExperts.forward` is that path, in this order: the routing is published to the observers;
+the layer's experts are fetched (pinned; the misses go to the head of the transfer queue, ahead of
+speculative work, and stale speculative transfers of the layer are dropped); the policy plans the
+prefetch of later layers (`Prefetcher`: predict -> plan -> enqueue; with the asynchronous store it
+only queues transfers, so it never waits for bytes); then the experts compute. The routing event
+is built only when some observer overrides `Observer.observe` (reactive policies, e.g. plain LRU,
+read none, and building it costs as much as a layer's bookkeeping).
 
-Experts run in any order: those already in the device tier first, then the misses, fetched on
-demand (synchronously) in groups that fit the device tier. The layer's (token, k) rows are sorted
-by expert in that order, so that gathering inputs, weighting and scattering outputs are one
-operation each, as in transformers' `grouped_mm` experts forward. Within a group, each expert's
-projections are one matmul over its rows, from typed views of its slot, and the activation and
-post-expert norm run once over the group's rows (`ExpertMath` gives these stages with the
-semantics of the experts module it replaces). Outputs are combined as transformers combines them
-(per (token, k) rows, weighted, then summed over k). After a layer, the policy may predict and the
-store prefetch. This module knows no policy or family by name.
+Cache-aware reordering: experts compute as their bytes are in place, resident ones first, then
+those in flight as they land (`reorder=False`: in expert order, waiting for each). Each expert's
+whole MLP (`ExpertMath` stages: up, act, down, post) runs over its own rows only, from typed views
+of its slot, and writes its weighted rows into their own places of a [T * K, H] buffer, which is
+summed over k as transformers does. No expert's result depends on another's or on the order of
+arrival, so outputs are bit-identical whatever the order. When a layer's experts exceed the device
+tier, they run in groups that fit it. This module knows no policy or family by name.
 """
 
 from __future__ import annotations
@@ -133,17 +136,14 @@ class RowPlan:
         return self._spans[expert]
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
 class OffloadedExperts:
     """The mechanism behind every bound experts module of a model."""
 
-    def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None):
+    def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None, reorder: bool = True):
         self.store = store
         self.publisher = publisher
         self.prefetcher = prefetcher
+        self.reorder = reorder
         self._router_logits: dict[int, torch.Tensor] = {}
         self._views: dict[int, Weights] = {}  # slot address -> typed views of the slot
 
@@ -156,45 +156,53 @@ class OffloadedExperts:
         rows = self.publisher.rows(hidden.shape[0])
         active = rows.active if kept is None else rows.active & kept.cpu().numpy()  # [T] bool
         logits = self._router_logits.pop(layer, None)
-        if any(map(_observes, self.publisher.observers)):
+        if any(map(_observes, self.publisher.observers)):  # 1. routing published
             self.publisher.publish(layer, _routing(active, top_k_index, top_k_weights), rows, hidden, logits)
-        out = check_finite(self._compute(layer, math, hidden, top_k_index, top_k_weights, active),
-                           f"the routed experts' output of MoE layer {layer} "
-                           f"(decoder layer {self.store.topology.moe_layer_ids[layer]})")  # [T, H]
-        if self.prefetcher is not None:
-            self.prefetcher.after(layer)
-        return out
-
-    def _compute(self, layer: int, math: ExpertMath, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor, active: np.ndarray) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
-        ids = top_k_index.reshape(-1).cpu().numpy()  # [S]
+        ids = top_k_index.reshape(-1).cpu().numpy()  # [S = T * K]
         used = np.repeat(active, top_k)  # [S]
         groups = self.store.streaming_groups([ExpertKey(layer, int(e)) for e in np.unique(ids[used])])
-        plan = RowPlan(ids, used, [key.expert for group in groups for key in group])
+        chosen = [key for group in groups for key in group]
+        first = self.store.fetch(groups[0], chosen) if groups else None  # 2. this layer's misses first
+        try:
+            if self.prefetcher is not None:
+                self.prefetcher.after(layer)  # 3. transfers of later layers planned and queued
+            plan = RowPlan(ids, used, [key.expert for key in chosen])
+            out = self._compute(math, hidden, top_k_weights, plan, groups, first)  # 4. compute: [S, H]
+        finally:
+            if first is not None:
+                first.release()
+        return self._combined(layer, out.view(num_tokens, top_k, -1), hidden.dtype)
+
+    def _combined(self, layer: int, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The one place after a layer's expert outputs [T, K, H] are combined (summed over k) -> [T, H];
+        a non-finite result raises here, naming the layer."""
+        return check_finite(out.sum(dim=1).to(dtype), f"the routed experts' output of MoE layer {layer} "
+                                                      f"(decoder layer {self.store.topology.moe_layer_ids[layer]})")
+
+    def _compute(self, math: ExpertMath, hidden: torch.Tensor, top_k_weights: torch.Tensor, plan: RowPlan,
+                 groups: list[list[ExpertKey]], first) -> torch.Tensor:
+        """Every used (token, k) row through its expert, weighted -> [S, H] (unused rows zero)."""
         order = torch.from_numpy(plan.order).to(hidden.device)  # [R]
+        top_k = plan.num_rows // hidden.shape[0]
         inputs = hidden[order // top_k]  # [R, H]
-        routed = [self._run_group(group, math, inputs, plan) for group in groups]  # [n_g, H] each
+        weights = top_k_weights.reshape(-1)[order, None]  # [R, 1]
         out_dtype = torch.promote_types(hidden.dtype, top_k_weights.dtype)
         out = torch.zeros(plan.num_rows, hidden.shape[-1], dtype=out_dtype, device=hidden.device)  # [S, H]
-        if routed:
-            out[order] = _cat(routed) * top_k_weights.reshape(-1)[order, None]
-        return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
+        for number, group in enumerate(groups):
+            fetch = first if number == 0 else self.store.fetch(group, [key for g in groups for key in g])
+            try:
+                for key, slot in fetch.ready(self.reorder):
+                    a, b = plan.span(key.expert)
+                    out[order[a:b]] = self._expert(math, inputs[a:b], slot) * weights[a:b]  # [n, H]
+            finally:
+                fetch.release()
+        return out
 
-    def _run_group(self, group: list[ExpertKey], math: ExpertMath, inputs: torch.Tensor,
-                   plan: RowPlan) -> torch.Tensor:
-        """The group's rows [n, H] through its experts (held in the device tier meanwhile) -> [n, H]."""
-        slots = self.store.acquire(group)
-        try:
-            views = [self._slot_views(slots[key]) for key in group]
-            spans = [plan.span(key.expert) for key in group]
-            start = spans[0][0]
-            up = _cat([math.up(inputs[a:b], w) for (a, b), w in zip(spans, views)])  # [n, U]
-            inner = math.act(up)  # [n, I]
-            down = _cat([math.down(inner[a - start : b - start], w) for (a, b), w in zip(spans, views)])  # [n, H]
-            return math.post(down)
-        finally:
-            self.store.release(group)
+    def _expert(self, math: ExpertMath, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """One expert's MLP over its rows [n, H] -> [n, H], from typed views of its slot."""
+        views = self._slot_views(slot)
+        return math.post(math.down(math.act(math.up(rows, views)), views))
 
     def _slot_views(self, slot: torch.Tensor) -> Weights:
         """Typed views of a slot; slots are fixed memory, so a slot's views serve every expert it holds."""

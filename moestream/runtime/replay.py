@@ -64,17 +64,17 @@ class RoutingReplay(Observer):
 
     def __init__(self, trace: Trace, model_topology: Topology, source: str = "trace"):
         check_topology(trace, model_topology, source)
-        self.trace = trace
+        self.num_rows = trace.num_tokens
         self.source = source
         self.cursor = 0  # the next trace row
         self.wraps = 0  # times the cursor went past the last row
         self.iterations: list[np.ndarray] = []  # [T] trace rows fed to each iteration, in order
-        self._experts = torch.from_numpy(trace.experts.astype(np.int64))  # [N, L, K]
-        weights = trace.gate_weights
-        self._weights = None if weights is None else torch.from_numpy(weights.astype(np.float32))  # [N, L, K]
+        small = np.uint8 if model_topology.num_experts <= 256 else trace.experts.dtype
+        self._experts = trace.experts.astype(small, copy=False)  # [N, L, K]; the rest of the trace is not kept
+        self._weights = trace.gate_weights  # [N, L, K] or None
 
     def begin_iteration(self, ctx: IterationContext) -> None:
-        n = self.trace.num_tokens
+        n = self.num_rows
         rows = (self.cursor + np.arange(ctx.num_tokens)) % n  # [T]
         wraps = (self.cursor + ctx.num_tokens) // n
         if wraps and not self.wraps:
@@ -92,18 +92,17 @@ class RoutingReplay(Observer):
         """active [T] bool, top_k_index/top_k_weights [T, K] -> the replayed [T, K] pair."""
         if not self.iterations:
             raise RuntimeError("routing replay got a layer before any iteration began")
-        rows = torch.from_numpy(self.iterations[-1])  # [A]
+        rows = self.iterations[-1]  # [A]
         picked = torch.from_numpy(np.flatnonzero(active)).to(top_k_index.device)  # [A]
         if len(picked) != len(rows):
             raise RuntimeError(f"the iteration announced {len(rows)} tokens but layer {layer} runs {len(picked)}")
         index = top_k_index.clone()
-        index[picked] = self._experts[rows, layer].to(index.device, index.dtype)  # [A, K]
+        index[picked] = torch.from_numpy(self._experts[rows, layer].astype(np.int64)).to(index.device, index.dtype)
         if self._weights is None:
             return index, top_k_weights
         weights = top_k_weights.clone()
-        weights[picked] = self._weights[rows, layer].to(weights.device, weights.dtype)  # [A, K]
+        weights[picked] = torch.from_numpy(self._weights[rows, layer]).to(weights.device, weights.dtype)  # [A, K]
         return index, weights
-
 
 
 def load_replay(path: str, model_topology: Topology) -> RoutingReplay:

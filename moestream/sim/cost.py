@@ -65,6 +65,7 @@ class CostModel:
     expert_compute_ms: float = 0.0  # each distinct expert of a layer beyond top_k (batches, prefill)
     token_compute_ms: float = 0.0  # each token of an iteration beyond the first
     host_holds_all: bool = True  # host DRAM holds every expert; else the device tier reads from disk
+    demand_batch_ms: float = 0.0  # once per layer's demand loads read together (the engine batches its misses)
     source: str = ""
 
     def __post_init__(self):
@@ -148,14 +149,22 @@ def get_cost_model(name: str) -> CostModel:
 
 
 def measured_cost_model(num_layers: int, decode_ms_per_token: float, expert_bytes: int, expert_read_ms: float,
-                        source: str) -> CostModel:
+                        source: str, experts_per_batch: float = 1.0, disk_gbps: float = 0.0) -> CostModel:
     """The cost model of a machine whose all-resident decode step takes decode_ms_per_token and whose disk
-    reads one expert (of expert_bytes) in expert_read_ms on average."""
+    reads one expert (of expert_bytes) in expert_read_ms on average.
+
+    With the disk's bandwidth (disk_gbps) and the mean experts per read batch, a read batch costs a fixed
+    part plus each expert's bytes at that bandwidth: the fixed part is what the mean read time leaves,
+    times the batch size. Without them every expert costs the mean read time."""
     if num_layers < 1 or decode_ms_per_token <= 0 or expert_read_ms <= 0:
         raise CostModelError("a measured cost model needs a positive decode time and expert read time")
+    per_expert_ms = expert_bytes / (disk_gbps * 1e6) if disk_gbps > 0 else expert_read_ms
+    if per_expert_ms >= expert_read_ms or experts_per_batch < 1:
+        per_expert_ms = expert_read_ms
     return CostModel(name="measured", layer_compute_ms=decode_ms_per_token / num_layers,
                      host_to_device_gbps=PRESETS["local-disk"].host_to_device_gbps,
-                     disk_to_host_gbps=expert_bytes / (expert_read_ms * 1e6), disk_to_host_latency_ms=0.0,
+                     disk_to_host_gbps=expert_bytes / (per_expert_ms * 1e6), disk_to_host_latency_ms=0.0,
+                     demand_batch_ms=(expert_read_ms - per_expert_ms) * experts_per_batch,
                      host_holds_all=False, source=source)
 
 

@@ -198,7 +198,7 @@ class StreamSimulator:
             counters.host_hits += len(keys)
         for key in keys:
             self._admit_device(key, (), demand=True)
-        return self.device_link.commit_many(len(keys), self.now)  # landed before the layer computes
+        return self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before the layer computes
 
     def _demand(self, transfer: Transfer) -> float:
         """A demand load through the host tier; when it lands."""

@@ -53,10 +53,11 @@ class Link:
         self.bytes_moved += self.nbytes
         return end
 
-    def commit_many(self, count: int, earliest_ms: float) -> float:
-        """Schedule count anonymous back-to-back transfers (demand loads nobody tracks); their end."""
+    def commit_many(self, count: int, earliest_ms: float, batch_ms: float = 0.0) -> float:
+        """Schedule count anonymous back-to-back transfers (demand loads nobody tracks), read as one batch
+        that costs batch_ms besides the transfers; their end."""
         start = self.free_ms if self.free_ms > earliest_ms else earliest_ms
-        self.free_ms = start + count * self.transfer_ms
+        self.free_ms = start + batch_ms + count * self.transfer_ms
         self.bytes_moved += count * self.nbytes
         return self.free_ms
 

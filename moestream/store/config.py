@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.budget import Budget, format_bytes
-from moestream.errors import BudgetError
+from moestream.budget import Budget, format_bytes, parse_size
+from moestream.errors import BudgetError, MoestreamError
 from moestream.topology import Topology
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -38,12 +38,18 @@ class StoreConfig:
     """Budgets of the device tier (compute memory) and host tier (RAM), and how to read disk.
 
     direct_io=False forces buffered reads (followed by dropping the page cache for the range read).
+    asynchronous: transfers run on an I/O worker beside the caller (where the tiers allow it);
+    chunk_bytes: the largest piece of one transfer (0: one weight matrix); transfer_timeout_s: the
+    longest any wait for expert bytes may last before it fails.
     """
 
     device_budget: Budget
     host_budget: Budget
     device: str = "cpu"
     direct_io: bool = True
+    asynchronous: bool = False
+    chunk_bytes: int = 0
+    transfer_timeout_s: float = 60.0
 
     def __post_init__(self):
         object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
@@ -51,6 +57,10 @@ class StoreConfig:
         object.__setattr__(self, "device", _parse_device(self.device))
         if self.device_budget.ratio is not None and self.device_budget.ratio <= 0.0:
             raise BudgetError("the device budget ratio must be in (0, 1], got 0")
+        if self.chunk_bytes < 0:
+            raise MoestreamError(f"chunk_bytes must be >= 0 (0: one weight matrix), got {self.chunk_bytes}")
+        if not self.transfer_timeout_s > 0:
+            raise MoestreamError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
 
     @property
     def uses_cuda(self) -> bool:

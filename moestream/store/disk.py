@@ -41,7 +41,7 @@ from moestream.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4096  # logical block size that O_DIRECT offsets, lengths and buffers are aligned to
-STAGING_BYTES = 4 * 2**20  # the largest single read request (one staging buffer per worker)
+STAGING_BYTES = 1 * 2**20  # the largest single read request (one staging buffer per worker)
 NUM_WORKERS = 8  # read requests in flight at once
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # what a filesystem answers when it refuses O_DIRECT
 

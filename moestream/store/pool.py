@@ -1,16 +1,18 @@
-"""Preallocated expert slots of one tier, and the single copy that moves an expert between tiers.
+"""Preallocated expert slots of one tier.
 
 A pool is one [num_slots, stride] uint8 tensor allocated once; slot(i) is a 1-D view of
 slot_bytes. The stride is slot_bytes rounded up to SLOT_ALIGN_BYTES so that every slot starts
 aligned for any dtype view and for vectorised device loads. Host pools that feed a CUDA device are
-pinned so copies can be asynchronous. On CUDA a move is one `copy_(non_blocking=True)` on a
-dedicated copy stream, fenced against the compute stream both ways; on the CPU it is a plain copy
-and no CUDA API is touched. Pools know no experts, keys or policies.
+pinned so copies can be asynchronous; a pool remembers, per slot, the event of the last copy that
+reads it (`moestream.store.streams`), so that the host never overwrites a slot a copy still reads.
+Pools know no experts, keys or policies.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moestream.store.streams import Event
 
 SLOT_ALIGN_BYTES = 256
 
@@ -29,7 +31,7 @@ class SlotPool:
         self.pinned = bool(pin_memory) and self.device.type == "cpu"
         shape = (num_slots, slot_stride(slot_bytes))
         self.data = torch.empty(shape, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)  # [S, stride]
-        self._last_reads: list[torch.cuda.Event | None] = [None] * num_slots
+        self._last_reads: list[Event | None] = [None] * num_slots
         self._slots: list[torch.Tensor | None] = [None] * num_slots  # views made once, asked for per layer
 
     @property
@@ -45,7 +47,7 @@ class SlotPool:
             view = self._slots[i] = self.data[i, : self.slot_bytes]  # [slot_bytes]
         return view
 
-    def mark_read(self, i: int, event: "torch.cuda.Event | None") -> None:
+    def mark_read(self, i: int, event: Event) -> None:
         """Record that an asynchronous copy reading slot i completes at event."""
         self._last_reads[i] = event
 
@@ -54,30 +56,3 @@ class SlotPool:
         event, self._last_reads[i] = self._last_reads[i], None
         if event is not None:
             event.synchronize()
-
-
-class CopyEngine:
-    """Copies a slot into a slot of another tier: one copy per expert."""
-
-    def __init__(self, device: str | torch.device):
-        self.device = torch.device(device)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
-        """dst <- src. On CUDA, ordered after the compute stream's pending work (which may still read
-        dst) and before its later work; returns the event marking completion (None on the CPU)."""
-        if self._stream is None:
-            dst.numpy()[:] = src.numpy()  # a plain memcpy: no intra-op threads for one slot
-            return None
-        compute = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(compute)
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        compute.wait_event(done)
-        return done
-
-    def synchronize(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()

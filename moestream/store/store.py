@@ -14,6 +14,17 @@ store knows no model family and no policy.
 Counters: hits/misses count acquire's device-tier lookups; host_hits/host_misses count every
 device fill (demand or prefetch) by where it came from; bytes_read["disk"] is bytes read from the
 files, bytes_read["host"] bytes copied from host memory to the device.
+
+Asynchronous mode (`StoreConfig.asynchronous`; the subclasses in `moestream.store.async_store`,
+one tier, and `moestream.store.tiered`, a host tier with a worker per link; `open_store` in
+`moestream.store.factory` picks one): `prefetch` admits its experts and queues their transfers for
+the I/O workers (`moestream.store.transfer`, `moestream.store.copier`) and returns at once; `fetch`
+pins a layer's experts, puts its misses at the head of the queue, drops the queued speculative
+transfers of the same layers that the gate did not choose, and hands the experts out as they land. An admitted expert whose bytes are in
+flight is pinned by its transfer, so that nothing evicts a slot being written. Every wait has a
+timeout. stall_s counts the time the caller's thread waited for expert bytes, transfer_s the time
+the disk link was busy (both equal in synchronous mode, where every transfer runs on the caller),
+copy_s the time the asynchronous host -> device link was busy.
 """
 
 from __future__ import annotations
@@ -32,7 +43,9 @@ from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader
-from moestream.store.pool import CopyEngine, SlotPool
+from moestream.store.fetch import Fetch
+from moestream.store.pool import SlotPool
+from moestream.store.streams import make_link
 from moestream.topology import ExpertKey, Topology
 
 TIERS = ("device", "host")
@@ -53,6 +66,11 @@ class StoreStats:
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     disk_read_s: float = 0.0  # wall time of the disk reads (a batch's requests in flight together count once)
     disk_batches: int = 0  # batches of disk reads (each in flight together)
+    stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
+    transfer_s: float = 0.0  # time the disk link was busy
+    copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
+    late: int = 0  # fetch hits whose bytes were still in flight
+    cancelled: int = 0  # queued speculative transfers dropped before they ran
 
     @property
     def hit_rate(self) -> float:
@@ -64,6 +82,8 @@ class StoreStats:
 
 
 class ExpertStore:
+    bounce_slots = BOUNCE_SLOTS  # pinned staging slots when a CUDA device tier has no host tier
+
     def __init__(self, index: ExpertIndex, config: StoreConfig,
                  device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None):
         """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest)."""
@@ -79,10 +99,10 @@ class ExpertStore:
         expert_bytes, pin = self.topology.expert_bytes, config.uses_cuda
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
-        bounce_slots = min(BOUNCE_SLOTS, self.device_slots) if pin and not self.host_slots else 0
+        bounce_slots = min(self.bounce_slots, self.device_slots) if pin and not self.host_slots else 0
         self._bounce = SlotPool(bounce_slots, expert_bytes, "cpu", pin_memory=pin)
         self._reader = DiskReader(direct_io=config.direct_io)
-        self._copier = CopyEngine(config.device)
+        self._link = make_link(config.device)  # host -> device
         self._lock = threading.RLock()
         self._unused_prefetches: set[ExpertKey] = set()
         self._stats = StoreStats()
@@ -106,7 +126,7 @@ class ExpertStore:
                         misses.append(key)
                     self._device.pin([key])
                     pinned.append(key)
-                self._load(misses)
+                self._timed_load(misses)
             except BaseException:
                 self._device.unpin(pinned)
                 self._discard(misses)
@@ -117,6 +137,21 @@ class ExpertStore:
         """Unpin experts returned by acquire (once per acquire)."""
         with self._lock:
             self._device.unpin(_key(k) for k in keys)
+
+    def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> "Fetch":
+        """Pins keys in the device tier and brings in the missing ones; the Fetch hands them out.
+        chosen: every expert the gate chose in these layers (keys may be one group of them).
+
+        Here every transfer runs before fetch returns (the synchronous, on-demand path)."""
+        wanted = list(dict.fromkeys(_key(k) for k in keys))
+        self.acquire(wanted)
+        return Fetch(self, wanted)
+
+    def next_ready(self, candidates: Sequence[ExpertKey]) -> tuple[ExpertKey, torch.Tensor]:
+        """One of the fetched candidates whose bytes are in place, with its slot (all are, here)."""
+        key = candidates[0]
+        with self._lock:
+            return key, self._device_pool.slot(self._device.slot(key))
 
     def _hit(self, key: ExpertKey) -> bool:
         if self._device.access(key) is None:
@@ -154,6 +189,16 @@ class ExpertStore:
         for key in keys:
             if key in self._device:
                 self._device.remove(key)
+
+    def _timed_load(self, keys: list[ExpertKey]) -> None:
+        """_load on the calling thread: its time is both stall and link time."""
+        began = time.perf_counter()
+        try:
+            self._load(keys)
+        finally:
+            elapsed = time.perf_counter() - began if keys else 0.0
+            self._stats.stall_s += elapsed
+            self._stats.transfer_s += elapsed
 
     def _load(self, keys: list[ExpertKey]) -> None:
         """Copy the bytes of keys, just admitted to the device tier, into their device slots."""
@@ -213,14 +258,23 @@ class ExpertStore:
             return
         began = time.perf_counter()
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
-        self._stats.bytes_read["disk"] += self._reader.read_batch(batch)
-        if self.integrity is not None:  # a damaged expert raises before any slot holding it is used
-            self.integrity.check_batch(keys, dsts)
+        self._reader.read_batch(batch)
         self._stats.disk_read_s += time.perf_counter() - began
         self._stats.disk_batches += 1
+        self._arrived(keys, dsts)
+
+    def _arrived(self, keys: Sequence[ExpertKey], slots: Sequence[torch.Tensor]) -> None:
+        """The one place that runs after experts' bytes are read from disk into their slots (both modes).
+
+        A damaged expert raises IntegrityError here, before any slot holding it is used."""
+        self._stats.bytes_read["disk"] += len(keys) * self.topology.expert_bytes
+        if self.integrity is not None:
+            self.integrity.check_batch(keys, slots)
 
     def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int) -> None:
-        pool.mark_read(slot, self._copier.copy(dst, pool.slot(slot)))
+        done = self._link.copy(dst, pool.slot(slot))
+        done.wait_on_compute()
+        pool.mark_read(slot, done)
         self._stats.bytes_read["host"] += dst.numel()
 
     # -- prefetch ------------------------------------------------------------------------------
@@ -236,7 +290,7 @@ class ExpertStore:
         with self._lock:
             brought, kept = self._admit_prefetches(requests, max_evictions)
             try:
-                self._load(brought)
+                self._timed_load(brought)
             except BaseException:
                 self._discard(brought)
                 raise
@@ -271,7 +325,7 @@ class ExpertStore:
 
     def _may_evict(self, evictions: int, max_evictions: int | None) -> bool:
         under_limit = max_evictions is None or evictions < max_evictions
-        return under_limit and bool(self._device.evictable())
+        return under_limit and self._device.has_evictable()
 
     # -- views of the state --------------------------------------------------------------------
 
@@ -294,6 +348,9 @@ class ExpertStore:
             ordered = [k for k in wanted if k in self._device] + [k for k in wanted if k not in self._device]
         return [ordered[i : i + room] for i in range(0, len(ordered), room)]
 
+    def wait_idle(self) -> None:
+        """Returns at once: here transfers finish before the calls that start them return."""
+
     def stats(self) -> StoreStats:
         with self._lock:
             return self._stats.copy()
@@ -305,7 +362,7 @@ class ExpertStore:
 
     def close(self) -> None:
         with self._lock:
-            self._copier.synchronize()
+            self._link.synchronize()
             self._reader.close()
 
     def __enter__(self) -> "ExpertStore":
@@ -337,3 +394,4 @@ def _check_index(index: ExpertIndex) -> None:
             raise CheckpointError(
                 f"expert {tuple(key)} has {location.nbytes} bytes on disk, the topology says {topology.expert_bytes}"
             )
+

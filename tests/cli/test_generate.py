@@ -298,3 +298,36 @@ def test_replayed_routing_is_labelled_and_a_mismatched_trace_is_one_error_line(m
     assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--buffered-io",
                  "--replay-routing", str(other)]) == 2
     assert "cannot replay" in _error_line(capsys)
+
+
+def test_sync_and_async_flags_give_the_same_tokens_and_report_stalls(model_dir, tmp_path):
+    records = []
+    for number, flags in enumerate([["--sync"], ["--chunk-size", "1KiB", "--no-reorder"], []]):
+        out = tmp_path / f"run{number}.json"
+        assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "5",
+                     "--expert-budget", "0.3", "--buffered-io", "--json", str(out), *flags]) == 0
+        records.append(json.loads(out.read_text()))
+    assert records[0]["token_ids"] == records[1]["token_ids"] == records[2]["token_ids"]
+    for record in records:
+        assert record["stall_ms"] > 0 and record["transfer_ms"] > 0
+    assert records[0]["stall_ms"] == pytest.approx(records[0]["transfer_ms"])  # sync: every transfer stalls
+
+
+def test_a_ratio_as_chunk_size_is_one_error_line(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--chunk-size", "0.5"]) == 2
+    assert "--chunk-size" in _error_line(capsys)
+
+
+def test_ctrl_c_leaves_no_output_file_and_no_thread(model_dir, tmp_path, monkeypatch, capsys):
+    import threading
+
+    def interrupted(self, prompts, max_new_tokens=32, on_tokens=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    threads = threading.active_count()
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--json", str(out / "run.json")]) == 130
+    assert list(out.iterdir()) == [] and threading.active_count() == threads
+    assert "interrupted" in _error_line(capsys)

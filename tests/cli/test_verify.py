@@ -21,9 +21,9 @@ def _error_line(capsys) -> str:
     return err[0]
 
 
-def _generate(model_dir, out) -> int:
+def _generate(model_dir, out, *flags: str) -> int:
     return main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "4",
-                 "--buffered-io", "--json", str(out)])
+                 "--buffered-io", "--json", str(out), *flags])
 
 
 def test_verify_writes_the_manifest_and_prints_its_throughput(model_dir, capsys):
@@ -35,12 +35,13 @@ def test_verify_writes_the_manifest_and_prints_its_throughput(model_dir, capsys)
     assert "matched the digests of" in capsys.readouterr().out
 
 
-def test_damaged_expert_bytes_with_a_manifest_stop_generation(model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("mode", [(), ("--sync",), ("--chunk-size", "1KiB")])
+def test_damaged_expert_bytes_with_a_manifest_stop_generation(model_dir, tmp_path, capsys, mode):
     assert main(["verify", "--model", str(model_dir)]) == 0
     (info, _), *_ = scramble_experts(model_dir, layer=0)
     capsys.readouterr()
     out = tmp_path / "run.json"
-    assert _generate(model_dir, out) == 2
+    assert _generate(model_dir, out, *mode) == 2
     line = _error_line(capsys)
     assert "damaged expert bytes" in line and f"shard {info.file.name}" in line and "MoE layer 0 expert" in line
     assert "tensor model.layers.0." in line and not out.exists()

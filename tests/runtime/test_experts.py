@@ -75,15 +75,15 @@ def test_swapped_experts_match_and_skip_dropped_tokens(checkpoint, family):
 
 
 class GroupLog:
-    """A store that records the groups acquired, forwarding everything to the real store."""
+    """A store that records the groups fetched, forwarding everything to the real store."""
 
     def __init__(self, store):
         self.store = store
         self.groups = []
 
-    def acquire(self, keys):
+    def fetch(self, keys, chosen=()):
         self.groups.append(list(keys))
-        return self.store.acquire(keys)
+        return self.store.fetch(keys, chosen)
 
     def __getattr__(self, name):
         return getattr(self.store, name)

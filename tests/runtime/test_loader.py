@@ -100,3 +100,36 @@ def test_peak_memory_is_dense_part_plus_budget(tmp_path):
     slack = 48 * 2**20  # activations, allocator and import noise
     assert topology.total_expert_bytes > 2 * (dense + budget + slack)
     assert _growth(path, budget) < dense + budget + slack
+
+
+def _read_bytes() -> int | None:
+    """Bytes this process has made the kernel fetch from storage, or None where /proc/self/io is absent."""
+    try:
+        with open("/proc/self/io") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("read_bytes"))
+    except (OSError, StopIteration):
+        return None
+
+
+def test_loading_the_dense_part_reads_no_expert_bytes(tiny_checkpoint):
+    import os
+
+    path = tiny_checkpoint("qwen3_moe", num_layers=2, hidden_size=256, intermediate_size=256)
+    checkpoint = build_index(path)
+    files = sorted(path.glob("*.safetensors"))
+    if _read_bytes() is None or not hasattr(os, "posix_fadvise"):
+        pytest.skip("needs /proc/self/io and posix_fadvise")
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    before = _read_bytes()
+    load_model(checkpoint, "cpu")
+    read = _read_bytes() - before
+    if read == 0:
+        pytest.skip("the page cache kept the checkpoint (this filesystem reports no reads)")
+    total = sum(f.stat().st_size for f in files)
+    dense = total - checkpoint.topology.total_expert_bytes
+    assert read <= dense + 2 * 4096 * sum(len(names) for names in checkpoint.dense.values())
+    assert read < dense + checkpoint.topology.expert_bytes

@@ -71,6 +71,17 @@ def test_a_measured_cost_model_reads_back_from_a_bench_document(tmp_path):
     assert loaded.name == f"measured:{path}"
 
 
+def test_a_measured_cost_model_splits_the_mean_read_into_a_batch_cost_and_bandwidth():
+    from moestream.sim.cost import measured_cost_model
+
+    # 2 MB experts at 2 GB/s take 1 ms each; a mean of 1.5 ms at 4 experts per batch leaves 2 ms per batch
+    model = measured_cost_model(num_layers=4, decode_ms_per_token=20.0, expert_bytes=2_000_000, expert_read_ms=1.5,
+                                source="test", experts_per_batch=4.0, disk_gbps=2.0)
+    assert model.transfer_ms(2_000_000) == pytest.approx(1.0) and model.demand_batch_ms == pytest.approx(2.0)
+    slower = measured_cost_model(4, 20.0, 2_000_000, 0.5, "test", experts_per_batch=4.0, disk_gbps=2.0)
+    assert slower.transfer_ms(2_000_000) == pytest.approx(0.5) and slower.demand_batch_ms == 0.0
+
+
 def test_a_measured_cost_model_that_is_missing_or_not_one_is_a_user_error(tmp_path):
     from moestream.sim.cost import CostModelError
 

@@ -71,6 +71,19 @@ def test_doubling_link_bandwidth_halves_a_transfer_bound_stall():
     assert stalls[0] > 0 and stalls[1] == pytest.approx(stalls[0] / 2)
 
 
+def test_a_layers_demand_loads_pay_the_batch_cost_once():
+    from dataclasses import replace
+
+    topo = tiny.topology(top_k=2)  # 2 layers x 4 experts, top-2
+    trace = tiny.trace([[[[0, 1], [2, 3]], [[2, 3], [0, 1]]]], topo)  # every access misses at 2 slots per layer
+    cost = tiny.cost()
+    plain = run(POLICIES.create("lru", topo), trace, cache_ratio=0.5, cost=cost)
+    batched = run(POLICIES.create("lru", topo), trace, cache_ratio=0.5, cost=replace(cost, demand_batch_ms=0.5))
+    assert plain["hits"] == batched["hits"] == 0
+    layers = 2 * 2  # two tokens x two layers, each layer's two misses one batch
+    assert batched["stall_ms"] - plain["stall_ms"] == pytest.approx(layers * 0.5)
+
+
 class Spy(Predictor):
     def __init__(self, topology, log):
         super().__init__(topology)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from moestream.store.pool import SLOT_ALIGN_BYTES, CopyEngine, SlotPool
+from moestream.store.pool import SLOT_ALIGN_BYTES, SlotPool
+from moestream.store.streams import CpuLink, CudaEvent, make_link
 
 
 def test_pool_allocates_aligned_slots_once():
@@ -31,13 +32,18 @@ def test_pool_without_slots_and_bad_indexes():
         SlotPool(1, 0)
 
 
-def test_cpu_pool_is_never_pinned_without_asking_and_copy_is_plain():
+def test_cpu_pool_is_never_pinned_without_asking_and_copy_is_done_at_once():
     pool = SlotPool(2, 64)
     assert not pool.pinned
     pool.slot(0).copy_(torch.arange(64, dtype=torch.uint8))
-    assert CopyEngine("cpu").copy(pool.slot(1), pool.slot(0)) is None
-    assert torch.equal(pool.slot(1), pool.slot(0))
-    pool.wait_reads(1)
+    link = make_link("cpu")
+    assert isinstance(link, CpuLink)
+    done = link.copy(pool.slot(1), pool.slot(0))
+    assert done.done() and torch.equal(pool.slot(1), pool.slot(0))
+    done.wait_on_compute()
+    pool.mark_read(0, done)
+    pool.wait_reads(0)
+    link.synchronize()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -47,12 +53,12 @@ def test_pinned_host_slots_copy_to_device_without_blocking():
     assert host.pinned and host.data.is_pinned() and device.data.is_cuda
     gen = torch.Generator().manual_seed(0)
     host.slot(0).copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen))
-    engine = CopyEngine("cuda")
-    done = engine.copy(device.slot(1), host.slot(0))
-    assert isinstance(done, torch.cuda.Event)
+    done = make_link("cuda").copy(device.slot(1), host.slot(0))
+    assert isinstance(done, CudaEvent)
+    done.wait_on_compute()
     host.mark_read(0, done)
     host.wait_reads(0)
-    assert done.query()
+    assert done.done()
     assert torch.equal(device.slot(1).cpu(), host.slot(0))
     summed = device.slot(1).sum()  # ordered after the copy on the compute stream
     assert int(summed) == int(host.slot(0).sum())

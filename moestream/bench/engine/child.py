@@ -1,7 +1,8 @@
 """One run of `moestream bench engine`, in a fresh process so that its peak RSS is its own.
 
 `python -m moestream.bench.engine.child SPEC OUT` reads a `RunSpec` (JSON), measures the process
-floor (Python + torch + transformers imported, before anything is loaded), drops the checkpoint from
+floor (Python + torch + transformers imported, with the family's modeling module, before anything is
+loaded), drops the checkpoint from
 the page cache, loads, drops it again (the dense part shares files with experts), generates each
 prompt in turn and writes the figures (JSON) to OUT. `run_spec` is the same run in this process.
 
@@ -26,10 +27,23 @@ def run_spec(spec: RunSpec) -> dict:
 
     from moestream.bench.engine.runners import RUNS
 
+    import_model_code(Path(spec.model))
     floor = peak_rss_mib()
     torch.set_num_threads(spec.threads)
     result = RUNS.create(spec.kind).run(spec)
     return result | {"floor_rss_mib": floor, "peak_rss_mib": peak_rss_mib()}
+
+
+def import_model_code(model: Path) -> None:
+    """Imports transformers' modeling module of the checkpoint's family (transformers imports it
+    lazily), so that the floor holds all of transformers' code that the run uses."""
+    import importlib
+
+    model_type = json.loads((model / "config.json").read_text()).get("model_type", "").replace("-", "_")
+    try:
+        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        pass  # a family whose module is named otherwise: its import counts above the floor
 
 
 def main(argv: list[str]) -> int:

@@ -53,7 +53,8 @@ def measure(args) -> dict:
     results, skipped = [], []
     for budget in budgets:
         results += _budget_runs(base, budget, _run_list(args), context, skipped)
-    cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]})
+    cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]},
+                     disk["bandwidth"])
     limits = _limits(budgets, _replayed(args, resident, topology), cost, context)
     rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
     rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
@@ -96,15 +97,17 @@ def disk_figures(model: Path, direct_io: bool) -> dict:
             "expert_read_ms": index.topology.expert_bytes / samples["random_experts"] * 1e3}
 
 
-def calibrate(topology, run: dict):
-    """The simulator's cost model from a run's decode compute (TPOT less stall) and its mean expert read time:
-    an on-demand (--sync) run reads each miss on the compute thread, so both are the engine's own."""
+def calibrate(topology, run: dict, disk_bw: float = 0.0):
+    """The simulator's cost model from a run's decode compute (TPOT less stall) and its expert reads: an
+    on-demand (--sync) run reads each miss on the compute thread, so both are the engine's own. With the
+    disk's bandwidth (bytes/s), a read batch costs a fixed part plus each expert's bytes at it."""
     from moestream.sim.cost import measured_cost_model
 
     compute_ms = run["tpot_ms"] - run["stall_ms_per_token"]
     return measured_cost_model(topology.num_layers, compute_ms, topology.expert_bytes, run["expert_read_ms"],
-                               "bench engine: decode compute (TPOT - stall) and mean expert read time of "
-                               f"{'an on-demand LRU run' if run['stall_ms_per_token'] else 'the all-resident run'}")
+                               "bench engine: decode compute (TPOT - stall) and expert reads of "
+                               f"{'an on-demand LRU run' if run['stall_ms_per_token'] else 'the all-resident run'}",
+                               run.get("experts_per_read_batch") or 1.0, disk_bw / 1e9)
 
 
 def _calibration_run(results: list, topology) -> dict | None:

@@ -39,4 +39,5 @@ class DefaultLookahead4(Default):
         return LookaheadEviction(self.future, self.num_tokens, super().make_eviction(tier))
 
     def prepare(self, trace: "Trace") -> None:
+        super().prepare(trace)
         self.future.reset(trace)

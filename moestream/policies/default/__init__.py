@@ -1,10 +1,11 @@
-"""`default`: moestream's own policy, as a package. The entry point is `policy.Default`.
+"""`default`: moestream's lean default policy, one package with one entry point (policy.Default).
 
-Modules: `policy` (the registered policy, its predictor and eviction), `model` (the routing model's
-numpy forward pass and config), `state` (its online per-iteration state), `recall`, `memory`,
-`channels` and `reuse` (its inputs), `training` (torch; imported only by `DefaultPredictor.fit`).
+- model.py: settings, weights and the one forward pass (numpy online, torch in training)
+- features.py: the model's inputs for whole traces; state.py: the same inputs kept online
+- training.py: torch training (imported lazily); storage.py: safetensors + JSON, no torch
+- policy.py: predictor, eviction and the registered policy; timing.py: `python -m` figures
 """
 
-from moestream.policies.default.policy import Default, DefaultConfig
+from moestream.policies.default.policy import Default
 
-__all__ = ["Default", "DefaultConfig"]
+__all__ = ["Default"]

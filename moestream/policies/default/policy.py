@@ -1,138 +1,138 @@
-"""`default`: moestream's own policy. Calibrated probabilities from a learned routing model drive
-both prefetch and eviction.
+"""`default`: calibrated probabilities from the lean routing model drive prefetch and eviction.
 
-- Prediction (`model.py`): at the start of an iteration, one MLP predicts every layer's experts
-  from the token context (token string or id, position, the previous token's routing, the
-  sequence's expert affinity); as layers route, the token's own routing so far refines the
-  predictions for the next layers, together with a recall of what other tokens that routed alike
-  did next: the sequence's earlier tokens, its earlier occurrences of the same token
-  (`recall.py`) and the training prompts' occurrences of it (`memory.py`). Where the
-  trace or engine gives router inputs (hidden states), ProMoE's path from the latest one joins
-  in. Scores are probabilities (trained with cross-entropy). Layers of the next token come from
-  the sequence reuse model (`reuse.py`).
-- Prefetch (IdleAwarePlanner): predicted experts with probability > min_prefetch_probability that
-  are not resident, in order of probability / layers until needed; while nothing is moving to the
-  tier the bar drops to idle_prefetch_probability: a link with nothing to move is cheap to use.
-- Eviction (DefaultEviction): evicts the expert with the longest expected time to its next use,
-  in layers: for an expert of a layer still ahead in this iteration, (layers until it) +
-  (1 - p) x L / q, with p its predicted probability now and q the reuse probability for the next
-  token; for one of a layer already passed, (layers until the next token reaches it) +
-  L x (1 / q - 1). That is Belady's rule with the future replaced by calibrated expectations.
-Settings were chosen by cross-validation on the dev trace (docs/default-policy.md).
+- Prediction: state.IterationState runs model.logits, at each token's start for every layer and at
+  each routed layer c for c+1, c+2 and the next token's layer c. Scores are probabilities.
+- Prefetch: moestream's IdleAwarePlanner (probability > min_prefetch_probability, or >
+  idle_prefetch_probability while nothing moves to the tier), in order of probability / layers ahead.
+- Eviction (DefaultEviction): the resident expert with the longest expected wait to its next use, in
+  layers: (layers until it) + (1 - p) x L / q for a layer still ahead in this token, with p its
+  probability now and q the next token's; (layers until the next token reaches it) + L x (1/q - 1)
+  for a layer passed.
+Without a trained model it refuses to run (UntrainedPolicyError): it never silently acts as LRU.
+Saved as safetensors (numpy) + JSON; loading and running import no torch.
 Knows the policy contract, not the mechanism, time or bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import POLICIES, EvictionPolicy, Prediction, PrefetchPlanner
-from moestream.policies.default.model import ModelConfig, RoutingWeights, build_vocabulary, token_keys
-from moestream.policies.default.reuse import ReuseModel, popularity_logit
-from moestream.policies.default.state import IterationState, TraceScores
+from moestream.policies.contracts import (
+    POLICIES,
+    EvictionPolicy,
+    Prediction,
+    PrefetchPlanner,
+)
+from moestream.policies.default.features import (
+    TraceFeatures,
+    build_vocabulary,
+    token_keys,
+)
+from moestream.policies.default.model import (
+    START,
+    DefaultConfig,
+    DefaultWeights,
+    logits,
+    sigmoid,
+    weight_index,
+)
+from moestream.policies.default.state import IterationState
+from moestream.policies.default.storage import load_directory, save_directory
 from moestream.policies.planning import IdleAwarePlanner
-from moestream.policies.scored_eviction import ScoredEviction
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
-from moestream.predictors.configs import ConfigError, TrainConfig
-from moestream.topology import Topology
+from moestream.predictors.configs import TrainConfig
+from moestream.topology import ExpertKey, Topology
 
 if TYPE_CHECKING:
-    import torch
-
     from moestream.trace.schema import Trace
 
-@dataclass(frozen=True)
-class DefaultConfig(ModelConfig):
-    """The routing model's settings (ModelConfig) and the policy's own."""
+KIND = "default"
 
-    reuse_tokens: int = 1500  # (token, next token) pairs the reuse model learns from
-    reuse_l2: float = 1e-4
-    num_candidates: int = 0  # predictions per layer; 0 means 2 x top_k
-    min_prefetch_probability: float = 0.5
-    idle_prefetch_probability: float = 0.1  # the bar when nothing is moving to the tier
-    UNIT_FIELDS: ClassVar[tuple[str, ...]] = ModelConfig.UNIT_FIELDS + ("min_prefetch_probability",
-                                                                     "idle_prefetch_probability")
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.reuse_tokens < 1 or self.num_candidates < 0 or self.reuse_l2 < 0:
-            raise ConfigError("need reuse_tokens >= 1, num_candidates >= 0 and reuse_l2 >= 0")
+class UntrainedPolicyError(MoestreamError):
+    """default asked to run with no trained model."""
 
-    def model(self) -> ModelConfig:
-        return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
+    def __init__(self):
+        super().__init__(f"policy {KIND!r} has no trained model: pass --predictor-dir DIR (made by `moestream "
+                         f"train-predictor --kind {KIND} --trace TRACE --out DIR`), or --train TRACE where the "
+                         f"command has it")
 
 
 class DefaultPredictor(TrainablePredictor):
-    kind = "default"
+    kind = KIND
 
     def __init__(self, topology: Topology, config: DefaultConfig, train: TrainConfig):
         super().__init__(topology, config, train)
-        self.weights: RoutingWeights | None = None
-        self.reuse = ReuseModel(np.zeros((topology.num_layers, topology.num_experts), dtype=np.float32))
-        self.vocab: dict = {}
-        self.key_kind = ""  # "tokens", "token_ids" or "" (no token keys in the training trace)
+        self.weights: DefaultWeights | None = None
+        self.vocab: dict[str, int] = {}
+        self.key_kind = ""  # "tokens", "token_ids" or "" (the training trace had no token keys)
         self.state: IterationState | None = None
-        self._scores: TraceScores | None = None
+        self._trace: TraceFeatures | None = None
 
     @property
     def is_trained(self) -> bool:
         return self.weights is not None
 
-    @property
-    def needs_hidden(self) -> bool:
-        """Router inputs are read when the model was trained with them."""
-        return self.weights is not None and self.weights.uses_hidden
-
-    @property
-    def num_candidates(self) -> int:
-        return self.config.num_candidates or 2 * self.topology.top_k
-
     # -- offline ---------------------------------------------------------------------------
     def fit(self, trace: "Trace") -> None:
-        from moestream.policies.default.training import train_network
+        from moestream.policies.default.training import train_weights
 
         keys, self.key_kind = token_keys(trace)
         self.vocab = build_vocabulary(keys, self.config.min_token_count)
-        self.weights, self.losses = train_network(trace, self.config.model(), self.train_config, self.vocab)
-        self.reuse = ReuseModel(popularity_logit(trace))
-        self.reuse.fit(trace, self.config.reuse_tokens, self.config.reuse_l2, self.train_config.seed)
+        self.weights, self.losses = train_weights(trace, self._indices(keys), len(self.vocab) + 1, self.config,
+                                                  self.train_config)
         self.reset()
 
-    def tensors(self) -> dict[str, "torch.Tensor"]:
-        import torch
-
-        arrays = self.weights.arrays() | {"reuse_pop_logit": self.reuse.pop_logit, "reuse_weights": self.reuse.weights}
-        return {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in arrays.items()}
+    def tensors(self) -> dict[str, np.ndarray]:
+        return self.weights.arrays()
 
     def meta(self) -> dict:
-        return super().meta() | {"vocab": self.vocab, "key_kind": self.key_kind}
+        return {"config": self.config.to_dict(), "vocab": self.vocab, "key_kind": self.key_kind}
 
-    def restore(self, tensors: dict[str, "torch.Tensor"], meta: dict) -> None:
-        arrays = {name: tensor.numpy() for name, tensor in tensors.items()}
+    def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
         self.config = DefaultConfig(**meta["config"])
-        self.weights = RoutingWeights(arrays)
-        self.reuse = ReuseModel(arrays["reuse_pop_logit"], arrays["reuse_weights"])
+        self.weights = DefaultWeights(**tensors)
         self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
         self.reset()
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E]: what predict() gives for each row's `layer`, horizon_layers positions earlier."""
-        self._require_trained()
-        if self._scores is None or not self._scores.holds(trace):
-            self._scores = TraceScores(trace, self.weights, self.reuse, self.vocab, self.key_kind)
-        return self._scores.scores(layer, horizon_layers)
+        self.require_trained()
+        if self._trace is None or not self._trace.holds(trace):
+            keys, kind = token_keys(trace)
+            tokens = self._indices(keys if kind == self.key_kind else None, trace.num_tokens)
+            config = self.config
+            self._trace = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta, config.cut_recall)
+        cut = layer - horizon_layers
+        tokens = self._trace.tokens
+        if cut < -1:  # predicted at the previous token, before this one was known
+            tokens = np.where(self._trace.prev >= 0, 0, tokens)
+        anchor, b = weight_index(layer, cut)
+        x = self._trace.features(layer, cut if b != START else -1)[:, None]  # [N, 1, 6E]
+        return sigmoid(logits(self.weights, x, tokens[:, None], ([anchor], [b])))[:, 0]
+
+    def _indices(self, keys: list | None, count: int = 0) -> np.ndarray:
+        if keys is None:
+            return np.zeros(count, dtype=np.int64)
+        return np.fromiter((self.vocab.get(str(k), 0) for k in keys), dtype=np.int64, count=len(keys))
+
+    def require_trained(self) -> None:
+        if self.weights is None:
+            raise UntrainedPolicyError()
 
     # -- online ----------------------------------------------------------------------------
     def reset(self) -> None:
-        self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.reuse)
+        self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.config)
 
     def begin_iteration(self, ctx: IterationContext) -> None:
-        if self.state is not None:
-            self.state.begin(ctx, self._token_indices(ctx))
+        self.require_trained()
+        keys = ctx.tokens if self.key_kind == "tokens" else ctx.token_ids if self.key_kind == "token_ids" else None
+        self.state.begin(ctx, self._indices(None if keys is None else list(keys), ctx.num_tokens))
 
     def observe(self, event: RoutingEvent) -> None:
         if self.state is not None:
@@ -144,55 +144,61 @@ class DefaultPredictor(TrainablePredictor):
 
     def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
         state = self.state
-        if state is None or not state.active:
+        L, k = self.topology.num_layers, self.topology.top_k
+        targets = range(layer_now + 1, min(layer_now + horizon_layers, 2 * L - 1) + 1)
+        if state is None or not state.active or not targets:
             return []
-        num_layers, predictions = self.topology.num_layers, []
-        targets = np.arange(layer_now + 1, min(layer_now + horizon_layers, 2 * num_layers - 1) + 1)
-        now = targets[targets < num_layers]
-        if len(now):
-            for layer, scores in zip(now.tolist(), state.refine(layer_now, now)):
-                predictions += self._top(scores, layer, 0)
-        for layer in (targets[targets >= num_layers] - num_layers).tolist():
-            predictions += self._top(state.next_token(layer), layer, 1)
+        scores = state.scores_ahead(layer_now, len(targets))  # [n, E]
+        top = np.argpartition(scores, -k, axis=1)[:, -k:].tolist()  # [n, k]
+        predictions = []
+        for target, experts, probs in zip(targets, top, scores.tolist()):
+            layer, ahead = (target - L, 1) if target >= L else (target, 0)
+            predictions += [Prediction(layer, e, probs[e], ahead) for e in experts]
         return predictions
 
-    def _top(self, scores: np.ndarray, layer: int, tokens_ahead: int) -> list[Prediction]:
-        order = np.argsort(-scores, kind="stable")[: self.num_candidates]
-        return [Prediction(layer, int(e), float(scores[e]), tokens_ahead) for e in order.tolist()]
-
-    def _token_indices(self, ctx: IterationContext) -> np.ndarray:
-        keys = ctx.tokens if self.key_kind == "tokens" else ctx.token_ids if self.key_kind == "token_ids" else None
-        if keys is None:
-            return np.zeros(ctx.num_tokens, dtype=np.int64)
-        return np.fromiter((self.vocab.get(str(k), 0) for k in keys), dtype=np.int64, count=ctx.num_tokens)
-
-    def _require_trained(self) -> None:
-        if self.weights is None:
-            from moestream.policies.baselines.row_scores import NotFittedError
-
-            raise NotFittedError("the default policy must be fitted before scoring a trace")
-
-    def retention(self) -> np.ndarray:
-        """[L, E]: minus the expected layers until each expert is next needed (higher: keep)."""
+    def expected_wait(self) -> np.ndarray:
+        """[L, E]: the expected layers until each expert is next needed (the largest goes first)."""
         if self.state is None:
             return np.zeros((self.topology.num_layers, self.topology.num_experts))
-        return self.state.retention()
+        return self.state.expected_wait()
 
 
-class DefaultEviction(ScoredEviction):
-    """Evicts the expert whose next use is expected furthest away (see the module docstring)."""
+class DefaultEviction(EvictionPolicy):
+    """Evicts the resident expert whose next use is expected furthest away (the module docstring).
+
+    Keeps the resident set as an [L, E] mask and the retention masked by it, so a victim is one
+    argmax; only when that expert may not be evicted (pinned, protected) are the candidates ranked.
+    """
 
     def __init__(self, predictor: DefaultPredictor):
-        super().__init__()
         self.predictor = predictor
+        shape = (predictor.topology.num_layers, predictor.topology.num_experts)
+        self.resident = np.zeros(shape, dtype=bool)  # [L, E]
+        self._wait: np.ndarray | None = None  # the predictor's table the mask was applied to
+        self._masked = np.full(shape, -np.inf)  # [L, E] expected wait of residents, -inf elsewhere
 
-    def score_matrix(self) -> np.ndarray:
-        return self.predictor.retention()
+    def on_insert(self, key: ExpertKey) -> None:
+        self.resident[key] = True
+        if self._wait is not None:
+            self._masked[key] = self._wait[key]
+
+    def on_remove(self, key: ExpertKey) -> None:
+        self.resident[key] = False
+        self._masked[key] = -np.inf
+
+    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        wait = self.predictor.expected_wait()
+        if wait is not self._wait:
+            self._wait, self._masked = wait, np.where(self.resident, wait, -np.inf)
+        best = ExpertKey(*divmod(int(self._masked.argmax()), self.resident.shape[1]))
+        if best in candidates:
+            return best
+        return max(candidates, key=lambda key: (wait[key], key))
 
 
-@POLICIES.register("default")
+@POLICIES.register(KIND)
 class Default(TrainedPolicy):
-    """moestream's own design: learned calibrated prediction for prefetch and Belady-like eviction."""
+    """moestream's lean default: a sparse linear routing model for prefetch and Belady-like eviction."""
 
     config_class = DefaultConfig
 
@@ -204,3 +210,15 @@ class Default(TrainedPolicy):
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
         return DefaultEviction(self.predictor)
+
+    def prepare(self, trace: "Trace") -> None:
+        self.predictor.require_trained()
+
+    def save(self, directory: str | Path) -> Path:
+        return save_directory(self.predictor, directory)
+
+    def load(self, directory: str | Path) -> None:
+        load_directory(self.predictor, directory)
+        self.config = self.predictor.config
+        self.planner = self.make_planner()
+        self.pretrained = True

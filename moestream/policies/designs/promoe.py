@@ -112,7 +112,7 @@ class PromoePredictor(TrainablePredictor):
         from moestream.predictors.training import torch_threads
 
         with torch.inference_mode(), torch_threads(1):
-            return torch.sigmoid(self._trained().logits(torch.from_numpy(inputs), source_layer, distance)).numpy()
+            return torch.sigmoid(self._trained().logits(torch.tensor(inputs), source_layer, distance)).numpy()
 
     def source_probabilities(self, trace: "Trace", source_layer: int, distance: int, chunk: int = 2048) -> np.ndarray:
         """[N, E] probabilities for layer source_layer + distance of every row of a trace."""

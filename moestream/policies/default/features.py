@@ -1,0 +1,132 @@
+"""The inputs of the lean routing model, for every row of a trace at once.
+
+`TraceFeatures.features(layer, cut)` gives, for each row t and target `layer`, seen once t's layers
+<= cut have routed (cut = -1: t's start, nothing routed), the [N, 6E] features of
+moestream.policies.default.model: t's experts at cut and cut-1, the previous two tokens'
+experts at the layer, the in-sequence recall at the layer and the sequence's running share there.
+The online state (state.py) keeps the same numbers incrementally; `recall_weights` is the code both
+use. Token keys and the vocabulary are here too. Knows traces and arrays, not events or caches.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moestream.policies.routing_stats import previous_rows
+
+if TYPE_CHECKING:
+    from moestream.trace.schema import Trace
+
+
+
+def recall_weights(shared: np.ndarray, valid: np.ndarray, beta: float) -> np.ndarray:
+    """[..., W] normalised weights exp(beta x shared) over the valid window slots."""
+    w = np.exp(beta * shared) * valid  # [..., W]
+    return w / np.maximum(w.sum(axis=-1, keepdims=True), 1e-12)
+
+
+def token_keys(trace: "Trace") -> tuple[list | None, str]:
+    """The trace's token keys (strings, else ids) and which kind they are ("" if none)."""
+    if trace.tokens is not None:
+        return trace.tokens, "tokens"
+    if trace.token_ids is not None:
+        return trace.token_ids.tolist(), "token_ids"
+    return None, ""
+
+
+def build_vocabulary(keys: list | None, min_count: int) -> dict[str, int]:
+    """key -> index from 1, for keys seen at least min_count times; 0 is the unknown token."""
+    counts = Counter(str(k) for k in keys or [])
+    kept = sorted(k for k, n in counts.items() if n >= min_count)
+    return {k: i + 1 for i, k in enumerate(kept)}
+
+
+def multi_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """[..., K] expert ids -> [..., E] bool."""
+    hot = np.zeros(experts.shape[:-1] + (num_experts,), dtype=bool)
+    np.put_along_axis(hot, experts.astype(np.int64), True, axis=-1)
+    return hot
+
+
+class TraceFeatures:
+    """Every row's model inputs for one (layer, cut), computed for a whole trace."""
+
+    def __init__(self, trace: "Trace", tokens: np.ndarray, window_tokens: int, beta: float, cut_recall: bool = True):
+        self.trace, self.tokens, self.beta, self.cut_recall = trace, tokens, beta, cut_recall
+        E = trace.topology.num_experts
+        self.hot = multi_hot(trace.experts, E)  # [N, L, E]
+        self.prev = previous_rows(trace.seq_ids)  # [N]
+        self.prev2 = np.where(self.prev >= 0, self.prev[np.maximum(self.prev, 0)], -1)
+        back = np.arange(1, window_tokens + 1)
+        earlier = np.arange(len(self.prev))[:, None] - back  # [N, W]
+        self.valid = back[None, :] <= np.minimum(trace.positions, _position_in_trace(trace.seq_ids))[:, None]
+        self.earlier = np.where(self.valid, earlier, 0)
+        self.share = _running_share(self.hot, self.prev)  # [N, L, E]
+        self._shared: dict[int, np.ndarray] = {}  # cut -> [N, W] experts shared at cut
+
+    def holds(self, trace: "Trace") -> bool:
+        return trace is self.trace
+
+    def features(self, layer: int, cut: int) -> np.ndarray:
+        """[N, 6E] float32 inputs for `layer`, seen with t's layers <= cut routed (cut >= -1)."""
+        E = self.hot.shape[2]
+        out = np.zeros((len(self.prev), 6 * E), dtype=np.float32)
+        if cut >= 0:
+            out[:, :E] = self.hot[:, cut]
+        if cut >= 1:
+            out[:, E:2 * E] = self.hot[:, cut - 1]
+        for block, rows in ((2, self.prev), (3, self.prev2)):
+            out[:, block * E:(block + 1) * E] = self.hot[np.maximum(rows, 0), layer] & (rows >= 0)[:, None]
+        out[:, 4 * E:5 * E] = self.recall(layer, cut)
+        out[:, 5 * E:] = self.share[:, layer]
+        return out
+
+    def recall(self, layer: int, cut: int) -> np.ndarray:
+        """[N, E]: the window's routing at `layer`, weighted by the experts shared at cut and cut-1."""
+        return self.recall_many([layer], cut)[:, 0]
+
+    def recall_many(self, layers: list[int], cut: int) -> np.ndarray:
+        """[N, n, E]: recall() at several layers from one cut, as one sparse [N, N] product (without
+        cut_recall, the window's mean routing whatever the cut)."""
+        from scipy.sparse import csr_matrix
+
+        cut = cut if self.cut_recall else -1
+        shared = sum(self._shared_at(c) for c in (cut, cut - 1) if c >= 0)
+        weights = recall_weights(np.asarray(shared, dtype=np.float32), self.valid, self.beta)  # [N, W]
+        n = len(self.prev)
+        mix = csr_matrix((weights.ravel(), self.earlier.ravel(), np.arange(0, weights.size + 1, weights.shape[1])),
+                         shape=(n, n))
+        hot = self.hot[:, layers].reshape(n, -1).astype(np.float32)  # [N, n*E]
+        return np.asarray(mix @ hot, dtype=np.float32).reshape(n, len(layers), -1)
+
+    def _shared_at(self, cut: int) -> np.ndarray:
+        if cut not in self._shared:
+            experts = self.trace.experts[:, cut]  # [N, K]
+            same = experts[self.earlier][:, :, :, None] == experts[:, None, None, :]  # [N, W, K, K]
+            self._shared[cut] = same.sum(axis=(2, 3)).astype(np.float32)
+        return self._shared[cut]
+
+
+def _position_in_trace(seq_ids: np.ndarray) -> np.ndarray:
+    """[N]: how many earlier rows of the same sequence precede each row."""
+    starts = np.r_[True, seq_ids[1:] != seq_ids[:-1]] if len(seq_ids) else np.zeros(0, bool)
+    first = np.maximum.accumulate(np.where(starts, np.arange(len(seq_ids)), 0))
+    return np.arange(len(seq_ids)) - first
+
+
+def _running_share(hot: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """[N, L, E] float32: mean routing of each row's earlier tokens in its sequence (0 if none)."""
+    share = np.zeros(hot.shape, dtype=np.float32)
+    total = np.zeros(hot.shape[1:], dtype=np.float32)
+    count = 0
+    for row in range(len(prev)):
+        if prev[row] < 0:
+            total[:], count = 0.0, 0
+        elif count:
+            share[row] = total / count
+        total += hot[row]
+        count += 1
+    return share

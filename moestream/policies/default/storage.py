@@ -1,0 +1,66 @@
+"""Saving and loading a trained `default` model: weights.safetensors (numpy arrays, no torch)
+plus predictor.json, in the format of moestream.policies.trained, each file written atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moestream.atomic import atomic_path, write_json
+from moestream.errors import MoestreamError
+from moestream.policies.trained import (
+    FORMAT_VERSION,
+    META_FILE,
+    WEIGHTS_FILE,
+    PredictorFileError,
+    read_meta,
+)
+from moestream.predictors.configs import TrainConfig
+from moestream.topology import Topology
+
+if TYPE_CHECKING:
+    from moestream.policies.trained import TrainablePredictor
+
+
+def save_directory(predictor: "TrainablePredictor", directory: str | Path) -> Path:
+    from safetensors.numpy import save_file
+
+    if not predictor.is_trained:
+        raise MoestreamError(f"the {predictor.kind} predictor is not trained yet; fit it before saving")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with atomic_path(directory / WEIGHTS_FILE) as path:
+        save_file(predictor.tensors(), str(path))
+    meta = {"format_version": FORMAT_VERSION, "kind": predictor.kind, "topology": predictor.topology.to_dict(),
+            "train": predictor.train_config.to_dict(), "losses": predictor.losses} | predictor.meta()
+    write_json(meta, directory / META_FILE)
+    return directory
+
+
+def load_directory(predictor: "TrainablePredictor", directory: str | Path) -> None:
+    """Restores a predictor saved by save_directory, after checking its kind and topology."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    meta = read_meta(directory)
+    if meta.get("kind") != predictor.kind:
+        raise PredictorFileError(f"{directory} holds a {meta.get('kind')!r} predictor, not {predictor.kind!r}")
+    try:
+        saved = Topology.from_dict(meta.get("topology"))
+    except (TypeError, ValueError) as error:
+        raise PredictorFileError(f"{directory / META_FILE} has no valid topology ({error})") from error
+    shape, wanted = (saved.num_layers, saved.num_experts, saved.top_k), predictor.topology
+    if shape != (wanted.num_layers, wanted.num_experts, wanted.top_k):
+        raise PredictorFileError(f"{directory} was trained for (layers, experts, top_k) = {shape}, this model has "
+                                 f"{(wanted.num_layers, wanted.num_experts, wanted.top_k)}")
+    try:
+        tensors = load_file(str(directory / WEIGHTS_FILE))
+    except (OSError, SafetensorError) as error:
+        raise PredictorFileError(f"cannot read {directory / WEIGHTS_FILE}: {error}") from error
+    try:
+        predictor.restore(tensors, meta)
+        predictor.train_config = TrainConfig(**meta.get("train", {}))
+    except (KeyError, TypeError, ValueError) as error:
+        raise PredictorFileError(f"{directory} does not hold a usable {predictor.kind} predictor ({error})") from error
+    predictor.losses = list(meta.get("losses", []))

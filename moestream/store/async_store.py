@@ -1,0 +1,289 @@
+"""The expert store with transfers beside compute: prefetch queues, fetch waits only for what it lacks.
+
+`AsyncExpertStore` keeps the residency, budgets and counters of `ExpertStore` and moves bytes on
+the disk link's worker (`moestream.store.transfer`) instead of the caller's thread. It serves a
+device tier with no host tier. On the CPU that is one tier, each expert held once, read straight
+from disk into its slot. On CUDA the worker reads each chunk into one pinned staging slot, copies
+it up on the link's copy stream and waits for that copy's event (on the worker thread: the compute
+stream and the device are never synchronised) before the next chunk reuses the staging slot.
+`TieredAsyncStore` (`moestream.store.tiered`) extends it to a host tier with a second link's
+worker; `open_store` (`moestream.store.factory`) picks the store for a configuration.
+
+Life of an expert: admitted to a slot and pinned by its transfer (in flight: `in_flight()`), then
+landed (unpinned, resident), or cancelled while queued (slot freed), or failed (slot freed, the
+error kept for the thread that waits on it). `fetch` is the early preemption: the layer's misses go
+to the head of the queue in the order asked, its in-flight experts become demand, and the queued
+speculative transfers of its layers that the gate did not choose are dropped. A demand miss that
+finds every slot pinned cancels queued speculative transfers, lowest priority first, then waits for
+an in-flight one to land. Every wait has a timeout (`StoreConfig.transfer_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from moestream.checkpoint.layout import ExpertIndex, Integrity
+from moestream.errors import CheckpointError
+from moestream.policies.contracts import EvictionPolicy, TransferRequest
+from moestream.store.config import StoreConfig
+from moestream.store.fetch import Fetch
+from moestream.store.store import ExpertStore, _key
+from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.topology import ExpertKey
+
+STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its chunk
+
+
+class AsyncExpertStore(ExpertStore):
+    bounce_slots = 1  # the disk worker's staging slot where the device tier is not host memory
+    serves_host_tier = False  # TieredAsyncStore (moestream.store.tiered) serves one
+
+    def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None):
+        super().__init__(index, config, device_eviction, host_eviction, integrity)
+        if self._host is not None and not self.serves_host_tier:
+            raise ValueError("the asynchronous store serves a device tier without a host tier")
+        self._cond = threading.Condition(self._lock)
+        self._queue = TransferQueue(self.device_slots)
+        self._pending: dict[ExpertKey, Transfer] = {}
+        self._errors: dict[ExpertKey, TransferError] = {}
+        self._closed = False
+        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, self._landed, self._failed,
+                                  self._link_read)
+
+    # -- compute thread --------------------------------------------------------------------------
+
+    def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> Fetch:
+        """chosen: every expert the gate chose in these layers (default: keys), which preemption keeps."""
+        wanted = list(dict.fromkeys(_key(k) for k in keys))
+        with self._lock:
+            self._check_open()
+            self._check_fits(wanted)
+            self._preempt(wanted, {_key(k) for k in chosen} | set(wanted))
+            pinned: list[ExpertKey] = []
+            try:
+                for key in wanted:
+                    self._demand(key)
+                    self._device.pin([key])
+                    pinned.append(key)
+            except BaseException:
+                self._device.unpin(pinned)
+                raise
+        return Fetch(self, wanted)
+
+    def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
+        """As ExpertStore.acquire: returns once every key's bytes are in place."""
+        fetch = self.fetch(keys)
+        try:
+            return dict(fetch.ready())
+        except BaseException:
+            fetch.release()
+            raise
+
+    def next_ready(self, candidates: Sequence[ExpertKey]) -> tuple[ExpertKey, torch.Tensor]:
+        """The first candidate whose bytes are in place (waiting for one to land), with its slot."""
+        deadline = time.perf_counter() + self.config.transfer_timeout_s
+        with self._cond:
+            while True:
+                for key in candidates:
+                    if key in self._errors:
+                        raise self._errors.pop(key)
+                    if key not in self._pending:
+                        return key, self._device_pool.slot(self._device.slot(key))
+                began = time.perf_counter()
+                try:
+                    self._wait(deadline, f"experts {[tuple(k) for k in candidates]}")
+                finally:
+                    self._stats.stall_s += time.perf_counter() - began
+
+    def prefetch(self, requests: Sequence[TransferRequest], max_evictions: int | None = None) -> list[ExpertKey]:
+        """Admits the requested experts by priority and queues their transfers; returns at once."""
+        with self._lock:
+            self._check_open()
+            priorities = {_key(r.key): r.priority for r in requests}
+            brought, kept = self._admit_prefetches(requests, max_evictions)
+            self._device.unpin(kept)
+            for key in kept:
+                if key in self._pending:
+                    transfer = self._pending[key]
+                    self._queue_of(transfer).reprioritise(transfer, priority=priorities[key])
+            # each keeps the pin _admit_prefetches gave it until it lands (or leaves the tier if refused)
+            brought = [key for key in brought if self._enqueue(key, priorities[key], demand=False)]
+            self._unused_prefetches.update(brought)
+            self._stats.prefetched += len(brought)
+            self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
+        return brought
+
+    def wait_idle(self) -> None:
+        """Blocks until no transfer is in flight (e.g. after a preload); raises the first failure."""
+        deadline = time.perf_counter() + self.config.transfer_timeout_s
+        with self._cond:
+            while self._pending:
+                self._wait(deadline, f"{len(self._pending)} transfers in flight")
+            if self._errors:
+                error = next(iter(self._errors.values()))
+                self._errors.clear()
+                raise error
+
+    def in_flight(self) -> frozenset[ExpertKey]:
+        """Experts admitted whose bytes are queued or being read."""
+        with self._lock:
+            return frozenset(self._pending)
+
+    def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
+        """Experts whose bytes are in place in the tier (those still arriving there excluded)."""
+        with self._lock:
+            return super().resident(tier) - self._arriving(tier)
+
+    def close(self) -> None:
+        """Stops the worker after its current chunk, drops the queued transfers, closes the files."""
+        with self._lock:
+            self._closed = True
+        self._stop_workers()
+        with self._cond:
+            for transfer in list(self._pending.values()):
+                self._forget(transfer)
+            self._queue.drain()
+            self._cond.notify_all()
+        super().close()
+
+    def _stop_workers(self) -> None:
+        self._worker.stop(STOP_TIMEOUT_S)
+
+    # -- under the lock --------------------------------------------------------------------------
+
+    def _arriving(self, tier: str) -> set[ExpertKey]:
+        """Experts admitted to the tier whose bytes are still on their way there."""
+        return set(self._pending)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the expert store is closed")
+
+    def _pinned(self) -> set[ExpertKey]:
+        """Experts pinned by callers; transfers' own pins do not count: they are cancelled or land."""
+        return set(self._device.pinned()) - self._pending.keys()
+
+    def _preempt(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
+        """Drops queued speculative transfers of the wanted experts' layers that the gate did not choose."""
+        layers = {k.layer for k in wanted}
+        for transfer in self._speculative():
+            if transfer.key.layer in layers and transfer.key not in chosen:
+                self._cancel(transfer)
+
+    def _demand(self, key: ExpertKey) -> None:
+        if self._hit(key):
+            transfer = self._pending.get(key)
+            if transfer is not None:
+                self._stats.late += 1
+                self._queue_of(transfer).reprioritise(transfer, demand=True)
+            return
+        self._stats.misses += 1
+        self._make_room()
+        self._admit(key)
+        self._device.pin([key])  # the transfer's pin
+        try:
+            self._enqueue(key, 0.0, demand=True)
+        except BaseException:
+            self._forget_admission(key)
+            raise
+
+    def _make_room(self) -> None:
+        """A full tier with nothing evictable: cancel queued speculative transfers, then wait for landings."""
+        deadline = time.perf_counter() + self.config.transfer_timeout_s
+        speculative = self._speculative()
+        while len(self._device) >= self.device_slots and not self._device.has_evictable():
+            if speculative:
+                self._cancel(speculative.pop(0))
+            else:
+                self._wait(deadline, "a free device slot")
+
+    def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
+        """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier)."""
+        self._errors.pop(key, None)
+        self._queue_read(key, self._device_pool.slot(self._device.slot(key)), priority, demand)
+        return True
+
+    def _queue_read(self, key: ExpertKey, slot: torch.Tensor, priority: float, demand: bool) -> None:
+        """Queues the disk read of key's bytes into slot (1-D uint8)."""
+        transfer = Transfer(key, chunks_of(self.index.locations[key].segments, slot, self.config.chunk_bytes),
+                            priority=priority, demand=demand)
+        self._queue.push(transfer)
+        self._pending[key] = transfer
+        self._cond.notify_all()
+
+    def _speculative(self) -> list[Transfer]:
+        """Queued speculative transfers (not those a worker holds), lowest priority first."""
+        return self._queue.speculative()
+
+    def _queue_of(self, transfer: Transfer) -> TransferQueue:
+        return self._queue
+
+    def _cancel(self, transfer: Transfer) -> None:
+        if self._queue_of(transfer).cancel(transfer.key) is transfer:
+            self._stats.cancelled += 1
+            self._unused_prefetches.discard(transfer.key)
+            self._forget(transfer)
+
+    def _forget(self, transfer: Transfer) -> None:
+        """The transfer's expert leaves the device tier (its bytes never arrived there)."""
+        self._pending.pop(transfer.key, None)
+        self._forget_admission(transfer.key)
+
+    def _forget_admission(self, key: ExpertKey) -> None:
+        if key in self._device:
+            self._device.remove(key)
+
+    def _wait(self, deadline: float, what: str) -> None:
+        self._check_open()
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise TransferError(f"timed out after {self.config.transfer_timeout_s:g} s waiting for {what}")
+        self._cond.wait(left)
+
+    # -- worker callbacks ------------------------------------------------------------------------
+
+    def _read_chunks(self, batch) -> int:
+        """The worker's read of chunks (outside the lock): into their slots together, or staged one by one."""
+        if not self._bounce.num_slots:
+            return self._reader.read_batch(batch)
+        got = 0
+        for segments, dst in batch:
+            staging = self._bounce.slot(0)[: dst.numel()]  # [chunk bytes], pinned
+            got += self._reader.read_batch([(segments, staging)])
+            self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
+        return got
+
+    def _link_read(self, seconds: float) -> None:  # under the lock: one read of chunks in flight together
+        self._stats.transfer_s += seconds
+        self._stats.disk_read_s += seconds
+        self._stats.disk_batches += 1
+
+    def _landed(self, transfer: Transfer) -> None:  # under the lock
+        if self._pending.get(transfer.key) is not transfer:
+            return  # forgotten by close()
+        try:
+            self._arrived([transfer.key], [self._device_pool.slot(self._device.slot(transfer.key))])
+        except CheckpointError as error:
+            self._failed(transfer, error)
+            return
+        del self._pending[transfer.key]
+        self._device.unpin([transfer.key])
+        self._stats.host_misses += 1
+        self._cond.notify_all()
+
+    def _failed(self, transfer: Transfer, error: BaseException) -> None:  # under the lock
+        self._fail(transfer, error, f"reading expert {tuple(transfer.key)} from disk failed")
+
+    def _fail(self, transfer: Transfer, error: BaseException, what: str) -> None:  # under the lock
+        """The error kept for the thread that waits on the transfer's expert, which leaves the tier."""
+        if self._pending.get(transfer.key) is transfer:
+            failure = error if isinstance(error, CheckpointError) else TransferError(f"{what}: {error}")
+            failure.__cause__ = None if failure is error else error
+            self._errors[transfer.key] = failure
+            self._forget(transfer)
+        self._cond.notify_all()

@@ -1,0 +1,44 @@
+"""Which expert store serves a configuration: synchronous, asynchronous with one tier, or with two.
+
+`open_store` makes it: the synchronous `ExpertStore` unless the configuration asks for asynchronous
+transfers; then `AsyncExpertStore` for a device tier alone and `TieredAsyncStore` for a device tier
+with a host tier. On the CPU, host and device memory are the same: there the host budget joins the
+device tier (one tier, each expert held once, no second copy). This module knows no policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moestream.checkpoint.layout import ExpertIndex, Integrity
+from moestream.policies.contracts import EvictionPolicy
+from moestream.store.async_store import AsyncExpertStore
+from moestream.store.config import Budget, StoreConfig
+from moestream.store.store import ExpertStore
+from moestream.store.tiered import TieredAsyncStore
+from moestream.topology import Topology
+
+
+def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
+               host_eviction: EvictionPolicy, integrity: Integrity | None = None) -> ExpertStore:
+    """The store for config (see the module doc), with its tiers' eviction policies."""
+    if config.asynchronous and not config.uses_cuda:
+        config = one_tier(config, index.topology)
+    return store_kind(config, index.topology)(index, config, device_eviction, host_eviction, integrity)
+
+
+def store_kind(config: StoreConfig, topology: Topology) -> type[ExpertStore]:
+    """The store class for config as given (tiers not merged)."""
+    if not config.asynchronous:
+        return ExpertStore
+    return TieredAsyncStore if config.host_slots(topology) else AsyncExpertStore
+
+
+def one_tier(config: StoreConfig, topology: Topology) -> StoreConfig:
+    """The configuration with the host budget moved into the device tier."""
+    host_bytes = config.host_budget.resolve(topology.total_expert_bytes)
+    if not host_bytes:
+        return config
+    device_bytes = config.device_budget.resolve(topology.total_expert_bytes)
+    return dataclasses.replace(config, device_budget=Budget(size_bytes=device_bytes + host_bytes),
+                               host_budget=Budget(size_bytes=0))

@@ -1,0 +1,107 @@
+"""Copy links between tiers and the events that mark their copies done, behind one small interface.
+
+A `Link` moves one slot's bytes to a slot of another tier and returns an `Event`. The CPU link copies
+at once (a plain memcpy with numpy: no intra-op threads for one slot) and returns an event that is
+already done. The CUDA link issues `copy_(non_blocking=True)` on its own copy stream, ordered after
+the compute stream's pending work (which may still read the destination), and returns an event of
+the copy stream: the compute stream waits on it (`wait_on_compute`), the host only when it must
+overwrite the source (`synchronize`); nothing synchronises the whole device. Links are made by the
+device type through `LINKS`; the code that uses them is the same for both. A link knows no experts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from moestream.registry import Registry
+
+
+LINKS: Registry[Link] = Registry("copy link")
+
+
+class Event(ABC):
+    """The completion of one copy."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the copy has completed."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the copy has completed."""
+
+    @abstractmethod
+    def wait_on_compute(self) -> None:
+        """Order the compute stream's later work after the copy (the host does not block)."""
+
+
+class Link(ABC):
+    """One copy link into a tier on `device`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """dst <- src (1-D uint8 slots of equal size)."""
+
+    def synchronize(self) -> None:
+        """Block until every copy issued on this link has completed."""
+
+
+class DoneEvent(Event):
+    def done(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Already done."""
+
+    def wait_on_compute(self) -> None:
+        """Already done."""
+
+
+@LINKS.register("cpu")
+class CpuLink(Link):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        dst.numpy()[:] = src.numpy()
+        return DoneEvent()
+
+
+class CudaEvent(Event):
+    def __init__(self, event: "torch.cuda.Event", device: torch.device):
+        self.event, self.device = event, device
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def wait_on_compute(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+@LINKS.register("cuda")
+class CudaLink(Link):
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return CudaEvent(event, self.device)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+def make_link(device: str | torch.device) -> Link:
+    """The copy link into a tier on this device (by its type in LINKS)."""
+    device = torch.device(device)
+    return LINKS.create(device.type, device)

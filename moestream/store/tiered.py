@@ -1,0 +1,137 @@
+"""The asynchronous store with a host tier: one worker per link (disk -> host, host -> device), both at once.
+
+`TieredAsyncStore` serves a device tier and a host tier between it and disk (on CUDA: pinned host
+slots below GPU memory). A device miss whose expert is in the host tier goes straight to the host
+-> device link's queue (`moestream.store.copier`); any other is read by the disk worker
+(`moestream.store.transfer`) into a host slot, checked there (integrity), then re-queued on the host
+-> device link with its demand and priority (tier pipelining), so that one expert's read overlaps
+another's copy up. The host tier keeps the copy and evicts by its own policy, as in the synchronous
+store. A host slot is pinned while the disk writes it and while the host -> device link reads it,
+so that no eviction reuses it before that copy is done.
+
+Preemption, cancellation, timeouts and failures keep their meaning across both stages: an expert
+is in flight (`in_flight()`) from its admission to the device tier until its bytes are in its
+device slot; a demand reorders it in whichever queue holds it; a queued speculative transfer is
+cancelled in either queue (a cancelled read frees its host slot, a cancelled copy keeps the host
+copy); a failed read or copy surfaces to the thread that waits on the expert. A demand miss that
+finds every host slot pinned cancels queued speculative transfers, then waits for a copy to finish;
+a speculative one is refused instead. This store knows no policy and no device type: the `Link`
+decides how bytes move up (a plain copy on the CPU, a copy stream and its events on CUDA).
+"""
+
+from __future__ import annotations
+
+import time
+
+from moestream.checkpoint.layout import ExpertIndex, Integrity
+from moestream.errors import CheckpointError
+from moestream.policies.contracts import EvictionPolicy
+from moestream.store.async_store import STOP_TIMEOUT_S, AsyncExpertStore
+from moestream.store.config import StoreConfig
+from moestream.store.copier import CopyWorker, HostCopy
+from moestream.store.transfer import Transfer, TransferQueue
+from moestream.topology import ExpertKey
+
+
+class TieredAsyncStore(AsyncExpertStore):
+    serves_host_tier = True
+
+    def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None):
+        if not config.host_slots(index.topology):
+            raise ValueError("the tiered asynchronous store needs a host tier of at least one expert")
+        super().__init__(index, config, device_eviction, host_eviction, integrity)
+        self._copies = TransferQueue(self.device_slots)
+        self._copier = CopyWorker(self._cond, self._copies, self._link, self._copied, self._copy_failed,
+                                  self._link_copied)
+
+    # -- under the lock --------------------------------------------------------------------------
+
+    def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
+        """A host hit goes to the copy queue; a miss takes a host slot and goes to the disk queue."""
+        self._errors.pop(key, None)
+        if self._host.access(key) is not None:
+            self._stats.host_hits += 1
+            self._host.pin([key])  # the copy's pin
+            self._queue_copy(key, priority, demand)
+            return True
+        if not self._host_room(demand):
+            self._forget_admission(key)
+            return False
+        slot, victim = self._host.admit(key)
+        self._stats.evictions["host"] += victim is not None
+        self._host.pin([key])  # the read's pin, then the copy's
+        self._queue_read(key, self._host_pool.slot(slot), priority, demand)
+        return True
+
+    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
+        copy = HostCopy(key, [], priority=priority, demand=demand,
+                        src=self._host_pool.slot(self._host.slot(key)),
+                        dst=self._device_pool.slot(self._device.slot(key)))
+        self._copies.push(copy)
+        self._pending[key] = copy
+        self._cond.notify_all()
+
+    def _host_room(self, demand: bool) -> bool:
+        """Whether the host tier can take one more expert; a demand cancels queued speculation, then waits."""
+        deadline = time.perf_counter() + self.config.transfer_timeout_s
+        while len(self._host) >= self.host_slots and not self._host.has_evictable():
+            if not demand:
+                return False
+            speculative = self._speculative()
+            if speculative:
+                self._cancel(speculative[0])
+            else:
+                self._wait(deadline, "a free host slot")
+        return True
+
+    def _speculative(self) -> list[Transfer]:
+        return sorted(self._queue.speculative() + self._copies.speculative(), key=lambda t: t.priority)
+
+    def _queue_of(self, transfer: Transfer) -> TransferQueue:
+        return self._copies if isinstance(transfer, HostCopy) else self._queue
+
+    def _arriving(self, tier: str) -> set[ExpertKey]:
+        if tier == "host":
+            return {key for key, t in self._pending.items() if not isinstance(t, HostCopy)}
+        return super()._arriving(tier)
+
+    def _forget(self, transfer: Transfer) -> None:
+        """As the one-tier store; a read's expert also leaves the host tier, a copy's stays there."""
+        super()._forget(transfer)
+        if isinstance(transfer, HostCopy):
+            self._host.unpin([transfer.key])
+        elif transfer.key in self._host:
+            self._host.remove(transfer.key)
+
+    def _stop_workers(self) -> None:
+        self._copier.stop(STOP_TIMEOUT_S)
+        super()._stop_workers()
+
+    # -- worker callbacks ------------------------------------------------------------------------
+
+    def _landed(self, transfer: Transfer) -> None:  # under the lock: the bytes are in the host slot
+        if self._pending.get(transfer.key) is not transfer:
+            return  # forgotten by close()
+        try:
+            self._arrived([transfer.key], [self._host_pool.slot(self._host.slot(transfer.key))])
+        except CheckpointError as error:
+            self._failed(transfer, error)
+            return
+        self._stats.host_misses += 1
+        self._queue_copy(transfer.key, transfer.priority, transfer.demand)
+
+    def _copied(self, copy: HostCopy) -> None:  # under the lock: the bytes are in the device slot
+        if self._pending.get(copy.key) is not copy:
+            return  # forgotten by close()
+        del self._pending[copy.key]
+        self._device.unpin([copy.key])
+        self._host.unpin([copy.key])
+        self._stats.bytes_read["host"] += self.topology.expert_bytes
+        self._cond.notify_all()
+
+    def _copy_failed(self, copy: HostCopy, error: BaseException) -> None:  # under the lock
+        self._fail(copy, error, f"copying expert {tuple(copy.key)} from host to device failed")
+
+    def _link_copied(self, seconds: float) -> None:  # under the lock
+        self._stats.copy_s += seconds

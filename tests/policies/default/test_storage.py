@@ -1,0 +1,53 @@
+"""default's storage: safetensors + JSON, loaded and run without torch."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moestream.policies import POLICIES
+from moestream.trace.format import save_trace
+from tests.policies.default.common import TOPOLOGY, fitted_policy, split_traces
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return split_traces()
+
+
+@pytest.fixture(scope="module")
+def policy(traces):
+    return fitted_policy(traces[0])
+
+
+def test_save_and_load_give_the_same_scores(policy, traces, tmp_path):
+    policy.save(tmp_path / "lean")
+    loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "lean")
+    for layer in range(TOPOLOGY.num_layers):
+        np.testing.assert_array_equal(loaded.predictor.score_rows(traces[1], layer, 1),
+                                      policy.predictor.score_rows(traces[1], layer, 1))
+
+
+LOAD_AND_RUN = """
+import sys
+from moestream.policies import POLICIES
+from moestream.trace.format import load_trace
+from moestream.trace.replay import decode_stream
+trace = load_trace(sys.argv[2])
+policy = POLICIES.create("default", trace.topology, predictor_dir=sys.argv[1])
+policy.predictor.score_rows(trace, 2, 1)
+it = next(decode_stream(trace))
+policy.predictor.begin_iteration(it.ctx)
+policy.predictor.observe(it.events[0])
+assert policy.predictor.predict(0, 2)
+print("torch" in sys.modules)
+"""
+
+
+def test_loading_and_running_import_no_torch(policy, traces, tmp_path):
+    policy.save(tmp_path / "lean")
+    save_trace(traces[1], tmp_path / "test.npz")
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(tmp_path / "lean"), str(tmp_path / "test.npz")],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -1,0 +1,202 @@
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from moestream.policies.contracts import TransferRequest
+from moestream.policies.eviction import LRUPolicy
+from moestream.store import StoreConfig
+from moestream.store.async_store import AsyncExpertStore
+from moestream.store.factory import open_store
+from moestream.store.transfer import TransferError
+from moestream.topology import ExpertKey
+from tests.store.test_store import assert_holds_expert
+
+K = ExpertKey
+
+
+def make_async(ckpt, device_slots, chunk_bytes=0, timeout_s=10.0):
+    eb = ckpt.index.topology.expert_bytes
+    config = StoreConfig(str(device_slots * eb), "0", asynchronous=True, chunk_bytes=chunk_bytes,
+                         transfer_timeout_s=timeout_s)
+    return open_store(ckpt.index, config, LRUPolicy(), LRUPolicy())
+
+
+class GatedReader:
+    """Forwards reads to the real reader, each once the test opens the gate (or with a delay, or failing)."""
+
+    def __init__(self, inner, gate=None, delay_s=lambda: 0.0, fail=lambda batch: False):
+        self.inner, self.gate, self.delay_s, self.fail = inner, gate, delay_s, fail
+        self.files = []
+
+    def read_batch(self, batch):
+        self.files.append(batch[0][0][0].offset)
+        if self.gate is not None:
+            self.gate.wait(10)
+        time.sleep(self.delay_s())
+        if self.fail(batch):
+            raise OSError("injected read failure")
+        return self.inner.read_batch(batch)
+
+    def close(self):
+        self.inner.close()
+
+
+def take(store, keys, reorder=True):
+    fetch = store.fetch(keys)
+    try:
+        return [(key, slot.clone()) for key, slot in fetch.ready(reorder)]
+    finally:
+        fetch.release()
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 40, 4096])
+def test_fetched_experts_hold_their_bytes(checkpoint, chunk_bytes):
+    with make_async(checkpoint, device_slots=3, chunk_bytes=chunk_bytes) as store:
+        for keys in ([K(0, 0), K(1, 3)], [K(0, 1), K(1, 3), K(0, 2)], [K(1, 0), K(0, 0)]):
+            got = take(store, keys)
+            assert sorted(k for k, _ in got) == sorted(keys)
+            for key, slot in got:
+                assert_holds_expert(checkpoint, slot, key)
+        assert store.in_flight() == frozenset()
+
+
+def test_prefetch_returns_before_the_bytes_and_in_flight_tells_the_truth(checkpoint):
+    gate = threading.Event()
+    with make_async(checkpoint, device_slots=4) as store:
+        store._reader = GatedReader(store._reader, gate)
+        brought = store.prefetch([TransferRequest(K(1, 1), 0.9), TransferRequest(K(1, 2), 0.5)])
+        assert brought == [K(1, 1), K(1, 2)]
+        assert store.in_flight() == {K(1, 1), K(1, 2)} and store.resident() == frozenset()
+        gate.set()
+        store.wait_idle()
+        assert store.in_flight() == frozenset() and store.resident() == {K(1, 1), K(1, 2)}
+        got = dict(take(store, [K(1, 2)]))
+        assert_holds_expert(checkpoint, got[K(1, 2)], K(1, 2))
+        stats = store.stats()
+        assert (stats.hits, stats.misses, stats.prefetch_hits) == (1, 0, 1)
+        assert stats.transfer_s > 0 and stats.bytes_read["disk"] == 2 * checkpoint.index.topology.expert_bytes
+
+
+def test_a_gate_decision_drops_stale_speculation_of_its_layer_and_goes_first(checkpoint):
+    gate = threading.Event()
+    with make_async(checkpoint, device_slots=6) as store:
+        store._reader = reader = GatedReader(store._reader, gate)
+        store.prefetch([TransferRequest(K(0, 3), 0.9)])  # the worker blocks on its first chunk
+        while not reader.files:
+            time.sleep(0.001)
+        store.prefetch([TransferRequest(K(1, e), 0.5) for e in range(3)] + [TransferRequest(K(0, 2), 0.1)])
+        fetch = store.fetch([K(1, 0), K(1, 3)])  # layer 1 chose experts 0 and 3
+        assert store.in_flight() == {K(0, 3), K(0, 2), K(1, 0), K(1, 3)}  # K(1, 1), K(1, 2) dropped
+        assert store.stats().cancelled == 2 and store.stats().late == 1
+        gate.set()
+        order = [key for key, _ in fetch.ready()]
+        fetch.release()
+        store.wait_idle()
+    assert sorted(order) == [K(1, 0), K(1, 3)]
+    assert store.stats().misses == 1
+
+
+def test_a_demand_miss_cancels_queued_speculation_when_every_slot_is_taken(checkpoint):
+    gate = threading.Event()
+    with make_async(checkpoint, device_slots=3) as store:
+        store._reader = GatedReader(store._reader, gate)
+        store.prefetch([TransferRequest(K(0, e), 1.0 - e / 10) for e in range(3)])
+        fetch = store.fetch([K(1, 0), K(1, 1)])
+        gate.set()
+        got = dict(fetch.ready())
+        fetch.release()
+        for key, slot in got.items():
+            assert_holds_expert(checkpoint, slot, key)
+        assert store.stats().cancelled >= 1
+
+
+def test_a_failed_read_surfaces_as_an_error_and_the_store_recovers(checkpoint):
+    fail = {"on": True}
+    with make_async(checkpoint, device_slots=4) as store:
+        store._reader = GatedReader(store._reader, fail=lambda batch: fail["on"])
+        with pytest.raises(TransferError, match=r"expert \(0, 1\).*injected"):
+            take(store, [K(0, 1)])
+        assert store.resident() == frozenset() and store.in_flight() == frozenset()
+        fail["on"] = False
+        assert_holds_expert(checkpoint, dict(take(store, [K(0, 1)]))[K(0, 1)], K(0, 1))
+
+
+def test_every_wait_has_a_timeout(checkpoint):
+    gate = threading.Event()
+    with make_async(checkpoint, device_slots=4, timeout_s=0.2) as store:
+        store._reader = GatedReader(store._reader, gate)
+        with pytest.raises(TransferError, match="timed out"):
+            take(store, [K(0, 1)])
+        gate.set()
+
+
+def test_random_delays_and_failures_keep_bytes_exact_and_leak_nothing(checkpoint):
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    rng = random.Random(0)
+    failures = 0
+    with make_async(checkpoint, device_slots=4, chunk_bytes=64) as store:
+        store._reader = GatedReader(store._reader, delay_s=lambda: rng.random() * 0.002,
+                                    fail=lambda batch: rng.random() < 0.05)
+        for step in range(60):
+            layer = step % 2
+            store.prefetch([TransferRequest(K(1 - layer, rng.randrange(4)), rng.random()) for _ in range(2)])
+            keys = [K(layer, e) for e in rng.sample(range(4), 2)]
+            try:
+                for key, slot in take(store, keys):
+                    assert_holds_expert(checkpoint, slot, key)
+            except TransferError:
+                failures += 1
+        assert failures > 0
+    assert threading.active_count() == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_close_stops_the_worker_and_refuses_later_calls(checkpoint):
+    threads = threading.active_count()
+    store = make_async(checkpoint, device_slots=4)
+    store.prefetch([TransferRequest(K(0, e), 1.0) for e in range(4)])
+    store.close()
+    assert threading.active_count() == threads and store.in_flight() == frozenset()
+    with pytest.raises(TransferError, match="closed"):
+        store.fetch([K(0, 0)])
+
+
+class StagedStore(AsyncExpertStore):
+    """The CUDA path's staging (read into a pinned slot, copy up through the link) run on the CPU link."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._bounce = type(self._bounce)(1, self.topology.expert_bytes, "cpu")
+        self._bounce.data.zero_()
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 40])
+def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_bytes):
+    eb = checkpoint.index.topology.expert_bytes
+    config = StoreConfig(str(3 * eb), "0", asynchronous=True, chunk_bytes=chunk_bytes)
+    with StagedStore(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
+        store.prefetch([TransferRequest(K(1, 2), 1.0)])
+        for keys in ([K(0, 0), K(1, 3)], [K(1, 2), K(0, 1)]):
+            for key, slot in take(store, keys):
+                assert_holds_expert(checkpoint, slot, key)
+        assert store._bounce.slot(0).any()  # the bytes came through the staging slot
+
+
+def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_experts(checkpoint):
+    gate = threading.Event()
+    with make_async(checkpoint, device_slots=6) as store:
+        store._reader = reader = GatedReader(store._reader, gate)
+        store.prefetch([TransferRequest(K(0, 3), 0.9)])  # the worker blocks on its first chunk
+        while not reader.files:
+            time.sleep(0.001)
+        store.prefetch([TransferRequest(K(1, 1), 0.5), TransferRequest(K(1, 2), 0.4)])
+        fetch = store.fetch([K(1, 0)], chosen=[K(1, 0), K(1, 1)])
+        assert store.in_flight() == {K(0, 3), K(1, 0), K(1, 1)}  # K(1, 2) dropped, K(1, 1) kept
+        gate.set()
+        list(fetch.ready())
+        fetch.release()
+        store.wait_idle()

@@ -1,0 +1,254 @@
+"""The two-tier asynchronous store on the CPU link: the same code as the CUDA path (pinned host slots,
+copy stream and events behind `Link`), with the disk -> host and host -> device workers at once."""
+
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from moestream.errors import CheckpointError
+from moestream.policies.contracts import TransferRequest
+from moestream.policies.eviction import LRUPolicy
+from moestream.store import StoreConfig
+from moestream.store.tiered import TieredAsyncStore
+from moestream.store.transfer import TransferError
+from moestream.topology import ExpertKey
+from tests.store.test_async_store import GatedReader, take
+from tests.store.test_store import assert_holds_expert
+
+K = ExpertKey
+
+
+def make_tiered(ckpt, device_slots, host_slots, chunk_bytes=0, timeout_s=10.0):
+    eb = ckpt.index.topology.expert_bytes
+    config = StoreConfig(str(device_slots * eb), str(host_slots * eb), asynchronous=True, chunk_bytes=chunk_bytes,
+                         transfer_timeout_s=timeout_s)
+    return TieredAsyncStore(ckpt.index, config, LRUPolicy(), LRUPolicy())
+
+
+class SlowReader(GatedReader):
+    """GatedReader that tells whether a read is under way."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(inner, **kwargs)
+        self.reading = threading.Event()
+
+    def read_batch(self, batch):
+        self.reading.set()
+        try:
+            return super().read_batch(batch)
+        finally:
+            self.reading.clear()
+
+
+class GatedLink:
+    """Forwards copies to the store's link once the gate opens; records whether a disk read was under way."""
+
+    def __init__(self, inner, gate=None, reader=None, delay_s=lambda: 0.0, fail=lambda: False):
+        self.inner, self.gate, self.reader, self.delay_s, self.fail = inner, gate, reader, delay_s, fail
+        self.copying = threading.Event()
+        self.during_read = []
+
+    def copy(self, dst, src):
+        self.copying.set()
+        if self.reader is not None:
+            self.during_read.append(self.reader.reading.is_set())
+        if self.gate is not None:
+            self.gate.wait(10)
+        time.sleep(self.delay_s())
+        if self.fail():
+            raise RuntimeError("injected copy failure")
+        return self.inner.copy(dst, src)
+
+
+def gate_link(store, **kwargs) -> GatedLink:
+    link = store._copier._link = GatedLink(store._copier._link, **kwargs)
+    return link
+
+
+def evict_to_host(store, *keys):
+    """Fetches keys, then enough others that the device tier (2 slots) no longer holds them."""
+    take(store, list(keys))
+    take(store, [K(1, 2), K(1, 3)])
+
+
+def wait_for(event_or_test, timeout_s=5.0):
+    deadline = time.time() + timeout_s
+    test = event_or_test.is_set if hasattr(event_or_test, "is_set") else event_or_test
+    while not test():
+        assert time.time() < deadline, "timed out waiting"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 40])
+def test_experts_go_disk_to_host_to_device_and_the_host_tier_keeps_them(checkpoint, chunk_bytes):
+    eb = checkpoint.index.topology.expert_bytes
+    with make_tiered(checkpoint, device_slots=2, host_slots=6, chunk_bytes=chunk_bytes) as store:
+        for keys in ([K(0, 0), K(1, 3)], [K(0, 1), K(0, 2)], [K(1, 0), K(0, 0)]):
+            for key, slot in take(store, keys):
+                assert_holds_expert(checkpoint, slot, key)
+        stats = store.stats()
+        assert store.resident("host") == {K(0, 0), K(1, 3), K(0, 1), K(0, 2), K(1, 0)}
+        assert (stats.host_misses, stats.host_hits) == (5, 1)  # K(0, 0) came back from the host tier
+        assert stats.bytes_read == {"disk": 5 * eb, "host": 6 * eb}
+        assert stats.copy_s > 0 and stats.transfer_s > 0
+        assert store.in_flight() == frozenset() and not store._host.pinned()
+
+
+def test_both_links_run_at_once(checkpoint):
+    gate = threading.Event()
+    with make_tiered(checkpoint, device_slots=2, host_slots=6) as store:
+        evict_to_host(store, K(0, 0))
+        store._reader = reader = SlowReader(store._reader, gate=gate)
+        link = gate_link(store, reader=reader)
+        store.prefetch([TransferRequest(K(0, 1), 0.5)])  # a host miss: the disk worker blocks on it
+        wait_for(reader.reading)
+        got = dict(take(store, [K(0, 0)]))  # a host hit: copied up while the disk read goes on
+        assert_holds_expert(checkpoint, got[K(0, 0)], K(0, 0))
+        assert link.during_read == [True] and store.in_flight() == {K(0, 1)}
+        assert K(0, 1) in store._host and K(0, 1) not in store.resident("host")
+        gate.set()
+        store.wait_idle()
+        assert store.resident() == {K(0, 0), K(0, 1)} and K(0, 1) in store.resident("host")
+        assert_holds_expert(checkpoint, dict(take(store, [K(0, 1)]))[K(0, 1)], K(0, 1))
+
+
+def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_done(checkpoint):
+    gate = threading.Event()
+    with make_tiered(checkpoint, device_slots=4, host_slots=1) as store:
+        link = gate_link(store, gate=gate)
+        store._reader = reader = GatedReader(store._reader)
+        first = store.fetch([K(0, 0)])
+        wait_for(link.copying)  # K(0, 0) is in the one host slot, its copy up waits on the gate
+        assert store.prefetch([TransferRequest(K(0, 1), 1.0)]) == []  # speculation finds no host slot
+        done = {}
+        second = threading.Thread(target=lambda: done.update(take(store, [K(0, 2)])))
+        second.start()
+        time.sleep(0.05)
+        assert len(reader.files) == 1 and not done  # the demand waits for the slot, nothing overwrote it
+        gate.set()
+        second.join(10)
+        assert_holds_expert(checkpoint, dict(first.ready())[K(0, 0)], K(0, 0))
+        first.release()
+        assert_holds_expert(checkpoint, done[K(0, 2)], K(0, 2))
+        assert store.resident("host") == {K(0, 2)} and store.resident() == {K(0, 0), K(0, 2)}
+
+
+def test_a_gate_decision_cancels_queued_copies_of_its_layer_and_the_host_keeps_them(make_checkpoint):
+    ckpt, gate = make_checkpoint(num_experts=8), threading.Event()
+    with make_tiered(ckpt, device_slots=4, host_slots=8) as store:
+        for keys in ([K(1, 1), K(1, 2)], [K(0, 0), K(0, 1)], [K(0, 2), K(0, 3)]):
+            take(store, keys)  # the device tier no longer holds K(1, 1), K(1, 2); the host tier does
+        link = gate_link(store, gate=gate)
+        store.prefetch([TransferRequest(K(0, 4), 0.9)])  # read, then its copy up waits on the gate
+        wait_for(link.copying)
+        store.prefetch([TransferRequest(K(1, 1), 0.5), TransferRequest(K(1, 2), 0.4)])  # queued copies
+        assert store.in_flight() == {K(0, 4), K(1, 1), K(1, 2)}
+        fetch = store.fetch([K(1, 3)])
+        assert store.stats().cancelled == 2 and store.in_flight() == {K(0, 4), K(1, 3)}
+        assert {K(1, 1), K(1, 2)} <= store.resident("host")
+        gate.set()
+        got = dict(fetch.ready())
+        fetch.release()
+        assert_holds_expert(ckpt, got[K(1, 3)], K(1, 3))
+        store.wait_idle()
+        assert store.resident() == {K(0, 4), K(1, 3)} | (store.resident() & {K(0, e) for e in range(4)})
+        assert not store._host.pinned()
+
+
+def test_a_failed_read_and_a_failed_copy_surface_as_errors_and_the_store_recovers(checkpoint):
+    fail = {"read": True, "copy": False}
+    with make_tiered(checkpoint, device_slots=2, host_slots=4) as store:
+        store._reader = GatedReader(store._reader, fail=lambda batch: fail["read"])
+        gate_link(store, fail=lambda: fail["copy"])
+        with pytest.raises(TransferError, match=r"reading expert \(0, 1\) from disk.*injected"):
+            take(store, [K(0, 1)])
+        assert store.resident("host") == frozenset() and store.in_flight() == frozenset()
+        fail.update(read=False, copy=True)
+        with pytest.raises(TransferError, match=r"copying expert \(0, 1\) from host to device.*injected"):
+            take(store, [K(0, 1)])
+        assert store.resident("host") == {K(0, 1)} and store.resident() == frozenset()
+        fail["copy"] = False
+        assert_holds_expert(checkpoint, dict(take(store, [K(0, 1)]))[K(0, 1)], K(0, 1))
+        stats = store.stats()
+        assert (stats.host_misses, stats.host_hits) == (1, 1) and not store._host.pinned()
+
+
+class Damaged:
+    """An Integrity that finds one expert damaged."""
+
+    def __init__(self, key):
+        self.key, self.checked = key, []
+
+    def check_batch(self, keys, buffers):
+        self.checked.extend(keys)
+        if self.key in keys:
+            raise CheckpointError(f"expert {tuple(self.key)} is damaged")
+
+
+def test_a_damaged_expert_fails_in_its_host_slot_before_any_copy_up(checkpoint):
+    eb = checkpoint.index.topology.expert_bytes
+    config = StoreConfig(str(2 * eb), str(4 * eb), asynchronous=True)
+    integrity = Damaged(K(1, 2))
+    with TieredAsyncStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+        with pytest.raises(CheckpointError, match=r"\(1, 2\) is damaged"):
+            take(store, [K(1, 1), K(1, 2)])
+        store.wait_idle()
+        assert store.resident("host") == {K(1, 1)} and store.resident() == {K(1, 1)}
+        assert store.stats().bytes_read == {"disk": 2 * eb, "host": eb}  # K(1, 2) was never copied up
+        assert sorted(integrity.checked) == [K(1, 1), K(1, 2)] and not store._host.pinned()
+
+
+def test_a_stuck_copy_times_out(checkpoint):
+    gate = threading.Event()
+    with make_tiered(checkpoint, device_slots=2, host_slots=2, timeout_s=0.2) as store:
+        gate_link(store, gate=gate)
+        with pytest.raises(TransferError, match="timed out"):
+            take(store, [K(0, 1)])
+        gate.set()
+
+
+def test_random_delays_and_failures_in_both_links_keep_bytes_exact_and_leak_nothing(checkpoint):
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    rng = random.Random(0)
+    failures = 0
+    with make_tiered(checkpoint, device_slots=3, host_slots=2, chunk_bytes=64) as store:
+        store._reader = GatedReader(store._reader, delay_s=lambda: rng.random() * 0.002,
+                                    fail=lambda batch: rng.random() < 0.04)
+        gate_link(store, delay_s=lambda: rng.random() * 0.001, fail=lambda: rng.random() < 0.04)
+        for step in range(80):
+            layer = step % 2
+            store.prefetch([TransferRequest(K(1 - layer, rng.randrange(4)), rng.random()) for _ in range(2)])
+            keys = [K(layer, e) for e in rng.sample(range(4), 2)]
+            try:
+                for key, slot in take(store, keys):
+                    assert_holds_expert(checkpoint, slot, key)
+            except TransferError:
+                failures += 1
+        assert failures > 0
+        try:
+            store.wait_idle()
+        except TransferError:
+            pass
+        assert not store._host.pinned() and store.in_flight() == frozenset()
+    assert threading.active_count() == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_close_stops_both_workers_and_refuses_later_calls(checkpoint):
+    threads = threading.active_count()
+    store = make_tiered(checkpoint, device_slots=4, host_slots=2)
+    assert threading.active_count() == threads + 2
+    store.prefetch([TransferRequest(K(0, e), 1.0) for e in range(4)])
+    store.close()
+    assert threading.active_count() == threads and store.in_flight() == frozenset()
+    assert not store._host.pinned()
+    with pytest.raises(TransferError, match="closed"):
+        store.fetch([K(0, 0)])
+
+
+def test_it_needs_a_host_tier(checkpoint):
+    with pytest.raises(ValueError, match="host tier"):
+        make_tiered(checkpoint, device_slots=2, host_slots=0)
