@@ -34,6 +34,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--tpot-factor", type=float, default=2.0, help="p99 TPOT limit / all-resident TPOT (default 2)")
     add_batching_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--all-rates", action="store_true", help="run every rate, also after one is not sustained")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--plot-dir", type=Path, help="write each run's latency CDF plot (PNG) in this directory")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
@@ -74,8 +75,10 @@ def run(args) -> int:
             figures = _serve_and_replay(model, args.expert_budget, policy, rate, trace, prompts, args)
             runs.append(figures | {"policy": policy})
             if not _sustained(figures, limit_ms):
+                if args.all_rates:
+                    continue
                 break
-            best[policy] = rate
+            best[policy] = max(best[policy], rate)
     for policy, rate in best.items():
         print(f"{policy}: highest rate sustained {rate:g} req/s")
     if args.json:

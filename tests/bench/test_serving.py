@@ -28,3 +28,17 @@ def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_
 def test_bench_serving_refuses_bad_rates(capsys, rates):
     assert main(["bench", "serving", "--rates", rates]) == 2
     assert "--rates" in capsys.readouterr().err
+
+
+def test_bench_serving_all_rates_runs_past_an_unsustained_rate(tiny_checkpoint, tmp_path):
+    model = tiny_checkpoint("qwen2_moe", num_layers=2)
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" +
+                     "".join(f"2023-11-16 18:15:{s:02d}.0000000,40,20\n" for s in range(10)))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "serving", "--model", str(model), "--trace", str(trace), "--data-dir", str(tmp_path),
+                 "--policies", "lru", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
+                 "--tpot-factor", "1e-6", "--all-rates", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert [r["policy"] for r in figures["runs"]] == ["all-resident", "lru", "lru"]
+    assert figures["best_rps"] == {"lru": 0.0}
