@@ -1,5 +1,5 @@
-"""One batch of requests through the engine with per-request sampling: the shared core of the
-offline `LLM` API and the server's engine thread. Streams text increments with stop strings held
+"""One static batch of requests through the engine with per-request sampling (the offline `LLM`
+API), and `TextStream`, which the continuous batcher shares: text increments with stop strings held
 back until they can no longer begin one. It knows no HTTP and no queue.
 """
 
