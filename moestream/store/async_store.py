@@ -100,12 +100,12 @@ class AsyncExpertStore(ExpertStore):
                 finally:
                     self._stats.stall_s += time.perf_counter() - began
 
-    def prefetch(self, requests: Sequence[TransferRequest], max_evictions: int | None = None) -> list[ExpertKey]:
+    def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
         """Admits the requested experts by priority and queues their transfers; returns at once."""
         with self._lock:
             self._check_open()
             priorities = {_key(r.key): r.priority for r in requests}
-            brought, kept = self._admit_prefetches(requests, max_evictions)
+            brought, kept = self._admit_prefetches(requests)
             self._device.unpin(kept)
             for key in kept:
                 if key in self._pending:

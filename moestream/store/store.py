@@ -279,16 +279,15 @@ class ExpertStore:
 
     # -- prefetch ------------------------------------------------------------------------------
 
-    def prefetch(self, requests: Sequence[TransferRequest], max_evictions: int | None = None) -> list[ExpertKey]:
+    def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
         """Bring requested experts into the device tier, highest priority first; returns those brought.
 
         Requested experts already resident are kept: no later, lower-priority request of the same
-        call evicts them, nor those it brought. Stops when every slot holds a pinned or kept expert,
-        or when bringing one more would evict more than max_evictions experts. The experts brought
-        are read from disk together.
+        call evicts them, nor those it brought. Stops when every slot holds a pinned or kept expert.
+        The experts brought are read from disk together.
         """
         with self._lock:
-            brought, kept = self._admit_prefetches(requests, max_evictions)
+            brought, kept = self._admit_prefetches(requests)
             try:
                 self._timed_load(brought)
             except BaseException:
@@ -302,30 +301,22 @@ class ExpertStore:
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
 
-    def _admit_prefetches(self, requests: Sequence[TransferRequest],
-                          max_evictions: int | None) -> tuple[list[ExpertKey], list[ExpertKey]]:
+    def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> tuple[list[ExpertKey], list[ExpertKey]]:
         """Admits (and pins) the experts to bring; pins the requested ones already resident."""
         brought: list[ExpertKey] = []
         kept: list[ExpertKey] = []
-        evictions = 0
         for request in sorted(requests, key=lambda r: -r.priority):
             key = _key(request.key)
             if key in self._device:
                 self._device.pin([key])
                 kept.append(key)
                 continue
-            needs_victim = len(self._device) >= self.device_slots
-            if needs_victim and not self._may_evict(evictions, max_evictions):
+            if len(self._device) >= self.device_slots and not self._device.has_evictable():
                 break
-            evictions += needs_victim
             self._admit(key)
             self._device.pin([key])
             brought.append(key)
         return brought, kept
-
-    def _may_evict(self, evictions: int, max_evictions: int | None) -> bool:
-        under_limit = max_evictions is None or evictions < max_evictions
-        return under_limit and self._device.has_evictable()
 
     # -- views of the state --------------------------------------------------------------------
 

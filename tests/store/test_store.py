@@ -175,15 +175,6 @@ def test_prefetch_never_evicts_pinned_experts(checkpoint):
         assert store.resident() == {K(0, 0), K(0, 1), K(1, 0)}
 
 
-def test_prefetch_respects_max_evictions(checkpoint):
-    with make_store(checkpoint, device_slots=3) as store:
-        use(store, K(0, 0), K(0, 1))
-        brought = store.prefetch([TransferRequest(K(1, e), 1.0 - e / 10) for e in range(4)], max_evictions=1)
-        assert brought == [K(1, 0), K(1, 1)]
-        assert store.stats().evictions["device"] == 1
-        assert store.prefetch([TransferRequest(K(1, 3), 1.0)], max_evictions=0) == []
-
-
 def test_streaming_groups_cover_all_keys_resident_first(checkpoint):
     with make_store(checkpoint, device_slots=3) as store:
         use(store, K(0, 2), K(1, 3))
