@@ -8,7 +8,7 @@ import pytest
 from moestream.checkpoint.index import build_index
 from moestream.cli import main
 from moestream.trace.format import save_trace
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 RUN_KEYS = {"policy", "budget", "budget_mib", "mode", "tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token",
             "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms"}

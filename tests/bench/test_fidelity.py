@@ -7,7 +7,7 @@ import pytest
 from moestream.checkpoint.index import build_index
 from moestream.cli import main
 from moestream.trace.format import save_trace
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import json
 from moestream.cli import main
 from moestream.topology import Topology
 from moestream.trace.format import save_trace
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1 << 20)
 

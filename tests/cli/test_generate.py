@@ -283,7 +283,7 @@ def test_replayed_routing_is_labelled_and_a_mismatched_trace_is_one_error_line(m
 
     from moestream.checkpoint.index import build_index
     from moestream.trace.format import save_trace
-    from moestream.trace.synthetic import synthetic_trace
+    from tests.synthetic import synthetic_trace
 
     topology = build_index(model_dir).topology
     trace, out = tmp_path / "trace.npz", tmp_path / "run.json"

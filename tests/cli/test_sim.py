@@ -8,7 +8,7 @@ import pytest
 from moestream.cli import main
 from moestream.topology import Topology
 from moestream.trace.format import save_trace
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3), num_experts=8, top_k=2, expert_bytes=1 << 20)
 

@@ -8,7 +8,7 @@ from moestream.policies import POLICIES
 from moestream.topology import Topology
 from moestream.trace.format import save_trace
 from moestream.trace.replay import decode_stream
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1024)
 SMALL = ["--epochs", "2", "--set", "model_dim=16", "--set", "num_heads=2", "--set", "window_tokens=4", "--no-progress"]

@@ -16,7 +16,7 @@ from moestream.eval.prediction import (
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Prediction, Predictor
 from moestream.topology import Topology
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 from tests.policies.online import OnlineOnly
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4, 5), num_experts=8, top_k=2, expert_bytes=1000)

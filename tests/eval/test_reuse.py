@@ -6,7 +6,7 @@ import pytest
 from moestream.eval.reuse import TOKEN_SPANS, next_uses, reuse_profile
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2), num_experts=4, top_k=1, expert_bytes=1000)
 

@@ -23,7 +23,7 @@ from moestream.sim.cost import get_cost_model
 from moestream.sim.protocols import simulate
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4), num_experts=8, top_k=2, expert_bytes=1024)
 HORIZON = 2

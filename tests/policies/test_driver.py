@@ -4,7 +4,7 @@ from moestream.policies.contracts import CacheView, Observer, Policy, Prediction
 from moestream.policies.driver import PolicyDriver
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3), num_experts=4, top_k=1, expert_bytes=64)
 

@@ -14,7 +14,7 @@ from moestream.policies.routing_stats import (
     sigmoid,
 )
 from moestream.topology import Topology
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3), num_experts=6, top_k=2, expert_bytes=1)
 

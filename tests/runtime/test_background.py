@@ -12,7 +12,7 @@ from moestream.policies.contracts import Prediction, Predictor
 from moestream.runtime.background import BackgroundPredictor, offload_predictor
 from moestream.topology import Topology
 from moestream.trace.replay import batched_decode
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4), num_experts=8, top_k=2, expert_bytes=1)
 

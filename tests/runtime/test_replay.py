@@ -11,7 +11,7 @@ from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.replay import ReplayError, RoutingReplay
 from moestream.trace.format import save_trace
 from moestream.trace.recorder import TraceRecorder
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 from moestream.topology import Topology
 
 PROMPT = "The cat sat on the mat and"

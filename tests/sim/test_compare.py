@@ -8,7 +8,7 @@ from moestream.cli import main
 from moestream.sim.compare import CompareConfig, CompareError, Comparison, compare, head_tokens
 from moestream.bench.policies import default_losses
 from moestream.topology import Topology
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1 << 20)
 

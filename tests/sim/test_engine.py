@@ -9,7 +9,7 @@ from moestream.policies.contracts import Predictor
 from moestream.sim import SimConfig, simulate
 from moestream.topology import Topology
 from moestream.trace.replay import batched_rows
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 from tests.sim import tiny
 
 

@@ -5,7 +5,7 @@ from moestream.policies.contracts import Prediction, Predictor
 from moestream.sim import SimConfig, simulate
 from moestream.sim.moe_beyond import pool_slots
 from moestream.topology import Topology
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 from tests.sim import tiny
 
 

@@ -11,7 +11,7 @@ from moestream.errors import MoestreamError, TraceError
 from moestream.topology import Topology
 from moestream.trace import format as trace_format
 from moestream.trace.format import HEADER_KEY, load_trace, save_trace
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 3, 5), num_experts=8, top_k=2, expert_bytes=4096, num_shared_experts=1)
 

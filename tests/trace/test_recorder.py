@@ -11,7 +11,7 @@ from moestream.topology import Topology
 from moestream.trace.format import load_trace, save_trace
 from moestream.trace.recorder import TraceRecorder
 from moestream.trace.replay import batched_decode, decode_stream, prefill
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(0, 1, 2), num_experts=6, top_k=2, expert_bytes=10)
 

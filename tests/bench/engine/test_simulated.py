@@ -7,7 +7,7 @@ from moestream.bench.engine.simulated import engine_iterations, oracle_bytes_per
 from moestream.policies import POLICIES
 from moestream.sim.cost import measured_cost_model
 from moestream.topology import Topology
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=17_000_000)  # the recorded model
 MODEL = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1_000_000)  # the replaying model

@@ -13,7 +13,7 @@ from moestream.policies.baselines.row_scores import BaselineConfig, NotFittedErr
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream, iteration
 from moestream.trace.schema import Trace
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4), num_experts=8, top_k=2, expert_bytes=1)
 

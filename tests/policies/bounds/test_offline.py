@@ -9,7 +9,7 @@ from moestream.policies.bounds.offline import NEVER, FutureIndex, LookaheadEvict
 from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey, Topology
 from moestream.trace import replay
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 from tests.sim import tiny
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3), num_experts=8, top_k=2, expert_bytes=tiny.MB)

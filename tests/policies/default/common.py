@@ -4,7 +4,7 @@ train/test split and a policy fitted on it."""
 from moestream.policies import POLICIES
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import Topology
-from moestream.trace.synthetic import synthetic_trace
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4, 5), num_experts=8, top_k=2, expert_bytes=1024)
 QUICK = TrainConfig(num_epochs=30, learning_rate=2e-2, batch_size=64)

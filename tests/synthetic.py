@@ -1,5 +1,5 @@
 """Seeded synthetic traces with the structure real routing has (skewed popularity, inter-layer and
-inter-token locality, token-id affinity), for tests and examples. Real results use real traces."""
+inter-token locality, token-id affinity), for tests. Real results use real traces."""
 
 from __future__ import annotations
 
