@@ -167,7 +167,9 @@ class DefaultEviction(EvictionPolicy):
     """Evicts the resident expert whose next use is expected furthest away (the module docstring).
 
     Keeps the resident set as an [L, E] mask and the retention masked by it, so a victim is one
-    argmax; only when that expert may not be evicted (pinned, protected) are the candidates ranked.
+    argmax; when that expert may not be evicted (pinned, protected: in a prefill, most of a layer)
+    the residents are walked from the longest wait down to the first candidate, which costs the few
+    keys passed over rather than a Python ranking of every candidate on each eviction.
     """
 
     def __init__(self, predictor: DefaultPredictor):
@@ -190,10 +192,16 @@ class DefaultEviction(EvictionPolicy):
         wait = self.predictor.expected_wait()
         if wait is not self._wait:
             self._wait, self._masked = wait, np.where(self.resident, wait, -np.inf)
-        best = ExpertKey(*divmod(int(self._masked.argmax()), self.resident.shape[1]))
+        num_experts = self.resident.shape[1]
+        best = ExpertKey(*divmod(int(self._masked.argmax()), num_experts))
         if best in candidates:
             return best
-        return max(candidates, key=lambda key: (wait[key], key))
+        order = np.argsort(self._masked, axis=None, kind="stable")[::-1]  # longest wait first, then largest key
+        for index in order[: int(self.resident.sum())].tolist():
+            key = ExpertKey(*divmod(index, num_experts))
+            if key in candidates:
+                return key
+        return max(candidates, key=lambda key: (wait[key], key))  # candidates this mask never saw inserted
 
 
 @POLICIES.register(KIND)

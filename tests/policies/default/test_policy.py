@@ -76,3 +76,21 @@ def test_sim_without_a_trained_model_exits_with_one_line(traces, tmp_path, capsy
     rc = main(["sim", "--trace", str(tmp_path / "test.npz"), "--policy", "default", "--cache-ratio", "0.25"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert rc == 2 and len(errors) == 1 and "--predictor-dir DIR" in errors[0]
+
+
+def test_eviction_passes_over_pinned_experts_to_the_longest_wait_left(policy, traces):
+    predictor, eviction = policy.predictor, policy.make_eviction("device")
+    predictor.reset()
+    it = next(decode_stream(traces[1]))
+    predictor.begin_iteration(it.ctx)
+    predictor.observe(it.events[0])
+    wait = predictor.expected_wait()  # [L, E]
+    keys = [ExpertKey(layer, e) for layer in range(TOPOLOGY.num_layers) for e in range(TOPOLOGY.num_experts)]
+    longest = sorted(keys, key=lambda key: wait[key], reverse=True)
+    cache = ExpertCache(len(keys) - 1, eviction)
+    for key in longest[:-1]:
+        cache.admit(key)
+    cache.pin(longest[:3])
+    _, evicted = cache.admit(longest[-1])
+    assert wait[evicted] == max(wait[key] for key in longest[3:-1])
+    assert all(key in cache for key in longest[:3])
