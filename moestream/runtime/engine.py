@@ -6,6 +6,11 @@ the engine announces it to observers (`IterationContext`) and lets the policy pr
 runs the model (each MoE layer publishes its routing, fetches misses and computes), and the engine
 appends the greedy tokens and finishes sequences. The policy is taken by registry name; the engine
 knows no policy and no family.
+
+While an engine is open, numpy's BLAS runs one thread (threadpoolctl; process-wide, restored by
+close): the policy's numpy work runs between torch's kernels on the compute thread, and a second
+thread pool spinning beside torch's takes the cores its kernels need (a prefill with a predicting
+policy ran twice as slow with torch on 2 threads).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence as Seq
 
 import torch
+from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -86,6 +92,7 @@ class Engine:
         self._seq_counter = itertools.count()
         self._step_counter = itertools.count()
         self.replay: RoutingReplay | None = None
+        self._blas_threads = threadpool_limits(limits=1, user_api="blas")  # after the policy's imports
         try:
             self.model = self._load_model(progress)
             self.replay = self._replay()
@@ -187,6 +194,7 @@ class Engine:
         if self._background is not None:
             self._background.close()
         self.store.close()
+        self._blas_threads.restore_original_limits()
 
     def __enter__(self) -> "Engine":
         return self

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from threadpoolctl import threadpool_info
 
 from moestream.checkpoint.index import build_index
 from moestream.errors import MoestreamError
@@ -187,3 +188,17 @@ def test_a_host_tier_serves_repeated_misses_without_disk(reference):
     assert first.token_ids == again.token_ids == reference_generate(model, prompts, NEW_TOKENS, engine.pad_id)
     assert again.metrics.expert_misses > 0 and again.metrics.bytes_read["disk"] == 0
     assert again.metrics.bytes_read["host"] > 0
+
+
+def _blas_threads() -> list[int]:
+    return [info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"]
+
+
+def test_numpy_blas_runs_one_thread_while_an_engine_is_open(checkpoint):
+    before = _blas_threads()
+    if max(before, default=1) == 1:
+        pytest.skip("numpy's BLAS already runs one thread here (or threadpoolctl controls none)")
+    with _engine(checkpoint("olmoe")) as engine:
+        engine.generate([PROMPTS[0]], 2)
+        assert set(_blas_threads()) == {1}
+    assert _blas_threads() == before
