@@ -103,7 +103,7 @@ def test_misses_read_disk_and_preloaded_experts_are_hits(checkpoint, sync):
         expert_bytes = engine.checkpoint.topology.expert_bytes
         first = engine.generate(["A first prompt"], max_new_tokens=3).metrics
     assert first.expert_misses > 0 and first.bytes_read["disk"] == first.expert_misses * expert_bytes
-    assert first.stall_ms > 0 and first.transfer_ms > 0
+    assert first.transfer_ms > 0 and (first.stall_ms > 0 if sync else first.stall_ms >= 0)  # async may hide it all
     with _engine(path, "1.0", sync=sync) as engine:
         assert len(engine.store.resident()) == engine.checkpoint.topology.total_experts  # preloaded at start
         assert engine.preload() == 0
