@@ -18,6 +18,7 @@ def test_every_target_is_checked_against_its_reference():
     by_start = {name.split(" (")[0][:30]: verdict.split()[0] for name, verdict in verdicts.items()}
     assert list(by_start.values()) == ["ok", "ok", "ok", "missed", "ok"]  # 90 > 85: slower than HF
     assert verdicts["default TPOT <= 1.2x physical limit"] == "ok (1.12x)"
+    assert verdicts["default >= 1.6x faster than --sync LRU"] == "ok (1.78x faster)"
 
 
 def test_missing_runs_are_not_measured_rather_than_passed():
