@@ -93,8 +93,9 @@ class Manifest:
     shards: dict[str, dict]  # shard file name -> {"bytes": size, "sha256": hex or None}
 
     def check(self, key: ExpertKey, buffer: torch.Tensor) -> None:
-        """Raises IntegrityError unless the expert's slot (1-D uint8 on the CPU) matches its digests."""
-        data = buffer.numpy()
+        """Raises IntegrityError unless the expert's slot (1-D uint8) matches its digests; a slot in device
+        memory (a CUDA tier read without a host tier) is copied back to be hashed."""
+        data = (buffer if buffer.device.type == "cpu" else buffer.cpu()).numpy()
         for piece, want in zip(self.pieces[key], self.digests[key]):
             got = digest(data[piece.slot_offset : piece.slot_offset + piece.nbytes])
             if got != want:

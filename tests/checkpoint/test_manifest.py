@@ -84,3 +84,15 @@ def test_an_unreadable_manifest_is_a_user_error(model_dir):
     (model_dir / MANIFEST_FILE).write_text(json.dumps({"format": "something else"}))
     with pytest.raises(CheckpointError, match="unreadable manifest"):
         load_manifest(checkpoint)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_slot_in_device_memory_is_checked_too(model_dir):
+    checkpoint = build_index(model_dir)
+    manifest = _manifest(checkpoint)
+    key = ExpertKey(1, 3)
+    slot = _slot(checkpoint, key).cuda()
+    manifest.check(key, slot)
+    slot[manifest.pieces[key][0].slot_offset] ^= 0xFF
+    with pytest.raises(IntegrityError):
+        manifest.check(key, slot)
