@@ -396,7 +396,7 @@ def _prefill_line(prefill: dict, verdict: str) -> str:
 def _table(rows: list[dict], model: Path, args):
     from rich.table import Table
 
-    from moestream.store.config import format_bytes
+    from moestream.budget import format_bytes
 
     table = Table(title=f"moestream bench streaming: {model}",
                   caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "

@@ -111,7 +111,7 @@ def print_table(rows: list[dict], model: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from moestream.store.config import format_bytes
+    from moestream.budget import format_bytes
 
     host = any(row["bytes_read"]["host"] or row["host_budget"] != "0%" for row in rows)
     columns = ("run", "budget", "TTFT ms", "TPOT ms", "hits", "misses", "disk") + (("host",) if host else ())

@@ -106,7 +106,7 @@ def run(args) -> int:
 
 def summary(records: list[dict]) -> str:
     """One line of figures over every prompt: tokens, TTFT, TPOT, expert hit rate, bytes read."""
-    from moestream.store.config import format_bytes
+    from moestream.budget import format_bytes
 
     tokens = sum(len(r["token_ids"]) for r in records)
     hits, misses = sum(r["expert_hits"] for r in records), sum(r["expert_misses"] for r in records)

@@ -21,7 +21,7 @@ def run(args) -> int:
     from moestream.checkpoint.manifest import MANIFEST_FILE
     from moestream.checkpoint.verify import verify
     from moestream.progress import progress_bar
-    from moestream.store.config import format_bytes
+    from moestream.budget import format_bytes
 
     with progress_bar(desc="verify", unit="B", unit_scale=True, unit_divisor=1024) as bar:
         report = verify(args.model, bar.update, rewrite=args.rewrite, on_start=lambda total: bar.reset(total=total))

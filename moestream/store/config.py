@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.budget import Budget, format_bytes, parse_size
+from moestream.budget import Budget, format_bytes
 from moestream.errors import BudgetError, MoestreamError
 from moestream.topology import Topology
 

@@ -4,7 +4,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
