@@ -25,14 +25,13 @@ import numpy as np
 from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
-from moestream.policies.contracts import CacheView, Policy
-from moestream.policies.driver import PolicyDriver
+from moestream.policies.contracts import Policy
 from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.progress import progress_bar
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
+from moestream.sim.overhead import overhead_us_per_layer
 from moestream.sim.protocols import simulate
-from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
@@ -101,7 +100,8 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
             by_policy = result.replays.setdefault(job.protocol, {}).setdefault(job.cost_model, {})
             by_policy.setdefault(job.policy, {})[job.cache_ratio] = future.result()
     for name, policy in fitted.items():  # timed once the workers are done, on a quieter machine
-        result.overhead_us_per_layer[name] = overhead_us_per_layer(policy, test, config)
+        result.overhead_us_per_layer[name] = overhead_us_per_layer(
+            policy, head_tokens(test, config.num_overhead_tokens), config.horizon_layers)
     return result
 
 
@@ -176,40 +176,6 @@ def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> di
         counts = evaluate_predictor(fresh.predictor, sample, horizon)
         quality[horizon] = {"precision": counts.precision(), "recall": counts.recall(), "f1": counts.f1()}
     return quality
-
-
-def overhead_us_per_layer(policy: Policy, test: Trace, config: CompareConfig) -> float:
-    """Median wall time of the policy's work per MoE layer decision, as its driver measures it: the
-    layer's observer hooks, predict and plan, with an iteration's begin and sequence ends counted in
-    the layer that follows them (the eviction's victim choice is not timed). A policy whose predictor
-    runs on a worker in the engine runs inline here, so its worker's work is counted too."""
-    sample = head_tokens(test, config.num_overhead_tokens)
-    policy = copy.deepcopy(policy)
-    policy.prepare(sample)
-    driver = PolicyDriver(policy, [policy.make_eviction("device")], horizon_layers=config.horizon_layers)
-    timer = _LayerTimer(driver, max(1, sample.topology.total_experts // 10), sample.topology.num_layers)
-    driver.run(decode_stream(sample), timer)
-    return 1e6 * float(np.median(timer.seconds)) if timer.seconds else 0.0
-
-
-class _LayerTimer:
-    """A mechanism that only plans, against an empty tier of a fixed capacity, and keeps the time
-    the driver spent in the policy for each layer decision."""
-
-    def __init__(self, driver: PolicyDriver, capacity: int, num_layers: int):
-        self.driver, self.capacity, self.num_layers = driver, capacity, num_layers
-        self.seconds: list[float] = []
-        self._counted = 0.0
-
-    def routed(self, event, num_tokens: int) -> None:
-        pass
-
-    def predicted(self, layer_now: int, predictions: list) -> None:
-        if predictions:
-            self.driver.plan(predictions, CacheView(frozenset(), frozenset(), self.capacity, layer_now, self.num_layers))
-        if layer_now >= 0:
-            self.seconds.append(self.driver.decision_seconds - self._counted)
-            self._counted = self.driver.decision_seconds
 
 
 def head_tokens(trace: Trace, num_tokens: int) -> Trace:
