@@ -15,7 +15,8 @@ The order, for each iteration (see `moestream.policies.contracts`):
 `run_iteration` walks a replayed `Iteration` in that order and calls a `LayerMechanism` at the two
 points where the mechanism acts; the engine, which is driven by the model's forward pass instead,
 calls the same steps one by one. The driver times every call it makes into the policy
-(`decision_seconds`), so every policy's cost per layer decision is measured the same way.
+(`decision_seconds`), so every policy's cost per layer decision is measured the same way;
+`TimedEviction` does the same for the eviction hooks a cache calls.
 This module knows the contract, not any policy, cache, link or clock of the mechanism.
 """
 
@@ -25,7 +26,15 @@ import time
 from typing import Callable, Iterable, Protocol, Sequence
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import CacheView, EvictionPolicy, Observer, Policy, Prediction, TransferRequest
+from moestream.policies.contracts import (
+    CacheView,
+    EvictionPolicy,
+    Observer,
+    Policy,
+    Prediction,
+    TransferRequest,
+)
+from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 
 
@@ -103,3 +112,31 @@ class PolicyDriver:
     def run(self, iterations: Iterable[Iteration], mechanism: LayerMechanism) -> None:
         for it in iterations:
             self.run_iteration(it, mechanism)
+
+
+class TimedEviction(EvictionPolicy):
+    """Forwards the cache's hooks to an eviction policy and adds up the time they take on `clock`
+    (wall time by default; `time.thread_time` counts only this thread's CPU)."""
+
+    def __init__(self, inner: EvictionPolicy, clock: Callable[[], float] = time.perf_counter):
+        self.inner, self.clock = inner, clock
+        self.seconds = 0.0
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self._timed(self.inner.on_insert, key)
+
+    def on_access(self, key: ExpertKey) -> None:
+        self._timed(self.inner.on_access, key)
+
+    def on_remove(self, key: ExpertKey) -> None:
+        self._timed(self.inner.on_remove, key)
+
+    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        return self._timed(self.inner.victim, candidates)
+
+    def _timed(self, hook, argument):
+        start = self.clock()
+        try:
+            return hook(argument)
+        finally:
+            self.seconds += self.clock() - start

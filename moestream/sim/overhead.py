@@ -2,7 +2,7 @@
 
 A decision is everything the policy does for one layer on the compute thread: its observer hooks,
 predict and plan (timed by the driver), and the eviction hooks the device tier calls as the layer's
-experts are served and the plan's prefetches are admitted (timed here, around each hook). An
+experts are served and the plan's prefetches are admitted (`TimedEviction`, around each hook). An
 iteration's begin and sequence ends count in the layer that follows them. A policy whose predictor
 runs on a worker in the engine runs inline here, so the worker's work is counted too. Knows the
 contracts and the cache, not any policy.
@@ -11,14 +11,12 @@ contracts and the cache, not any policy.
 from __future__ import annotations
 
 import copy
-import time
-from typing import Sequence
 
 import numpy as np
 
 from moestream.cache import CacheFullError, ExpertCache
-from moestream.policies.contracts import CacheView, EvictionPolicy, Policy
-from moestream.policies.driver import PolicyDriver
+from moestream.policies.contracts import CacheView, Policy
+from moestream.policies.driver import PolicyDriver, TimedEviction
 from moestream.topology import ExpertKey
 from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
@@ -35,33 +33,6 @@ def overhead_us_per_layer(policy: Policy, sample: Trace, horizon_layers: int, ca
     timer = LayerTimer(driver, ExpertCache(capacity, TimedEviction(eviction)), topology.num_layers)
     driver.run(decode_stream(sample), timer)
     return 1e6 * float(np.median(timer.seconds)) if timer.seconds else 0.0
-
-
-class TimedEviction(EvictionPolicy):
-    """Forwards the cache's hooks to an eviction policy and adds up the time they take."""
-
-    def __init__(self, inner: EvictionPolicy):
-        self.inner = inner
-        self.seconds = 0.0
-
-    def on_insert(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_insert, key)
-
-    def on_access(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_access, key)
-
-    def on_remove(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_remove, key)
-
-    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        return self._timed(self.inner.victim, candidates)
-
-    def _timed(self, hook, argument):
-        start = time.perf_counter()
-        try:
-            return hook(argument)
-        finally:
-            self.seconds += time.perf_counter() - start
 
 
 class LayerTimer:

@@ -16,42 +16,17 @@ import argparse
 import time
 import tracemalloc
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from moestream.cache import ExpertCache
-from moestream.policies.contracts import CacheView, EvictionPolicy
+from moestream.policies.contracts import CacheView
 from moestream.policies.default.policy import Default
 from moestream.policies.default.state import SequenceHistory
+from moestream.policies.driver import TimedEviction
 from moestream.topology import ExpertKey
 from moestream.trace.format import load_trace
 from moestream.trace.replay import decode_stream
-
-
-class TimedEviction(EvictionPolicy):
-    """Passes the cache's hooks to the policy's eviction and adds up the CPU time they take."""
-
-    def __init__(self, inner: EvictionPolicy):
-        self.inner, self.seconds = inner, 0.0
-
-    def _timed(self, hook, *args):
-        start = time.thread_time()
-        result = hook(*args)
-        self.seconds += time.thread_time() - start
-        return result
-
-    def on_insert(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_insert, key)
-
-    def on_access(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_access, key)
-
-    def on_remove(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_remove, key)
-
-    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        return self._timed(self.inner.victim, candidates)
 
 
 @dataclass
@@ -64,7 +39,7 @@ class Figures:
 
 def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens: int) -> Figures:
     topology, predictor = policy.topology, policy.predictor
-    eviction = TimedEviction(policy.make_eviction("device"))
+    eviction = TimedEviction(policy.make_eviction("device"), time.thread_time)
     cache = ExpertCache(max(1, int(topology.total_experts * cache_ratio)), eviction)
     keys = [[ExpertKey(layer, e) for e in range(topology.num_experts)] for layer in range(topology.num_layers)]
     micros, allocs, clock = [], [], time.thread_time  # CPU time of this thread: other processes do not count
