@@ -133,23 +133,29 @@ def test_every_wait_has_a_timeout(checkpoint):
         gate.set()
 
 
+def random_steps(store, checkpoint, rng: random.Random, num_steps: int) -> int:
+    """Random prefetches of one layer and fetches of the other, alternating; each fetched slot holds its
+    expert's bytes. Returns how many fetches failed with a TransferError."""
+    failures = 0
+    for step in range(num_steps):
+        layer = step % 2
+        store.prefetch([TransferRequest(K(1 - layer, rng.randrange(4)), rng.random()) for _ in range(2)])
+        keys = [K(layer, e) for e in rng.sample(range(4), 2)]
+        try:
+            for key, slot in take(store, keys):
+                assert_holds_expert(checkpoint, slot, key)
+        except TransferError:
+            failures += 1
+    return failures
+
+
 def test_random_delays_and_failures_keep_bytes_exact_and_leak_nothing(checkpoint):
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     rng = random.Random(0)
-    failures = 0
     with make_async(checkpoint, device_slots=4, chunk_bytes=64) as store:
         store._reader = GatedReader(store._reader, delay_s=lambda: rng.random() * 0.002,
                                     fail=lambda batch: rng.random() < 0.05)
-        for step in range(60):
-            layer = step % 2
-            store.prefetch([TransferRequest(K(1 - layer, rng.randrange(4)), rng.random()) for _ in range(2)])
-            keys = [K(layer, e) for e in rng.sample(range(4), 2)]
-            try:
-                for key, slot in take(store, keys):
-                    assert_holds_expert(checkpoint, slot, key)
-            except TransferError:
-                failures += 1
-        assert failures > 0
+        assert random_steps(store, checkpoint, rng, 60) > 0
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
 
