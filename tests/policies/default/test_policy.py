@@ -10,17 +10,7 @@ from moestream.policies import POLICIES
 from moestream.policies.default.policy import UntrainedPolicyError
 from moestream.topology import ExpertKey
 from moestream.trace.replay import decode_stream
-from tests.policies.default.common import TOPOLOGY, fitted_policy, split_traces
-
-
-@pytest.fixture(scope="module")
-def traces():
-    return split_traces()
-
-
-@pytest.fixture(scope="module")
-def policy(traces):
-    return fitted_policy(traces[0])
+from tests.policies.default.common import TOPOLOGY
 
 
 def test_training_lowers_the_loss(policy):

@@ -8,18 +8,8 @@ import pytest
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies.default.model import DefaultConfig
 from moestream.predictors.configs import TrainConfig
-from tests.policies.default.common import fitted_policy, split_traces
+from tests.policies.default.common import fitted_policy
 from tests.policies.online import OnlineOnly
-
-
-@pytest.fixture(scope="module")
-def traces():
-    return split_traces()
-
-
-@pytest.fixture(scope="module")
-def policy(traces):
-    return fitted_policy(traces[0])
 
 
 @pytest.mark.parametrize("horizon", [1, 2, 3, 5])

@@ -4,21 +4,10 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from moestream.policies import POLICIES
 from moestream.trace.format import save_trace
-from tests.policies.default.common import TOPOLOGY, fitted_policy, split_traces
-
-
-@pytest.fixture(scope="module")
-def traces():
-    return split_traces()
-
-
-@pytest.fixture(scope="module")
-def policy(traces):
-    return fitted_policy(traces[0])
+from tests.policies.default.common import TOPOLOGY
 
 
 def test_save_and_load_give_the_same_scores(policy, traces, tmp_path):
