@@ -7,11 +7,17 @@ import pytest
 from moestream.cli import main
 
 
-def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_path, capsys):
-    model = tiny_checkpoint("qwen2_moe", num_layers=2)
+def _arrivals(tmp_path):
+    """An Azure-format arrival trace: one request a second for ten seconds."""
     trace = tmp_path / "trace.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" +
                      "".join(f"2023-11-16 18:15:{s:02d}.0000000,40,20\n" for s in range(10)))
+    return trace
+
+
+def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_path, capsys):
+    model = tiny_checkpoint("qwen2_moe", num_layers=2)
+    trace = _arrivals(tmp_path)
     out = tmp_path / "bench.json"
     assert main(["bench", "serving", "--model", str(model), "--trace", str(trace), "--data-dir", str(tmp_path),
                  "--policies", "lru", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
@@ -32,9 +38,7 @@ def test_bench_serving_refuses_bad_rates(capsys, rates):
 
 def test_bench_serving_all_rates_runs_past_an_unsustained_rate(tiny_checkpoint, tmp_path):
     model = tiny_checkpoint("qwen2_moe", num_layers=2)
-    trace = tmp_path / "trace.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" +
-                     "".join(f"2023-11-16 18:15:{s:02d}.0000000,40,20\n" for s in range(10)))
+    trace = _arrivals(tmp_path)
     out = tmp_path / "bench.json"
     assert main(["bench", "serving", "--model", str(model), "--trace", str(trace), "--data-dir", str(tmp_path),
                  "--policies", "lru", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
