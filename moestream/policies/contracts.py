@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Sequence
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.registry import Registry
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
+class Prediction(NamedTuple):
+    """One predicted need (an immutable record: predictors build a dozen per layer, so it is a tuple)."""
+
     layer: int  # MoE-layer index of the predicted need
     expert: int
     score: float  # in [0, 1]; calibrated predictors give the probability the expert is needed
@@ -105,8 +106,7 @@ class EvictionPolicy(Observer, ABC):
         """One of candidates (resident and evictable), never empty."""
 
 
-@dataclass(frozen=True, slots=True)
-class TransferRequest:
+class TransferRequest(NamedTuple):
     key: ExpertKey
     priority: float  # larger goes first
 

@@ -1,26 +1,25 @@
 """Eviction by a formula over the resident experts: the lowest score goes, ties to the least recently
-used. Designs whose replacement rule is a score (MoE-Infinity, fMoE) subclass it with `score_matrix`.
+used. Designs whose replacement rule is a score (MoE-Infinity, fMoE) subclass it with `score_matrix`
+and `score_inputs`.
 
-Residents live in flat numpy arrays (layer, expert, recency stamp), so a victim is one gather from
-the [L, E] score matrix, one lexsort, and membership tests in ascending order until an allowed
-candidate comes up: no per-resident Python work. It knows nothing of the tier or of the scores.
+The scores change when their inputs do (once per layer, typically), not at every victim. So the
+[L, E] score matrix is computed once per change of its inputs, the residents are put in a heap of
+(score, recency stamp, row) once then, and a victim is the heap's first entry that is still current
+and allowed. A touch (insert, access) pushes the key again with its new stamp; entries left behind
+by touches and removals are dropped when they come up. It knows nothing of the tier or of what the
+scores mean.
 """
 
 from __future__ import annotations
 
+import heapq
 from abc import abstractmethod
-from itertools import chain
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from moestream.policies.contracts import EvictionPolicy
 from moestream.topology import ExpertKey
-
-
-def key_array(keys: Iterable[ExpertKey], count: int) -> np.ndarray:
-    """[count, 2] int64 (layer, expert) rows of the keys."""
-    return np.fromiter(chain.from_iterable(keys), dtype=np.int64, count=2 * count).reshape(count, 2)
 
 
 class ScoredEviction(EvictionPolicy):
@@ -32,10 +31,18 @@ class ScoredEviction(EvictionPolicy):
         self._rows = np.zeros((0, 3), dtype=np.int64)  # [R, (layer, expert, stamp)]; stamp -1: free
         self._free: list[int] = []
         self._clock = 0
+        self._inputs: tuple = ()  # score_inputs() when the scores were computed
+        self._scores: np.ndarray | None = None  # [L, E]
+        self._heap: list[tuple[float, int, int]] | None = None  # (score, stamp, row), lazily pruned
 
     @abstractmethod
     def score_matrix(self) -> np.ndarray:
         """[L, E] retention score of every expert now; the lowest resident one goes first."""
+
+    @abstractmethod
+    def score_inputs(self) -> tuple:
+        """The objects score_matrix() reads. It is called again only when one of them is replaced
+        (compared by identity), so a subclass replaces these arrays rather than changing them in place."""
 
     def on_insert(self, key: ExpertKey) -> None:
         self._touch(key)
@@ -50,20 +57,32 @@ class ScoredEviction(EvictionPolicy):
             self._rows[row, 2] = -1
             self._free.append(row)
 
-    def priorities(self, candidates: Sequence[ExpertKey]) -> np.ndarray:
-        """[n] the scores of the candidates."""
-        keys = key_array(candidates, len(candidates))
-        return self.score_matrix()[keys[:, 0], keys[:, 1]]
-
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        live = np.flatnonzero(self._rows[:, 2] >= 0)  # [n] rows of resident keys
-        if len(live):
+        heap, rows, passed, found = self._current_heap(), self._rows, [], None
+        while heap:
+            score, stamp, row = heap[0]
+            if rows[row, 2] != stamp:  # touched again or removed since this entry
+                heapq.heappop(heap)
+            elif self._keys[row] in candidates:
+                found = self._keys[row]
+                break
+            else:  # pinned or protected now: it stays for later victims
+                passed.append(heapq.heappop(heap))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return candidates[0] if found is None else found  # None: only keys this policy never saw
+
+    def _current_heap(self) -> list[tuple[float, int, int]]:
+        inputs = self.score_inputs()
+        stale = len(inputs) != len(self._inputs) or any(a is not b for a, b in zip(inputs, self._inputs))
+        if stale or self._heap is None or len(self._heap) > 4 * max(len(self._index), 16):
+            if stale or self._scores is None:
+                self._scores, self._inputs = self.score_matrix(), inputs
+            live = np.flatnonzero(self._rows[:, 2] >= 0)  # [n] rows of resident keys
             layers, experts, stamps = self._rows[live].T
-            scores = self.score_matrix()[layers, experts]
-            for row in live[np.lexsort((stamps, scores))].tolist():
-                if self._keys[row] in candidates:
-                    return self._keys[row]
-        return candidates[0]  # only candidates this policy was never told about
+            self._heap = list(zip(self._scores[layers, experts].tolist(), stamps.tolist(), live.tolist()))
+            heapq.heapify(self._heap)
+        return self._heap
 
     def _touch(self, key: ExpertKey) -> None:
         self._clock += 1
@@ -74,6 +93,8 @@ class ScoredEviction(EvictionPolicy):
             self._keys[row] = key
             self._rows[row, :2] = key
         self._rows[row, 2] = self._clock
+        if self._heap is not None:
+            heapq.heappush(self._heap, (float(self._scores[key]), self._clock, row))
 
     def _new_row(self) -> int:
         if self._free:

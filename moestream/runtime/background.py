@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from moestream.events import IterationContext, RoutingEvent
@@ -139,7 +139,7 @@ class BackgroundPredictor(Predictor):
         for p in result.predictions:
             ahead = p.tokens_ahead - elapsed
             if ahead > 0 or (ahead == 0 and p.layer > layer_now):
-                kept.append(p if ahead == p.tokens_ahead else replace(p, tokens_ahead=ahead))
+                kept.append(p if ahead == p.tokens_ahead else p._replace(tokens_ahead=ahead))
         return kept
 
     def _raise_worker_error(self) -> None:

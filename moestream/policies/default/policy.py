@@ -166,42 +166,49 @@ class DefaultPredictor(TrainablePredictor):
 class DefaultEviction(EvictionPolicy):
     """Evicts the resident expert whose next use is expected furthest away (the module docstring).
 
-    Keeps the resident set as an [L, E] mask and the retention masked by it, so a victim is one
-    argmax; when that expert may not be evicted (pinned, protected: in a prefill, most of a layer)
-    the residents are walked from the longest wait down to the first candidate, which costs the few
-    keys passed over rather than a Python ranking of every candidate on each eviction.
+    The predictor's expected waits change once per layer. At the first victim after a change the
+    residents are ranked once (longest wait first, then largest key); each victim then walks that
+    ranking past the keys evicted or not allowed since (pinned, protected), and weighs it against
+    the few keys inserted after the ranking was made. So a layer's victims cost one sort of the
+    residents plus a few steps each, not a ranking per victim.
     """
 
     def __init__(self, predictor: DefaultPredictor):
         self.predictor = predictor
-        shape = (predictor.topology.num_layers, predictor.topology.num_experts)
-        self.resident = np.zeros(shape, dtype=bool)  # [L, E]
-        self._wait: np.ndarray | None = None  # the predictor's table the mask was applied to
-        self._masked = np.full(shape, -np.inf)  # [L, E] expected wait of residents, -inf elsewhere
+        L, E = predictor.topology.num_layers, predictor.topology.num_experts
+        self.num_experts = E
+        self.resident = np.zeros(L * E, dtype=bool)  # [L*E] at layer * E + expert
+        self._keys = [ExpertKey(layer, e) for layer in range(L) for e in range(E)]
+        self._wait: np.ndarray | None = None  # the predictor's [L, E] table the ranking was made from
+        self._ranking: list[int] = []  # flat indices of the residents then, longest wait first, then largest
+        self._late: list[int] = []  # inserted after the ranking was made
 
     def on_insert(self, key: ExpertKey) -> None:
-        self.resident[key] = True
-        if self._wait is not None:
-            self._masked[key] = self._wait[key]
+        index = key[0] * self.num_experts + key[1]
+        self.resident[index] = True
+        self._late.append(index)
 
     def on_remove(self, key: ExpertKey) -> None:
-        self.resident[key] = False
-        self._masked[key] = -np.inf
+        self.resident[key[0] * self.num_experts + key[1]] = False
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        wait = self.predictor.expected_wait()
-        if wait is not self._wait:
-            self._wait, self._masked = wait, np.where(self.resident, wait, -np.inf)
-        num_experts = self.resident.shape[1]
-        best = ExpertKey(*divmod(int(self._masked.argmax()), num_experts))
-        if best in candidates:
-            return best
-        order = np.argsort(self._masked, axis=None, kind="stable")[::-1]  # longest wait first, then largest key
-        for index in order[: int(self.resident.sum())].tolist():
-            key = ExpertKey(*divmod(index, num_experts))
-            if key in candidates:
-                return key
-        return max(candidates, key=lambda key: (wait[key], key))  # candidates this mask never saw inserted
+        table = self.predictor.expected_wait()
+        if table is not self._wait:
+            self._rank(table)
+        wait, resident, keys = table.ravel(), self.resident, self._keys
+        best = next((i for i in self._ranking if resident[i] and keys[i] in candidates), -1)
+        longest = wait[best] if best >= 0 else -np.inf
+        for i in self._late:
+            if resident[i] and (wait[i] > longest or (wait[i] == longest and i > best)) and keys[i] in candidates:
+                best, longest = i, wait[i]
+        if best < 0:  # candidates this policy never saw inserted
+            return max(candidates, key=lambda key: (table[key], key))
+        return keys[best]
+
+    def _rank(self, table: np.ndarray) -> None:
+        flat = np.flatnonzero(self.resident)[::-1]  # largest first, so that equal waits go largest first
+        self._ranking = flat[np.argsort(-table.ravel()[flat], kind="stable")].tolist()
+        self._wait, self._late = table, []
 
 
 @POLICIES.register(KIND)

@@ -229,7 +229,12 @@ class FMoEEviction(ScoredEviction):
         self.freq = np.zeros((predictor.topology.num_layers, predictor.topology.num_experts), np.float64)
 
     def observe(self, event: RoutingEvent) -> None:
-        self.freq[event.layer] += np.bincount(event.expert_ids.ravel(), minlength=self.freq.shape[1])
+        freq = self.freq.copy()  # replaced, not changed in place: it is one of score_inputs()
+        freq[event.layer] += np.bincount(event.expert_ids.ravel(), minlength=freq.shape[1])
+        self.freq = freq
+
+    def score_inputs(self) -> tuple:
+        return self.predictor.current_probs, self.freq
 
     def score_matrix(self) -> np.ndarray:
         return self.predictor.current_probs * self.freq  # [L, E]

@@ -291,6 +291,9 @@ class MoEInfinityEviction(ScoredEviction):
         self.predictor = predictor
         self.eps = eps
 
+    def score_inputs(self) -> tuple:
+        return (self.predictor.current_shares(),)
+
     def score_matrix(self) -> np.ndarray:
         num_layers = self.predictor.topology.num_layers
         layer_weight = 1.0 - np.arange(num_layers)[:, None] / num_layers  # [L, 1]
