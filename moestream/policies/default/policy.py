@@ -166,12 +166,14 @@ class DefaultPredictor(TrainablePredictor):
 class DefaultEviction(EvictionPolicy):
     """Evicts the resident expert whose next use is expected furthest away (the module docstring).
 
-    The predictor's expected waits change once per layer. At the first victim after a change the
-    residents are ranked once (longest wait first, then largest key); each victim then walks that
-    ranking past the keys evicted or not allowed since (pinned, protected), and weighs it against
-    the few keys inserted after the ranking was made. So a layer's victims cost one sort of the
-    residents plus a few steps each, not a ranking per victim.
+    Keeps the residents' expected waits as an [L*E] array (-inf elsewhere), rebuilt when the
+    predictor's table changes (once per layer) and kept in step by the insert and remove hooks, so a
+    victim is one argmax. When that expert may not go (pinned; protected: in a prefill, most of a
+    layer) it is set aside and the argmax taken again, a few times, and only then are the residents
+    ranked. Equal waits go to the smaller key.
     """
+
+    max_argmax = 8  # argmax tries before one ranking of every resident
 
     def __init__(self, predictor: DefaultPredictor):
         self.predictor = predictor
@@ -179,36 +181,45 @@ class DefaultEviction(EvictionPolicy):
         self.num_experts = E
         self.resident = np.zeros(L * E, dtype=bool)  # [L*E] at layer * E + expert
         self._keys = [ExpertKey(layer, e) for layer in range(L) for e in range(E)]
-        self._wait: np.ndarray | None = None  # the predictor's [L, E] table the ranking was made from
-        self._ranking: list[int] = []  # flat indices of the residents then, longest wait first, then largest
-        self._late: list[int] = []  # inserted after the ranking was made
+        self._wait: np.ndarray | None = None  # the predictor's [L, E] table behind _masked
+        self._masked = np.full(L * E, -np.inf)  # [L*E] expected wait of residents, -inf elsewhere
 
     def on_insert(self, key: ExpertKey) -> None:
         index = key[0] * self.num_experts + key[1]
         self.resident[index] = True
-        self._late.append(index)
+        if self._wait is not None:
+            self._masked[index] = self._wait.flat[index]
 
     def on_remove(self, key: ExpertKey) -> None:
-        self.resident[key[0] * self.num_experts + key[1]] = False
+        index = key[0] * self.num_experts + key[1]
+        self.resident[index] = False
+        self._masked[index] = -np.inf
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
         table = self.predictor.expected_wait()
         if table is not self._wait:
-            self._rank(table)
-        wait, resident, keys = table.ravel(), self.resident, self._keys
-        best = next((i for i in self._ranking if resident[i] and keys[i] in candidates), -1)
-        longest = wait[best] if best >= 0 else -np.inf
-        for i in self._late:
-            if resident[i] and (wait[i] > longest or (wait[i] == longest and i > best)) and keys[i] in candidates:
-                best, longest = i, wait[i]
-        if best < 0:  # candidates this policy never saw inserted
-            return max(candidates, key=lambda key: (table[key], key))
-        return keys[best]
+            self._wait, self._masked = table, np.where(self.resident, table.ravel(), -np.inf)
+        masked, keys, passed = self._masked, self._keys, []
+        try:
+            for _ in range(self.max_argmax):
+                index = int(masked.argmax())
+                if masked[index] == -np.inf:
+                    break
+                if keys[index] in candidates:
+                    return keys[index]
+                passed.append((index, masked[index]))
+                masked[index] = -np.inf
+            return self._ranked(candidates)
+        finally:
+            for index, wait in passed:
+                masked[index] = wait
 
-    def _rank(self, table: np.ndarray) -> None:
-        flat = np.flatnonzero(self.resident)[::-1]  # largest first, so that equal waits go largest first
-        self._ranking = flat[np.argsort(-table.ravel()[flat], kind="stable")].tolist()
-        self._wait, self._late = table, []
+    def _ranked(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        order = np.argsort(-self._masked, kind="stable")[: int(self.resident.sum())]  # longest wait first
+        for index in order.tolist():
+            if self._keys[index] in candidates:
+                return self._keys[index]
+        return max(candidates, key=lambda key: (self._wait[key], key))  # candidates this policy never saw
 
 
 @POLICIES.register(KIND)

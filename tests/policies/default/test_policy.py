@@ -68,7 +68,8 @@ def test_sim_without_a_trained_model_exits_with_one_line(traces, tmp_path, capsy
     assert rc == 2 and len(errors) == 1 and "--predictor-dir DIR" in errors[0]
 
 
-def test_eviction_passes_over_pinned_experts_to_the_longest_wait_left(policy, traces):
+@pytest.mark.parametrize("num_pinned", [3, 12])  # a few argmax tries; more than max_argmax: one ranking
+def test_eviction_passes_over_pinned_experts_to_the_longest_wait_left(policy, traces, num_pinned):
     predictor, eviction = policy.predictor, policy.make_eviction("device")
     predictor.reset()
     it = next(decode_stream(traces[1]))
@@ -80,7 +81,7 @@ def test_eviction_passes_over_pinned_experts_to_the_longest_wait_left(policy, tr
     cache = ExpertCache(len(keys) - 1, eviction)
     for key in longest[:-1]:
         cache.admit(key)
-    cache.pin(longest[:3])
+    cache.pin(longest[:num_pinned])
     _, evicted = cache.admit(longest[-1])
-    assert wait[evicted] == max(wait[key] for key in longest[3:-1])
-    assert all(key in cache for key in longest[:3])
+    assert wait[evicted] == max(wait[key] for key in longest[num_pinned:-1])
+    assert all(key in cache for key in longest[:num_pinned])
