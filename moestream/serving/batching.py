@@ -7,8 +7,10 @@ waiting prompts, up to prefill_token_budget tokens) or one decode of a batch of 
 a prefill never runs twice in a row while sequences decode, so decode latency stays bounded by one
 prefill while prompts arrive. When more sequences run than max_batch_size, the token scheduler
 splits them into batches that decode in turn. Each sequence keeps its own KV cache (runtime/kv.py),
-merged into the step's batch and split back after it; sequences that leave end their state in the
-policy (`Engine.end_sequence`). The batcher knows no HTTP and no queue.
+merged into a decode batch's cache when the batch first runs; that merged cache is held while the
+same sequences decode together (no copy per step) and split back into the sequences' own caches
+only when one of them leaves or is regrouped. Sequences that leave end their state in the policy
+(`Engine.end_sequence`). The batcher knows no HTTP and no queue.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class BatchingConfig:
         return self.max_num_seqs or self.max_batch_size
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     """A running sequence: its request, engine sequence, sampler, text stream and KV cache."""
 
@@ -69,13 +71,24 @@ class Slot:
     sampler: BatchSampler
     stream: TextStream
     reserved_bytes: int = 0
-    cache: kv.SeqCache | None = None  # None until prefilled
+    prefilled: bool = False
+    cache: kv.SeqCache | None = None  # its own cache; None before its prefill and while a HeldBatch holds it
 
 
 @dataclass(frozen=True)
 class Step:
     is_prefill: bool
     slots: list[Slot]
+
+
+@dataclass
+class HeldBatch:
+    """A decode batch's merged cache, kept between its steps while the same sequences decode together."""
+
+    slots: list[Slot]
+    cache: object  # the batch's DynamicCache, left padded
+    mask: torch.Tensor  # [B, W] each row's cached positions
+    lengths: list[int]  # each row's own cached positions (W less its left padding)
 
 
 @dataclass
@@ -86,6 +99,7 @@ class ContinuousBatcher:
     slots: list[Slot] = field(default_factory=list)
     bytes_per_token: float | None = None  # measured on the first prefill
     _groups: list[list[int]] = field(default_factory=list)  # seq ids of the decode batches
+    _held: dict[tuple[int, ...], HeldBatch] = field(default_factory=dict)  # by the batch's seq ids
     _turn: int = 0
     _last_prefill: bool = False
 
@@ -138,8 +152,8 @@ class ContinuousBatcher:
         """The next step: a prefill of waiting prompts, or the next batch's decode (None: idle)."""
         for slot in [s for s in self.slots if s.request.cancelled]:
             self._finish(slot, "abort")
-        waiting = [s for s in self.slots if s.cache is None]
-        running = [s for s in self.slots if s.cache is not None]
+        waiting = [s for s in self.slots if not s.prefilled]
+        running = [s for s in self.slots if s.prefilled]
         if waiting and not (self._last_prefill and running):
             return Step(True, self._prefill_batch(waiting))
         if running:
@@ -148,20 +162,16 @@ class ContinuousBatcher:
 
     def run(self, step: Step) -> torch.Tensor:
         """Runs the step's forward pass: next-token logits [B, V]; each row's cache is updated."""
+        if not step.is_prefill:
+            return self._decode(step.slots)
         seqs = [s.seq for s in step.slots]
-        if step.is_prefill:
-            plan = prefill_plan(self.engine.next_step(), seqs, self.engine.pad_id, self.engine.config.device)
-            self.runner.cache = kv.empty_cache()
-            lengths = [len(s.prompt_ids) for s in seqs]
-        else:
-            self.runner.cache, mask = kv.merge([s.cache for s in step.slots])
-            plan = merged_decode_plan(self.engine.next_step(), seqs, mask, self.engine.config.device)
-            lengths = [s.cache.length + 1 for s in step.slots]
+        plan = prefill_plan(self.engine.next_step(), seqs, self.engine.pad_id, self.engine.config.device)
+        self.runner.cache = kv.empty_cache()
         logits = self.engine.run_step(self.runner, plan)  # [B, V]
-        for slot, cache in zip(step.slots, kv.split(self.runner.cache, lengths)):
-            slot.cache = cache
+        for slot, cache in zip(step.slots, kv.split(self.runner.cache, [len(s.prompt_ids) for s in seqs])):
+            slot.cache, slot.prefilled = cache, True
         self.runner.cache = None
-        if step.is_prefill and self.bytes_per_token is None:
+        if self.bytes_per_token is None:
             self.bytes_per_token = step.slots[0].cache.num_bytes / max(1, step.slots[0].cache.length)
             for slot in self.slots:  # admitted before the bytes were known
                 slot.reserved_bytes = self.need_bytes(slot.request)
@@ -203,6 +213,34 @@ class ContinuousBatcher:
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def _decode(self, slots: list[Slot]) -> torch.Tensor:
+        """One token for each of the batch's sequences over its held cache (merged on its first step)."""
+        key = tuple(s.seq.seq_id for s in slots)
+        held = self._held.pop(key, None) or self._merge(slots)  # popped: a failed step holds nothing
+        self.runner.cache = held.cache
+        plan = merged_decode_plan(self.engine.next_step(), [s.seq for s in slots], held.mask, self.engine.config.device)
+        logits = self.engine.run_step(self.runner, plan)  # [B, V]
+        self.runner.cache = None
+        held.mask = torch.cat([held.mask, held.mask.new_ones((len(slots), 1))], dim=-1)  # [B, W + 1]
+        held.lengths = [n + 1 for n in held.lengths]
+        self._held[key] = held
+        return logits
+
+    def _merge(self, slots: list[Slot]) -> HeldBatch:
+        for key in [k for k, held in self._held.items() if any(s in held.slots for s in slots)]:
+            self._release(key)
+        cache, mask = kv.merge([s.cache for s in slots])
+        held = HeldBatch(slots, cache, mask, [s.cache.length for s in slots])
+        for slot in slots:
+            slot.cache = None  # the batch holds it now
+        return held
+
+    def _release(self, key: tuple[int, ...]) -> None:
+        """Splits a held batch back into its sequences' own caches."""
+        held = self._held.pop(key)
+        for slot, cache in zip(held.slots, kv.split(held.cache, held.lengths)):
+            slot.cache = cache
+
     def _prefill_batch(self, waiting: list[Slot]) -> list[Slot]:
         batch, tokens = [], 0
         for slot in waiting[: self.config.max_batch_size]:
@@ -226,6 +264,8 @@ class ContinuousBatcher:
 
     def _finish(self, slot: Slot, reason: str | None, emit: bool = True) -> None:
         """Frees the slot and its KV cache and ends the sequence's state in the policy."""
+        for key in [k for k, held in self._held.items() if slot in held.slots]:
+            self._release(key)
         self.slots.remove(slot)
         slot.cache = None
         self.engine.end_sequence(slot.seq.seq_id)

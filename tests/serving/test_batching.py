@@ -126,3 +126,23 @@ def test_expertflow_regrouping_keeps_every_sequence_s_tokens(serving_checkpoint)
         seqs = _drive(batcher, [_request(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)], joins=[0, 0, 1, 1, 4])
         batcher.close()
     assert [s.output_ids for s in seqs] == alone
+
+
+def test_a_batch_is_merged_once_while_its_sequences_decode_together(serving_checkpoint, monkeypatch):
+    from moestream.runtime import kv
+
+    merges, splits = [], []
+    merge, split = kv.merge, kv.split
+    monkeypatch.setattr(kv, "merge", lambda caches: merges.append(len(caches)) or merge(caches))
+    monkeypatch.setattr(kv, "split", lambda cache, lengths: splits.append(len(lengths)) or split(cache, lengths))
+    with _engine(serving_checkpoint) as engine:
+        batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=4), lambda r, d, n: None)
+        requests = [_request(PROMPTS[0], 6), _request(PROMPTS[1], 3)]
+        seqs = _drive(batcher, requests, [0, 0])
+        batcher.close()
+        alone = [_drive(ContinuousBatcher(engine, BatchingConfig(), lambda r, d, n: None), [r], [0])[0]
+                 for r in [_request(PROMPTS[0], 6), _request(PROMPTS[1], 3)]]
+    # one prefill of both; two decodes of both (merged once); the short one leaves (split of two),
+    # three decodes of the long one alone (merged once), which leaves (split of one)
+    assert merges[:2] == [2, 1] and splits[:3] == [2, 2, 1]
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in alone]
