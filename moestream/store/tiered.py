@@ -28,7 +28,7 @@ from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy
 from moestream.store.async_store import STOP_TIMEOUT_S, AsyncExpertStore
 from moestream.store.config import StoreConfig
-from moestream.store.copier import CopyWorker, HostCopy
+from moestream.store.copier import CopyWorker, HostCopy, copy_chunks
 from moestream.store.transfer import Transfer, TransferQueue
 from moestream.topology import ExpertKey
 
@@ -65,9 +65,9 @@ class TieredAsyncStore(AsyncExpertStore):
         return True
 
     def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
-        copy = HostCopy(key, [], priority=priority, demand=demand,
-                        src=self._host_pool.slot(self._host.slot(key)),
-                        dst=self._device_pool.slot(self._device.slot(key)))
+        src, dst = self._host_pool.slot(self._host.slot(key)), self._device_pool.slot(self._device.slot(key))
+        chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
+        copy = HostCopy(key, chunks, priority=priority, demand=demand)
         self._copies.push(copy)
         self._pending[key] = copy
         self._cond.notify_all()

@@ -68,16 +68,22 @@ class Transfer:
         return self.next_chunk >= len(self.chunks)
 
 
-def chunks_of(segments: Sequence[Segment], slot: torch.Tensor, chunk_bytes: int) -> list[Chunk]:
-    """The slot's fill as chunks: one per segment (weight matrix), or pieces of <= chunk_bytes (> 0)."""
-    chunks, at = [], 0
+def pieces(segments: Sequence[Segment], chunk_bytes: int) -> list[tuple[Segment, int]]:
+    """An expert's bytes as chunks: one per segment (weight matrix), or pieces of <= chunk_bytes (> 0);
+    each as (its part of the segment, its offset in the expert's slot)."""
+    out, at = [], 0
     for seg in segments:
         step = seg.nbytes if chunk_bytes <= 0 else chunk_bytes
         for start in range(0, seg.nbytes, step):
             n = min(step, seg.nbytes - start)
-            chunks.append(Chunk((Segment(seg.file, seg.offset + start, n),), slot[at : at + n]))
+            out.append((Segment(seg.file, seg.offset + start, n), at))
             at += n
-    return chunks
+    return out
+
+
+def chunks_of(segments: Sequence[Segment], slot: torch.Tensor, chunk_bytes: int) -> list[Chunk]:
+    """The disk reads that fill the slot, chunk by chunk (`pieces`)."""
+    return [Chunk((part,), slot[at : at + part.nbytes]) for part, at in pieces(segments, chunk_bytes)]
 
 
 @dataclass
@@ -155,15 +161,20 @@ class TransferQueue:
 class LinkWorker(ABC):
     """One link's I/O thread over a queue it shares with the store (the condition's lock guards both).
 
-    It reports each finished or failed transfer through `landed` and `failed`, and the time it was
-    busy through `busy`, all called under the lock."""
+    Each round it takes chunks from the head of the queue (`_take`), moves them outside the lock
+    (`_step`, the link's own), and puts the unfinished transfers back, so that whatever ranks ahead
+    now goes first: a demand waits at most for one round behind speculative work. It reports each
+    finished or failed transfer through `landed` and `failed`, and the time it was busy through
+    `busy`, all called under the lock."""
 
     name = "link"
 
     def __init__(self, cond: threading.Condition, queue: TransferQueue, landed: Callable[[Transfer], None],
-                 failed: Callable[[Transfer, BaseException], None], busy: Callable[[float], None]):
+                 failed: Callable[[Transfer, BaseException], None], busy: Callable[[float], None],
+                 max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
         self._cond, self._queue = cond, queue
         self._landed, self._failed, self._busy = landed, failed, busy
+        self.max_chunks = max_chunks
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"moestream-{self.name}-link", daemon=True)
 
@@ -179,23 +190,8 @@ class LinkWorker(ABC):
             raise TransferError(f"the {self.name} worker did not stop within {timeout_s:g} s")
 
     @abstractmethod
-    def _run(self) -> None:
-        """The thread's loop: take from the queue under the lock, move bytes outside it, report; until stop."""
-
-
-class DiskWorker(LinkWorker):
-    """The disk link's one I/O thread (see the module doc)."""
-
-    name = "disk"
-
-    def __init__(self, cond: threading.Condition, queue: TransferQueue,
-                 read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],
-                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
-                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        super().__init__(cond, queue, landed, failed, busy)
-        self._read = read
-        self.max_chunks = max_chunks
-        self.start()
+    def _step(self, held: list[tuple[Transfer, int]]) -> None:
+        """Moves the held chunks (outside the lock); reports the transfers that finished or failed."""
 
     def _run(self) -> None:
         held: list[tuple[Transfer, int]] = []
@@ -210,10 +206,10 @@ class DiskWorker(LinkWorker):
             self._step(held)
 
     def _take(self) -> list[tuple[Transfer, int]]:
-        """What to read next, as (transfer, number of its next chunks); empty: stop.
+        """What to move next, as (transfer, number of its next chunks); empty: stop.
 
-        Demand transfers are read whole, all those queued together. Speculative ones give up to
-        max_chunks chunks from the head of the queue, read together, after which the queue is
+        Demand transfers are moved whole, all those queued together. Speculative ones give up to
+        max_chunks chunks from the head of the queue, moved together, after which the queue is
         consulted again."""
         while not self._stopping:
             head = self._queue.pop()
@@ -233,24 +229,41 @@ class DiskWorker(LinkWorker):
             return taken
         return []
 
+    def _finish(self, began: float, held: list[tuple[Transfer, int]], errors: dict[Transfer, BaseException]) -> None:
+        """Under the lock: the round's busy time; each held transfer advanced, landed or failed."""
+        self._busy(time.perf_counter() - began)
+        for transfer, count in held:
+            if transfer in errors:
+                transfer.next_chunk = len(transfer.chunks)
+                self._failed(transfer, errors[transfer])
+                continue
+            transfer.next_chunk += count
+            if transfer.done:
+                self._landed(transfer)
+
+
+class DiskWorker(LinkWorker):
+    """The disk link's one I/O thread (see the module doc)."""
+
+    name = "disk"
+
+    def __init__(self, cond: threading.Condition, queue: TransferQueue,
+                 read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],
+                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
+                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
+        super().__init__(cond, queue, landed, failed, busy, max_chunks)
+        self._read = read
+        self.start()
+
     def _step(self, held: list[tuple[Transfer, int]]) -> None:
-        """Reads the held chunks together; reports the transfers that finished or failed."""
+        """Reads the held chunks together (one failed read fails them all)."""
         batch = [(chunk.segments, chunk.dst) for transfer, count in held
                  for chunk in transfer.chunks[transfer.next_chunk : transfer.next_chunk + count]]
-        began = time.perf_counter()
+        began, errors = time.perf_counter(), {}
         try:
             self._read(batch)
         except BaseException as error:  # handed to the thread that waits on these experts
             log.debug("a disk read of %d chunks failed: %s", len(batch), error)
-            with self._cond:
-                self._busy(time.perf_counter() - began)
-                for transfer, _ in held:
-                    transfer.next_chunk = len(transfer.chunks)
-                    self._failed(transfer, error)
-            return
+            errors = {transfer: error for transfer, _ in held}
         with self._cond:
-            self._busy(time.perf_counter() - began)
-            for transfer, count in held:
-                transfer.next_chunk += count
-                if transfer.done:
-                    self._landed(transfer)
+            self._finish(began, held, errors)

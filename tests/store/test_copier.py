@@ -3,7 +3,8 @@ import time
 
 import torch
 
-from moestream.store.copier import CopyWorker, HostCopy
+from moestream.checkpoint.layout import Segment
+from moestream.store.copier import CopyWorker, HostCopy, copy_chunks
 from moestream.store.streams import CpuLink
 from moestream.store.transfer import TransferQueue
 from moestream.topology import ExpertKey
@@ -26,12 +27,17 @@ class GatedLink(CpuLink):
         return super().copy(dst, src)
 
 
-def host_copy(key, fill, demand=False, priority=0.0):
-    src = torch.full((4,), fill, dtype=torch.uint8)
-    return HostCopy(key, [], priority=priority, demand=demand, src=src, dst=torch.zeros(4, dtype=torch.uint8))
+def host_copy(key, fill, demand=False, priority=0.0, nbytes=4, chunk_bytes=0):
+    """A copy of nbytes (one weight matrix), in chunks of chunk_bytes (0: one chunk); its src is
+    filled with `fill` and its dst with zeros."""
+    src, dst = torch.full((nbytes,), fill, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    chunks = copy_chunks([Segment("weights.safetensors", 0, nbytes)], src, dst, chunk_bytes)
+    copy = HostCopy(key, chunks, priority=priority, demand=demand)
+    copy.src, copy.dst = src, dst
+    return copy
 
 
-def run(copies):
+def run(copies, max_chunks=8):
     """Queues copies, runs a worker until each is reported; returns (landed keys, failures, busy calls)."""
     cond, queue, gate = threading.Condition(threading.RLock()), TransferQueue(8), threading.Event()
     landed, failed, busy = [], [], []
@@ -40,7 +46,7 @@ def run(copies):
             queue.push(copy)
     link = GatedLink(gate)
     worker = CopyWorker(cond, queue, link, lambda c: landed.append(c.key),
-                        lambda c, e: failed.append((c.key, str(e))), busy.append)
+                        lambda c, e: failed.append((c.key, str(e))), busy.append, max_chunks)
     link.entered.wait(5)  # the worker holds the first copy at the gate
     with cond:
         for copy in copies[1:]:
@@ -57,7 +63,17 @@ def test_a_demand_copy_goes_ahead_of_queued_speculation_and_bytes_arrive():
     copies = [host_copy(K(0, 0), 1, priority=0.1), host_copy(K(0, 1), 2, priority=0.9),
               host_copy(K(0, 2), 3, priority=0.5), host_copy(K(1, 0), 4, demand=True)]
     landed, failed, busy = run(copies)
-    assert landed == [K(0, 0), K(1, 0), K(0, 1), K(0, 2)] and not failed and len(busy) == 4
+    assert landed == [K(0, 0), K(1, 0), K(0, 1), K(0, 2)] and not failed
+    assert len(busy) == 3  # rounds: the first copy; the demand alone; both speculative copies together
+    assert all(torch.equal(c.dst, c.src) for c in copies)
+
+
+def test_a_demand_waits_one_round_of_chunks_behind_a_long_speculative_copy():
+    long = host_copy(K(0, 0), 9, priority=0.9, nbytes=64, chunk_bytes=4)  # 16 chunks
+    copies = [long, host_copy(K(1, 0), 4, demand=True, nbytes=64, chunk_bytes=4)]
+    landed, failed, busy = run(copies, max_chunks=2)
+    assert landed == [K(1, 0), K(0, 0)] and not failed  # the demand went in after the first round of 2
+    assert len(busy) == 1 + 1 + 7  # the first round, the demand whole, then the 14 chunks left by 2
     assert all(torch.equal(c.dst, c.src) for c in copies)
 
 
