@@ -85,7 +85,7 @@ def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
         batcher = ContinuousBatcher(engine, batching, count)
         for prompt in prompts:
             batcher.admit(Request(engine.encode(prompt), params, lambda event: None))
-        while any(s.cache is None for s in batcher.slots):  # prefills are not what is compared
+        while any(not s.prefilled for s in batcher.slots):  # prefills are not what is compared
             batcher.step()
         engine.store.reset_stats()
         started, done = time.perf_counter(), len(tokens)

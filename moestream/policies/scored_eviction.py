@@ -75,7 +75,7 @@ class ScoredEviction(EvictionPolicy):
     def _current_heap(self) -> list[tuple[float, int, int]]:
         inputs = self.score_inputs()
         stale = len(inputs) != len(self._inputs) or any(a is not b for a, b in zip(inputs, self._inputs))
-        if stale or self._heap is None or len(self._heap) > 4 * max(len(self._index), 16):
+        if stale or self._heap is None:
             if stale or self._scores is None:
                 self._scores, self._inputs = self.score_matrix(), inputs
             live = np.flatnonzero(self._rows[:, 2] >= 0)  # [n] rows of resident keys
@@ -93,7 +93,9 @@ class ScoredEviction(EvictionPolicy):
             self._keys[row] = key
             self._rows[row, :2] = key
         self._rows[row, 2] = self._clock
-        if self._heap is not None:
+        if self._heap is not None and len(self._heap) > 4 * max(len(self._index), 16):
+            self._heap = None  # mostly stale entries (a run of hits): rebuilt at the next victim
+        elif self._heap is not None:
             heapq.heappush(self._heap, (float(self._scores[key]), self._clock, row))
 
     def _new_row(self) -> int:

@@ -1,8 +1,8 @@
 """Per-sequence KV caches for batches whose membership changes between steps.
 
-A `SeqCache` holds one sequence's keys and values at every attention layer, without padding. A step's
+A `SeqCache` holds one sequence's keys and values at every attention layer, without padding. A
 batch cache is built by left-padding the sequences' caches to the longest and concatenating them
-along the batch dimension (`merge`); after the step, `split` cuts each row's own tokens back out.
+along the batch dimension (`merge`); when the batch changes, `split` cuts each row's own tokens back out.
 Left padding keeps each row's tokens contiguous and right-aligned, so attention masks, position ids
 and sliding windows (measured as distances) see exactly what a sequence run alone sees. The caches
 are transformers' `DynamicCache` with full layers; this module knows no model, policy or server.

@@ -219,8 +219,11 @@ class ContinuousBatcher:
         held = self._held.pop(key, None) or self._merge(slots)  # popped: a failed step holds nothing
         self.runner.cache = held.cache
         plan = merged_decode_plan(self.engine.next_step(), [s.seq for s in slots], held.mask, self.engine.config.device)
-        logits = self.engine.run_step(self.runner, plan)  # [B, V]
-        self.runner.cache = None
+        try:
+            logits = self.engine.run_step(self.runner, plan)  # [B, V]
+            held.cache = self.runner.cache
+        finally:
+            self.runner.cache = None
         held.mask = torch.cat([held.mask, held.mask.new_ones((len(slots), 1))], dim=-1)  # [B, W + 1]
         held.lengths = [n + 1 for n in held.lengths]
         self._held[key] = held

@@ -83,3 +83,14 @@ def test_scores_are_recomputed_when_an_input_is_replaced():
     table[0, 0] = 1.0  # (0, 0) is worth keeping now; (0, 1) goes, though (0, 0) is older
     policy.table = table
     assert cache.admit(ExpertKey(1, 0))[1] == ExpertKey(0, 1)
+
+
+def test_a_run_of_hits_does_not_grow_the_heap_without_bound():
+    policy = TableEviction(np.zeros((L, E)))
+    cache = ExpertCache(4, policy)
+    for e in range(5):  # the fifth admission asks for a victim, which builds the heap
+        cache.admit(ExpertKey(0, e))
+    for _ in range(10_000):
+        cache.access(ExpertKey(0, 4))
+    assert policy._heap is None or len(policy._heap) <= 4 * 16 + 1
+    assert cache.admit(ExpertKey(1, 0))[1] == ExpertKey(0, 1)  # still the least recent of equal scores

@@ -215,11 +215,11 @@ class DefaultEviction(EvictionPolicy):
                 masked[index] = wait
 
     def _ranked(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        order = np.argsort(-self._masked, kind="stable")[: int(self.resident.sum())]  # longest wait first
-        for index in order.tolist():
+        wait, flat = self._wait.ravel(), np.flatnonzero(self.resident)
+        for index in flat[np.argsort(-wait[flat], kind="stable")].tolist():  # longest wait first
             if self._keys[index] in candidates:
                 return self._keys[index]
-        return max(candidates, key=lambda key: (self._wait[key], key))  # candidates this policy never saw
+        return min(candidates, key=lambda key: (-self._wait[key], key))  # candidates this policy never saw
 
 
 @POLICIES.register(KIND)
