@@ -39,16 +39,17 @@ class ServerMetrics:
         self._last = None  # the store statistics seen last
 
     def observe_store(self, stats) -> None:
-        """Adds what the store's cumulative statistics (a StoreStats) gained since the last call."""
+        """Adds what the store's cumulative statistics (a StoreStats) gained since the last call (all
+        of a count that went down: the statistics were reset in between, as a static batch's run does)."""
         before, self._last = self._last, stats.copy()
-        gained = {name: getattr(stats, name) - (getattr(before, name) if before else 0)
+        gained = {name: _gained(getattr(stats, name), getattr(before, name) if before else 0)
                   for name in ("hits", "misses", "host_hits", "host_misses", "prefetched", "prefetch_hits")}
         self.lookups.labels("device", "hit").inc(gained["hits"])
         self.lookups.labels("device", "miss").inc(gained["misses"])
         self.lookups.labels("host", "hit").inc(gained["host_hits"])
         self.lookups.labels("host", "miss").inc(gained["host_misses"])
         for source, count in stats.bytes_read.items():
-            self.bytes_moved.labels(source).inc(count - (before.bytes_read.get(source, 0) if before else 0))
+            self.bytes_moved.labels(source).inc(_gained(count, before.bytes_read.get(source, 0) if before else 0))
         self.prefetched.inc(gained["prefetched"])
         self.prefetch_hits.inc(gained["prefetch_hits"])
         prefetched, used, misses = stats.prefetched, stats.prefetch_hits, stats.misses
@@ -57,3 +58,7 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _gained(now: int, before: int) -> int:
+    return now - before if now >= before else now

@@ -1,7 +1,8 @@
 """The engine thread: the one thread that runs the engine, fed by a bounded queue of requests.
 
-Its loop admits waiting requests into the continuous batcher (serving/batching.py) while the running
-set has room (slots and KV budget; when idle, the first request waits up to max_wait_ms for company
+Its loop admits waiting requests into the continuous batcher (serving/batching.py; for a model whose
+runner keeps no per-sequence cache, such as an encoder-decoder, the static batcher of
+serving/static_batching.py, which runs each batch to its end) while the running set has room (slots and KV budget; when idle, the first request waits up to max_wait_ms for company
 so that their prompts prefill together), fails requests that waited longer than max_queue_wait_ms,
 and runs one schedule -> run -> update step. Each step's text goes back to its request through the
 request's `emit` callable (called on the engine thread). The worker knows no HTTP; a full queue
@@ -22,6 +23,7 @@ from moestream.serving.batching import BatchingConfig, ContinuousBatcher, KvBudg
 from moestream.serving.generation import TextDelta
 from moestream.serving.metrics import ServerMetrics
 from moestream.serving.sampling import BatchSampler, SamplingParams
+from moestream.serving.static_batching import StaticBatcher
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -81,7 +83,8 @@ class EngineWorker:
         self.config = config or WorkerConfig()
         self._queue: queue.Queue[Request] = queue.Queue(self.config.max_queue)
         self._head: Request | None = None  # taken from the queue, waiting for room
-        self.batcher = ContinuousBatcher(engine, self.config.batching, self.update)
+        batcher_class = ContinuousBatcher if engine.runner_class.per_sequence_cache else StaticBatcher
+        self.batcher = batcher_class(engine, self.config.batching, self.update)
         self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.slots),
                                      lambda: self.batcher.reserved_bytes)
         self._stop = threading.Event()

@@ -19,3 +19,12 @@ def test_cumulative_store_statistics_are_counted_once():
     assert _value(metrics, "moestream_queue_depth") == 3
     assert _value(metrics, "moestream_running_sequences") == 2
     assert _value(metrics, "moestream_kv_reserved_bytes") == 4096
+
+
+def test_statistics_reset_between_observations_count_from_zero():
+    metrics = ServerMetrics(lambda: 0, lambda: 0, lambda: 0)
+    metrics.observe_store(StoreStats(hits=7, misses=3, bytes_read={"disk": 500, "host": 0}))
+    metrics.observe_store(StoreStats(hits=2, misses=1, bytes_read={"disk": 40, "host": 0}))  # reset, then 2 / 1 more
+    assert _value(metrics, 'moestream_expert_lookups_total{result="hit",tier="device"}') == 9
+    assert _value(metrics, 'moestream_expert_lookups_total{result="miss",tier="device"}') == 4
+    assert _value(metrics, 'moestream_expert_bytes_moved_total{source="disk"}') == 540
