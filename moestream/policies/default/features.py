@@ -1,11 +1,14 @@
 """The inputs of the lean routing model, for every row of a trace at once.
 
-`TraceFeatures.features(layer, cut)` gives, for each row t and target `layer`, seen once t's layers
-<= cut have routed (cut = -1: t's start, nothing routed), the [N, 6E] features of
+`TraceFeatures.features(layer, cut, tokens)` gives, for each row t and target `layer`, seen once t's
+layers <= cut have routed (cut = -1: t's start, nothing routed), the [N, 7E] features of
 moestream.policies.default.model: t's experts at cut and cut-1, the previous two tokens'
-experts at the layer, the in-sequence recall at the layer and the sequence's running share there.
-The online state (state.py) keeps the same numbers incrementally; `recall_weights` is the code both
-use. Token keys and the vocabulary are here too. Knows traces and arrays, not events or caches.
+experts at the layer, the in-sequence recall at the layer, the sequence's running share there and
+the token's memory there. The online state (state.py) keeps the same numbers incrementally;
+`recall_weights` is the code both use. Token keys, the vocabulary and the token memory (each
+vocabulary token's mean routing over the training trace, `TokenMemory`) are here too; training sees
+each row's memory without that row (leave one out), as a held-out token would. Knows traces and
+arrays, not events or caches.
 """
 
 from __future__ import annotations
@@ -51,11 +54,42 @@ def multi_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
     return hot
 
 
+class TokenMemory:
+    """Each vocabulary token's routing summed over a trace, and how often it occurs ([V, L, E], [V])."""
+
+    def __init__(self, hot: np.ndarray, tokens: np.ndarray, vocab_size: int):
+        from scipy.sparse import csr_matrix
+
+        n, L, E = hot.shape
+        onehot = csr_matrix((np.ones(n, np.float32), (tokens, np.arange(n))), shape=(vocab_size, n))  # [V, N]
+        self.sums = np.asarray(onehot @ hot.reshape(n, L * E).astype(np.float32)).reshape(vocab_size, L, E)
+        self.counts = np.bincount(tokens, minlength=vocab_size).astype(np.float32)  # [V]
+        self.mean = hot.mean(axis=0, dtype=np.float32)  # [L, E] every token's
+
+    def table(self) -> np.ndarray:
+        """[V, L, E] float16: each token's mean routing, pulled toward every token's mean by one
+        occurrence's weight; row 0 (unknown tokens) is every token's mean."""
+        table = (self.sums + self.mean) / (self.counts + 1.0)[:, None, None]
+        table[0] = self.mean
+        return table.astype(np.float16)
+
+    def without(self, hot_rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """[B, L, E] each row's memory with the row itself left out (as table() would give a token
+        seen once less); unknown tokens get every token's mean."""
+        out = np.broadcast_to(self.mean, hot_rows.shape).copy()
+        known = tokens > 0
+        v = tokens[known]
+        out[known] = (self.sums[v] - hot_rows[known] + self.mean) / self.counts[v][:, None, None]
+        return out
+
+
 class TraceFeatures:
     """Every row's model inputs for one (layer, cut), computed for a whole trace."""
 
-    def __init__(self, trace: "Trace", tokens: np.ndarray, window_tokens: int, beta: float, cut_recall: bool = True):
+    def __init__(self, trace: "Trace", tokens: np.ndarray, memory: np.ndarray, window_tokens: int, beta: float,
+                 cut_recall: bool = True):
         self.trace, self.tokens, self.beta, self.cut_recall = trace, tokens, beta, cut_recall
+        self.memory = memory  # [V, L, E] the token memory's table
         E = trace.topology.num_experts
         self.hot = multi_hot(trace.experts, E)  # [N, L, E]
         self.prev = previous_rows(trace.seq_ids)  # [N]
@@ -70,10 +104,11 @@ class TraceFeatures:
     def holds(self, trace: "Trace") -> bool:
         return trace is self.trace
 
-    def features(self, layer: int, cut: int) -> np.ndarray:
-        """[N, 6E] float32 inputs for `layer`, seen with t's layers <= cut routed (cut >= -1)."""
+    def features(self, layer: int, cut: int, tokens: np.ndarray) -> np.ndarray:
+        """[N, 7E] float32 inputs for `layer`, seen with t's layers <= cut routed (cut >= -1), the
+        rows' tokens shown as `tokens` (vocabulary indices; 0: unknown)."""
         E = self.hot.shape[2]
-        out = np.zeros((len(self.prev), 6 * E), dtype=np.float32)
+        out = np.zeros((len(self.prev), 7 * E), dtype=np.float32)
         if cut >= 0:
             out[:, :E] = self.hot[:, cut]
         if cut >= 1:
@@ -81,7 +116,8 @@ class TraceFeatures:
         for block, rows in ((2, self.prev), (3, self.prev2)):
             out[:, block * E:(block + 1) * E] = self.hot[np.maximum(rows, 0), layer] & (rows >= 0)[:, None]
         out[:, 4 * E:5 * E] = self.recall(layer, cut)
-        out[:, 5 * E:] = self.share[:, layer]
+        out[:, 5 * E:6 * E] = self.share[:, layer]
+        out[:, 6 * E:] = self.memory[tokens, layer]
         return out
 
     def recall(self, layer: int, cut: int) -> np.ndarray:

@@ -7,10 +7,12 @@ and the logits over l's E experts are pre itself (linear), or relu(pre) @ out[a,
 where b is the horizon bucket (0: l = c+1, 1: l = c+2, START: t's start, nothing of it routed) and
 a is the anchor: the cut c for buckets 0 and 1, the target l for START. So the weights one routed
 layer needs online are one contiguous block, dense[c], and a token's start needs dense[:, START]:
-views, no copies. `features` is the concatenation of six E-vectors (features.py): the token's
+views, no copies. `features` is the concatenation of seven E-vectors (features.py): the token's
 experts at c and c-1, the previous two tokens' experts at l, the in-sequence recall at l (the last
 window_tokens tokens' mean routing there; with cut_recall, for the c+1 and c+2 buckets, weighted by
-the experts each of them shared with t at c and c-1) and the sequence's running share at l.
+the experts each of them shared with t at c and c-1), the sequence's running share at l, and the
+token's memory at l (its mean routing there over the training trace; for an unknown token, the mean
+of every token).
 
 `pre_activation` and `head` (composed: `logits`) are written once for both array libraries: numpy
 online and over whole traces, torch in training (they use only indexing, `@`, `+` and `*`), so
@@ -30,7 +32,7 @@ from moestream.predictors.configs import ConfigError
 
 NUM_BUCKETS = 3  # d = 1, d = 2, the token's start
 START = 2  # the bucket of a prediction that sees none of the token's own routing
-NUM_BLOCKS = 6  # E-vectors in the features: cur, cur-1, prev, prev2, recall, share
+NUM_BLOCKS = 7  # E-vectors in the features: cur, cur-1, prev, prev2, recall, share, memory
 WEIGHT_NAMES = ("bias", "dense", "token", "token_out")
 HIDDEN_NAMES = ("out", "out_bias")  # only with hidden_units > 0
 
@@ -78,7 +80,7 @@ class DefaultWeights:
     """The model's arrays (numpy online, torch tensors in training)."""
 
     bias: Any  # [L, B, U]  (anchor, bucket); U = E when linear, else hidden_units
-    dense: Any  # [L, B, 6E, U]
+    dense: Any  # [L, B, 7E, U]
     token: Any  # [V, R]
     token_out: Any  # [L, B, R, U]
     out: Any = None  # [L, B, H, E] with a hidden layer
@@ -102,9 +104,9 @@ class DefaultWeights:
 
 
 def pre_activation(w: DefaultWeights, features, tokens, index):
-    """[T, n, U] pre-activations of the n (anchor, bucket) weights w.dense[index] ([n, 6E, U]).
+    """[T, n, U] pre-activations of the n (anchor, bucket) weights w.dense[index] ([n, 7E, U]).
 
-    features [T, n, 6E]; tokens [T, n] or [T, 1] vocabulary indices; index any index of the
+    features [T, n, 7E]; tokens [T, n] or [T, 1] vocabulary indices; index any index of the
     first two axes of the weights that selects n of them (online: views, c or (slice, START)).
     """
     dense = features.swapaxes(0, 1) @ w.dense[index]  # [n, T, U]

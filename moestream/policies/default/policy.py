@@ -29,8 +29,10 @@ from moestream.policies.contracts import (
     PrefetchPlanner,
 )
 from moestream.policies.default.features import (
+    TokenMemory,
     TraceFeatures,
     build_vocabulary,
+    multi_hot,
     token_keys,
 )
 from moestream.policies.default.model import (
@@ -69,6 +71,7 @@ class DefaultPredictor(TrainablePredictor):
     def __init__(self, topology: Topology, config: DefaultConfig, train: TrainConfig):
         super().__init__(topology, config, train)
         self.weights: DefaultWeights | None = None
+        self.memory: np.ndarray | None = None  # [V, L, E] float16 the token memory (features.TokenMemory)
         self.vocab: dict[str, int] = {}
         self.key_kind = ""  # "tokens", "token_ids" or "" (the training trace had no token keys)
         self.state: IterationState | None = None
@@ -84,19 +87,25 @@ class DefaultPredictor(TrainablePredictor):
 
         keys, self.key_kind = token_keys(trace)
         self.vocab = build_vocabulary(keys, self.config.min_token_count)
-        self.weights, self.losses = train_weights(trace, self._indices(keys), len(self.vocab) + 1, self.config,
-                                                  self.train_config)
+        tokens = self._indices(keys, trace.num_tokens)
+        memory = TokenMemory(multi_hot(trace.experts, self.topology.num_experts), tokens, len(self.vocab) + 1)
+        self.weights, self.losses = train_weights(trace, tokens, memory, self.config, self.train_config)
+        self.memory = memory.table()
+        self._trace = None
         self.reset()
 
     def tensors(self) -> dict[str, np.ndarray]:
-        return self.weights.arrays()
+        return self.weights.arrays() | {"memory": self.memory}
 
     def meta(self) -> dict:
         return {"config": self.config.to_dict(), "vocab": self.vocab, "key_kind": self.key_kind}
 
     def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
         self.config = DefaultConfig(**meta["config"])
+        tensors = dict(tensors)
+        self.memory = tensors.pop("memory")
         self.weights = DefaultWeights(**tensors)
+        self._trace = None
         self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
         self.reset()
 
@@ -107,13 +116,14 @@ class DefaultPredictor(TrainablePredictor):
             keys, kind = token_keys(trace)
             tokens = self._indices(keys if kind == self.key_kind else None, trace.num_tokens)
             config = self.config
-            self._trace = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta, config.cut_recall)
+            self._trace = TraceFeatures(trace, tokens, self.memory, config.window_tokens, config.recall_beta,
+                                        config.cut_recall)
         cut = layer - horizon_layers
         tokens = self._trace.tokens
         if cut < -1:  # predicted at the previous token, before this one was known
             tokens = np.where(self._trace.prev >= 0, 0, tokens)
         anchor, b = weight_index(layer, cut)
-        x = self._trace.features(layer, cut if b != START else -1)[:, None]  # [N, 1, 6E]
+        x = self._trace.features(layer, cut if b != START else -1, tokens)[:, None]  # [N, 1, 7E]
         return sigmoid(logits(self.weights, x, tokens[:, None], ([anchor], [b])))[:, 0]
 
     def _indices(self, keys: list | None, count: int = 0) -> np.ndarray:
@@ -127,7 +137,8 @@ class DefaultPredictor(TrainablePredictor):
 
     # -- online ----------------------------------------------------------------------------
     def reset(self) -> None:
-        self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.config)
+        self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.memory,
+                                                                      self.config)
 
     def begin_iteration(self, ctx: IterationContext) -> None:
         self.require_trained()

@@ -5,8 +5,9 @@ Per iteration (T token rows; in a prefill every row sees its sequence as it was 
 iteration): begin() predicts every layer from the tokens' start (horizon bucket START); each
 observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for predictions past the
 last layer, the next token's layer c, in ONE call of model.logits. The inputs that do not depend
-on the token's own routing are laid out per layer in begin(), so a layer only copies them and adds
-its routed experts (and, with cut_recall, the recall they weight). A batch's probability for an
+on the token's own routing (the sequence's history and the token's memory; the next token's is the
+unknown token's) are laid out per layer in begin(), so a layer only copies them and adds its routed
+experts (and, with cut_recall, the recall they weight). A batch's probability for an
 expert is the chance that at least one of its rows routes to it. Knows arrays and events, not caches.
 """
 
@@ -44,19 +45,20 @@ class SequenceHistory:
         self.window_sum, self.total = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
 
     def fill_inputs(self, ahead: np.ndarray, following: np.ndarray) -> tuple[float, float]:
-        """Fills ahead [L, 4E] with the sequence's next token's inputs at each target layer (blocks 2-5
-        of the features: prev, prev2, recall as the window's mean, share) and following [L, 4E] with
-        the token after it's START inputs but what that next token adds; returns the weights the next
-        token's routing adds with to following's recall and share."""
+        """Fills ahead [L, 5E] with the sequence's next token's inputs at each target layer (blocks 2-5
+        of the features: prev, prev2, recall as the window's mean, share; block 6, the token's memory,
+        is the caller's) and following [L, 5E] likewise with the token after it's START inputs but what
+        that next token adds; returns the weights the next token's routing adds with to following's
+        recall and share."""
         E, W = self.prev.shape[1], len(self.ring)
         ahead[:, :E], ahead[:, E:2 * E] = self.prev, self.prev2
         ahead[:, 2 * E:3 * E] = self.window_sum / max(self.count, 1)
-        ahead[:, 3 * E:] = self.total / max(self.num_tokens, 1)
+        ahead[:, 3 * E:4 * E] = self.total / max(self.num_tokens, 1)
         dropped = self.ring[self.slot] if self.count == W else 0.0
         recall_step, share_step = 1.0 / min(self.count + 1, W), 1.0 / (self.num_tokens + 1)
         following[:, E:2 * E] = self.prev
         following[:, 2 * E:3 * E] = (self.window_sum - dropped) * recall_step
-        following[:, 3 * E:] = self.total * share_step
+        following[:, 3 * E:4 * E] = self.total * share_step
         return recall_step, share_step
 
     def finish_token(self, routed: np.ndarray) -> None:
@@ -74,8 +76,8 @@ class SequenceHistory:
 class IterationState:
     """Probabilities of the current iteration's layers and of the next token, for predict and eviction."""
 
-    def __init__(self, topology: Topology, weights: DefaultWeights, config: DefaultConfig):
-        self.topology, self.weights, self.config = topology, weights, config
+    def __init__(self, topology: Topology, weights: DefaultWeights, memory: np.ndarray, config: DefaultConfig):
+        self.topology, self.weights, self.memory, self.config = topology, weights, memory, config  # memory [V, L, E]
         L, E = topology.num_layers, topology.num_experts
         self.sequences: dict[int, SequenceHistory] = {}
         self.rows: list[SequenceHistory] = []
@@ -88,7 +90,7 @@ class IterationState:
         self._offsets = (np.arange(L)[None, :] - np.arange(-1, L)[:, None])[:, :, None]  # [c+1, L, 1]: l - c
         self._tokens = np.zeros(0, dtype=np.int64)
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
-        self._x = np.zeros((0, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)  # [T, 3, 6E] the last cut's inputs
+        self._x = np.zeros((0, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)  # [T, 3, 7E] the last cut's inputs
         self._row_index = np.zeros((0, 1), np.int64)
         self._cut_tokens = np.zeros((0, NUM_BUCKETS), np.int64)
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
@@ -99,12 +101,14 @@ class IterationState:
         self._tokens, self.layer_now, self.active = tokens, -1, bool(self.rows)
         self._routed = np.zeros((T, L, E), np.float32)
         self._shared = np.zeros((T, self.config.window_tokens), np.float32)
-        self._ahead_inputs = np.zeros((T, L + 2, 4 * E), np.float32)  # [T, L+2, 4E] two zero layers past L
-        self._next_inputs = np.zeros((T, L, 4 * E), np.float32)  # [T, L, 4E]
+        self._ahead_inputs = np.zeros((T, L + 2, 5 * E), np.float32)  # [T, L+2, 5E] two zero layers past L
+        self._next_inputs = np.zeros((T, L, 5 * E), np.float32)  # [T, L, 5E]
         self._steps = np.zeros((T, 2, 1), np.float32)  # [T, 2, 1] the recall and share steps
         for row, history in enumerate(self.rows):
             self._steps[row, :, 0] = history.fill_inputs(self._ahead_inputs[row, :L], self._next_inputs[row])
-        x = np.zeros((T, L, NUM_BLOCKS * E), np.float32)  # [T, L, 6E]
+        self._ahead_inputs[:, :L, 4 * E:] = self.memory[tokens]  # [T, L, E]
+        self._next_inputs[:, :, 4 * E:] = self.memory[0]  # the next token is not known yet
+        x = np.zeros((T, L, NUM_BLOCKS * E), np.float32)  # [T, L, 7E]
         x[:, :, 2 * E:] = self._ahead_inputs[:, :L]
         self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], (slice(None), START))))  # [L, E]
         self.ahead, self.next = self.start.copy(), self.start.copy()
@@ -120,14 +124,14 @@ class IterationState:
         c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
         routed = self._routed[:, c]  # [T, E]
         routed[self._row_index, event.expert_ids] = 1.0
-        x = self._x  # [T, 3, 6E]: targets c+1, c+2, the next token's c
+        x = self._x  # [T, 3, 7E]: targets c+1, c+2, the next token's c
         x[:, :START, :E] = routed[:, None]
         if c >= 1:
             x[:, :START, E:2 * E] = self._routed[:, c - 1, None]
         x[:, :START, 2 * E:] = self._ahead_inputs[:, c + 1:c + 3]
         x[:, START, 2 * E:] = self._next_inputs[:, c]
         x[:, START, 2 * E:3 * E] = routed
-        x[:, START, 4 * E:].reshape(-1, 2, E)[:] += routed[:, None] * self._steps  # [T, 2, E] recall, share
+        x[:, START, 4 * E:6 * E].reshape(-1, 2, E)[:] += routed[:, None] * self._steps  # [T, 2, E] recall, share
         if self.config.cut_recall:
             self._cut_recall(c, x)
         self.fresh = union(sigmoid(logits(self.weights, x, self._cut_tokens, c)))  # [3, E]: the weights of cut c

@@ -70,7 +70,8 @@ def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens
             predictor.end_sequence(seq)
     history = SequenceHistory(policy.config.window_tokens, topology.num_layers, topology.num_experts)
     sequence_bytes = sum(a.nbytes for a in vars(history).values() if isinstance(a, np.ndarray))
-    return Figures(np.array(micros), predictor.weights.num_bytes, sequence_bytes, max(allocs, default=0))
+    model_bytes = predictor.weights.num_bytes + predictor.memory.nbytes
+    return Figures(np.array(micros), model_bytes, sequence_bytes, max(allocs, default=0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     micros = figures.micros
     print(f"default: {len(micros)} layer decisions; median {np.median(micros):.1f} µs, "
           f"mean {micros.mean():.1f} µs, p90 {np.percentile(micros, 90):.1f} µs per layer decision (CPU time)")
-    print(f"model: {figures.model_bytes / 2**20:.2f} MiB of weights; state per sequence: "
+    print(f"model: {figures.model_bytes / 2**20:.2f} MiB of weights and token memory; state per sequence: "
           f"{figures.sequence_bytes / 2**10:.0f} KiB; one layer decision allocates "
           f"{figures.decision_alloc_bytes / 2**10:.1f} KiB (tracemalloc peak)")
     return 0

@@ -3,7 +3,7 @@
 Every step takes a minibatch of rows and all (target layer, horizon bucket) pairs at once: d = 1
 (cut = l-1), d = 2 (cut = l-2) and the token's start (cut = -1, also what the next token is
 predicted from). The expensive inputs (the recall per pair) are computed once before the first
-epoch; the rest is gathered per minibatch. The loss is binary cross-entropy, so the outputs are
+epoch; the rest is gathered per minibatch, the token memory of each row without the row itself. The loss is binary cross-entropy, so the outputs are
 probabilities. torch is imported here only, inside train_weights.
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moestream.policies.default.features import TraceFeatures
+from moestream.policies.default.features import TokenMemory, TraceFeatures
 from moestream.policies.default.model import (
     NUM_BLOCKS,
     START,
@@ -42,8 +42,9 @@ def pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 
 def pair_features(features: TraceFeatures, cuts: np.ndarray, targets: np.ndarray, rows: np.ndarray,
-                  recall: np.ndarray) -> np.ndarray:
-    """[B, P, 6E] float32 inputs of the rows for every pair (recall [N, P, E] precomputed)."""
+                  recall: np.ndarray, memory: np.ndarray) -> np.ndarray:
+    """[B, P, 7E] float32 inputs of the rows for every pair (recall [N, P, E] precomputed; memory
+    [B, L, E] the rows' token memory)."""
     hot, E = features.hot, features.hot.shape[2]
     out = np.zeros((len(rows), len(cuts), NUM_BLOCKS * E), dtype=np.float32)
     own = hot[rows]  # [B, L, E]
@@ -53,13 +54,15 @@ def pair_features(features: TraceFeatures, cuts: np.ndarray, targets: np.ndarray
     for block, before in ((2, features.prev[rows]), (3, features.prev2[rows])):
         out[:, :, block * E:(block + 1) * E] = hot[np.maximum(before, 0)][:, targets] & (before >= 0)[:, None, None]
     out[:, :, 4 * E:5 * E] = recall[rows]
-    out[:, :, 5 * E:] = features.share[rows][:, targets]
+    out[:, :, 5 * E:6 * E] = features.share[rows][:, targets]
+    out[:, :, 6 * E:] = memory[:, targets]
     return out
 
 
-def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: DefaultConfig,
+def train_weights(trace: "Trace", tokens: np.ndarray, memory: TokenMemory, config: DefaultConfig,
                   train: TrainConfig) -> tuple[DefaultWeights, list[float]]:
-    """Fits the model on the trace's rows; returns numpy weights and each epoch's mean loss."""
+    """Fits the model on the trace's rows (tokens: their vocabulary indices, whose memory is given);
+    returns numpy weights and each epoch's mean loss."""
     import torch
     from tqdm import tqdm
 
@@ -68,7 +71,8 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: D
     rng = np.random.default_rng(train.seed)
     L, E = trace.topology.num_layers, trace.topology.num_experts
     anchors, buckets, targets, cuts = pairs(L)
-    features = TraceFeatures(trace, tokens, config.window_tokens, config.recall_beta, config.cut_recall)
+    vocab_size = len(memory.counts)
+    features = TraceFeatures(trace, tokens, memory.table(), config.window_tokens, config.recall_beta, config.cut_recall)
     recall = np.zeros((trace.num_tokens, len(targets), E), np.float32)  # [N, P, E]
     for cut in np.unique(cuts).tolist():
         recall[:, cuts == cut] = features.recall_many(targets[cuts == cut].tolist(), cut)
@@ -91,8 +95,9 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: D
     for _ in range(train.num_epochs):
         total = 0.0
         for rows in np.array_split(rng.permutation(trace.num_tokens), steps):
-            x = torch.from_numpy(pair_features(features, cuts, targets, rows, recall))
             shown = np.where(rng.random(len(rows)) < TOKEN_DROPOUT, 0, tokens[rows])
+            known = memory.without(features.hot[rows], shown)  # [B, L, E]
+            x = torch.from_numpy(pair_features(features, cuts, targets, rows, recall, known))
             out = logits(weights, x, torch.from_numpy(shown[:, None]), index)  # [B, P, E]
             loss = torch.nn.functional.binary_cross_entropy_with_logits(out, torch.from_numpy(labels[rows]).float())
             optimizer.zero_grad()
