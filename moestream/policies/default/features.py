@@ -54,33 +54,63 @@ def multi_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
     return hot
 
 
+MEMORY_SCALE = 255.0  # the token memory's table holds its shares in 255ths (uint8)
+
+
 class TokenMemory:
-    """Each vocabulary token's routing summed over a trace, and how often it occurs ([V, L, E], [V])."""
+    """What each vocabulary token routes to, and what the token after it routes to, over a trace.
 
-    def __init__(self, hot: np.ndarray, tokens: np.ndarray, vocab_size: int):
-        from scipy.sparse import csr_matrix
+    The table ([2V, L, E]) holds at row v the mean routing of token v and at row V + v that of the
+    tokens that followed v, each pulled toward every token's mean by one occurrence's weight; row 0
+    (unknown tokens) is every token's mean. `memory_index` says which row a token reads: its own if
+    it is known, else the one after its previous token (a rare token, or the next token, not known
+    yet), else row 0."""
 
+    def __init__(self, hot: np.ndarray, tokens: np.ndarray, prev: np.ndarray, vocab_size: int):
         n, L, E = hot.shape
-        onehot = csr_matrix((np.ones(n, np.float32), (tokens, np.arange(n))), shape=(vocab_size, n))  # [V, N]
-        self.sums = np.asarray(onehot @ hot.reshape(n, L * E).astype(np.float32)).reshape(vocab_size, L, E)
+        rows = hot.reshape(n, L * E).astype(np.float32)
+        has = prev >= 0
+        self.sums = _sums(tokens, np.arange(n), rows, vocab_size).reshape(vocab_size, L, E)
+        self.next_sums = _sums(tokens[prev[has]], np.flatnonzero(has), rows, vocab_size).reshape(vocab_size, L, E)
         self.counts = np.bincount(tokens, minlength=vocab_size).astype(np.float32)  # [V]
+        self.next_counts = np.bincount(tokens[prev[has]], minlength=vocab_size).astype(np.float32)  # [V]
         self.mean = hot.mean(axis=0, dtype=np.float32)  # [L, E] every token's
 
     def table(self) -> np.ndarray:
-        """[V, L, E] float16: each token's mean routing, pulled toward every token's mean by one
-        occurrence's weight; row 0 (unknown tokens) is every token's mean."""
-        table = (self.sums + self.mean) / (self.counts + 1.0)[:, None, None]
-        table[0] = self.mean
-        return table.astype(np.float16)
+        """[2V, L, E] uint8, in 255ths (the class doc; `memory_rows` reads it)."""
+        own = (self.sums + self.mean) / (self.counts + 1.0)[:, None, None]
+        own[0] = self.mean
+        after = (self.next_sums + self.mean) / (self.next_counts + 1.0)[:, None, None]
+        return np.round(np.concatenate([own, after]) * MEMORY_SCALE).astype(np.uint8)
 
-    def without(self, hot_rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """[B, L, E] each row's memory with the row itself left out (as table() would give a token
-        seen once less); unknown tokens get every token's mean."""
+    def without(self, hot_rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """[B, L, E] the rows of table() at `index` (memory_index) as if each row were left out of the
+        trace (a token seen once less)."""
+        V = len(self.counts)
         out = np.broadcast_to(self.mean, hot_rows.shape).copy()
-        known = tokens > 0
-        v = tokens[known]
-        out[known] = (self.sums[v] - hot_rows[known] + self.mean) / self.counts[v][:, None, None]
+        own, after = (index > 0) & (index < V), index >= V
+        v, u = index[own], index[after] - V
+        out[own] = (self.sums[v] - hot_rows[own] + self.mean) / self.counts[v][:, None, None]
+        out[after] = (self.next_sums[u] - hot_rows[after] + self.mean) / self.next_counts[u][:, None, None]
         return out
+
+
+def memory_rows(table: np.ndarray, index) -> np.ndarray:
+    """float32 rows of TokenMemory's table (any index into its first axes)."""
+    return table[index].astype(np.float32) / MEMORY_SCALE
+
+
+def memory_index(tokens: np.ndarray, prev_tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Which row of TokenMemory's table each token reads (prev_tokens: its previous token, -1 if none)."""
+    return np.where(tokens > 0, tokens, np.where(prev_tokens >= 0, vocab_size + prev_tokens, 0))
+
+
+def _sums(keys: np.ndarray, rows: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
+    """[size, D]: values[rows] summed by key."""
+    from scipy.sparse import csr_matrix
+
+    onehot = csr_matrix((np.ones(len(rows), np.float32), (keys, rows)), shape=(size, len(values)))
+    return np.asarray(onehot @ values)
 
 
 class TraceFeatures:
@@ -89,7 +119,7 @@ class TraceFeatures:
     def __init__(self, trace: "Trace", tokens: np.ndarray, memory: np.ndarray, window_tokens: int, beta: float,
                  cut_recall: bool = True):
         self.trace, self.tokens, self.beta, self.cut_recall = trace, tokens, beta, cut_recall
-        self.memory = memory  # [V, L, E] the token memory's table
+        self.memory = memory  # [2V, L, E] the token memory's table
         E = trace.topology.num_experts
         self.hot = multi_hot(trace.experts, E)  # [N, L, E]
         self.prev = previous_rows(trace.seq_ids)  # [N]
@@ -106,7 +136,8 @@ class TraceFeatures:
 
     def features(self, layer: int, cut: int, tokens: np.ndarray) -> np.ndarray:
         """[N, 7E] float32 inputs for `layer`, seen with t's layers <= cut routed (cut >= -1), the
-        rows' tokens shown as `tokens` (vocabulary indices; 0: unknown)."""
+        rows' tokens shown as `tokens` (vocabulary indices; 0: unknown, whose memory is the one after
+        the previous token)."""
         E = self.hot.shape[2]
         out = np.zeros((len(self.prev), 7 * E), dtype=np.float32)
         if cut >= 0:
@@ -117,7 +148,8 @@ class TraceFeatures:
             out[:, block * E:(block + 1) * E] = self.hot[np.maximum(rows, 0), layer] & (rows >= 0)[:, None]
         out[:, 4 * E:5 * E] = self.recall(layer, cut)
         out[:, 5 * E:6 * E] = self.share[:, layer]
-        out[:, 6 * E:] = self.memory[tokens, layer]
+        before = np.where(self.prev >= 0, self.tokens[np.maximum(self.prev, 0)], -1)
+        out[:, 6 * E:] = memory_rows(self.memory, (memory_index(tokens, before, len(self.memory) // 2), layer))
         return out
 
     def recall(self, layer: int, cut: int) -> np.ndarray:

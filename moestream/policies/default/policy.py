@@ -46,6 +46,7 @@ from moestream.policies.default.model import (
 from moestream.policies.default.state import IterationState
 from moestream.policies.default.storage import load_directory, save_directory
 from moestream.policies.planning import IdleAwarePlanner
+from moestream.policies.routing_stats import previous_rows
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
@@ -71,7 +72,7 @@ class DefaultPredictor(TrainablePredictor):
     def __init__(self, topology: Topology, config: DefaultConfig, train: TrainConfig):
         super().__init__(topology, config, train)
         self.weights: DefaultWeights | None = None
-        self.memory: np.ndarray | None = None  # [V, L, E] float16 the token memory (features.TokenMemory)
+        self.memory: np.ndarray | None = None  # [2V, L, E] uint8 the token memory (features.TokenMemory)
         self.vocab: dict[str, int] = {}
         self.key_kind = ""  # "tokens", "token_ids" or "" (the training trace had no token keys)
         self.state: IterationState | None = None
@@ -88,7 +89,8 @@ class DefaultPredictor(TrainablePredictor):
         keys, self.key_kind = token_keys(trace)
         self.vocab = build_vocabulary(keys, self.config.min_token_count)
         tokens = self._indices(keys, trace.num_tokens)
-        memory = TokenMemory(multi_hot(trace.experts, self.topology.num_experts), tokens, len(self.vocab) + 1)
+        hot = multi_hot(trace.experts, self.topology.num_experts)
+        memory = TokenMemory(hot, tokens, previous_rows(trace.seq_ids), len(self.vocab) + 1)
         self.weights, self.losses = train_weights(trace, tokens, memory, self.config, self.train_config)
         self.memory = memory.table()
         self._trace = None

@@ -6,7 +6,7 @@ iteration): begin() predicts every layer from the tokens' start (horizon bucket 
 observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for predictions past the
 last layer, the next token's layer c, in ONE call of model.logits. The inputs that do not depend
 on the token's own routing (the sequence's history and the token's memory; the next token's is the
-unknown token's) are laid out per layer in begin(), so a layer only copies them and adds its routed
+memory of what followed the current token) are laid out per layer in begin(), so a layer only copies them and adds its routed
 experts (and, with cut_recall, the recall they weight). A batch's probability for an
 expert is the chance that at least one of its rows routes to it. Knows arrays and events, not caches.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.default.features import recall_weights
+from moestream.policies.default.features import memory_index, memory_rows, recall_weights
 from moestream.policies.default.model import (
     NUM_BLOCKS,
     NUM_BUCKETS,
@@ -41,6 +41,7 @@ class SequenceHistory:
         shape = (num_layers, num_experts)
         self.ring = np.zeros((window_tokens,) + shape, dtype=np.float32)  # [W, L, E]
         self.count = self.slot = self.num_tokens = 0
+        self.last_token = -1  # the vocabulary index of its last token
         self.prev, self.prev2 = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
         self.window_sum, self.total = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
 
@@ -61,8 +62,8 @@ class SequenceHistory:
         following[:, 3 * E:4 * E] = self.total * share_step
         return recall_step, share_step
 
-    def finish_token(self, routed: np.ndarray) -> None:
-        """Appends a token's [L, E] routing."""
+    def finish_token(self, routed: np.ndarray, token: int) -> None:
+        """Appends a token's [L, E] routing and its vocabulary index."""
         if self.count == len(self.ring):
             self.window_sum -= self.ring[self.slot]
         self.ring[self.slot] = routed
@@ -71,13 +72,14 @@ class SequenceHistory:
         self.prev2, self.prev = self.prev, routed.copy()
         self.slot, self.count = (self.slot + 1) % len(self.ring), min(self.count + 1, len(self.ring))
         self.num_tokens += 1
+        self.last_token = token
 
 
 class IterationState:
     """Probabilities of the current iteration's layers and of the next token, for predict and eviction."""
 
     def __init__(self, topology: Topology, weights: DefaultWeights, memory: np.ndarray, config: DefaultConfig):
-        self.topology, self.weights, self.memory, self.config = topology, weights, memory, config  # memory [V, L, E]
+        self.topology, self.weights, self.memory, self.config = topology, weights, memory, config  # memory [2V, L, E]
         L, E = topology.num_layers, topology.num_experts
         self.sequences: dict[int, SequenceHistory] = {}
         self.rows: list[SequenceHistory] = []
@@ -106,8 +108,10 @@ class IterationState:
         self._steps = np.zeros((T, 2, 1), np.float32)  # [T, 2, 1] the recall and share steps
         for row, history in enumerate(self.rows):
             self._steps[row, :, 0] = history.fill_inputs(self._ahead_inputs[row, :L], self._next_inputs[row])
-        self._ahead_inputs[:, :L, 4 * E:] = self.memory[tokens]  # [T, L, E]
-        self._next_inputs[:, :, 4 * E:] = self.memory[0]  # the next token is not known yet
+        V = len(self.memory) // 2
+        last = np.array([history.last_token for history in self.rows], dtype=np.int64)  # [T]
+        self._ahead_inputs[:, :L, 4 * E:] = memory_rows(self.memory, memory_index(tokens, last, V))  # [T, L, E]
+        self._next_inputs[:, :, 4 * E:] = memory_rows(self.memory, V + tokens)  # the next token is not known yet
         x = np.zeros((T, L, NUM_BLOCKS * E), np.float32)  # [T, L, 7E]
         x[:, :, 2 * E:] = self._ahead_inputs[:, :L]
         self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], (slice(None), START))))  # [L, E]
@@ -140,8 +144,8 @@ class IterationState:
         self.next[c] = self.fresh[START]
         self.layer_now, self._wait = c, None
         if c == L - 1:
-            for history, routed_token in zip(self.rows, self._routed):
-                history.finish_token(routed_token)
+            for history, routed_token, token in zip(self.rows, self._routed, self._tokens.tolist()):
+                history.finish_token(routed_token, token)
 
     def _cut_recall(self, c: int, x: np.ndarray) -> None:
         """Writes x[:, :2]'s recall block (targets c+1 and c+2 below L): the window's routing there,

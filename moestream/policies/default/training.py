@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moestream.policies.default.features import TokenMemory, TraceFeatures
+from moestream.policies.default.features import TokenMemory, TraceFeatures, memory_index
 from moestream.policies.default.model import (
     NUM_BLOCKS,
     START,
@@ -73,6 +73,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, memory: TokenMemory, confi
     anchors, buckets, targets, cuts = pairs(L)
     vocab_size = len(memory.counts)
     features = TraceFeatures(trace, tokens, memory.table(), config.window_tokens, config.recall_beta, config.cut_recall)
+    before = np.where(features.prev >= 0, tokens[np.maximum(features.prev, 0)], -1)  # [N] the previous token
     recall = np.zeros((trace.num_tokens, len(targets), E), np.float32)  # [N, P, E]
     for cut in np.unique(cuts).tolist():
         recall[:, cuts == cut] = features.recall_many(targets[cuts == cut].tolist(), cut)
@@ -96,7 +97,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, memory: TokenMemory, confi
         total = 0.0
         for rows in np.array_split(rng.permutation(trace.num_tokens), steps):
             shown = np.where(rng.random(len(rows)) < TOKEN_DROPOUT, 0, tokens[rows])
-            known = memory.without(features.hot[rows], shown)  # [B, L, E]
+            known = memory.without(features.hot[rows], memory_index(shown, before[rows], vocab_size))  # [B, L, E]
             x = torch.from_numpy(pair_features(features, cuts, targets, rows, recall, known))
             out = logits(weights, x, torch.from_numpy(shown[:, None]), index)  # [B, P, E]
             loss = torch.nn.functional.binary_cross_entropy_with_logits(out, torch.from_numpy(labels[rows]).float())
