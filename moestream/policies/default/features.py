@@ -67,11 +67,9 @@ class TokenMemory:
     yet), else row 0."""
 
     def __init__(self, hot: np.ndarray, tokens: np.ndarray, prev: np.ndarray, vocab_size: int):
-        n, L, E = hot.shape
-        rows = hot.reshape(n, L * E).astype(np.float32)
         has = prev >= 0
-        self.sums = _sums(tokens, np.arange(n), rows, vocab_size).reshape(vocab_size, L, E)
-        self.next_sums = _sums(tokens[prev[has]], np.flatnonzero(has), rows, vocab_size).reshape(vocab_size, L, E)
+        self.sums = _sums(tokens, np.arange(len(tokens)), hot, vocab_size)  # [V, L, E]
+        self.next_sums = _sums(tokens[prev[has]], np.flatnonzero(has), hot, vocab_size)  # [V, L, E]
         self.counts = np.bincount(tokens, minlength=vocab_size).astype(np.float32)  # [V]
         self.next_counts = np.bincount(tokens[prev[has]], minlength=vocab_size).astype(np.float32)  # [V]
         self.mean = hot.mean(axis=0, dtype=np.float32)  # [L, E] every token's
@@ -105,24 +103,30 @@ def memory_index(tokens: np.ndarray, prev_tokens: np.ndarray, vocab_size: int) -
     return np.where(tokens > 0, tokens, np.where(prev_tokens >= 0, vocab_size + prev_tokens, 0))
 
 
-def _sums(keys: np.ndarray, rows: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
-    """[size, D]: values[rows] summed by key."""
+def _sums(keys: np.ndarray, rows: np.ndarray, hot: np.ndarray, size: int) -> np.ndarray:
+    """[size, L, E] float32: hot[rows] ([N, L, E] bool) summed by key, a layer at a time."""
     from scipy.sparse import csr_matrix
 
-    onehot = csr_matrix((np.ones(len(rows), np.float32), (keys, rows)), shape=(size, len(values)))
-    return np.asarray(onehot @ values)
+    onehot = csr_matrix((np.ones(len(rows), np.float32), (keys, rows)), shape=(size, len(hot)))  # [size, N]
+    return np.stack([np.asarray(onehot @ hot[:, layer].astype(np.float32)) for layer in range(hot.shape[1])], axis=1)
 
 
 class TraceFeatures:
     """Every row's model inputs for one (layer, cut), computed for a whole trace."""
 
-    def __init__(self, trace: "Trace", tokens: np.ndarray, memory: np.ndarray, window_tokens: int, beta: float,
-                 cut_recall: bool = True):
-        self.trace, self.tokens, self.beta, self.cut_recall = trace, tokens, beta, cut_recall
+    def __init__(self, trace: "Trace", tokens: np.ndarray | None, memory: np.ndarray | None, window_tokens: int,
+                 beta: float, cut_recall: bool = True):
+        """tokens: the rows' vocabulary indices, None if the trace has no token keys the model knows
+        (every row then reads the token memory's row 0)."""
+        self.trace, self.beta, self.cut_recall = trace, beta, cut_recall
+        self.tokens = np.zeros(trace.num_tokens, np.int64) if tokens is None else tokens
         self.memory = memory  # [2V, L, E] the token memory's table
         E = trace.topology.num_experts
         self.hot = multi_hot(trace.experts, E)  # [N, L, E]
         self.prev = previous_rows(trace.seq_ids)  # [N]
+        known = tokens is not None
+        before = self.tokens[np.maximum(self.prev, 0)]
+        self.before = np.where((self.prev >= 0) & known, before, -1)  # [N] the previous row's token
         self.prev2 = np.where(self.prev >= 0, self.prev[np.maximum(self.prev, 0)], -1)
         back = np.arange(1, window_tokens + 1)
         earlier = np.arange(len(self.prev))[:, None] - back  # [N, W]
@@ -148,8 +152,7 @@ class TraceFeatures:
             out[:, block * E:(block + 1) * E] = self.hot[np.maximum(rows, 0), layer] & (rows >= 0)[:, None]
         out[:, 4 * E:5 * E] = self.recall(layer, cut)
         out[:, 5 * E:6 * E] = self.share[:, layer]
-        before = np.where(self.prev >= 0, self.tokens[np.maximum(self.prev, 0)], -1)
-        out[:, 6 * E:] = memory_rows(self.memory, (memory_index(tokens, before, len(self.memory) // 2), layer))
+        out[:, 6 * E:] = memory_rows(self.memory, (memory_index(tokens, self.before, len(self.memory) // 2), layer))
         return out
 
     def recall(self, layer: int, cut: int) -> np.ndarray:

@@ -11,8 +11,8 @@ views, no copies. `features` is the concatenation of seven E-vectors (features.p
 experts at c and c-1, the previous two tokens' experts at l, the in-sequence recall at l (the last
 window_tokens tokens' mean routing there; with cut_recall, for the c+1 and c+2 buckets, weighted by
 the experts each of them shared with t at c and c-1), the sequence's running share at l, and the
-token's memory at l (its mean routing there over the training trace; for an unknown token, the mean
-of every token).
+token's memory at l (its mean routing there over the training trace; for a token outside the
+vocabulary and for the next token, that of the tokens that followed the previous one).
 
 `pre_activation` and `head` (composed: `logits`) are written once for both array libraries: numpy
 online and over whole traces, torch in training (they use only indexing, `@`, `+` and `*`), so

@@ -29,10 +29,8 @@ from moestream.policies.contracts import (
     PrefetchPlanner,
 )
 from moestream.policies.default.features import (
-    TokenMemory,
     TraceFeatures,
     build_vocabulary,
-    multi_hot,
     token_keys,
 )
 from moestream.policies.default.model import (
@@ -46,7 +44,6 @@ from moestream.policies.default.model import (
 from moestream.policies.default.state import IterationState
 from moestream.policies.default.storage import load_directory, save_directory
 from moestream.policies.planning import IdleAwarePlanner
-from moestream.policies.routing_stats import previous_rows
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
@@ -89,10 +86,8 @@ class DefaultPredictor(TrainablePredictor):
         keys, self.key_kind = token_keys(trace)
         self.vocab = build_vocabulary(keys, self.config.min_token_count)
         tokens = self._indices(keys, trace.num_tokens)
-        hot = multi_hot(trace.experts, self.topology.num_experts)
-        memory = TokenMemory(hot, tokens, previous_rows(trace.seq_ids), len(self.vocab) + 1)
-        self.weights, self.losses = train_weights(trace, tokens, memory, self.config, self.train_config)
-        self.memory = memory.table()
+        self.weights, self.memory, self.losses = train_weights(trace, tokens, len(self.vocab) + 1, self.config,
+                                                               self.train_config)
         self._trace = None
         self.reset()
 
@@ -105,23 +100,33 @@ class DefaultPredictor(TrainablePredictor):
     def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
         self.config = DefaultConfig(**meta["config"])
         tensors = dict(tensors)
-        self.memory = tensors.pop("memory")
+        self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
+        self.memory = self._checked_memory(tensors.pop("memory", None))
         self.weights = DefaultWeights(**tensors)
         self._trace = None
-        self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
         self.reset()
+
+    def _checked_memory(self, memory: np.ndarray | None) -> np.ndarray:
+        """The saved token memory, if it has this version's shape and type (else ValueError)."""
+        t = self.topology
+        shape = (2 * (len(self.vocab) + 1), t.num_layers, t.num_experts)
+        if memory is None or memory.shape != shape or memory.dtype != np.uint8:
+            found = "none" if memory is None else f"{memory.dtype} {list(memory.shape)}"
+            raise ValueError(f"its token memory is {found}, this version reads uint8 {list(shape)}: it was "
+                             f"saved by an older moestream; retrain it with `moestream train-predictor --kind {KIND}`")
+        return memory
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E]: what predict() gives for each row's `layer`, horizon_layers positions earlier."""
         self.require_trained()
         if self._trace is None or not self._trace.holds(trace):
             keys, kind = token_keys(trace)
-            tokens = self._indices(keys if kind == self.key_kind else None, trace.num_tokens)
+            tokens = self._indices(keys) if kind == self.key_kind and keys is not None else None
             config = self.config
             self._trace = TraceFeatures(trace, tokens, self.memory, config.window_tokens, config.recall_beta,
                                         config.cut_recall)
         cut = layer - horizon_layers
-        tokens = self._trace.tokens
+        tokens = self._trace.tokens  # zeros if the trace has no keys
         if cut < -1:  # predicted at the previous token, before this one was known
             tokens = np.where(self._trace.prev >= 0, 0, tokens)
         anchor, b = weight_index(layer, cut)
@@ -129,6 +134,7 @@ class DefaultPredictor(TrainablePredictor):
         return sigmoid(logits(self.weights, x, tokens[:, None], ([anchor], [b])))[:, 0]
 
     def _indices(self, keys: list | None, count: int = 0) -> np.ndarray:
+        """The keys' vocabulary indices; count zeros (unknown) if there are no keys."""
         if keys is None:
             return np.zeros(count, dtype=np.int64)
         return np.fromiter((self.vocab.get(str(k), 0) for k in keys), dtype=np.int64, count=len(keys))
@@ -145,7 +151,7 @@ class DefaultPredictor(TrainablePredictor):
     def begin_iteration(self, ctx: IterationContext) -> None:
         self.require_trained()
         keys = ctx.tokens if self.key_kind == "tokens" else ctx.token_ids if self.key_kind == "token_ids" else None
-        self.state.begin(ctx, self._indices(None if keys is None else list(keys), ctx.num_tokens))
+        self.state.begin(ctx, None if keys is None else self._indices(list(keys)))
 
     def observe(self, event: RoutingEvent) -> None:
         if self.state is not None:

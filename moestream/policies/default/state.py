@@ -6,9 +6,10 @@ iteration): begin() predicts every layer from the tokens' start (horizon bucket 
 observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for predictions past the
 last layer, the next token's layer c, in ONE call of model.logits. The inputs that do not depend
 on the token's own routing (the sequence's history and the token's memory; the next token's is the
-memory of what followed the current token) are laid out per layer in begin(), so a layer only copies them and adds its routed
-experts (and, with cut_recall, the recall they weight). A batch's probability for an
-expert is the chance that at least one of its rows routes to it. Knows arrays and events, not caches.
+memory of what followed the current token) are laid out per layer in begin(), so a layer only
+copies them and adds its routed experts (and, with cut_recall, the recall they weight). A batch's
+probability for an expert is the chance that at least one of its rows routes to it. Knows arrays
+and events, not caches.
 """
 
 from __future__ import annotations
@@ -91,15 +92,20 @@ class IterationState:
         self._wait: np.ndarray | None = None
         self._offsets = (np.arange(L)[None, :] - np.arange(-1, L)[:, None])[:, :, None]  # [c+1, L, 1]: l - c
         self._tokens = np.zeros(0, dtype=np.int64)
+        self._keyed, self._recorded = False, []
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
         self._x = np.zeros((0, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)  # [T, 3, 7E] the last cut's inputs
         self._row_index = np.zeros((0, 1), np.int64)
         self._cut_tokens = np.zeros((0, NUM_BUCKETS), np.int64)
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
 
-    def begin(self, ctx: IterationContext, tokens: np.ndarray) -> None:
+    def begin(self, ctx: IterationContext, tokens: np.ndarray | None) -> None:
+        """tokens: the rows' vocabulary indices, None if the iteration has no keys the model knows."""
         L, E, T = self.topology.num_layers, self.topology.num_experts, ctx.num_tokens
         self.rows = [self._history(int(s)) for s in ctx.seq_ids.tolist()]
+        self._keyed = tokens is not None
+        self._recorded = tokens.tolist() if self._keyed else [-1] * T  # what each history keeps as its last
+        tokens = tokens if self._keyed else np.zeros(T, np.int64)
         self._tokens, self.layer_now, self.active = tokens, -1, bool(self.rows)
         self._routed = np.zeros((T, L, E), np.float32)
         self._shared = np.zeros((T, self.config.window_tokens), np.float32)
@@ -108,10 +114,9 @@ class IterationState:
         self._steps = np.zeros((T, 2, 1), np.float32)  # [T, 2, 1] the recall and share steps
         for row, history in enumerate(self.rows):
             self._steps[row, :, 0] = history.fill_inputs(self._ahead_inputs[row, :L], self._next_inputs[row])
-        V = len(self.memory) // 2
-        last = np.array([history.last_token for history in self.rows], dtype=np.int64)  # [T]
-        self._ahead_inputs[:, :L, 4 * E:] = memory_rows(self.memory, memory_index(tokens, last, V))  # [T, L, E]
-        self._next_inputs[:, :, 4 * E:] = memory_rows(self.memory, V + tokens)  # the next token is not known yet
+        own, following = self._memory_index(ctx, tokens)
+        self._ahead_inputs[:, :L, 4 * E:] = memory_rows(self.memory, own)  # [T, L, E]
+        self._next_inputs[:, :, 4 * E:] = memory_rows(self.memory, following)  # the next token is not known yet
         x = np.zeros((T, L, NUM_BLOCKS * E), np.float32)  # [T, L, 7E]
         x[:, :, 2 * E:] = self._ahead_inputs[:, :L]
         self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], (slice(None), START))))  # [L, E]
@@ -144,8 +149,21 @@ class IterationState:
         self.next[c] = self.fresh[START]
         self.layer_now, self._wait = c, None
         if c == L - 1:
-            for history, routed_token, token in zip(self.rows, self._routed, self._tokens.tolist()):
+            for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
                 history.finish_token(routed_token, token)
+
+    def _memory_index(self, ctx: IterationContext, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[T] rows of the token memory the iteration's tokens read, and [T] those their next tokens read
+        (features.memory_index; without keys, row 0 for all). A prefill's later rows follow the row
+        before them; its first, and a decode's rows, the history's last token."""
+        if not self._keyed:
+            zeros = np.zeros(len(tokens), np.int64)
+            return zeros, zeros
+        last = np.array([history.last_token for history in self.rows], dtype=np.int64)  # [T]
+        same = np.r_[False, ctx.seq_ids[1:] == ctx.seq_ids[:-1]]
+        last = np.where(same, np.r_[-1, tokens[:-1]], last)
+        V = len(self.memory) // 2
+        return memory_index(tokens, last, V), V + tokens
 
     def _cut_recall(self, c: int, x: np.ndarray) -> None:
         """Writes x[:, :2]'s recall block (targets c+1 and c+2 below L): the window's routing there,

@@ -3,7 +3,8 @@
 Every step takes a minibatch of rows and all (target layer, horizon bucket) pairs at once: d = 1
 (cut = l-1), d = 2 (cut = l-2) and the token's start (cut = -1, also what the next token is
 predicted from). The expensive inputs (the recall per pair) are computed once before the first
-epoch; the rest is gathered per minibatch, the token memory of each row without the row itself. The loss is binary cross-entropy, so the outputs are
+epoch; the rest is gathered per minibatch, the token memory of each row without the row itself.
+The loss is binary cross-entropy, so the outputs are
 probabilities. torch is imported here only, inside train_weights.
 """
 
@@ -59,10 +60,10 @@ def pair_features(features: TraceFeatures, cuts: np.ndarray, targets: np.ndarray
     return out
 
 
-def train_weights(trace: "Trace", tokens: np.ndarray, memory: TokenMemory, config: DefaultConfig,
-                  train: TrainConfig) -> tuple[DefaultWeights, list[float]]:
-    """Fits the model on the trace's rows (tokens: their vocabulary indices, whose memory is given);
-    returns numpy weights and each epoch's mean loss."""
+def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: DefaultConfig,
+                  train: TrainConfig) -> tuple[DefaultWeights, np.ndarray, list[float]]:
+    """Fits the model on the trace's rows (tokens: their vocabulary indices); returns numpy weights,
+    the token memory's table and each epoch's mean loss."""
     import torch
     from tqdm import tqdm
 
@@ -71,9 +72,9 @@ def train_weights(trace: "Trace", tokens: np.ndarray, memory: TokenMemory, confi
     rng = np.random.default_rng(train.seed)
     L, E = trace.topology.num_layers, trace.topology.num_experts
     anchors, buckets, targets, cuts = pairs(L)
-    vocab_size = len(memory.counts)
-    features = TraceFeatures(trace, tokens, memory.table(), config.window_tokens, config.recall_beta, config.cut_recall)
-    before = np.where(features.prev >= 0, tokens[np.maximum(features.prev, 0)], -1)  # [N] the previous token
+    features = TraceFeatures(trace, tokens, None, config.window_tokens, config.recall_beta, config.cut_recall)
+    memory = TokenMemory(features.hot, tokens, features.prev, vocab_size)
+    features.memory = memory.table()
     recall = np.zeros((trace.num_tokens, len(targets), E), np.float32)  # [N, P, E]
     for cut in np.unique(cuts).tolist():
         recall[:, cuts == cut] = features.recall_many(targets[cuts == cut].tolist(), cut)
@@ -97,7 +98,8 @@ def train_weights(trace: "Trace", tokens: np.ndarray, memory: TokenMemory, confi
         total = 0.0
         for rows in np.array_split(rng.permutation(trace.num_tokens), steps):
             shown = np.where(rng.random(len(rows)) < TOKEN_DROPOUT, 0, tokens[rows])
-            known = memory.without(features.hot[rows], memory_index(shown, before[rows], vocab_size))  # [B, L, E]
+            rows_read = memory_index(shown, features.before[rows], vocab_size)
+            known = memory.without(features.hot[rows], rows_read)  # [B, L, E]
             x = torch.from_numpy(pair_features(features, cuts, targets, rows, recall, known))
             out = logits(weights, x, torch.from_numpy(shown[:, None]), index)  # [B, P, E]
             loss = torch.nn.functional.binary_cross_entropy_with_logits(out, torch.from_numpy(labels[rows]).float())
@@ -109,4 +111,5 @@ def train_weights(trace: "Trace", tokens: np.ndarray, memory: TokenMemory, confi
         losses.append(total / trace.num_tokens)
         log.info("default epoch %d: loss %.4f", len(losses), losses[-1])
     bar.close()
-    return DefaultWeights(**{name: t.detach().numpy().copy() for name, t in weights.arrays().items()}), losses
+    trained = DefaultWeights(**{name: t.detach().numpy().copy() for name, t in weights.arrays().items()})
+    return trained, features.memory, losses

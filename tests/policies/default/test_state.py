@@ -33,3 +33,47 @@ def test_every_variant_predicts_online_what_it_scores(traces, overrides):
         online = evaluate_predictor(OnlineOnly(policy.predictor), traces[1], horizon)
         np.testing.assert_array_equal(scored.hits, online.hits)
         np.testing.assert_array_equal(scored.predicted, online.predicted)
+
+
+@pytest.mark.parametrize("keyed", [True, False])  # False: the trace names no tokens, every row reads memory row 0
+def test_online_probabilities_equal_whole_trace_scoring_row_by_row(traces, keyed):
+    from moestream.events import IterationContext, RoutingEvent
+    from moestream.policies.default.model import START
+
+    policy = fitted_policy(traces[0], config=DefaultConfig(min_token_count=6), train=TrainConfig(num_epochs=3, batch_size=64))
+    test, predictor, L = traces[1], policy.predictor, traces[1].topology.num_layers
+    test = test if keyed else dataclasses.replace(test, tokens=None, token_ids=None)
+    start = [predictor.score_rows(test, layer, layer + 1) for layer in range(L)]  # [L][N, E]
+    ahead = {(c, d): predictor.score_rows(test, c + d, d) for d in (1, 2) for c in range(L - d)}
+    following = [predictor.score_rows(test, c, L) for c in range(L)]  # seen from the previous token's layer c
+    predictor.reset()
+    for seq, first, end in test.sequence_bounds():
+        for row in range(first, end):
+            keys = {"tokens": (test.tokens[row],), "token_ids": test.token_ids[[row]]} if keyed else {}
+            predictor.begin_iteration(IterationContext(step=row, seq_ids=np.array([seq]), positions=test.positions[[row]],
+                                                       is_prefill=False, **keys))
+            state = predictor.state
+            np.testing.assert_allclose(state.start, np.stack([s[row] for s in start]), atol=1e-6)
+            for c in range(L):
+                predictor.observe(RoutingEvent(c, test.experts[[row], c].astype(np.int64), np.array([seq]), np.array([0])))
+                for d in (1, 2):
+                    if c + d < L:
+                        np.testing.assert_allclose(state.fresh[d - 1], ahead[(c, d)][row], atol=1e-6)
+                if row + 1 < end and c < L - 1:
+                    np.testing.assert_allclose(state.fresh[START], following[c][row + 1], atol=1e-6)
+        predictor.end_sequence(seq)
+
+
+def test_a_prefill_s_unknown_token_reads_what_followed_the_row_before_it(policy):
+    from moestream.events import IterationContext
+
+    state, V = policy.predictor.state, len(policy.predictor.vocab) + 1
+    tokens = np.array([2, 0, 3, 0])  # rows 1 and 3: outside the vocabulary
+    ctx = IterationContext(step=0, seq_ids=np.array([7, 7, 7, 8]), positions=np.array([0, 1, 2, 0]), is_prefill=True)
+    state.begin(ctx, tokens)
+    own, following = state._memory_index(ctx, tokens)
+    assert own.tolist() == [2, V + 2, 3, 0]  # sequence 8 has no token before it
+    assert following.tolist() == (V + tokens).tolist()
+    state.begin(ctx, None)  # no keys: every row reads row 0
+    assert [r.tolist() for r in state._memory_index(ctx, np.zeros(4, np.int64))] == [[0] * 4, [0] * 4]
+    policy.predictor.reset()

@@ -40,3 +40,18 @@ def test_loading_and_running_import_no_torch(policy, traces, tmp_path):
     done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, str(tmp_path / "lean"), str(tmp_path / "test.npz")],
                           capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_a_directory_with_an_older_token_memory_asks_to_retrain(policy, tmp_path):
+    import pytest
+    from safetensors.numpy import load_file, save_file
+
+    from moestream.policies.trained import PredictorFileError
+
+    directory = policy.save(tmp_path / "old")
+    tensors = load_file(str(directory / "weights.safetensors"))
+    half = len(tensors["memory"]) // 2
+    tensors["memory"] = tensors["memory"][:half].astype(np.float16)  # the first token memory's layout
+    save_file(tensors, str(directory / "weights.safetensors"))
+    with pytest.raises(PredictorFileError, match="retrain"):
+        POLICIES.create("default", TOPOLOGY, predictor_dir=directory)
