@@ -68,10 +68,11 @@ class TokenMemory:
 
     def __init__(self, hot: np.ndarray, tokens: np.ndarray, prev: np.ndarray, vocab_size: int):
         has = prev >= 0
+        before = tokens[prev[has]]  # the token before each row that has one
         self.sums = _sums(tokens, np.arange(len(tokens)), hot, vocab_size)  # [V, L, E]
-        self.next_sums = _sums(tokens[prev[has]], np.flatnonzero(has), hot, vocab_size)  # [V, L, E]
+        self.next_sums = _sums(before, np.flatnonzero(has), hot, vocab_size)  # [V, L, E]
         self.counts = np.bincount(tokens, minlength=vocab_size).astype(np.float32)  # [V]
-        self.next_counts = np.bincount(tokens[prev[has]], minlength=vocab_size).astype(np.float32)  # [V]
+        self.next_counts = np.bincount(before, minlength=vocab_size).astype(np.float32)  # [V]
         self.mean = hot.mean(axis=0, dtype=np.float32)  # [L, E] every token's
 
     def table(self) -> np.ndarray:

@@ -185,7 +185,7 @@ class DefaultPredictor(TrainablePredictor):
 class DefaultEviction(EvictionPolicy):
     """Evicts the resident expert whose next use is expected furthest away (the module docstring).
 
-    Keeps the residents' expected waits as an [L*E] array (-inf elsewhere), rebuilt when the
+    Keeps the residents' expected waits as an [L, E] array (-inf elsewhere), rebuilt when the
     predictor's table changes (once per layer) and kept in step by the insert and remove hooks, so a
     victim is one argmax. When that expert may not go (pinned; protected: in a prefill, most of a
     layer) it is set aside and the argmax taken again, a few times, and only then are the residents
@@ -197,28 +197,25 @@ class DefaultEviction(EvictionPolicy):
     def __init__(self, predictor: DefaultPredictor):
         self.predictor = predictor
         L, E = predictor.topology.num_layers, predictor.topology.num_experts
-        self.num_experts = E
-        self.resident = np.zeros(L * E, dtype=bool)  # [L*E] at layer * E + expert
-        self._keys = [ExpertKey(layer, e) for layer in range(L) for e in range(E)]
+        self.resident = np.zeros((L, E), dtype=bool)  # [L, E]
+        self._keys = [ExpertKey(layer, e) for layer in range(L) for e in range(E)]  # by flat index
         self._wait: np.ndarray | None = None  # the predictor's [L, E] table behind _masked
-        self._masked = np.full(L * E, -np.inf)  # [L*E] expected wait of residents, -inf elsewhere
+        self._masked = np.full((L, E), -np.inf)  # [L, E] expected wait of residents, -inf elsewhere
 
     def on_insert(self, key: ExpertKey) -> None:
-        index = key[0] * self.num_experts + key[1]
-        self.resident[index] = True
+        self.resident[key] = True
         if self._wait is not None:
-            self._masked[index] = self._wait.flat[index]
+            self._masked[key] = self._wait[key]
 
     def on_remove(self, key: ExpertKey) -> None:
-        index = key[0] * self.num_experts + key[1]
-        self.resident[index] = False
-        self._masked[index] = -np.inf
+        self.resident[key] = False
+        self._masked[key] = -np.inf
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
         table = self.predictor.expected_wait()
         if table is not self._wait:
-            self._wait, self._masked = table, np.where(self.resident, table.ravel(), -np.inf)
-        masked, keys, passed = self._masked, self._keys, []
+            self._wait, self._masked = table, np.where(self.resident, table, -np.inf)
+        masked, keys, passed = self._masked.ravel(), self._keys, []  # a view: flat indices
         try:
             for _ in range(self.max_argmax):
                 index = int(masked.argmax())
