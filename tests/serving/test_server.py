@@ -10,7 +10,6 @@ import pytest
 
 from moestream import LLM, SamplingParams
 from moestream.policies.contracts import Observer
-from moestream.runtime import Engine, EngineConfig
 from moestream.serving.batching import BatchingConfig
 from moestream.serving.server import Server
 from moestream.serving.worker import WorkerConfig
@@ -26,12 +25,6 @@ class Ends(Observer):
 
     def end_sequence(self, seq_id):
         self.ended.append(seq_id)
-
-
-@pytest.fixture(scope="module")
-def engine(serving_checkpoint):
-    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
-        yield engine
 
 
 @pytest.fixture

@@ -7,16 +7,9 @@ import time
 import pytest
 
 from moestream.errors import MoestreamError
-from moestream.runtime import Engine, EngineConfig
 from moestream.serving.batching import BatchingConfig
 from moestream.serving.sampling import SamplingParams
 from moestream.serving.worker import EngineWorker, Overloaded, Request, WorkerConfig
-
-
-@pytest.fixture(scope="module")
-def engine(serving_checkpoint):
-    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
-        yield engine
 
 
 @pytest.fixture

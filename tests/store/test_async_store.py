@@ -80,13 +80,19 @@ def test_prefetch_returns_before_the_bytes_and_in_flight_tells_the_truth(checkpo
         assert stats.transfer_s > 0 and stats.bytes_read["disk"] == 2 * checkpoint.index.topology.expert_bytes
 
 
+def block_on_a_first_read(store, gate: threading.Event) -> None:
+    """Gates the store's reads and prefetches K(0, 3) at 0.9; returns once the worker blocks on its
+    first chunk (until gate is set)."""
+    store._reader = reader = GatedReader(store._reader, gate)
+    store.prefetch([TransferRequest(K(0, 3), 0.9)])
+    while not reader.files:
+        time.sleep(0.001)
+
+
 def test_a_gate_decision_drops_stale_speculation_of_its_layer_and_goes_first(checkpoint):
     gate = threading.Event()
     with make_async(checkpoint, device_slots=6) as store:
-        store._reader = reader = GatedReader(store._reader, gate)
-        store.prefetch([TransferRequest(K(0, 3), 0.9)])  # the worker blocks on its first chunk
-        while not reader.files:
-            time.sleep(0.001)
+        block_on_a_first_read(store, gate)
         store.prefetch([TransferRequest(K(1, e), 0.5) for e in range(3)] + [TransferRequest(K(0, 2), 0.1)])
         fetch = store.fetch([K(1, 0), K(1, 3)])  # layer 1 chose experts 0 and 3
         assert store.in_flight() == {K(0, 3), K(0, 2), K(1, 0), K(1, 3)}  # K(1, 1), K(1, 2) dropped
@@ -194,10 +200,7 @@ def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_by
 def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_experts(checkpoint):
     gate = threading.Event()
     with make_async(checkpoint, device_slots=6) as store:
-        store._reader = reader = GatedReader(store._reader, gate)
-        store.prefetch([TransferRequest(K(0, 3), 0.9)])  # the worker blocks on its first chunk
-        while not reader.files:
-            time.sleep(0.001)
+        block_on_a_first_read(store, gate)
         store.prefetch([TransferRequest(K(1, 1), 0.5), TransferRequest(K(1, 2), 0.4)])
         fetch = store.fetch([K(1, 0)], chosen=[K(1, 0), K(1, 1)])
         assert store.in_flight() == {K(0, 3), K(1, 0), K(1, 1)}  # K(1, 2) dropped, K(1, 1) kept
