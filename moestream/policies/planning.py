@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from moestream.policies.contracts import PLANNERS, CacheView, Prediction, PrefetchPlanner, TransferRequest
+from moestream.topology import ExpertKey
 
 
 def layers_ahead(prediction: Prediction, layer_now: int, num_layers: int) -> int:
     return prediction.layer - layer_now + prediction.tokens_ahead * num_layers
+
+
+def _by_priority(item: tuple) -> tuple:
+    return -item[1], item[0]  # highest first, then by key
 
 
 @PLANNERS.register("score")
@@ -25,15 +30,17 @@ class ScorePlanner(PrefetchPlanner):
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
         best: dict = {}
         min_score, resident, in_flight = self.threshold(view), view.resident, view.in_flight
-        for p in predictions:
-            if p.score <= min_score:
+        layer_now, num_layers, scale = view.layer_now, view.num_layers, self.scale
+        for layer, expert, score, tokens_ahead in predictions:
+            if score <= min_score:
                 continue
-            key = p.key
+            key = ExpertKey(layer, expert)
             if key in resident or key in in_flight:
                 continue
-            priority = self.scale * p.score / max(1, layers_ahead(p, view.layer_now, view.num_layers))
-            best[key] = max(priority, best.get(key, 0.0))
-        ranked = sorted(best.items(), key=lambda item: (-item[1], item[0]))[: view.capacity]
+            priority = scale * score / max(1, layer - layer_now + tokens_ahead * num_layers)  # by layers ahead
+            if priority > best.get(key, 0.0):
+                best[key] = priority
+        ranked = sorted(best.items(), key=_by_priority)[: view.capacity]
         return [TransferRequest(key, priority) for key, priority in ranked]
 
     def threshold(self, view: CacheView) -> float:

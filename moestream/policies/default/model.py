@@ -103,13 +103,15 @@ class DefaultWeights:
         return sum(a.nbytes for a in self.arrays().values())
 
 
-def pre_activation(w: DefaultWeights, features, tokens, index):
+def pre_activation(w: DefaultWeights, features, tokens, index, first_row: int = 0):
     """[T, n, U] pre-activations of the n (anchor, bucket) weights w.dense[index] ([n, 7E, U]).
 
-    features [T, n, 7E]; tokens [T, n] or [T, 1] vocabulary indices; index any index of the
-    first two axes of the weights that selects n of them (online: views, c or (slice, START)).
+    features [T, n, 7E - first_row]: the features past their first `first_row` entries, which are
+    zero (online: the blocks of the token's own routing, not routed yet); tokens [T, n] or [T, 1]
+    vocabulary indices; index any index of the first two axes of the weights that selects n of them
+    (online: views, (slice, bucket)).
     """
-    dense = features.swapaxes(0, 1) @ w.dense[index]  # [n, T, U]
+    dense = features.swapaxes(0, 1) @ w.dense[index][..., first_row:, :]  # [n, T, U]
     token = w.token[tokens].swapaxes(0, 1) @ w.token_out[index]  # [n, T, U]
     return (dense + token).swapaxes(0, 1) + w.bias[index]  # [T, n, U]
 

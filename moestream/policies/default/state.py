@@ -4,12 +4,14 @@ probabilities, kept incrementally so that one layer decision is a handful of num
 Per iteration (T token rows; in a prefill every row sees its sequence as it was before the
 iteration): begin() predicts every layer from the tokens' start (horizon bucket START); each
 observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for predictions past the
-last layer, the next token's layer c, in ONE call of model.logits. The inputs that do not depend
-on the token's own routing (the sequence's history and the token's memory; the next token's is the
-memory of what followed the current token) are laid out per layer in begin(), so a layer only
-copies them and adds its routed experts (and, with cut_recall, the recall they weight). A batch's
-probability for an expert is the chance that at least one of its rows routes to it. Knows arrays
-and events, not caches.
+last layer, the next token's layer c. The model's pre-activation is linear in its features, so
+begin() computes, with model.pre_activation, every cut's part from the inputs the token's own
+routing does not change (the sequence's history and the token's memory; the next token's is the
+memory of what followed the current token), and observe(c) adds the rows of the weights at the
+experts routed at c and c-1 (the product of those one-hot blocks with the weights; with
+cut_recall, also what the recall they weight adds) and applies model.head. A batch's probability
+for an expert is the chance that at least one of its rows routes to it. Knows arrays and events,
+not caches.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import numpy as np
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default.features import memory_index, memory_rows, recall_weights
 from moestream.policies.default.model import (
-    NUM_BLOCKS,
     NUM_BUCKETS,
     START,
     DefaultConfig,
     DefaultWeights,
-    logits,
+    head,
+    pre_activation,
     sigmoid,
 )
 from moestream.topology import Topology
@@ -91,13 +93,15 @@ class IterationState:
         self.fresh = np.zeros((NUM_BUCKETS, E))  # [3, E] from the last cut: c+1, c+2, the next token's c
         self._wait: np.ndarray | None = None
         self._offsets = (np.arange(L)[None, :] - np.arange(-1, L)[:, None])[:, :, None]  # [c+1, L, 1]: l - c
-        self._tokens = np.zeros(0, dtype=np.int64)
         self._keyed, self._recorded = False, []
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
-        self._x = np.zeros((0, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)  # [T, 3, 7E] the last cut's inputs
         self._row_index = np.zeros((0, 1), np.int64)
-        self._cut_tokens = np.zeros((0, NUM_BUCKETS), np.int64)
+        self._fixed = np.zeros((L, 0, NUM_BUCKETS, E), np.float32)  # [L, T, 3, U] pre-activations before routing
+        self._steps = np.zeros((0, 1, 1), np.float32)  # [T, 2, 1] the recall and share steps
+        self._window_recall = np.zeros((0, L + 2, E), np.float32)  # [T, L+2, E] (cut_recall only)
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
+        self._experts_before: np.ndarray | None = None  # [T, k] the experts routed at the last cut
+        self._mix: tuple | None = None  # _routed_inputs of this iteration
 
     def begin(self, ctx: IterationContext, tokens: np.ndarray | None) -> None:
         """tokens: the rows' vocabulary indices, None if the iteration has no keys the model knows."""
@@ -106,48 +110,58 @@ class IterationState:
         self._keyed = tokens is not None
         self._recorded = tokens.tolist() if self._keyed else [-1] * T  # what each history keeps as its last
         tokens = tokens if self._keyed else np.zeros(T, np.int64)
-        self._tokens, self.layer_now, self.active = tokens, -1, bool(self.rows)
+        self.layer_now, self.active = -1, bool(self.rows)
         self._routed = np.zeros((T, L, E), np.float32)
+        self._row_index, self._experts_before, self._mix = np.arange(T)[:, None], None, None
         self._shared = np.zeros((T, self.config.window_tokens), np.float32)
-        self._ahead_inputs = np.zeros((T, L + 2, 5 * E), np.float32)  # [T, L+2, 5E] two zero layers past L
-        self._next_inputs = np.zeros((T, L, 5 * E), np.float32)  # [T, L, 5E]
-        self._steps = np.zeros((T, 2, 1), np.float32)  # [T, 2, 1] the recall and share steps
+        ahead = np.zeros((T, L + 2, 5 * E), np.float32)  # [T, L+2, 5E] blocks 2-6 at each target; two zero layers past L
+        following = np.zeros((T, L, 5 * E), np.float32)  # [T, L, 5E] the next token's, but what this one adds
+        self._steps = np.zeros((T, 2, 1), np.float32)
         for row, history in enumerate(self.rows):
-            self._steps[row, :, 0] = history.fill_inputs(self._ahead_inputs[row, :L], self._next_inputs[row])
-        own, following = self._memory_index(ctx, tokens)
-        self._ahead_inputs[:, :L, 4 * E:] = memory_rows(self.memory, own)  # [T, L, E]
-        self._next_inputs[:, :, 4 * E:] = memory_rows(self.memory, following)  # the next token is not known yet
-        x = np.zeros((T, L, NUM_BLOCKS * E), np.float32)  # [T, L, 7E]
-        x[:, :, 2 * E:] = self._ahead_inputs[:, :L]
-        self.start = union(sigmoid(logits(self.weights, x, tokens[:, None], (slice(None), START))))  # [L, E]
+            self._steps[row, :, 0] = history.fill_inputs(ahead[row, :L], following[row])
+        own, after = self._memory_index(ctx, tokens)
+        ahead[:, :L, 4 * E:] = memory_rows(self.memory, own)  # [T, L, E]
+        following[:, :, 4 * E:] = memory_rows(self.memory, after)  # the next token is not known yet
+        self._window_recall = ahead[:, :, 2 * E:3 * E] if self.config.cut_recall else self._window_recall
+        self._fix(ahead, following, tokens)
+        every = (slice(None), START)
+        pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]
+        self.start = union(sigmoid(head(self.weights, pre, every)))  # [L, E]
         self.ahead, self.next = self.start.copy(), self.start.copy()
         self.fresh, self._wait = self.start[:NUM_BUCKETS], None
-        self._x = np.zeros((T, NUM_BUCKETS, NUM_BLOCKS * E), np.float32)
-        self._row_index = np.arange(T)[:, None]
-        self._cut_tokens = np.zeros((T, NUM_BUCKETS), np.int64)  # the next token is not known yet
-        self._cut_tokens[:, :START] = tokens[:, None]
+
+    def _fix(self, ahead: np.ndarray, following: np.ndarray, tokens: np.ndarray) -> None:
+        """The pre-activations of every cut's three buckets from the inputs the token's own routing does
+        not change (model.pre_activation is linear in the features: observe adds the rest)."""
+        L, E, T = self.topology.num_layers, self.topology.num_experts, len(tokens)
+        U = self.weights.bias.shape[-1]
+        unknown = np.zeros((T, 1), np.int64)  # the next token is not known yet
+        self._fixed = np.empty((L, T, NUM_BUCKETS, U), np.float32)
+        for bucket, inputs, keys in ((0, ahead[:, 1:L + 1], tokens[:, None]), (1, ahead[:, 2:L + 2], tokens[:, None]),
+                                     (START, following, unknown)):
+            pre = pre_activation(self.weights, inputs, keys, (slice(None), bucket), first_row=2 * E)  # [T, L, U]
+            self._fixed[:, :, bucket] = pre.swapaxes(0, 1)
 
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
             return
         c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
-        routed = self._routed[:, c]  # [T, E]
-        routed[self._row_index, event.expert_ids] = 1.0
-        x = self._x  # [T, 3, 7E]: targets c+1, c+2, the next token's c
-        x[:, :START, :E] = routed[:, None]
-        if c >= 1:
-            x[:, :START, E:2 * E] = self._routed[:, c - 1, None]
-        x[:, :START, 2 * E:] = self._ahead_inputs[:, c + 1:c + 3]
-        x[:, START, 2 * E:] = self._next_inputs[:, c]
-        x[:, START, 2 * E:3 * E] = routed
-        x[:, START, 4 * E:6 * E].reshape(-1, 2, E)[:] += routed[:, None] * self._steps  # [T, 2, E] recall, share
+        experts = event.expert_ids.astype(np.int64, copy=False)  # [T, k]
+        self._routed[self._row_index, c, experts] = 1.0
+        if self._mix is None:
+            self._mix = self._routed_inputs(experts.shape[1], E)
+        pick, offsets, mixes = self._mix
+        before = experts if self._experts_before is None else self._experts_before  # [T, k]
+        rows = np.concatenate((experts, before), axis=1)[:, pick] + offsets  # [T, 5k] rows of the weights
+        mix = mixes[0 if self._experts_before is None else 1]  # [3, T, 1, 5k]
+        pre = self._fixed[c] + (mix @ self.weights.dense[c][:, rows])[:, :, 0].swapaxes(0, 1)  # [T, 3, U]
         if self.config.cut_recall:
-            self._cut_recall(c, x)
-        self.fresh = union(sigmoid(logits(self.weights, x, self._cut_tokens, c)))  # [3, E]: the weights of cut c
+            self._cut_recall(c, pre)
+        self.fresh = union(sigmoid(head(self.weights, pre, c)))  # [3, E]: the weights of cut c
         ahead = min(2, L - 1 - c)
         self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
         self.next[c] = self.fresh[START]
-        self.layer_now, self._wait = c, None
+        self.layer_now, self._wait, self._experts_before = c, None, experts
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
                 history.finish_token(routed_token, token)
@@ -165,17 +179,35 @@ class IterationState:
         V = len(self.memory) // 2
         return memory_index(tokens, last, V), V + tokens
 
-    def _cut_recall(self, c: int, x: np.ndarray) -> None:
-        """Writes x[:, :2]'s recall block (targets c+1 and c+2 below L): the window's routing there,
-        weighted by the experts each earlier token shared with this one at c and c-1."""
+    def _routed_inputs(self, k: int, E: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the k experts routed at c and c-1 enter the features, in five groups of k: blocks 0
+        (at c) and 1 (at c-1) for buckets 0 and 1; blocks 2, 4 and 5 (the next token's prev, recall
+        and share, at c) for START. Returns the groups' picks from [experts at c, at c-1] ([5k]), their
+        rows' offsets ([5k]) and their values ([2, 3, T, 1, 5k]: without experts at c-1, with them)."""
+        T = len(self.rows)
+        pick = np.r_[np.arange(2 * k), np.tile(np.arange(k), 3)]
+        offsets = np.repeat(np.array([0, 1, 2, 4, 5]) * E, k)
+        mixes = np.zeros((2, NUM_BUCKETS, T, 1, 5 * k), np.float32)
+        mixes[:, :START, :, 0, :k] = 1.0
+        mixes[1, :START, :, 0, k:2 * k] = 1.0
+        mixes[:, START, :, 0, 2 * k:3 * k] = 1.0
+        mixes[:, START, :, 0, 3 * k:] = np.repeat(self._steps[:, :, 0], k, axis=1)  # [T, 2k] recall, share steps
+        return pick, offsets, mixes
+
+    def _cut_recall(self, c: int, pre: np.ndarray) -> None:
+        """Adds to pre[:, :2] (targets c+1 and c+2 below L) what its recall block gains over the window's
+        mean when weighted by the experts each earlier token shared with this one at c and c-1."""
         E = self.topology.num_experts
         n, span = min(2, self.topology.num_layers - 1 - c), slice(c + 1, c + 3)
+        gain = np.zeros((len(self.rows), n, E), np.float32)  # [T, n, E]
         for row, history in enumerate(self.rows):
             m = history.count
             shared_c = history.ring[:m, c] @ self._routed[row, c]  # [m]
             weights = recall_weights(shared_c + self._shared[row, :m], 1.0, self.config.recall_beta)  # [m]
             self._shared[row, :m] = shared_c
-            x[row, :n, 4 * E:5 * E] = (weights @ history.ring[:m, span].reshape(m, n * E)).reshape(n, E)
+            gain[row] = (weights @ history.ring[:m, span].reshape(m, n * E)).reshape(n, E)
+        gain -= self._window_recall[:, span][:, :n]
+        pre[:, :n] += (gain.swapaxes(0, 1) @ self.weights.dense[c, :n, 4 * E:5 * E]).swapaxes(0, 1)  # [T, n, U]
 
     def scores(self, layer_now: int, target: int) -> np.ndarray:
         """[E]: probabilities for `target` (>= L: the next token's target - L) seen from layer_now."""
