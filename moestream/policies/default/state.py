@@ -7,9 +7,9 @@ observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for pre
 last layer, the next token's layer c. The model's pre-activation is linear in its features, so
 begin() computes, with model.pre_activation, every cut's part from the inputs the token's own
 routing does not change (the sequence's history and the token's memory; the next token's is the
-memory of what followed the current token), and observe(c) adds the rows of the weights at the
-experts routed at c and c-1 (the product of those one-hot blocks with the weights; with
-cut_recall, also what the recall they weight adds) and applies model.head. A batch's probability
+memory of what followed the current token), and observe(c) adds the part of the blocks the routing
+at c and c-1 fills (those one-hot rows times their weights; with cut_recall, also what the recall
+they weight adds) and applies model.head. A batch's probability
 for an expert is the chance that at least one of its rows routes to it. Knows arrays and events,
 not caches.
 """
@@ -100,8 +100,7 @@ class IterationState:
         self._steps = np.zeros((0, 1, 1), np.float32)  # [T, 2, 1] the recall and share steps
         self._window_recall = np.zeros((0, L + 2, E), np.float32)  # [T, L+2, E] (cut_recall only)
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
-        self._experts_before: np.ndarray | None = None  # [T, k] the experts routed at the last cut
-        self._mix: tuple | None = None  # _routed_inputs of this iteration
+        self._added = np.zeros((0, 4 * E), np.float32)  # [T, 4E] observe's inputs to the next token's blocks 2-5
 
     def begin(self, ctx: IterationContext, tokens: np.ndarray | None) -> None:
         """tokens: the rows' vocabulary indices, None if the iteration has no keys the model knows."""
@@ -112,7 +111,7 @@ class IterationState:
         tokens = tokens if self._keyed else np.zeros(T, np.int64)
         self.layer_now, self.active = -1, bool(self.rows)
         self._routed = np.zeros((T, L, E), np.float32)
-        self._row_index, self._experts_before, self._mix = np.arange(T)[:, None], None, None
+        self._row_index, self._added = np.arange(T)[:, None], np.zeros((T, 4 * E), np.float32)
         self._shared = np.zeros((T, self.config.window_tokens), np.float32)
         ahead = np.zeros((T, L + 2, 5 * E), np.float32)  # [T, L+2, 5E] blocks 2-6 at each target; two zero layers past L
         following = np.zeros((T, L, 5 * E), np.float32)  # [T, L, 5E] the next token's, but what this one adds
@@ -146,22 +145,22 @@ class IterationState:
         if not self.active:
             return
         c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
-        experts = event.expert_ids.astype(np.int64, copy=False)  # [T, k]
-        self._routed[self._row_index, c, experts] = 1.0
-        if self._mix is None:
-            self._mix = self._routed_inputs(experts.shape[1], E)
-        pick, offsets, mixes = self._mix
-        before = experts if self._experts_before is None else self._experts_before  # [T, k]
-        rows = np.concatenate((experts, before), axis=1)[:, pick] + offsets  # [T, 5k] rows of the weights
-        mix = mixes[0 if self._experts_before is None else 1]  # [3, T, 1, 5k]
-        pre = self._fixed[c] + (mix @ self.weights.dense[c][:, rows])[:, :, 0].swapaxes(0, 1)  # [T, 3, U]
+        self._routed[self._row_index, c, event.expert_ids] = 1.0
+        now, dense = self._routed[:, c], self.weights.dense[c]  # [T, E], [3, 7E, U]
+        pre = self._fixed[c].copy()  # [T, 3, U]
+        pre[:, :START] += (now @ dense[:START, :E]).swapaxes(0, 1)  # block 0: the experts at c
+        if c > 0:
+            pre[:, :START] += (self._routed[:, c - 1] @ dense[:START, E:2 * E]).swapaxes(0, 1)  # block 1: at c-1
+        added = self._added  # [T, 4E]: what the next token's blocks 2-5 gain (prev; prev2 none; recall, share)
+        added[:, :E], added[:, 2 * E:] = now, (now[:, None] * self._steps).reshape(len(now), 2 * E)
+        pre[:, START] += added @ dense[START, 2 * E:6 * E]
         if self.config.cut_recall:
             self._cut_recall(c, pre)
         self.fresh = union(sigmoid(head(self.weights, pre, c)))  # [3, E]: the weights of cut c
         ahead = min(2, L - 1 - c)
         self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
         self.next[c] = self.fresh[START]
-        self.layer_now, self._wait, self._experts_before = c, None, experts
+        self.layer_now, self._wait = c, None
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
                 history.finish_token(routed_token, token)
@@ -178,21 +177,6 @@ class IterationState:
         last = np.where(same, np.r_[-1, tokens[:-1]], last)
         V = len(self.memory) // 2
         return memory_index(tokens, last, V), V + tokens
-
-    def _routed_inputs(self, k: int, E: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Where the k experts routed at c and c-1 enter the features, in five groups of k: blocks 0
-        (at c) and 1 (at c-1) for buckets 0 and 1; blocks 2, 4 and 5 (the next token's prev, recall
-        and share, at c) for START. Returns the groups' picks from [experts at c, at c-1] ([5k]), their
-        rows' offsets ([5k]) and their values ([2, 3, T, 1, 5k]: without experts at c-1, with them)."""
-        T = len(self.rows)
-        pick = np.r_[np.arange(2 * k), np.tile(np.arange(k), 3)]
-        offsets = np.repeat(np.array([0, 1, 2, 4, 5]) * E, k)
-        mixes = np.zeros((2, NUM_BUCKETS, T, 1, 5 * k), np.float32)
-        mixes[:, :START, :, 0, :k] = 1.0
-        mixes[1, :START, :, 0, k:2 * k] = 1.0
-        mixes[:, START, :, 0, 2 * k:3 * k] = 1.0
-        mixes[:, START, :, 0, 3 * k:] = np.repeat(self._steps[:, :, 0], k, axis=1)  # [T, 2k] recall, share steps
-        return pick, offsets, mixes
 
     def _cut_recall(self, c: int, pre: np.ndarray) -> None:
         """Adds to pre[:, :2] (targets c+1 and c+2 below L) what its recall block gains over the window's
