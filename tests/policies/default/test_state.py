@@ -77,3 +77,32 @@ def test_a_prefill_s_unknown_token_reads_what_followed_the_row_before_it(policy)
     state.begin(ctx, None)  # no keys: every row reads row 0
     assert [r.tolist() for r in state._memory_index(ctx, np.zeros(4, np.int64))] == [[0] * 4, [0] * 4]
     policy.predictor.reset()
+
+
+@pytest.mark.parametrize("cut_recall", [False, True])
+def test_a_batch_s_probabilities_are_the_union_of_its_rows_alone(traces, cut_recall):
+    import copy
+
+    policy = fitted_policy(traces[0], config=DefaultConfig(cut_recall=cut_recall), train=TrainConfig(num_epochs=3, batch_size=64))
+    test, predictor, L = traces[1], policy.predictor, traces[1].topology.num_layers
+    bounds = [(seq, first) for seq, first, _ in test.sequence_bounds()][:3]
+    for i, (seq, first) in enumerate(bounds):  # sequence i has i tokens behind it (its own recall and share steps)
+        for row in range(first, first + i):
+            _replay(predictor, test, np.array([row]), np.array([seq]), L)
+    rows, seqs = np.array([first + i for i, (_, first) in enumerate(bounds)]), np.array([seq for seq, _ in bounds])
+    alone = [copy.deepcopy(predictor) for _ in rows]
+    fresh = _replay(predictor, test, rows, seqs, L)  # [L, 3, E]
+    single = [_replay(p, test, rows[[i]], seqs[[i]], L) for i, p in enumerate(alone)]
+    np.testing.assert_allclose(fresh, 1.0 - np.prod([1.0 - f for f in single], axis=0), atol=1e-6)
+
+
+def _replay(predictor, trace, rows, seqs, num_layers):
+    from moestream.events import IterationContext, RoutingEvent
+
+    predictor.begin_iteration(IterationContext(step=0, seq_ids=seqs, positions=trace.positions[rows], is_prefill=False,
+                                               token_ids=trace.token_ids[rows], tokens=tuple(trace.tokens[r] for r in rows)))
+    fresh = []
+    for c in range(num_layers):
+        predictor.observe(RoutingEvent(c, trace.experts[rows, c].astype(np.int64), seqs, np.arange(len(rows))))
+        fresh.append(predictor.state.fresh.copy())
+    return np.stack(fresh)
