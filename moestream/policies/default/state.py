@@ -96,8 +96,9 @@ class IterationState:
         self._keyed, self._recorded = False, []
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
         self._row_index = np.zeros((0, 1), np.int64)
-        self._fixed = np.zeros((L, 0, NUM_BUCKETS, E), np.float32)  # [L, T, 3, U] pre-activations before routing
-        self._steps = np.zeros((0, 1, 1), np.float32)  # [T, 2, 1] the recall and share steps
+        U = weights.bias.shape[-1]
+        self._fixed = np.zeros((L, 0, NUM_BUCKETS, U), np.float32)  # [L, T, 3, U] pre-activations before routing
+        self._steps = np.zeros((0, 2, 1), np.float32)  # [T, 2, 1] the recall and share steps
         self._window_recall = np.zeros((0, L + 2, E), np.float32)  # [T, L+2, E] (cut_recall only)
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
         self._added = np.zeros((0, 4 * E), np.float32)  # [T, 4E] observe's inputs to the next token's blocks 2-5
@@ -121,7 +122,7 @@ class IterationState:
         own, after = self._memory_index(ctx, tokens)
         ahead[:, :L, 4 * E:] = memory_rows(self.memory, own)  # [T, L, E]
         following[:, :, 4 * E:] = memory_rows(self.memory, after)  # the next token is not known yet
-        self._window_recall = ahead[:, :, 2 * E:3 * E] if self.config.cut_recall else self._window_recall
+        self._window_recall = ahead[:, :, 2 * E:3 * E].copy() if self.config.cut_recall else self._window_recall
         self._fix(ahead, following, tokens)
         every = (slice(None), START)
         pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]

@@ -6,8 +6,8 @@ the routing, predict the next `--horizon-layers`, plan the prefetch, and the evi
 device tier's accesses and admissions (victim choices included); begin_iteration is charged to the
 token's first layer. The time is wall time (perf_counter, as `bench policies` takes it): this
 thread's CPU time would keep other processes out, but reading it costs about 0.75 µs here, and a
-layer times some twenty hooks; the median keeps what other processes add out instead. The tokens of --trace replay as one decode stream through a cache of
---cache-ratio of the experts. Prints the median and 90th percentile in microseconds, the model's
+layer times some twenty hooks; the median keeps what other processes add out instead. The tokens
+of --trace replay as one decode stream through a cache of --cache-ratio of the experts. Prints the median and 90th percentile in microseconds, the model's
 bytes, one sequence's state, and what one layer decision allocates (tracemalloc peak).
 """
 

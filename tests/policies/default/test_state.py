@@ -79,11 +79,12 @@ def test_a_prefill_s_unknown_token_reads_what_followed_the_row_before_it(policy)
     policy.predictor.reset()
 
 
-@pytest.mark.parametrize("cut_recall", [False, True])
-def test_a_batch_s_probabilities_are_the_union_of_its_rows_alone(traces, cut_recall):
+@pytest.mark.parametrize("overrides", [{}, {"cut_recall": True}, {"hidden_units": 8}])
+def test_a_batch_s_probabilities_are_the_union_of_its_rows_alone(traces, overrides):
     import copy
 
-    policy = fitted_policy(traces[0], config=DefaultConfig(cut_recall=cut_recall), train=TrainConfig(num_epochs=3, batch_size=64))
+    config = dataclasses.replace(DefaultConfig(), **overrides)
+    policy = fitted_policy(traces[0], config=config, train=TrainConfig(num_epochs=3, batch_size=64))
     test, predictor, L = traces[1], policy.predictor, traces[1].topology.num_layers
     bounds = [(seq, first) for seq, first, _ in test.sequence_bounds()][:3]
     for i, (seq, first) in enumerate(bounds):  # sequence i has i tokens behind it (its own recall and share steps)
@@ -91,18 +92,20 @@ def test_a_batch_s_probabilities_are_the_union_of_its_rows_alone(traces, cut_rec
             _replay(predictor, test, np.array([row]), np.array([seq]), L)
     rows, seqs = np.array([first + i for i, (_, first) in enumerate(bounds)]), np.array([seq for seq, _ in bounds])
     alone = [copy.deepcopy(predictor) for _ in rows]
-    fresh = _replay(predictor, test, rows, seqs, L)  # [L, 3, E]
+    batch = _replay(predictor, test, rows, seqs, L)
     single = [_replay(p, test, rows[[i]], seqs[[i]], L) for i, p in enumerate(alone)]
-    np.testing.assert_allclose(fresh, 1.0 - np.prod([1.0 - f for f in single], axis=0), atol=1e-6)
+    for name in ("start", "fresh"):  # [L, E] from the token's start; [L, 3, E] after each layer
+        union = 1.0 - np.prod([1.0 - s[name] for s in single], axis=0)
+        np.testing.assert_allclose(batch[name], union, atol=1e-6)
 
 
-def _replay(predictor, trace, rows, seqs, num_layers):
+def _replay(predictor, trace, rows, seqs, num_layers) -> dict:
     from moestream.events import IterationContext, RoutingEvent
 
     predictor.begin_iteration(IterationContext(step=0, seq_ids=seqs, positions=trace.positions[rows], is_prefill=False,
                                                token_ids=trace.token_ids[rows], tokens=tuple(trace.tokens[r] for r in rows)))
-    fresh = []
+    start, fresh = predictor.state.start.copy(), []
     for c in range(num_layers):
         predictor.observe(RoutingEvent(c, trace.experts[rows, c].astype(np.int64), seqs, np.arange(len(rows))))
         fresh.append(predictor.state.fresh.copy())
-    return np.stack(fresh)
+    return {"start": start, "fresh": np.stack(fresh)}
