@@ -264,17 +264,24 @@ class AsyncExpertStore(ExpertStore):
         self._stats.disk_batches += 1
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock
-        if self._pending.get(transfer.key) is not transfer:
-            return  # forgotten by close()
-        try:
-            self._arrived([transfer.key], [self._device_pool.slot(self._device.slot(transfer.key))])
-        except CheckpointError as error:
-            self._failed(transfer, error)
+        if not self._verified(transfer, self._device_pool, self._device):
             return
         del self._pending[transfer.key]
         self._device.unpin([transfer.key])
         self._stats.host_misses += 1
         self._cond.notify_all()
+
+    def _verified(self, transfer: Transfer, pool, tier) -> bool:  # under the lock
+        """Whether a landed transfer is still wanted and its bytes in tier's slot pass the integrity
+        check (if not, the transfer has failed)."""
+        if self._pending.get(transfer.key) is not transfer:
+            return False  # forgotten by close()
+        try:
+            self._arrived([transfer.key], [pool.slot(tier.slot(transfer.key))])
+        except CheckpointError as error:
+            self._failed(transfer, error)
+            return False
+        return True
 
     def _failed(self, transfer: Transfer, error: BaseException) -> None:  # under the lock
         self._fail(transfer, error, f"reading expert {tuple(transfer.key)} from disk failed")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 
 from moestream.checkpoint.layout import ExpertIndex, Integrity
-from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy
 from moestream.store.async_store import STOP_TIMEOUT_S, AsyncExpertStore
 from moestream.store.config import StoreConfig
@@ -111,12 +110,7 @@ class TieredAsyncStore(AsyncExpertStore):
     # -- worker callbacks ------------------------------------------------------------------------
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock: the bytes are in the host slot
-        if self._pending.get(transfer.key) is not transfer:
-            return  # forgotten by close()
-        try:
-            self._arrived([transfer.key], [self._host_pool.slot(self._host.slot(transfer.key))])
-        except CheckpointError as error:
-            self._failed(transfer, error)
+        if not self._verified(transfer, self._host_pool, self._host):
             return
         self._stats.host_misses += 1
         self._queue_copy(transfer.key, transfer.priority, transfer.demand)
