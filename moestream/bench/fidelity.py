@@ -4,11 +4,13 @@ The engine runs once (a fresh process, cold, `--replay-routing TRACE`) and recor
 fed each iteration; the simulator replays exactly those iterations (each prompt's prefill as one,
 then one per decode token) with the same policy and as many device slots, under a cost model
 calibrated from this machine's engine (an on-demand LRU run at the same budget: decode compute = TPOT
-less stall; its mean expert read time and read batch size with the disk's cold bandwidth give a fixed
-cost per read batch plus each expert's bytes) or given as `--cost-model measured:PATH` (from `bench
-engine --json`). Decode-phase hit rate must agree
+less stall; a routed expert's compute, timed around each expert MLP; a read batch's cost as the line,
+fixed part plus each expert, fitted to its batches) or given as `--cost-model measured:PATH` (from
+`bench engine --json` or an earlier `bench fidelity --json`). Decode-phase hit rate must agree
 within 0.03 and stall per token within 15%; printed as ok/missed, never asserted. `--sync` compares
-the on-demand path; the default compares whatever the engine's default (async) path does.
+the on-demand path (the simulator's "loaded" expert order: a layer computes once its misses are
+read); the default compares the engine's asynchronous path with cache-aware reordering ("ready": a
+layer computes its resident experts while its misses load, and each miss once it lands).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def compare(args) -> dict:
             "mode": "sync" if args.sync else "async", "replay_routing": args.replay_routing,
             "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
                                               "decode_tokens", "expert_hits", "expert_misses", "expert_read_ms",
-                                              "experts_per_read_batch")},
+                                              "experts_per_read_batch", "read_batch_line_ms",
+                                              "routed_expert_ms")},
             "simulator": simulated, "agreement": agreement(engine, simulated),
             "cost_model": dataclasses.asdict(cost)}
 
@@ -95,7 +98,9 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
 
     run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology)
     policy = make_policy(spec, topology)
-    return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost)
+    order = "loaded" if spec.sync else "ready"  # the engine's: on demand before computing, or cache-aware reordering
+    return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
+                    expert_order=order)
 
 
 def agreement(engine: dict, simulated: dict) -> dict:
@@ -124,6 +129,8 @@ def _print(document: dict) -> None:
     print(f"{'TPOT ms':14}{engine['tpot_ms']:>10.2f}{sim['tpot_ms']:>12.2f}   (informational)")
     print(f"{'KiB/tok':14}{engine['bytes_per_token'] / 1024:>10.0f}{sim['bytes_per_token'] / 1024:>12.0f}")
     if engine["expert_read_ms"]:
+        cost = document["cost_model"]
         print(f"engine reads: {engine['expert_read_ms']:.2f} ms per expert, {engine['experts_per_read_batch']:.1f} "
-              f"experts per read batch; simulator: {document['cost_model']['demand_batch_ms']:.2f} ms per batch of "
-              f"a layer's demand loads + bytes / {document['cost_model']['disk_to_host_gbps']:.2f} GB/s per expert")
+              f"experts per read batch; simulator: {cost['demand_batch_ms']:.2f} ms per batch of a layer's demand "
+              f"loads + bytes / {cost['disk_to_host_gbps']:.2f} GB/s per expert; a routed expert computes in "
+              f"{cost['routed_expert_ms']:.3f} ms")

@@ -19,6 +19,8 @@ tier, they run in groups that fit it. This module knows no policy or family by n
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -136,6 +138,18 @@ class RowPlan:
         return self._spans[expert]
 
 
+@dataclass
+class ComputeTiming:
+    """Wall time of the routed experts' MLPs on the compute thread (on CUDA: their launches), for
+    calibrating the simulator (`bench fidelity`)."""
+
+    experts: int = 0  # expert MLPs run
+    seconds: float = 0.0
+
+    def copy(self) -> "ComputeTiming":
+        return ComputeTiming(self.experts, self.seconds)
+
+
 class OffloadedExperts:
     """The mechanism behind every bound experts module of a model."""
 
@@ -144,6 +158,7 @@ class OffloadedExperts:
         self.publisher = publisher
         self.prefetcher = prefetcher
         self.reorder = reorder
+        self.timing = ComputeTiming()
         self._router_logits: dict[int, torch.Tensor] = {}
         self._views: dict[int, Weights] = {}  # slot address -> typed views of the slot
 
@@ -194,7 +209,10 @@ class OffloadedExperts:
             try:
                 for key, slot in fetch.ready(self.reorder):
                     a, b = plan.span(key.expert)
+                    began = time.perf_counter()
                     out[order[a:b]] = self._expert(math, inputs[a:b], slot) * weights[a:b]  # [n, H]
+                    self.timing.seconds += time.perf_counter() - began
+                    self.timing.experts += 1
             finally:
                 fetch.release()
         return out

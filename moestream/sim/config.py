@@ -12,6 +12,7 @@ from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
 
 MODES = ("decode", "prefill", "batched")
 PROTOCOL_EVICTIONS = ("lru", "policy")
+EXPERT_ORDERS = ("ready", "given", "loaded")  # the engine's reordering, --no-reorder, --sync
 
 
 class SimConfigError(MoestreamError):
@@ -29,6 +30,7 @@ class SimConfig:
     seed: int = 0  # MoE-Beyond protocol: the random refill of the pool at each prompt
     warmup_tokens: int = 10  # MoE-Beyond protocol: unscored tokens at the start of each prompt
     protocol_eviction: str = "lru"  # MoE-Beyond protocol: "lru" (the study's) or the policy's own
+    expert_order: str = "ready"  # how a layer's experts compute beside their loads (EXPERT_ORDERS; sim.engine)
 
     def __post_init__(self):
         if not 0.0 < self.cache_ratio <= 1.0:
@@ -43,6 +45,8 @@ class SimConfig:
             raise SimConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if self.horizon_layers < 0 or self.warmup_tokens < 0:
             raise SimConfigError("horizon_layers and warmup_tokens must be >= 0")
+        if self.expert_order not in EXPERT_ORDERS:
+            raise SimConfigError(f"unknown expert order {self.expert_order!r}; known: {', '.join(EXPERT_ORDERS)}")
         if self.protocol_eviction not in PROTOCOL_EVICTIONS:
             raise SimConfigError(
                 f"unknown protocol eviction {self.protocol_eviction!r}; known: {', '.join(PROTOCOL_EVICTIONS)}"

@@ -31,9 +31,10 @@ Presets
 
 ``measured:PATH``: a cost model calibrated on the machine at hand from the engine's own measurements
   (`moestream bench engine --json PATH` and `moestream bench fidelity --json PATH` write one under
-  "cost_model"; a JSON object of CostModel fields works too): compute per MoE layer from the
-  all-resident decode TPOT, transfers from cold O_DIRECT reads of experts, a decode step's top_k in
-  flight together, as the engine reads its misses. Experts come from disk (no host tier).
+  "cost_model"; a JSON object of CostModel fields works too): compute per MoE layer from the decode
+  TPOT less its stall, a routed expert's compute timed around each expert MLP, and a read batch's
+  cost as the line (fixed part, per expert) fitted to the engine's batches of misses read together.
+  Experts come from disk (no host tier).
 
 Every field can be overridden (the CLI's ``--layer-compute-ms``, ``--link-gbps`` ...) with
 ``CostModel.with_overrides``.
@@ -66,6 +67,8 @@ class CostModel:
     token_compute_ms: float = 0.0  # each token of an iteration beyond the first
     host_holds_all: bool = True  # host DRAM holds every expert; else the device tier reads from disk
     demand_batch_ms: float = 0.0  # once per layer's demand loads read together (the engine batches its misses)
+    routed_expert_ms: float = 0.0  # one routed expert's compute for one token, part of layer_compute_ms: what
+    # a layer can compute while its misses load (SimConfig.expert_order); 0: the layer waits for the last
     source: str = ""
 
     def __post_init__(self):
@@ -149,23 +152,29 @@ def get_cost_model(name: str) -> CostModel:
 
 
 def measured_cost_model(num_layers: int, decode_ms_per_token: float, expert_bytes: int, expert_read_ms: float,
-                        source: str, experts_per_batch: float = 1.0, disk_gbps: float = 0.0) -> CostModel:
-    """The cost model of a machine whose all-resident decode step takes decode_ms_per_token and whose disk
+                        source: str, experts_per_batch: float = 1.0, disk_gbps: float = 0.0,
+                        read_line_ms: tuple[float, float] | None = None, routed_expert_ms: float = 0.0) -> CostModel:
+    """The cost model of a machine whose decode step computes for decode_ms_per_token and whose disk
     reads one expert (of expert_bytes) in expert_read_ms on average.
 
-    With the disk's bandwidth (disk_gbps) and the mean experts per read batch, a read batch costs a fixed
-    part plus each expert's bytes at that bandwidth: the fixed part is what the mean read time leaves,
-    times the batch size. Without them every expert costs the mean read time."""
+    A read batch costs a fixed part plus each expert's time: read_line_ms (fixed, per expert), a line
+    fitted to the run's batches, when given; else each expert's bytes at the disk's bandwidth
+    (disk_gbps), the fixed part being what the mean read time leaves times the mean batch size; else
+    the mean read time per expert. routed_expert_ms: one routed expert's compute for one token."""
     if num_layers < 1 or decode_ms_per_token <= 0 or expert_read_ms <= 0:
         raise CostModelError("a measured cost model needs a positive decode time and expert read time")
-    per_expert_ms = expert_bytes / (disk_gbps * 1e6) if disk_gbps > 0 else expert_read_ms
-    if per_expert_ms >= expert_read_ms or experts_per_batch < 1:
-        per_expert_ms = expert_read_ms
+    if read_line_ms is not None:
+        batch_ms, per_expert_ms = read_line_ms
+    else:
+        per_expert_ms = expert_bytes / (disk_gbps * 1e6) if disk_gbps > 0 else expert_read_ms
+        if per_expert_ms >= expert_read_ms or experts_per_batch < 1:
+            per_expert_ms = expert_read_ms
+        batch_ms = (expert_read_ms - per_expert_ms) * experts_per_batch
     return CostModel(name="measured", layer_compute_ms=decode_ms_per_token / num_layers,
                      host_to_device_gbps=PRESETS["local-disk"].host_to_device_gbps,
                      disk_to_host_gbps=expert_bytes / (per_expert_ms * 1e6), disk_to_host_latency_ms=0.0,
-                     demand_batch_ms=(expert_read_ms - per_expert_ms) * experts_per_batch,
-                     host_holds_all=False, source=source)
+                     demand_batch_ms=batch_ms, routed_expert_ms=routed_expert_ms, host_holds_all=False,
+                     source=source)
 
 
 def load_measured(path: Path) -> CostModel:

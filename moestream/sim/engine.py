@@ -22,6 +22,10 @@ Mechanism rules (documented choices):
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
+- A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing one
+  by one. With cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once
+  landed ("ready": resident first, then as they land, the engine's cache-aware reordering; "given":
+  in id order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
 - A layer looks its experts up in ascending id order, as the engine does (`bench fidelity` found
   that routing order, the order before, made LRU evict other experts than the engine's among those
   a layer used at once).
@@ -127,8 +131,8 @@ class StreamSimulator:
                 f"{self.device.capacity} slots; raise the cache ratio"
             )
         self.device.pin(needed)
-        ready_ms, missed = self._gather(layer, needed)
-        self._layer = needed, ready_ms, missed, num_tokens
+        lands, missed = self._gather(layer, needed)
+        self._layer = needed, lands, missed, num_tokens
 
     def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
         """Plan the predictions; after a routed layer, compute it (LayerMechanism)."""
@@ -137,8 +141,10 @@ class StreamSimulator:
             self._compute_layer(*self._layer)
             self._layer = None
 
-    def _compute_layer(self, needed: list[ExpertKey], ready_ms: float, missed: list[ExpertKey], num_tokens: int) -> None:
+    def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], missed: list[ExpertKey],
+                       num_tokens: int) -> None:
         compute_ms = self._compute_ms(num_tokens, len(needed))
+        ready_ms = self.now + self._stall_ms(needed, lands, num_tokens)
         counters = self.counters
         counters.resident_ms += compute_ms
         counters.stall_ms += ready_ms - self.now
@@ -158,9 +164,26 @@ class StreamSimulator:
             )
         return cached
 
-    def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[float, list[ExpertKey]]:
-        """Count hits, start demand loads; when every needed expert is ready, and the misses."""
-        ready_ms, missed, demands, hits = self.now, [], [], 0
+    def _stall_ms(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int) -> float:
+        """How long the layer waits for expert bytes. Its routed experts compute routed_expert_ms each (times
+        their mean rows) in the config's expert_order, each once it has landed: the wait is what that
+        compute does not cover. "loaded", or no routed_expert_ms: until the last one lands."""
+        now, order = self.now, self.config.expert_order
+        expert_ms = self.cost.routed_expert_ms * num_tokens * self.topology.top_k / len(needed)
+        if expert_ms == 0.0 or order == "loaded" or not lands:
+            return max([now, *lands.values()]) - now
+        if order == "ready":  # resident first, then as they land
+            starts = [now] * (len(needed) - len(lands)) + sorted(lands.values())
+        else:  # "given": in the layer's order, waiting for each
+            starts = [lands.get(key, now) for key in needed]
+        done = now
+        for landed in starts:
+            done = max(done, landed) + expert_ms
+        return done - now - len(starts) * expert_ms
+
+    def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[dict[ExpertKey, float], list[ExpertKey]]:
+        """Count hits, start demand loads; when each missed expert lands, and the misses in needed's order."""
+        lands, missed, demands, hits = {}, [], [], 0
         loading, access, unused = self.loading, self.device.access, self.unused
         for key in needed:
             transfer = loading.get(key) if loading else None
@@ -173,7 +196,7 @@ class StreamSimulator:
                     continue
             elif transfer.stage != QUEUED:
                 missed.append(key)
-                ready_ms = max(ready_ms, self._wait(transfer))
+                lands[key] = self._wait(transfer)
                 continue
             else:  # a prefetch still queued: the demand load replaces it
                 del loading[key]
@@ -181,18 +204,19 @@ class StreamSimulator:
             missed.append(key)
             demands.append(key)
         if demands:
-            ready_ms = max(ready_ms, self._load_on_demand(demands))
+            landing = self._load_on_demand(demands)
+            lands.update(zip(demands, landing))
         self.counters.layers.hits[layer] += hits
         self.counters.layers.accesses[layer] += len(needed)
-        return ready_ms, missed
+        return lands, missed
 
-    def _load_on_demand(self, keys: list[ExpertKey]) -> float:
-        """Load keys ahead of every prefetch (slots reserved now); when the last lands."""
+    def _load_on_demand(self, keys: list[ExpertKey]) -> list[float]:
+        """Load keys ahead of every prefetch (slots reserved now; keys may be reordered); when each lands."""
         counters = self.counters
         counters.demand_fetches += len(keys)
         if self.host is not None:
             keys.sort(key=lambda k: not self._host_ready(k))
-            return max(self._demand(Transfer(key, False)) for key in keys)
+            return [self._demand(Transfer(key, False)) for key in keys]
         if self.cost.host_holds_all:
             counters.host_accesses += len(keys)
             counters.host_hits += len(keys)

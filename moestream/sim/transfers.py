@@ -53,13 +53,15 @@ class Link:
         self.bytes_moved += self.nbytes
         return end
 
-    def commit_many(self, count: int, earliest_ms: float, batch_ms: float = 0.0) -> float:
+    def commit_many(self, count: int, earliest_ms: float, batch_ms: float = 0.0) -> list[float]:
         """Schedule count anonymous back-to-back transfers (demand loads nobody tracks), read as one batch
-        that costs batch_ms besides the transfers; their end."""
+        whose first lands batch_ms (its fixed cost) plus one transfer after it starts; when each lands."""
         start = self.free_ms if self.free_ms > earliest_ms else earliest_ms
-        self.free_ms = start + batch_ms + count * self.transfer_ms
+        first = start + batch_ms
+        lands = [first + (i + 1) * self.transfer_ms for i in range(count)]
+        self.free_ms = lands[-1] if lands else start
         self.bytes_moved += count * self.nbytes
-        return self.free_ms
+        return lands
 
     def completed(self, until_ms: float) -> list[Transfer]:
         """Pop the committed transfers that end by until_ms, in order."""

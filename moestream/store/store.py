@@ -45,6 +45,7 @@ from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
+from moestream.read_fit import ReadBatchFit
 from moestream.store.streams import make_link
 from moestream.topology import ExpertKey, Topology
 
@@ -66,6 +67,7 @@ class StoreStats:
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     disk_read_s: float = 0.0  # wall time of the disk reads (a batch's requests in flight together count once)
     disk_batches: int = 0  # batches of disk reads (each in flight together)
+    read_fit: ReadBatchFit = field(default_factory=ReadBatchFit)  # the synchronous store's read batches
     stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
     transfer_s: float = 0.0  # time the disk link was busy
     copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
@@ -78,7 +80,8 @@ class StoreStats:
         return self.hits / lookups if lookups else 0.0
 
     def copy(self) -> "StoreStats":
-        return dataclasses.replace(self, bytes_read=dict(self.bytes_read), evictions=dict(self.evictions))
+        return dataclasses.replace(self, bytes_read=dict(self.bytes_read), evictions=dict(self.evictions),
+                                   read_fit=dataclasses.replace(self.read_fit))
 
 
 class ExpertStore:
@@ -259,8 +262,10 @@ class ExpertStore:
         began = time.perf_counter()
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
         self._reader.read_batch(batch)
-        self._stats.disk_read_s += time.perf_counter() - began
-        self._stats.disk_batches += 1
+        seconds, stats = time.perf_counter() - began, self._stats
+        stats.disk_read_s += seconds
+        stats.disk_batches += 1
+        stats.read_fit.add(len(keys), seconds)
         self._arrived(keys, dsts)
 
     def _arrived(self, keys: Sequence[ExpertKey], slots: Sequence[torch.Tensor]) -> None:

@@ -28,6 +28,9 @@ def test_on_demand_lru_agrees_when_calibrated_on_itself(tmp_path, monkeypatch, c
     assert sim["hit_rate"] == pytest.approx(engine["hit_rate"])
     assert sim["bytes_per_token"] == pytest.approx(engine["bytes_per_token"])
     assert sim["stall_ms_per_token"] == pytest.approx(engine["stall_ms_per_token"], rel=0.01)
+    assert engine["routed_expert_ms"] > 0 and record["cost_model"]["routed_expert_ms"] == engine["routed_expert_ms"]
+    if engine["read_batch_line_ms"] is not None:  # a line through the batches: it is the reads' cost model
+        assert record["cost_model"]["demand_batch_ms"] == pytest.approx(engine["read_batch_line_ms"][0])
     assert record["agreement"] | {"hit_rate_gap": 0, "stall_gap": 0} == {
         "hit_rate": "ok", "stall": "ok", "hit_rate_gap": 0, "stall_gap": 0}
     printed = capsys.readouterr().out

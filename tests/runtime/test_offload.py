@@ -27,10 +27,11 @@ def test_a_layer_without_used_rows_has_an_empty_plan():
 
 class LayerReader(Observer):
     def __init__(self):
-        self.layers = []
+        self.layers, self.experts = [], []
 
     def observe(self, event):
         self.layers.append(event.layer)
+        self.experts.append(event.expert_ids.ravel().tolist())
 
 
 def test_routing_events_are_built_only_when_an_observer_reads_them(checkpoint):
@@ -45,3 +46,13 @@ def test_routing_events_are_built_only_when_an_observer_reads_them(checkpoint):
         engine.generate([[5, 6, 7]], max_new_tokens=2)
         num_layers = engine.checkpoint.topology.num_layers
     assert built == reader.layers == list(range(num_layers)) * 2
+
+
+def test_the_compute_timing_counts_every_routed_expert_mlp(checkpoint):
+    with Engine(checkpoint("mixtral"), EngineConfig(expert_budget="0.5", direct_io=False, policy="lru")) as engine:
+        reader = LayerReader()
+        engine.add_observer(reader)
+        engine.generate([[5, 6, 7]], max_new_tokens=2)
+        timing = engine.experts.timing
+    expected = sum(len(set(ids)) for ids in reader.experts)  # each layer runs each expert it routes to once
+    assert timing.experts == expected > 0 and timing.seconds > 0

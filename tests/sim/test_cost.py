@@ -82,6 +82,20 @@ def test_a_measured_cost_model_splits_the_mean_read_into_a_batch_cost_and_bandwi
     assert slower.transfer_ms(2_000_000) == pytest.approx(0.5) and slower.demand_batch_ms == 0.0
 
 
+def test_a_fitted_read_line_and_the_routed_experts_compute_go_into_the_measured_cost_model():
+    from moestream.bench.engine.plan import calibrate
+    from moestream.topology import Topology
+
+    topology = Topology(moe_layer_ids=(1, 2, 3, 4), num_experts=8, top_k=2, expert_bytes=2_000_000)
+    run = {"tpot_ms": 30.0, "stall_ms_per_token": 10.0, "expert_read_ms": 1.5, "experts_per_read_batch": 4.0,
+           "read_batch_line_ms": [0.4, 0.8], "routed_expert_ms": 0.2}
+    model = calibrate(topology, run, disk_bw=2e9)  # the line wins over the disk's bandwidth
+    assert model.demand_batch_ms == pytest.approx(0.4) and model.transfer_ms(2_000_000) == pytest.approx(0.8)
+    assert model.routed_expert_ms == 0.2 and model.layer_compute_ms == pytest.approx(5.0)
+    without = calibrate(topology, run | {"read_batch_line_ms": None, "routed_expert_ms": None}, disk_bw=2e9)
+    assert without.demand_batch_ms == pytest.approx(2.0) and without.routed_expert_ms == 0.0
+
+
 def test_a_measured_cost_model_that_is_missing_or_not_one_is_a_user_error(tmp_path):
     from moestream.sim.cost import CostModelError
 

@@ -84,6 +84,34 @@ def test_a_layers_demand_loads_pay_the_batch_cost_once():
     assert batched["stall_ms"] - plain["stall_ms"] == pytest.approx(layers * 0.5)
 
 
+def test_a_layer_computes_what_it_holds_while_its_misses_load_in_the_engines_expert_order():
+    from dataclasses import replace
+
+    topo = tiny.topology(top_k=2)  # 2 layers x 4 experts, top-2; 4 slots at 0.5
+    trace = tiny.trace([[[[2, 3], [2, 3]], [[0, 3], [0, 3]]]], topo)  # token 1: expert 0 misses, expert 3 hits
+    cost = replace(tiny.cost(), routed_expert_ms=0.5)  # 1 ms per read, 0.5 ms per routed expert
+
+    def stall(order, model=cost):
+        m = run(POLICIES.create("lru", topo), trace, cache_ratio=0.5, cost=model, expert_order=order)
+        assert (m["hits"], m["accesses"]) == (2, 8)
+        return m["stall_ms"]
+
+    # token 0, each layer: two misses land at 1 and 2 ms -> the layer waits 2 ms ("loaded"), or computes the
+    # first from 1 to 1.5 and the second from 2 to 2.5: 1.5 ms of waiting. Token 1: the miss lands at 1 ms.
+    assert stall("loaded") == pytest.approx(2 * 2.0 + 2 * 1.0)
+    assert stall("ready") == pytest.approx(2 * 1.5 + 2 * 0.5)  # the hit computes first, 0 to 0.5
+    assert stall("given") == pytest.approx(2 * 1.5 + 2 * 1.0)  # expert 0 first: it waits the whole 1 ms
+    without = replace(cost, routed_expert_ms=0.0)
+    assert stall("ready", without) == stall("given", without) == stall("loaded", without) == stall("loaded")
+
+
+def test_an_unknown_expert_order_is_a_config_error():
+    from moestream.sim.config import SimConfigError
+
+    with pytest.raises(SimConfigError, match="expert order"):
+        SimConfig(cache_ratio=0.5, expert_order="random")
+
+
 class Spy(Predictor):
     def __init__(self, topology, log):
         super().__init__(topology)

@@ -225,6 +225,9 @@ def test_the_misses_of_one_call_are_read_as_batches(make_checkpoint, host_slots)
         expected = [1, 4, 3] if host_slots != 2 else [1, 2, 2, 2, 1]  # a batch never outgrows the host tier
         assert store._reader.batches == expected
         assert store.stats().disk_batches == len(expected)
+        fit = store.stats().read_fit  # the sums of a line fit over the same batches
+        assert (fit.batches, fit.experts, fit.experts_sq) == (len(expected), sum(expected), sum(n * n for n in expected))
+        assert 0 < fit.seconds <= store.stats().disk_read_s + 1e-9
         assert store.stats().bytes_read["disk"] == 8 * ckpt.index.topology.expert_bytes
         if host_slots:
             assert len(store.resident("host")) == min(host_slots, 8)

@@ -98,16 +98,19 @@ def disk_figures(model: Path, direct_io: bool) -> dict:
 
 
 def calibrate(topology, run: dict, disk_bw: float = 0.0):
-    """The simulator's cost model from a run's decode compute (TPOT less stall) and its expert reads: an
-    on-demand (--sync) run reads each miss on the compute thread, so both are the engine's own. With the
-    disk's bandwidth (bytes/s), a read batch costs a fixed part plus each expert's bytes at it."""
+    """The simulator's cost model from a run's decode compute (TPOT less stall), its routed experts'
+    compute and its expert reads: an on-demand (--sync) run reads each miss on the compute thread, so
+    all are the engine's own. A read batch costs the line fitted to the run's batches (fixed part, per
+    expert) when it has one; else, with the disk's bandwidth (bytes/s), a fixed part plus each expert's
+    bytes at it."""
     from moestream.sim.cost import measured_cost_model
 
-    compute_ms = run["tpot_ms"] - run["stall_ms_per_token"]
+    compute_ms, line = run["tpot_ms"] - run["stall_ms_per_token"], run.get("read_batch_line_ms")
     return measured_cost_model(topology.num_layers, compute_ms, topology.expert_bytes, run["expert_read_ms"],
                                "bench engine: decode compute (TPOT - stall) and expert reads of "
                                f"{'an on-demand LRU run' if run['stall_ms_per_token'] else 'the all-resident run'}",
-                               run.get("experts_per_read_batch") or 1.0, disk_bw / 1e9)
+                               run.get("experts_per_read_batch") or 1.0, disk_bw / 1e9,
+                               tuple(line) if line else None, run.get("routed_expert_ms") or 0.0)
 
 
 def _calibration_run(results: list, topology) -> dict | None:

@@ -23,13 +23,15 @@ def shards(model: str | Path) -> list[Path]:
 
 
 class DecodeMeter(Observer):
-    """Snapshots the store's counters when a generation's first decode step begins."""
+    """Snapshots the store's counters and the experts' compute timing when a generation's first decode
+    step begins."""
 
-    def __init__(self, store):
-        self.store = store
+    def __init__(self, store, experts):
+        self.store, self.experts = store, experts
         self.steps = 0
         self.decode_tokens = 0
         self.at_decode = None  # StoreStats at the start of the first decode step
+        self.timing_at_decode = None  # ComputeTiming then
 
     def start(self) -> None:
         self.steps, self.decode_tokens, self.at_decode = 0, 0, None
@@ -37,7 +39,7 @@ class DecodeMeter(Observer):
     def begin_iteration(self, ctx) -> None:
         self.steps += 1
         if self.steps == 2:
-            self.at_decode = self.store.stats()
+            self.at_decode, self.timing_at_decode = self.store.stats(), self.experts.timing.copy()
         if self.steps >= 2:
             self.decode_tokens += ctx.num_tokens
 
@@ -51,6 +53,9 @@ class DecodeMeter(Observer):
         counters.disk_bytes += end.bytes_read["disk"] - start.bytes_read["disk"]
         counters.read_ms += (end.disk_read_s - start.disk_read_s) * 1e3
         counters.read_batches += end.disk_batches - start.disk_batches
+        counters.read_fit = counters.read_fit.plus(end.read_fit.since(start.read_fit))
+        counters.experts_computed += self.experts.timing.experts - self.timing_at_decode.experts
+        counters.expert_compute_ms += (self.experts.timing.seconds - self.timing_at_decode.seconds) * 1e3
         counters.decode_tokens += self.decode_tokens
 
 
@@ -86,7 +91,7 @@ class EngineRun:
             return self._generate(engine, spec)
 
     def _generate(self, engine, spec: RunSpec) -> dict:
-        meter, counters = DecodeMeter(engine.store), Counters()
+        meter, counters = DecodeMeter(engine.store, engine.experts), Counters()
         engine.add_observer(meter)
         stall_ms, prefill, token_ids = 0.0, [], []
         for prompt in spec.inputs:

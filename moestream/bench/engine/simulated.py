@@ -61,10 +61,11 @@ def sim_ratio(device_slots: int, topology: Topology) -> float:
 
 
 def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
-             horizon_layers: int = 2) -> dict:
+             horizon_layers: int = 2, expert_order: str = "ready") -> dict:
     """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
-    hit rate, stall and bytes per token, TPOT."""
-    sim = StreamSimulator(policy, SimConfig(cache_ratio=ratio, cost=cost, horizon_layers=horizon_layers))
+    hit rate, stall and bytes per token, TPOT. expert_order: SimConfig's ("loaded" for a --sync engine)."""
+    config = SimConfig(cache_ratio=ratio, cost=cost, horizon_layers=horizon_layers, expert_order=expert_order)
+    sim = StreamSimulator(policy, config)
     decode = {"hits": 0, "accesses": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
     for it in iterations:
         before = _snapshot(sim)

@@ -10,6 +10,8 @@ import resource
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from moestream.read_fit import ReadBatchFit
+
 KINDS = ("engine", "hf-accelerate")
 
 
@@ -55,6 +57,9 @@ class Counters:
     disk_bytes: int = 0
     read_ms: float = 0.0  # time the disk reader was busy
     read_batches: int = 0  # batches of reads in flight together
+    read_fit: ReadBatchFit = field(default_factory=ReadBatchFit)  # the synchronous store's read batches
+    experts_computed: int = 0  # routed expert MLPs run
+    expert_compute_ms: float = 0.0  # their wall time on the compute thread
     decode_tokens: int = 0
     prompt_tokens: int = 0
     ttft_ms: list[float] = field(default_factory=list)
@@ -79,6 +84,9 @@ def summarize(counters: Counters, stall_ms: float, transfer_ms: float) -> dict:
         "transfer_ms_per_token": transfer_ms / tokens,
         "expert_read_ms": counters.read_ms / counters.misses if counters.misses else None,
         "experts_per_read_batch": counters.misses / counters.read_batches if counters.read_batches else None,
+        "read_batch_line_ms": [1e3 * part for part in line] if (line := counters.read_fit.line()) else None,
+        "routed_expert_ms": counters.expert_compute_ms / counters.experts_computed if counters.experts_computed
+        else None,
         "decode_tokens": counters.decode_tokens,
         "prompt_tokens": counters.prompt_tokens,
         "expert_hits": counters.hits,

@@ -1,0 +1,43 @@
+"""What a batch of expert reads costs, as a line: seconds = fixed + experts x per_expert.
+
+The synchronous store reads a layer's misses in one batch; keeping five running sums of its batches
+lets a benchmark fit that line by least squares over any span of a run (the sums at its end less
+those at its start), with no list that grows with the run. Knows numbers, not disks or experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class ReadBatchFit:
+    batches: int = 0
+    experts: int = 0  # x summed
+    experts_sq: int = 0  # x^2 summed
+    seconds: float = 0.0  # y summed
+    expert_seconds: float = 0.0  # x * y summed
+
+    def add(self, experts: int, seconds: float) -> None:
+        self.batches += 1
+        self.experts += experts
+        self.experts_sq += experts * experts
+        self.seconds += seconds
+        self.expert_seconds += experts * seconds
+
+    def since(self, start: "ReadBatchFit") -> "ReadBatchFit":
+        """The sums of the batches after `start` (an earlier copy of these sums)."""
+        return ReadBatchFit(*(getattr(self, f.name) - getattr(start, f.name) for f in fields(self)))
+
+    def plus(self, other: "ReadBatchFit") -> "ReadBatchFit":
+        return ReadBatchFit(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per expert) by least squares; None unless batches of at least two sizes
+        give a line with both parts >= 0."""
+        n, spread = self.batches, self.batches * self.experts_sq - self.experts ** 2
+        if n < 2 or spread <= 0:
+            return None
+        per_expert = (n * self.expert_seconds - self.experts * self.seconds) / spread
+        fixed = (self.seconds - per_expert * self.experts) / n
+        return (fixed, per_expert) if fixed >= 0 and per_expert > 0 else None
