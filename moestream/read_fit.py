@@ -33,11 +33,15 @@ class ReadBatchFit:
         return ReadBatchFit(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per expert) by least squares; None unless batches of at least two sizes
-        give a line with both parts >= 0."""
+        """(fixed seconds, seconds per expert) by least squares, over batches of at least two sizes; both
+        keep the batches' total time. A negative fixed part (noise around a line through the origin)
+        gives no fixed part and the mean time per expert; None without two sizes or with no positive
+        per-expert time."""
         n, spread = self.batches, self.batches * self.experts_sq - self.experts ** 2
         if n < 2 or spread <= 0:
             return None
         per_expert = (n * self.expert_seconds - self.experts * self.seconds) / spread
         fixed = (self.seconds - per_expert * self.experts) / n
-        return (fixed, per_expert) if fixed >= 0 and per_expert > 0 else None
+        if fixed < 0:
+            fixed, per_expert = 0.0, self.seconds / self.experts
+        return (fixed, per_expert) if per_expert > 0 else None

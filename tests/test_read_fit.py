@@ -37,11 +37,15 @@ def test_a_span_is_the_sums_at_its_end_less_those_at_its_start():
     assert span.plus(start) == fit
 
 
-def test_no_line_without_two_batch_sizes_or_with_a_negative_part():
+def test_no_line_without_two_batch_sizes_or_a_rising_one_and_none_below_the_origin():
     one_size = ReadBatchFit()
     for _ in range(3):
         one_size.add(4, 0.002)
     assert one_size.line() is None and ReadBatchFit().line() is None
+    below_origin = ReadBatchFit()
+    below_origin.add(1, 0.001)
+    below_origin.add(2, 0.0025)  # the least-squares line crosses x = 0 at -0.5 ms: the mean per expert instead
+    assert below_origin.line() == pytest.approx((0.0, 0.0035 / 3))
     falling = ReadBatchFit()
     falling.add(1, 0.003)
     falling.add(4, 0.001)  # more experts, less time: no cost line

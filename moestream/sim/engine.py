@@ -23,7 +23,7 @@ Mechanism rules (documented choices):
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
 - A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing one
-  by one. With cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once
+  by one (through a host tier, each is committed on its own, with no batch cost). With cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once
   landed ("ready": resident first, then as they land, the engine's cache-aware reordering; "given":
   in id order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
 - A layer looks its experts up in ascending id order, as the engine does (`bench fidelity` found
@@ -106,7 +106,7 @@ class StreamSimulator:
         self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
         self.now = 0.0
         self._compute_cache: dict[tuple[int, int], float] = {}
-        self._layer: tuple[list[ExpertKey], float, list[ExpertKey], int] | None = None  # routed, not yet computed
+        self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], list[ExpertKey], int] | None = None  # routed
         self.counters = StreamCounters(LayerCounts(topo.num_layers))
 
     def run(self, iterations: Iterable[Iteration]) -> StreamCounters:
@@ -144,7 +144,7 @@ class StreamSimulator:
     def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], missed: list[ExpertKey],
                        num_tokens: int) -> None:
         compute_ms = self._compute_ms(num_tokens, len(needed))
-        ready_ms = self.now + self._stall_ms(needed, lands, num_tokens)
+        ready_ms = self.now + self._stall_ms(needed, lands, num_tokens, compute_ms)
         counters = self.counters
         counters.resident_ms += compute_ms
         counters.stall_ms += ready_ms - self.now
@@ -164,22 +164,28 @@ class StreamSimulator:
             )
         return cached
 
-    def _stall_ms(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int) -> float:
+    def _stall_ms(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int,
+                  compute_ms: float) -> float:
         """How long the layer waits for expert bytes. Its routed experts compute routed_expert_ms each (times
-        their mean rows) in the config's expert_order, each once it has landed: the wait is what that
-        compute does not cover. "loaded", or no routed_expert_ms: until the last one lands."""
+        their mean rows, and never more than the layer's compute in all) in the config's expert_order, each
+        once it has landed: the wait is what that compute does not cover. "loaded", or no routed_expert_ms:
+        until the last one lands."""
         now, order = self.now, self.config.expert_order
-        expert_ms = self.cost.routed_expert_ms * num_tokens * self.topology.top_k / len(needed)
+        rows = num_tokens * self.topology.top_k / len(needed)
+        expert_ms = min(self.cost.routed_expert_ms * rows, compute_ms / len(needed))
         if expert_ms == 0.0 or order == "loaded" or not lands:
             return max([now, *lands.values()]) - now
         if order == "ready":  # resident first, then as they land
             starts = [now] * (len(needed) - len(lands)) + sorted(lands.values())
         else:  # "given": in the layer's order, waiting for each
             starts = [lands.get(key, now) for key in needed]
-        done = now
+        waited, done = 0.0, now
         for landed in starts:
-            done = max(done, landed) + expert_ms
-        return done - now - len(starts) * expert_ms
+            if landed > done:
+                waited += landed - done
+                done = landed
+            done += expert_ms
+        return waited
 
     def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[dict[ExpertKey, float], list[ExpertKey]]:
         """Count hits, start demand loads; when each missed expert lands, and the misses in needed's order."""

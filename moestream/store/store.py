@@ -41,11 +41,11 @@ from moestream.cache import CacheFullError, ExpertCache
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy, TransferRequest
+from moestream.read_fit import ReadBatchFit
 from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
-from moestream.read_fit import ReadBatchFit
 from moestream.store.streams import make_link
 from moestream.topology import ExpertKey, Topology
 

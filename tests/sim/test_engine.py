@@ -101,6 +101,9 @@ def test_a_layer_computes_what_it_holds_while_its_misses_load_in_the_engines_exp
     assert stall("loaded") == pytest.approx(2 * 2.0 + 2 * 1.0)
     assert stall("ready") == pytest.approx(2 * 1.5 + 2 * 0.5)  # the hit computes first, 0 to 0.5
     assert stall("given") == pytest.approx(2 * 1.5 + 2 * 1.0)  # expert 0 first: it waits the whole 1 ms
+    slow = replace(cost, routed_expert_ms=1000.0)  # a layer's experts never take more than its 2 ms of compute
+    assert stall("ready", slow) == pytest.approx(2 * 1.0 + 2 * 0.0)  # 1 ms each: token 0 computes 1-2, 2-3
+    assert stall("given", slow) == pytest.approx(2 * 1.0 + 2 * 1.0)
     without = replace(cost, routed_expert_ms=0.0)
     assert stall("ready", without) == stall("given", without) == stall("loaded", without) == stall("loaded")
 
