@@ -16,6 +16,8 @@ Mechanism rules (documented choices):
 - A prefetch never evicts a pinned or moving expert, nor one the current predictions say is
   needed no later than the prefetched expert (layers ahead, as the planner measures them). When
   no other victim exists the prefetch is dropped. Demand loads may evict any unpinned expert.
+- The planner's view shows as in flight the queued and moving transfers and the layer's demand loads
+  until they land, as the engine's store does.
 - The planner is consulted only when the predictor predicts something; an empty prediction list
   is an empty plan (the queue is cleared), except before the first layer (`predict(-1)`), where
   it leaves the plan made at the previous iteration's last layer in place.
@@ -103,6 +105,7 @@ class StreamSimulator:
         self.loading: dict[ExpertKey, Transfer] = {}  # queued or moving towards the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
+        self.demanding: dict[ExpertKey, float] = {}  # the last batch of demand loads, when each lands
         self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
         self.now = 0.0
         self._compute_cache: dict[tuple[int, int], float] = {}
@@ -228,7 +231,9 @@ class StreamSimulator:
             counters.host_hits += len(keys)
         for key in keys:
             self._admit_device(key, (), demand=True)
-        return self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before the layer computes
+        lands = self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before the layer computes
+        self.demanding = dict(zip(keys, lands))
+        return lands
 
     def _demand(self, transfer: Transfer) -> float:
         """A demand load through the host tier; when it lands."""
@@ -283,9 +288,8 @@ class StreamSimulator:
             if ahead < need.get(key, INF):
                 need[key] = ahead
         self.need = need
-        view = CacheView(
-            _ReadyKeys(self.device, self.loading), frozenset(self.loading), self.device.capacity, layer_now, num_layers
-        )
+        view = CacheView(_ReadyKeys(self.device, self.loading), self._in_flight(), self.device.capacity, layer_now,
+                         num_layers)
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(requests, need)
         for link in self.links:
@@ -300,6 +304,12 @@ class StreamSimulator:
             self.loading[key] = transfer
             link = self.device_link if self.host is None or self._host_ready(key) else self.lower_link
             link.planned.append(transfer)
+
+    def _in_flight(self) -> frozenset[ExpertKey]:
+        """What moves to the device tier now, as the engine's store tells its planner: the tracked transfers
+        and the demand loads not landed yet."""
+        now = self.now
+        return frozenset(self.loading).union(key for key, land in self.demanding.items() if land > now)
 
     def _advance(self, until_ms: float) -> None:
         """Run the links up to until_ms: land what ends by then, start queued prefetches."""

@@ -7,7 +7,7 @@ from moestream.errors import BudgetError
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Predictor
 from moestream.sim import SimConfig, simulate
-from moestream.topology import Topology
+from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows
 from tests.synthetic import synthetic_trace
 from tests.sim import tiny
@@ -106,6 +106,28 @@ def test_a_layer_computes_what_it_holds_while_its_misses_load_in_the_engines_exp
     assert stall("given", slow) == pytest.approx(2 * 1.0 + 2 * 1.0)
     without = replace(cost, routed_expert_ms=0.0)
     assert stall("ready", without) == stall("given", without) == stall("loaded", without) == stall("loaded")
+
+
+def test_the_planner_sees_a_layers_demand_loads_in_flight_as_the_engines_store_shows_them():
+    from moestream.policies.planning import ScorePlanner
+
+    class Recording(ScorePlanner):
+        def __init__(self):
+            super().__init__()
+            self.in_flight = []
+
+        def plan(self, predictions, view):
+            self.in_flight.append((view.layer_now, set(view.in_flight)))
+            return super().plan(predictions, view)
+
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]], [[0], [1]]]], topo)  # token 0 misses both layers, token 1 hits both
+    policy = tiny.scripted(topo, {1: [2]})
+    policy.planner = Recording()
+    run(policy, trace, cache_ratio=0.5, cost=tiny.cost(compute_ms=2.0), horizon_layers=1)
+    seen = dict(policy.planner.in_flight[:1])  # token 0, after layer 0: its demand load lands 1 ms later
+    assert seen == {0: {ExpertKey(0, 0)}}
+    assert all(not keys for layer, keys in policy.planner.in_flight[1:])  # later plans: nothing is moving
 
 
 def test_an_unknown_expert_order_is_a_config_error():
