@@ -16,8 +16,10 @@ Mechanism rules (documented choices):
 - A prefetch never evicts a pinned or moving expert, nor one the current predictions say is
   needed no later than the prefetched expert (layers ahead, as the planner measures them). When
   no other victim exists the prefetch is dropped. Demand loads may evict any unpinned expert.
-- The planner's view shows as in flight the queued and moving transfers and the layer's demand loads
-  until they land, as the engine's store does.
+- The planner's view shows as in flight what moves to the device tier and the routed layer's demand
+  loads, and as resident only what has landed, as the engine's store does. (The store also keeps
+  earlier plans' queued prefetches until they run or a layer's gate pre-empts them; here each plan
+  replaces the queued ones before the planner looks.)
 - The planner is consulted only when the predictor predicts something; an empty prediction list
   is an empty plan (the queue is cleared), except before the first layer (`predict(-1)`), where
   it leaves the plan made at the previous iteration's last layer in place.
@@ -69,8 +71,8 @@ class _NeededNoLater:
 class _ReadyKeys(Set):
     """The device tier's landed experts, as a read-only set that stays valid while a planner runs."""
 
-    def __init__(self, cache: ExpertCache, loading: dict):
-        self._cache, self._loading = cache, loading
+    def __init__(self, cache: ExpertCache, moving: Set):
+        self._cache, self._loading = cache, moving
 
     @classmethod
     def _from_iterable(cls, keys: Iterable) -> frozenset:
@@ -105,7 +107,7 @@ class StreamSimulator:
         self.loading: dict[ExpertKey, Transfer] = {}  # queued or moving towards the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
-        self.demanding: dict[ExpertKey, float] = {}  # the last batch of demand loads, when each lands
+        self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
         self.now = 0.0
         self._compute_cache: dict[tuple[int, int], float] = {}
@@ -157,6 +159,7 @@ class StreamSimulator:
         end_ms = ready_ms + compute_ms
         self._advance(end_ms)
         self.device.unpin(needed)
+        self.demanding = []
         self.now = end_ms
 
     def _compute_ms(self, num_tokens: int, num_experts: int) -> float:
@@ -232,7 +235,7 @@ class StreamSimulator:
         for key in keys:
             self._admit_device(key, (), demand=True)
         lands = self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before the layer computes
-        self.demanding = dict(zip(keys, lands))
+        self.demanding = list(keys)
         return lands
 
     def _demand(self, transfer: Transfer) -> float:
@@ -288,8 +291,8 @@ class StreamSimulator:
             if ahead < need.get(key, INF):
                 need[key] = ahead
         self.need = need
-        view = CacheView(_ReadyKeys(self.device, self.loading), self._in_flight(), self.device.capacity, layer_now,
-                         num_layers)
+        in_flight = frozenset(self.loading).union(self.demanding)  # as the engine's store shows them
+        view = CacheView(_ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now, num_layers)
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(requests, need)
         for link in self.links:
@@ -304,12 +307,6 @@ class StreamSimulator:
             self.loading[key] = transfer
             link = self.device_link if self.host is None or self._host_ready(key) else self.lower_link
             link.planned.append(transfer)
-
-    def _in_flight(self) -> frozenset[ExpertKey]:
-        """What moves to the device tier now, as the engine's store tells its planner: the tracked transfers
-        and the demand loads not landed yet."""
-        now = self.now
-        return frozenset(self.loading).union(key for key, land in self.demanding.items() if land > now)
 
     def _advance(self, until_ms: float) -> None:
         """Run the links up to until_ms: land what ends by then, start queued prefetches."""

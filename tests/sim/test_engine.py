@@ -118,6 +118,7 @@ def test_the_planner_sees_a_layers_demand_loads_in_flight_as_the_engines_store_s
 
         def plan(self, predictions, view):
             self.in_flight.append((view.layer_now, set(view.in_flight)))
+            assert not set(view.in_flight) & set(view.resident)  # resident: landed, as the store shows it
             return super().plan(predictions, view)
 
     topo = tiny.topology()
