@@ -30,6 +30,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
     parser.add_argument("--policy", default="lru", help="policy of both (default lru)")
     parser.add_argument("--sync", action="store_true", help="the engine's on-demand path")
+    parser.add_argument("--no-reorder", action="store_true", help="the engine computes a layer's experts in id order")
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
@@ -61,14 +62,16 @@ def compare(args) -> dict:
         raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
     model = args.model or demo_checkpoint(args.small)
     topology = build_index(model).topology
-    spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, prompts=PROMPTS,
+    spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync,
+                   reorder=not args.no_reorder, prompts=PROMPTS,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=not args.buffered_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir))
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
     simulated = _simulate(args, spec, engine, topology, cost)
     return {"model": str(model), "budget": args.budget, "policy": args.policy,
-            "mode": "sync" if args.sync else "async", "replay_routing": args.replay_routing,
+            "mode": "sync" if args.sync else "async", "reorder": not args.no_reorder,
+            "replay_routing": args.replay_routing,
             "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
                                               "decode_tokens", "expert_hits", "expert_misses", "expert_read_ms",
                                               "experts_per_read_batch", "read_batch_line_ms",
@@ -86,7 +89,8 @@ def _cost_model(args, spec, engine: dict, topology):
 
     if args.cost_model:
         return get_cost_model(args.cost_model)
-    calibration = spec if spec.sync and spec.policy == "lru" else dataclasses.replace(spec, sync=True, policy="lru")
+    calibration = spec if spec.sync and spec.policy == "lru" else dataclasses.replace(spec, sync=True, policy="lru",
+                                                                                       reorder=True)
     disk_bw = disk_figures(Path(spec.model), spec.direct_io)["bandwidth"]
     return calibrate(topology, engine if calibration == spec else run_isolated(calibration), disk_bw)
 
@@ -98,7 +102,7 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
 
     run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology)
     policy = make_policy(spec, topology)
-    order = "loaded" if spec.sync else "ready"  # the engine's: on demand before computing, or cache-aware reordering
+    order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
                     expert_order=order)
 

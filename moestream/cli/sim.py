@@ -23,6 +23,7 @@ COST_FLAGS = {  # flag dest -> CostModel field (None: the link that fills the de
     "layer_compute_ms": "layer_compute_ms",
     "expert_compute_ms": "expert_compute_ms",
     "token_compute_ms": "token_compute_ms",
+    "routed_expert_ms": "routed_expert_ms",
     "disk_gbps": "disk_to_host_gbps",
     "disk_latency_ms": "disk_to_host_latency_ms",
     "link_gbps": None,
@@ -36,7 +37,7 @@ class SimArgumentError(MoestreamError):
 
 def add_parser(commands) -> None:
     from moestream.sim import PRESETS, PROTOCOLS
-    from moestream.sim.config import MODES, PROTOCOL_EVICTIONS
+    from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS
     from moestream.sim.cost import DEFAULT_COST_MODEL
 
     parser = commands.add_parser("sim", help="replay a routing trace through policies in the simulator")
@@ -61,10 +62,14 @@ def add_parser(commands) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the moe-beyond pool refills")
     parser.add_argument("--warmup-tokens", type=int, default=10, help="unscored tokens per prompt (moe-beyond)")
     parser.add_argument("--protocol-eviction", default="lru", choices=PROTOCOL_EVICTIONS, help="moe-beyond eviction")
+    parser.add_argument("--expert-order", default="ready", choices=EXPERT_ORDERS,
+                        help="how a layer's experts compute beside their loads (with --routed-expert-ms): ready "
+                             "(the engine's reordering), given (--no-reorder), loaded (--sync)")
     cost = parser.add_argument_group("cost-model overrides")
     cost.add_argument("--layer-compute-ms", type=float, help="compute of one MoE layer, one decode token")
     cost.add_argument("--expert-compute-ms", type=float, help="compute of each further distinct expert")
     cost.add_argument("--token-compute-ms", type=float, help="compute of each further token")
+    cost.add_argument("--routed-expert-ms", type=float, help="one routed expert's compute for one token")
     cost.add_argument("--link-gbps", type=float, help="bandwidth of the link that fills the device tier (GB/s)")
     cost.add_argument("--link-latency-ms", type=float, help="per-transfer latency of that link")
     cost.add_argument("--disk-gbps", type=float, help="disk -> host bandwidth (GB/s)")
@@ -133,6 +138,7 @@ def _config(args, ratio: float):
         seed=args.seed,
         warmup_tokens=args.warmup_tokens,
         protocol_eviction=args.protocol_eviction,
+        expert_order=args.expert_order,
     )
 
 

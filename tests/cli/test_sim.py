@@ -50,6 +50,20 @@ def test_several_ratios_protocols_modes_and_a_plot(traces, tmp_path):
     assert json.loads(out.read_text())["policies"]["lru"]["stall_ms_per_token"] is None
 
 
+def test_a_routed_experts_compute_overlaps_its_loads_in_the_expert_order_asked(traces, tmp_path):
+    test, _ = traces
+    out = tmp_path / "r.json"
+    argv = ["sim", "--trace", str(test), "--policy", "lru", "--cache-ratio", "0.25", "--json", str(out),
+            "--cost-model", "local-disk", "--routed-expert-ms", "1.0"]
+    stall = {}
+    for order in ("loaded", "given", "ready"):
+        assert main(argv + ["--expert-order", order]) == 0
+        doc = json.loads(out.read_text())
+        stall[order] = doc["policies"]["lru"]["stall_ms_per_token"]
+    assert doc["cost_model"]["routed_expert_ms"] == 1.0
+    assert stall["loaded"] > stall["given"] >= stall["ready"] > 0  # a layer computes what it holds while it waits
+
+
 def _deepseek_like(path, experts, layer_ids):
     n = len(experts)
     np.savez(path, experts=experts, prompt_id=np.zeros(n, np.int32), token_pos=np.arange(n, dtype=np.int32), moe_layer_ids=layer_ids)

@@ -22,6 +22,7 @@ class RunSpec:
     kind: str = "engine"  # "engine" (ours) or "hf-accelerate"
     policy: str = "lru"
     sync: bool = False
+    reorder: bool = True  # cache-aware reordering (EngineConfig.reorder)
     preload: bool = False  # fill the device tier before timing (the all-resident run)
     replay_routing: str | None = None
     predictor_dirs: tuple[str, ...] = ()
