@@ -26,10 +26,11 @@ Mechanism rules (documented choices):
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
-- A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing one
-  by one (through a host tier, each is committed on its own, with no batch cost). With cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once
-  landed ("ready": resident first, then as they land, the engine's cache-aware reordering; "given":
-  in id order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
+- A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing
+  one by one (through a host tier, each is committed on its own, with no batch cost). With
+  cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once landed
+  ("ready": resident first, then as they land, the engine's cache-aware reordering; "given": in id
+  order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
 - A layer looks its experts up in ascending id order, as the engine does (`bench fidelity` found
   that routing order, the order before, made LRU evict other experts than the engine's among those
   a layer used at once).
@@ -72,17 +73,17 @@ class _ReadyKeys(Set):
     """The device tier's landed experts, as a read-only set that stays valid while a planner runs."""
 
     def __init__(self, cache: ExpertCache, moving: Set):
-        self._cache, self._loading = cache, moving
+        self._cache, self._moving = cache, moving
 
     @classmethod
     def _from_iterable(cls, keys: Iterable) -> frozenset:
         return frozenset(keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._cache and key not in self._loading
+        return key in self._cache and key not in self._moving
 
     def __iter__(self):
-        return (key for key in self._cache.resident() if key not in self._loading)
+        return (key for key in self._cache.resident() if key not in self._moving)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
