@@ -100,7 +100,8 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     from moestream.bench.engine.simulated import engine_iterations, replayed, sim_ratio, simulate
     from moestream.trace.format import load_trace
 
-    run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology)
+    run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology,
+                   engine.get("iteration_token_ids"), engine.get("iteration_tokens"))
     policy = make_policy(spec, topology)
     order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,

@@ -24,7 +24,7 @@ def shards(model: str | Path) -> list[Path]:
 
 class DecodeMeter(Observer):
     """Snapshots the store's counters and the experts' compute timing when a generation's first decode
-    step begins."""
+    step begins; keeps each iteration's token ids and strings (what the policy saw, for the simulator)."""
 
     def __init__(self, store, experts):
         self.store, self.experts = store, experts
@@ -32,12 +32,16 @@ class DecodeMeter(Observer):
         self.decode_tokens = 0
         self.at_decode = None  # StoreStats at the start of the first decode step
         self.timing_at_decode = None  # ComputeTiming then
+        self.token_ids: list[list[int]] = []  # per iteration of every generation
+        self.tokens: list[list[str]] = []  # their strings (empty where the engine has no tokenizer)
 
     def start(self) -> None:
         self.steps, self.decode_tokens, self.at_decode = 0, 0, None
 
     def begin_iteration(self, ctx) -> None:
         self.steps += 1
+        self.token_ids.append(ctx.token_ids.tolist())
+        self.tokens.append(list(ctx.tokens or ()))
         if self.steps == 2:
             self.at_decode, self.timing_at_decode = self.store.stats(), self.experts.timing.copy()
         if self.steps >= 2:
@@ -111,6 +115,8 @@ class EngineRun:
             "replayed": replay is not None,
             "replay_wraps": replay.wraps if replay else 0,
             "iterations": [rows.tolist() for rows in replay.iterations] if replay else [],
+            "iteration_token_ids": meter.token_ids,
+            "iteration_tokens": meter.tokens,
             "prefill": prefill,
             "token_ids": token_ids,
             "device_slots": engine.store.device_slots,

@@ -30,9 +30,11 @@ class Replayed:
     prefill: list[bool]  # whether each engine iteration was a prompt's prefill
 
 
-def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool], model: Topology) -> Replayed:
+def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool], model: Topology,
+             token_ids: list[list[int]] | None = None, tokens: list[list[str]] | None = None) -> Replayed:
     """The sub-trace of the rows fed to each iteration (repeated rows, after a wrap, are new rows), with
-    the replaying model's topology: its expert size, not the recorded model's, sets the bytes moved."""
+    the replaying model's topology: its expert size, not the recorded model's, sets the bytes moved.
+    token_ids / tokens: the engine's own per iteration (what its policy saw), in place of the trace's."""
     rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in iterations])  # [N]
     sizes = [len(r) for r in iterations]
     prompt = np.repeat(np.cumsum(prefill) - 1, sizes)  # [N] the prompt of each row
@@ -42,8 +44,17 @@ def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool], mod
     sub = Trace(topology=model, experts=trace.experts[rows], seq_ids=prompt.astype(np.int32),
                 positions=positions.astype(np.int32), is_prefill=is_prefill,
                 gate_weights=None if trace.gate_weights is None else trace.gate_weights[rows],
+                token_ids=_flat(token_ids, sizes, np.int32), tokens=_flat(tokens, sizes, list),
                 source=f"replayed rows of {trace.source}")
     return Replayed(sub, sizes, list(prefill))
+
+
+def _flat(per_iteration: list[list] | None, sizes: list[int], kind):
+    """One value per row from per-iteration lists of the iterations' sizes; None unless all are there."""
+    if not per_iteration or [len(values) for values in per_iteration] != sizes:
+        return None
+    flat = [value for values in per_iteration for value in values]
+    return np.asarray(flat, dtype=kind) if kind is not list else flat
 
 
 def engine_iterations(run: Replayed) -> list[Iteration]:

@@ -40,6 +40,20 @@ def test_engine_iterations_have_the_engine_shapes_and_end_each_prompt(run):
     assert [it.finished for it in its] == [(), (), (0,), (), (), (), (), (1,)]
 
 
+def test_the_engines_own_tokens_reach_the_simulators_iterations(run):
+    trace, _ = run
+    iterations = [[0, 1, 2], [3], [4], [5, 6], [7], [8], [9], [0]]
+    prefill = [True, False, False, True, False, False, False, False]
+    ids = [[10 * i + j for j in range(len(rows))] for i, rows in enumerate(iterations)]
+    strings = [[f"t{v}" for v in values] for values in ids]
+    sub = replayed(trace, iterations, prefill, MODEL, ids, strings)
+    its = engine_iterations(sub)
+    assert [it.ctx.token_ids.tolist() for it in its] == ids
+    assert [list(it.ctx.tokens) for it in its] == strings
+    unmatched = replayed(trace, iterations, prefill, MODEL, ids[:-1], strings[:-1])  # not one per iteration
+    assert unmatched.trace.token_ids is None and unmatched.trace.tokens is None
+
+
 def test_decode_figures_leave_prefill_out_and_grow_with_fewer_slots(run):
     _, sub = run
     its = engine_iterations(sub)
