@@ -235,7 +235,7 @@ class StreamSimulator:
             counters.host_hits += len(keys)
         for key in keys:
             self._admit_device(key, (), demand=True)
-        lands = self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before the layer computes
+        lands = self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before it computes
         self.demanding = list(keys)
         return lands
 
