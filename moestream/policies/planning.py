@@ -37,7 +37,7 @@ class ScorePlanner(PrefetchPlanner):
             key = ExpertKey(layer, expert)
             if key in resident or key in in_flight:
                 continue
-            priority = scale * score / max(1, layer - layer_now + tokens_ahead * num_layers)  # by layers ahead
+            priority = scale * score / max(1, layer - layer_now + tokens_ahead * num_layers)  # layers_ahead, inlined
             best[key] = max(priority, best.get(key, 0.0))
         ranked = sorted(best.items(), key=_by_priority)[: view.capacity]
         return [TransferRequest(key, priority) for key, priority in ranked]

@@ -1,7 +1,8 @@
 """`default`: calibrated probabilities from the lean routing model drive prefetch and eviction.
 
-- Prediction: state.IterationState runs the model (model.pre_activation, model.head), at each token's start for every layer and at
-  each routed layer c for c+1, c+2 and the next token's layer c. Scores are probabilities.
+- Prediction: state.IterationState runs the model (model.pre_activation, model.head), at each
+  token's start for every layer and at each routed layer c for c+1, c+2 and the next token's layer
+  c. Scores are probabilities.
 - Prefetch: moestream's IdleAwarePlanner (probability > min_prefetch_probability, or >
   idle_prefetch_probability while nothing moves to the tier), in order of probability / layers ahead.
 - Eviction (DefaultEviction): the resident expert with the longest expected wait to its next use, in

@@ -9,9 +9,8 @@ begin() computes, with model.pre_activation, every cut's part from the inputs th
 routing does not change (the sequence's history and the token's memory; the next token's is the
 memory of what followed the current token), and observe(c) adds the part of the blocks the routing
 at c and c-1 fills (those one-hot rows times their weights; with cut_recall, also what the recall
-they weight adds) and applies model.head. A batch's probability
-for an expert is the chance that at least one of its rows routes to it. Knows arrays and events,
-not caches.
+they weight adds) and applies model.head. A batch's probability for an expert is the chance that
+at least one of its rows routes to it. Knows arrays and events, not caches.
 """
 
 from __future__ import annotations

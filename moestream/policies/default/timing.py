@@ -7,8 +7,9 @@ device tier's accesses and admissions (victim choices included); begin_iteration
 token's first layer. The time is wall time (perf_counter, as `bench policies` takes it): this
 thread's CPU time would keep other processes out, but reading it costs about 0.75 µs here, and a
 layer times some twenty hooks; the median keeps what other processes add out instead. The tokens
-of --trace replay as one decode stream through a cache of --cache-ratio of the experts. Prints the median and 90th percentile in microseconds, the model's
-bytes, one sequence's state, and what one layer decision allocates (tracemalloc peak).
+of --trace replay as one decode stream through a cache of --cache-ratio of the experts. Prints the
+median and 90th percentile in microseconds, the model's bytes, one sequence's state, and what one
+layer decision allocates (tracemalloc peak).
 """
 
 from __future__ import annotations

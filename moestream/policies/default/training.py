@@ -4,8 +4,8 @@ Every step takes a minibatch of rows and all (target layer, horizon bucket) pair
 (cut = l-1), d = 2 (cut = l-2) and the token's start (cut = -1, also what the next token is
 predicted from). The expensive inputs (the recall per pair) are computed once before the first
 epoch; the rest is gathered per minibatch, the token memory of each row without the row itself.
-The loss is binary cross-entropy, so the outputs are
-probabilities. torch is imported here only, inside train_weights.
+The loss is binary cross-entropy, so the outputs are probabilities. torch is imported here only,
+inside train_weights.
 """
 
 from __future__ import annotations
