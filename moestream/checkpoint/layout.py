@@ -31,6 +31,17 @@ class ExpertLocation:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
+    def residue(self, block: int) -> int:
+        """Where a slot for these bytes should start modulo block so that the most of them are congruent
+        to their file offsets (O_DIRECT reads then land in place)."""
+        congruent: dict[int, int] = {}  # residue -> bytes it makes congruent
+        at = 0
+        for seg in self.segments:
+            residue = (seg.offset - at) % block
+            congruent[residue] = congruent.get(residue, 0) + seg.nbytes
+            at += seg.nbytes
+        return max(congruent, key=congruent.__getitem__)
+
 
 @dataclass(frozen=True)
 class PartView:
@@ -56,6 +67,13 @@ class ExpertIndex:
             p.param: slot[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
             for p in self.layout
         }
+
+
+    def residue(self, key: ExpertKey, block: int) -> int:
+        """ExpertLocation.residue of key, or 0 where that start would misalign a view of the slot."""
+        residue = self.locations[key].residue(block)
+        widest = max(torch.empty((), dtype=p.dtype).element_size() for p in self.layout)
+        return residue if residue % widest == 0 else 0
 
 
 class Integrity(Protocol):

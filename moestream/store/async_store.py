@@ -93,7 +93,7 @@ class AsyncExpertStore(ExpertStore):
                     if key in self._errors:
                         raise self._errors.pop(key)
                     if key not in self._pending:
-                        return key, self._device_pool.slot(self._device.slot(key))
+                        return key, self._slot_of(self._device_pool, self._device, key)
                 began = time.perf_counter()
                 try:
                     self._wait(deadline, f"experts {[tuple(k) for k in candidates]}")
@@ -205,7 +205,7 @@ class AsyncExpertStore(ExpertStore):
     def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
         """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier)."""
         self._errors.pop(key, None)
-        self._queue_read(key, self._device_pool.slot(self._device.slot(key)), priority, demand)
+        self._queue_read(key, self._slot_of(self._device_pool, self._device, key), priority, demand)
         return True
 
     def _queue_read(self, key: ExpertKey, slot: torch.Tensor, priority: float, demand: bool) -> None:
@@ -253,7 +253,7 @@ class AsyncExpertStore(ExpertStore):
             return self._reader.read_batch(batch)
         got = 0
         for segments, dst in batch:
-            staging = self._bounce.slot(0)[: dst.numel()]  # [chunk bytes], pinned
+            staging = self._bounce.slot(0, segments[0].offset)[: dst.numel()]  # [chunk bytes], pinned, congruent
             got += self._reader.read_batch([(segments, staging)])
             self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
         return got
@@ -277,7 +277,7 @@ class AsyncExpertStore(ExpertStore):
         if self._pending.get(transfer.key) is not transfer:
             return False  # forgotten by close()
         try:
-            self._arrived([transfer.key], [pool.slot(tier.slot(transfer.key))])
+            self._arrived([transfer.key], [self._slot_of(pool, tier, transfer.key)])
         except CheckpointError as error:
             self._failed(transfer, error)
             return False

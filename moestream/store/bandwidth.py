@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import torch
-
 import numpy as np
 
 from moestream.checkpoint.layout import ExpertIndex, ExpertLocation, Segment
 from moestream.store.disk import BLOCK_BYTES, NUM_WORKERS, STAGING_BYTES, DiskReader
+from moestream.store.pool import SlotPool
 from moestream.topology import ExpertKey
 
 DEFAULT_BLOCK_BYTES = 16 * 2**20
@@ -112,7 +111,7 @@ def sequential_read_bandwidth(path: str | Path, nbytes: int | None = None, block
     nbytes = min(nbytes or os.path.getsize(path), os.path.getsize(path))
     if nbytes < 1 or block_bytes < 1:
         raise ValueError(f"nothing to read: {path} gives {nbytes} bytes in blocks of {block_bytes}")
-    dst = torch.empty(block_bytes, dtype=torch.uint8)  # [block_bytes]
+    dst = SlotPool(1, block_bytes).slot(0)  # [block_bytes], block-aligned: whole blocks land in place
     request = -(-(request_bytes or block_bytes) // BLOCK_BYTES) * BLOCK_BYTES
     with DiskReader(direct_io=direct_io, staging_bytes=request, num_workers=num_workers) as reader:
         reader.drop_cache(path)
@@ -126,11 +125,12 @@ def expert_stream_bandwidth(locations: Sequence[ExpertLocation], direct_io: bool
     """Bytes per second reading the experts at locations, `batch` experts per read call (in flight together)."""
     if not locations or batch < 1:
         raise ValueError("need expert locations to read and a batch of at least 1")
-    dsts = [torch.empty(max(loc.nbytes for loc in locations), dtype=torch.uint8) for _ in range(batch)]
+    pool = SlotPool(batch, max(loc.nbytes for loc in locations))
     with DiskReader(direct_io=direct_io) as reader:
         for file in {seg.file for loc in locations for seg in loc.segments}:
             reader.drop_cache(file)
         began = time.perf_counter()
         for i in range(0, len(locations), batch):
-            reader.read_batch([(loc.segments, dst) for loc, dst in zip(locations[i : i + batch], dsts)])
+            group = locations[i : i + batch]
+            reader.read_batch([(loc.segments, pool.slot(j, loc.residue(BLOCK_BYTES))) for j, loc in enumerate(group)])
         return sum(loc.nbytes for loc in locations) / (time.perf_counter() - began)

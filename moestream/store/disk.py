@@ -1,8 +1,9 @@
 """Reads expert bytes from the checkpoint's files into slots, so that the page cache does not hide disk cost.
 
 On Linux each file is opened with O_DIRECT: reads are rounded out to the logical block size
-(4096 bytes) and land in block-aligned staging buffers, from which the wanted bytes are copied
-into the destination slots. Fallback: where O_DIRECT is unavailable (non-Linux systems) or the
+(4096 bytes). A piece's whole blocks land straight in its destination where the two are congruent
+modulo the block (stores place slots so that they are); partial blocks, gaps and the rest land in
+a block-aligned staging buffer and are copied out (`moestream.store.scatter`). Fallback: where O_DIRECT is unavailable (non-Linux systems) or the
 filesystem refuses it (EINVAL at open or at the first read), that file is read with buffered
 `preadv` and the range just read is dropped from the page cache with
 `posix_fadvise(POSIX_FADV_DONTNEED)` where the system has it. The choice is made per file and
@@ -13,7 +14,7 @@ sorted by file and offset and coalesced into runs (segments at most `max_gap_byt
 same or of different destinations, are read together), and runs are cut into requests of at most
 `staging_bytes`. The requests are kept in flight together by `num_workers` I/O threads (`preadv`
 releases the GIL), each with its own staging buffer: one request at a time leaves a fast disk
-idle between requests. Staging bytes are copied out with numpy, not torch: a torch copy may split
+idle between requests. Staged bytes are copied out with numpy, not torch: a torch copy may split
 over intra-op threads, and on a busy machine one expert's copy then waits milliseconds for a
 descheduled thread. File descriptors stay open until close(). The reader knows segments and
 bytes, not experts, tiers or policies.
@@ -37,6 +38,7 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import CheckpointError
+from moestream.store.scatter import scatter_plan
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class ReadStats:
     bytes_fetched: int = 0  # bytes transferred from the files (with alignment and gaps)
     num_reads: int = 0  # read syscalls
     read_s: float = 0.0  # wall time of read calls (requests in flight together count once)
+    direct_bytes: int = 0  # bytes read straight into destinations, without a staging copy
 
 
 @dataclass
@@ -123,6 +126,15 @@ def _aligned_buffer(nbytes: int, align: int) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes]
+
+
+def _skip(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
+    """buffers without their first nbytes."""
+    for i, buffer in enumerate(buffers):
+        if nbytes < buffer.nbytes:
+            return [buffer[nbytes:], *buffers[i + 1 :]]
+        nbytes -= buffer.nbytes
+    return []
 
 
 def _check_destination(dst: torch.Tensor, nbytes: int) -> None:
@@ -229,8 +241,11 @@ class DiskReader:
     def _request(self, request: Request, dsts: list[np.ndarray]) -> None:
         staging = self._take_staging()
         try:
-            got = self._read_request(request, staging)
-            self._scatter(request, got, staging, dsts)
+            plan = scatter_plan(request, dsts, staging, self._align(request.run.file))
+            self._read_request(request, plan.buffers)
+            plan.copy_out(staging, dsts)
+            with self._lock:
+                self.stats.direct_bytes += plan.direct_bytes
         finally:
             self._staging.put(staging)
 
@@ -240,28 +255,28 @@ class DiskReader:
         except queue.Empty:
             return _aligned_buffer(self.staging_bytes, self.block_bytes)  # [staging_bytes]
 
-    def _read_request(self, request: Request, staging: np.ndarray) -> int:
+    def _read_request(self, request: Request, buffers: list[memoryview]) -> int:
         file = request.run.file
         with self._lock:
             handle = self._handle(file)
         try:
-            got = self._pread(handle.fd, staging, request.nbytes, request.start)
+            got = self._preadv(handle.fd, buffers, request.start)
         except OSError as err:
             if not (handle.direct and err.errno in _REFUSED):
                 raise
             handle = self._fall_back(file, handle)
-            got = self._pread(handle.fd, staging, request.nbytes, request.start)
+            got = self._preadv(handle.fd, buffers, request.start)
         if not handle.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(handle.fd, request.start, request.nbytes, os.POSIX_FADV_DONTNEED)
         if got < request.nbytes and request.start + got < request.run.end:
             raise CheckpointError(f"{file} ends at byte {request.start + got}, before byte {request.run.end} of an expert")
         return got
 
-    def _pread(self, fd: int, staging: np.ndarray, length: int, offset: int) -> int:
-        """Read up to length bytes at offset into staging; fewer only at end of file."""
-        view, got, calls = memoryview(staging), 0, 0
-        while got < length:
-            n = os.preadv(fd, [view[got:length]], offset + got)
+    def _preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        """Read into buffers, in order, from offset; fewer bytes than they hold only at end of file."""
+        total, got, calls = sum(b.nbytes for b in buffers), 0, 0
+        while got < total:
+            n = os.preadv(fd, _skip(buffers, got), offset + got)
             calls += 1
             if n == 0:
                 break
@@ -270,16 +285,6 @@ class DiskReader:
             self.stats.num_reads += calls
             self.stats.bytes_fetched += got
         return got
-
-    def _scatter(self, request: Request, got: int, staging: np.ndarray, dsts: list[np.ndarray]) -> None:
-        """Copy the parts of the run's pieces that lie in the bytes just read from staging to their destinations."""
-        chunk_start, chunk_end = request.start, request.start + got
-        for piece in request.run.pieces:
-            lo = max(piece.file_offset, chunk_start)
-            hi = min(piece.file_offset + piece.nbytes, chunk_end)
-            if lo < hi:
-                at = piece.dst_offset + lo - piece.file_offset
-                dsts[piece.dst][at : at + hi - lo] = staging[lo - chunk_start : hi - chunk_start]
 
     # -- files -----------------------------------------------------------------------------------
 

@@ -1,8 +1,11 @@
 """Preallocated expert slots of one tier.
 
 A pool is one [num_slots, stride] uint8 tensor allocated once; slot(i) is a 1-D view of
-slot_bytes. The stride is slot_bytes rounded up to SLOT_ALIGN_BYTES so that every slot starts
-aligned for any dtype view and for vectorised device loads. Host pools that feed a CUDA device are
+slot_bytes. Device pools round the stride up to SLOT_ALIGN_BYTES so that every slot starts aligned
+for any dtype view and for vectorised device loads. Host pools, which disk reads land in, start
+every row at a block boundary with one block to spare: slot(i, residue) starts `residue` bytes
+into its row, so that a caller can make a slot congruent to its bytes' file offsets and O_DIRECT
+reads land in place (`moestream.store.disk`). Host pools that feed a CUDA device are
 pinned so copies can be asynchronous; a pool remembers, per slot, the event of the last copy that
 reads it (`moestream.store.streams`), so that the host never overwrites a slot a copy still reads.
 Pools know no experts, keys or policies.
@@ -12,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from moestream.store.disk import BLOCK_BYTES
 from moestream.store.streams import Event
 
 SLOT_ALIGN_BYTES = 256
 
 
-def slot_stride(slot_bytes: int) -> int:
-    return -(-slot_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+def slot_stride(slot_bytes: int, align: int = SLOT_ALIGN_BYTES, spare: int = 0) -> int:
+    return -(-slot_bytes // align) * align + spare
 
 
 class SlotPool:
@@ -29,22 +33,28 @@ class SlotPool:
         self.slot_bytes = slot_bytes
         self.device = torch.device(device)
         self.pinned = bool(pin_memory) and self.device.type == "cpu"
-        shape = (num_slots, slot_stride(slot_bytes))
-        self.data = torch.empty(shape, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)  # [S, stride]
+        self.block = BLOCK_BYTES if self.device.type == "cpu" else 1  # residues are taken modulo this
+        align = max(self.block, SLOT_ALIGN_BYTES)
+        stride = slot_stride(slot_bytes, align, spare=self.block if self.block > 1 else 0)
+        flat = torch.empty(num_slots * stride + align, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
+        start = (-flat.data_ptr()) % align
+        self.data = flat[start : start + num_slots * stride].view(num_slots, stride)  # [S, stride]
         self._last_reads: list[Event | None] = [None] * num_slots
-        self._slots: list[torch.Tensor | None] = [None] * num_slots  # views made once, asked for per layer
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # views made once, asked for per layer
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def slot(self, i: int) -> torch.Tensor:
-        """Slot i as a 1-D uint8 view of slot_bytes (no copy)."""
-        if not 0 <= i < self.num_slots:
-            raise IndexError(f"slot {i} out of range for a pool of {self.num_slots}")
-        view = self._slots[i]
+    def slot(self, i: int, residue: int = 0) -> torch.Tensor:
+        """Slot i as a 1-D uint8 view of slot_bytes (no copy), starting at `residue` modulo the block
+        in host pools (device pools ignore it)."""
+        shift = residue % self.block
+        view = self._slots.get((i, shift))
         if view is None:
-            view = self._slots[i] = self.data[i, : self.slot_bytes]  # [slot_bytes]
+            if not 0 <= i < self.num_slots:
+                raise IndexError(f"slot {i} out of range for a pool of {self.num_slots}")
+            view = self._slots[i, shift] = self.data[i, shift : shift + self.slot_bytes]  # [slot_bytes]
         return view
 
     def mark_read(self, i: int, event: Event) -> None:

@@ -43,7 +43,7 @@ from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.read_fit import ReadBatchFit
 from moestream.store.config import StoreConfig
-from moestream.store.disk import DiskReader
+from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
 from moestream.store.streams import make_link
@@ -105,6 +105,7 @@ class ExpertStore:
         bounce_slots = min(self.bounce_slots, self.device_slots) if pin and not self.host_slots else 0
         self._bounce = SlotPool(bounce_slots, expert_bytes, "cpu", pin_memory=pin)
         self._reader = DiskReader(direct_io=config.direct_io)
+        self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
         self._link = make_link(config.device)  # host -> device
         self._lock = threading.RLock()
         self._unused_prefetches: set[ExpertKey] = set()
@@ -134,7 +135,7 @@ class ExpertStore:
                 self._device.unpin(pinned)
                 self._discard(misses)
                 raise
-            return {key: self._device_pool.slot(self._device.slot(key)) for key in wanted}
+            return {key: self._slot_of(self._device_pool, self._device, key) for key in wanted}
 
     def release(self, keys: Iterable[ExpertKey]) -> None:
         """Unpin experts returned by acquire (once per acquire)."""
@@ -154,7 +155,7 @@ class ExpertStore:
         """One of the fetched candidates whose bytes are in place, with its slot (all are, here)."""
         key = candidates[0]
         with self._lock:
-            return key, self._device_pool.slot(self._device.slot(key))
+            return key, self._slot_of(self._device_pool, self._device, key)
 
     def _hit(self, key: ExpertKey) -> bool:
         if self._device.access(key) is None:
@@ -207,7 +208,7 @@ class ExpertStore:
         """Copy the bytes of keys, just admitted to the device tier, into their device slots."""
         if not keys:
             return
-        dsts = [self._device_pool.slot(self._device.slot(key)) for key in keys]
+        dsts = [self._slot_of(self._device_pool, self._device, key) for key in keys]
         if self._host is not None:
             for i in range(0, len(keys), self.host_slots):  # a batch never evicts its own host copies
                 self._load_through_host(keys[i : i + self.host_slots], dsts[i : i + self.host_slots])
@@ -230,13 +231,13 @@ class ExpertStore:
                     slot = self._admit_host(key, batch)
                     admitted.append(key)
                 slots.append(slot)
-            self._read_disk(admitted, [self._host_pool.slot(self._host.slot(key)) for key in admitted])
+            self._read_disk(admitted, [self._slot_of(self._host_pool, self._host, key) for key in admitted])
         except BaseException:
             for key in admitted:
                 self._host.remove(key)
             raise
-        for dst, slot in zip(dsts, slots):
-            self._copy_to_device(dst, self._host_pool, slot)
+        for key, dst, slot in zip(keys, dsts, slots):
+            self._copy_to_device(dst, self._host_pool, slot, self._residues[key])
 
     def _admit_host(self, key: ExpertKey, batch: set[ExpertKey]) -> int:
         self._stats.host_misses += 1
@@ -251,9 +252,10 @@ class ExpertStore:
         self._stats.host_misses += len(keys)
         for i in range(len(keys)):
             self._bounce.wait_reads(i)
-        self._read_disk(keys, [self._bounce.slot(i) for i in range(len(keys))])
-        for i, dst in enumerate(dsts):
-            self._copy_to_device(dst, self._bounce, i)
+        residues = [self._residues[key] for key in keys]
+        self._read_disk(keys, [self._bounce.slot(i, residue) for i, residue in enumerate(residues)])
+        for i, (dst, residue) in enumerate(zip(dsts, residues)):
+            self._copy_to_device(dst, self._bounce, i, residue)
 
     def _read_disk(self, keys: list[ExpertKey], dsts: list[torch.Tensor]) -> None:
         """Reads the experts' bytes into dsts, all requests in flight together."""
@@ -276,8 +278,12 @@ class ExpertStore:
         if self.integrity is not None:
             self.integrity.check_batch(keys, slots)
 
-    def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int) -> None:
-        done = self._link.copy(dst, pool.slot(slot))
+    def _slot_of(self, pool: SlotPool, tier: ExpertCache, key: ExpertKey) -> torch.Tensor:
+        """key's slot in tier, placed so that its disk reads land in place."""
+        return pool.slot(tier.slot(key), self._residues[key])
+
+    def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int, residue: int) -> None:
+        done = self._link.copy(dst, pool.slot(slot, residue))
         done.wait_on_compute()
         pool.mark_read(slot, done)
         self._stats.bytes_read["host"] += dst.numel()

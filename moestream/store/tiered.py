@@ -60,11 +60,11 @@ class TieredAsyncStore(AsyncExpertStore):
         slot, victim = self._host.admit(key)
         self._stats.evictions["host"] += victim is not None
         self._host.pin([key])  # the read's pin, then the copy's
-        self._queue_read(key, self._host_pool.slot(slot), priority, demand)
+        self._queue_read(key, self._host_pool.slot(slot, self._residues[key]), priority, demand)
         return True
 
     def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
-        src, dst = self._host_pool.slot(self._host.slot(key)), self._device_pool.slot(self._device.slot(key))
+        src, dst = self._slot_of(self._host_pool, self._host, key), self._slot_of(self._device_pool, self._device, key)
         chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
         copy = HostCopy(key, chunks, priority=priority, demand=demand)
         self._copies.push(copy)

@@ -242,3 +242,50 @@ def _refuse_direct_reads(monkeypatch):
         return real_preadv(fd, buffers, offset, *args)
 
     monkeypatch.setattr(os, "preadv", refuse_direct)
+
+
+def _congruent(nbytes, file_offset):
+    """A zeroed uint8 tensor whose first byte is congruent to file_offset modulo the block."""
+    raw = torch.zeros(nbytes + 3 * 4096, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096 + file_offset % 4096
+    return raw[start : start + nbytes]
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_congruent_destinations_take_whole_blocks_without_staging(data_files, direct_io):
+    path = sorted(data_files)[0]
+    # one expert whose parts are back to back in the file in the other order than in its slot; the
+    # parts' sizes sum to whole blocks, so one placement makes both congruent
+    segments = [Segment(path, 15_000, 6384), Segment(path, 5000, 10_000)]
+    raw = _congruent(16_384 + 4096, 15_000)
+    dst = raw[:16_384]
+    with DiskReader(direct_io=direct_io) as reader:
+        reader.read(segments, dst)
+        assert np.array_equal(dst.numpy(), expected_bytes(data_files, segments))
+        assert not raw[16_384:].any()  # nothing written past the destination
+        assert reader.stats.num_reads == 1  # one vectored read for both parts
+        whole_blocks = 4096 + 4096  # [8192, 12288) of the first part, [16384, 20480) of the second
+        assert reader.stats.direct_bytes == (whole_blocks if reader.is_direct(path) else 16_384)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_short_reads_are_resumed_where_they_stopped(data_files, monkeypatch, direct_io):
+    real_preadv = os.preadv
+
+    def at_most_5000_bytes(fd, buffers, offset, *args):
+        kept, room = [], 5000 if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT else 8192
+        for buffer in buffers:
+            if room <= 0:
+                break
+            kept.append(buffer[:room])
+            room -= len(kept[-1])
+        return real_preadv(fd, kept, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", at_most_5000_bytes)
+    path = sorted(data_files)[0]
+    segments = [Segment(path, 5000, 30_000)]
+    with DiskReader(direct_io=direct_io) as reader:
+        dst = _congruent(30_000, 5000)
+        reader.read(segments, dst)
+        assert np.array_equal(dst.numpy(), expected_bytes(data_files, segments))
+        assert reader.stats.num_reads > 3

@@ -62,3 +62,14 @@ def test_pinned_host_slots_copy_to_device_without_blocking():
     assert torch.equal(device.slot(1).cpu(), host.slot(0))
     summed = device.slot(1).sum()  # ordered after the copy on the compute stream
     assert int(summed) == int(host.slot(0).sum())
+
+
+def test_host_slots_start_at_the_asked_residue_modulo_the_block():
+    pool = SlotPool(3, 5000)
+    assert pool.data.data_ptr() % 4096 == 0 and pool.data.shape[1] % 4096 == 0
+    for i, residue in [(0, 0), (1, 1700), (2, 4095 + 4096 + 1)]:
+        slot = pool.slot(i, residue)
+        assert slot.shape == (5000,) and slot.data_ptr() % 4096 == residue % 4096
+        assert pool.data.data_ptr() + i * pool.data.shape[1] <= slot.data_ptr()
+        assert slot.data_ptr() + 5000 <= pool.data.data_ptr() + (i + 1) * pool.data.shape[1]  # within its row
+    assert pool.slot(1, 1700) is pool.slot(1, 1700)  # views made once

@@ -8,6 +8,7 @@ from moestream.errors import BudgetError, CheckpointError
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
+from moestream.store.factory import store_kind
 from moestream.topology import ExpertKey
 
 K = ExpertKey
@@ -314,3 +315,22 @@ def test_an_expert_that_fails_its_check_is_never_kept(checkpoint, host_slots):
         assert K(1, 2) not in store.resident("device") | store.resident("host") | store.in_flight()
         assert K(0, 0) in store.resident("device") and integrity.checked[0] == K(0, 0)
         assert_holds_expert(checkpoint, use(store, K(1, 1))[K(1, 1)], K(1, 1))
+
+
+@pytest.mark.parametrize("asynchronous,host_slots", [(False, 0), (False, 3), (True, 0), (True, 3)])
+def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asynchronous, host_slots):
+    """Experts of whole 4096-byte parts (layers at different offsets modulo the block): the store
+    places each slot congruent to its expert's bytes, so their whole blocks skip the staging copy."""
+    ckpt = make_checkpoint(num_layers=4, hidden=64, inter=128, dtype=torch.float32)  # parts of 32 KiB
+    residues = {ckpt.index.residue(key, 4096) for key in ckpt.index.locations}
+    assert len(residues) > 1 and 0 not in residues
+    eb = ckpt.index.topology.expert_bytes
+    config = StoreConfig(str(4 * eb), str(host_slots * eb), asynchronous=asynchronous)
+    with store_kind(config, ckpt.index.topology)(ckpt.index, config, LRUPolicy(), LRUPolicy()) as store:
+        for key in ckpt.index.locations:
+            slot = store.acquire([key])[key]
+            assert_holds_expert(ckpt, slot, key)
+            store.release([key])
+        reader = store._reader.stats
+        if store._reader.is_direct(ckpt.files[0]):
+            assert reader.direct_bytes >= 0.8 * reader.bytes_read

@@ -1,0 +1,95 @@
+"""Plans one read request as a vector of buffers: pieces' aligned interiors land in their destinations, the rest in staging.
+
+A request is a block-aligned byte range of one file holding pieces of destinations. Where a
+piece's bytes and its destination are congruent modulo the block size, the piece's whole blocks
+are read straight into the destination (no copy); only the partial blocks at its ends, gaps
+between pieces, and pieces that are not congruent go through the staging buffer and are copied
+out after the read. Nothing is ever written to a destination outside its pieces' bytes. With a
+block of 1 (buffered reads) every piece lands in place. The planner knows bytes and addresses,
+not files, experts or tiers.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import numpy as np
+
+IOV_MAX = 1024  # the most buffers one preadv takes (Linux's UIO_MAXIOV)
+
+
+@dataclass(frozen=True)
+class Copy:
+    dst: int  # which destination
+    dst_at: int
+    staging_at: int
+    nbytes: int
+
+
+@dataclass
+class ScatterPlan:
+    buffers: list[memoryview] = field(default_factory=list)  # in file order, covering the request
+    copies: list[Copy] = field(default_factory=list)  # staging -> destinations, after the read
+    direct_bytes: int = 0  # bytes read straight into destinations
+
+    def copy_out(self, staging: np.ndarray, dsts: list[np.ndarray]) -> None:
+        for c in self.copies:
+            dsts[c.dst][c.dst_at : c.dst_at + c.nbytes] = staging[c.staging_at : c.staging_at + c.nbytes]
+
+
+def scatter_plan(request, dsts: list[np.ndarray], staging: np.ndarray, align: int) -> ScatterPlan:
+    """The buffers and copies of a request (a disk.Request); staging holds at least request.nbytes."""
+    plan = _plan(request, dsts, staging, align, direct=True)
+    if plan is None or len(plan.buffers) > IOV_MAX:
+        plan = _plan(request, dsts, staging, align, direct=False)
+    return plan
+
+
+def _plan(request, dsts, staging, align, direct) -> ScatterPlan | None:
+    """None where pieces overlap in the file (their shared bytes must be staged)."""
+    start, end = request.start, request.start + request.nbytes
+    plan, staged, wanted = ScatterPlan(), _Staged(staging), []
+    covered = start  # the end of the bytes already planned (read into staging or destinations)
+    last_hi = start
+    for piece in request.run.pieces:
+        lo, hi = max(piece.file_offset, start), min(piece.file_offset + piece.nbytes, end)
+        if lo >= hi:
+            continue
+        if lo < last_hi and direct:
+            return None
+        last_hi = max(last_hi, hi)
+        shift = piece.dst_offset - piece.file_offset  # destination index of file byte x: x + shift
+        a, b = -(-lo // align) * align, hi // align * align
+        if direct and a < b and (dsts[piece.dst].ctypes.data + a + shift) % align == 0:
+            plan.buffers += staged.up_to(covered, a)
+            plan.buffers.append(memoryview(dsts[piece.dst][a + shift : b + shift]))
+            plan.direct_bytes += b - a
+            covered = b
+            wanted += [(piece.dst, lo, a, shift), (piece.dst, b, hi, shift)]
+        else:
+            wanted.append((piece.dst, lo, hi, shift))
+    plan.buffers += staged.up_to(covered, end)
+    plan.copies = [staged.copy(*w) for w in wanted if w[1] < w[2]]
+    return plan
+
+
+class _Staged:
+    """File ranges placed one after another in the staging buffer."""
+
+    def __init__(self, staging: np.ndarray):
+        self.staging, self.used = staging, 0
+        self.starts: list[int] = []  # file offset of each range
+        self.at: list[int] = []  # its offset in staging
+
+    def up_to(self, lo: int, hi: int) -> list[memoryview]:
+        if lo >= hi:
+            return []
+        self.starts.append(lo)
+        self.at.append(self.used)
+        self.used += hi - lo
+        return [memoryview(self.staging[self.used - (hi - lo) : self.used])]
+
+    def copy(self, dst: int, lo: int, hi: int, shift: int) -> Copy:
+        i = bisect.bisect_right(self.starts, lo) - 1
+        return Copy(dst, lo + shift, self.at[i] + lo - self.starts[i], hi - lo)
