@@ -20,6 +20,7 @@ tier, they run in groups that fit it. This module knows no policy or family by n
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -160,7 +161,8 @@ class OffloadedExperts:
         self.reorder = reorder
         self.timing = ComputeTiming()
         self._router_logits: dict[int, torch.Tensor] = {}
-        self._views: dict[int, Weights] = {}  # slot address -> typed views of the slot
+        self._views: OrderedDict[int, Weights] = OrderedDict()  # slot address -> typed views, least recent first
+        self._max_views = 2 * max(store.device_slots, 1)  # a slot's address moves with its expert's file offset
 
     def record_router_logits(self, layer: int, logits: torch.Tensor) -> None:
         self._router_logits[layer] = logits
@@ -223,8 +225,14 @@ class OffloadedExperts:
         return math.post(math.down(math.act(math.up(rows, views)), views))
 
     def _slot_views(self, slot: torch.Tensor) -> Weights:
-        """Typed views of a slot; slots are fixed memory, so a slot's views serve every expert it holds."""
+        """Typed views of a slot, kept for the slot addresses used most recently (an address serves
+        every expert placed there)."""
         address = slot.data_ptr()
-        if address not in self._views:
-            self._views[address] = self.store.index.views(slot)
-        return self._views[address]
+        views = self._views.get(address)
+        if views is None:
+            views = self._views[address] = self.store.index.views(slot)
+            if len(self._views) > self._max_views:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(address)
+        return views

@@ -40,7 +40,7 @@ class SlotPool:
         start = (-flat.data_ptr()) % align
         self.data = flat[start : start + num_slots * stride].view(num_slots, stride)  # [S, stride]
         self._last_reads: list[Event | None] = [None] * num_slots
-        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # views made once, asked for per layer
+        self._slots: list[tuple[int, torch.Tensor] | None] = [None] * num_slots  # (shift, view) last asked for
 
     @property
     def nbytes(self) -> int:
@@ -49,13 +49,12 @@ class SlotPool:
     def slot(self, i: int, residue: int = 0) -> torch.Tensor:
         """Slot i as a 1-D uint8 view of slot_bytes (no copy), starting at `residue` modulo the block
         in host pools (device pools ignore it)."""
-        shift = residue % self.block
-        view = self._slots.get((i, shift))
-        if view is None:
-            if not 0 <= i < self.num_slots:
-                raise IndexError(f"slot {i} out of range for a pool of {self.num_slots}")
-            view = self._slots[i, shift] = self.data[i, shift : shift + self.slot_bytes]  # [slot_bytes]
-        return view
+        if not 0 <= i < self.num_slots:
+            raise IndexError(f"slot {i} out of range for a pool of {self.num_slots}")
+        shift, last = residue % self.block, self._slots[i]
+        if last is None or last[0] != shift:
+            last = self._slots[i] = (shift, self.data[i, shift : shift + self.slot_bytes])  # [slot_bytes]
+        return last[1]
 
     def mark_read(self, i: int, event: Event) -> None:
         """Record that an asynchronous copy reading slot i completes at event."""

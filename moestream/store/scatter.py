@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from moestream.store.disk import Request
 
 IOV_MAX = 1024  # the most buffers one preadv takes (Linux's UIO_MAXIOV)
 
@@ -38,30 +42,31 @@ class ScatterPlan:
             dsts[c.dst][c.dst_at : c.dst_at + c.nbytes] = staging[c.staging_at : c.staging_at + c.nbytes]
 
 
-def scatter_plan(request, dsts: list[np.ndarray], staging: np.ndarray, align: int) -> ScatterPlan:
-    """The buffers and copies of a request (a disk.Request); staging holds at least request.nbytes."""
-    plan = _plan(request, dsts, staging, align, direct=True)
+def scatter_plan(request: Request, dsts: list[np.ndarray], staging: np.ndarray, align: int) -> ScatterPlan:
+    """The buffers and copies of a request; staging holds at least request.nbytes."""
+    plan = _plan(request, dsts, staging, align, in_place=True)
     if plan is None or len(plan.buffers) > IOV_MAX:
-        plan = _plan(request, dsts, staging, align, direct=False)
+        plan = _plan(request, dsts, staging, align, in_place=False)
     return plan
 
 
-def _plan(request, dsts, staging, align, direct) -> ScatterPlan | None:
+def _plan(request: Request, dsts: list[np.ndarray], staging: np.ndarray, align: int,
+          in_place: bool) -> ScatterPlan | None:
     """None where pieces overlap in the file (their shared bytes must be staged)."""
     start, end = request.start, request.start + request.nbytes
     plan, staged, wanted = ScatterPlan(), _Staged(staging), []
-    covered = start  # the end of the bytes already planned (read into staging or destinations)
-    last_hi = start
+    covered = start  # the end of the bytes planned so far (into staging or destinations)
+    last_hi = start  # the end of the pieces seen so far
     for piece in request.run.pieces:
         lo, hi = max(piece.file_offset, start), min(piece.file_offset + piece.nbytes, end)
         if lo >= hi:
             continue
-        if lo < last_hi and direct:
+        if lo < last_hi and in_place:
             return None
         last_hi = max(last_hi, hi)
         shift = piece.dst_offset - piece.file_offset  # destination index of file byte x: x + shift
-        a, b = -(-lo // align) * align, hi // align * align
-        if direct and a < b and (dsts[piece.dst].ctypes.data + a + shift) % align == 0:
+        a, b = -(-lo // align) * align, hi // align * align  # the piece's whole blocks
+        if in_place and a < b and (dsts[piece.dst].ctypes.data + a + shift) % align == 0:
             plan.buffers += staged.up_to(covered, a)
             plan.buffers.append(memoryview(dsts[piece.dst][a + shift : b + shift]))
             plan.direct_bytes += b - a

@@ -10,6 +10,7 @@ from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.experts import IMPLEMENTATION, OneHotDenseExperts
 from moestream.runtime.offload import FusedExpertMath, OffloadedExperts
 from moestream.runtime.publisher import Publisher
+from moestream.store.pool import SlotPool
 from moestream.topology import ExpertKey
 from tests.runtime.conftest import auto_class
 
@@ -106,6 +107,20 @@ def test_resident_experts_run_first_and_misses_stream_in_groups(checkpoint):
     assert log.groups[0] == resident
     assert all(len(group) <= engine.store.device_slots for group in log.groups)
     assert sorted(k.expert for group in log.groups for k in group) == list(range(topology.num_experts))
+
+
+def test_typed_views_are_kept_for_the_most_recent_slot_addresses_only(checkpoint):
+    """Slots move with their experts' file offsets, so a run sees more addresses than slots: the views
+    kept stay bounded by the device tier's size."""
+    with _min_engine(checkpoint("mixtral")) as engine:
+        experts, slots = OffloadedExperts(engine.store, Publisher()), engine.store.device_slots
+        pool = SlotPool(3 * slots, engine.checkpoint.topology.expert_bytes)
+        for i in range(pool.num_slots):
+            slot = pool.slot(i, 64 * i)
+            views = experts._slot_views(slot)
+            assert all(v.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr() for v in views.values())
+        assert len(experts._views) == 2 * slots
+        assert experts._slot_views(pool.slot(pool.num_slots - 1, 64 * (pool.num_slots - 1))) is views
 
 
 def test_an_unbound_experts_module_says_so(checkpoint):

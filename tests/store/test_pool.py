@@ -72,4 +72,4 @@ def test_host_slots_start_at_the_asked_residue_modulo_the_block():
         assert slot.shape == (5000,) and slot.data_ptr() % 4096 == residue % 4096
         assert pool.data.data_ptr() + i * pool.data.shape[1] <= slot.data_ptr()
         assert slot.data_ptr() + 5000 <= pool.data.data_ptr() + (i + 1) * pool.data.shape[1]  # within its row
-    assert pool.slot(1, 1700) is pool.slot(1, 1700)  # views made once
+    assert pool.slot(1, 1700) is pool.slot(1, 1700)  # a slot's view is made once per placement
