@@ -34,13 +34,13 @@ class ScorePlanner(PrefetchPlanner):
         for layer, expert, score, tokens_ahead in predictions:
             if score <= min_score:
                 continue
-            key = ExpertKey(layer, expert)
+            key = (layer, expert)  # an ExpertKey only for the requests: a tuple hashes and compares as one
             if key in resident or key in in_flight:
                 continue
             priority = scale * score / max(1, layer - layer_now + tokens_ahead * num_layers)  # layers_ahead, inlined
             best[key] = max(priority, best.get(key, 0.0))
         ranked = sorted(best.items(), key=_by_priority)[: view.capacity]
-        return [TransferRequest(key, priority) for key, priority in ranked]
+        return [TransferRequest(ExpertKey._make(key), priority) for key, priority in ranked]
 
     def threshold(self, view: CacheView) -> float:
         """The score a prediction must exceed to be requested now."""

@@ -186,11 +186,12 @@ class DefaultPredictor(TrainablePredictor):
 class DefaultEviction(EvictionPolicy):
     """Evicts the resident expert whose next use is expected furthest away (the module docstring).
 
-    Keeps the residents' expected waits as an [L, E] array (-inf elsewhere), rebuilt when the
-    predictor's table changes (once per layer) and kept in step by the insert and remove hooks, so a
-    victim is one argmax. When that expert may not go (pinned; protected: in a prefill, most of a
-    layer) it is set aside and the argmax taken again, a few times, and only then are the residents
-    ranked. Equal waits go to the smaller key.
+    Keeps the residents' expected next uses as an [L, E] array (-inf elsewhere), in step with the
+    predictor's table (state.IterationState.next_use): every row after a token starts, else only the
+    rows the layers observed since the last victim changed (three per layer); the insert and remove
+    hooks keep it in step with residency, so a victim is one argmax. When that expert may not go
+    (pinned; protected: in a prefill, most of a layer) it is set aside and the argmax taken again, a
+    few times, and only then are the residents ranked. Equal waits go to the smaller key.
     """
 
     max_argmax = 8  # argmax tries before one ranking of every resident
@@ -198,45 +199,57 @@ class DefaultEviction(EvictionPolicy):
     def __init__(self, predictor: DefaultPredictor):
         self.predictor = predictor
         L, E = predictor.topology.num_layers, predictor.topology.num_experts
-        self.resident = np.zeros((L, E), dtype=bool)  # [L, E]
         self._keys = [ExpertKey(layer, e) for layer in range(L) for e in range(E)]  # by flat index
-        self._wait: np.ndarray | None = None  # the predictor's [L, E] table behind _masked
-        self._masked = np.full((L, E), -np.inf)  # [L, E] expected wait of residents, -inf elsewhere
+        self._table = np.zeros((L, E))  # [L, E] the predictor's next uses (zeros before it has any)
+        self._masked = np.full((L, E), -np.inf)  # [L, E] next use of residents, -inf elsewhere (residency)
+        self._flat = self._masked.ravel()  # [L * E] the same memory by flat index (_masked changes in place)
+        self._seen: tuple = (None, 0, 0)  # the state, its epoch and layer that _masked reflects
 
     def on_insert(self, key: ExpertKey) -> None:
-        self.resident[key] = True
-        if self._wait is not None:
-            self._masked[key] = self._wait[key]
+        self._masked[key] = self._table[key]
 
     def on_remove(self, key: ExpertKey) -> None:
-        self.resident[key] = False
         self._masked[key] = -np.inf
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        table = self.predictor.expected_wait()
-        if table is not self._wait:
-            self._wait, self._masked = table, np.where(self.resident, table, -np.inf)
-        masked, keys, passed = self._masked.ravel(), self._keys, []  # a view: flat indices
+        self._sync()
+        masked, keys, passed = self._flat, self._keys, []
         try:
             for _ in range(self.max_argmax):
                 index = int(masked.argmax())
-                if masked[index] == -np.inf:
+                wait = masked[index]
+                if wait == -np.inf:
                     break
                 if keys[index] in candidates:
                     return keys[index]
-                passed.append((index, masked[index]))
+                passed.append((index, wait))
                 masked[index] = -np.inf
             return self._ranked(candidates)
         finally:
             for index, wait in passed:
                 masked[index] = wait
 
+    def _sync(self) -> None:
+        state = self.predictor.state
+        if state is None:
+            return
+        seen_state, epoch, layer = self._seen
+        if seen_state is not state or epoch != state.epoch:
+            rows = slice(None)
+        elif layer != state.layer_now:
+            rows = slice(layer + 1, state.layer_now + 3)  # observe(c) changed rows c..c+2
+        else:
+            return
+        self._table, masked = state.next_use, self._masked[rows]
+        np.copyto(masked, self._table[rows], where=masked > -np.inf)
+        self._seen = (state, state.epoch, state.layer_now)
+
     def _ranked(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        wait, flat = self._wait.ravel(), np.flatnonzero(self.resident)
+        wait, flat = self._table.ravel(), np.flatnonzero(self._flat > -np.inf)  # residents not set aside
         for index in flat[np.argsort(-wait[flat], kind="stable")].tolist():  # longest wait first
             if self._keys[index] in candidates:
                 return self._keys[index]
-        return min(candidates, key=lambda key: (-self._wait[key], key))  # candidates this policy never saw
+        return min(candidates, key=lambda key: (-self._table[key], key))  # candidates this policy never saw
 
 
 @POLICIES.register(KIND)

@@ -90,8 +90,9 @@ class IterationState:
         self.ahead = np.zeros((L, E))  # [L, E] the latest prediction of each of this token's layers
         self.next = np.zeros((L, E))  # [L, E] the next token's layers (filled as layers pass)
         self.fresh = np.zeros((NUM_BUCKETS, E))  # [3, E] from the last cut: c+1, c+2, the next token's c
-        self._wait: np.ndarray | None = None
-        self._offsets = (np.arange(L)[None, :] - np.arange(-1, L)[:, None])[:, :, None]  # [c+1, L, 1]: l - c
+        self.next_use = np.zeros((L, E))  # [L, E] the layer, counted from this token's first, of each next use
+        self.epoch = 0  # bumped when every row of next_use changes (begin); observe(c) changes rows c..c+2
+        self._layers = np.arange(L, dtype=np.float64)[:, None]  # [L, 1]
         self._keyed, self._recorded = False, []
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
         self._row_index = np.zeros((0, 1), np.int64)
@@ -127,7 +128,9 @@ class IterationState:
         pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]
         self.start = union(sigmoid(head(self.weights, pre, every)))  # [L, E]
         self.ahead, self.next = self.start.copy(), self.start.copy()
-        self.fresh, self._wait = self.start[:NUM_BUCKETS], None
+        self.fresh = self.start[:NUM_BUCKETS]
+        self._expect(slice(0, L), 0)
+        self.epoch += 1
 
     def _fix(self, ahead: np.ndarray, following: np.ndarray, tokens: np.ndarray) -> None:
         """The pre-activations of every cut's three buckets from the inputs the token's own routing does
@@ -146,24 +149,30 @@ class IterationState:
             return
         c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
         self._routed[self._row_index, c, event.expert_ids] = 1.0
-        now, dense = self._routed[:, c], self.weights.dense[c]  # [T, E], [3, 7E, U]
         pre = self._fixed[c].copy()  # [T, 3, U]
-        pre[:, :START] += (now @ dense[:START, :E]).swapaxes(0, 1)  # block 0: the experts at c
-        if c > 0:
-            pre[:, :START] += (self._routed[:, c - 1] @ dense[:START, E:2 * E]).swapaxes(0, 1)  # block 1: at c-1
-        added = self._added  # [T, 4E]: what the next token's blocks 2-5 gain (prev; prev2 none; recall, share)
-        added[:, :E], added[:, 2 * E:] = now, (now[:, None] * self._steps).reshape(len(now), 2 * E)
-        pre[:, START] += added @ dense[START, 2 * E:6 * E]
+        self._add_routed(c, pre)
         if self.config.cut_recall:
             self._cut_recall(c, pre)
         self.fresh = union(sigmoid(head(self.weights, pre, c)))  # [3, E]: the weights of cut c
         ahead = min(2, L - 1 - c)
         self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
         self.next[c] = self.fresh[START]
-        self.layer_now, self._wait = c, None
+        self.layer_now = c
+        self._expect(slice(c, c + 1 + ahead), 1)
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
                 history.finish_token(routed_token, token)
+
+    def _add_routed(self, c: int, pre: np.ndarray) -> None:
+        """Adds to pre [T, 3, U] the part of the blocks the routing at c and c-1 fills: their one-hot rows
+        times the weights (blocks 0 and 1 for c+1 and c+2; the next token's prev, recall and share)."""
+        E, now, dense = self.topology.num_experts, self._routed[:, c], self.weights.dense[c]  # [T, E], [3, 7E, U]
+        pre[:, :START] += (now @ dense[:START, :E]).swapaxes(0, 1)  # block 0: the experts at c
+        if c > 0:
+            pre[:, :START] += (self._routed[:, c - 1] @ dense[:START, E:2 * E]).swapaxes(0, 1)  # block 1: at c-1
+        added = self._added  # [T, 4E]: what the next token's blocks 2-5 gain (prev; prev2 none; recall, share)
+        added[:, :E], added[:, 2 * E:] = now, (now[:, None] * self._steps).reshape(len(now), 2 * E)
+        pre[:, START] += added @ dense[START, 2 * E:6 * E]
 
     def _memory_index(self, ctx: IterationContext, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[T] rows of the token memory the iteration's tokens read, and [T] those their next tokens read
@@ -214,16 +223,19 @@ class IterationState:
             self.rows, self.active = [], False
 
     def expected_wait(self) -> np.ndarray:
-        """[L, E]: the expected number of layers until each expert is needed again (cached per layer)."""
-        if self._wait is None:
-            L, c = self.topology.num_layers, self.layer_now
-            factor = 1.0 - self.ahead  # [L, E] layers ahead: needed by this token with probability p
-            factor[:c + 1] = 1.0  # layers passed: only the next token can need them
-            factor /= np.maximum(self.next, 1e-4)
-            factor *= L
-            factor += self._offsets[c + 1]
-            self._wait = factor
-        return self._wait
+        """[L, E]: the expected number of layers until each expert is needed again."""
+        return self.next_use - self.layer_now
+
+    def _expect(self, rows: slice, num_passed: int) -> None:
+        """next_use of rows whose first num_passed layers have passed: l + L(1 - p)/q for a layer still
+        ahead in this token (p its probability now, q the next token's), l + L/q for a layer passed."""
+        L = self.topology.num_layers
+        factor = 1.0 - self.ahead[rows]  # [n, E]
+        factor[:num_passed] = 1.0  # layers passed: only the next token can need them
+        factor /= np.maximum(self.next[rows], 1e-4)
+        factor *= L
+        factor += self._layers[rows]
+        self.next_use[rows] = factor
 
     def _history(self, seq_id: int) -> SequenceHistory:
         if seq_id not in self.sequences:

@@ -85,3 +85,31 @@ def test_eviction_passes_over_pinned_experts_to_the_longest_wait_left(policy, tr
     _, evicted = cache.admit(longest[-1])
     assert wait[evicted] == max(wait[key] for key in longest[num_pinned:-1])
     assert all(key in cache for key in longest[:num_pinned])
+
+
+@pytest.mark.parametrize("every", [1, 3])  # victims asked at every layer, or every third (rows of several layers)
+def test_victims_follow_the_longest_expected_wait_as_layers_pass(policy, traces, every):
+    """The eviction keeps its table in step row by row; each victim must still be the candidate a full
+    ranking of the predictor's expected waits gives (ties to the smaller key)."""
+    predictor, eviction = policy.predictor, policy.make_eviction("device")
+    predictor.reset()
+    cache = ExpertCache(TOPOLOGY.total_experts // 3, eviction)
+    rng, checked = np.random.default_rng(0), 0
+    for it in decode_stream(traces[1]):
+        predictor.begin_iteration(it.ctx)
+        for event in it.events:
+            predictor.observe(event)
+            if event.layer % every:
+                continue
+            needed = [ExpertKey(event.layer, int(e)) for e in event.expert_ids.ravel()]
+            for key in [*needed, ExpertKey(int(rng.integers(TOPOLOGY.num_layers)), int(rng.integers(8)))]:
+                if key in cache:
+                    continue
+                wait, candidates = predictor.expected_wait(), [k for k in cache.evictable() if k not in needed]
+                expected = min(candidates, key=lambda k: (-wait[k], k)) if len(cache) == cache.capacity else None
+                _, evicted = cache.admit(key, protect=needed)
+                assert evicted == expected
+                checked += evicted is not None
+        for seq in it.finished:
+            predictor.end_sequence(seq)
+    assert checked > 100
