@@ -68,7 +68,16 @@ class Counters:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's peak resident set (MiB): Linux's VmHWM, which starts afresh at exec. getrusage's
+    ru_maxrss does not: an exec'd child inherits the peak of the parent it was forked from."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB (macOS: bytes)
 
 
 def summarize(counters: Counters, stall_ms: float, transfer_ms: float) -> dict:
