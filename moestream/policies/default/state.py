@@ -92,6 +92,7 @@ class IterationState:
         self.fresh = np.zeros((NUM_BUCKETS, E))  # [3, E] from the last cut: c+1, c+2, the next token's c
         self.next_use = np.zeros((L, E))  # [L, E] the layer, counted from this token's first, of each next use
         self.epoch = 0  # bumped when every row of next_use changes (begin); observe(c) changes rows c..c+2
+        # (observe comes for every layer in order, as the contract says: a layer skipped would stay 'ahead')
         self._layers = np.arange(L, dtype=np.float64)[:, None]  # [L, 1]
         self._keyed, self._recorded = False, []
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
@@ -230,7 +231,7 @@ class IterationState:
         """next_use of rows whose first num_passed layers have passed: l + L(1 - p)/q for a layer still
         ahead in this token (p its probability now, q the next token's), l + L/q for a layer passed."""
         L = self.topology.num_layers
-        factor = 1.0 - self.ahead[rows]  # [n, E]
+        factor = np.subtract(1.0, self.ahead[rows], dtype=np.float64)  # [n, E]; float64 keeps l + x exact enough
         factor[:num_passed] = 1.0  # layers passed: only the next token can need them
         factor /= np.maximum(self.next[rows], 1e-4)
         factor *= L
