@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from moestream.checkpoint.layout import ExpertIndex, ExpertLocation, PartView, Segment
-from moestream.checkpoint.shards import TensorInfo, element_size, read_tensors
+from moestream.checkpoint.shards import TensorInfo, read_tensors
 from moestream.errors import CheckpointError
 from moestream.families import adapter_for
 from moestream.families.base import ExpertPart, FamilyAdapter, MoEBlock
@@ -99,7 +99,7 @@ def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
 def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]], parts) -> tuple[PartView, ...]:
     views, offset = [], 0
     for part, (shape, dtype) in zip(parts, shapes_dtypes):
-        if offset % element_size(dtype):
+        if offset % dtype.itemsize:
             raise CheckpointError(f"part {part.param} ({dtype}) would start at unaligned slot offset {offset}")
         view = PartView(part.param, shape, dtype, offset)
         views.append(view)

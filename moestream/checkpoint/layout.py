@@ -6,6 +6,7 @@ Plain data shared by the checkpoint indexer (which fills it from safetensors hea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -52,7 +53,7 @@ class PartView:
 
     @property
     def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class ExpertIndex:
     def residue(self, key: ExpertKey, block: int) -> int:
         """ExpertLocation.residue of key, or 0 where that start would misalign a view of the slot."""
         residue = self.locations[key].residue(block)
-        widest = max(torch.empty((), dtype=p.dtype).element_size() for p in self.layout)
+        widest = max(p.dtype.itemsize for p in self.layout)
         return residue if residue % widest == 0 else 0
 
 

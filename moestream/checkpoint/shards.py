@@ -47,10 +47,6 @@ class TensorInfo:
     nbytes: int
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _read_header_json(file: Path) -> tuple[dict, int, int]:
     """(header dict, data start offset, file size); raises CheckpointError for a bad header."""
     file_size = file.stat().st_size
@@ -83,7 +79,7 @@ def _tensor_info(file: Path, name: str, entry, data_start: int) -> TensorInfo:
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r} of tensor {name!r} in {file}")
     dtype = DTYPES[dtype_name]
-    nbytes = int(torch.Size(shape).numel()) * element_size(dtype)
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
     if begin < 0 or end - begin != nbytes:
         raise CheckpointError(
             f"corrupt header in {file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}"
