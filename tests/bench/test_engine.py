@@ -11,7 +11,7 @@ from moestream.trace.format import save_trace
 from tests.synthetic import synthetic_trace
 
 RUN_KEYS = {"policy", "budget", "budget_mib", "mode", "tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token",
-            "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms"}
+            "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms", "routed_expert_ms"}  # the issue's, + ours
 TOP_KEYS = {"runs", "resident_tpot_ms", "floor_rss_mib", "dense_mib", "disk_bw_gbps"}
 
 
@@ -62,5 +62,6 @@ def test_every_figure_is_sane(small_bench):
         assert 0.0 < run["hit_rate"] < 1.0 and run["bytes_per_token"] > 0 and run["stall_ms_per_token"] > 0
         assert run["budget_mib"] == pytest.approx(resident["budget_mib"] / 2, rel=0.01)
     assert offloaded[0]["hit_rate"] == offloaded[1]["hit_rate"]  # same replayed rows, same LRU
+    assert all(run["routed_expert_ms"] > 0 for run in record["runs"][:3]) and offloaded[2]["routed_expert_ms"] is None
     assert record["cost_model"]["layer_compute_ms"] > 0 and record["cost_model"]["disk_to_host_gbps"] > 0
     assert record["memory_cap"]["requested"] == "auto" and record["memory_cap"]["reason"]

@@ -198,5 +198,6 @@ def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> 
         "bytes_per_token": result["bytes_per_token"],
         "peak_rss_mib": result["peak_rss_mib"],
         "limit_tpot_ms": limit,
+        "routed_expert_ms": result.get("routed_expert_ms"),  # one routed expert MLP's wall time, mean
         "floor_rss_mib": result["floor_rss_mib"],  # popped into the document's median floor
     }

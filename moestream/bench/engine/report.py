@@ -69,17 +69,19 @@ def _table(document: dict, args):
 
     table = Table(title=f"moestream bench engine: {document['model']}",
                   caption=f"{args.threads} torch thread(s), {document['max_new_tokens']} new tokens per prompt, cold "
-                          "start, a fresh process per run; per-token figures over decode steps; limit: max(resident "
-                          "TPOT, oracle bytes per token / O_DIRECT bandwidth)")
+                          "start, a fresh process per run; per-token figures over decode steps; expert µs: one routed "
+                          "expert MLP's mean wall time; limit: max(resident TPOT, oracle bytes per token / O_DIRECT "
+                          "bandwidth)")
     columns = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "stall ms/tok", "overlap", "hit rate",
-               "KiB/tok", "peak RSS MiB", "limit ms", "TPOT/limit")
+               "KiB/tok", "expert µs", "peak RSS MiB", "limit ms", "TPOT/limit")
     for column in columns:
         table.add_column(column, justify="left" if column in ("policy", "mode") else "right", no_wrap=True)
     for r in document["runs"]:
         limit = r["limit_tpot_ms"]
         table.add_row(f"{r['budget']:.0%}", r["policy"], r["mode"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.1f}",
                       _fmt(r["stall_ms_per_token"], "{:.1f}"), _fmt(r["overlap"], "{:.0%}"),
-                      _fmt(r["hit_rate"], "{:.1%}"), f"{r['bytes_per_token'] / 1024:.0f}", f"{r['peak_rss_mib']:.0f}",
+                      _fmt(r["hit_rate"], "{:.1%}"), f"{r['bytes_per_token'] / 1024:.0f}",
+                      _fmt(r.get("routed_expert_ms") and 1e3 * r["routed_expert_ms"], "{:.0f}"), f"{r['peak_rss_mib']:.0f}",
                       _fmt(limit, "{:.1f}"), _fmt(limit and r["tpot_ms"] / limit, "{:.2f}"))
     return table
 
