@@ -3,7 +3,9 @@
 For each policy (at --expert-budget) the server is started on loopback and the trace is replayed at
 each rate of --rates in turn; a rate is sustained when every request completes and the p99 TPOT
 stays within --tpot-factor times the all-resident TPOT (every expert in the device tier, measured
-first at the lowest rate). Prints one line per run and, per policy, the highest rate sustained.
+first at the lowest rate). A policy named NAME:sync runs on demand (`--sync`: every expert moves on
+the compute thread), the baseline the issue compares with. Prints one line per run and, per policy,
+the highest rate sustained, then how many times the first policy's rate is the last one's.
 Figures only: nothing is asserted.
 """
 
@@ -21,7 +23,8 @@ from moestream.errors import MoestreamError
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("serving", help="highest request rate per policy behind the server")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
-    parser.add_argument("--policies", default="lru,default", help="comma-separated policy names (default lru,default)")
+    parser.add_argument("--policies", default="default,lru:sync",
+                        help="comma-separated policy names, NAME:sync for on demand (default default,lru:sync)")
     parser.add_argument("--expert-budget", default="0.25", help="device-tier budget of the policies' runs (default 0.25)")
     parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
     parser.add_argument("--predictor-dir", metavar="DIR",
@@ -51,10 +54,24 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _policies(text: str) -> list[str]:
+    from moestream.policies import POLICIES
+
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    for policy in policies:
+        name, _, mode = policy.partition(":")
+        POLICIES.get(name)
+        if mode not in ("", "sync"):
+            raise MoestreamError(f"--policies: {policy!r} is not NAME or NAME:sync")
+    if not policies:
+        raise MoestreamError("--policies names no policy")
+    return policies
+
+
 def run(args) -> int:
     from moestream.cli.serve import require_serve_extra
 
-    rates = _rates(args.rates)
+    rates, policies = _rates(args.rates), _policies(args.policies)
     if not (args.duration > 0 and args.scale_lengths > 0 and args.tpot_factor > 0):
         raise MoestreamError("--duration, --scale-lengths and --tpot-factor must be > 0")
     require_serve_extra()
@@ -69,7 +86,7 @@ def run(args) -> int:
     limit_ms = args.tpot_factor * runs[0]["tpot_ms"]["p50"]
     print(f"all-resident TPOT p50 {runs[0]['tpot_ms']['p50']:.1f} ms: limit p99 TPOT {limit_ms:.1f} ms", flush=True)
     best = {}
-    for policy in [p for p in args.policies.split(",") if p]:
+    for policy in policies:
         best[policy] = 0.0
         for rate in rates:
             figures = _serve_and_replay(model, args.expert_budget, policy, rate, trace, prompts, args)
@@ -81,6 +98,10 @@ def run(args) -> int:
             best[policy] = max(best[policy], rate)
     for policy, rate in best.items():
         print(f"{policy}: highest rate sustained {rate:g} req/s")
+    if len(best) > 1:
+        (first, rate), (last, base) = list(best.items())[0], list(best.items())[-1]
+        print(f"{first} sustains {rate / base:.2f}x the rate of {last}" if base else
+              f"{first} sustains {rate:g} req/s, {last} none of the rates tried")
     if args.json:
         write_json({"model": str(model), "trace": args.trace, "tpot_limit_ms": limit_ms, "best_rps": best,
                     "runs": runs}, args.json)
@@ -102,17 +123,19 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     from moestream.serving.worker import WorkerConfig
 
     planned = workload.plan(trace, prompts, rate, args.duration, args.scale_lengths, max_requests=10_000)
-    predictor_dir = args.predictor_dir if issubclass(POLICIES.get(policy), TrainedPolicy) else None
-    config = EngineConfig(device=args.device, expert_budget=budget, policy=policy, direct_io=False,
+    name, _, mode = policy.partition(":")
+    predictor_dir = args.predictor_dir if issubclass(POLICIES.get(name), TrainedPolicy) else None
+    config = EngineConfig(device=args.device, expert_budget=budget, policy=name, direct_io=False, sync=mode == "sync",
                           replay_routing=args.replay_routing, predictor_dir=predictor_dir)
     with Engine(model, config) as engine:
         if budget == "1.0":
             engine.preload()
         with Server(engine, model.name, worker_config=WorkerConfig(batching=batching_config(args))) as server:
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
-    figures = loadgen.report(measured, wall, loadgen.Slo()) | {"rps": rate, "expert_budget": budget}
+    figures = loadgen.report(measured, wall, loadgen.Slo()) | {"rps": rate, "expert_budget": budget,
+                                                                 "mode": "sync" if engine.config.sync else "async"}
     if args.plot_dir:
-        label = "all-resident" if budget == "1.0" else policy
+        label = "all-resident" if budget == "1.0" else policy.replace(":", "-")
         plot = loadgen.plot_cdf(measured, args.plot_dir / f"{label}-{rate:g}rps.png", f"{label}, {rate:g} req/s")
         figures["plot"] = str(plot)
         print(f"latency CDF: {plot}", file=sys.stderr, flush=True)

@@ -20,14 +20,24 @@ def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_
     trace = _arrivals(tmp_path)
     out = tmp_path / "bench.json"
     assert main(["bench", "serving", "--model", str(model), "--trace", str(trace), "--data-dir", str(tmp_path),
-                 "--policies", "lru", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
+                 "--policies", "lru,lru:sync", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
                  "--tpot-factor", "1000", "--json", str(out), "--plot-dir", str(tmp_path / "plots")]) == 0
     figures = json.loads(out.read_text())
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["all-resident-2rps.png", "lru-2rps.png", "lru-4rps.png"]
-    assert [r["policy"] for r in figures["runs"]] == ["all-resident", "lru", "lru"]
-    assert [r["num_requests"] for r in figures["runs"]] == [2, 2, 4]
-    assert figures["best_rps"] == {"lru": 4.0}
-    assert "lru: highest rate sustained 4 req/s" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "all-resident-2rps.png", "lru-2rps.png", "lru-4rps.png", "lru-sync-2rps.png", "lru-sync-4rps.png"]
+    assert [r["policy"] for r in figures["runs"]] == ["all-resident", "lru", "lru", "lru:sync", "lru:sync"]
+    assert [r["num_requests"] for r in figures["runs"]] == [2, 2, 4, 2, 4]
+    assert [r["mode"] for r in figures["runs"]] == ["async", "async", "async", "sync", "sync"]
+    assert figures["best_rps"] == {"lru": 4.0, "lru:sync": 4.0}
+    printed = capsys.readouterr().out
+    assert "lru: highest rate sustained 4 req/s" in printed and "lru sustains 1.00x the rate of lru:sync" in printed
+
+
+@pytest.mark.parametrize("policies", ["lru:fast", "nope", ","])
+def test_bench_serving_refuses_bad_policies_before_any_run(capsys, policies):
+    assert main(["bench", "serving", "--policies", policies]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ("polic" in err)
 
 
 @pytest.mark.parametrize("rates", ["2,1", "0,1", "fast"])
