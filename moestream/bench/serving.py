@@ -125,7 +125,7 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     planned = workload.plan(trace, prompts, rate, args.duration, args.scale_lengths, max_requests=10_000)
     name, _, mode = policy.partition(":")
     predictor_dir = args.predictor_dir if issubclass(POLICIES.get(name), TrainedPolicy) else None
-    config = EngineConfig(device=args.device, expert_budget=budget, policy=name, direct_io=False, sync=mode == "sync",
+    config = EngineConfig(device=args.device, expert_budget=budget, policy=name, sync=mode == "sync",
                           replay_routing=args.replay_routing, predictor_dir=predictor_dir)
     with Engine(model, config) as engine:
         if budget == "1.0":
