@@ -99,13 +99,19 @@ def run(args) -> int:
     for policy, rate in best.items():
         print(f"{policy}: highest rate sustained {rate:g} req/s")
     if len(best) > 1:
-        (first, rate), (last, base) = list(best.items())[0], list(best.items())[-1]
-        print(f"{first} sustains {rate / base:.2f}x the rate of {last}" if base else
-              f"{first} sustains {rate:g} req/s, {last} none of the rates tried")
+        print(_ratio_line(*list(best.items())[0], *list(best.items())[-1]))
     if args.json:
         write_json({"model": str(model), "trace": args.trace, "tpot_limit_ms": limit_ms, "best_rps": best,
                     "runs": runs}, args.json)
     return 0
+
+
+def _ratio_line(first: str, rate: float, last: str, base: float) -> str:
+    if base:
+        return f"{first} sustains {rate / base:.2f}x the rate of {last}"
+    if rate:
+        return f"{first} sustains {rate:g} req/s, {last} none of the rates tried"
+    return f"neither {first} nor {last} sustains any rate tried"
 
 
 def _sustained(figures: dict, limit_ms: float) -> bool:

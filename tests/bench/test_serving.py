@@ -56,3 +56,12 @@ def test_bench_serving_all_rates_runs_past_an_unsustained_rate(tiny_checkpoint, 
     figures = json.loads(out.read_text())
     assert [r["policy"] for r in figures["runs"]] == ["all-resident", "lru", "lru"]
     assert figures["best_rps"] == {"lru": 0.0}
+
+
+@pytest.mark.parametrize("rates, line", [((2.0, 1.0), "a sustains 2.00x the rate of b"),
+                                         ((1.0, 0.0), "a sustains 1 req/s, b none of the rates tried"),
+                                         ((0.0, 0.0), "neither a nor b sustains any rate tried")])
+def test_the_ratio_line_says_what_was_sustained(rates, line):
+    from moestream.bench.serving import _ratio_line
+
+    assert _ratio_line("a", rates[0], "b", rates[1]) == line
