@@ -148,7 +148,7 @@ class IterationState:
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
             return
-        c, L, E = event.layer, self.topology.num_layers, self.topology.num_experts
+        c, L = event.layer, self.topology.num_layers
         self._routed[self._row_index, c, event.expert_ids] = 1.0
         pre = self._fixed[c].copy()  # [T, 3, U]
         self._add_routed(c, pre)
