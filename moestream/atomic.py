@@ -1,5 +1,6 @@
 """Atomic file writes: write a temporary file beside the target, then os.replace it into place,
-so a reader never sees a half-written file and an interrupted write leaves nothing behind."""
+so a reader never sees a half-written file and an interrupted write leaves nothing behind. What is
+published is readable by others (0644 files, 0755 directories), as a plain write would leave it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def staging_dir(out: Path, label: str) -> Path:
+    """A fresh directory beside `out` to fill and then rename into place."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{label}-", dir=out.parent))
+    os.chmod(staging, 0o755)  # mkdtemp's 0700 would survive the rename
+    return staging
+
+
+def make_readable(directory: Path) -> None:
+    """The files directly in `directory` readable by others (a library may have written them 0600)."""
+    for path in directory.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o644)
 
 
 def write_json(data, path: str | os.PathLike) -> Path:

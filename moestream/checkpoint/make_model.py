@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import transformers
 from moestream.progress import progress_bar
 from transformers import AutoConfig, PretrainedConfig
 
+from moestream.atomic import make_readable, staging_dir
 from moestream.checkpoint.spec import ModelSpec, demo_spec
 from moestream.checkpoint.tokenizer import SpecialTokenIds, train_tokenizer
 from moestream.errors import CheckpointError
@@ -99,9 +99,10 @@ def make_model(spec: ModelSpec, out: str | Path, progress: bool = False) -> Path
     out = Path(out)
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp = staging_dir(out, "partial")
     try:
         _write(spec, tmp, progress)
+        make_readable(tmp)
         _check_out(out)
         if out.exists():
             out.rmdir()

@@ -14,7 +14,9 @@ HELP = {
     "intermediate-size": "width of one routed expert",
     "vocab-size": "tokenizer and embedding size",
     "seed": "random init seed",
-    "max-shard-bytes": "split weights into safetensors shards of at most this size (default: one file)",
+    "max-shard-bytes": "split weights into safetensors shards of about this size (default: one file); transformers "
+                       "keeps each of its tensors whole, and a layer's experts are one tensor in memory, so a shard "
+                       "holds at least one layer's experts",
 }
 
 

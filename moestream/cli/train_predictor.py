@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moestream.atomic import make_readable, staging_dir
 from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
 from moestream.policies.trained import TrainedPolicy
@@ -114,9 +115,10 @@ def _check_out(out: Path, force: bool) -> None:
 
 def _save(policy: TrainedPolicy, out: Path) -> None:
     """Saves into a fresh directory beside out, then swaps it into place."""
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.new."))
+    staging = staging_dir(out, "new")
     try:
         policy.save(staging)
+        make_readable(staging)
         if out.exists():
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))
             out.rename(old / out.name)

@@ -179,3 +179,9 @@ def test_demo_spec_has_deepseek_v2_lite_topology_and_over_a_gib_of_experts():
     experts = model.get_submodule(spec.adapter().blocks(config)[0].experts_path)
     per_expert = sum(p[0].numel() * p.element_size() for p in experts.parameters())
     assert per_expert == topology.expert_bytes
+
+
+def test_what_it_writes_is_readable_by_others(tmp_path):
+    out = make_model(ModelSpec("mixtral", num_layers=1, hidden_size=16, intermediate_size=8), tmp_path / "m")
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o644 for p in out.iterdir()}
