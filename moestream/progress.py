@@ -30,6 +30,9 @@ class LineWriter:
     def flush(self) -> None:
         self.stream.flush()
 
+    def isatty(self) -> bool:  # tqdm's disable=None (hide where not a terminal) asks
+        return False
+
 
 def progress_bar(iterable=None, *, stream=None, **options) -> tqdm:
     """A tqdm bar (same options) on stderr, plain lines when stderr is not a terminal."""

@@ -3,6 +3,7 @@ digests, which the engine then checks on every read of an expert from disk."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from moestream.cli.generate import require_checkpoint_dir
@@ -31,4 +32,7 @@ def run(args) -> int:
     print(f"verified {report.num_shards} shards, {format_bytes(report.bytes_checked)} in {report.seconds:.1f} s "
           f"({format_bytes(int(report.bytes_per_s))}/s); {published}; {action} the digests of "
           f"{report.num_experts} experts in {report.path / MANIFEST_FILE}")
+    if report.manifest_written and not report.num_published:
+        print("moestream: nothing to compare the shards with, so these digests record them as they are now: if "
+              "they may already be damaged, download them again before verifying", file=sys.stderr)
     return 0

@@ -24,7 +24,6 @@ from typing import Callable, Protocol, Sequence as Seq
 
 import torch
 from threadpoolctl import threadpool_limits
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from moestream.checkpoint.index import CheckpointIndex, build_index
@@ -33,6 +32,7 @@ from moestream.errors import CheckpointError, MoestreamError
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Observer, Policy, TransferRequest
 from moestream.policies.driver import PolicyDriver
+from moestream.progress import progress_bar
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
@@ -143,7 +143,7 @@ class Engine:
         at start-up when it does), a layer at a time. Returns how many were brought in."""
         keys = list(self.checkpoint.topology.keys())[: self.store.device_slots]
         brought = 0
-        with tqdm(total=len(keys), desc="loading experts", unit="expert", disable=not progress) as bar:
+        with progress_bar(total=len(keys), desc="loading experts", unit="expert", disable=not progress) as bar:
             for _, group in itertools.groupby(keys, key=lambda key: key.layer):
                 group = list(group)
                 brought += len(self.store.prefetch([TransferRequest(key, 1.0) for key in group]))

@@ -21,5 +21,6 @@ def check_finite(values: torch.Tensor, where: str) -> torch.Tensor:
     """Returns values unchanged; raises NonFiniteError naming `where` if any is NaN or infinite."""
     if not bool(torch.isfinite(values).all()):
         raise NonFiniteError(f"non-finite values (NaN or inf) in {where}: the checkpoint's weights are "
-                             "probably damaged; check them with `moestream verify --model DIR`")
+                             "probably damaged; download them again, or compare them with their published "
+                             "sha256 (`moestream verify --model DIR` does for a Hugging Face cache snapshot)")
     return values

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from tqdm.auto import tqdm
 
 from moestream.checkpoint.index import CheckpointIndex
 from moestream.checkpoint.shards import TensorInfo
 from moestream.errors import CheckpointError
+from moestream.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
     expected = set(model.state_dict(keep_vars=True))
     loaded: set[str] = set()
     total = sum(len(names) for names in checkpoint.dense.values())
-    with tqdm(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
+    with progress_bar(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
         for file, names in checkpoint.dense.items():
             loaded |= _load_file(model, checkpoint, file, names, device, bar)
     missing = {key for key in expected - loaded if not _is_expert_key(key, checkpoint)}

@@ -28,11 +28,13 @@ def _generate(model_dir, out, *flags: str) -> int:
 
 def test_verify_writes_the_manifest_and_prints_its_throughput(model_dir, capsys):
     assert main(["verify", "--model", str(model_dir)]) == 0
-    out = capsys.readouterr().out
-    assert "verified" in out and "/s" in out and "wrote the digests of" in out
+    captured = capsys.readouterr()
+    assert "verified" in captured.out and "/s" in captured.out and "wrote the digests of" in captured.out
+    assert "nothing to compare the shards with" in captured.err  # no published digest: the bytes as they are now
     assert (model_dir / MANIFEST_FILE).is_file()
     assert main(["verify", "--model", str(model_dir)]) == 0
-    assert "matched the digests of" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "matched the digests of" in captured.out and "nothing to compare" not in captured.err
 
 
 @pytest.mark.parametrize("mode", [(), ("--sync",), ("--chunk-size", "1KiB")])
@@ -55,6 +57,7 @@ def test_damaged_expert_bytes_without_a_manifest_stop_at_the_layer(model_dir, tm
     assert _generate(model_dir, out) == 2
     line = _error_line(capsys)
     assert "non-finite values" in line and "MoE layer 0" in line and not out.exists()
+    assert "download them again" in line  # verify alone would record the damaged bytes as the reference
 
 
 def test_nan_in_an_expert_tensor_stops_generation_naming_the_layer(model_dir, tmp_path, capsys):

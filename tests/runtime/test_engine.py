@@ -112,6 +112,13 @@ def test_misses_read_disk_and_preloaded_experts_are_hits(checkpoint, sync):
     assert again.expert_hits == first.expert_hits + first.expert_misses
 
 
+def test_the_preload_bar_is_plain_lines_where_stderr_is_not_a_terminal(checkpoint, capsys):
+    with Engine(checkpoint("qwen3_moe"), EngineConfig(expert_budget="1.0", direct_io=False), progress=True):
+        pass
+    err = capsys.readouterr().err
+    assert "loading experts" in err and "100%" in err and "\r" not in err and "\x1b[" not in err
+
+
 class Recorder(Observer):
     """Checks the call order and, at each routing event, how many experts the store has looked up."""
 

@@ -11,7 +11,6 @@ inside train_weights.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,7 +64,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: D
     """Fits the model on the trace's rows (tokens: their vocabulary indices); returns numpy weights,
     the token memory's table and each epoch's mean loss."""
     import torch
-    from tqdm import tqdm
+    from moestream.progress import progress_bar
 
     torch.manual_seed(train.seed)
     torch.set_num_threads(train.num_threads)
@@ -90,9 +89,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: D
                                   weight_decay=train.weight_decay)
     index = (torch.from_numpy(anchors), torch.from_numpy(buckets))
     steps = -(-trace.num_tokens // train.batch_size)
-    tty = sys.stderr.isatty()  # plain text, updated every 15 s, when not a terminal
-    bar = tqdm(total=train.num_epochs * steps, desc="default", unit="step", file=sys.stderr,
-               disable=not train.progress, ascii=not tty, mininterval=0.5 if tty else 15)
+    bar = progress_bar(total=train.num_epochs * steps, desc="default", unit="step", disable=not train.progress)
     losses = []
     for _ in range(train.num_epochs):
         total = 0.0
