@@ -13,13 +13,13 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from moestream.atomic import write_json
 from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
 from moestream.policies import POLICIES
+from moestream.report import report_console
 from moestream.sim.compare import CompareConfig, Comparison, compare
 from moestream.sim.cost import PRESETS
 from moestream.trace.format import load_trace
@@ -103,9 +103,7 @@ def _names(text: str) -> list[str]:
 
 
 def _print(result: Comparison, config: CompareConfig, num_tokens: tuple[int, int], reuse: ReuseProfile) -> None:
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, REPORT_WIDTH)  # whole figures in a file or pipe
+    console = report_console(REPORT_WIDTH)
     console.print("trained on {} tokens, replayed {} held-out tokens".format(*num_tokens))
     console.print(_reuse_line(reuse))
     for protocol, by_cost in result.replays.items():
@@ -154,7 +152,7 @@ def _prediction_table(result: Comparison, horizons) -> Table:
     return table
 
 
-def _print_verdict(console: Console, result: Comparison) -> None:
+def _print_verdict(console, result: Comparison) -> None:
     """Where `default` is not the best online policy on hit rate and stall, say so."""
     losses = list(default_losses(result))
     if "default" not in result.fit_seconds:

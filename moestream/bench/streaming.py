@@ -352,11 +352,9 @@ def _ms(milliseconds: float) -> str:
 
 
 def print_report(rows: list[dict], summary: dict, model: Path, args) -> None:
-    from rich.console import Console
+    from moestream.report import report_console
 
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, REPORT_WIDTH)
+    console = report_console(REPORT_WIDTH)
     console.print(_table([*rows, summary["serving_prefill"], summary["least_budget_prefill"]], model, args))
     disk, reference = summary["disk_medians_bytes_per_s"], summary["sequential_read_bytes_per_s"]
     console.print(f"disk, cold, outside serving (medians of {len(summary['disk_samples_bytes_per_s']['sequential'])}): "

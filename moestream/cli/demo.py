@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from moestream.cli.generate import add_engine_arguments, check_engine_arguments, engine_config
@@ -108,10 +107,10 @@ def measure(label: str, model: Path, config, prompts, max_new_tokens: int) -> di
 
 
 def print_table(rows: list[dict], model: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from moestream.budget import format_bytes
+    from moestream.report import report_console
 
     host = any(row["bytes_read"]["host"] or row["host_budget"] != "0%" for row in rows)
     columns = ("run", "budget", "TTFT ms", "TPOT ms", "hits", "misses", "disk") + (("host",) if host else ())
@@ -123,4 +122,4 @@ def print_table(rows: list[dict], model: Path) -> None:
         cells = [row["run"], row["expert_budget"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}",
                  str(row["expert_hits"]), str(row["expert_misses"]), format_bytes(row["bytes_read"]["disk"])]
         table.add_row(*cells, *([format_bytes(row["bytes_read"]["host"])] if host else []))
-    Console(width=None if sys.stdout.isatty() else REPORT_WIDTH).print(table)
+    report_console(REPORT_WIDTH).print(table)

@@ -58,6 +58,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def require_checkpoint_dir(path: Path) -> None:
     """Refuses a checkpoint path that is not a directory with a config.json (no heavy imports)."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file: pass the checkpoint's directory")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not (path / "config.json").is_file():
@@ -93,10 +95,6 @@ def run(args) -> int:
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
 
-    if args.replay_routing is not None:
-        from moestream.runtime.replay import REPLAY_LABEL
-
-        print(f"[{REPLAY_LABEL} from {args.replay_routing}: the text below is for measurement only]", flush=True)
     records = _generate(args, prompts)
     print(summary(records), file=sys.stderr)
     if args.json:
@@ -145,6 +143,10 @@ def _generate(args, prompts: list[str]) -> list[dict]:
     many = args.prompts_file is not None
     records = []
     with Engine(args.model, config, progress=True) as engine:
+        if engine.replay is not None:  # the trace fits the model: label what follows
+            from moestream.runtime.replay import REPLAY_LABEL
+
+            print(f"[{REPLAY_LABEL} from {args.replay_routing}: the text below is for measurement only]", flush=True)
         recorder = _recorder(engine, args) if recording else None
         for start in range(0, len(prompts), args.batch_size):
             batch = prompts[start: start + args.batch_size]
@@ -169,12 +171,17 @@ def _run_batch(engine, batch: list[str], max_new_tokens: int):
         return result
     from transformers import TextStreamer
 
-    streamer = TextStreamer(engine.tokenizer, skip_special_tokens=True)
+    streamer, streamed = TextStreamer(engine.tokenizer, skip_special_tokens=True), []
+
+    def stream(new) -> None:
+        streamed.append(len(new))
+        streamer.put(_tensor(new))
+
     try:
-        result = engine.generate(batch, max_new_tokens=max_new_tokens,
-                                 on_tokens=lambda new: streamer.put(_tensor(new)))
+        result = engine.generate(batch, max_new_tokens=max_new_tokens, on_tokens=stream)
     finally:
-        streamer.end()  # prints the words held back, also on Ctrl-C
+        if streamed:  # prints the words held back, also on Ctrl-C (and no blank line before an error)
+            streamer.end()
     return result
 
 

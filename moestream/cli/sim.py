@@ -19,6 +19,7 @@ from moestream.errors import MoestreamError
 
 log = logging.getLogger(__name__)
 
+REPORT_WIDTH = 140  # columns of the table when printing to a file or pipe
 COST_FLAGS = {  # flag dest -> CostModel field (None: the link that fills the device tier)
     "layer_compute_ms": "layer_compute_ms",
     "expert_compute_ms": "expert_compute_ms",
@@ -196,8 +197,9 @@ def _document(args, config, trace, results: dict[str, dict[float, dict]]) -> dic
 
 
 def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from moestream.report import report_console
 
     table = Table(title=f"moestream sim ({protocol})")
     columns = ["policy", "ratio", "hit rate", "stall ms/tok", "TPOT / resident", "MB/tok", "wasted", "late", "seconds"]
@@ -216,7 +218,7 @@ def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
                 _fmt(m["late_prefetch_ratio"], "{:.1%}"),
                 f"{m['replay_seconds']:.1f}",
             )
-    Console().print(table)
+    report_console(REPORT_WIDTH).print(table)
 
 
 def _fmt(value, pattern: str) -> str:

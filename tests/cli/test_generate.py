@@ -23,9 +23,13 @@ def model_dir(tiny_checkpoint):
 
 
 def _error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Traceback" not in err[0]
-    return err[0]
+    return _error_line_of(capsys.readouterr().err)
+
+
+def _error_line_of(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0]
+    return lines[0]
 
 
 def test_generate_prints_text_and_writes_json(model_dir, tmp_path, capsys):
@@ -264,6 +268,7 @@ def _run_cli(*args: str) -> tuple[int, bool, str]:
 @pytest.mark.parametrize("args, message", [
     (("generate", "--model", "/no/such/dir", "--prompt", "hi"), "does not exist"),
     (("generate", "--model", ".", "--prompt", "hi"), "no config.json"),
+    (("generate", "--model", "pyproject.toml", "--prompt", "hi"), "is a file: pass the checkpoint's directory"),
     (("generate", "--model", "/no/such/dir", "--prompt", "hi", "--expert-budget", "12XB"), "unknown size unit"),
     (("demo", "--host-budget", "lots"), "cannot read budget"),
     (("verify", "--model", "/no/such/dir"), "does not exist"),
@@ -297,7 +302,9 @@ def test_replayed_routing_is_labelled_and_a_mismatched_trace_is_one_error_line(m
                                tokens_per_sequence=4), other)
     assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--buffered-io",
                  "--replay-routing", str(other)]) == 2
-    assert "cannot replay" in _error_line(capsys)
+    captured = capsys.readouterr()
+    assert "cannot replay" in _error_line_of(captured.err)
+    assert captured.out == ""  # neither the replay label nor a blank line before the error
 
 
 def test_sync_and_async_flags_give_the_same_tokens_and_report_stalls(model_dir, tmp_path):
@@ -331,3 +338,10 @@ def test_ctrl_c_leaves_no_output_file_and_no_thread(model_dir, tmp_path, monkeyp
     assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--json", str(out / "run.json")]) == 130
     assert list(out.iterdir()) == [] and threading.active_count() == threads
     assert "interrupted" in _error_line(capsys)
+
+
+def test_default_without_a_trained_model_is_one_error_line_and_no_output(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--policy", "default",
+                 "--buffered-io"]) == 2
+    captured = capsys.readouterr()
+    assert "--predictor-dir DIR" in _error_line_of(captured.err) and captured.out == ""

@@ -43,11 +43,9 @@ def _check(value: float, reference: float | None, factor: float) -> str:
 
 
 def print_report(document: dict, args) -> None:
-    from rich.console import Console
+    from moestream.report import report_console
 
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, REPORT_WIDTH)
+    console = report_console(REPORT_WIDTH)
     if document["replay_routing"]:
         console.print(f"[replayed routing from {document['replay_routing']}: the engine follows the trace's "
                       f"routing; figures are for measurement only]")
