@@ -40,6 +40,10 @@ class Topology:
     def total_expert_bytes(self) -> int:
         return self.total_experts * self.expert_bytes
 
+    def routing_shape(self) -> str:
+        """What routing sees, for messages: '26 MoE layers x 64 experts, top-6'."""
+        return f"{self.num_layers} MoE layers x {self.num_experts} experts, top-{self.top_k}"
+
     def keys(self) -> Iterator[ExpertKey]:
         for layer in range(self.num_layers):
             for expert in range(self.num_experts):

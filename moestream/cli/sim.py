@@ -45,7 +45,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--trace", required=True, type=Path, help="trace to replay (.npz: ours or DeepSeek's)")
     parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek --trace npz")
     parser.add_argument("--policy", required=True, metavar="NAME[,NAME...]", help="registered policies")
-    parser.add_argument("--cache-ratio", required=True, metavar="R[,R...]", help="device slots / routed experts, in (0, 1]")
+    parser.add_argument("--cache-ratio", required=True, metavar="R[,R...]", help="device slots / routed experts, in (0, 1] (or 25%%)")
     parser.add_argument("--protocol", default="stream", choices=PROTOCOLS.names())
     parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                         help=f"a preset ({', '.join(sorted(PRESETS))}) or measured:PATH (a calibration written "
@@ -111,10 +111,11 @@ def _names(text: str) -> list[str]:
 def _ratios(text: str) -> list[float]:
     ratios = []
     for part in text.split(","):
+        percent = part.strip().endswith("%")
         try:
-            ratio = float(part)
+            ratio = float(part.strip().removesuffix("%")) / (100.0 if percent else 1.0)
         except ValueError:
-            raise SimArgumentError(f"--cache-ratio: {part.strip()!r} is not a number") from None
+            raise SimArgumentError(f"--cache-ratio: {part.strip()!r} is not a ratio (0.25) or a percentage (25%)") from None
         if not 0.0 < ratio <= 1.0:
             raise SimArgumentError(f"--cache-ratio must lie in (0, 1], got {ratio}")
         ratios.append(ratio)

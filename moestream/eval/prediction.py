@@ -202,7 +202,10 @@ def _gate_sets(predictor: Predictor, test: Trace) -> Iterator[tuple[int, dict[in
 
 def check_compatible(train: Trace, test: Trace, needs: tuple[str, ...], name: str) -> None:
     if train.topology != test.topology:
-        raise TraceError(f"train and test traces have different topologies: {train.topology} vs {test.topology}")
+        ours, theirs = train.topology.routing_shape(), test.topology.routing_shape()
+        if ours == theirs:  # the layers' ids or the experts' sizes differ
+            ours, theirs = train.topology, test.topology
+        raise TraceError(f"train and test traces have different topologies: {ours} vs {theirs}")
     for which, trace in (("train", train), ("test", test)):
         missing = [field for field in needs if getattr(trace, field, None) is None]
         if missing:

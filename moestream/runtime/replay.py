@@ -49,8 +49,7 @@ def check_topology(trace: Trace, model: Topology, path: str = "trace") -> None:
     ours, theirs = model, trace.topology
     if _routing_shape(ours) != _routing_shape(theirs):
         raise ReplayError(
-            f"cannot replay {path}: it routes {theirs.num_layers} MoE layers x {theirs.num_experts} experts, "
-            f"top-{theirs.top_k}; the model has {ours.num_layers} x {ours.num_experts}, top-{ours.top_k}")
+            f"cannot replay {path}: it routes {theirs.routing_shape()}; the model has {ours.routing_shape()}")
     if not trace.num_tokens:
         raise ReplayError(f"cannot replay {path}: it has no tokens")
 

@@ -43,8 +43,7 @@ def check_compatible(policy: Policy, trace: Trace) -> None:
     mine, theirs = policy.topology, trace.topology
     if (mine.num_layers, mine.num_experts, mine.top_k) != (theirs.num_layers, theirs.num_experts, theirs.top_k):
         raise SimulationError(
-            f"trace topology ({theirs.num_layers} layers x {theirs.num_experts} experts, top-{theirs.top_k}) "
-            f"differs from the policy's ({mine.num_layers} x {mine.num_experts}, top-{mine.top_k})"
+            f"trace topology ({theirs.routing_shape()}) differs from the policy's ({mine.routing_shape()})"
         )
     missing = [name for name in policy.trace_needs if getattr(trace, name, None) is None]
     if missing:

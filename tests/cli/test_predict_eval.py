@@ -61,7 +61,8 @@ def test_bad_inputs_fail_with_one_line(traces, tmp_path, capsys):
     assert "truncated" in _fails(capsys, "--train", str(train), "--test", str(truncated), *common)
     assert "not found" in _fails(capsys, "--train", str(tmp_path / "none.npz"), "--test", str(test), *common)
     assert "unknown policy 'nope'" in _fails(capsys, "--train", str(train), "--test", str(test), "--predictor", "nope")
-    assert "different topologies" in _fails(capsys, "--train", str(other), "--test", str(test), *common)
+    mismatch = _fails(capsys, "--train", str(other), "--test", str(test), *common)
+    assert "different topologies: 2 MoE layers x 8 experts, top-2 vs" in mismatch and "Topology(" not in mismatch
     assert "horizon-layers" in _fails(capsys, "--train", str(train), "--test", str(test), *common, "--horizon-layers", "9")
     assert "cost model" in _fails(capsys, "--train", str(train), "--test", str(test), *common, "--cost-model", "abacus")
     assert "test-fraction" in _fails(capsys, "--train", str(train), "--test-fraction", "1.5", *common)

@@ -40,7 +40,7 @@ def test_json_has_a_block_per_policy_with_the_contract_keys(traces, tmp_path, ca
 def test_several_ratios_protocols_modes_and_a_plot(traces, tmp_path):
     test, _ = traces
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    argv = ["sim", "--trace", str(test), "--policy", "lru", "--cache-ratio", "0.25,0.5", "--json", str(out), "--plot", str(png)]
+    argv = ["sim", "--trace", str(test), "--policy", "lru", "--cache-ratio", "25%,0.5", "--json", str(out), "--plot", str(png)]
     assert main(argv + ["--mode", "batched", "--batch-size", "3", "--cost-model", "h100-pcie5", "--link-gbps", "5"]) == 0
     doc = json.loads(out.read_text())
     assert set(doc["policies"]["lru"]["by_ratio"]) == {"0.25", "0.5"} and doc["mode"] == "batched"
@@ -75,6 +75,7 @@ def _deepseek_like(path, experts, layer_ids):
     [
         ("policy", "unknown policy 'nope'"),
         ("ratio", "--cache-ratio must lie in (0, 1]"),
+        ("not-a-ratio", "is not a ratio (0.25) or a percentage (25%)"),
         ("missing", "trace file not found"),
         ("truncated", "truncated"),
         ("shape", "layers"),
@@ -87,7 +88,9 @@ def test_bad_input_is_one_line_and_exit_2(case, message, traces, tmp_path, capsy
     if case == "policy":
         args["policy"] = "lru,nope"
     elif case == "ratio":
-        args["ratio"] = "1.5"
+        args["ratio"] = "150%"
+    elif case == "not-a-ratio":
+        args["ratio"] = "half"
     elif case == "missing":
         args["trace"] = str(tmp_path / "none.npz")
     elif case == "truncated":
