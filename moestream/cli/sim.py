@@ -44,6 +44,8 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("sim", help="replay a routing trace through policies in the simulator")
     parser.add_argument("--trace", required=True, type=Path, help="trace to replay (.npz: ours or DeepSeek's)")
     parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek --trace npz")
+    parser.add_argument("--max-tokens", type=int, metavar="N",
+                        help="replay only the trace's first whole sequences holding N tokens (default: all)")
     parser.add_argument("--policy", required=True, metavar="NAME[,NAME...]", help="registered policies")
     parser.add_argument("--cache-ratio", required=True, metavar="R[,R...]", help="device slots / routed experts, in (0, 1] (or 25%%)")
     parser.add_argument("--protocol", default="stream", choices=PROTOCOLS.names())
@@ -82,8 +84,16 @@ def run(args) -> int:
     from moestream.trace.format import load_trace
 
     names, ratios = _names(args.policy), _ratios(args.cache_ratio)
+    if args.train is None and not args.predictor_dir:
+        _refuse_untrained(names)
     configs = [_config(args, ratio) for ratio in ratios]
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise SimArgumentError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     trace = load_trace(args.trace, args.tokens)
+    if args.max_tokens is not None:
+        from moestream.sim.compare import head_tokens
+
+        trace = head_tokens(trace, args.max_tokens)
     train = load_trace(args.train, args.train_tokens) if args.train is not None else None
     results = {name: _run_policy(name, trace, train, configs, args) for name in names}
     document = _document(args, configs[0], trace, results)
@@ -106,6 +116,17 @@ def _names(text: str) -> list[str]:
     for name in names:
         POLICIES.get(name)  # an unknown name fails before any trace is read
     return names
+
+
+def _refuse_untrained(names: list[str]) -> None:
+    """Policies that need a trained predictor stop the run before any policy runs, naming the flags."""
+    from moestream.policies import POLICIES
+    from moestream.policies.trained import TrainedPolicy
+
+    untrained = [name for name in names if issubclass(POLICIES.get(name), TrainedPolicy)]
+    if untrained:
+        raise SimArgumentError(f"{', '.join(untrained)} need(s) a trained predictor: pass --train TRACE (fits it "
+                               f"here) or --predictor-dir DIR (from `moestream train-predictor`)")
 
 
 def _ratios(text: str) -> list[float]:

@@ -120,3 +120,27 @@ def test_a_trained_predictor_directory_is_used_instead_of_fitting(traces, tmp_pa
     (out / "predictor.json").write_text("{")
     assert main(argv) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_policy_that_needs_training_stops_the_run_before_any_policy_runs(traces, tmp_path, capsys):
+    test, _ = traces
+    out = tmp_path / "r.json"
+    assert main(["sim", "--trace", str(test), "--policy", "lru,expertflow", "--cache-ratio", "0.25",
+                 "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "expertflow need(s) a trained predictor" in captured.err
+    assert "--train TRACE" in captured.err and "--predictor-dir DIR" in captured.err
+    assert not out.exists() and "sim lru" not in captured.err  # nothing ran
+
+
+def test_max_tokens_replays_the_first_whole_sequences_only(traces, tmp_path, capsys):
+    from moestream.trace.format import load_trace
+
+    test, _ = traces
+    out, full = tmp_path / "r.json", load_trace(test)
+    first_end = next(iter(full.sequence_bounds()))[2]
+    assert main(["sim", "--trace", str(test), "--policy", "lru", "--cache-ratio", "0.25", "--max-tokens", "1",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["num_tokens"] == first_end < full.num_tokens
+    assert main(["sim", "--trace", str(test), "--policy", "lru", "--cache-ratio", "0.25", "--max-tokens", "0"]) == 2
+    assert "--max-tokens must be >= 1" in capsys.readouterr().err
