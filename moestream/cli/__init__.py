@@ -19,9 +19,28 @@ from moestream.errors import MoestreamError
 DESCRIPTION = "Serve Mixture-of-Experts models whose experts live on disk and in host memory."
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help that shows an option's default where it has one and its text does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or text == argparse.SUPPRESS
+                or action.default in (None, False, [], argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose subcommands' help shows defaults too (subparsers take the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser, with every subcommand, or only the one argv names."""
-    parser = argparse.ArgumentParser(prog="moestream", description=DESCRIPTION)
+    parser = Parser(prog="moestream", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -31,7 +31,8 @@ def add_parser(commands) -> None:
         default = defaults[flag.replace("-", "_")].default
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(f"--{flag}", type=int, default=default, help=text + shown)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults["dtype"].default)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults["dtype"].default,
+                        help="the weights' type on disk")
     parser.set_defaults(handler=run)
 
 

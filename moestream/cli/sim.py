@@ -48,7 +48,8 @@ def add_parser(commands) -> None:
                         help="replay only the trace's first whole sequences holding N tokens (default: all)")
     parser.add_argument("--policy", required=True, metavar="NAME[,NAME...]", help="registered policies")
     parser.add_argument("--cache-ratio", required=True, metavar="R[,R...]", help="device slots / routed experts, in (0, 1] (or 25%%)")
-    parser.add_argument("--protocol", default="stream", choices=PROTOCOLS.names())
+    parser.add_argument("--protocol", default="stream", choices=PROTOCOLS.names(),
+                        help="stream: one token stream in time; moe-beyond: the MoE-Beyond study's scoring")
     parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                         help=f"a preset ({', '.join(sorted(PRESETS))}) or measured:PATH (a calibration written "
                              f"by `moestream bench engine --json` or `bench fidelity --json`)")
