@@ -95,7 +95,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     data_end = max((t.offset + t.nbytes for t in tensors.values()), default=data_start)
     if data_end > file_size:
         raise CheckpointError(
-            f"truncated shard {file}: its header needs {data_end} bytes, the file has {file_size}"
+            f"truncated shard {file}: its header places tensors up to byte {data_end}, the file has {file_size}"
         )
     return tensors
 

@@ -29,7 +29,7 @@ def run(args) -> int:
     published = (f"sha256 matched the published digest of {report.num_published} of {report.num_shards} shards"
                  if report.num_published else "no published digest to compare (not a Hugging Face cache snapshot)")
     action = "wrote" if report.manifest_written else "matched"
-    print(f"verified {report.num_shards} shards, {format_bytes(report.bytes_checked)} in {report.seconds:.1f} s "
+    print(f"verified {report.num_shards} shard{'s' if report.num_shards != 1 else ''}, {format_bytes(report.bytes_checked)} in {report.seconds:.1f} s "
           f"({format_bytes(int(report.bytes_per_s))}/s); {published}; {action} the digests of "
           f"{report.num_experts} experts in {report.path / MANIFEST_FILE}")
     if report.manifest_written and not report.num_published:
