@@ -124,7 +124,10 @@ def _end(piece: Piece) -> int:
 
 
 def _compare(previous: Manifest, current: Manifest) -> None:
-    for key, found in current.pieces.items():
-        for piece, got, want in zip(found, current.digests[key], previous.digests[key]):
-            if got != want:
-                raise IntegrityError(mismatch(current.path, key, piece, got, want))
+    """Raises naming the first damaged expert and how many are damaged in all."""
+    damaged = [(key, piece, got, want) for key, found in current.pieces.items()
+               for piece, got, want in zip(found, current.digests[key], previous.digests[key]) if got != want]
+    if damaged:
+        others = len({key for key, *_ in damaged}) - 1
+        more = f" (and {others} more damaged expert{'s' if others != 1 else ''})" if others else ""
+        raise IntegrityError(mismatch(current.path, *damaged[0]) + more)

@@ -40,7 +40,8 @@ def test_verify_writes_the_manifest_and_prints_its_throughput(model_dir, capsys)
 @pytest.mark.parametrize("mode", [(), ("--sync",), ("--chunk-size", "1KiB")])
 def test_damaged_expert_bytes_with_a_manifest_stop_generation(model_dir, tmp_path, capsys, mode):
     assert main(["verify", "--model", str(model_dir)]) == 0
-    (info, _), *_ = scramble_experts(model_dir, layer=0)
+    damaged = scramble_experts(model_dir, layer=0)
+    (info, _), *_ = damaged
     capsys.readouterr()
     out = tmp_path / "run.json"
     assert _generate(model_dir, out, *mode) == 2
@@ -48,7 +49,8 @@ def test_damaged_expert_bytes_with_a_manifest_stop_generation(model_dir, tmp_pat
     assert "damaged expert bytes" in line and f"shard {info.file.name}" in line and "MoE layer 0 expert" in line
     assert "tensor model.layers.0." in line and not out.exists()
     assert main(["verify", "--model", str(model_dir)]) == 2
-    assert "damaged expert bytes" in _error_line(capsys)
+    line = _error_line(capsys)
+    assert "damaged expert bytes" in line and f"(and {len(damaged) - 1} more damaged experts)" in line
 
 
 def test_damaged_expert_bytes_without_a_manifest_stop_at_the_layer(model_dir, tmp_path, capsys):
