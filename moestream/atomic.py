@@ -1,6 +1,7 @@
 """Atomic file writes: write a temporary file beside the target, then os.replace it into place,
 so a reader never sees a half-written file and an interrupted write leaves nothing behind. What is
-published is readable by others (0644 files, 0755 directories), as a plain write would leave it."""
+published gets the permissions a plain write would leave under the process's umask (0644 files and
+0755 directories under the usual 022), not the 0600/0700 of temporary files."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~_umask())
     except OSError as error:
         raise MoestreamError(f"cannot write {path}: {error.strerror or error}") from None
     try:
@@ -38,16 +39,36 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 def staging_dir(out: Path, label: str) -> Path:
     """A fresh directory beside `out` to fill and then rename into place."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{label}-", dir=out.parent))
-    os.chmod(staging, 0o755)  # mkdtemp's 0700 would survive the rename
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{label}-", dir=out.parent))
+    except OSError as error:
+        raise MoestreamError(f"cannot write beside {out}: {error.strerror or error}") from None
+    try:
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would survive the rename
+    except OSError as error:
+        staging.rmdir()
+        raise MoestreamError(f"cannot write beside {out}: {error.strerror or error}") from None
     return staging
 
 
 def make_readable(directory: Path) -> None:
-    """The files directly in `directory` readable by others (a library may have written them 0600)."""
+    """The files directly in `directory` as a plain write leaves them (a library may write them 0600)."""
+    mode = 0o666 & ~_umask()
     for path in directory.iterdir():
         if path.is_file():
-            os.chmod(path, 0o644)
+            os.chmod(path, mode)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux); 022 elsewhere."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def write_json(data, path: str | os.PathLike) -> Path:

@@ -54,15 +54,18 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
-def _policies(text: str) -> list[str]:
+def _policies(text: str, predictor_dir) -> list[str]:
     from moestream.policies import POLICIES
+    from moestream.policies.trained import TrainedPolicy
 
     policies = [p.strip() for p in text.split(",") if p.strip()]
     for policy in policies:
         name, _, mode = policy.partition(":")
-        POLICIES.get(name)
         if mode not in ("", "sync"):
             raise MoestreamError(f"--policies: {policy!r} is not NAME or NAME:sync")
+        if issubclass(POLICIES.get(name), TrainedPolicy) and predictor_dir is None:
+            raise MoestreamError(f"--policies: {name} needs a trained predictor: pass --predictor-dir DIR "
+                                 "(from `moestream train-predictor`)")
     if not policies:
         raise MoestreamError("--policies names no policy")
     return policies
@@ -71,7 +74,7 @@ def _policies(text: str) -> list[str]:
 def run(args) -> int:
     from moestream.cli.serve import require_serve_extra
 
-    rates, policies = _rates(args.rates), _policies(args.policies)
+    rates, policies = _rates(args.rates), _policies(args.policies, args.predictor_dir)
     if not (args.duration > 0 and args.scale_lengths > 0 and args.tpot_factor > 0):
         raise MoestreamError("--duration, --scale-lengths and --tpot-factor must be > 0")
     require_serve_extra()

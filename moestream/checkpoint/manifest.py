@@ -115,10 +115,10 @@ class Manifest:
         return write_json(data, self.path / MANIFEST_FILE)
 
 
-def mismatch(path: Path, key: ExpertKey, piece: Piece, got: int, want: int) -> str:
-    """The one-line message of a damaged piece."""
+def mismatch(path: Path, key: ExpertKey, piece: Piece, got: int, want: int, also: str = "") -> str:
+    """The one-line message of a damaged piece (`also`: what else is damaged, said before the advice)."""
     return (f"damaged expert bytes: shard {piece.shard}, tensor {piece.tensor}, MoE layer {key.layer} "
-            f"expert {key.expert} ({HASH} {got:016x}, manifest {want:016x}); re-download the shard, "
+            f"expert {key.expert} ({HASH} {got:016x}, manifest {want:016x}){also}; re-download the shard, "
             f"then run `moestream verify --model {path}`")
 
 

@@ -130,4 +130,4 @@ def _compare(previous: Manifest, current: Manifest) -> None:
     if damaged:
         others = len({key for key, *_ in damaged}) - 1
         more = f" (and {others} more damaged expert{'s' if others != 1 else ''})" if others else ""
-        raise IntegrityError(mismatch(current.path, *damaged[0]) + more)
+        raise IntegrityError(mismatch(current.path, *damaged[0], also=more))

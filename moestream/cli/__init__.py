@@ -24,8 +24,9 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        default = action.default
         if (not action.option_strings or "default" in text or text == argparse.SUPPRESS
-                or action.default in (None, False, [], argparse.SUPPRESS)):
+                or default is None or default is False or default is argparse.SUPPRESS or default == []):
             return text
         return f"{text} (default: %(default)s)"
 

@@ -85,8 +85,6 @@ def run(args) -> int:
     from moestream.trace.format import load_trace
 
     names, ratios = _names(args.policy), _ratios(args.cache_ratio)
-    if args.train is None and not args.predictor_dir:
-        _refuse_untrained(names)
     configs = [_config(args, ratio) for ratio in ratios]
     if args.max_tokens is not None and args.max_tokens < 1:
         raise SimArgumentError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -96,7 +94,8 @@ def run(args) -> int:
 
         trace = head_tokens(trace, args.max_tokens)
     train = load_trace(args.train, args.train_tokens) if args.train is not None else None
-    results = {name: _run_policy(name, trace, train, configs, args) for name in names}
+    policies = {name: _prepared(name, trace, train, args) for name in names}  # every refusal before any run
+    results = {name: _run_policy(name, policy, trace, configs, args) for name, policy in policies.items()}
     document = _document(args, configs[0], trace, results)
     if args.json is not None:
         write_json(document, args.json)
@@ -117,17 +116,6 @@ def _names(text: str) -> list[str]:
     for name in names:
         POLICIES.get(name)  # an unknown name fails before any trace is read
     return names
-
-
-def _refuse_untrained(names: list[str]) -> None:
-    """Policies that need a trained predictor stop the run before any policy runs, naming the flags."""
-    from moestream.policies import POLICIES
-    from moestream.policies.trained import TrainedPolicy
-
-    untrained = [name for name in names if issubclass(POLICIES.get(name), TrainedPolicy)]
-    if untrained:
-        raise SimArgumentError(f"{', '.join(untrained)} need(s) a trained predictor: pass --train TRACE (fits it "
-                               f"here) or --predictor-dir DIR (from `moestream train-predictor`)")
 
 
 def _ratios(text: str) -> list[float]:
@@ -166,11 +154,11 @@ def _config(args, ratio: float):
     )
 
 
-def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
+def _prepared(name: str, trace, train, args):
+    """The policy, its predictor loaded from a matching --predictor-dir or fitted on --train; one that
+    needs a trained predictor and has neither is refused, naming both flags."""
     from moestream.policies import POLICIES
-    from moestream.policies.trained import load_matching
-    from moestream.progress import progress_bar
-    from moestream.sim import simulate
+    from moestream.policies.trained import TrainedPolicy, load_matching
     from moestream.sim.protocols import check_compatible
 
     policy = POLICIES.create(name, trace.topology)
@@ -179,8 +167,18 @@ def _run_policy(name: str, trace, train, configs, args) -> dict[float, dict]:
     elif train is not None:
         check_compatible(policy, train)
         policy.fit(train)
+    elif isinstance(policy, TrainedPolicy):
+        raise SimArgumentError(f"{name} needs a trained predictor: pass --train TRACE (fits it here) or "
+                               f"--predictor-dir DIR of its kind (from `moestream train-predictor`)")
     elif _learns(policy):
         print(f"moestream: note: policy {name!r} learns from a trace but no --train was given; it runs unfitted", file=sys.stderr)
+    return policy
+
+
+def _run_policy(name: str, policy, trace, configs, args) -> dict[float, dict]:
+    from moestream.progress import progress_bar
+    from moestream.sim import simulate
+
     results = {}
     for config in progress_bar(configs, desc=f"sim {name}", unit="ratio"):
         start = time.perf_counter()

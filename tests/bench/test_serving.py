@@ -33,7 +33,7 @@ def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_
     assert "lru: highest rate sustained 4 req/s" in printed and "lru sustains 1.00x the rate of lru:sync" in printed
 
 
-@pytest.mark.parametrize("policies", ["lru:fast", "nope", ","])
+@pytest.mark.parametrize("policies", ["lru:fast", "nope", ",", "default,lru:sync"])  # default: no --predictor-dir
 def test_bench_serving_refuses_bad_policies_before_any_run(capsys, policies):
     assert main(["bench", "serving", "--policies", policies]) == 2
     err = capsys.readouterr().err

@@ -2,6 +2,7 @@
 each family's routing specifics, varied routing, non-degenerate greedy output, and atomic writes."""
 
 import hashlib
+import os
 
 import pytest
 import torch
@@ -181,7 +182,13 @@ def test_demo_spec_has_deepseek_v2_lite_topology_and_over_a_gib_of_experts():
     assert per_expert == topology.expert_bytes
 
 
-def test_what_it_writes_is_readable_by_others(tmp_path):
-    out = make_model(ModelSpec("mixtral", num_layers=1, hidden_size=16, intermediate_size=8), tmp_path / "m")
-    assert out.stat().st_mode & 0o777 == 0o755
-    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o644 for p in out.iterdir()}
+@pytest.mark.parametrize("umask, directory, files", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_what_it_writes_has_the_permissions_of_a_plain_write(tmp_path, umask, directory, files):
+    """Not the 0700 and 0600 of temporary files: a service account can read a checkpoint (umask 022)."""
+    before = os.umask(umask)
+    try:
+        out = make_model(ModelSpec("mixtral", num_layers=1, hidden_size=16, intermediate_size=8), tmp_path / "m")
+    finally:
+        os.umask(before)
+    assert out.stat().st_mode & 0o777 == directory
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: files for p in out.iterdir()}

@@ -117,6 +117,10 @@ def test_a_trained_predictor_directory_is_used_instead_of_fitting(traces, tmp_pa
     argv = ["sim", "--trace", str(test), "--policy", "expertflow,lru", "--cache-ratio", "0.5", "--predictor-dir", str(out)]
     assert main(argv) == 0
     assert "runs unfitted" not in capsys.readouterr().err  # expertflow loaded its directory
+    assert main(["sim", "--trace", str(test), "--policy", "lru,default", "--cache-ratio", "0.5",
+                 "--predictor-dir", str(out)]) == 2  # a directory of another kind trains no default
+    err = capsys.readouterr().err
+    assert "default needs a trained predictor" in err and "sim lru" not in err
     (out / "predictor.json").write_text("{")
     assert main(argv) == 2
     assert "cannot read" in capsys.readouterr().err
@@ -128,7 +132,7 @@ def test_a_policy_that_needs_training_stops_the_run_before_any_policy_runs(trace
     assert main(["sim", "--trace", str(test), "--policy", "lru,expertflow", "--cache-ratio", "0.25",
                  "--json", str(out)]) == 2
     captured = capsys.readouterr()
-    assert captured.err.count("\n") == 1 and "expertflow need(s) a trained predictor" in captured.err
+    assert captured.err.count("\n") == 1 and "expertflow needs a trained predictor" in captured.err
     assert "--train TRACE" in captured.err and "--predictor-dir DIR" in captured.err
     assert not out.exists() and "sim lru" not in captured.err  # nothing ran
 

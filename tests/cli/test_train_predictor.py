@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -33,7 +34,10 @@ def test_trains_saves_and_the_policy_loads_it(trace_paths, tmp_path, capsys):
     assert "held-out top-k accuracy (iteration start)" in printed and f"saved to {out}" in printed
     assert sorted(p.name for p in out.iterdir()) == ["predictor.json", "weights.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["ef"]  # no staging directory left behind
-    assert [p.stat().st_mode & 0o777 for p in (out, *sorted(out.iterdir()))] == [0o755, 0o644, 0o644]  # others read it
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert [p.stat().st_mode & 0o777 for p in (out, *sorted(out.iterdir()))] == [
+        0o777 & ~umask, 0o666 & ~umask, 0o666 & ~umask]  # as a plain write leaves them, not mkdtemp's 0700
     policy = POLICIES.create("expertflow", TOPOLOGY, predictor_dir=out)
     assert policy.config.model_dim == 16 and policy.predictor.train_config.seed == 3
     it = next(iter(decode_stream(synthetic_trace(TOPOLOGY, num_sequences=1, seed=2))))
