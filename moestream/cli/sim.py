@@ -1,7 +1,8 @@
 """`moestream sim`: replay a routing trace through policies in the simulator and print their figures.
 
-Each policy is fitted on --train (without --train it runs unfitted, and a policy that learns from a
-trace says so on stderr), then replayed at every --cache-ratio under --protocol: `stream` (the
+Each policy loads a matching --predictor-dir or is fitted on --train; without either, one that learns
+online runs unfitted (said on stderr) and one that needs a trained predictor is refused before any
+policy runs. Each is then replayed at every --cache-ratio under --protocol: `stream` (the
 discrete-event simulator with --cost-model) or `moe-beyond` (the MoE-Beyond study's hit-rate
 protocol). Prints a table; --json and --plot write the results.
 """
