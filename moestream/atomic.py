@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from moestream.errors import MoestreamError
+from moestream.procfs import status_field
 
 
 @contextmanager
@@ -61,14 +62,8 @@ def make_readable(directory: Path) -> None:
 
 def _umask() -> int:
     """The process's umask, read without changing it (Linux); 022 elsewhere."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
+    value = status_field("Umask")
+    return 0o022 if value is None else int(value, 8)
 
 
 def write_json(data, path: str | os.PathLike) -> Path:
