@@ -10,7 +10,9 @@ routing does not change (the sequence's history and the token's memory; the next
 memory of what followed the current token), and observe(c) adds the part of the blocks the routing
 at c and c-1 fills (those one-hot rows times their weights; with cut_recall, also what the recall
 they weight adds) and applies model.head. A batch's probability for an expert is the chance that
-at least one of its rows routes to it. Knows arrays and events, not caches.
+at least one of its rows routes to it; for the next token's layers, of the rows that end their
+sequence's part of the iteration (in a prefill, the prompt's last token: the next iteration follows
+only those). Knows arrays and events, not caches.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from moestream.topology import Topology
 def union(probs: np.ndarray) -> np.ndarray:
     """[T, ...] -> [...]: probability that at least one row needs it (rows independent)."""
     return probs[0] if len(probs) == 1 else 1.0 - np.prod(1.0 - probs, axis=0)
+
+
+def last_rows(seq_ids: np.ndarray) -> np.ndarray | None:
+    """[S] the rows that end their sequence's (contiguous) rows in an iteration; None if every row does."""
+    last = np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True])
+    return None if len(last) == len(seq_ids) else last
 
 
 class SequenceHistory:
@@ -95,6 +103,7 @@ class IterationState:
         # (observe comes for every layer in order, as the contract says: a layer skipped would stay 'ahead')
         self._layers = np.arange(L, dtype=np.float64)[:, None]  # [L, 1]
         self._keyed, self._recorded = False, []
+        self._last: np.ndarray | None = None  # [S] rows the next iteration follows (last_rows), None: all
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
         self._row_index = np.zeros((0, 1), np.int64)
         U = weights.bias.shape[-1]
@@ -108,6 +117,7 @@ class IterationState:
         """tokens: the rows' vocabulary indices, None if the iteration has no keys the model knows."""
         L, E, T = self.topology.num_layers, self.topology.num_experts, ctx.num_tokens
         self.rows = [self._history(int(s)) for s in ctx.seq_ids.tolist()]
+        self._last = last_rows(ctx.seq_ids)
         self._keyed = tokens is not None
         self._recorded = tokens.tolist() if self._keyed else [-1] * T  # what each history keeps as its last
         tokens = tokens if self._keyed else np.zeros(T, np.int64)
@@ -127,8 +137,9 @@ class IterationState:
         self._fix(ahead, following, tokens)
         every = (slice(None), START)
         pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]
-        self.start = union(sigmoid(head(self.weights, pre, every)))  # [L, E]
-        self.ahead, self.next = self.start.copy(), self.start.copy()
+        probs = sigmoid(head(self.weights, pre, every))  # [T, L, E]
+        self.start = union(probs)  # [L, E]
+        self.ahead, self.next = self.start.copy(), self._next_token(probs).copy()  # (rows views: one row)
         self.fresh = self.start[:NUM_BUCKETS]
         self._expect(slice(0, L), 0)
         self.epoch += 1
@@ -154,7 +165,9 @@ class IterationState:
         self._add_routed(c, pre)
         if self.config.cut_recall:
             self._cut_recall(c, pre)
-        self.fresh = union(sigmoid(head(self.weights, pre, c)))  # [3, E]: the weights of cut c
+        probs = sigmoid(head(self.weights, pre, c))  # [T, 3, E]: the weights of cut c
+        self.fresh = union(probs) if self._last is None else np.concatenate(
+            [union(probs[:, :START]), self._next_token(probs[:, START:])])  # [3, E]
         ahead = min(2, L - 1 - c)
         self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
         self.next[c] = self.fresh[START]
@@ -163,6 +176,10 @@ class IterationState:
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
                 history.finish_token(routed_token, token)
+
+    def _next_token(self, probs: np.ndarray) -> np.ndarray:
+        """[T, n, E] -> [n, E]: the union of the rows the next iteration follows."""
+        return union(probs if self._last is None else probs[self._last])
 
     def _add_routed(self, c: int, pre: np.ndarray) -> None:
         """Adds to pre [T, 3, U] the part of the blocks the routing at c and c-1 fills: their one-hot rows

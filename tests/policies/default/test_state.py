@@ -99,13 +99,41 @@ def test_a_batch_s_probabilities_are_the_union_of_its_rows_alone(traces, overrid
         np.testing.assert_allclose(batch[name], union, atol=1e-6)
 
 
-def _replay(predictor, trace, rows, seqs, num_layers) -> dict:
+def _replay(predictor, trace, rows, seqs, num_layers, experts=None) -> dict:
+    """One iteration of the trace's rows ([T]; experts [T, L, K] instead of the trace's routing)."""
     from moestream.events import IterationContext, RoutingEvent
+
+    experts = trace.experts[rows].astype(np.int64) if experts is None else experts
 
     predictor.begin_iteration(IterationContext(step=0, seq_ids=seqs, positions=trace.positions[rows], is_prefill=False,
                                                token_ids=trace.token_ids[rows], tokens=tuple(trace.tokens[r] for r in rows)))
     start, fresh = predictor.state.start.copy(), []
     for c in range(num_layers):
-        predictor.observe(RoutingEvent(c, trace.experts[rows, c].astype(np.int64), seqs, np.arange(len(rows))))
+        predictor.observe(RoutingEvent(c, experts[:, c], seqs, np.arange(len(rows))))
         fresh.append(predictor.state.fresh.copy())
     return {"start": start, "fresh": np.stack(fresh)}
+
+
+def test_last_rows_are_where_each_sequence_s_rows_end():
+    from moestream.policies.default.state import last_rows
+
+    assert last_rows(np.array([7, 7, 7, 8])).tolist() == [2, 3]
+    assert last_rows(np.array([4, 5, 6])) is None  # a decode: every row is its sequence's last
+
+
+def test_a_prefill_predicts_the_next_token_from_its_last_row_alone(policy, traces):
+    """The next iteration follows only the prompt's last token: routing the earlier rows differently
+    changes the prefill's own layers ahead, not the next token's probabilities."""
+    test, predictor, L = traces[1], policy.predictor, traces[1].topology.num_layers
+    seq, first, _ = next(iter(test.sequence_bounds()))
+    rows, seqs = np.arange(first, first + 3), np.full(3, seq)
+    experts = test.experts[rows].astype(np.int64)  # [3, L, K]
+    shifted = experts.copy()
+    shifted[:2] = (experts[:2] + 1) % test.topology.num_experts  # the first two rows routed elsewhere
+    runs = []
+    for routing in (experts, shifted):
+        predictor.reset()
+        runs.append(_replay(predictor, test, rows, seqs, L, routing) | {"next": predictor.state.next.copy()})
+    np.testing.assert_array_equal(runs[0]["next"], runs[1]["next"])
+    assert not np.array_equal(runs[0]["fresh"][:, :2], runs[1]["fresh"][:, :2])
+    predictor.reset()
