@@ -11,7 +11,8 @@ from moestream.trace.format import save_trace
 from tests.synthetic import synthetic_trace
 
 RUN_KEYS = {"policy", "budget", "budget_mib", "mode", "tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token",
-            "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms", "routed_expert_ms"}  # the issue's, + ours
+            "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms",
+            "routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib"}  # the issue's, + ours
 TOP_KEYS = {"runs", "resident_tpot_ms", "floor_rss_mib", "dense_mib", "disk_bw_gbps"}
 
 
@@ -39,10 +40,12 @@ def test_the_document_follows_the_issue_schema(small_bench):
     assert code == 0
     assert TOP_KEYS <= set(record)
     assert all(set(run) == RUN_KEYS for run in record["runs"])
-    assert [(r["policy"], r["mode"], r["budget"]) for r in record["runs"]] == [
-        ("lru", "async", 1.0), ("lru", "sync", 0.5), ("lru", "async", 0.5), ("hf-accelerate", "sync", 0.5)]
-    assert [(s["policy"], s["budget"]) for s in record["skipped"]] == [("default", "0.5")]  # no trained predictor
-    assert "trained predictor" in record["skipped"][0]["reason"]
+    caps = (False, True) if record["memory_cap"]["applied"] else (False,)  # each run again under the cap, if one applies
+    offloaded = [("lru", "sync"), ("lru", "async"), ("hf-accelerate", "sync")]
+    assert [(r["policy"], r["mode"], r["budget"], r["memory_cap_mib"] is not None) for r in record["runs"]] == [
+        ("lru", "async", 1.0, False), *((policy, mode, 0.5, cap) for policy, mode in offloaded for cap in caps)]
+    assert [(s["policy"], s["budget"]) for s in record["skipped"]] == [("default", "0.5")] * len(caps)  # untrained
+    assert all("trained predictor" in s["reason"] for s in record["skipped"])
 
 
 @pytest.mark.slow
@@ -57,11 +60,14 @@ def test_every_figure_is_sane(small_bench):
         assert run["peak_rss_mib"] > record["floor_rss_mib"] * 0.9
         assert run["limit_tpot_ms"] >= record["resident_tpot_ms"]
         assert run["overlap"] is None or 0.0 <= run["overlap"] <= 1.0
+        cap, peak = run["memory_cap_mib"], run["cgroup_peak_mib"]
+        assert (cap is None and peak is None) or peak is None or 0 < peak <= cap  # None: the kernel keeps no peak
     assert record["integrity"]["digest_check_vs_disk_read"] > 0 and record["integrity"]["finite_check_us_per_token"] > 0
+    offloaded = [run for run in offloaded if run["memory_cap_mib"] is None]
     for run in offloaded[:2]:  # our engine at half the experts: misses cost reads and stalls
         assert 0.0 < run["hit_rate"] < 1.0 and run["bytes_per_token"] > 0 and run["stall_ms_per_token"] > 0
         assert run["budget_mib"] == pytest.approx(resident["budget_mib"] / 2, rel=0.01)
     assert offloaded[0]["hit_rate"] == offloaded[1]["hit_rate"]  # same replayed rows, same LRU
-    assert all(run["routed_expert_ms"] > 0 for run in record["runs"][:3]) and offloaded[2]["routed_expert_ms"] is None
+    assert all(run["routed_expert_ms"] > 0 for run in [resident, *offloaded[:2]]) and offloaded[2]["routed_expert_ms"] is None
     assert record["cost_model"]["layer_compute_ms"] > 0 and record["cost_model"]["disk_to_host_gbps"] > 0
     assert record["memory_cap"]["requested"] == "auto" and record["memory_cap"]["reason"]

@@ -30,7 +30,8 @@ def add_parser(kinds) -> None:
                         help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
     parser.add_argument("--memory-cap", metavar="auto|MiB",
-                        help="run under a cgroup v2 memory limit: auto (floor + dense + budget + 64 MiB) or MiB")
+                        help="run each offloaded run again under a cgroup memory limit (v2, or v1's memory "
+                             "controller): auto (floor + dense + budget + 64 MiB) or MiB")
     parser.add_argument("--json", type=Path, help="write the figures (and the calibrated cost model) here")
     parser.add_argument("--budgets", default=BUDGETS, help=f"expert budgets, comma separated (default {BUDGETS})")
     parser.add_argument("--designs", default=DESIGNS, help=f"design policies to run (default {DESIGNS}; '' none)")

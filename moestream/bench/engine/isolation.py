@@ -1,9 +1,12 @@
-"""Runs one benchmark run in a fresh Python process, optionally under a cgroup v2 memory limit.
+"""Runs one benchmark run in a fresh Python process, optionally under a cgroup memory limit.
 
 A fresh process per run makes peak RSS a run's own. The memory limit is a child cgroup of this
-process's cgroup with `memory.max` set, where the machine allows creating one (a cgroup v2
-hierarchy, the memory controller delegated to children, a writable cgroup); `cap_support` says why
-not otherwise, and the runs go uncapped. Knows nothing of what a run measures.
+process's memory cgroup, with swap forbidden, where the machine allows creating one: cgroup v2
+(`memory.max`; the memory controller delegated to children) or, on a v1 hierarchy, the memory
+controller's own (`memory.limit_in_bytes`). `cap_support` says why not otherwise, and the runs go
+uncapped. A capped run also reports the cgroup's peak usage: the memory charged to it, which
+leaves out pages of shared libraries that other processes faulted in first, unlike RSS. Knows
+nothing of what a run measures.
 """
 
 from __future__ import annotations
@@ -15,27 +18,53 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import moestream
 from moestream.bench.engine.spec import RunSpec
+from moestream.errors import MoestreamError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
 RUN_TIMEOUT_S = 1800
 _names = itertools.count()
 
 
-class RunFailed(Exception):
+class RunFailed(MoestreamError):
     """A run's process failed (or was killed, e.g. by the memory cap); the message says how."""
 
 
-def own_cgroup() -> Path | None:
-    """This process's cgroup v2 directory, or None without a unified hierarchy."""
-    if not (CGROUP_ROOT / "cgroup.controllers").is_file():
-        return None
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        if line.startswith("0::"):
-            return CGROUP_ROOT / line[3:].lstrip("/")
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """This process's memory cgroup and the names of the files that limit and measure a child."""
+
+    path: Path
+    version: int  # 2: the unified hierarchy; 1: the memory controller's own
+    limit_file: str
+    swap_file: str  # swap forbidden: v2 swap.max 0, v1 memory+swap limited to the memory limit
+    peak_file: str
+
+    @property
+    def describe(self) -> str:
+        return f"cgroup v{self.version} {self.limit_file}"
+
+    def swap_value(self, limit_bytes: int) -> str:
+        return "0" if self.version == 2 else str(limit_bytes)
+
+
+def own_cgroup() -> MemoryCgroup | None:
+    """This process's memory cgroup (v2, else v1's memory controller), or None without either."""
+    lines = PROC_CGROUP.read_text().splitlines() if PROC_CGROUP.is_file() else []
+    if (CGROUP_ROOT / "cgroup.controllers").is_file():
+        path = next((line[3:] for line in lines if line.startswith("0::")), None)
+        return None if path is None else MemoryCgroup(CGROUP_ROOT / path.lstrip("/"), 2, "memory.max",
+                                                      "memory.swap.max", "memory.peak")
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(",") and (CGROUP_ROOT / "memory").is_dir():
+            return MemoryCgroup(CGROUP_ROOT / "memory" / path.lstrip("/"), 1, "memory.limit_in_bytes",
+                                "memory.memsw.limit_in_bytes", "memory.max_usage_in_bytes")
     return None
 
 
@@ -43,25 +72,30 @@ def cap_support() -> str | None:
     """None where a memory-limited child cgroup can be created here, else why not (plainly)."""
     group = own_cgroup()
     if group is None:
-        return f"no cgroup v2 hierarchy at {CGROUP_ROOT} (cgroup v1 or none)"
-    if "memory" not in (group / "cgroup.subtree_control").read_text().split():
-        return f"the memory controller is not delegated to child cgroups of {group}"
+        return f"no memory cgroup (v2 or v1) under {CGROUP_ROOT}"
+    if group.version == 2 and "memory" not in (group.path / "cgroup.subtree_control").read_text().split():
+        return f"the memory controller is not delegated to child cgroups of {group.path}"
     try:
         with _child_cgroup(group, None):
             return None
     except OSError as error:
-        return f"cannot create a child cgroup of {group}: {error.strerror or error}"
+        return f"cannot create a child cgroup of {group.path}: {error.strerror or error}"
+
+
+def cap_method() -> str:
+    group = own_cgroup()
+    return group.describe if group else "none"
 
 
 @contextmanager
-def _child_cgroup(group: Path, limit_bytes: int | None):
-    path = group / f"moestream-bench-{os.getpid()}-{next(_names)}"
+def _child_cgroup(group: MemoryCgroup, limit_bytes: int | None):
+    path = group.path / f"moestream-bench-{os.getpid()}-{next(_names)}"
     path.mkdir()
     try:
         if limit_bytes is not None:
-            (path / "memory.max").write_text(str(limit_bytes))
-            if (path / "memory.swap.max").exists():
-                (path / "memory.swap.max").write_text("0")
+            (path / group.limit_file).write_text(str(limit_bytes))
+            if (path / group.swap_file).exists():
+                (path / group.swap_file).write_text(group.swap_value(limit_bytes))
         yield path
     finally:
         path.rmdir()
@@ -76,10 +110,12 @@ def run_isolated(spec: RunSpec, limit_bytes: int | None = None) -> dict:
         env = os.environ | {"PYTHONPATH": str(Path(moestream.__file__).parents[1])}
         if limit_bytes is None:
             _call(command, env)
-        else:
-            with _child_cgroup(own_cgroup(), limit_bytes) as group:
-                _call(command, env, group / "cgroup.procs")
-        return json.loads(out_path.read_text())
+            return json.loads(out_path.read_text())
+        group = own_cgroup()
+        with _child_cgroup(group, limit_bytes) as path:
+            _call(command, env, path / "cgroup.procs")
+            peak = _read_int(path / group.peak_file)
+        return json.loads(out_path.read_text()) | {"cgroup_peak_mib": peak and peak / 2**20}
 
 
 def _call(command: list[str], env: dict, procs: Path | None = None) -> None:
@@ -93,3 +129,11 @@ def _call(command: list[str], env: dict, procs: Path | None = None) -> None:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         killed = " (killed: out of memory under the cap?)" if done.returncode < 0 else ""
         raise RunFailed(f"exit status {done.returncode}{killed}: {last}")
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer a cgroup file holds, None where the kernel has no such file."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from moestream.bench.engine.spec import RunSpec
-from moestream.bench.engine.isolation import RunFailed, cap_support, run_isolated
+from moestream.bench.engine.isolation import RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
 
 MIB = 2**20
@@ -78,6 +78,8 @@ def _check(args) -> list[str]:
         raise MoestreamError("--threads and --max-new-tokens must be >= 1")
     if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
         raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
+    if args.replay_routing is not None and not Path(args.replay_routing).is_file():
+        raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
     budgets = [part.strip() for part in args.budgets.split(",") if part.strip()]
     for budget in budgets:
         Budget.parse(budget)
@@ -116,7 +118,7 @@ def calibrate(topology, run: dict, disk_bw: float = 0.0):
 def _calibration_run(results: list, topology) -> dict | None:
     """The on-demand LRU run nearest the 25% budget, the one the simulator's costs come from."""
     runs = [(abs(_fraction(budget, topology) - 0.25), result) for job, budget, result in results
-            if job == Job("lru", True) and result["expert_read_ms"]]
+            if job == Job("lru", True) and result["expert_read_ms"] and result["memory_cap_mib"] is None]
     return min(runs, key=lambda pair: pair[0])[1] if runs else None
 
 
@@ -133,29 +135,30 @@ def _cap(args) -> dict:
     if args.memory_cap is None:
         return {"requested": None, "applied": False, "reason": "not requested"}
     reason = cap_support()
-    return {"requested": args.memory_cap, "applied": reason is None, "reason": reason or "cgroup v2 memory.max"}
+    return {"requested": args.memory_cap, "applied": reason is None, "reason": reason or cap_method()}
 
 
 def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict, skipped: list) -> list:
-    """(job, budget, figures) of every run at this budget that completed; the others go to skipped."""
+    """(job, budget, figures) of every run at this budget that completed, each also under the memory cap
+    when one applies (figures' memory_cap_mib says which); the others go to skipped."""
     from moestream.store.config import Budget
 
     budget_mib = Budget.parse(budget).resolve(context["topology"].total_expert_bytes) / MIB
+    caps = [None] + ([_cap_bytes(context, budget_mib)] if context["cap"]["applied"] else [])
     done = []
-    for job in run_list:
+    for job, cap in [(job, cap) for job in run_list for cap in caps]:
         spec = dataclasses.replace(base, budget=budget, policy=job.policy if job.kind == "engine" else "lru",
                                    sync=job.sync, kind=job.kind)
         try:
-            done.append((job, budget, run_isolated(spec, _cap_bytes(context, budget_mib))))
+            done.append((job, budget, run_isolated(spec, cap) | {"memory_cap_mib": cap and cap / MIB}))
         except (RunFailed, OSError) as error:
-            skipped.append({"policy": job.policy, "budget": budget, "mode": job.mode, "reason": str(error)})
+            capped = "" if cap is None else f" under a {cap / MIB:.0f} MiB cap"
+            skipped.append({"policy": job.policy, "budget": budget, "mode": job.mode + capped, "reason": str(error)})
     return done
 
 
-def _cap_bytes(context: dict, budget_mib: float) -> int | None:
+def _cap_bytes(context: dict, budget_mib: float) -> int:
     cap = context["cap"]
-    if not cap["applied"]:
-        return None
     if cap["requested"] != "auto":
         return int(cap["requested"]) * MIB
     floor = context["resident"]["floor_rss_mib"]
@@ -199,5 +202,7 @@ def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> 
         "peak_rss_mib": result["peak_rss_mib"],
         "limit_tpot_ms": limit,
         "routed_expert_ms": result.get("routed_expert_ms"),  # one routed expert MLP's wall time, mean
+        "memory_cap_mib": result.get("memory_cap_mib"),  # the run's cgroup memory limit (None: uncapped)
+        "cgroup_peak_mib": result.get("cgroup_peak_mib"),  # the memory charged to that cgroup at its peak
         "floor_rss_mib": result["floor_rss_mib"],  # popped into the document's median floor
     }
