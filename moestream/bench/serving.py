@@ -1,7 +1,7 @@
 """`moestream bench serving`: the highest request rate each policy sustains behind the HTTP server.
 
 For each policy (at --expert-budget) the server is started on loopback and the trace is replayed at
-each rate of --rates in turn; a rate is sustained when every request completes and the p99 TPOT
+each rate of --rates in turn, for --duration seconds or as long as --min-requests take at that rate; a rate is sustained when every request completes and the p99 TPOT
 stays within --tpot-factor times the all-resident TPOT (every expert in the device tier, measured
 first at the lowest rate). A policy named NAME:sync runs on demand (`--sync`: every expert moves on
 the compute thread), the baseline the issue compares with. Prints one line per run and, per policy,
@@ -33,6 +33,9 @@ def add_parser(kinds) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="where workloads/ lies")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    parser.add_argument("--min-requests", type=int, default=20,
+                        help="requests per run at least: a low rate's run lasts longer (a p99 of a few requests is "
+                             "their slowest one)")
     parser.add_argument("--scale-lengths", type=float, default=0.05, help="scale of the trace's lengths (default 0.05)")
     parser.add_argument("--tpot-factor", type=float, default=2.0, help="p99 TPOT limit / all-resident TPOT (default 2)")
     add_batching_arguments(parser)
@@ -77,6 +80,8 @@ def run(args) -> int:
     rates, policies = _rates(args.rates), _policies(args.policies, args.predictor_dir)
     if not (args.duration > 0 and args.scale_lengths > 0 and args.tpot_factor > 0):
         raise MoestreamError("--duration, --scale-lengths and --tpot-factor must be > 0")
+    if args.min_requests < 1:
+        raise MoestreamError(f"--min-requests must be >= 1, got {args.min_requests}")
     require_serve_extra()
     from moestream.atomic import write_json
     from moestream.cli.demo import demo_checkpoint
@@ -131,7 +136,8 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     from moestream.serving.server import Server
     from moestream.serving.worker import WorkerConfig
 
-    planned = workload.plan(trace, prompts, rate, args.duration, args.scale_lengths, max_requests=10_000)
+    duration_s = max(args.duration, args.min_requests / rate)
+    planned = workload.plan(trace, prompts, rate, duration_s, args.scale_lengths, max_requests=10_000)
     name, _, mode = policy.partition(":")
     predictor_dir = args.predictor_dir if issubclass(POLICIES.get(name), TrainedPolicy) else None
     config = EngineConfig(device=args.device, expert_budget=budget, policy=name, sync=mode == "sync",

@@ -20,13 +20,14 @@ def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_
     trace = _arrivals(tmp_path)
     out = tmp_path / "bench.json"
     assert main(["bench", "serving", "--model", str(model), "--trace", str(trace), "--data-dir", str(tmp_path),
-                 "--policies", "lru,lru:sync", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
-                 "--tpot-factor", "1000", "--json", str(out), "--plot-dir", str(tmp_path / "plots")]) == 0
+                 "--policies", "lru,lru:sync", "--rates", "2,4", "--duration", "1", "--min-requests", "3",
+                 "--scale-lengths", "0.2", "--tpot-factor", "1000", "--json", str(out), "--plot-dir",
+                 str(tmp_path / "plots")]) == 0
     figures = json.loads(out.read_text())
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "all-resident-2rps.png", "lru-2rps.png", "lru-4rps.png", "lru-sync-2rps.png", "lru-sync-4rps.png"]
     assert [r["policy"] for r in figures["runs"]] == ["all-resident", "lru", "lru", "lru:sync", "lru:sync"]
-    assert [r["num_requests"] for r in figures["runs"]] == [2, 2, 4, 2, 4]
+    assert [r["num_requests"] for r in figures["runs"]] == [3, 3, 4, 3, 4]  # 2 req/s lasts 1.5 s for 3 requests
     assert [r["mode"] for r in figures["runs"]] == ["async", "async", "async", "sync", "sync"]
     assert figures["best_rps"] == {"lru": 4.0, "lru:sync": 4.0}
     printed = capsys.readouterr().out
@@ -46,13 +47,18 @@ def test_bench_serving_refuses_bad_rates(capsys, rates):
     assert "--rates" in capsys.readouterr().err
 
 
+def test_bench_serving_refuses_runs_of_no_request(capsys):
+    assert main(["bench", "serving", "--policies", "lru", "--min-requests", "0"]) == 2
+    assert "--min-requests must be >= 1" in capsys.readouterr().err
+
+
 def test_bench_serving_all_rates_runs_past_an_unsustained_rate(tiny_checkpoint, tmp_path):
     model = tiny_checkpoint("qwen2_moe", num_layers=2)
     trace = _arrivals(tmp_path)
     out = tmp_path / "bench.json"
     assert main(["bench", "serving", "--model", str(model), "--trace", str(trace), "--data-dir", str(tmp_path),
-                 "--policies", "lru", "--rates", "2,4", "--duration", "1", "--scale-lengths", "0.2",
-                 "--tpot-factor", "1e-6", "--all-rates", "--json", str(out)]) == 0
+                 "--policies", "lru", "--rates", "2,4", "--duration", "1", "--min-requests", "1",
+                 "--scale-lengths", "0.2", "--tpot-factor", "1e-6", "--all-rates", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert [r["policy"] for r in figures["runs"]] == ["all-resident", "lru", "lru"]
     assert figures["best_rps"] == {"lru": 0.0}
