@@ -39,8 +39,9 @@ def union(probs: np.ndarray) -> np.ndarray:
 
 
 def last_rows(seq_ids: np.ndarray) -> np.ndarray | None:
-    """[S] the rows that end their sequence's (contiguous) rows in an iteration; None if every row does."""
-    last = np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True])
+    """[S] the rows that end their sequence's rows in an iteration (each sequence's rows are contiguous,
+    as every runner lays them out); None if every row does (a decode, or no rows)."""
+    last = np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True]) if len(seq_ids) else seq_ids
     return None if len(last) == len(seq_ids) else last
 
 
@@ -139,7 +140,8 @@ class IterationState:
         pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]
         probs = sigmoid(head(self.weights, pre, every))  # [T, L, E]
         self.start = union(probs)  # [L, E]
-        self.ahead, self.next = self.start.copy(), self._next_token(probs).copy()  # (rows views: one row)
+        self.ahead = self.start.copy()  # (with one row, union returns a view of probs, as start is)
+        self.next = self.start.copy() if self._last is None else union(probs[self._last])
         self.fresh = self.start[:NUM_BUCKETS]
         self._expect(slice(0, L), 0)
         self.epoch += 1
@@ -167,7 +169,7 @@ class IterationState:
             self._cut_recall(c, pre)
         probs = sigmoid(head(self.weights, pre, c))  # [T, 3, E]: the weights of cut c
         self.fresh = union(probs) if self._last is None else np.concatenate(
-            [union(probs[:, :START]), self._next_token(probs[:, START:])])  # [3, E]
+            [union(probs[:, :START]), union(probs[self._last, START:])])  # [3, E]
         ahead = min(2, L - 1 - c)
         self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
         self.next[c] = self.fresh[START]
@@ -176,10 +178,6 @@ class IterationState:
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
                 history.finish_token(routed_token, token)
-
-    def _next_token(self, probs: np.ndarray) -> np.ndarray:
-        """[T, n, E] -> [n, E]: the union of the rows the next iteration follows."""
-        return union(probs if self._last is None else probs[self._last])
 
     def _add_routed(self, c: int, pre: np.ndarray) -> None:
         """Adds to pre [T, 3, U] the part of the blocks the routing at c and c-1 fills: their one-hot rows

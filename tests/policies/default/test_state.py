@@ -99,13 +99,13 @@ def test_a_batch_s_probabilities_are_the_union_of_its_rows_alone(traces, overrid
         np.testing.assert_allclose(batch[name], union, atol=1e-6)
 
 
-def _replay(predictor, trace, rows, seqs, num_layers, experts=None) -> dict:
+def _replay(predictor, trace, rows, seqs, num_layers, experts=None, is_prefill=False) -> dict:
     """One iteration of the trace's rows ([T]; experts [T, L, K] instead of the trace's routing)."""
     from moestream.events import IterationContext, RoutingEvent
 
     experts = trace.experts[rows].astype(np.int64) if experts is None else experts
 
-    predictor.begin_iteration(IterationContext(step=0, seq_ids=seqs, positions=trace.positions[rows], is_prefill=False,
+    predictor.begin_iteration(IterationContext(step=0, seq_ids=seqs, positions=trace.positions[rows], is_prefill=is_prefill,
                                                token_ids=trace.token_ids[rows], tokens=tuple(trace.tokens[r] for r in rows)))
     start, fresh = predictor.state.start.copy(), []
     for c in range(num_layers):
@@ -119,6 +119,7 @@ def test_last_rows_are_where_each_sequence_s_rows_end():
 
     assert last_rows(np.array([7, 7, 7, 8])).tolist() == [2, 3]
     assert last_rows(np.array([4, 5, 6])) is None  # a decode: every row is its sequence's last
+    assert last_rows(np.array([], dtype=np.int64)) is None
 
 
 def test_a_prefill_predicts_the_next_token_from_its_last_row_alone(policy, traces):
@@ -133,7 +134,26 @@ def test_a_prefill_predicts_the_next_token_from_its_last_row_alone(policy, trace
     runs = []
     for routing in (experts, shifted):
         predictor.reset()
-        runs.append(_replay(predictor, test, rows, seqs, L, routing) | {"next": predictor.state.next.copy()})
+        runs.append(_replay(predictor, test, rows, seqs, L, routing, is_prefill=True)
+                    | {"next": predictor.state.next.copy()})
     np.testing.assert_array_equal(runs[0]["next"], runs[1]["next"])
     assert not np.array_equal(runs[0]["fresh"][:, :2], runs[1]["fresh"][:, :2])
+    predictor.reset()
+
+
+@pytest.mark.parametrize("seq_ids", [[7, 7, 7], [7, 7, 7, 8, 8]])
+def test_a_prefill_starts_the_next_token_from_each_sequence_s_last_row(policy, seq_ids):
+    """Before any layer: another first token changes the prefill's start (its row, and the unknown
+    token after it, which reads what followed it) but not the next token's, read from the last rows."""
+    from moestream.events import IterationContext
+
+    predictor, begun = policy.predictor, []
+    for token in ("t0", "t1"):
+        tokens = (token, "unknown-token") + ("t2",) * (len(seq_ids) - 2)  # rows 2 on (each last row): known
+        predictor.reset()
+        predictor.begin_iteration(IterationContext(step=0, seq_ids=np.array(seq_ids), positions=np.zeros(len(seq_ids)),
+                                                   is_prefill=True, tokens=tokens))
+        begun.append((predictor.state.start.copy(), predictor.state.next.copy()))
+    assert not np.array_equal(begun[0][0], begun[1][0])
+    np.testing.assert_array_equal(begun[0][1], begun[1][1])
     predictor.reset()
