@@ -1,9 +1,9 @@
 """`moestream bench serving`: the highest request rate each policy sustains behind the HTTP server.
 
 For each policy (at --expert-budget) the server is started on loopback and the trace is replayed at
-each rate of --rates in turn, for --duration seconds or as long as --min-requests take at that rate; a rate is sustained when every request completes and the p99 TPOT
-stays within --tpot-factor times the all-resident TPOT (every expert in the device tier, measured
-first at the lowest rate). A policy named NAME:sync runs on demand (`--sync`: every expert moves on
+each rate of --rates in turn, for --duration seconds or as long as --min-requests take at that rate;
+a rate is sustained when every request completes and the p99 TPOT stays within --tpot-factor times
+the all-resident TPOT (every expert in the device tier, measured first at the lowest rate). A policy named NAME:sync runs on demand (`--sync`: every expert moves on
 the compute thread), the baseline the issue compares with. Prints one line per run and, per policy,
 the highest rate sustained, then how many times the first policy's rate is the last one's.
 Figures only: nothing is asserted.
@@ -34,8 +34,8 @@ def add_parser(kinds) -> None:
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     parser.add_argument("--min-requests", type=int, default=20,
-                        help="requests per run at least: a low rate's run lasts longer (a p99 of a few requests is "
-                             "their slowest one)")
+                        help="requests per run at least: a low rate's run lasts longer, since a p99 of a few "
+                             "requests is their slowest one (default 20)")
     parser.add_argument("--scale-lengths", type=float, default=0.05, help="scale of the trace's lengths (default 0.05)")
     parser.add_argument("--tpot-factor", type=float, default=2.0, help="p99 TPOT limit / all-resident TPOT (default 2)")
     add_batching_arguments(parser)

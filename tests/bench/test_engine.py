@@ -44,8 +44,8 @@ def test_the_document_follows_the_issue_schema(small_bench):
     offloaded = [("lru", "sync"), ("lru", "async"), ("hf-accelerate", "sync")]
     assert [(r["policy"], r["mode"], r["budget"], r["memory_cap_mib"] is not None) for r in record["runs"]] == [
         ("lru", "async", 1.0, False), *((policy, mode, 0.5, cap) for policy, mode in offloaded for cap in caps)]
-    assert [(s["policy"], s["budget"]) for s in record["skipped"]] == [("default", "0.5")] * len(caps)  # untrained
-    assert all("trained predictor" in s["reason"] for s in record["skipped"])
+    assert [(s["policy"], s["budget"]) for s in record["skipped"]] == [("default", "0.5")]  # untrained: no capped twin
+    assert "trained predictor" in record["skipped"][0]["reason"] and record["skipped"][0]["memory_cap_mib"] is None
 
 
 @pytest.mark.slow
@@ -61,13 +61,14 @@ def test_every_figure_is_sane(small_bench):
         assert run["limit_tpot_ms"] >= record["resident_tpot_ms"]
         assert run["overlap"] is None or 0.0 <= run["overlap"] <= 1.0
         cap, peak = run["memory_cap_mib"], run["cgroup_peak_mib"]
-        assert (cap is None and peak is None) or peak is None or 0 < peak <= cap  # None: the kernel keeps no peak
+        assert peak is None if cap is None else (peak is None or 0 < peak <= cap)  # capped: None if no peak kept
     assert record["integrity"]["digest_check_vs_disk_read"] > 0 and record["integrity"]["finite_check_us_per_token"] > 0
     offloaded = [run for run in offloaded if run["memory_cap_mib"] is None]
     for run in offloaded[:2]:  # our engine at half the experts: misses cost reads and stalls
         assert 0.0 < run["hit_rate"] < 1.0 and run["bytes_per_token"] > 0 and run["stall_ms_per_token"] > 0
         assert run["budget_mib"] == pytest.approx(resident["budget_mib"] / 2, rel=0.01)
     assert offloaded[0]["hit_rate"] == offloaded[1]["hit_rate"]  # same replayed rows, same LRU
-    assert all(run["routed_expert_ms"] > 0 for run in [resident, *offloaded[:2]]) and offloaded[2]["routed_expert_ms"] is None
+    assert all(run["routed_expert_ms"] > 0 for run in [resident, *offloaded[:2]])
+    assert offloaded[2]["routed_expert_ms"] is None  # transformers + accelerate: no expert of ours
     assert record["cost_model"]["layer_compute_ms"] > 0 and record["cost_model"]["disk_to_host_gbps"] > 0
     assert record["memory_cap"]["requested"] == "auto" and record["memory_cap"]["reason"]

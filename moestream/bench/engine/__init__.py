@@ -8,7 +8,8 @@ offline `oracle` moves per token on the same replayed rows in the simulator / co
 bandwidth). Every run is a fresh process (its own peak RSS; the process floor, Python + torch +
 transformers imported, is measured in each) with the checkpoint dropped from the page cache. With
 `--replay-routing TRACE` the engine follows a recorded trace's routing (figures labelled replayed).
-Targets are printed as ok/missed, never asserted. The calibrated cost model is written with
+With `--memory-cap`, each offloaded run runs again in a memory cgroup of that size (isolation.py),
+beside its uncapped twin. Targets are printed as ok/missed, never asserted. The calibrated cost model is written with
 `--json` for `moestream sim --cost-model measured:PATH`.
 """
 

@@ -1,11 +1,11 @@
 """Runs one benchmark run in a fresh Python process, optionally under a cgroup memory limit.
 
 A fresh process per run makes peak RSS a run's own. The memory limit is a child cgroup of this
-process's memory cgroup, with swap forbidden, where the machine allows creating one: cgroup v2
-(`memory.max`; the memory controller delegated to children) or, on a v1 hierarchy, the memory
-controller's own (`memory.limit_in_bytes`). `cap_support` says why not otherwise, and the runs go
-uncapped. A capped run also reports the cgroup's peak usage: the memory charged to it, which
-leaves out pages of shared libraries that other processes faulted in first, unlike RSS. Knows
+process's memory cgroup, with swap forbidden (`MemoryCgroup.swap_settings`), where the machine allows
+creating one: cgroup v2 (`memory.max`; the memory controller delegated to children) or, on a v1
+hierarchy, the memory controller's own (`memory.limit_in_bytes`). `cap_support` says why not
+otherwise, and the runs go uncapped. A capped run also reports the cgroup's peak usage: the memory charged to it, which,
+unlike RSS, leaves out pages of shared libraries that processes outside it faulted in first. Knows
 nothing of what a run measures.
 """
 
@@ -28,6 +28,7 @@ from moestream.errors import MoestreamError
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
 RUN_TIMEOUT_S = 1800
+MIB = 2**20
 _names = itertools.count()
 
 
@@ -42,15 +43,18 @@ class MemoryCgroup:
     path: Path
     version: int  # 2: the unified hierarchy; 1: the memory controller's own
     limit_file: str
-    swap_file: str  # swap forbidden: v2 swap.max 0, v1 memory+swap limited to the memory limit
     peak_file: str
 
     @property
-    def describe(self) -> str:
+    def label(self) -> str:
         return f"cgroup v{self.version} {self.limit_file}"
 
-    def swap_value(self, limit_bytes: int) -> str:
-        return "0" if self.version == 2 else str(limit_bytes)
+    def swap_settings(self, limit_bytes: int) -> tuple[tuple[str, str], ...]:
+        """(file, value) that forbid swap beyond the limit, each written where the kernel has the file:
+        v2 swap.max 0; v1 memory + swap at the memory limit, and swappiness 0 where swap is not counted."""
+        if self.version == 2:
+            return (("memory.swap.max", "0"),)
+        return ("memory.memsw.limit_in_bytes", str(limit_bytes)), ("memory.swappiness", "0")
 
 
 def own_cgroup() -> MemoryCgroup | None:
@@ -58,13 +62,14 @@ def own_cgroup() -> MemoryCgroup | None:
     lines = PROC_CGROUP.read_text().splitlines() if PROC_CGROUP.is_file() else []
     if (CGROUP_ROOT / "cgroup.controllers").is_file():
         path = next((line[3:] for line in lines if line.startswith("0::")), None)
-        return None if path is None else MemoryCgroup(CGROUP_ROOT / path.lstrip("/"), 2, "memory.max",
-                                                      "memory.swap.max", "memory.peak")
+        return None if path is None else MemoryCgroup(CGROUP_ROOT / path.lstrip("/"), 2, "memory.max", "memory.peak")
+    mount = CGROUP_ROOT / "memory"
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(",") and (CGROUP_ROOT / "memory").is_dir():
-            return MemoryCgroup(CGROUP_ROOT / "memory" / path.lstrip("/"), 1, "memory.limit_in_bytes",
-                                "memory.memsw.limit_in_bytes", "memory.max_usage_in_bytes")
+        if "memory" in controllers.split(",") and mount.is_dir():
+            group = mount / path.lstrip("/")  # a container's mount is its own cgroup: the path is not under it
+            return MemoryCgroup(group if group.is_dir() else mount, 1, "memory.limit_in_bytes",
+                                "memory.max_usage_in_bytes")
     return None
 
 
@@ -76,15 +81,16 @@ def cap_support() -> str | None:
     if group.version == 2 and "memory" not in (group.path / "cgroup.subtree_control").read_text().split():
         return f"the memory controller is not delegated to child cgroups of {group.path}"
     try:
-        with _child_cgroup(group, None):
+        with _child_cgroup(group, 1 << 40):  # a limit written, as a capped run writes one
             return None
     except OSError as error:
-        return f"cannot create a child cgroup of {group.path}: {error.strerror or error}"
+        return f"cannot create a memory-limited child cgroup of {group.path}: {error.strerror or error}"
 
 
 def cap_method() -> str:
+    """How a cap is set here ("none" without a memory cgroup)."""
     group = own_cgroup()
-    return group.describe if group else "none"
+    return group.label if group else "none"
 
 
 @contextmanager
@@ -93,9 +99,10 @@ def _child_cgroup(group: MemoryCgroup, limit_bytes: int | None):
     path.mkdir()
     try:
         if limit_bytes is not None:
-            (path / group.limit_file).write_text(str(limit_bytes))
-            if (path / group.swap_file).exists():
-                (path / group.swap_file).write_text(group.swap_value(limit_bytes))
+            (path / group.limit_file).write_text(str(limit_bytes))  # first: v1's memory + swap may not be below it
+            for name, value in group.swap_settings(limit_bytes):
+                if (path / name).exists():
+                    (path / name).write_text(value)
         yield path
     finally:
         path.rmdir()
@@ -115,7 +122,7 @@ def run_isolated(spec: RunSpec, limit_bytes: int | None = None) -> dict:
         with _child_cgroup(group, limit_bytes) as path:
             _call(command, env, path / "cgroup.procs")
             peak = _read_int(path / group.peak_file)
-        return json.loads(out_path.read_text()) | {"cgroup_peak_mib": peak and peak / 2**20}
+        return json.loads(out_path.read_text()) | {"cgroup_peak_mib": peak and peak / MIB}
 
 
 def _call(command: list[str], env: dict, procs: Path | None = None) -> None:

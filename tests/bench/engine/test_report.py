@@ -39,3 +39,11 @@ def test_a_capped_run_is_compared_with_its_uncapped_twin_and_replaces_it_nowhere
     assert next(v for k, v in verdicts.items() if k.startswith("default peak RSS")) == "ok (0.97x)"  # 500 of 514
     slower = targets(_document(uncapped, _run("default", "async", 140.0, cap=514.0)))
     assert slower["default TPOT under the memory cap <= 1.3x uncapped"] == "missed (1.40x)"
+
+
+def test_a_capped_run_that_was_killed_misses_the_target():
+    document = _document(_run("default", "async", 100.0)) | {"skipped": [
+        {"policy": "default", "budget": "0.25", "mode": "async", "memory_cap_mib": 514.0,
+         "reason": "exit status -9 (killed: out of memory under the cap?)"}]}
+    verdict = targets(document)["default TPOT under the memory cap <= 1.3x uncapped"]
+    assert verdict.startswith("missed (the capped run failed: exit status -9")
