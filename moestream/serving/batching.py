@@ -5,7 +5,11 @@ running set stays within max_num_seqs and its reserved KV bytes (prompt + max_to
 within kv_budget_bytes. `schedule` drops cancelled sequences, then picks either one prefill (the
 waiting prompts, up to prefill_token_budget tokens) or one decode of a batch of running sequences;
 a prefill never runs twice in a row while sequences decode, so decode latency stays bounded by one
-prefill while prompts arrive. When more sequences run than max_batch_size, the token scheduler
+prefill while prompts arrive. With offloaded experts a prefill reads most of every layer's experts,
+so each one that lands between decode steps costs the running sequences about a sweep of the
+experts: with max_prefill_delay_ms, prompts that arrive while sequences decode wait (up to that
+long since they arrived, or until the running sequences finish) and then prefill together, one
+sweep for all of them, trading time to first token for time per output token. When more sequences run than max_batch_size, the token scheduler
 splits them into batches that decode in turn. Each sequence keeps its own KV cache (runtime/kv.py),
 merged into a decode batch's cache when the batch first runs; that merged cache is held while the
 same sequences decode together (no copy per step) and split back into the sequences' own caches
@@ -16,6 +20,7 @@ only when one of them leaves or is regrouped. Sequences that leave end their sta
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -47,10 +52,13 @@ class BatchingConfig:
     kv_budget_bytes: int = 1 << 30  # KV cache reserved by the running sequences at most
     prefill_token_budget: int = 2048  # prompt tokens per prefill step (one longer prompt runs alone)
     token_scheduler: str = "fifo"  # how running sequences are split into batches (TOKEN_SCHEDULERS)
+    max_prefill_delay_ms: float = 0.0  # while sequences decode, a prompt waits up to this long to prefill
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_num_seqs < 0 or self.prefill_token_budget < 1:
             raise MoestreamError("max_batch_size and prefill_token_budget must be >= 1, max_num_seqs >= 0")
+        if not self.max_prefill_delay_ms >= 0:
+            raise MoestreamError(f"max_prefill_delay_ms must be >= 0, got {self.max_prefill_delay_ms}")
         if self.kv_budget_bytes < 1:
             raise MoestreamError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
         if self.token_scheduler not in TOKEN_SCHEDULERS:
@@ -98,6 +106,7 @@ class ContinuousBatcher:
     on_delta: Callable[[Request, TextDelta, bool], None]  # (request, delta, with a new token)
     slots: list[Slot] = field(default_factory=list)
     bytes_per_token: float | None = None  # measured on the first prefill
+    clock: Callable[[], float] = time.perf_counter  # the clock of Request.arrived
     _groups: list[list[int]] = field(default_factory=list)  # seq ids of the decode batches
     _held: dict[tuple[int, ...], HeldBatch] = field(default_factory=dict)  # by the batch's seq ids
     _turn: int = 0
@@ -154,7 +163,7 @@ class ContinuousBatcher:
             self._finish(slot, "abort")
         waiting = [s for s in self.slots if not s.prefilled]
         running = [s for s in self.slots if s.prefilled]
-        if waiting and not (self._last_prefill and running):
+        if waiting and not (self._last_prefill and running) and self._prefill_due(waiting, running):
             return Step(True, self._prefill_batch(waiting))
         if running:
             return Step(False, self._next_batch(running))
@@ -243,6 +252,11 @@ class ContinuousBatcher:
         held = self._held.pop(key)
         for slot, cache in zip(held.slots, kv.split(held.cache, held.lengths)):
             slot.cache = cache
+
+    def _prefill_due(self, waiting: list[Slot], running: list[Slot]) -> bool:
+        """Whether the waiting prompts prefill now: nothing decodes, or the oldest has waited long enough."""
+        oldest = min(slot.request.arrived for slot in waiting)
+        return not running or (self.clock() - oldest) * 1e3 >= self.config.max_prefill_delay_ms
 
     def _prefill_batch(self, waiting: list[Slot]) -> list[Slot]:
         batch, tokens = [], 0

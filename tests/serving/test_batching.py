@@ -146,3 +146,33 @@ def test_a_batch_is_merged_once_while_its_sequences_decode_together(serving_chec
     # three decodes of the long one alone (merged once), which leaves (split of one)
     assert merges[:2] == [2, 1] and splits[:3] == [2, 2, 1]
     assert [s.output_ids for s in seqs] == [s.output_ids for s in alone]
+
+
+def test_a_prefill_delay_lets_running_sequences_decode_until_it_is_due(serving_checkpoint):
+    """A prompt arriving while a sequence decodes waits max_prefill_delay_ms, then prefills with the
+    ones that came meanwhile; once nothing decodes it prefills at once. Tokens are those it gets alone."""
+    now = [0.0]
+    config = BatchingConfig(max_batch_size=4, max_prefill_delay_ms=1000.0)
+    with _engine(serving_checkpoint) as engine:
+        batcher = ContinuousBatcher(engine, config, lambda r, d, n: None, clock=lambda: now[0])
+        first, late, later = (_request(p, m) for p, m in ((PROMPTS[0], 8), (PROMPTS[1], 3), (PROMPTS[2], 3)))
+        first.arrived, late.arrived, later.arrived = 0.0, 0.0, 0.5
+        batcher.admit(first)
+        assert batcher.schedule().is_prefill  # nothing decodes: no wait
+        batcher.step()
+        batcher.admit(late)
+        batcher.admit(later)
+        now[0] = 0.9
+        for _ in range(2):  # 0.9 s < 1 s: the running sequence decodes, even after a decode
+            step = batcher.schedule()
+            assert not step.is_prefill and [s.request for s in step.slots] == [first]
+            batcher.update(step, batcher.run(step))
+        now[0] = 1.0
+        step = batcher.schedule()
+        assert step.is_prefill and [s.request for s in step.slots] == [late, later]  # one prefill for both
+        seqs = {id(s.request): s.seq for s in batcher.slots}
+        while batcher.slots:
+            batcher.step()
+        alone = [_drive(ContinuousBatcher(engine, BatchingConfig(), lambda r, d, n: None), [_request(p, m)], [0])[0]
+                 for p, m in ((PROMPTS[0], 8), (PROMPTS[1], 3), (PROMPTS[2], 3))]
+    assert [seqs[id(r)].output_ids for r in (first, late, later)] == [s.output_ids for s in alone]

@@ -99,7 +99,8 @@ def test_bad_worker_config_is_refused(fields):
 
 
 @pytest.mark.parametrize("fields", [{"max_batch_size": 0}, {"kv_budget_bytes": 0}, {"prefill_token_budget": 0},
-                                    {"token_scheduler": "psychic"}])
+                                    {"token_scheduler": "psychic"}, {"max_prefill_delay_ms": -1.0},
+                                    {"max_prefill_delay_ms": float("nan")}])
 def test_bad_batching_config_is_refused(fields):
     with pytest.raises(MoestreamError):
         BatchingConfig(**fields)
