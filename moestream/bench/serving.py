@@ -3,9 +3,10 @@
 For each policy (at --expert-budget) the server is started on loopback and the trace is replayed at
 each rate of --rates in turn, for --duration seconds or as long as --min-requests take at that rate;
 a rate is sustained when every request completes and the p99 TPOT stays within --tpot-factor times
-the all-resident TPOT (every expert in the device tier, measured first at the lowest rate). A policy named NAME:sync runs on demand (`--sync`: every expert moves on
-the compute thread), the baseline the issue compares with. Prints one line per run and, per policy,
-the highest rate sustained, then how many times the first policy's rate is the last one's.
+the all-resident TPOT (every expert in the device tier, measured first at the lowest rate). A policy
+named NAME:sync runs on demand (`--sync`: every expert moves on the compute thread), the baseline the
+issue compares with. Prints one line per run and, per policy, the highest rate sustained, then how
+many times the first policy's rate is the last one's.
 Figures only: nothing is asserted.
 """
 

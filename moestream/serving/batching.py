@@ -9,12 +9,13 @@ prefill while prompts arrive. With offloaded experts a prefill reads most of eve
 so each one that lands between decode steps costs the running sequences about a sweep of the
 experts: with max_prefill_delay_ms, prompts that arrive while sequences decode wait (up to that
 long since they arrived, or until the running sequences finish) and then prefill together, one
-sweep for all of them, trading time to first token for time per output token. When more sequences run than max_batch_size, the token scheduler
-splits them into batches that decode in turn. Each sequence keeps its own KV cache (runtime/kv.py),
-merged into a decode batch's cache when the batch first runs; that merged cache is held while the
-same sequences decode together (no copy per step) and split back into the sequences' own caches
-only when one of them leaves or is regrouped. Sequences that leave end their state in the policy
-(`Engine.end_sequence`). The batcher knows no HTTP and no queue.
+sweep for all of them, trading time to first token for time per output token. When more sequences
+run than max_batch_size, the token scheduler splits them into batches that decode in turn. Each
+sequence keeps its own KV cache (runtime/kv.py), merged into a decode batch's cache when the batch
+first runs; that merged cache is held while the same sequences decode together (no copy per step)
+and split back into the sequences' own caches only when one of them leaves or is regrouped.
+Sequences that leave end their state in the policy (`Engine.end_sequence`). The batcher knows no
+HTTP and no queue.
 """
 
 from __future__ import annotations

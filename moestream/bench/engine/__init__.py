@@ -9,8 +9,8 @@ bandwidth). Every run is a fresh process (its own peak RSS; the process floor, P
 transformers imported, is measured in each) with the checkpoint dropped from the page cache. With
 `--replay-routing TRACE` the engine follows a recorded trace's routing (figures labelled replayed).
 With `--memory-cap`, each offloaded run runs again in a memory cgroup of that size (isolation.py),
-beside its uncapped twin. Targets are printed as ok/missed, never asserted. The calibrated cost model is written with
-`--json` for `moestream sim --cost-model measured:PATH`.
+beside its uncapped twin. Targets are printed as ok/missed, never asserted. The calibrated cost model
+is written with `--json` for `moestream sim --cost-model measured:PATH`.
 """
 
 from __future__ import annotations

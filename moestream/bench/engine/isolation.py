@@ -4,9 +4,9 @@ A fresh process per run makes peak RSS a run's own. The memory limit is a child 
 process's memory cgroup, with swap forbidden (`MemoryCgroup.swap_settings`), where the machine allows
 creating one: cgroup v2 (`memory.max`; the memory controller delegated to children) or, on a v1
 hierarchy, the memory controller's own (`memory.limit_in_bytes`). `cap_support` says why not
-otherwise, and the runs go uncapped. A capped run also reports the cgroup's peak usage: the memory charged to it, which,
-unlike RSS, leaves out pages of shared libraries that processes outside it faulted in first. Knows
-nothing of what a run measures.
+otherwise, and the runs go uncapped. A capped run also reports the cgroup's peak usage: the memory
+charged to it, which, unlike RSS, leaves out pages of shared libraries that processes outside it
+faulted in first. Knows nothing of what a run measures.
 """
 
 from __future__ import annotations
