@@ -40,6 +40,10 @@ class Topology:
     def total_expert_bytes(self) -> int:
         return self.total_experts * self.expert_bytes
 
+    def routes_like(self, other: "Topology") -> bool:
+        """Whether routing sees the same shape (MoE layers, experts per layer, top_k); sizes may differ."""
+        return (self.num_layers, self.num_experts, self.top_k) == (other.num_layers, other.num_experts, other.top_k)
+
     def routing_shape(self) -> str:
         """What routing sees, for messages: '26 MoE layers x 64 experts, top-6'."""
         return f"{self.num_layers} MoE layers x {self.num_experts} experts, top-{self.top_k}"

@@ -101,7 +101,7 @@ def load_predictor(predictor: TrainablePredictor, directory: str | Path) -> None
     meta = read_meta(directory)
     if meta.get("kind") != predictor.kind:
         raise PredictorFileError(f"{directory} holds a {meta.get('kind')!r} predictor, not {predictor.kind!r}")
-    _check_topology(meta.get("topology"), predictor.topology, directory)
+    check_topology(meta.get("topology"), predictor.topology, directory)
     try:
         tensors = load_file(directory / WEIGHTS_FILE)
     except (OSError, SafetensorError) as error:
@@ -127,14 +127,15 @@ def read_meta(directory: Path) -> dict:
     return meta
 
 
-def _check_topology(saved_dict, wanted: Topology, directory: Path) -> None:
+def check_topology(saved_dict, wanted: Topology, directory: Path) -> None:
+    """Refuses a predictor saved for another routing shape (or with no valid topology)."""
     try:
         saved = Topology.from_dict(saved_dict)
     except (TypeError, ValueError) as error:
         raise PredictorFileError(f"{directory / META_FILE} has no valid topology ({error})") from error
-    shape = (saved.num_layers, saved.num_experts, saved.top_k)
-    expected = (wanted.num_layers, wanted.num_experts, wanted.top_k)
-    if shape != expected:
+    if not saved.routes_like(wanted):
+        shape = (saved.num_layers, saved.num_experts, saved.top_k)
+        expected = (wanted.num_layers, wanted.num_experts, wanted.top_k)
         raise PredictorFileError(
             f"{directory} was trained for (layers, experts, top_k) = {shape}, this model has {expected}"
         )

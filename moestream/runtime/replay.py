@@ -47,15 +47,11 @@ class ReplayError(MoestreamError):
 def check_topology(trace: Trace, model: Topology, path: str = "trace") -> None:
     """The routing shape (MoE layers, experts per layer, top_k) must match; expert sizes may differ."""
     ours, theirs = model, trace.topology
-    if _routing_shape(ours) != _routing_shape(theirs):
+    if not ours.routes_like(theirs):
         raise ReplayError(
             f"cannot replay {path}: it routes {theirs.routing_shape()}; the model has {ours.routing_shape()}")
     if not trace.num_tokens:
         raise ReplayError(f"cannot replay {path}: it has no tokens")
-
-
-def _routing_shape(topology: Topology) -> tuple[int, int, int]:
-    return topology.num_layers, topology.num_experts, topology.top_k
 
 
 class RoutingReplay(Observer):

@@ -41,7 +41,7 @@ REPLAYS: dict[str, Callable[[Trace, SimConfig], Iterator[Iteration]]] = {
 def check_compatible(policy: Policy, trace: Trace) -> None:
     """The trace has the policy's topology and every field the policy needs."""
     mine, theirs = policy.topology, trace.topology
-    if (mine.num_layers, mine.num_experts, mine.top_k) != (theirs.num_layers, theirs.num_experts, theirs.top_k):
+    if not mine.routes_like(theirs):
         raise SimulationError(
             f"trace topology ({theirs.routing_shape()}) differs from the policy's ({mine.routing_shape()})"
         )

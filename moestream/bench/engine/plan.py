@@ -9,10 +9,9 @@ import statistics
 from pathlib import Path
 
 from moestream.bench.engine.spec import RunSpec
-from moestream.bench.engine.isolation import RunFailed, cap_method, cap_support, run_isolated
+from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
 
-MIB = 2**20
 HF = "hf-accelerate"
 CAP_SLACK_MIB = 64  # the memory cap: floor + dense part + budget + this
 

@@ -13,10 +13,10 @@ from moestream.policies.trained import (
     META_FILE,
     WEIGHTS_FILE,
     PredictorFileError,
+    check_topology,
     read_meta,
 )
 from moestream.predictors.configs import TrainConfig
-from moestream.topology import Topology
 
 if TYPE_CHECKING:
     from moestream.policies.trained import TrainablePredictor
@@ -46,14 +46,7 @@ def load_directory(predictor: "TrainablePredictor", directory: str | Path) -> No
     meta = read_meta(directory)
     if meta.get("kind") != predictor.kind:
         raise PredictorFileError(f"{directory} holds a {meta.get('kind')!r} predictor, not {predictor.kind!r}")
-    try:
-        saved = Topology.from_dict(meta.get("topology"))
-    except (TypeError, ValueError) as error:
-        raise PredictorFileError(f"{directory / META_FILE} has no valid topology ({error})") from error
-    shape, wanted = (saved.num_layers, saved.num_experts, saved.top_k), predictor.topology
-    if shape != (wanted.num_layers, wanted.num_experts, wanted.top_k):
-        raise PredictorFileError(f"{directory} was trained for (layers, experts, top_k) = {shape}, this model has "
-                                 f"{(wanted.num_layers, wanted.num_experts, wanted.top_k)}")
+    check_topology(meta.get("topology"), predictor.topology, directory)
     try:
         tensors = load_file(str(directory / WEIGHTS_FILE))
     except (OSError, SafetensorError) as error:
