@@ -44,6 +44,13 @@ class Prediction(NamedTuple):
     def key(self) -> ExpertKey:
         return ExpertKey(self.layer, self.expert)
 
+    @classmethod
+    def of_layer(cls, layer: int, experts: list[int], scores: list[float], tokens_ahead: int = 0) -> list["Prediction"]:
+        """The predictions of one layer's experts, scores[e] each (built without the per-record
+        Python __new__: a third of the time for the dozen a layer decision makes)."""
+        new = tuple.__new__
+        return [new(cls, (layer, e, scores[e], tokens_ahead)) for e in experts]
+
 
 class Observer:
     """Receives the runtime's events; every hook defaults to doing nothing."""

@@ -173,7 +173,7 @@ class DefaultPredictor(TrainablePredictor):
         predictions = []
         for target, experts, probs in zip(targets, top, scores.tolist()):
             layer, ahead = (target - L, 1) if target >= L else (target, 0)
-            predictions += [Prediction(layer, e, probs[e], ahead) for e in experts]
+            predictions += Prediction.of_layer(layer, experts, probs, ahead)
         return predictions
 
     def expected_wait(self) -> np.ndarray:
@@ -213,6 +213,15 @@ class DefaultEviction(EvictionPolicy):
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
         self._sync()
+        index = int(self._flat.argmax())
+        key = self._keys[index]
+        if self._flat[index] > -np.inf and key in candidates:  # the usual case: one argmax
+            return key
+        return self._set_aside(candidates)
+
+    def _set_aside(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        """The longest-waiting candidate: residents that may not go are set aside, a few times, and
+        then every resident is ranked."""
         masked, keys, passed = self._flat, self._keys, []
         try:
             for _ in range(self.max_argmax):

@@ -21,6 +21,7 @@ import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default.features import memory_index, memory_rows, recall_weights
+from moestream.policies.default.kernels import absorb, add_routed, expect, union_into
 from moestream.policies.default.model import (
     NUM_BUCKETS,
     START,
@@ -33,16 +34,10 @@ from moestream.policies.default.model import (
 from moestream.topology import Topology
 
 
-def union(probs: np.ndarray) -> np.ndarray:
-    """[T, ...] -> [...]: probability that at least one row needs it (rows independent)."""
-    return probs[0] if len(probs) == 1 else 1.0 - np.prod(1.0 - probs, axis=0)
-
-
-def last_rows(seq_ids: np.ndarray) -> np.ndarray | None:
+def last_rows(seq_ids: np.ndarray) -> np.ndarray:
     """[S] the rows that end their sequence's rows in an iteration (each sequence's rows are contiguous,
-    as every runner lays them out); None if every row does (a decode, or no rows)."""
-    last = np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True]) if len(seq_ids) else seq_ids
-    return None if len(last) == len(seq_ids) else last
+    as every runner lays them out): every row in a decode."""
+    return np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True]) if len(seq_ids) else np.zeros(0, np.int64)
 
 
 class SequenceHistory:
@@ -95,16 +90,16 @@ class IterationState:
         self.sequences: dict[int, SequenceHistory] = {}
         self.rows: list[SequenceHistory] = []
         self.active, self.layer_now = False, L - 1
-        self.start = np.zeros((L, E))  # [L, E] this token's layers, predicted from its start
-        self.ahead = np.zeros((L, E))  # [L, E] the latest prediction of each of this token's layers
-        self.next = np.zeros((L, E))  # [L, E] the next token's layers (filled as layers pass)
-        self.fresh = np.zeros((NUM_BUCKETS, E))  # [3, E] from the last cut: c+1, c+2, the next token's c
+        self.start = np.zeros((L, E), np.float32)  # [L, E] this token's layers, predicted from its start
+        self.ahead = np.zeros((L, E), np.float32)  # [L, E] the latest prediction of each of this token's layers
+        self.next = np.zeros((L, E), np.float32)  # [L, E] the next token's layers (filled as layers pass)
+        self.fresh = np.zeros((NUM_BUCKETS, E), np.float32)  # [3, E] from the last cut: c+1, c+2, the next token's c
         self.next_use = np.zeros((L, E))  # [L, E] the layer, counted from this token's first, of each next use
         self.epoch = 0  # bumped when every row of next_use changes (begin); observe(c) changes rows c..c+2
         # (observe comes for every layer in order, as the contract says: a layer skipped would stay 'ahead')
-        self._layers = np.arange(L, dtype=np.float64)[:, None]  # [L, 1]
         self._keyed, self._recorded = False, []
-        self._last: np.ndarray | None = None  # [S] rows the next iteration follows (last_rows), None: all
+        self._every = self._last = np.zeros(0, np.int64)  # [T] every row; [S] those the next iteration follows
+        self._before = np.zeros((0, 0), np.int64)  # [T, k] the experts routed at the last layer observed
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
         self._row_index = np.zeros((0, 1), np.int64)
         U = weights.bias.shape[-1]
@@ -112,7 +107,6 @@ class IterationState:
         self._steps = np.zeros((0, 2, 1), np.float32)  # [T, 2, 1] the recall and share steps
         self._window_recall = np.zeros((0, L + 2, E), np.float32)  # [T, L+2, E] (cut_recall only)
         self._shared = np.zeros((0, config.window_tokens), np.float32)  # [T, W] shared at the last cut
-        self._added = np.zeros((0, 4 * E), np.float32)  # [T, 4E] observe's inputs to the next token's blocks 2-5
 
     def begin(self, ctx: IterationContext, tokens: np.ndarray | None) -> None:
         """tokens: the rows' vocabulary indices, None if the iteration has no keys the model knows."""
@@ -124,7 +118,8 @@ class IterationState:
         tokens = tokens if self._keyed else np.zeros(T, np.int64)
         self.layer_now, self.active = -1, bool(self.rows)
         self._routed = np.zeros((T, L, E), np.float32)
-        self._row_index, self._added = np.arange(T)[:, None], np.zeros((T, 4 * E), np.float32)
+        self._every, self._before = np.arange(T), np.zeros((T, 0), np.int64)
+        self._row_index = self._every[:, None]
         self._shared = np.zeros((T, self.config.window_tokens), np.float32)
         ahead = np.zeros((T, L + 2, 5 * E), np.float32)  # [T, L+2, 5E] blocks 2-6 at each target; two zero layers past L
         following = np.zeros((T, L, 5 * E), np.float32)  # [T, L, 5E] the next token's, but what this one adds
@@ -139,11 +134,10 @@ class IterationState:
         every = (slice(None), START)
         pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]
         probs = sigmoid(head(self.weights, pre, every))  # [T, L, E]
-        self.start = union(probs)  # [L, E]
-        self.ahead = self.start.copy()  # (with one row, union returns a view of probs, as start is)
-        self.next = self.start.copy() if self._last is None else union(probs[self._last])
-        self.fresh = self.start[:NUM_BUCKETS]
-        self._expect(slice(0, L), 0)
+        union_into(self.start, probs, self._every)  # [L, E]
+        union_into(self.next, probs, self._last)
+        self.ahead[:] = self.start
+        expect(self.next_use, self.ahead, self.next, 0, L, -1)
         self.epoch += 1
 
     def _fix(self, ahead: np.ndarray, following: np.ndarray, tokens: np.ndarray) -> None:
@@ -162,33 +156,18 @@ class IterationState:
         if not self.active:
             return
         c, L = event.layer, self.topology.num_layers
-        self._routed[self._row_index, c, event.expert_ids] = 1.0
+        now = np.asarray(event.expert_ids, np.int64)  # [T, k]
+        self._routed[self._row_index, c, now] = 1.0
         pre = self._fixed[c].copy()  # [T, 3, U]
-        self._add_routed(c, pre)
+        add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
         if self.config.cut_recall:
             self._cut_recall(c, pre)
-        probs = sigmoid(head(self.weights, pre, c))  # [T, 3, E]: the weights of cut c
-        self.fresh = union(probs) if self._last is None else np.concatenate(
-            [union(probs[:, :START]), union(probs[self._last, START:])])  # [3, E]
-        ahead = min(2, L - 1 - c)
-        self.ahead[c + 1:c + 1 + ahead] = self.fresh[:ahead]
-        self.next[c] = self.fresh[START]
-        self.layer_now = c
-        self._expect(slice(c, c + 1 + ahead), 1)
+        absorb(head(self.weights, pre, c), self._every, self._last, c, self.fresh, self.ahead, self.next,
+               self.next_use)  # the weights of cut c: [T, 3, E] logits
+        self._before, self.layer_now = now, c
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
                 history.finish_token(routed_token, token)
-
-    def _add_routed(self, c: int, pre: np.ndarray) -> None:
-        """Adds to pre [T, 3, U] the part of the blocks the routing at c and c-1 fills: their one-hot rows
-        times the weights (blocks 0 and 1 for c+1 and c+2; the next token's prev, recall and share)."""
-        E, now, dense = self.topology.num_experts, self._routed[:, c], self.weights.dense[c]  # [T, E], [3, 7E, U]
-        pre[:, :START] += (now @ dense[:START, :E]).swapaxes(0, 1)  # block 0: the experts at c
-        if c > 0:
-            pre[:, :START] += (self._routed[:, c - 1] @ dense[:START, E:2 * E]).swapaxes(0, 1)  # block 1: at c-1
-        added = self._added  # [T, 4E]: what the next token's blocks 2-5 gain (prev; prev2 none; recall, share)
-        added[:, :E], added[:, 2 * E:] = now, (now[:, None] * self._steps).reshape(len(now), 2 * E)
-        pre[:, START] += added @ dense[START, 2 * E:6 * E]
 
     def _memory_index(self, ctx: IterationContext, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[T] rows of the token memory the iteration's tokens read, and [T] those their next tokens read
@@ -241,17 +220,6 @@ class IterationState:
     def expected_wait(self) -> np.ndarray:
         """[L, E]: the expected number of layers until each expert is needed again."""
         return self.next_use - self.layer_now
-
-    def _expect(self, rows: slice, num_passed: int) -> None:
-        """next_use of rows whose first num_passed layers have passed: l + L(1 - p)/q for a layer still
-        ahead in this token (p its probability now, q the next token's), l + L/q for a layer passed."""
-        L = self.topology.num_layers
-        factor = np.subtract(1.0, self.ahead[rows], dtype=np.float64)  # [n, E]; float64 keeps l + x exact enough
-        factor[:num_passed] = 1.0  # layers passed: only the next token can need them
-        factor /= np.maximum(self.next[rows], 1e-4)
-        factor *= L
-        factor += self._layers[rows]
-        self.next_use[rows] = factor
 
     def _history(self, seq_id: int) -> SequenceHistory:
         if seq_id not in self.sequences:

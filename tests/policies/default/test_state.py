@@ -118,8 +118,8 @@ def test_last_rows_are_where_each_sequence_s_rows_end():
     from moestream.policies.default.state import last_rows
 
     assert last_rows(np.array([7, 7, 7, 8])).tolist() == [2, 3]
-    assert last_rows(np.array([4, 5, 6])) is None  # a decode: every row is its sequence's last
-    assert last_rows(np.array([], dtype=np.int64)) is None
+    assert last_rows(np.array([4, 5, 6])).tolist() == [0, 1, 2]  # a decode: every row is its sequence's last
+    assert last_rows(np.array([], dtype=np.int64)).tolist() == []
 
 
 def test_a_prefill_predicts_the_next_token_from_its_last_row_alone(policy, traces):

@@ -1,0 +1,94 @@
+"""The compiled inner loop of `default`'s online state (numba): one routed layer in two calls.
+
+A routed layer's update was a dozen numpy calls on [3, 64] arrays, each about a microsecond of call
+overhead for a few hundred flops. These loops do the same arithmetic in one pass each:
+- `add_routed`: the part of model.pre_activation that the routing at c and c-1 fills. Those blocks
+  of the features are one-hot rows, so their product with the weights is a sum of weight rows.
+- `absorb`: probabilities from the logits, the batch's union, and the expected next uses of the
+  rows they change (state.IterationState describes each).
+Compiled on first use and cached on disk. Knows arrays, not events, caches or the model's layout
+beyond the block order of model.NUM_BLOCKS.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True)
+
+
+@numba.njit(**_JIT)
+def _first(ids, j):
+    """Whether ids[j] does not occur before j (a row's repeated expert is one one-hot entry)."""
+    for i in range(j):
+        if ids[i] == ids[j]:
+            return False
+    return True
+
+
+@numba.njit(**_JIT)
+def add_routed(pre, dense_c, now, before, steps):
+    """pre [T, 3, U] += the routed blocks' part, with dense_c [3, 7E, U] the weights of cut c:
+    buckets 0 and 1 gain block 0 at the experts now [T, k] routed at c and block 1 at those before
+    [T, k'] routed at c-1 (k' = 0 at the first layer); the next token's START bucket gains its prev
+    (block 2), recall (block 4, x steps[t, 0]) and share (block 5, x steps[t, 1]) at now's experts."""
+    num_experts, num_units = dense_c.shape[1] // 7, pre.shape[2]
+    for t in range(pre.shape[0]):
+        recall_step, share_step = steps[t, 0, 0], steps[t, 1, 0]
+        for j in range(now.shape[1]):
+            e = now[t, j]
+            if not _first(now[t], j):
+                continue
+            for u in range(num_units):
+                pre[t, 0, u] += dense_c[0, e, u]
+                pre[t, 1, u] += dense_c[1, e, u]
+                pre[t, 2, u] += (dense_c[2, 2 * num_experts + e, u] + recall_step * dense_c[2, 4 * num_experts + e, u]
+                                 + share_step * dense_c[2, 5 * num_experts + e, u])
+        for j in range(before.shape[1]):
+            e = before[t, j]
+            if not _first(before[t], j):
+                continue
+            for u in range(num_units):
+                pre[t, 0, u] += dense_c[0, num_experts + e, u]
+                pre[t, 1, u] += dense_c[1, num_experts + e, u]
+
+
+@numba.njit(**_JIT)
+def union_into(out, probs, rows):
+    """out [n, E] = the chance that at least one of `rows` of probs [T, n, E] needs each expert (rows
+    independent; one row: its probability)."""
+    for b in range(out.shape[0]):
+        for e in range(out.shape[1]):
+            if len(rows) == 1:
+                out[b, e] = probs[rows[0], b, e]
+                continue
+            missed = np.float32(1.0)
+            for t in rows:
+                missed *= np.float32(1.0) - probs[t, b, e]
+            out[b, e] = np.float32(1.0) - missed
+
+
+@numba.njit(**_JIT)
+def expect(next_use, ahead, following, first, stop, passed):
+    """next_use [L, E] of layers first..stop-1: l + L(1 - p)/q for a layer still ahead in this token,
+    l + L/q for the layer `passed` (or none: -1), p = ahead[l], q = following[l] floored at 1e-4."""
+    num_layers = next_use.shape[0]
+    for layer in range(first, stop):
+        for e in range(next_use.shape[1]):
+            wait = 1.0 if layer == passed else 1.0 - np.float64(ahead[layer, e])
+            next_use[layer, e] = layer + wait / np.float64(max(following[layer, e], np.float32(1e-4))) * num_layers
+
+
+@numba.njit(**_JIT)
+def absorb(logits, every, last, c, fresh, ahead, following, next_use):
+    """From the logits [T, 3, E] of cut c: fresh [3, E] = the union of every row's probabilities for
+    buckets 0 and 1 (c+1, c+2) and of the `last` rows' for START (the next token's c); ahead[c+1],
+    ahead[c+2] (below L) and following[c] take them, and `expect` renews next_use of rows c..c+2."""
+    probs = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))  # [T, 3, E]
+    union_into(fresh[:2], probs[:, :2], every)
+    union_into(fresh[2:], probs[:, 2:], last)
+    num_ahead = min(2, ahead.shape[0] - 1 - c)
+    ahead[c + 1:c + 1 + num_ahead] = fresh[:num_ahead]
+    following[c] = fresh[2]
+    expect(next_use, ahead, following, c, c + 1 + num_ahead, c)
