@@ -6,6 +6,8 @@ overhead for a few hundred flops. These loops do the same arithmetic in one pass
   of the features are one-hot rows, so their product with the weights is a sum of weight rows.
 - `absorb`: probabilities from the logits, the batch's union, and the expected next uses of the
   rows they change (state.IterationState describes each).
+- `add_cut_recall` (with cut_recall): what a row's recall block gains over the window's mean when
+  the window's tokens are weighted by the experts they shared with the row (features.recall_weights).
 Compiled on first use and cached on disk. Knows arrays, not events, caches or the model's layout
 beyond the block order of model.NUM_BLOCKS.
 """
@@ -92,3 +94,33 @@ def absorb(logits, every, last, c, fresh, ahead, following, next_use):
     ahead[c + 1:c + 1 + num_ahead] = fresh[:num_ahead]
     following[c] = fresh[2]
     expect(next_use, ahead, following, c, c + 1 + num_ahead, c)
+
+
+@numba.njit(**_JIT)
+def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_c):
+    """pre [n, U] (buckets c+1 and c+2 below L of one row) += gain [n, E] @ the recall block (block
+    4) of dense_c [3, 7E, U], gain = the recall at c+1.. weighted by exp(beta x experts shared at c
+    and c-1) minus window_recall [L+2, E] (the window's mean). ring [W, L, E] holds the sequence's
+    window, its first `count` slots filled; now [k] the row's experts at c; shared [W] what each
+    slot shared with the row at c-1, replaced by what it shares at c."""
+    num_experts, total = ring.shape[2], np.float32(0.0)
+    weights = np.empty(count, np.float32)
+    for i in range(count):
+        same = np.float32(0.0)
+        for j in range(now.shape[0]):
+            if _first(now, j):
+                same += ring[i, c, now[j]]
+        weights[i] = np.exp(np.float32(beta) * (same + shared[i]))
+        shared[i] = same
+        total += weights[i]
+    weights /= max(total, np.float32(1e-12))
+    gain = np.empty(num_experts, np.float32)
+    for d in range(pre.shape[0]):
+        for e in range(num_experts):
+            gain[e] = -window_recall[c + 1 + d, e]
+        for i in range(count):
+            for e in range(num_experts):
+                gain[e] += weights[i] * ring[i, c + 1 + d, e]
+        for e in range(num_experts):
+            for u in range(pre.shape[1]):
+                pre[d, u] += gain[e] * dense_c[d, 4 * num_experts + e, u]

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.default.features import memory_index, memory_rows, recall_weights
-from moestream.policies.default.kernels import absorb, add_routed, expect, union_into
+from moestream.policies.default.features import memory_index, memory_rows
+from moestream.policies.default.kernels import absorb, add_cut_recall, add_routed, expect, union_into
 from moestream.policies.default.model import (
     NUM_BUCKETS,
     START,
@@ -161,7 +161,7 @@ class IterationState:
         pre = self._fixed[c].copy()  # [T, 3, U]
         add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
         if self.config.cut_recall:
-            self._cut_recall(c, pre)
+            self._cut_recall(c, now, pre)
         absorb(head(self.weights, pre, c), self._every, self._last, c, self.fresh, self.ahead, self.next,
                self.next_use)  # the weights of cut c: [T, 3, E] logits
         self._before, self.layer_now = now, c
@@ -182,20 +182,13 @@ class IterationState:
         V = len(self.memory) // 2
         return memory_index(tokens, last, V), V + tokens
 
-    def _cut_recall(self, c: int, pre: np.ndarray) -> None:
+    def _cut_recall(self, c: int, now: np.ndarray, pre: np.ndarray) -> None:
         """Adds to pre[:, :2] (targets c+1 and c+2 below L) what its recall block gains over the window's
         mean when weighted by the experts each earlier token shared with this one at c and c-1."""
-        E = self.topology.num_experts
-        n, span = min(2, self.topology.num_layers - 1 - c), slice(c + 1, c + 3)
-        gain = np.zeros((len(self.rows), n, E), np.float32)  # [T, n, E]
+        n, dense = min(2, self.topology.num_layers - 1 - c), self.weights.dense[c]  # dense [3, 7E, U]
         for row, history in enumerate(self.rows):
-            m = history.count
-            shared_c = history.ring[:m, c] @ self._routed[row, c]  # [m]
-            weights = recall_weights(shared_c + self._shared[row, :m], 1.0, self.config.recall_beta)  # [m]
-            self._shared[row, :m] = shared_c
-            gain[row] = (weights @ history.ring[:m, span].reshape(m, n * E)).reshape(n, E)
-        gain -= self._window_recall[:, span][:, :n]
-        pre[:, :n] += (gain.swapaxes(0, 1) @ self.weights.dense[c, :n, 4 * E:5 * E]).swapaxes(0, 1)  # [T, n, U]
+            add_cut_recall(pre[row, :n], history.ring, history.count, now[row], self._shared[row], c,
+                           self.config.recall_beta, self._window_recall[row], dense)
 
     def scores(self, layer_now: int, target: int) -> np.ndarray:
         """[E]: probabilities for `target` (>= L: the next token's target - L) seen from layer_now."""
