@@ -45,7 +45,7 @@ class DefaultConfig:
     recall_beta: float = 0.5  # recall weight exp(beta x experts shared at c and c-1)
     token_rank: int = 16  # width of the token embedding
     hidden_units: int = 0  # 0: linear; else one ReLU layer of this width
-    cut_recall: bool = False  # recall at c+1, c+2 weighted by the token's own routing (else the window mean)
+    cut_recall: bool = True  # recall at c+1, c+2 weighted by the token's own routing (else the window mean)
     min_token_count: int = 3  # rarer training tokens map to the unknown token (index 0)
     min_prefetch_probability: float = 0.5
     idle_prefetch_probability: float = 0.1  # the bar while nothing moves to the tier
