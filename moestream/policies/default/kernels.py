@@ -17,7 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-_JIT = dict(cache=True, nogil=True)
+_JIT = dict(cache=True)  # compiled on first use, then loaded from __pycache__ (or numba's user cache)
 
 
 @numba.njit(**_JIT)

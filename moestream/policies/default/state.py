@@ -1,5 +1,6 @@
 """Online state of `default`: each sequence's recent routing, and the current iteration's
-probabilities, kept incrementally so that one layer decision is a handful of numpy calls.
+probabilities, kept incrementally so that one layer decision is a few calls (numpy, and the
+compiled loops of kernels.py).
 
 Per iteration (T token rows; in a prefill every row sees its sequence as it was before the
 iteration): begin() predicts every layer from the tokens' start (horizon bucket START); each
@@ -9,10 +10,10 @@ begin() computes, with model.pre_activation, every cut's part from the inputs th
 routing does not change (the sequence's history and the token's memory; the next token's is the
 memory of what followed the current token), and observe(c) adds the part of the blocks the routing
 at c and c-1 fills (those one-hot rows times their weights; with cut_recall, also what the recall
-they weight adds) and applies model.head. A batch's probability for an expert is the chance that
-at least one of its rows routes to it; for the next token's layers, of the rows that end their
-sequence's part of the iteration (in a prefill, the prompt's last token: the next iteration follows
-only those). Knows arrays and events, not caches.
+they weight adds: kernels.add_routed, kernels.add_cut_recall) and applies model.head. A batch's
+probability for an expert is the chance that at least one of its rows routes to it; for the next
+token's layers, of the rows that end their sequence's part of the iteration (in a prefill, the
+prompt's last token: the next iteration follows only those). Knows arrays and events, not caches.
 """
 
 from __future__ import annotations
