@@ -18,11 +18,13 @@ prompt's last token: the next iteration follows only those). Knows arrays and ev
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import numpy as np
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default.features import memory_index, memory_rows
-from moestream.policies.default.kernels import absorb, add_cut_recall, add_routed, expect, union_into
 from moestream.policies.default.model import (
     NUM_BUCKETS,
     START,
@@ -33,6 +35,15 @@ from moestream.policies.default.model import (
     sigmoid,
 )
 from moestream.topology import Topology
+
+
+@functools.cache
+def compiled() -> ModuleType:
+    """The kernels module, imported on first use: numba loads LLVM (about 100 MiB of RSS), which only a
+    process that runs the online state should pay."""
+    from moestream.policies.default import kernels
+
+    return kernels
 
 
 def last_rows(seq_ids: np.ndarray) -> np.ndarray:
@@ -135,10 +146,10 @@ class IterationState:
         every = (slice(None), START)
         pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]
         probs = sigmoid(head(self.weights, pre, every))  # [T, L, E]
-        union_into(self.start, probs, self._every)  # [L, E]
-        union_into(self.next, probs, self._last)
+        compiled().union_into(self.start, probs, self._every)  # [L, E]
+        compiled().union_into(self.next, probs, self._last)
         self.ahead[:] = self.start
-        expect(self.next_use, self.ahead, self.next, 0, L, -1)
+        compiled().expect(self.next_use, self.ahead, self.next, 0, L, -1)
         self.epoch += 1
 
     def _fix(self, ahead: np.ndarray, following: np.ndarray, tokens: np.ndarray) -> None:
@@ -160,10 +171,10 @@ class IterationState:
         now = np.asarray(event.expert_ids, np.int64)  # [T, k]
         self._routed[self._row_index, c, now] = 1.0
         pre = self._fixed[c].copy()  # [T, 3, U]
-        add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
+        compiled().add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
         if self.config.cut_recall:
             self._cut_recall(c, now, pre)
-        absorb(head(self.weights, pre, c), self._every, self._last, c, self.fresh, self.ahead, self.next,
+        compiled().absorb(head(self.weights, pre, c), self._every, self._last, c, self.fresh, self.ahead, self.next,
                self.next_use)  # the weights of cut c: [T, 3, E] logits
         self._before, self.layer_now = now, c
         if c == L - 1:
@@ -188,7 +199,7 @@ class IterationState:
         mean when weighted by the experts each earlier token shared with this one at c and c-1."""
         n, dense = min(2, self.topology.num_layers - 1 - c), self.weights.dense[c]  # dense [3, 7E, U]
         for row, history in enumerate(self.rows):
-            add_cut_recall(pre[row, :n], history.ring, history.count, now[row], self._shared[row], c,
+            compiled().add_cut_recall(pre[row, :n], history.ring, history.count, now[row], self._shared[row], c,
                            self.config.recall_beta, self._window_recall[row], dense)
 
     def scores(self, layer_now: int, target: int) -> np.ndarray:

@@ -1,5 +1,8 @@
 """The compiled kernels against the numpy arithmetic they replace (one-hot products, unions, waits)."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -71,3 +74,11 @@ def test_absorb_fills_the_cut_s_layers_and_the_next_token_s():
     assert np.array_equal(ahead[c + 1], fresh[0]) and not ahead[:c + 1].any()
     assert np.array_equal(following[c], fresh[2])
     assert next_use[c:].all() and not next_use[:c].any()
+
+
+def test_numba_loads_only_when_a_default_state_runs():
+    """Importing the policies (every CLI command does) must not load numba and LLVM."""
+    code = ("import sys, moestream.policies, moestream.sim; assert 'numba' not in sys.modules, 'numba was imported'; "
+            "from moestream.policies.default.state import compiled; compiled(); assert 'numba' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
