@@ -1,15 +1,17 @@
-"""The compiled inner loop of `default`'s online state (numba): one routed layer in two calls.
+"""The compiled inner loops of `default`'s online state (numba): a routed layer's update in a few calls.
 
 A routed layer's update was a dozen numpy calls on [3, 64] arrays, each about a microsecond of call
-overhead for a few hundred flops. These loops do the same arithmetic in one pass each:
+overhead for a few hundred flops. These loops do the same arithmetic (up to float32 rounding: sums
+in another order, and 1 / (1 + exp(-x)) for scipy's expit) in one pass each:
 - `add_routed`: the part of model.pre_activation that the routing at c and c-1 fills. Those blocks
   of the features are one-hot rows, so their product with the weights is a sum of weight rows.
 - `absorb`: probabilities from the logits, the batch's union, and the expected next uses of the
-  rows they change (state.IterationState describes each).
-- `add_cut_recall` (with cut_recall): what a row's recall block gains over the window's mean when
-  the window's tokens are weighted by the experts they shared with the row (features.recall_weights).
-Compiled on first use and cached on disk. Knows arrays, not events, caches or the model's layout
-beyond the block order of model.NUM_BLOCKS.
+  rows they change (state.IterationState describes each; `union_into` and `expect` serve begin too).
+- `add_cut_recall` (with cut_recall, once per row): what a row's recall block gains over the
+  window's mean when the window's tokens are weighted by the experts they shared with the row
+  (the weights of features.recall_weights).
+Compiled on first use and cached on disk. Knows arrays and the block order of the features
+(model.NUM_BLOCKS), not events, caches or policies.
 """
 
 from __future__ import annotations
@@ -17,10 +19,20 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-_JIT = dict(cache=True)  # compiled on first use, then loaded from __pycache__ (or numba's user cache)
+from moestream.policies.default.model import NUM_BLOCKS
+
+CUR, BEFORE, PREV, RECALL, SHARE = 0, 1, 2, 4, 5  # blocks of the features (model.py), each E rows of dense
 
 
-@numba.njit(**_JIT)
+def _compile(function):
+    """numba.njit, cached on disk where numba finds a writable place (else compiled in each process)."""
+    try:
+        return numba.njit(cache=True)(function)
+    except RuntimeError:  # numba's "no locator available": a read-only install without a cache directory
+        return numba.njit(function)
+
+
+@_compile
 def _first(ids, j):
     """Whether ids[j] does not occur before j (a row's repeated expert is one one-hot entry)."""
     for i in range(j):
@@ -29,13 +41,13 @@ def _first(ids, j):
     return True
 
 
-@numba.njit(**_JIT)
+@_compile
 def add_routed(pre, dense_c, now, before, steps):
     """pre [T, 3, U] += the routed blocks' part, with dense_c [3, 7E, U] the weights of cut c:
     buckets 0 and 1 gain block 0 at the experts now [T, k] routed at c and block 1 at those before
     [T, k'] routed at c-1 (k' = 0 at the first layer); the next token's START bucket gains its prev
     (block 2), recall (block 4, x steps[t, 0]) and share (block 5, x steps[t, 1]) at now's experts."""
-    num_experts, num_units = dense_c.shape[1] // 7, pre.shape[2]
+    num_experts, num_units = dense_c.shape[1] // NUM_BLOCKS, pre.shape[2]
     for t in range(pre.shape[0]):
         recall_step, share_step = steps[t, 0, 0], steps[t, 1, 0]
         for j in range(now.shape[1]):
@@ -43,20 +55,21 @@ def add_routed(pre, dense_c, now, before, steps):
             if not _first(now[t], j):
                 continue
             for u in range(num_units):
-                pre[t, 0, u] += dense_c[0, e, u]
-                pre[t, 1, u] += dense_c[1, e, u]
-                pre[t, 2, u] += (dense_c[2, 2 * num_experts + e, u] + recall_step * dense_c[2, 4 * num_experts + e, u]
-                                 + share_step * dense_c[2, 5 * num_experts + e, u])
+                pre[t, 0, u] += dense_c[0, CUR * num_experts + e, u]
+                pre[t, 1, u] += dense_c[1, CUR * num_experts + e, u]
+                pre[t, 2, u] += (dense_c[2, PREV * num_experts + e, u]
+                                 + recall_step * dense_c[2, RECALL * num_experts + e, u]
+                                 + share_step * dense_c[2, SHARE * num_experts + e, u])
         for j in range(before.shape[1]):
             e = before[t, j]
             if not _first(before[t], j):
                 continue
             for u in range(num_units):
-                pre[t, 0, u] += dense_c[0, num_experts + e, u]
-                pre[t, 1, u] += dense_c[1, num_experts + e, u]
+                pre[t, 0, u] += dense_c[0, BEFORE * num_experts + e, u]
+                pre[t, 1, u] += dense_c[1, BEFORE * num_experts + e, u]
 
 
-@numba.njit(**_JIT)
+@_compile
 def union_into(out, probs, rows):
     """out [n, E] = the chance that at least one of `rows` of probs [T, n, E] needs each expert (rows
     independent; one row: its probability)."""
@@ -71,7 +84,7 @@ def union_into(out, probs, rows):
             out[b, e] = np.float32(1.0) - missed
 
 
-@numba.njit(**_JIT)
+@_compile
 def expect(next_use, ahead, following, first, stop, passed):
     """next_use [L, E] of layers first..stop-1: l + L(1 - p)/q for a layer still ahead in this token,
     l + L/q for the layer `passed` (or none: -1), p = ahead[l], q = following[l] floored at 1e-4."""
@@ -82,7 +95,7 @@ def expect(next_use, ahead, following, first, stop, passed):
             next_use[layer, e] = layer + wait / np.float64(max(following[layer, e], np.float32(1e-4))) * num_layers
 
 
-@numba.njit(**_JIT)
+@_compile
 def absorb(logits, every, last, c, fresh, ahead, following, next_use):
     """From the logits [T, 3, E] of cut c: fresh [3, E] = the union of every row's probabilities for
     buckets 0 and 1 (c+1, c+2) and of the `last` rows' for START (the next token's c); ahead[c+1],
@@ -96,11 +109,11 @@ def absorb(logits, every, last, c, fresh, ahead, following, next_use):
     expect(next_use, ahead, following, c, c + 1 + num_ahead, c)
 
 
-@numba.njit(**_JIT)
+@_compile
 def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_c):
     """pre [n, U] (buckets c+1 and c+2 below L of one row) += gain [n, E] @ the recall block (block
     4) of dense_c [3, 7E, U], gain = the recall at c+1.. weighted by exp(beta x experts shared at c
-    and c-1) minus window_recall [L+2, E] (the window's mean). ring [W, L, E] holds the sequence's
+    and c-1) minus window_recall [L+2, E] (the window's mean). ring [L, W, E] holds the sequence's
     window, its first `count` slots filled; now [k] the row's experts at c; shared [W] what each
     slot shared with the row at c-1, replaced by what it shares at c."""
     num_experts, total = ring.shape[2], np.float32(0.0)
@@ -109,7 +122,7 @@ def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_
         same = np.float32(0.0)
         for j in range(now.shape[0]):
             if _first(now, j):
-                same += ring[i, c, now[j]]
+                same += ring[c, i, now[j]]
         weights[i] = np.exp(np.float32(beta) * (same + shared[i]))
         shared[i] = same
         total += weights[i]
@@ -120,7 +133,7 @@ def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_
             gain[e] = -window_recall[c + 1 + d, e]
         for i in range(count):
             for e in range(num_experts):
-                gain[e] += weights[i] * ring[i, c + 1 + d, e]
+                gain[e] += weights[i] * ring[c + 1 + d, i, e]
         for e in range(num_experts):
             for u in range(pre.shape[1]):
-                pre[d, u] += gain[e] * dense_c[d, 4 * num_experts + e, u]
+                pre[d, u] += gain[e] * dense_c[d, RECALL * num_experts + e, u]

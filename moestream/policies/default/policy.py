@@ -42,7 +42,7 @@ from moestream.policies.default.model import (
     sigmoid,
     weight_index,
 )
-from moestream.policies.default.state import IterationState
+from moestream.policies.default.state import IterationState, warm_up
 from moestream.policies.default.storage import load_directory, save_directory
 from moestream.policies.planning import IdleAwarePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
@@ -90,7 +90,7 @@ class DefaultPredictor(TrainablePredictor):
         self.weights, self.memory, self.losses = train_weights(trace, tokens, len(self.vocab) + 1, self.config,
                                                                self.train_config)
         self._trace = None
-        self.reset()
+        self._ready()
 
     def tensors(self) -> dict[str, np.ndarray]:
         return self.weights.arrays() | {"memory": self.memory}
@@ -105,7 +105,7 @@ class DefaultPredictor(TrainablePredictor):
         self.memory = self._checked_memory(tensors.pop("memory", None))
         self.weights = DefaultWeights(**tensors)
         self._trace = None
-        self.reset()
+        self._ready()
 
     def _checked_memory(self, memory: np.ndarray | None) -> np.ndarray:
         """The saved token memory, if it has this version's shape and type (else ValueError)."""
@@ -148,6 +148,11 @@ class DefaultPredictor(TrainablePredictor):
     def reset(self) -> None:
         self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.memory,
                                                                       self.config)
+
+    def _ready(self) -> None:
+        """A new model: fresh online state, and the kernels compiled for it (state.warm_up)."""
+        self.reset()
+        warm_up(self.topology, self.weights, self.memory, self.config)
 
     def begin_iteration(self, ctx: IterationContext) -> None:
         self.require_trained()

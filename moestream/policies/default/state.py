@@ -23,6 +23,7 @@ from types import ModuleType
 
 import numpy as np
 
+from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default.features import memory_index, memory_rows
 from moestream.policies.default.model import (
@@ -46,10 +47,28 @@ def compiled() -> ModuleType:
     return kernels
 
 
+class RowsMismatchError(MoestreamError):
+    """A routing event whose rows are not the iteration's."""
+
+    def __init__(self, num_event_rows: int, num_rows: int, layer: int):
+        super().__init__(f"policy 'default' models one routed row per token of the iteration, but layer {layer} routed "
+                         f"{num_event_rows} rows in an iteration of {num_rows} (an encoder-decoder model routes its "
+                         f"decoder apart from its prompt): use another policy for this model")
+
+
 def last_rows(seq_ids: np.ndarray) -> np.ndarray:
     """[S] the rows that end their sequence's rows in an iteration (each sequence's rows are contiguous,
     as every runner lays them out): every row in a decode."""
     return np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True]) if len(seq_ids) else np.zeros(0, np.int64)
+
+
+def warm_up(topology: Topology, weights: DefaultWeights, memory: np.ndarray, config: DefaultConfig) -> None:
+    """Runs a token's first layer through a throwaway state, so that numba compiles (or loads from its
+    cache) the kernels for the types the engine passes when a policy loads, not at the first request."""
+    state = IterationState(topology, weights, memory, config)
+    rows = np.zeros(1, np.int64)
+    state.begin(IterationContext(0, rows, rows, False), None)
+    state.observe(RoutingEvent(0, np.arange(topology.top_k)[None], rows, rows))
 
 
 class SequenceHistory:
@@ -57,7 +76,7 @@ class SequenceHistory:
 
     def __init__(self, window_tokens: int, num_layers: int, num_experts: int):
         shape = (num_layers, num_experts)
-        self.ring = np.zeros((window_tokens,) + shape, dtype=np.float32)  # [W, L, E]
+        self.ring = np.zeros((num_layers, window_tokens, num_experts), dtype=np.float32)  # [L, W, E]: a layer's window is contiguous
         self.count = self.slot = self.num_tokens = 0
         self.last_token = -1  # the vocabulary index of its last token
         self.prev, self.prev2 = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
@@ -69,11 +88,11 @@ class SequenceHistory:
         is the caller's) and following [L, 5E] likewise with the token after it's START inputs but what
         that next token adds; returns the weights the next token's routing adds with to following's
         recall and share."""
-        E, W = self.prev.shape[1], len(self.ring)
+        E, W = self.prev.shape[1], self.ring.shape[1]
         ahead[:, :E], ahead[:, E:2 * E] = self.prev, self.prev2
         ahead[:, 2 * E:3 * E] = self.window_sum / max(self.count, 1)
         ahead[:, 3 * E:4 * E] = self.total / max(self.num_tokens, 1)
-        dropped = self.ring[self.slot] if self.count == W else 0.0
+        dropped = self.ring[:, self.slot] if self.count == W else 0.0
         recall_step, share_step = 1.0 / min(self.count + 1, W), 1.0 / (self.num_tokens + 1)
         following[:, E:2 * E] = self.prev
         following[:, 2 * E:3 * E] = (self.window_sum - dropped) * recall_step
@@ -82,13 +101,14 @@ class SequenceHistory:
 
     def finish_token(self, routed: np.ndarray, token: int) -> None:
         """Appends a token's [L, E] routing and its vocabulary index."""
-        if self.count == len(self.ring):
-            self.window_sum -= self.ring[self.slot]
-        self.ring[self.slot] = routed
+        W = self.ring.shape[1]
+        if self.count == W:
+            self.window_sum -= self.ring[:, self.slot]
+        self.ring[:, self.slot] = routed
         self.window_sum += routed
         self.total += routed
         self.prev2, self.prev = self.prev, routed.copy()
-        self.slot, self.count = (self.slot + 1) % len(self.ring), min(self.count + 1, len(self.ring))
+        self.slot, self.count = (self.slot + 1) % W, min(self.count + 1, W)
         self.num_tokens += 1
         self.last_token = token
 
@@ -105,7 +125,7 @@ class IterationState:
         self.start = np.zeros((L, E), np.float32)  # [L, E] this token's layers, predicted from its start
         self.ahead = np.zeros((L, E), np.float32)  # [L, E] the latest prediction of each of this token's layers
         self.next = np.zeros((L, E), np.float32)  # [L, E] the next token's layers (filled as layers pass)
-        self.fresh = np.zeros((NUM_BUCKETS, E), np.float32)  # [3, E] from the last cut: c+1, c+2, the next token's c
+        self.fresh = np.zeros((NUM_BUCKETS, E), np.float32)  # [3, E] from cut c = layer_now >= 0: c+1, c+2, next c
         self.next_use = np.zeros((L, E))  # [L, E] the layer, counted from this token's first, of each next use
         self.epoch = 0  # bumped when every row of next_use changes (begin); observe(c) changes rows c..c+2
         # (observe comes for every layer in order, as the contract says: a layer skipped would stay 'ahead')
@@ -167,15 +187,17 @@ class IterationState:
     def observe(self, event: RoutingEvent) -> None:
         if not self.active:
             return
-        c, L = event.layer, self.topology.num_layers
+        c, L, kernels = event.layer, self.topology.num_layers, compiled()
         now = np.asarray(event.expert_ids, np.int64)  # [T, k]
+        if len(now) != len(self.rows):
+            raise RowsMismatchError(len(now), len(self.rows), c)
         self._routed[self._row_index, c, now] = 1.0
         pre = self._fixed[c].copy()  # [T, 3, U]
-        compiled().add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
+        kernels.add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
         if self.config.cut_recall:
             self._cut_recall(c, now, pre)
-        compiled().absorb(head(self.weights, pre, c), self._every, self._last, c, self.fresh, self.ahead, self.next,
-               self.next_use)  # the weights of cut c: [T, 3, E] logits
+        logits = head(self.weights, pre, c)  # [T, 3, E]: the weights of cut c
+        kernels.absorb(logits, self._every, self._last, c, self.fresh, self.ahead, self.next, self.next_use)
         self._before, self.layer_now = now, c
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):
@@ -197,10 +219,10 @@ class IterationState:
     def _cut_recall(self, c: int, now: np.ndarray, pre: np.ndarray) -> None:
         """Adds to pre[:, :2] (targets c+1 and c+2 below L) what its recall block gains over the window's
         mean when weighted by the experts each earlier token shared with this one at c and c-1."""
-        n, dense = min(2, self.topology.num_layers - 1 - c), self.weights.dense[c]  # dense [3, 7E, U]
-        for row, history in enumerate(self.rows):
-            compiled().add_cut_recall(pre[row, :n], history.ring, history.count, now[row], self._shared[row], c,
-                           self.config.recall_beta, self._window_recall[row], dense)
+        n, dense, add = min(2, self.topology.num_layers - 1 - c), self.weights.dense[c], compiled().add_cut_recall
+        for row, history in enumerate(self.rows):  # dense [3, 7E, U]
+            add(pre[row, :n], history.ring, history.count, now[row], self._shared[row], c, self.config.recall_beta,
+                self._window_recall[row], dense)
 
     def scores(self, layer_now: int, target: int) -> np.ndarray:
         """[E]: probabilities for `target` (>= L: the next token's target - L) seen from layer_now."""

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from moestream.policies.default.kernels import absorb, add_routed, expect, union_into
+from moestream.policies.default.kernels import absorb, add_cut_recall, add_routed, expect, union_into
 
 E, U, L = 8, 8, 5
 
@@ -29,7 +29,8 @@ def test_add_routed_is_the_one_hot_rows_times_the_weights(with_before):
     cur, prev = one_hot(now), one_hot(before) if with_before else np.zeros((3, E), np.float32)
     want[:, :2] += np.einsum("te,bue->tbu", cur, dense[:2, :E].swapaxes(1, 2))
     want[:, :2] += np.einsum("te,bue->tbu", prev, dense[:2, E:2 * E].swapaxes(1, 2))
-    start = dense[2, 2 * E:3 * E] + steps[:, 0, :, None] * dense[2, 4 * E:5 * E] + steps[:, 1, :, None] * dense[2, 5 * E:6 * E]
+    recall, share = steps[:, 0, :, None] * dense[2, 4 * E:5 * E], steps[:, 1, :, None] * dense[2, 5 * E:6 * E]
+    start = dense[2, 2 * E:3 * E] + recall + share  # [T, E, U]: prev, recall and share at each expert
     want[:, 2] += np.einsum("te,teu->tu", cur, start)
     add_routed(pre, dense, now, before, steps)
     np.testing.assert_allclose(pre, want, rtol=1e-5, atol=1e-5)
@@ -61,19 +62,72 @@ def test_expect_waits_for_layers_ahead_and_for_the_next_token_at_the_layer_passe
     np.testing.assert_allclose(next_use, layers + L * (1 - ahead.astype(np.float64)) / q)
 
 
-def test_absorb_fills_the_cut_s_layers_and_the_next_token_s():
+@pytest.mark.parametrize("c", [0, L - 2, L - 1])
+def test_absorb_fills_the_cut_s_layers_and_the_next_token_s(c):
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(3, 3, E)).astype(np.float32)
     probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     fresh, ahead, following = (np.zeros((n, E), np.float32) for n in (3, L, L))
+    ahead_before, following_before = rng.uniform(size=(2, L, E)).astype(np.float32)
+    ahead[:], following[:] = ahead_before, following_before
     next_use = np.zeros((L, E))
-    c = L - 2  # one layer left in this token
     absorb(logits, np.arange(3), np.array([2]), c, fresh, ahead, following, next_use)
-    np.testing.assert_allclose(fresh[0], 1 - np.prod(1 - probs[:, 0], axis=0), rtol=1e-5)
+    for bucket in (0, 1):  # every row's union
+        np.testing.assert_allclose(fresh[bucket], 1 - np.prod(1 - probs[:, bucket], axis=0), rtol=1e-5)
     np.testing.assert_allclose(fresh[2], probs[2, 2], rtol=1e-5)  # the next token: the last row alone
-    assert np.array_equal(ahead[c + 1], fresh[0]) and not ahead[:c + 1].any()
-    assert np.array_equal(following[c], fresh[2])
-    assert next_use[c:].all() and not next_use[:c].any()
+    ahead_now = min(2, L - 1 - c)  # the layers of this token after c
+    want_ahead, want_following = ahead_before.copy(), following_before.copy()
+    want_ahead[c + 1:c + 1 + ahead_now], want_following[c] = fresh[:ahead_now], fresh[2]
+    assert np.array_equal(ahead, want_ahead) and np.array_equal(following, want_following)
+    q = np.maximum(want_following, np.float32(1e-4)).astype(np.float64)
+    wait = L * (1 - want_ahead.astype(np.float64)) / q
+    wait[c] = L / q[c]  # the layer just passed: only the next token can need it
+    rows = slice(c, c + 1 + ahead_now)
+    np.testing.assert_allclose(next_use[rows], np.arange(L)[rows, None] + wait[rows])
+    assert not np.delete(next_use, np.arange(L)[rows], axis=0).any()  # the other rows stay
+
+
+def reference_cut_recall(ring, count, now, shared, c, beta, window_recall, dense, n):
+    """The numpy arithmetic the kernel replaced (state._cut_recall before it was compiled)."""
+    from moestream.policies.default.features import recall_weights
+
+    same = ring[c, :count] @ one_hot(now[None])[0]  # [count]
+    weights = recall_weights(same + shared[:count], 1.0, beta)
+    gain = np.einsum("i,die->de", weights, ring[c + 1:c + 1 + n, :count]) - window_recall[c + 1:c + 1 + n]
+    return np.einsum("de,deu->du", gain, dense[:n, 4 * E:5 * E]), same
+
+
+@pytest.mark.parametrize("count, n, now", [(3, 2, [1, 4]), (4, 1, [2, 2]), (0, 2, [0, 5])])
+def test_cut_recall_weights_the_window_by_the_experts_shared(count, n, now):
+    rng = np.random.default_rng(4)
+    W = 4
+    ring = (rng.uniform(size=(L, W, E)) < 0.3).astype(np.float32)  # [L, W, E]
+    shared = rng.integers(0, 3, size=W).astype(np.float32)
+    window_recall = rng.uniform(size=(L + 2, E)).astype(np.float32)
+    dense = rng.normal(size=(3, 7 * E, U)).astype(np.float32)
+    now, c = np.array(now), 1
+    want, same = reference_cut_recall(ring, count, now, shared, c, 0.5, window_recall, dense, n)
+    pre = np.zeros((n, U), np.float32)
+    add_cut_recall(pre, ring, count, now, shared, c, 0.5, window_recall, dense)
+    np.testing.assert_allclose(pre, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(shared[:count], same)  # each slot now holds what it shares at c
+
+
+def test_kernels_compile_without_a_disk_cache_when_numba_has_nowhere_to_write_it(monkeypatch):
+    import numba
+
+    from moestream.policies.default import kernels
+
+    real = numba.njit
+
+    def njit(*args, **options):
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(*args, **options)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    doubled = kernels._compile(lambda x: 2 * x)
+    assert doubled(21) == 42 and hasattr(doubled, "signatures")  # a numba dispatcher, compiled in process
 
 
 def test_numba_loads_only_when_a_default_state_runs():
@@ -81,4 +135,34 @@ def test_numba_loads_only_when_a_default_state_runs():
     code = ("import sys, moestream.policies, moestream.sim; assert 'numba' not in sys.modules, 'numba was imported'; "
             "from moestream.policies.default.state import compiled; compiled(); assert 'numba' in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+WARM_CHECK = """
+import sys
+from moestream.policies.default.policy import Default
+from moestream.policies.default.state import compiled
+from moestream.trace.format import load_trace
+from moestream.trace.replay import decode_stream, prefill
+
+trace = load_trace(sys.argv[2])
+policy = Default(trace.topology, predictor_dir=sys.argv[1])
+names = ("add_routed", "absorb", "expect", "add_cut_recall")  # those state.py calls (union_into also inside absorb)
+counts = [len(getattr(compiled(), name).signatures) for name in names]
+assert min(counts) > 0, counts
+for it in list(prefill(trace))[:2] + list(decode_stream(trace))[:30]:
+    policy.predictor.begin_iteration(it.ctx)
+    for event in it.events:
+        policy.predictor.observe(event)
+assert [len(getattr(compiled(), name).signatures) for name in names] == counts, "compiled during a request"
+"""
+
+
+def test_a_loaded_default_has_compiled_what_prefill_and_decode_pass(policy, traces, tmp_path):
+    from moestream.trace.format import save_trace
+
+    policy.save(tmp_path / "default")
+    save_trace(traces[1], tmp_path / "trace.npz")
+    args = [sys.executable, "-c", WARM_CHECK, str(tmp_path / "default"), str(tmp_path / "trace.npz")]
+    result = subprocess.run(args, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
