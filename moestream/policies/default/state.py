@@ -76,7 +76,7 @@ class SequenceHistory:
 
     def __init__(self, window_tokens: int, num_layers: int, num_experts: int):
         shape = (num_layers, num_experts)
-        self.ring = np.zeros((num_layers, window_tokens, num_experts), dtype=np.float32)  # [L, W, E]: a layer's window is contiguous
+        self.ring = np.zeros((num_layers, window_tokens, num_experts), dtype=np.float32)  # [L, W, E]: by layer
         self.count = self.slot = self.num_tokens = 0
         self.last_token = -1  # the vocabulary index of its last token
         self.prev, self.prev2 = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]

@@ -22,7 +22,8 @@ def test_online_predictions_equal_whole_trace_scoring(policy, traces, horizon):
     np.testing.assert_array_equal(scored.predicted, online.predicted)
 
 
-@pytest.mark.parametrize("overrides", [{"cut_recall": False}, {"hidden_units": 8}, {"hidden_units": 8, "cut_recall": False}])
+@pytest.mark.parametrize("overrides", [{"cut_recall": False}, {"hidden_units": 8},
+                                       {"hidden_units": 8, "cut_recall": False}])
 def test_every_variant_predicts_online_what_it_scores(traces, overrides):
     config = dataclasses.replace(DefaultConfig(), **overrides)
     policy = fitted_policy(traces[0], config=config, train=TrainConfig(num_epochs=3, batch_size=64))
