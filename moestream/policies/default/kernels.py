@@ -42,31 +42,35 @@ def _first(ids, j):
 
 
 @_compile
+def _add_block(pre_t, dense_c, ids, block):
+    """pre_t [3, U]: buckets 0 and 1 (c+1, c+2) gain the rows of `block` of dense_c [3, 7E, U] at each
+    distinct expert of ids [k]."""
+    offset = block * (dense_c.shape[1] // NUM_BLOCKS)
+    for j in range(ids.shape[0]):
+        if _first(ids, j):
+            for u in range(pre_t.shape[1]):
+                pre_t[0, u] += dense_c[0, offset + ids[j], u]
+                pre_t[1, u] += dense_c[1, offset + ids[j], u]
+
+
+@_compile
 def add_routed(pre, dense_c, now, before, steps):
     """pre [T, 3, U] += the routed blocks' part, with dense_c [3, 7E, U] the weights of cut c:
     buckets 0 and 1 gain block 0 at the experts now [T, k] routed at c and block 1 at those before
     [T, k'] routed at c-1 (k' = 0 at the first layer); the next token's START bucket gains its prev
     (block 2), recall (block 4, x steps[t, 0]) and share (block 5, x steps[t, 1]) at now's experts."""
-    num_experts, num_units = dense_c.shape[1] // NUM_BLOCKS, pre.shape[2]
+    num_experts = dense_c.shape[1] // NUM_BLOCKS
     for t in range(pre.shape[0]):
+        _add_block(pre[t], dense_c, now[t], CUR)
+        _add_block(pre[t], dense_c, before[t], BEFORE)
         recall_step, share_step = steps[t, 0, 0], steps[t, 1, 0]
         for j in range(now.shape[1]):
             e = now[t, j]
-            if not _first(now[t], j):
-                continue
-            for u in range(num_units):
-                pre[t, 0, u] += dense_c[0, CUR * num_experts + e, u]
-                pre[t, 1, u] += dense_c[1, CUR * num_experts + e, u]
-                pre[t, 2, u] += (dense_c[2, PREV * num_experts + e, u]
-                                 + recall_step * dense_c[2, RECALL * num_experts + e, u]
-                                 + share_step * dense_c[2, SHARE * num_experts + e, u])
-        for j in range(before.shape[1]):
-            e = before[t, j]
-            if not _first(before[t], j):
-                continue
-            for u in range(num_units):
-                pre[t, 0, u] += dense_c[0, BEFORE * num_experts + e, u]
-                pre[t, 1, u] += dense_c[1, BEFORE * num_experts + e, u]
+            if _first(now[t], j):
+                for u in range(pre.shape[2]):
+                    pre[t, 2, u] += (dense_c[2, PREV * num_experts + e, u]
+                                     + recall_step * dense_c[2, RECALL * num_experts + e, u]
+                                     + share_step * dense_c[2, SHARE * num_experts + e, u])
 
 
 @_compile
