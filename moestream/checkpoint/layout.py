@@ -6,6 +6,7 @@ Plain data shared by the checkpoint indexer (which fills it from safetensors hea
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +64,22 @@ class ExpertIndex:
     layout: tuple[PartView, ...]  # the same for every expert of the model
 
     def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of one slot (a 1-D uint8 tensor of expert_bytes): no copy."""
-        return {
-            p.param: slot[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
-            for p in self.layout
-        }
+        """Typed views of one slot (a 1-D uint8 tensor of expert_bytes): no copy. The slot is viewed once
+        per dtype, then each part is one strided view of that (half the cost of slicing each part)."""
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        views = {}
+        for param, dtype, shape, strides, start in self._strided:
+            whole = typed.get(dtype)
+            if whole is None:
+                whole = typed[dtype] = slot[: slot.numel() - slot.numel() % dtype.itemsize].view(dtype)
+            views[param] = whole.as_strided(shape, strides, whole.storage_offset() + start)
+        return views
+
+    @functools.cached_property
+    def _strided(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], int], ...]:
+        """Per part: name, dtype, shape, contiguous strides and first element in the slot's typed view."""
+        return tuple((p.param, p.dtype, p.shape, torch.empty(p.shape, device="meta").stride(),
+                      p.offset // p.dtype.itemsize) for p in self.layout)
 
 
     def residue(self, key: ExpertKey, block: int) -> int:

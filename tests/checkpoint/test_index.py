@@ -47,11 +47,15 @@ def test_slot_views_equal_the_models_expert_parameters(tiny_checkpoint, family):
     for key in sample_keys(index.topology):
         location = index.experts.locations[key]
         assert location.nbytes == index.topology.expert_bytes
-        views = index.experts.views(read_slot(location))
+        slot = read_slot(location)
+        views = index.experts.views(slot)
         experts = model.get_submodule(index.blocks[key.layer].experts_path)
         assert set(views) == {p.param for p in index.adapter.parts}
         for param, view in views.items():
             assert torch.equal(view, index.adapter.expert_tensor(experts, key.expert, param)), (key, param)
+            assert view.is_contiguous()
+            start = view.data_ptr() - slot.data_ptr()  # a view of the slot's own bytes, not a copy
+            assert 0 <= start and start + view.numel() * view.element_size() <= slot.numel()
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
