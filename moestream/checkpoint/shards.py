@@ -9,6 +9,7 @@ file size. It knows nothing about experts or families.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,7 @@ def _tensor_info(file: Path, name: str, entry, data_start: int) -> TensorInfo:
     if dtype_name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype_name!r} of tensor {name!r} in {file}")
     dtype = DTYPES[dtype_name]
-    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if begin < 0 or end - begin != nbytes:
         raise CheckpointError(
             f"corrupt header in {file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}"
