@@ -6,7 +6,9 @@ the latest one the worker has completed, rebased to the caller's position: a res
 earlier layer or iteration loses the layers the caller has already passed. flush() waits until the
 worker has caught up; after it, predict() at the same position returns exactly what the wrapped
 predictor returns on the synchronous path. With synchronous=True (the simulator, tests) every call
-runs inline.
+runs inline. The queue is bounded (`max_pending`): a worker that falls behind makes the caller wait
+(no event may be dropped), and every wait, for room in the queue, flush() or close(), gives up after
+`timeout_s` with a `BackgroundTimeout` instead of hanging.
 
 `offload_predictor(policy)` is the engine's hook: it wraps the predictor of a policy whose class sets
 `Policy.predicts_in_background`, and leaves other policies alone. This module knows no policy by
@@ -20,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.contracts import Policy, Prediction, Predictor
 
@@ -27,6 +30,15 @@ if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
 _STOP = object()
+MAX_PENDING = 1024  # events and requests queued for the worker: about 20 tokens of a 26-layer model
+
+
+class BackgroundTimeout(MoestreamError):
+    """The predictor's worker did not catch up within the wait's timeout."""
+
+
+def _signal(done: threading.Event) -> None:
+    done.set()
 
 
 @dataclass(frozen=True)
@@ -45,13 +57,15 @@ class _Result:
 class BackgroundPredictor(Predictor):
     """A predictor whose events and predictions run on a worker thread (see the module doc)."""
 
-    def __init__(self, inner: Predictor, synchronous: bool = False):
+    def __init__(self, inner: Predictor, synchronous: bool = False, max_pending: int = MAX_PENDING,
+                 timeout_s: float = 60.0):
         super().__init__(inner.topology)
         self.inner = inner
         self.synchronous = synchronous
+        self.timeout_s = timeout_s
         self.needs_hidden = inner.needs_hidden
         self.needs_embeddings = inner.needs_embeddings
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._iteration = 0
@@ -89,15 +103,21 @@ class BackgroundPredictor(Predictor):
     def flush(self) -> None:
         """Wait until the worker has handled every queued event and request."""
         if self._thread is not None:
-            self._jobs.join()
+            done = threading.Event()
+            self._put((_signal, done))
+            if not done.wait(self.timeout_s):
+                raise BackgroundTimeout(f"the background predictor did not catch up within {self.timeout_s:g} s")
         self._raise_worker_error()
 
     def close(self) -> None:
         """Stop the worker thread after the queued work; the wrapper then runs inline."""
         if self._thread is not None:
-            self._jobs.put(_STOP)
-            self._thread.join()
-            self._thread = None
+            thread, self._thread = self._thread, None
+            self.synchronous = True
+            self._put(_STOP)
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                raise BackgroundTimeout(f"the background predictor did not stop within {self.timeout_s:g} s")
         self.synchronous = True
         self._raise_worker_error()
 
@@ -109,7 +129,14 @@ class BackgroundPredictor(Predictor):
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="moestream-predictor", daemon=True)
             self._thread.start()
-        self._jobs.put((call, argument))
+        self._put((call, argument))
+
+    def _put(self, job) -> None:
+        try:
+            self._jobs.put(job, timeout=self.timeout_s)
+        except queue.Full:
+            raise BackgroundTimeout(f"the background predictor fell {self._jobs.maxsize} jobs behind and did not "
+                                    f"catch up within {self.timeout_s:g} s") from None
 
     def _compute(self, request: _Request) -> None:
         if request != self._requested:
@@ -120,16 +147,14 @@ class BackgroundPredictor(Predictor):
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is _STOP:
+                return
+            call, argument = job
             try:
-                if job is _STOP:
-                    return
-                if self._error is None:
-                    call, argument = job
+                if self._error is None or call is _signal:
                     call(argument)
             except BaseException as error:  # re-raised in the caller's thread
                 self._error = error
-            finally:
-                self._jobs.task_done()
 
     def _rebased(self, result: _Result | None, layer_now: int) -> list[Prediction]:
         if result is None:
@@ -148,7 +173,7 @@ class BackgroundPredictor(Predictor):
             raise RuntimeError("the background predictor failed") from error
 
 
-def offload_predictor(policy: Policy, synchronous: bool = False) -> BackgroundPredictor | None:
+def offload_predictor(policy: Policy, synchronous: bool = False, timeout_s: float = 60.0) -> BackgroundPredictor | None:
     """Wrap the predictor of a policy that asks for it (Policy.predicts_in_background); else None.
 
     Call before the policy's observers are collected: Policy.observers() then lists the wrapper.
@@ -157,5 +182,5 @@ def offload_predictor(policy: Policy, synchronous: bool = False) -> BackgroundPr
         return None
     if isinstance(policy.predictor, BackgroundPredictor):
         return policy.predictor
-    policy.predictor = BackgroundPredictor(policy.predictor, synchronous=synchronous)
+    policy.predictor = BackgroundPredictor(policy.predictor, synchronous=synchronous, timeout_s=timeout_s)
     return policy.predictor

@@ -79,7 +79,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.checkpoint: CheckpointIndex = build_index(model_dir)
         self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
-        self._background = offload_predictor(self.policy)  # before observers() lists the predictor
+        self._background = offload_predictor(self.policy, timeout_s=self.config.transfer_timeout_s)  # before observers()
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store: ExpertStore = open_store(self.checkpoint.experts, self.config.store_config(),
                                              evictions["device"], evictions["host"], load_manifest(self.checkpoint))

@@ -9,7 +9,9 @@ and the head of the next): the point is real routing statistics, not a given pro
 
 Running out of rows wraps around to the first row (and is logged once): a benchmark's token count
 is set by its prompts and flags, not by the trace, and wrapping keeps the recorded distribution
-(the number of wraps is kept in `wraps`, so a report can say so).
+(the number of wraps is kept in `wraps`, so a report can say so). Each iteration's rows are kept in
+`iterations` for a benchmark's simulator, the last MAX_RECORDED_ITERATIONS of them (a server that
+replays for days stays bounded); `rows_used` counts every row.
 
 Experts: the trace's experts replace the router's top-k of the active rows; padding rows keep the
 router's choice (they run no experts). Weights: the trace's gate weights when it has them, else the
@@ -25,6 +27,7 @@ knows no policy and no store.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import numpy as np
 import torch
@@ -38,6 +41,7 @@ from moestream.trace.schema import Trace
 log = logging.getLogger(__name__)
 
 REPLAY_LABEL = "replayed routing"  # printed beside figures measured under replay
+MAX_RECORDED_ITERATIONS = 65536  # a benchmark's runs take a few hundred
 
 
 class ReplayError(MoestreamError):
@@ -63,7 +67,8 @@ class RoutingReplay(Observer):
         self.source = source
         self.cursor = 0  # the next trace row
         self.wraps = 0  # times the cursor went past the last row
-        self.iterations: list[np.ndarray] = []  # [T] trace rows fed to each iteration, in order
+        self.iterations: deque[np.ndarray] = deque(maxlen=MAX_RECORDED_ITERATIONS)  # [T] rows of each iteration
+        self.rows_used = 0  # rows fed to every iteration so far
         small = np.uint8 if model_topology.num_experts <= 256 else trace.experts.dtype
         self._experts = trace.experts.astype(small, copy=False)  # [N, L, K]; the rest of the trace is not kept
         self._weights = trace.gate_weights  # [N, L, K] or None
@@ -77,10 +82,12 @@ class RoutingReplay(Observer):
         self.wraps += wraps
         self.cursor = (self.cursor + ctx.num_tokens) % n
         self.iterations.append(rows)
+        self.rows_used += len(rows)
 
     @property
-    def rows_used(self) -> int:
-        return sum(len(rows) for rows in self.iterations)
+    def recorded_all(self) -> bool:
+        """Whether `iterations` still holds every iteration's rows."""
+        return sum(len(rows) for rows in self.iterations) == self.rows_used
 
     def route(self, layer: int, active: np.ndarray, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

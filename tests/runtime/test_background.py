@@ -2,6 +2,7 @@
 surfaced, and the opt-in hook for policies."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Prediction, Predictor
-from moestream.runtime.background import BackgroundPredictor, offload_predictor
+from moestream.runtime.background import BackgroundPredictor, BackgroundTimeout, offload_predictor
 from moestream.topology import Topology
 from moestream.trace.replay import batched_decode
 from tests.synthetic import synthetic_trace
@@ -130,3 +131,50 @@ def test_only_policies_that_ask_are_offloaded():
         wrapper.close()
     lru = POLICIES.create("lru", TOPOLOGY)
     assert offload_predictor(lru) is None and not isinstance(lru.predictor, BackgroundPredictor)
+
+
+def test_a_worker_that_falls_behind_makes_the_caller_wait_then_time_out(wrappers):
+    inner = Gated()
+    inner.gate.clear()  # the worker blocks in its first observe
+    background = BackgroundPredictor(inner, max_pending=2, timeout_s=0.2)
+    background.observe(event(0))  # taken by the worker, which now waits at the gate
+    wait_for(lambda: background._jobs.empty())
+    background.observe(event(1))
+    background.observe(event(2))  # the queue is full now
+    with pytest.raises(BackgroundTimeout, match="fell 2 jobs behind"):
+        background.observe(event(3))
+    with pytest.raises(BackgroundTimeout, match="did not catch up"):
+        background.flush()
+    inner.gate.set()
+    background.close()  # the worker catches up and stops
+    assert background._thread is None
+
+
+def test_flush_and_close_wait_at_most_their_timeout(wrappers):
+    inner = Gated()
+    inner.gate.clear()
+    background = BackgroundPredictor(inner, timeout_s=0.2)
+    background.observe(event(0))
+    with pytest.raises(BackgroundTimeout, match="did not catch up within 0.2 s"):
+        background.flush()
+    with pytest.raises(BackgroundTimeout, match="did not stop within 0.2 s"):
+        background.close()
+    inner.gate.set()
+
+
+def test_flush_returns_after_a_worker_error_instead_of_hanging(wrappers):
+    inner = Gated()
+    inner.fail = True
+    background = wrappers(inner)
+    background.observe(event(0))
+    background.observe(event(1))  # skipped: the worker has failed
+    with pytest.raises(RuntimeError, match="background predictor failed"):
+        background.flush()
+    background.flush()  # the error was raised once; the worker still answers
+
+
+def wait_for(condition, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)

@@ -83,3 +83,15 @@ def test_rows_run_on_across_iterations_and_wrap():
         replay.begin_iteration(_ctx(num_tokens))
     assert [rows.tolist() for rows in replay.iterations] == [[0, 1, 2], [3], [4, 0, 1, 2]]
     assert replay.cursor == 3 and replay.wraps == 1 and replay.rows_used == 8
+
+
+def test_the_record_of_iterations_is_bounded(monkeypatch):
+    monkeypatch.setattr("moestream.runtime.replay.MAX_RECORDED_ITERATIONS", 2)
+    topo = Topology((1, 2), num_experts=4, top_k=2, expert_bytes=8)
+    replay = RoutingReplay(synthetic_trace(topo, num_sequences=1, tokens_per_sequence=5), topo)
+    replay.begin_iteration(_ctx(2))
+    assert replay.recorded_all
+    for num_tokens in (3, 1):
+        replay.begin_iteration(_ctx(num_tokens))
+    assert [rows.tolist() for rows in replay.iterations] == [[2, 3, 4], [0]]  # the last two
+    assert replay.rows_used == 6 and not replay.recorded_all

@@ -111,6 +111,8 @@ class EngineRun:
             prefill += [True] + [False] * (meter.steps - 1)
             token_ids.append(result.token_ids[0])
         replay = engine.replay
+        if replay is not None and not replay.recorded_all:
+            raise MoestreamError("bench engine: the run took more iterations than the routing replay records")
         return summarize(counters, stall_ms, counters.read_ms) | {
             "replayed": replay is not None,
             "replay_wraps": replay.wraps if replay else 0,
