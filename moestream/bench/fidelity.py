@@ -75,7 +75,7 @@ def compare(args) -> dict:
             "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
                                               "decode_tokens", "expert_hits", "expert_misses", "expert_read_ms",
                                               "experts_per_read_batch", "read_batch_line_ms",
-                                              "routed_expert_ms")},
+                                              "routed_expert_ms", "peak_rss_mib")},
             "simulator": simulated, "agreement": agreement(engine, simulated),
             "cost_model": dataclasses.asdict(cost)}
 
@@ -133,6 +133,7 @@ def _print(document: dict) -> None:
           f"(within {STALL_TOLERANCE:.0%}): {agree['stall']}")
     print(f"{'TPOT ms':14}{engine['tpot_ms']:>10.2f}{sim['tpot_ms']:>12.2f}   (informational)")
     print(f"{'KiB/tok':14}{engine['bytes_per_token'] / 1024:>10.0f}{sim['bytes_per_token'] / 1024:>12.0f}")
+    print(f"{'peak RSS MiB':14}{engine['peak_rss_mib']:>10.0f}")
     if engine["expert_read_ms"]:
         cost = document["cost_model"]
         print(f"engine reads: {engine['expert_read_ms']:.2f} ms per expert, {engine['experts_per_read_batch']:.1f} "

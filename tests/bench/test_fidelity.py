@@ -4,23 +4,33 @@ import json
 
 import pytest
 
+from moestream.bench.fidelity import HIT_RATE_TOLERANCE, STALL_TOLERANCE, agreement
 from moestream.checkpoint.index import build_index
 from moestream.cli import main
 from moestream.trace.format import save_trace
 from tests.synthetic import synthetic_trace
 
 
-@pytest.mark.slow
-def test_on_demand_lru_agrees_when_calibrated_on_itself(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def small_trace(tmp_path, monkeypatch):
     monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
     from moestream.cli.demo import demo_checkpoint
 
     topology = build_index(demo_checkpoint(small=True)).topology
-    trace, out = tmp_path / "trace.npz", tmp_path / "fidelity.json"
+    trace = tmp_path / "trace.npz"
     save_trace(synthetic_trace(topology, num_sequences=2, tokens_per_sequence=12, seed=4), trace)
-    assert main(["bench", "fidelity", "--small", "--replay-routing", str(trace), "--sync", "--budget", "0.5",
-                 "--max-new-tokens", "4", "--buffered-io", "--json", str(out)]) == 0
-    record = json.loads(out.read_text())
+    return trace
+
+
+def fidelity(trace, out, *flags):
+    assert main(["bench", "fidelity", "--small", "--replay-routing", str(trace), "--budget", "0.5",
+                 "--max-new-tokens", "4", "--buffered-io", "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_on_demand_lru_agrees_when_calibrated_on_itself(small_trace, tmp_path, capsys):
+    record = fidelity(small_trace, tmp_path / "fidelity.json", "--sync")
     engine, sim = record["engine"], record["simulator"]
     assert engine["decode_tokens"] == sim["decode_tokens"] > 0
     assert 0 < engine["hit_rate"] < 1 and engine["stall_ms_per_token"] > 0
@@ -29,12 +39,57 @@ def test_on_demand_lru_agrees_when_calibrated_on_itself(tmp_path, monkeypatch, c
     assert sim["bytes_per_token"] == pytest.approx(engine["bytes_per_token"])
     assert sim["stall_ms_per_token"] == pytest.approx(engine["stall_ms_per_token"], rel=0.01)
     assert engine["routed_expert_ms"] > 0 and record["cost_model"]["routed_expert_ms"] == engine["routed_expert_ms"]
+    assert engine["peak_rss_mib"] > 0
     if engine["read_batch_line_ms"] is not None:  # a line through the batches: it is the reads' cost model
         assert record["cost_model"]["demand_batch_ms"] == pytest.approx(engine["read_batch_line_ms"][0])
     assert record["agreement"] | {"hit_rate_gap": 0, "stall_gap": 0} == {
         "hit_rate": "ok", "stall": "ok", "hit_rate_gap": 0, "stall_gap": 0}
     printed = capsys.readouterr().out
-    assert "replayed routing" in printed and "hit rate" in printed and "stall ms/tok" in printed
+    assert "replayed routing" in printed and "hit rate" in printed and "peak RSS MiB" in printed
+
+
+@pytest.mark.slow
+def test_the_async_path_under_a_given_calibration(small_trace, tmp_path):
+    """The asynchronous engine (cache-aware reordering) against the simulator's "ready" order, under a cost
+    model read from an earlier run's JSON (--cost-model measured:PATH), not measured on the compared run."""
+    first = tmp_path / "sync.json"
+    calibration = fidelity(small_trace, first, "--sync")["cost_model"]
+    record = fidelity(small_trace, tmp_path / "async.json", "--cost-model", f"measured:{first}")
+    engine, sim = record["engine"], record["simulator"]
+    assert record["mode"] == "async" and record["reorder"]
+    assert numbers(record["cost_model"]) == numbers(calibration)
+    assert engine["decode_tokens"] == sim["decode_tokens"] > 0
+    assert abs(sim["hit_rate"] - engine["hit_rate"]) <= HIT_RATE_TOLERANCE  # LRU decides the same hits
+    assert record["agreement"]["hit_rate"] == "ok"
+
+
+def numbers(cost_model: dict) -> dict:
+    return {k: v for k, v in cost_model.items() if not isinstance(v, str)}  # its name says where it came from
+
+
+@pytest.mark.parametrize("hit_gap, hit", [(0.0, "ok"), (HIT_RATE_TOLERANCE - 0.001, "ok"),
+                                          (-HIT_RATE_TOLERANCE + 0.001, "ok"), (HIT_RATE_TOLERANCE + 0.001, "missed"),
+                                          (-HIT_RATE_TOLERANCE - 0.001, "missed")])
+def test_hit_rates_agree_within_the_tolerance(hit_gap, hit):
+    result = agreement({"hit_rate": 0.5, "stall_ms_per_token": 10.0},
+                       {"hit_rate": 0.5 + hit_gap, "stall_ms_per_token": 10.0})
+    assert result["hit_rate"] == hit and result["hit_rate_gap"] == pytest.approx(hit_gap)
+
+
+@pytest.mark.parametrize("sim_stall, stall", [(10.0 * (1 + STALL_TOLERANCE - 0.01), "ok"),
+                                              (10.0 * (1 - STALL_TOLERANCE + 0.01), "ok"),
+                                              (10.0 * (1 + STALL_TOLERANCE + 0.01), "missed"),
+                                              (10.0 * (1 - STALL_TOLERANCE - 0.01), "missed")])
+def test_stalls_agree_within_the_tolerance(sim_stall, stall):
+    result = agreement({"hit_rate": 0.5, "stall_ms_per_token": 10.0}, {"hit_rate": 0.5, "stall_ms_per_token": sim_stall})
+    assert result["stall"] == stall and result["stall_gap"] == pytest.approx(sim_stall / 10.0 - 1)
+
+
+def test_an_engine_without_stall_agrees_only_with_a_simulator_without_stall():
+    assert agreement({"hit_rate": 1.0, "stall_ms_per_token": 0.0}, {"hit_rate": 1.0, "stall_ms_per_token": 0.0})[
+        "stall"] == "ok"
+    result = agreement({"hit_rate": 1.0, "stall_ms_per_token": 0.0}, {"hit_rate": 1.0, "stall_ms_per_token": 0.5})
+    assert result["stall"] == "missed" and result["stall_gap"] is None
 
 
 def test_a_fidelity_run_without_enough_tokens_is_a_user_error(tmp_path):
