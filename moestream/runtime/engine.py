@@ -7,10 +7,11 @@ runs the model (each MoE layer publishes its routing, fetches misses and compute
 appends the greedy tokens and finishes sequences. The policy is taken by registry name; the engine
 knows no policy and no family.
 
-While an engine is open, numpy's BLAS runs one thread (threadpoolctl; process-wide, restored by
-close): the policy's numpy work runs between torch's kernels on the compute thread, and a second
-thread pool spinning beside torch's takes the cores its kernels need (a prefill with a predicting
-policy ran twice as slow with torch on 2 threads).
+On the CPU, the engine bounds oneDNN's per-shape caches (`moestream.runtime.onednn`; process-wide,
+before the first matmul, unless the user set them). While an engine is open, numpy's BLAS runs one
+thread (threadpoolctl; process-wide, restored by close): the policy's numpy work runs between torch's
+kernels on the compute thread, and a second thread pool spinning beside torch's takes the cores its
+kernels need (a prefill with a predicting policy ran twice as slow with torch on 2 threads).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from moestream.runtime.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
+from moestream.runtime.onednn import bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
@@ -77,6 +79,8 @@ class Engine:
                  observers: Seq[Observer] = (), progress: bool = False, policy: Policy | None = None):
         """policy: an already built (e.g. fitted) policy instead of config.policy by name."""
         self.config = config or EngineConfig()
+        if self.config.device == "cpu":
+            bound_shape_caches()
         self.checkpoint: CheckpointIndex = build_index(model_dir)
         self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
         self._background = offload_predictor(self.policy, timeout_s=self.config.transfer_timeout_s)  # before observers()

@@ -1,5 +1,7 @@
 """The offloaded engine generates exactly what the unmodified transformers model generates."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from moestream.policies.contracts import Observer
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.runtime import Engine, EngineConfig
+from moestream.runtime.onednn import CACHE_ENTRIES
 from moestream.trace.recorder import TraceRecorder
 from tests.runtime.conftest import PROMPTS, auto_class, left_pad, reference_generate
 
@@ -209,3 +212,11 @@ def test_numpy_blas_runs_one_thread_while_an_engine_is_open(checkpoint):
         engine.generate([PROMPTS[0]], 2)
         assert set(_blas_threads()) == {1}
     assert _blas_threads() == before
+
+
+def test_an_engine_on_the_cpu_bounds_onednn_s_shape_caches_unless_the_user_did(checkpoint, monkeypatch):
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    with _engine(checkpoint("olmoe")):
+        assert os.environ["LRU_CACHE_CAPACITY"] == str(CACHE_ENTRIES)
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
