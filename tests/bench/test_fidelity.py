@@ -81,7 +81,8 @@ def test_hit_rates_agree_within_the_tolerance(hit_gap, hit):
                                               (10.0 * (1 + STALL_TOLERANCE + 0.01), "missed"),
                                               (10.0 * (1 - STALL_TOLERANCE - 0.01), "missed")])
 def test_stalls_agree_within_the_tolerance(sim_stall, stall):
-    result = agreement({"hit_rate": 0.5, "stall_ms_per_token": 10.0}, {"hit_rate": 0.5, "stall_ms_per_token": sim_stall})
+    engine = {"hit_rate": 0.5, "stall_ms_per_token": 10.0}
+    result = agreement(engine, engine | {"stall_ms_per_token": sim_stall})
     assert result["stall"] == stall and result["stall_gap"] == pytest.approx(sim_stall / 10.0 - 1)
 
 
