@@ -6,7 +6,9 @@ a rate is sustained when every request completes and the p99 TPOT stays within -
 the all-resident TPOT (every expert in the device tier, measured first at the lowest rate). A policy
 named NAME:sync runs on demand (`--sync`: every expert moves on the compute thread), the baseline the
 issue compares with. Prints one line per run and, per policy, the highest rate sustained, then how
-many times the first policy's rate is the last one's.
+many times the first policy's rate is the last one's. Each run reports the process's peak RSS (one
+process runs them all, so they share one peak) and how much the resident set grew over the run;
+runs under --replay-routing are marked as replayed.
 Figures only: nothing is asserted.
 """
 
@@ -17,8 +19,10 @@ import asyncio
 import sys
 from pathlib import Path
 
+from moestream.bench.engine.spec import peak_rss_mib
 from moestream.cli.serve import add_batching_arguments, batching_config
 from moestream.errors import MoestreamError
+from moestream.procfs import status_field
 
 
 def add_parser(kinds) -> None:
@@ -123,6 +127,26 @@ def _ratio_line(first: str, rate: float, last: str, base: float) -> str:
     return f"neither {first} nor {last} sustains any rate tried"
 
 
+def rss_mib() -> float | None:
+    """This process's resident set now (MiB; VmRSS), or None where /proc/self/status is absent."""
+    value = status_field("VmRSS")  # '861232 kB'
+    return int(value.split()[0]) / 1024 if value is not None else None
+
+
+def memory_figures(rss_before_mib: float | None) -> dict:
+    """peak_rss_mib: the process's peak resident set so far (runs in one process share it);
+    rss_growth_mib: how much the resident set grew since rss_before_mib (None where unknown)."""
+    now = rss_mib()
+    growth = now - rss_before_mib if now is not None and rss_before_mib is not None else None
+    return {"peak_rss_mib": peak_rss_mib(), "rss_growth_mib": growth}
+
+
+def memory_text(figures: dict) -> str:
+    growth = figures["rss_growth_mib"]
+    return (f"peak RSS {figures['peak_rss_mib']:.0f} MiB (the process's: its runs share one peak)"
+            + (f", RSS {growth:+.0f} MiB over this run" if growth is not None else ""))
+
+
 def _sustained(figures: dict, limit_ms: float) -> bool:
     p99 = figures["tpot_ms"]["p99"]
     return figures["num_failed"] == 0 and p99 is not None and p99 <= limit_ms
@@ -133,6 +157,7 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     from moestream.policies import POLICIES
     from moestream.policies.trained import TrainedPolicy
     from moestream.runtime import Engine, EngineConfig
+    from moestream.runtime.replay import REPLAY_LABEL
     from moestream.serving import loadgen, workload
     from moestream.serving.server import Server
     from moestream.serving.worker import WorkerConfig
@@ -143,17 +168,22 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     predictor_dir = args.predictor_dir if issubclass(POLICIES.get(name), TrainedPolicy) else None
     config = EngineConfig(device=args.device, expert_budget=budget, policy=name, sync=mode == "sync",
                           replay_routing=args.replay_routing, predictor_dir=predictor_dir)
+    rss_before = rss_mib()
     with Engine(model, config) as engine:
         if budget == "1.0":
             engine.preload()
         with Server(engine, model.name, worker_config=WorkerConfig(batching=batching_config(args))) as server:
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
-    figures = loadgen.report(measured, wall, loadgen.Slo()) | {"rps": rate, "expert_budget": budget,
-                                                                 "mode": "sync" if engine.config.sync else "async"}
+        memory = memory_figures(rss_before)  # the engine still open
+    figures = loadgen.report(measured, wall, loadgen.Slo()) | memory | {
+        "rps": rate, "expert_budget": budget, "mode": "sync" if engine.config.sync else "async",
+        "replayed": engine.replay is not None}
     if args.plot_dir:
         label = "all-resident" if budget == "1.0" else policy.replace(":", "-")
         plot = loadgen.plot_cdf(measured, args.plot_dir / f"{label}-{rate:g}rps.png", f"{label}, {rate:g} req/s")
         figures["plot"] = str(plot)
         print(f"latency CDF: {plot}", file=sys.stderr, flush=True)
-    print(f"{policy} @ {budget} budget, {rate:g} req/s: {loadgen.summary(figures)}", file=sys.stderr, flush=True)
+    label = f" [{REPLAY_LABEL}]" if figures["replayed"] else ""
+    print(f"{policy} @ {budget} budget, {rate:g} req/s{label}: {loadgen.summary(figures)}; {memory_text(figures)}",
+          file=sys.stderr, flush=True)
     return figures

@@ -2,7 +2,8 @@
 
 --num-seqs sequences (prompts from the real prompt sets) run together, split into decode batches of
 --max-batch-size that take turns; per scheduler (a fresh engine each): the distinct experts each
-decode batch activates (mean), the device-tier hit rate, and decode throughput. Figures only:
+decode batch activates (mean), the device-tier hit rate, decode throughput, the process's peak RSS
+(shared by the runs of one process) and how much the resident set grew over each run. Figures only:
 nothing is asserted. Under --replay-routing each iteration takes the trace's next rows whatever the
 sequence, so a sequence's routing path no longer predicts its next token's (see the report line).
 """
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from moestream.bench.serving import memory_figures, memory_text, rss_mib
 from moestream.errors import MoestreamError
 
 
@@ -54,7 +56,8 @@ def run(args) -> int:
     for row in rows:
         print(f"{row['scheduler']:>10}: {row['activated_experts_per_batch']:.1f} experts activated per decode batch "
               f"(of {row['num_experts_total']}), hit rate {row['hit_rate']:.3f}, "
-              f"{row['decode_tokens_per_s']:.2f} tokens/s ({row['num_tokens']} tokens in {row['wall_s']:.1f} s)")
+              f"{row['decode_tokens_per_s']:.2f} tokens/s ({row['num_tokens']} tokens in {row['wall_s']:.1f} s); "
+              f"{memory_text(row)}")
     if args.replay_routing:
         print("routing replayed: iterations take the trace's next rows whatever the sequence, so a sequence's "
               "last path predicts its next one only as well as any row predicts the next")
@@ -81,6 +84,7 @@ def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
     def count(request, delta, new_token: bool) -> None:
         tokens.extend([1] if new_token else [])
 
+    rss_before = rss_mib()
     with Engine(model, config) as engine:
         batcher = ContinuousBatcher(engine, batching, count)
         for prompt in prompts:
@@ -93,10 +97,11 @@ def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
             pass
         wall = time.perf_counter() - started
         stats, topology = engine.store.stats(), engine.checkpoint.topology
+        memory = memory_figures(rss_before)  # the engine still open
         batcher.close()
     num_tokens = len(tokens) - done
     print(f"{scheduler}: done in {wall:.1f} s", file=sys.stderr, flush=True)
     return {"scheduler": scheduler, "activated_experts_per_batch": batcher.paths.mean_activated(),
             "num_experts_total": topology.num_layers * topology.num_experts, "hit_rate": stats.hit_rate,
             "decode_tokens_per_s": num_tokens / wall, "num_tokens": num_tokens, "wall_s": wall,
-            "bytes_read": dict(stats.bytes_read)}
+            "bytes_read": dict(stats.bytes_read)} | memory

@@ -1,18 +1,22 @@
 """`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) for one checkpoint.
 
 Binds 127.0.0.1 unless --host says otherwise; with --api-key every /v1 request needs the bearer
-key. Requests join the running batch between steps (continuous batching, up to --max-num-seqs
-sequences and --kv-budget of KV cache); beyond --max-queue waiting requests the server answers 429.
-Arguments are checked before the heavy imports.
+key. Under --replay-routing a start-up line and every answer say that routing is replayed. Requests
+join the running batch between steps (continuous batching, up to --max-num-seqs sequences and
+--kv-budget of KV cache); beyond --max-queue waiting requests the server answers 429, and one that
+waits over --max-queue-wait-ms 503. Arguments are checked before the heavy imports.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from moestream.cli.generate import add_engine_arguments, check_engine_arguments, engine_config
 from moestream.errors import MoestreamError
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(commands) -> None:
@@ -81,6 +85,11 @@ def run(args) -> int:
 
     workers = WorkerConfig(args.max_wait_ms, args.max_queue, args.max_queue_wait_ms, batching_config(args))
     with Engine(args.model, engine_config(args), progress=True) as engine:
+        if engine.replay is not None:
+            from moestream.runtime.replay import REPLAY_LABEL
+
+            log.warning("moestream: %s from %s: the answers are for measurement only (marked "
+                        '"moestream": {"replayed": true})', REPLAY_LABEL, args.replay_routing)
         server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
                         args.api_key, workers)
         print(f"moestream: serving {args.model} on http://{args.host}:{args.port}", file=sys.stderr)

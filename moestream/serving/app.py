@@ -2,8 +2,11 @@
 server-sent events or whole), /v1/models, /health and /metrics, in front of one `EngineWorker`.
 
 Requests are checked here (parameters, model name, context length, API key) and refused with
-OpenAI-style error JSON; a streamed request whose client goes away is cancelled. It never runs the
-engine itself: generation happens on the worker's thread.
+OpenAI-style error JSON; so are those the worker refuses (over the KV budget, too long in its queue),
+streamed or not, since an answer begins only once the worker has admitted its request. A request
+whose client goes away is cancelled. Answers, the last streamed chunk, /v1/models and /health carry
+`"moestream": {"replayed": ...}`: true when the engine follows a recorded trace's routing. It never
+runs the engine itself: generation happens on the worker's thread.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from transformers import AutoTokenizer
 from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
 from moestream.serving.generation import TextDelta
-from moestream.serving.protocol import ChatBody, CompletionBody, chunk, error_json, request_id, response
+from moestream.serving.protocol import (ChatBody, CompletionBody, chunk, error_json, moestream_info, request_id,
+                                         response)
 from moestream.serving.sampling import SamplingError, SamplingParams
-from moestream.serving.worker import EngineWorker, Overloaded, Request
+from moestream.serving.worker import Admitted, EngineWorker, Overloaded, Request
 
 DEFAULT_MAX_TOKENS = 16
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is there
@@ -33,6 +37,14 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """The prompt of chat messages ({"role", "content"}): the checkpoint's chat template when its
+    tokenizer has one, else one 'role: content' line each and 'assistant:'."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 class Frontend:
@@ -45,6 +57,7 @@ class Frontend:
         text_config = engine.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.context_len = getattr(text_config, "max_position_embeddings", None)
+        self.info = moestream_info(engine.replay is not None)  # beside usage, and in /v1/models, /health
 
     def prompt_ids(self, body: CompletionBody | ChatBody) -> list[int]:
         if isinstance(body, ChatBody):
@@ -56,11 +69,7 @@ class Frontend:
         return list(body.prompt)
 
     def chat_prompt(self, body: ChatBody) -> str:
-        """The checkpoint's chat template when it has one, else 'role: content' lines."""
-        messages = [m.model_dump() for m in body.messages]
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return chat_prompt(self.tokenizer, [m.model_dump() for m in body.messages])
 
     def check(self, body: CompletionBody | ChatBody, prompt_ids: list[int]) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
@@ -82,6 +91,8 @@ class Frontend:
         return params
 
     async def answer(self, body: CompletionBody | ChatBody, http: HttpRequest):
+        """The answer once the worker has admitted the request: a refusal (KV budget, queue wait) is
+        an error status, streamed or not, since no response has begun while the request waits."""
         chat = isinstance(body, ChatBody)
         prompt_ids = self.prompt_ids(body)
         params = self.check(body, prompt_ids)
@@ -91,6 +102,8 @@ class Frontend:
             self.worker.submit(request)
         except Overloaded as error:
             raise ApiError(429, str(error), code="overloaded") from None
+        if not await _admitted(request, events, http):
+            return Response(status_code=499)  # nobody reads it
         rid = request_id(chat)
         if body.stream:
             return StreamingResponse(self._stream(rid, chat, request, events), media_type="text/event-stream")
@@ -113,7 +126,7 @@ class Frontend:
                     pieces.append(delta.text)
                     if delta.finished:
                         return response(rid, self.model_name, chat, "".join(pieces), delta.finish_reason,
-                                        len(request.prompt_ids), request.num_tokens)
+                                        len(request.prompt_ids), request.num_tokens) | self.info
         finally:
             request.cancel()  # a no-op once finished; frees the slot of a client that went away
 
@@ -125,7 +138,8 @@ class Frontend:
                 if isinstance(event, Exception):
                     yield _sse(error_json(f"generation failed: {event}", "server_error"))
                     break
-                yield _sse(chunk(rid, self.model_name, chat, event.text, event.finish_reason, first))
+                piece = chunk(rid, self.model_name, chat, event.text, event.finish_reason, first)
+                yield _sse(piece | self.info if event.finished else piece)
                 first = False
                 if event.finished:
                     break
@@ -134,16 +148,37 @@ class Frontend:
             request.cancel()  # the client disconnected (or the stream ended): the sequence stops
 
 
+async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest) -> bool:
+    """Waits for the request's first event: True once the worker admitted it, False (the request
+    cancelled) if its client left first. A refusal is raised as its ApiError."""
+    admitted = False
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return False
+                continue
+            _raise_failure(event)  # else it is Admitted: the worker's first event says one or the other
+            admitted = True
+            return True
+    finally:
+        if not admitted:
+            request.cancel()
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _raise_failure(event: TextDelta | Exception) -> TextDelta:
+def _raise_failure(event: Admitted | TextDelta | Exception) -> Admitted | TextDelta:
     if isinstance(event, KvBudgetError):
         raise ApiError(400, str(event), "max_tokens", "kv_budget_exceeded")
+    if isinstance(event, Overloaded):
+        raise ApiError(503, str(event), code="overloaded")
     if isinstance(event, Exception):
-        raise ApiError(503 if isinstance(event, Overloaded) else 500, f"generation failed: {event}",
-                       code="server_error")
+        raise ApiError(500, f"generation failed: {event}", code="server_error")
     return event
 
 
@@ -171,11 +206,12 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "moestream"}]}
+        model = {"id": model_name, "object": "model", "owned_by": "moestream"} | frontend.info
+        return {"object": "list", "data": [model]}
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok"} | frontend.info
 
     @app.get("/metrics")
     async def metrics():
@@ -196,6 +232,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_, error: ApiError):
         kind = "authentication_error" if error.status == 401 else "invalid_request_error"
+        kind = "server_error" if error.status >= 500 else kind
         return JSONResponse(error_json(str(error), kind, error.param, error.code), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)

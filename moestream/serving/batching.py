@@ -2,20 +2,21 @@
 
 Each step is schedule -> run -> update over plain records. `admit` takes a request in while the
 running set stays within max_num_seqs and its reserved KV bytes (prompt + max_tokens per sequence)
-within kv_budget_bytes. `schedule` drops cancelled sequences, then picks either one prefill (the
-waiting prompts, up to prefill_token_budget tokens) or one decode of a batch of running sequences;
-a prefill never runs twice in a row while sequences decode, so decode latency stays bounded by one
-prefill while prompts arrive. With offloaded experts a prefill reads most of every layer's experts,
-so each one that lands between decode steps costs the running sequences about a sweep of the
-experts: with max_prefill_delay_ms, prompts that arrive while sequences decode wait (up to that
-long since they arrived, or until the running sequences finish) and then prefill together, one
-sweep for all of them, trading time to first token for time per output token. When more sequences
-run than max_batch_size, the token scheduler splits them into batches that decode in turn. Each
-sequence keeps its own KV cache (runtime/kv.py), merged into a decode batch's cache when the batch
-first runs; that merged cache is held while the same sequences decode together (no copy per step)
-and split back into the sequences' own caches only when one of them leaves or is regrouped.
-Sequences that leave end their state in the policy (`Engine.end_sequence`). The batcher knows no
-HTTP and no queue.
+within kv_budget_bytes; the KV bytes of a token are measured at construction by a one-token prefill
+that no request sees, so the budget holds from the first request on. `schedule` drops cancelled
+sequences, then picks either one prefill (the waiting prompts, up to prefill_token_budget tokens) or
+one decode of a batch of running sequences; a prefill never runs twice in a row while sequences
+decode, so decode latency stays bounded by one prefill while prompts arrive. With offloaded experts
+a prefill reads most of every layer's experts, so each one that lands between decode steps costs the
+running sequences about a sweep of the experts: with max_prefill_delay_ms, prompts that arrive while
+sequences decode wait (up to that long since they arrived, or until the running sequences finish)
+and then prefill together, one sweep for all of them, trading time to first token for time per
+output token. When more sequences run than max_batch_size, the token scheduler splits them into
+batches that decode in turn. Each sequence keeps its own KV cache (runtime/kv.py), merged into a
+decode batch's cache when the batch first runs; that merged cache is held while the same sequences
+decode together (no copy per step) and split back into the sequences' own caches only when one of
+them leaves or is regrouped. Sequences that leave end their state in the policy
+(`Engine.end_sequence`). The batcher knows no HTTP and no queue.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class ContinuousBatcher:
     config: BatchingConfig
     on_delta: Callable[[Request, TextDelta, bool], None]  # (request, delta, with a new token)
     slots: list[Slot] = field(default_factory=list)
-    bytes_per_token: float | None = None  # measured on the first prefill
+    bytes_per_token: int = field(init=False)  # KV cache of one token, measured by a dry prefill at start
     clock: Callable[[], float] = time.perf_counter  # the clock of Request.arrived
     _groups: list[list[int]] = field(default_factory=list)  # seq ids of the decode batches
     _held: dict[tuple[int, ...], HeldBatch] = field(default_factory=dict)  # by the batch's seq ids
@@ -118,6 +119,7 @@ class ContinuousBatcher:
             raise MoestreamError(f"continuous batching needs a decoder-only model; "
                                  f"{self.engine.checkpoint.adapter.model_type} is not one")
         self.runner = self.engine.make_runner()
+        self.bytes_per_token = self._kv_bytes_per_token()
         self.scheduler = TOKEN_SCHEDULERS.create(self.config.token_scheduler)
         self.paths = RoutingPaths(self.engine.checkpoint.topology)
         self.engine.add_observer(self.paths)
@@ -131,15 +133,12 @@ class ContinuousBatcher:
         return sum(s.reserved_bytes for s in self.slots)
 
     def need_bytes(self, request: Request) -> int:
-        return int((len(request.prompt_ids) + request.params.max_tokens) * (self.bytes_per_token or 0))
+        return (len(request.prompt_ids) + request.params.max_tokens) * self.bytes_per_token
 
     def can_admit(self, request: Request) -> bool:
-        """Room for the request: a free slot and its KV bytes within the budget (the first one alone
-        until a prefill has measured the bytes per token)."""
+        """Room for the request: a free slot and its KV bytes within the budget."""
         if len(self.slots) >= self.config.num_seqs:
             return False
-        if self.bytes_per_token is None:
-            return not self.slots
         return self.reserved_bytes + self.need_bytes(request) <= self.config.kv_budget_bytes
 
     def fits(self, request: Request) -> bool:
@@ -181,10 +180,6 @@ class ContinuousBatcher:
         for slot, cache in zip(step.slots, kv.split(self.runner.cache, [len(s.prompt_ids) for s in seqs])):
             slot.cache, slot.prefilled = cache, True
         self.runner.cache = None
-        if self.bytes_per_token is None:
-            self.bytes_per_token = step.slots[0].cache.num_bytes / max(1, step.slots[0].cache.length)
-            for slot in self.slots:  # admitted before the bytes were known
-                slot.reserved_bytes = self.need_bytes(slot.request)
         return logits
 
     def update(self, step: Step, logits: torch.Tensor) -> None:
@@ -222,6 +217,21 @@ class ContinuousBatcher:
             self.engine.remove_observer(self.paths)
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _kv_bytes_per_token(self) -> int:
+        """The KV cache bytes of one token, from a prefill of one token that no request sees: exact
+        whatever the family and the installed transformers keep (DeepSeek's attention caches its
+        compressed latents, not the keys and values), where a formula over the config is not."""
+        seq = self.engine.new_sequence([self.engine.pad_id])
+        plan = prefill_plan(self.engine.next_step(), [seq], self.engine.pad_id, self.engine.config.device)
+        self.runner.cache = kv.empty_cache()
+        try:
+            self.engine.run_step(self.runner, plan)
+            (cache,) = kv.split(self.runner.cache, [1])
+        finally:
+            self.runner.cache = None
+            self.engine.end_sequence(seq.seq_id)
+        return cache.num_bytes
 
     def _decode(self, slots: list[Slot]) -> torch.Tensor:
         """One token for each of the batch's sequences over its held cache (merged on its first step)."""

@@ -1,5 +1,6 @@
 """The offline Python API in the spirit of vLLM: `LLM(model_dir, **engine options).generate(prompts,
-SamplingParams(...))` -> one `RequestOutput` per prompt. Prompts run in batches of max_batch_size."""
+SamplingParams(...))` -> one `RequestOutput` per prompt. Prompts run in batches of max_batch_size.
+Under routing replay (replay_routing=TRACE) every output says so (`replayed`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     num_prompt_tokens: int
+    replayed: bool = False  # the routing came from a recorded trace (replay_routing): for measurement only
 
 
 class LLM:
@@ -42,7 +44,8 @@ class LLM:
         for start in range(0, len(prompts), self.max_batch_size):
             end = start + self.max_batch_size
             outputs += run_batch(self.engine, ids[start:end], params[start:end])
-        return [RequestOutput(prompt, o.text, o.token_ids, o.finish_reason, o.num_prompt_tokens)
+        replayed = self.engine.replay is not None
+        return [RequestOutput(prompt, o.text, o.token_ids, o.finish_reason, o.num_prompt_tokens, replayed)
                 for prompt, o in zip(prompts, outputs)]
 
     def close(self) -> None:

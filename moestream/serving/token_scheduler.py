@@ -6,7 +6,8 @@ similarity, so that each batch activates fewer distinct experts: sequences whose
 bit per (layer, expert), the experts their newest token chose at every MoE layer, which predict the
 next token's) lie close in Hamming distance share a batch, found by balanced k-means (every cluster
 at most batch_size). `RoutingPaths` keeps those paths from the engine's routing events, and counts
-the distinct experts each iteration activates. Schedulers see only paths and sizes, no KV or model.
+the distinct experts each decode iteration activates (a running sum and count, so that a server's
+long life keeps no per-iteration record). Schedulers see only paths and sizes, no KV or model.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class RoutingPaths(Observer):
     def __init__(self, topology: Topology):
         self.topology = topology
         self.paths: dict[int, np.ndarray] = {}  # seq_id -> [L, E] bool
-        self.activated_per_decode: list[int] = []  # distinct (layer, expert) pairs per decode iteration
+        self.num_decodes = 0  # decode iterations that activated experts
+        self.num_activated = 0  # distinct (layer, expert) pairs of each of them, summed (bounded for a server's life)
         self._step: set[tuple[int, int]] | None = None
 
     def begin_iteration(self, ctx: IterationContext) -> None:
@@ -121,10 +123,12 @@ class RoutingPaths(Observer):
         return self.paths[seq_id].reshape(-1) if seq_id in self.paths else np.zeros(shape, bool)
 
     def mean_activated(self) -> float:
+        """Distinct experts a decode iteration activated, on average (0.0 before any)."""
         self._flush()
-        return float(np.mean(self.activated_per_decode)) if self.activated_per_decode else 0.0
+        return self.num_activated / self.num_decodes if self.num_decodes else 0.0
 
     def _flush(self) -> None:
         if self._step:
-            self.activated_per_decode.append(len(self._step))
+            self.num_decodes += 1
+            self.num_activated += len(self._step)
         self._step = None

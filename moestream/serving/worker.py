@@ -2,11 +2,13 @@
 
 Its loop admits waiting requests into the continuous batcher (serving/batching.py; for a model whose
 runner keeps no per-sequence cache, such as an encoder-decoder, the static batcher of
-serving/static_batching.py, which runs each batch to its end) while the running set has room (slots and KV budget; when idle, the first request waits up to max_wait_ms for company
-so that their prompts prefill together), fails requests that waited longer than max_queue_wait_ms,
-and runs one schedule -> run -> update step. Each step's text goes back to its request through the
-request's `emit` callable (called on the engine thread). The worker knows no HTTP; a full queue
-raises `Overloaded`.
+serving/static_batching.py, which runs each batch to its end) while the running set has room (slots
+and KV budget; when idle, the first request waits up to max_wait_ms for company so that their
+prompts prefill together), fails requests that waited longer than max_queue_wait_ms, and runs one
+schedule -> run -> update step. A request's first event, through its `emit` callable (called on the
+engine thread), says whether it got in: `Admitted`, or the exception that refused it (too big for
+the KV budget, waited too long, server shutting down); each step's text follows. The worker knows no
+HTTP; a full queue raises `Overloaded`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ POLL_S = 0.05
 
 
 class Overloaded(MoestreamError):
-    """The request queue is full."""
+    """The server cannot take the request: its queue is full, it waited too long for room, or the
+    server is shutting down."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request's first event once the worker has taken it into the batcher (a refused request's
+    first event is the exception that refused it)."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +56,12 @@ class WorkerConfig:
 
 @dataclass
 class Request:
-    """One sequence to generate. emit gets TextDelta records, or an exception if the batch failed."""
+    """One sequence to generate. emit gets Admitted (or the refusal), then TextDelta records, or an
+    exception if the batch failed."""
 
     prompt_ids: list[int]
     params: SamplingParams
-    emit: Callable[[TextDelta | Exception], None]
+    emit: Callable[[Admitted | TextDelta | Exception], None]
     arrived: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     num_tokens: int = 0
@@ -192,6 +202,7 @@ class EngineWorker:
         except KvBudgetError as error:
             request.emit(error)
             return False
+        request.emit(Admitted())
         return True
 
     def update(self, request: Request, delta: TextDelta, new_token: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""`moestream bench serving` serves each policy, replays the trace at each rate and names the best."""
+"""`moestream bench serving` serves each policy, replays the trace at each rate and names the best;
+every run reports the process's peak RSS."""
 
 import json
 
@@ -30,8 +31,13 @@ def test_bench_serving_reports_the_highest_rate_per_policy(tiny_checkpoint, tmp_
     assert [r["num_requests"] for r in figures["runs"]] == [3, 3, 4, 3, 4]  # 2 req/s lasts 1.5 s for 3 requests
     assert [r["mode"] for r in figures["runs"]] == ["async", "async", "async", "sync", "sync"]
     assert figures["best_rps"] == {"lru": 4.0, "lru:sync": 4.0}
-    printed = capsys.readouterr().out
-    assert "lru: highest rate sustained 4 req/s" in printed and "lru sustains 1.00x the rate of lru:sync" in printed
+    assert all(r["peak_rss_mib"] > 0 and isinstance(r["rss_growth_mib"], float) for r in figures["runs"])
+    assert not any(r["replayed"] for r in figures["runs"])
+    printed = capsys.readouterr()
+    assert "lru: highest rate sustained 4 req/s" in printed.out
+    assert "lru sustains 1.00x the rate of lru:sync" in printed.out
+    run_lines = [line for line in printed.err.splitlines() if " req/s: " in line]
+    assert len(run_lines) == 5 and all("peak RSS" in line and "share one peak" in line for line in run_lines)
 
 
 @pytest.mark.parametrize("policies", ["lru:fast", "nope", ",", "default,lru:sync"])  # default: no --predictor-dir

@@ -1,5 +1,5 @@
 """`moestream bench token-scheduler` runs the continuous batcher once per token scheduler and prints
-activated experts per decode batch, hit rate and throughput for each."""
+activated experts per decode batch, hit rate, throughput and peak RSS for each."""
 
 import json
 
@@ -17,7 +17,9 @@ def test_bench_token_scheduler_reports_each_scheduler(tiny_checkpoint, tmp_path,
         assert 0 < run["activated_experts_per_batch"] <= run["num_experts_total"]
         assert 0 <= run["hit_rate"] <= 1 and run["decode_tokens_per_s"] > 0
         assert run["num_tokens"] >= 6 * 6 // 2  # timed once every sequence is prefilled, not after all finish
-    assert "experts activated per decode batch" in capsys.readouterr().out
+        assert run["peak_rss_mib"] > 0 and isinstance(run["rss_growth_mib"], float)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "experts activated per decode batch" in line]
+    assert len(lines) == 2 and all("peak RSS" in line for line in lines)
 
 
 def test_bench_token_scheduler_refuses_an_unknown_scheduler(capsys):

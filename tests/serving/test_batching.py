@@ -1,9 +1,11 @@
 """Continuous batching: sequences that join a running batch mid-way get exactly the tokens they get
-alone; admission respects the slots and the KV budget; sequences that leave end their policy state."""
+alone; admission respects the slots and the KV budget (exact per token from the start, for every
+family); sequences that leave end their policy state."""
 
 import pytest
 
 from moestream.errors import MoestreamError
+from moestream.families import FAMILIES
 from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.serving.batching import BatchingConfig, ContinuousBatcher, KvBudgetError
@@ -69,32 +71,50 @@ def test_seeded_sampling_does_not_depend_on_company(serving_checkpoint):
 
 
 def test_admission_respects_slots_and_the_kv_budget(serving_checkpoint):
+    """The budget holds from a fresh batcher's first request on: no prefill needs to have run."""
     with _engine(serving_checkpoint) as engine:
+        first, second, third = (_request(p, 4) for p in PROMPTS[:3])
         batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=2, kv_budget_bytes=10**9),
                                     lambda r, d, n: None)
-        first, second, third = (_request(p, 4) for p in PROMPTS[:3])
-        assert batcher.can_admit(first)
+        need = [batcher.need_bytes(r) for r in (first, second, third)]
+        assert need[0] == (len(PROMPTS[0]) + 4) * batcher.bytes_per_token > 0
         batcher.admit(first)
-        assert not batcher.can_admit(second)  # the bytes per token are not measured yet: one alone
-        batcher.step()  # the prefill measures them
-        assert batcher.bytes_per_token > 0 and batcher.can_admit(second)
-        assert batcher.reserved_bytes == int((len(PROMPTS[0]) + 4) * batcher.bytes_per_token)
+        assert batcher.reserved_bytes == need[0] and batcher.can_admit(second)
         batcher.admit(second)
         assert not batcher.can_admit(third)  # both slots taken
-        small = ContinuousBatcher(engine, BatchingConfig(kv_budget_bytes=1), lambda r, d, n: None)
-        small.bytes_per_token = batcher.bytes_per_token
+        tight = ContinuousBatcher(engine, BatchingConfig(max_batch_size=4, kv_budget_bytes=need[0] + need[1] - 1),
+                                  lambda r, d, n: None)
+        assert tight.can_admit(first) and tight.fits(second)
+        tight.admit(first)
+        assert not tight.can_admit(second)  # a slot is free, the bytes are not
+        small = ContinuousBatcher(engine, BatchingConfig(kv_budget_bytes=need[2] - 1), lambda r, d, n: None)
+        assert not small.fits(third)
         with pytest.raises(KvBudgetError):
             small.admit(third)
+        for each in (batcher, tight, small):
+            each.close()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES.names()))
+def test_the_kv_bytes_per_token_are_exact_before_the_first_prefill(tiny_checkpoint, family):
+    with _engine(tiny_checkpoint(family, num_layers=2)) as engine:
+        if not engine.runner_class.per_sequence_cache:
+            pytest.skip(f"{family} is served by static batches: no KV budget")
+        batcher = ContinuousBatcher(engine, BatchingConfig(), lambda r, d, n: None)
+        before = batcher.bytes_per_token
+        batcher.admit(_request(PROMPTS[2], 3))
+        batcher.step()  # the prompt's prefill
+        cache = batcher.slots[0].cache
         batcher.close()
-        small.close()
+    assert before > 0 and before * cache.length == cache.num_bytes
 
 
 def test_leaving_sequences_end_their_state_and_free_their_cache(serving_checkpoint):
     ends = Ends()
     with _engine(serving_checkpoint) as engine:
-        engine.add_observer(ends)
         deltas = []
         batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=4), lambda r, d, n: deltas.append((r, d)))
+        engine.add_observer(ends)  # after the batcher's start-up prefill, which ends its own sequence
         short, cancelled = _request(PROMPTS[0], 2), _request(PROMPTS[1], 50)
         batcher.admit(short)
         batcher.admit(cancelled)
@@ -137,6 +157,7 @@ def test_a_batch_is_merged_once_while_its_sequences_decode_together(serving_chec
     monkeypatch.setattr(kv, "split", lambda cache, lengths: splits.append(len(lengths)) or split(cache, lengths))
     with _engine(serving_checkpoint) as engine:
         batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=4), lambda r, d, n: None)
+        splits.clear()  # the start-up prefill that measured the KV bytes per token
         requests = [_request(PROMPTS[0], 6), _request(PROMPTS[1], 3)]
         seqs = _drive(batcher, requests, [0, 0])
         batcher.close()

@@ -1,4 +1,5 @@
-"""The offline API: greedy equals the engine's argmax, seeds repeat, stop strings end and are trimmed."""
+"""The offline API: greedy equals the engine's argmax, seeds repeat, stop strings end and are trimmed,
+outputs under routing replay say so."""
 
 import sys
 import subprocess
@@ -63,3 +64,9 @@ def test_params_must_match_the_prompts(llm):
 def test_import_moestream_stays_light():
     code = "import sys, moestream; assert 'torch' not in sys.modules; moestream.SamplingParams"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_outputs_under_routing_replay_are_labelled(llm, serving_checkpoint, replay_trace):
+    assert not any(o.replayed for o in llm.generate(PROMPTS, SamplingParams(max_tokens=2)))
+    with LLM(serving_checkpoint, expert_budget="0.5", direct_io=False, replay_routing=str(replay_trace)) as replayed:
+        assert all(o.replayed for o in replayed.generate(PROMPTS, SamplingParams(max_tokens=2)))

@@ -1,13 +1,15 @@
-"""loadgen replays a small synthetic trace against a real server and reports what it measured."""
+"""loadgen finds the named traces and the ShareGPT prompts under a data dir, reads both trace formats,
+replays a small synthetic trace against a real server and reports what it measured."""
 
 import json
+import statistics
 
 import pytest
 
 from moestream.cli import main
 from moestream.runtime import Engine, EngineConfig
 from moestream.serving.server import Server
-from moestream.serving.workload import TraceRequest, plan, read_trace
+from moestream.serving.workload import TraceRequest, plan, prompt_texts, read_trace, trace_path
 
 
 def _azure(path, rows):
@@ -23,6 +25,44 @@ def test_traces_are_read_relative_to_their_first_request(tmp_path):
     mooncake.write_text('{"timestamp": 500, "input_length": 7, "output_length": 2}\n'
                         '{"timestamp": 2500, "input_length": 9, "output_length": 4}\n')
     assert read_trace(mooncake) == [TraceRequest(0.0, 7, 2), TraceRequest(2.0, 9, 4)]
+
+
+# Two-line copies in the formats of ../shared/data/workloads (see its README), at the paths it uses,
+# and the requests they hold: (arrival s, input tokens, output tokens).
+NAMED = {
+    "azure-conv": ("azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
+                   "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                   "2023-11-16 18:15:50.9951690,396,109\n", [(0.0, 374, 44), (4.314579, 396, 109)]),
+    "azure-code": ("azure-llm-2023/AzureLLMInferenceTrace_code.csv",
+                   "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,4808,10\n"
+                   "2023-11-16 18:17:04.0319600,3180,8\n", [(0.0, 4808, 10), (0.052, 3180, 8)]),
+    "mooncake": ("mooncake/conversation_trace.jsonl",
+                 '{"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]}\n'
+                 '{"timestamp": 1500, "input_length": 7322, "output_length": 490, "hash_ids": [0, 14]}\n',
+                 [(0.0, 6758, 500), (1.5, 7322, 490)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_named_traces_are_found_under_the_data_dir(tmp_path, name):
+    relative, text, expected = NAMED[name]
+    path = tmp_path / "workloads" / relative
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    assert trace_path(name, tmp_path) == path
+    requests = read_trace(trace_path(name, tmp_path))
+    assert [(r.num_input_tokens, r.num_output_tokens) for r in requests] == [(i, o) for _, i, o in expected]
+    assert [r.arrival_s for r in requests] == pytest.approx([t for t, _, _ in expected])
+
+
+def test_prompts_are_the_first_turns_of_sharegpt(tmp_path):
+    path = tmp_path / "workloads" / "sharegpt" / "ShareGPT_V3_filtered_1000.json"
+    path.parent.mkdir(parents=True)
+    conversations = [{"id": "a1", "conversations": [{"from": "human", "value": "What is a blog?"}]},
+                     {"id": "b2", "conversations": []},
+                     {"id": "c3", "conversations": [{"from": "human", "value": "Write a haiku."}]}]
+    path.write_text(json.dumps(conversations))
+    assert prompt_texts(tmp_path) == ["What is a blog?", "Write a haiku."]
 
 
 def test_plan_takes_rate_times_duration_requests_at_the_rate_and_scales_lengths():
@@ -44,6 +84,12 @@ def test_loadgen_against_a_live_server(serving_checkpoint, tmp_path, capsys):
     figures = json.loads((tmp_path / "r.json").read_text())
     assert figures["num_requests"] == 8 and figures["num_completed"] == 8  # 4 req/s for 2 s
     assert figures["ttft_ms"]["p50"] > 0 and 0 <= figures["slo_attainment"] <= 1
+    per_request = sorted(r["tpot_s"] * 1e3 for r in figures["requests"] if r["tpot_s"] is not None)
+    assert 0 < figures["tpot_ms"]["p50"] <= figures["tpot_ms"]["p90"] <= figures["tpot_ms"]["p99"] <= per_request[-1]
+    assert figures["tpot_ms"]["p50"] == pytest.approx(statistics.median(per_request))
+    assert figures["throughput_rps"] == pytest.approx(figures["num_completed"] / figures["wall_s"])
+    tokens = sum(r["num_tokens"] for r in figures["requests"])
+    assert figures["throughput_tokens_per_s"] == pytest.approx(tokens / figures["wall_s"]) and tokens > 0
     assert (tmp_path / "cdf.png").stat().st_size > 0
     assert "req/s" in capsys.readouterr().out
 

@@ -1,5 +1,7 @@
 """Server metrics: store statistics are cumulative and counted once; gauges read the worker live."""
 
+import pytest
+
 from moestream.serving.metrics import ServerMetrics
 from moestream.store.store import StoreStats
 
@@ -28,3 +30,15 @@ def test_statistics_reset_between_observations_count_from_zero():
     assert _value(metrics, 'moestream_expert_lookups_total{result="hit",tier="device"}') == 9
     assert _value(metrics, 'moestream_expert_lookups_total{result="miss",tier="device"}') == 4
     assert _value(metrics, 'moestream_expert_bytes_moved_total{source="disk"}') == 540
+
+
+def test_host_tier_lookups_and_prefetch_recall_are_reported():
+    metrics = ServerMetrics(lambda: 0)
+    stats = StoreStats(hits=6, misses=2, host_hits=3, host_misses=1, bytes_read={"disk": 10, "host": 30},
+                       prefetched=5, prefetch_hits=4)
+    metrics.observe_store(stats)
+    assert _value(metrics, 'moestream_expert_lookups_total{result="hit",tier="host"}') == stats.host_hits
+    assert _value(metrics, 'moestream_expert_lookups_total{result="miss",tier="host"}') == stats.host_misses
+    assert _value(metrics, 'moestream_expert_bytes_moved_total{source="host"}') == stats.bytes_read["host"]
+    used = stats.prefetch_hits  # needed experts prefetch brought in, of those not resident before
+    assert _value(metrics, "moestream_prefetch_recall") == pytest.approx(used / (used + stats.misses))

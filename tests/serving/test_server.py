@@ -175,12 +175,45 @@ def test_a_run_leaves_no_tasks_threads_or_slots(engine):
     assert engine.driver.observers == observers  # the batcher's routing-path observer left with it
 
 
-def test_a_request_over_the_kv_budget_is_a_400(engine):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_fresh_server_answers_a_request_over_the_kv_budget_400(engine, stream):
+    """The first request a server sees is held to the budget, and refused with a status, streamed or not."""
     config = WorkerConfig(batching=BatchingConfig(kv_budget_bytes=4096))
     with Server(engine, MODEL, worker_config=config) as server:
-        assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
-        answer = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 500}, timeout=60)
+        body = {"prompt": "x", "max_tokens": 500, "stream": stream}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as answer:
+            answer.read()
+        small = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "kv_budget_exceeded"
+    assert small.status_code == 200  # the budget is not refusing everything
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_waiting_too_long_for_a_slot_is_a_503(engine, stream):
+    config = WorkerConfig(max_wait_ms=0, max_queue_wait_ms=50, batching=BatchingConfig(max_batch_size=1))
+    running = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}
+    with Server(engine, MODEL, worker_config=config) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json=running, timeout=60) as first:
+            lines = first.iter_lines()  # kept: a dropped line iterator closes the stream
+            assert next(line for line in lines if line.startswith("data: "))  # it holds the one slot
+            body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as late:
+                late.read()
+    assert late.status_code == 503, late.text
+    assert late.json()["error"]["code"] == "overloaded" and late.json()["error"]["type"] == "server_error"
+
+
+def test_a_client_leaving_while_its_request_waits_for_a_slot_cancels_it(engine):
+    config = WorkerConfig(max_wait_ms=0, batching=BatchingConfig(max_batch_size=1))
+    running = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}
+    with Server(engine, MODEL, worker_config=config) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json=running, timeout=60) as first:
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # it holds the one slot
+            with pytest.raises(httpx.TimeoutException):  # a streamed request's answer begins once admitted
+                httpx.post(server.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=0.3)
+            metrics = _settled(server, 'moestream_requests_total{finish_reason="abort"} 1.0')
+    assert 'moestream_requests_total{finish_reason="abort"} 1.0' in metrics  # dropped from the queue
 
 
 def test_a_client_leaving_before_a_whole_answer_cancels_its_sequence(server):
@@ -234,7 +267,7 @@ def test_the_api_key_is_required(server):
         assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
 def test_a_full_queue_answers_429(engine):

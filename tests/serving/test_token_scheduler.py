@@ -1,6 +1,8 @@
 """Token schedulers: fifo keeps arrival order; expertflow puts sequences with close routing paths in
 the same batch (balanced: no batch over batch_size) so each batch activates fewer experts."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -67,3 +69,23 @@ def test_routing_paths_keep_each_sequence_s_newest_token_and_count_activated_exp
     assert paths.mean_activated() == 3  # (0, 3), (1, 0), (1, 2): prefill iterations are not counted
     paths.end_sequence(7)
     assert not paths.path(7).any() and paths.path(8).reshape(2, 4)[1].tolist() == [False, False, True, False]
+
+
+def test_routing_paths_count_decodes_without_a_record_per_iteration():
+    """A server's routing-path observer lives as long as the server: its size must not grow with it."""
+    paths = RoutingPaths(Topology(moe_layer_ids=(0, 1), num_experts=4, top_k=1, expert_bytes=1))
+
+    def decode(step: int) -> None:  # even steps activate one expert, odd steps two
+        paths.begin_iteration(IterationContext(step, np.array([7]), np.array([step]), False))
+        paths.observe(RoutingEvent(0, np.array([[0]]), np.array([7]), np.array([step])))
+        if step % 2:
+            paths.observe(RoutingEvent(1, np.array([[1]]), np.array([7]), np.array([step])))
+
+    for step in range(10):
+        decode(step)
+    assert paths.mean_activated() == 1.5
+    size = len(pickle.dumps(paths))
+    for step in range(10, 2010):
+        decode(step)
+    assert paths.mean_activated() == 1.5
+    assert len(pickle.dumps(paths)) < size + 64  # 2000 more iterations, a few bytes more for the counts

@@ -1,15 +1,17 @@
 """The engine worker's admission: waiting requests join while the batcher has room, an idle engine
 waits at most max_wait_ms for company, cancelled ones are dropped (counted as aborted), requests that
-wait too long fail, and a full queue refuses with Overloaded."""
+wait too long fail, a full queue refuses with Overloaded, and a request's first event says whether
+it got in."""
 
 import time
 
 import pytest
 
 from moestream.errors import MoestreamError
-from moestream.serving.batching import BatchingConfig
+from moestream.serving.batching import BatchingConfig, KvBudgetError
+from moestream.serving.generation import TextDelta
 from moestream.serving.sampling import SamplingParams
-from moestream.serving.worker import EngineWorker, Overloaded, Request, WorkerConfig
+from moestream.serving.worker import Admitted, EngineWorker, Overloaded, Request, WorkerConfig
 
 
 @pytest.fixture
@@ -29,17 +31,8 @@ def _request(seen=None):
     return Request([1, 2, 3], SamplingParams(max_tokens=2), (seen if seen is not None else []).append)
 
 
-def _measured(worker):
-    """Runs one request through, so that the batcher knows the KV bytes per token."""
-    worker.submit(_request())
-    worker.admit()
-    while worker.batcher.step():
-        pass
-
-
 def test_waiting_requests_join_while_there_are_slots(make_worker):
     worker = make_worker(max_wait_ms=0, batching=BatchingConfig(max_batch_size=3))
-    _measured(worker)
     requests = [_request() for _ in range(5)]
     for request in requests:
         worker.submit(request)
@@ -53,7 +46,6 @@ def test_waiting_requests_join_while_there_are_slots(make_worker):
 
 def test_an_idle_engine_waits_at_most_max_wait_for_company(make_worker):
     worker = make_worker(max_wait_ms=50)
-    _measured(worker)
     worker.submit(_request())
     started = time.perf_counter()
     assert len(worker.admit()) == 1
@@ -90,6 +82,22 @@ def test_a_full_queue_refuses_and_close_fails_the_waiting(make_worker):
         worker.submit(_request())
     worker.close()
     assert len(seen) == 2 and all(isinstance(e, Overloaded) for e in seen)
+
+
+def test_a_request_hears_first_whether_it_got_in(make_worker):
+    """Admitted before any text; a request too big for the KV budget gets only its refusal, even
+    from a worker that has run nothing yet."""
+    admitted, refused = [], []
+    worker = make_worker(max_wait_ms=0)
+    worker.submit(_request(admitted))
+    assert len(worker.admit()) == 1
+    while worker.batcher.step():
+        pass
+    assert admitted[0] == Admitted() and all(isinstance(e, TextDelta) for e in admitted[1:]) and admitted[-1].finished
+    tight = make_worker(max_wait_ms=0, batching=BatchingConfig(kv_budget_bytes=1))
+    tight.submit(_request(refused))
+    assert tight.admit() == []
+    assert len(refused) == 1 and isinstance(refused[0], KvBudgetError)
 
 
 @pytest.mark.parametrize("fields", [{"max_queue": 0}, {"max_wait_ms": -1}, {"max_queue_wait_ms": 0}])
