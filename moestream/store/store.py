@@ -20,11 +20,11 @@ one tier, and `moestream.store.tiered`, a host tier with a worker per link; `ope
 `moestream.store.factory` picks one): `prefetch` admits its experts and queues their transfers for
 the I/O workers (`moestream.store.transfer`, `moestream.store.copier`) and returns at once; `fetch`
 pins a layer's experts, puts its misses at the head of the queue, drops the queued speculative
-transfers of the same layers that the gate did not choose, and hands the experts out as they land. An admitted expert whose bytes are in
-flight is pinned by its transfer, so that nothing evicts a slot being written. Every wait has a
-timeout. stall_s counts the time the caller's thread waited for expert bytes, transfer_s the time
-the disk link was busy (both equal in synchronous mode, where every transfer runs on the caller),
-copy_s the time the asynchronous host -> device link was busy.
+transfers of the same layers that the gate did not choose, and hands the experts out as they land.
+An admitted expert whose bytes are in flight is pinned by its transfer, so that nothing evicts a
+slot being written. Every wait has a timeout. stall_s counts the time the caller's thread waited
+for expert bytes, transfer_s the time the disk link was busy (both equal in synchronous mode, where
+every transfer runs on the caller), copy_s the time the asynchronous host -> device link was busy.
 """
 
 from __future__ import annotations
@@ -102,14 +102,17 @@ class ExpertStore:
         expert_bytes, pin = self.topology.expert_bytes, config.uses_cuda
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
-        bounce_slots = min(self.bounce_slots, self.device_slots) if pin and not self.host_slots else 0
-        self._bounce = SlotPool(bounce_slots, expert_bytes, "cpu", pin_memory=pin)
+        self._bounce = SlotPool(self._staging_slots(pin), expert_bytes, "cpu", pin_memory=pin)
         self._reader = DiskReader(direct_io=config.direct_io)
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
         self._link = make_link(config.device)  # host -> device
         self._lock = threading.RLock()
         self._unused_prefetches: set[ExpertKey] = set()
         self._stats = StoreStats()
+
+    def _staging_slots(self, pinned: bool) -> int:
+        """Bounce slots: where the device tier is not host memory and no host tier is there instead."""
+        return min(self.bounce_slots, self.device_slots) if pinned and not self.host_slots else 0
 
     # -- demand path ---------------------------------------------------------------------------
 
@@ -120,8 +123,7 @@ class ExpertStore:
         wanted = list(dict.fromkeys(_key(k) for k in keys))
         with self._lock:
             self._check_fits(wanted)
-            pinned: list[ExpertKey] = []
-            misses: list[ExpertKey] = []
+            pinned, misses = [], []  # experts pinned so far, and the misses among them
             try:
                 for key in wanted:
                     if not self._hit(key):
@@ -306,16 +308,14 @@ class ExpertStore:
                 raise
             finally:
                 self._device.unpin(brought + kept)
-            for key in brought:
-                self._unused_prefetches.add(key)
+            self._unused_prefetches.update(brought)
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
 
     def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> tuple[list[ExpertKey], list[ExpertKey]]:
         """Admits (and pins) the experts to bring; pins the requested ones already resident."""
-        brought: list[ExpertKey] = []
-        kept: list[ExpertKey] = []
+        brought, kept = [], []  # experts admitted to bring in, and those resident already
         for request in sorted(requests, key=lambda r: -r.priority):
             key = _key(request.key)
             if key in self._device:

@@ -38,7 +38,7 @@ class Event(ABC):
 
 
 class Link(ABC):
-    """One copy link into a tier on `device`."""
+    """One copy link into a tier on `device`; its copies run in the order issued (a CUDA stream's order)."""
 
     def __init__(self, device: torch.device):
         self.device = device

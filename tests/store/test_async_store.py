@@ -12,6 +12,7 @@ from moestream.store.async_store import AsyncExpertStore
 from moestream.store.factory import open_store
 from moestream.store.transfer import TransferError
 from moestream.topology import ExpertKey
+from tests.store.links import LateLink
 from tests.store.test_store import assert_holds_expert
 
 K = ExpertKey
@@ -39,6 +40,35 @@ class GatedReader:
         if self.fail(batch):
             raise OSError("injected read failure")
         return self.inner.read_batch(batch)
+
+    def close(self):
+        self.inner.close()
+
+
+class ExpertGates:
+    """Forwards each read to the real reader once the test has let through every expert it reads (`open`);
+    `reading` holds the experts whose reads have begun."""
+
+    def __init__(self, inner, index):
+        self.inner, self.opened, self.reading, self.cond = inner, set(), set(), threading.Condition()
+        self.owner = {(seg.file, seg.offset): key for key, loc in index.locations.items() for seg in loc.segments}
+
+    def read_batch(self, batch):
+        keys = {self.owner[(seg.file, seg.offset)] for segments, _ in batch for seg in segments}
+        with self.cond:
+            self.reading |= keys
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: keys <= self.opened, 10), f"experts {keys} were never let through"
+        return self.inner.read_batch(batch)
+
+    def wait_reading(self, keys):
+        with self.cond:
+            assert self.cond.wait_for(lambda: set(keys) <= self.reading, 10), f"reading only {self.reading}"
+
+    def open(self, *keys):
+        with self.cond:
+            self.opened.update(keys)
+            self.cond.notify_all()
 
     def close(self):
         self.inner.close()
@@ -155,6 +185,19 @@ def random_steps(store, checkpoint, rng: random.Random, num_steps: int) -> int:
     return failures
 
 
+def settle(store) -> None:
+    """Waits until no transfer is in flight."""
+    try:
+        store.wait_idle()
+    except TransferError:
+        pass  # the failure of one of them, expected here
+
+
+def no_pins(cache, checkpoint) -> bool:
+    """Whether no expert of the checkpoint holds a pin in the tier (resident or not)."""
+    return not any(cache.is_pinned(key) for key in checkpoint.index.topology.keys())
+
+
 def test_random_delays_and_failures_keep_bytes_exact_and_leak_nothing(checkpoint):
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     rng = random.Random(0)
@@ -162,6 +205,8 @@ def test_random_delays_and_failures_keep_bytes_exact_and_leak_nothing(checkpoint
         store._reader = GatedReader(store._reader, delay_s=lambda: rng.random() * 0.002,
                                     fail=lambda batch: rng.random() < 0.05)
         assert random_steps(store, checkpoint, rng, 60) > 0
+        settle(store)
+        assert no_pins(store._device, checkpoint) and store.in_flight() == frozenset()
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
 
@@ -177,19 +222,23 @@ def test_close_stops_the_worker_and_refuses_later_calls(checkpoint):
 
 
 class StagedStore(AsyncExpertStore):
-    """The CUDA path's staging (read into a pinned slot, copy up through the link) run on the CPU link."""
+    """The CUDA path's staging (read into the one staging slot, copy up through the link) on the CPU."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self._bounce = type(self._bounce)(1, self.topology.expert_bytes, "cpu")
-        self._bounce.data.zero_()
+    def _staging_slots(self, pinned):
+        return 1
 
 
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("chunk_bytes", [0, 40])
-def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_bytes):
+def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_bytes, late):
+    """late: a link whose copies complete later (tests/store/links.py): the staging slot is reused only once
+    the copy from it has run."""
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(str(3 * eb), "0", asynchronous=True, chunk_bytes=chunk_bytes)
     with StagedStore(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
+        store._bounce.data.zero_()
+        if late:
+            store._link = LateLink()
         store.prefetch([TransferRequest(K(1, 2), 1.0)])
         for keys in ([K(0, 0), K(1, 3)], [K(1, 2), K(0, 1)]):
             for key, slot in take(store, keys):
@@ -208,3 +257,55 @@ def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_ex
         list(fetch.ready())
         fetch.release()
         store.wait_idle()
+
+
+def resident_and_in_flight(checkpoint, store, in_flight=(K(0, 2),)) -> ExpertGates:
+    """K(0, 0) resident; in_flight prefetched in that order, their reads begun and held until let through."""
+    take(store, [K(0, 0)])
+    store._reader = gates = ExpertGates(store._reader, checkpoint.index)
+    store.prefetch([TransferRequest(key, 0.9 - i / 10) for i, key in enumerate(in_flight)])
+    gates.wait_reading(in_flight)
+    return gates
+
+
+def test_reordering_hands_out_the_resident_expert_then_the_one_in_flight_as_it_lands_then_the_miss(checkpoint):
+    with make_async(checkpoint, device_slots=4, timeout_s=5.0) as store:
+        gates = resident_and_in_flight(checkpoint, store)
+        fetch = store.fetch([K(0, 3), K(0, 2), K(0, 0)])  # a miss, one in flight, one resident
+        ready = fetch.ready(reorder=True)
+        assert next(ready)[0] == K(0, 0)  # while no read can finish
+        gates.open(K(0, 2))
+        assert next(ready)[0] == K(0, 2)  # the miss's read is still held
+        gates.open(K(0, 3))
+        assert [key for key, _ in ready] == [K(0, 3)]
+        fetch.release()
+
+
+def test_reordering_hands_out_experts_in_flight_in_the_order_they_land(checkpoint):
+    with make_async(checkpoint, device_slots=4, timeout_s=5.0) as store:
+        gates = resident_and_in_flight(checkpoint, store, in_flight=(K(0, 1), K(0, 2)))  # K(0, 1) queued first
+        fetch = store.fetch([K(0, 1), K(0, 2)])
+        ready = fetch.ready(reorder=True)
+        gates.open(K(0, 2))
+        assert next(ready)[0] == K(0, 2)
+        gates.open(K(0, 1))
+        assert next(ready)[0] == K(0, 1)
+        fetch.release()
+
+
+def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint):
+    with make_async(checkpoint, device_slots=4, timeout_s=5.0) as store:
+        gates = resident_and_in_flight(checkpoint, store)
+        fetch = store.fetch([K(0, 3), K(0, 2), K(0, 0)])
+        order = []
+        consumer = threading.Thread(target=lambda: order.extend(key for key, _ in fetch.ready(reorder=False)))
+        consumer.start()
+        gates.open(K(0, 2))
+        deadline = time.time() + 10
+        while K(0, 2) not in store.resident():
+            assert time.time() < deadline, "K(0, 2) never landed"
+            time.sleep(0.001)
+        gates.open(K(0, 3))
+        consumer.join(10)
+        fetch.release()
+    assert order == [K(0, 3), K(0, 2), K(0, 0)]  # K(0, 0) was in place and K(0, 2) landed first

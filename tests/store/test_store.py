@@ -10,6 +10,7 @@ from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.store.factory import store_kind
 from moestream.topology import ExpertKey
+from tests.store.links import LateLink
 
 K = ExpertKey
 
@@ -334,3 +335,29 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
         reader = store._reader.stats
         if store._reader.is_direct(ckpt.files[0]):
             assert reader.direct_bytes >= 0.8 * reader.bytes_read
+
+
+class StagingStore(ExpertStore):
+    """The CUDA store without a host tier (disk -> bounce slot -> device slot), on the CPU: two bounce slots."""
+
+    def _staging_slots(self, pinned):
+        return 2
+
+
+@pytest.mark.parametrize("host_slots", [0, 2])
+def test_copies_that_complete_later_are_waited_for_before_compute_and_before_their_source_is_reused(
+        make_checkpoint, host_slots):
+    """On a link whose copies complete later (tests/store/links.py), as on CUDA: compute is made to wait for
+    each copy, and a disk read into a host or bounce slot waits for the copies from it."""
+    checkpoint = make_checkpoint(hidden=64, inter=48)  # experts over a block: slots overlap at any placement
+    eb = checkpoint.index.topology.expert_bytes
+    kind = StagingStore if host_slots == 0 else ExpertStore
+    with kind(checkpoint.index, StoreConfig(str(4 * eb), str(host_slots * eb)), LRUPolicy(), LRUPolicy()) as store:
+        assert (store._bounce.num_slots, store.host_slots) == ((2, 0) if host_slots == 0 else (0, 2))
+        store._link = link = LateLink()
+        first = store.acquire([K(0, 0), K(0, 1)])  # their copies wait for compute
+        second = store.acquire([K(1, 2), K(1, 3)])  # read into the same two host or bounce slots
+        link.compute()
+        for key, slot in {**first, **second}.items():
+            assert_holds_expert(checkpoint, slot, key)
+        store.release(list(first) + list(second))

@@ -15,7 +15,8 @@ from moestream.store import StoreConfig
 from moestream.store.tiered import TieredAsyncStore
 from moestream.store.transfer import TransferError
 from moestream.topology import ExpertKey
-from tests.store.test_async_store import GatedReader, random_steps, take
+from tests.store.links import LateLink
+from tests.store.test_async_store import GatedReader, no_pins, random_steps, settle, take
 from tests.store.test_store import assert_holds_expert
 
 K = ExpertKey
@@ -115,20 +116,41 @@ def test_both_links_run_at_once(checkpoint):
         assert_holds_expert(checkpoint, dict(take(store, [K(0, 1)]))[K(0, 1)], K(0, 1))
 
 
-def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_done(checkpoint):
-    gate = threading.Event()
+class HeldCopies:
+    """Holds the store's copies up: `late`, issued on a link whose copies run only when allowed
+    (tests/store/links.py); else each copy blocks before it is issued, until the gate opens."""
+
+    def __init__(self, store, late: bool):
+        self.late, self.gate = late, threading.Event()
+        if late:
+            self.link = store._copier._link = LateLink(credits=0)
+        else:
+            self.link = gate_link(store, gate=self.gate)
+
+    def wait_copying(self):
+        wait_for((lambda: self.link.issued) if self.late else self.link.copying)
+
+    def let_go(self):
+        if self.late:
+            self.link.allow(1000)
+        else:
+            self.gate.set()
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_done(checkpoint, late):
     with make_tiered(checkpoint, device_slots=4, host_slots=1) as store:
-        link = gate_link(store, gate=gate)
+        copies = HeldCopies(store, late)
         store._reader = reader = GatedReader(store._reader)
         first = store.fetch([K(0, 0)])
-        wait_for(link.copying)  # K(0, 0) is in the one host slot, its copy up waits on the gate
+        copies.wait_copying()  # K(0, 0) is in the one host slot, its copy up is held
         assert store.prefetch([TransferRequest(K(0, 1), 1.0)]) == []  # speculation finds no host slot
         done = {}
         second = threading.Thread(target=lambda: done.update(take(store, [K(0, 2)])))
         second.start()
         time.sleep(0.05)
         assert len(reader.files) == 1 and not done  # the demand waits for the slot, nothing overwrote it
-        gate.set()
+        copies.let_go()
         second.join(10)
         assert_holds_expert(checkpoint, dict(first.ready())[K(0, 0)], K(0, 0))
         first.release()
@@ -210,19 +232,21 @@ def test_a_stuck_copy_times_out(checkpoint):
         gate.set()
 
 
-def test_random_delays_and_failures_in_both_links_keep_bytes_exact_and_leak_nothing(checkpoint):
+@pytest.mark.parametrize("late", [False, True])
+def test_random_delays_and_failures_in_both_links_keep_bytes_exact_and_leak_nothing(checkpoint, late):
+    """late: the copies complete later, when the copier waits for them (tests/store/links.py)."""
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     rng = random.Random(0)
     with make_tiered(checkpoint, device_slots=3, host_slots=2, chunk_bytes=64) as store:
+        if late:
+            store._copier._link = LateLink()
         store._reader = GatedReader(store._reader, delay_s=lambda: rng.random() * 0.002,
                                     fail=lambda batch: rng.random() < 0.04)
         gate_link(store, delay_s=lambda: rng.random() * 0.001, fail=lambda: rng.random() < 0.04)
         assert random_steps(store, checkpoint, rng, 80) > 0
-        try:
-            store.wait_idle()
-        except TransferError:
-            pass
-        assert not store._host.pinned() and store.in_flight() == frozenset()
+        settle(store)
+        assert no_pins(store._host, checkpoint) and no_pins(store._device, checkpoint)
+        assert store.in_flight() == frozenset()
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
 
