@@ -44,6 +44,7 @@ from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import RUNNERS, ModelRunner, Sequence, StepPlan
+from moestream.timeline import Timeline
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
 
@@ -83,7 +84,8 @@ class Engine:
             bound_shape_caches()
         self.checkpoint: CheckpointIndex = build_index(model_dir)
         self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
-        self._background = offload_predictor(self.policy, timeout_s=self.config.transfer_timeout_s)  # before observers()
+        # before observers() lists the predictor
+        self._background = offload_predictor(self.policy, timeout_s=self.config.transfer_timeout_s)
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store: ExpertStore = open_store(self.checkpoint.experts, self.config.store_config(),
                                              evictions["device"], evictions["host"], load_manifest(self.checkpoint))
@@ -154,6 +156,11 @@ class Engine:
                 self.store.wait_idle()
                 bar.update(len(group))
         return brought
+
+    def record_timeline(self, timeline: Timeline | None) -> None:
+        """Record the expert MLPs, policy decisions, waits and transfers into timeline (None: stop)."""
+        self.experts.timeline = self.prefetcher.timeline = timeline
+        self.store.record_timeline(timeline)
 
     def add_observer(self, observer: Observer) -> None:
         self.driver.add_observer(observer)

@@ -32,6 +32,7 @@ from moestream.policies.contracts import CacheView, Observer
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.finite import check_finite
 from moestream.runtime.publisher import Publisher, Routing
+from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
 Weights = dict[str, torch.Tensor]  # one expert's parameters by name: typed views of its slot
@@ -91,11 +92,16 @@ class Prefetcher:
     def __init__(self, driver: PolicyDriver, store):
         self.driver = driver
         self.store = store
+        self.timeline: Timeline | None = None  # records each decision when set
 
     def after(self, layer_now: int) -> None:
+        began = time.perf_counter()
         requests = self.driver.decide(layer_now, self._view)
         if requests:
             self.store.prefetch(requests)
+        if self.timeline is not None:
+            label = f"after layer {layer_now}: {len(requests)} requests"
+            self.timeline.add("policy", label, began, time.perf_counter())
 
     def _view(self, layer_now: int) -> CacheView:
         return CacheView(
@@ -160,6 +166,7 @@ class OffloadedExperts:
         self.prefetcher = prefetcher
         self.reorder = reorder
         self.timing = ComputeTiming()
+        self.timeline: Timeline | None = None  # records each expert MLP when set
         self._router_logits: dict[int, torch.Tensor] = {}
         self._views: OrderedDict[int, Weights] = OrderedDict()  # slot address -> typed views, least recent first
         self._max_views = 2 * max(store.device_slots, 1)  # a slot's address moves with its expert's file offset
@@ -213,11 +220,17 @@ class OffloadedExperts:
                     a, b = plan.span(key.expert)
                     began = time.perf_counter()
                     out[order[a:b]] = self._expert(math, inputs[a:b], slot) * weights[a:b]  # [n, H]
-                    self.timing.seconds += time.perf_counter() - began
-                    self.timing.experts += 1
+                    self._timed(key, began)
             finally:
                 fetch.release()
         return out
+
+    def _timed(self, key: ExpertKey, began: float) -> None:
+        ended = time.perf_counter()
+        self.timing.seconds += ended - began
+        self.timing.experts += 1
+        if self.timeline is not None:
+            self.timeline.add("experts", f"layer {key.layer} expert {key.expert}", began, ended)
 
     def _expert(self, math: ExpertMath, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """One expert's MLP over its rows [n, H] -> [n, H], from typed views of its slot."""

@@ -33,6 +33,7 @@ from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.store import ExpertStore, _key
 from moestream.store.transfer import MAX_CHUNKS_IN_FLIGHT, DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
 STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its chunk
@@ -99,7 +100,7 @@ class AsyncExpertStore(ExpertStore):
                 try:
                     self._wait(deadline, f"experts {[tuple(k) for k in candidates]}")
                 finally:
-                    self._stats.stall_s += time.perf_counter() - began
+                    self._waited(began, candidates)
 
     def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
         """Admits the requested experts by priority and queues their transfers; returns at once."""
@@ -139,6 +140,10 @@ class AsyncExpertStore(ExpertStore):
         """Experts whose bytes are in place in the tier (those still arriving there excluded)."""
         with self._lock:
             return super().resident(tier) - self._arriving(tier)
+
+    def record_timeline(self, timeline: Timeline | None) -> None:
+        super().record_timeline(timeline)
+        self._worker.timeline = timeline
 
     def close(self) -> None:
         """Stops the worker after its current chunk, drops the queued transfers, closes the files."""

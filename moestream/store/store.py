@@ -47,6 +47,7 @@ from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
 from moestream.store.streams import make_link
+from moestream.timeline import Timeline
 from moestream.topology import ExpertKey, Topology
 
 TIERS = ("device", "host")
@@ -109,6 +110,10 @@ class ExpertStore:
         self._lock = threading.RLock()
         self._unused_prefetches: set[ExpertKey] = set()
         self._stats = StoreStats()
+        self.timeline: Timeline | None = None  # records waits and transfers when set (record_timeline)
+
+    def record_timeline(self, timeline: Timeline | None) -> None:
+        self.timeline = timeline
 
     def _staging_slots(self, pinned: bool) -> int:
         """Bounce slots: where the device tier is not host memory and no host tier is there instead."""
@@ -202,9 +207,16 @@ class ExpertStore:
         try:
             self._load(keys)
         finally:
-            elapsed = time.perf_counter() - began if keys else 0.0
-            self._stats.stall_s += elapsed
-            self._stats.transfer_s += elapsed
+            if keys:
+                self._stats.transfer_s += self._waited(began, keys)
+
+    def _waited(self, began: float, keys: Sequence[ExpertKey]) -> float:
+        """The compute thread waited for these experts' bytes from began until now; returns the seconds."""
+        ended = time.perf_counter()
+        self._stats.stall_s += ended - began
+        if self.timeline is not None:
+            self.timeline.add("wait", _names(keys), began, ended)
+        return ended - began
 
     def _load(self, keys: list[ExpertKey]) -> None:
         """Copy the bytes of keys, just admitted to the device tier, into their device slots."""
@@ -267,6 +279,8 @@ class ExpertStore:
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
         self._reader.read_batch(batch)
         seconds, stats = time.perf_counter() - began, self._stats
+        if self.timeline is not None:
+            self.timeline.add("disk", "demand " + _names(keys), began, began + seconds)
         stats.disk_read_s += seconds
         stats.disk_batches += 1
         stats.read_fit.add(len(keys), seconds)
@@ -397,3 +411,6 @@ def _check_index(index: ExpertIndex) -> None:
                 f"expert {tuple(key)} has {location.nbytes} bytes on disk, the topology says {topology.expert_bytes}"
             )
 
+
+def _names(keys: Sequence[ExpertKey]) -> str:
+    return " ".join(f"{k.layer}/{k.expert}" for k in keys)  # layer/expert each

@@ -29,6 +29,7 @@ from moestream.store.async_store import STOP_TIMEOUT_S, AsyncExpertStore
 from moestream.store.config import StoreConfig
 from moestream.store.copier import CopyWorker, HostCopy, copy_chunks
 from moestream.store.transfer import Transfer, TransferQueue
+from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
 
@@ -102,6 +103,10 @@ class TieredAsyncStore(AsyncExpertStore):
             self._host.unpin([transfer.key])
         elif transfer.key in self._host:
             self._host.remove(transfer.key)
+
+    def record_timeline(self, timeline: Timeline | None) -> None:
+        super().record_timeline(timeline)
+        self._copier.timeline = timeline
 
     def _stop_workers(self) -> None:
         self._copier.stop(STOP_TIMEOUT_S)

@@ -39,6 +39,7 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import MoestreamError
+from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Move:
 
     parts: list[tuple[Transfer, int, int]]
     demand: bool
+    began_s: float = 0.0  # perf_counter when it started
 
     def chunks(self) -> list:
         return [chunk for transfer, first, count in self.parts for chunk in transfer.chunks[first : first + count]]
@@ -215,6 +217,7 @@ class LinkWorker(ABC):
         self._held: list[Transfer] = []  # transfers with chunks in flight, out of the queue
         self._demand_moves = 0  # demand moves in flight
         self._busy_since, self._stretches = 0.0, 0
+        self.timeline: Timeline | None = None  # records each move when set
         self._thread = threading.Thread(target=self._run, name=f"moestream-{self.name}-link", daemon=True)
 
     def start(self) -> None:
@@ -256,7 +259,9 @@ class LinkWorker(ABC):
                     continue
                 if moves and not flight:
                     self._busy_since, self._stretches = time.perf_counter(), self._stretches + 1
-            flight += [(move, self._issue(move)) for move in moves]
+            for move in moves:
+                move.began_s = time.perf_counter()
+                flight.append((move, self._issue(move)))
             moved = self._wait(flight)
 
     def _take(self, in_flight: int) -> list[Move]:
@@ -306,6 +311,8 @@ class LinkWorker(ABC):
         self._busy_since, self._stretches = now, 0
         for move, errors in moved:
             self._demand_moves -= move.demand
+            if self.timeline is not None:
+                self.timeline.add(self.name, _label(move), move.began_s, now)
             for transfer, _, count in move.parts:
                 transfer.settled += count
                 if transfer.error is None:
@@ -321,6 +328,11 @@ class LinkWorker(ABC):
             self._landed(transfer)
         else:
             self._queue.push(transfer, new=False)
+
+
+def _label(move: Move) -> str:
+    experts = " ".join(f"{t.key.layer}/{t.key.expert}" for t, _, _ in move.parts)
+    return f"{'demand' if move.demand else 'speculative'} {experts}"
 
 
 class DiskWorker(LinkWorker):

@@ -1,0 +1,161 @@
+"""`moestream bench timeline`: where one decode token's time goes, lane by lane.
+
+One prompt runs through the engine (experts on disk, page cache dropped first; routing replayed when
+--replay-routing is given) with a `Timeline` attached. For one decode token (--token, default the
+last) it prints the token's wall time and, per lane, the time busy and the number of spans: the
+compute thread's routed expert MLPs, policy decisions and waits for expert bytes, what remains of
+the compute thread (the dense part, sampling, Python), and each link's transfers with the share that
+ran while the compute thread computed rather than waited. --json writes the token's spans (ms from
+the token's start), --plot draws them one row per lane. Figures only: nothing is asserted. Knows no
+policy by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+from moestream.policies.contracts import Observer
+from moestream.timeline import LANES, Span, Timeline, busy_s, overlap_s
+
+TRANSFER_LANES = ("disk", "h2d")
+THREAD_LANES = ("experts", "policy", "wait")  # the compute thread's own spans
+
+
+def add_parser(kinds) -> None:
+    parser = kinds.add_parser("timeline", help="one decode token's compute, transfers and waits")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
+    parser.add_argument("--policy", default="lru", help="policy (default lru)")
+    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
+    parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
+    parser.add_argument("--sync", action="store_true", help="the on-demand path")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated (default 16)")
+    parser.add_argument("--token", type=int, help="which decode token, 1 to max-new-tokens - 1 (default the last)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    parser.add_argument("--json", type=Path, help="write the token's spans and figures here")
+    parser.add_argument("--plot", type=Path, help="draw the token's spans here (PNG)")
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
+    parser.set_defaults(handler=run)
+
+
+class StepStarts(Observer):
+    """When each iteration began (perf_counter seconds)."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+
+    def begin_iteration(self, ctx) -> None:
+        self.starts.append(time.perf_counter())
+
+
+def run(args) -> int:
+    from moestream.atomic import write_json
+
+    token = _check(args)
+    timeline, steps = _record(args)
+    document = figures(timeline, steps.starts, token)
+    _print(document)
+    if args.json:
+        write_json(document, args.json)
+    if args.plot:
+        print(f"timeline plot: {plot(document, args.plot)}")
+    return 0
+
+
+def _check(args) -> int:
+    if args.max_new_tokens < 2 or args.threads < 1:
+        raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
+    token = args.max_new_tokens - 1 if args.token is None else args.token
+    if not 1 <= token <= args.max_new_tokens - 1:
+        raise MoestreamError(f"--token must be between 1 and {args.max_new_tokens - 1}, got {token}")
+    return token
+
+
+def _record(args) -> tuple[Timeline, StepStarts]:
+    import torch
+
+    from moestream.bench.engine.runners import make_policy, shards
+    from moestream.bench.engine.spec import RunSpec
+    from moestream.checkpoint.index import build_index
+    from moestream.cli.demo import PROMPTS, demo_checkpoint
+    from moestream.runtime import Engine, EngineConfig
+    from moestream.store.bandwidth import drop_page_cache
+
+    torch.set_num_threads(args.threads)
+    model = str(args.model or demo_checkpoint(args.small))
+    config = EngineConfig(expert_budget=args.budget, direct_io=not args.buffered_io, sync=args.sync,
+                          policy=args.policy, replay_routing=args.replay_routing)
+    spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))
+    policy = make_policy(spec, build_index(model).topology)
+    timeline, steps = Timeline(), StepStarts()
+    with Engine(model, config, observers=[steps], policy=policy) as engine:
+        drop_page_cache(shards(model))
+        engine.record_timeline(timeline)
+        engine.generate([PROMPTS[0]], args.max_new_tokens)
+        steps.starts.append(time.perf_counter())  # the end of the last step
+    return timeline, steps
+
+
+def figures(timeline: Timeline, starts: list[float], token: int) -> dict:
+    """The figures and spans of decode token `token` (step token + 1; step 0 is the prefill)."""
+    begin, end = starts[token], starts[token + 1]
+    spans = timeline.window(begin, end)
+    lanes = {lane: [s for s in spans if s.lane == lane] for lane in LANES}
+    thread = [s for lane in THREAD_LANES for s in lanes[lane]]
+    computing = lanes["experts"] + lanes["policy"]
+    token_s = end - begin
+    return {
+        "token": token,
+        "token_ms": token_s * 1e3,
+        "lanes": {lane: {"busy_ms": busy_s(lanes[lane]) * 1e3, "spans": len(lanes[lane])} for lane in LANES},
+        "rest_of_compute_thread_ms": (token_s - busy_s(thread)) * 1e3,
+        "transfer_beside_wait_ms": {lane: overlap_s(lanes[lane], lanes["wait"]) * 1e3 for lane in TRANSFER_LANES},
+        "transfer_beside_expert_compute_ms": {lane: overlap_s(lanes[lane], computing) * 1e3
+                                              for lane in TRANSFER_LANES},
+        "spans": [_relative(s, begin) for s in spans],
+    }
+
+
+def _relative(span: Span, origin_s: float) -> dict:
+    return {"lane": span.lane, "label": span.label, "begin_ms": (span.begin_s - origin_s) * 1e3,
+            "end_ms": (span.end_s - origin_s) * 1e3}
+
+
+def _print(document: dict) -> None:
+    lanes = document["lanes"]
+    print(f"decode token {document['token']}: {document['token_ms']:.1f} ms")
+    print(f"{'lane':<28}{'busy ms':>9}{'spans':>7}")
+    for lane in THREAD_LANES:
+        print(f"{'compute thread: ' + lane:<28}{lanes[lane]['busy_ms']:>9.1f}{lanes[lane]['spans']:>7}")
+    print(f"{'compute thread: the rest':<28}{document['rest_of_compute_thread_ms']:>9.1f}{'-':>7}   "
+          "(dense layers, sampling, Python)")
+    for lane in (lane for lane in TRANSFER_LANES if lanes[lane]["spans"]):
+        beside_wait = document["transfer_beside_wait_ms"][lane]
+        print(f"{'link: ' + lane:<28}{lanes[lane]['busy_ms']:>9.1f}{lanes[lane]['spans']:>7}   "
+              f"{lanes[lane]['busy_ms'] - beside_wait:.1f} ms of it while the compute thread was not waiting, "
+              f"{document['transfer_beside_expert_compute_ms'][lane]:.1f} beside expert MLPs and policy")
+
+
+def plot(document: dict, path: Path) -> Path:
+    """One row per lane, a bar per span (Agg backend, written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moestream.atomic import atomic_path
+
+    figure, axes = plt.subplots(figsize=(10, 3))
+    for row, lane in enumerate(LANES):
+        bars = [(s["begin_ms"], s["end_ms"] - s["begin_ms"]) for s in document["spans"] if s["lane"] == lane]
+        axes.broken_barh(bars, (row - 0.4, 0.8))
+    axes.set(yticks=range(len(LANES)), yticklabels=LANES, xlabel="ms from the token's start",
+             xlim=(0, document["token_ms"]), title=f"decode token {document['token']}: {document['token_ms']:.1f} ms")
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path

@@ -1,0 +1,37 @@
+"""`moestream bench timeline --small`: one decode token's spans, lane by lane."""
+
+import json
+
+import pytest
+
+from moestream.cli import main
+from moestream.timeline import LANES
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_token_s_lanes_add_up_and_its_spans_lie_inside_it(tmp_path, monkeypatch, capsys, mode):
+    monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
+    out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
+    flags = ["--sync"] if mode == "sync" else []
+    assert main(["bench", "timeline", "--small", "--max-new-tokens", "4", "--budget", "0.25", "--buffered-io",
+                 "--json", str(out), "--plot", str(png), *flags]) == 0
+    record = json.loads(out.read_text())
+    assert record["token"] == 3 and record["token_ms"] > 0
+    assert set(record["lanes"]) == set(LANES)
+    lanes = record["lanes"]
+    assert lanes["experts"]["spans"] > 0 and lanes["policy"]["spans"] > 0  # every MoE layer computes and decides
+    assert lanes["disk"]["spans"] > 0 and lanes["h2d"]["spans"] == 0  # a quarter of the experts: misses; one tier
+    thread = sum(lanes[lane]["busy_ms"] for lane in ("experts", "policy", "wait"))
+    assert thread + record["rest_of_compute_thread_ms"] == pytest.approx(record["token_ms"])
+    assert all(0 <= s["begin_ms"] <= s["end_ms"] <= record["token_ms"] for s in record["spans"])
+    assert sum(s["lane"] == "experts" for s in record["spans"]) == lanes["experts"]["spans"]
+    if mode == "sync":  # the compute thread reads its own misses: every read is waited for
+        assert record["transfer_beside_wait_ms"]["disk"] == pytest.approx(lanes["disk"]["busy_ms"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "decode token 3" in printed and "link: disk" in printed
+
+
+def test_a_token_past_the_generation_is_a_user_error():
+    assert main(["bench", "timeline", "--max-new-tokens", "4", "--token", "4"]) == 2
+    assert main(["bench", "timeline", "--max-new-tokens", "1"]) == 2
