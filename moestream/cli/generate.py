@@ -49,6 +49,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transfer experts on the compute thread (the on-demand baseline; default: async)")
     parser.add_argument("--chunk-size", default="0",
                         help="largest piece of one expert transfer, e.g. 256KiB (default 0: one weight matrix)")
+    parser.add_argument("--chunks-in-flight", type=int, default=8,
+                        help="speculative chunks read together, the most a demand miss waits behind (default 8)")
     parser.add_argument("--no-reorder", action="store_true",
                         help="compute a layer's experts in expert order instead of resident ones first")
     parser.add_argument("--replay-routing", metavar="TRACE",
@@ -71,6 +73,8 @@ def check_engine_arguments(args) -> None:
     Budget.parse(args.expert_budget)
     Budget.parse(args.host_budget)
     parse_size(args.chunk_size, "--chunk-size")
+    if args.chunks_in_flight < 1:
+        raise MoestreamError(f"--chunks-in-flight must be >= 1, got {args.chunks_in_flight}")
     if getattr(args, "model", None) is not None:
         require_checkpoint_dir(args.model)
 
@@ -82,7 +86,8 @@ def engine_config(args, **overrides):
     settings = dict(device=args.device, expert_budget=args.expert_budget, host_budget=args.host_budget,
                     policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io,
                     sync=args.sync, replay_routing=args.replay_routing,
-                    chunk_bytes=parse_size(args.chunk_size, "--chunk-size"), reorder=not args.no_reorder)
+                    chunk_bytes=parse_size(args.chunk_size, "--chunk-size"), reorder=not args.no_reorder,
+                    chunks_in_flight=args.chunks_in_flight)
     return EngineConfig(**(settings | overrides))
 
 

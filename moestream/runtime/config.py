@@ -26,6 +26,7 @@ class EngineConfig:
     sync: bool = False  # transfers on the compute thread, on demand (the baseline); else beside compute
     replay_routing: str | None = None  # follow this trace's routing instead of the router's (measurement only)
     chunk_bytes: int = 0  # largest piece of one expert transfer (0: one weight matrix)
+    chunks_in_flight: int = 8  # speculative chunks read together: the most a demand miss waits behind
     reorder: bool = True  # a layer computes resident experts first, then the others as they land
     transfer_timeout_s: float = 60.0  # longest wait for expert bytes before it fails
 
@@ -48,5 +49,6 @@ class EngineConfig:
             direct_io=self.direct_io,
             asynchronous=not self.sync,
             chunk_bytes=self.chunk_bytes,
+            chunks_in_flight=self.chunks_in_flight,
             transfer_timeout_s=self.transfer_timeout_s,
         )

@@ -32,7 +32,7 @@ from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.store import ExpertStore, _key
-from moestream.store.transfer import MAX_CHUNKS_IN_FLIGHT, DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
@@ -53,9 +53,8 @@ class AsyncExpertStore(ExpertStore):
         self._pending: dict[ExpertKey, Transfer] = {}
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
-        reads = 1 if self._bounce.num_slots else MAX_CHUNKS_IN_FLIGHT  # staged chunks take turns in its one slot
         self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, self._landed, self._failed,
-                                  self._link_read, reads)
+                                  self._link_read, config.chunks_in_flight)
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -264,10 +263,10 @@ class AsyncExpertStore(ExpertStore):
             self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
         return got
 
-    def _link_read(self, seconds: float, stretches: int) -> None:  # under the lock: the disk link's busy time
+    def _link_read(self, seconds: float) -> None:  # under the lock: one read of chunks in flight together
         self._stats.transfer_s += seconds
         self._stats.disk_read_s += seconds
-        self._stats.disk_batches += stretches
+        self._stats.disk_batches += 1
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock
         if not self._verified(transfer, self._device_pool, self._device):

@@ -132,5 +132,5 @@ class TieredAsyncStore(AsyncExpertStore):
     def _copy_failed(self, copy: HostCopy, error: BaseException) -> None:  # under the lock
         self._fail(copy, error, f"copying expert {tuple(copy.key)} from host to device failed")
 
-    def _link_copied(self, seconds: float, stretches: int) -> None:  # under the lock
+    def _link_copied(self, seconds: float) -> None:  # under the lock
         self._stats.copy_s += seconds

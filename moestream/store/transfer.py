@@ -4,23 +4,17 @@ A `Transfer` moves one expert's bytes from the checkpoint's files into its slot,
 (one chunk per weight matrix, or pieces of at most `chunk_bytes`). The `TransferQueue` orders
 transfers: demand transfers (the compute thread waits on them) first, in the order asked, then
 speculative ones by priority. Requests are re-prioritised and cancelled by key, and the queue never
-holds more transfers than it was sized for.
-
-A link's worker (`LinkWorker`) keeps up to `max_chunks` moves in flight. A move is every queued
-demand transfer whole, all together, or one chunk of the speculative transfer that ranks first.
-Each time a move completes, the place it frees goes to whatever ranks first now, and while a demand
-move is queued or in flight no speculative chunk starts: a demand miss starts as soon as one chunk
-in flight completes, behind no speculative chunk started after it was queued. The `DiskWorker`
-reads its moves on `max_chunks` threads, so that the disk keeps that many requests in flight (one
-request at a time left it idle between 224 KiB reads); the chunks in flight beside a demand are
-the only speculative work it waits behind.
+holds more transfers than it was sized for. The `DiskWorker` thread reads every queued demand
+transfer whole, all at once; otherwise it reads up to `max_chunks` chunks from the head of the
+queue together (each its own request in flight, so that the disk is kept busy), then puts the
+unfinished transfers back and looks at the queue again: a demand miss waits at most for one round
+of chunks in flight behind speculative work.
 
 Queue and worker share the store's condition: every change of the queue happens under its lock, and
-the worker moves bytes outside it. A transfer with chunks in flight is held by the worker, out of
-the queue, so that nothing cancels it while its slot is written; once none is in flight it lands,
-fails or goes back to the queue. The worker reports each finished or failed transfer through the
-two callbacks it is given; it knows no eviction, no policy and no tier. The host -> device link's
-worker is in `moestream.store.copier`.
+the worker reads outside it. The worker reports each finished or failed transfer through the two
+callbacks it is given; it knows no eviction, no policy and no tier. `LinkWorker` is what every
+link's thread shares (start, stop, the callbacks); the host -> device link's is in
+`moestream.store.copier`.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -45,7 +38,7 @@ from moestream.topology import ExpertKey
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle worker sleeps before it checks for stop again
-MAX_CHUNKS_IN_FLIGHT = 8  # the disk link's moves in flight at once (each its own read)
+MAX_CHUNKS_IN_FLIGHT = 8  # speculative chunks read together (each its own request in flight)
 
 
 class TransferError(MoestreamError):
@@ -65,35 +58,15 @@ class Transfer:
     priority: float = 0.0  # speculative ranking, higher first
     demand: bool = False  # the compute thread waits on it
     order: int = 0  # tie-break: first asked, first served
-    next_chunk: int = 0  # chunks started
-    settled: int = 0  # chunks started whose move has completed (moved or failed)
-    error: BaseException | None = None  # the first failure of one of its moves
+    next_chunk: int = 0
 
     @property
     def rank(self) -> tuple:
         return (0, self.order) if self.demand else (1, -self.priority, self.order)
 
     @property
-    def left(self) -> int:
-        """Chunks still to start (none once a move of it has failed)."""
-        return 0 if self.error is not None else len(self.chunks) - self.next_chunk
-
-    @property
-    def moving(self) -> bool:
-        """Whether chunks of it are in flight."""
-        return self.settled < self.next_chunk
-
-
-@dataclass(eq=False)
-class Move:
-    """Chunks moved together: (transfer, its first chunk here, number of chunks) each."""
-
-    parts: list[tuple[Transfer, int, int]]
-    demand: bool
-    began_s: float = 0.0  # perf_counter when it started
-
-    def chunks(self) -> list:
-        return [chunk for transfer, first, count in self.parts for chunk in transfer.chunks[first : first + count]]
+    def done(self) -> bool:
+        return self.next_chunk >= len(self.chunks)
 
 
 def pieces(segments: Sequence[Segment], chunk_bytes: int) -> list[tuple[Segment, int]]:
@@ -147,13 +120,6 @@ class TransferQueue:
                 return transfer
         return None
 
-    def pop_demand(self) -> list[Transfer]:
-        """Every queued demand transfer, in the order asked (removed from the queue)."""
-        taken = []
-        while (rank := self.head_rank()) is not None and rank[0] == 0:
-            taken.append(self.pop())
-        return taken
-
     def head_rank(self) -> tuple | None:
         while self._heap:
             rank, _, transfer = self._heap[0]
@@ -196,172 +162,119 @@ class TransferQueue:
 class LinkWorker(ABC):
     """One link's I/O thread over a queue it shares with the store (the condition's lock guards both).
 
-    It keeps up to `max_chunks` moves in flight: under the lock it takes moves for the free places
-    (`_take`), starts them outside it (`_issue`, the link's own), waits until one or more complete
-    (`_wait`, the link's own) and settles them under the lock (see the module doc). It reports each
-    finished or failed transfer through `landed` and `failed`, and through `busy` the seconds the
-    link was busy since the last report and the stretches of moves in flight together begun since,
-    all called under the lock."""
+    Each round it takes chunks from the head of the queue (`_take`), moves them outside the lock
+    (`_step`, the link's own), and puts the unfinished transfers back, so that whatever ranks ahead
+    now goes first: a demand waits at most for one round behind speculative work. It reports each
+    finished or failed transfer through `landed` and `failed`, and the time it was busy through
+    `busy`, all called under the lock."""
 
     name = "link"
 
     def __init__(self, cond: threading.Condition, queue: TransferQueue, landed: Callable[[Transfer], None],
-                 failed: Callable[[Transfer, BaseException], None], busy: Callable[[float, int], None],
-                 max_chunks: int):
-        if max_chunks < 1:
-            raise ValueError(f"a link needs max_chunks >= 1, got {max_chunks}")
+                 failed: Callable[[Transfer, BaseException], None], busy: Callable[[float], None],
+                 max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
         self._cond, self._queue = cond, queue
         self._landed, self._failed, self._busy = landed, failed, busy
         self.max_chunks = max_chunks
         self._stopping = False
-        self._held: list[Transfer] = []  # transfers with chunks in flight, out of the queue
-        self._demand_moves = 0  # demand moves in flight
-        self._busy_since, self._stretches = 0.0, 0
-        self.timeline: Timeline | None = None  # records each move when set
+        self.timeline: Timeline | None = None  # records each round when set
         self._thread = threading.Thread(target=self._run, name=f"moestream-{self.name}-link", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float) -> None:
-        """Ends the thread once the moves in flight have completed (none starts after this call)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TransferError(f"the {self.name} worker did not stop within {timeout_s:g} s")
-        self._close()
-
-    def _close(self) -> None:
-        """Frees what the link's moves use, once the thread has ended."""
 
     @abstractmethod
-    def _issue(self, move: Move) -> object:
-        """Starts the move (outside the lock); returns what `_wait` waits on."""
-
-    @abstractmethod
-    def _wait(self, flight: list[tuple[Move, object]]) -> list[tuple[Move, dict[Transfer, BaseException]]]:
-        """Blocks (outside the lock) until one or more moves in flight have completed; removes them from
-        flight and returns each with the failures of its transfers."""
+    def _step(self, held: list[tuple[Transfer, int]]) -> None:
+        """Moves the held chunks (outside the lock); reports the transfers that finished or failed."""
 
     def _run(self) -> None:
-        flight: list[tuple[Move, object]] = []  # in the order started
-        moved: list[tuple[Move, dict[Transfer, BaseException]]] = []
+        held: list[tuple[Transfer, int]] = []
         while True:
             with self._cond:
-                self._settle(moved)
-                moved, moves = [], self._take(len(flight))
-                if not (moves or flight):
-                    if self._stopping:
-                        return
-                    self._cond.wait(IDLE_WAIT_S)
-                    continue
-                if moves and not flight:
-                    self._busy_since, self._stretches = time.perf_counter(), self._stretches + 1
-            for move in moves:
-                move.began_s = time.perf_counter()
-                flight.append((move, self._issue(move)))
-            moved = self._wait(flight)
-
-    def _take(self, in_flight: int) -> list[Move]:
-        """Moves for the free places (none once stopping)."""
-        moves: list[Move] = []
-        while not self._stopping and in_flight + len(moves) < self.max_chunks:
-            move = self._next_move()
-            if move is None:
-                break
-            moves.append(move)
-        return moves
-
-    def _next_move(self) -> Move | None:
-        """Every demand transfer's chunks left, whole, as one move; else, while no demand move is in flight,
-        the next chunk of the speculative transfer that ranks first (a held one or the queue's head)."""
-        demand = sorted((t for t in self._held if t.demand and t.left), key=lambda t: t.rank)
-        demand += self._queue.pop_demand()
-        if demand:
-            self._demand_moves += 1
-            return self._move(demand, demand=True)
-        if self._demand_moves:
-            return None
-        held = min((t for t in self._held if t.left), key=lambda t: t.rank, default=None)
-        rank = self._queue.head_rank()
-        if rank is not None and (held is None or rank < held.rank):
-            held = self._queue.pop()
-        return None if held is None else self._move([held], demand=False, count=1)
-
-    def _move(self, transfers: list[Transfer], demand: bool, count: int | None = None) -> Move:
-        """The next chunks of transfers (all they have left, or count each), which the worker now holds."""
-        parts = []
-        for transfer in transfers:
-            number = transfer.left if count is None else min(count, transfer.left)
-            parts.append((transfer, transfer.next_chunk, number))
-            transfer.next_chunk += number
-            if transfer not in self._held:
-                self._held.append(transfer)
-        return Move(parts, demand)
-
-    def _settle(self, moved: list[tuple[Move, dict[Transfer, BaseException]]]) -> None:
-        """Under the lock: the busy time; each transfer of the moves completed advanced, and those with no
-        chunk in flight any more failed, landed or put back in the queue (whatever ranks ahead now goes first)."""
-        if not moved:
-            return
-        now = time.perf_counter()
-        self._busy(now - self._busy_since, self._stretches)
-        self._busy_since, self._stretches = now, 0
-        for move, errors in moved:
-            self._demand_moves -= move.demand
+                for transfer, _ in held:  # back in the queue: whatever ranks ahead now goes first
+                    if not transfer.done:
+                        self._queue.push(transfer, new=False)
+                held = self._take()
+                if not held:
+                    return
+            began = time.perf_counter()
+            self._step(held)
             if self.timeline is not None:
-                self.timeline.add(self.name, _label(move), move.began_s, now)
-            for transfer, _, count in move.parts:
-                transfer.settled += count
-                if transfer.error is None:
-                    transfer.error = errors.get(transfer)
-                if not transfer.moving:
-                    self._release(transfer)
+                self.timeline.add(self.name, _label(held), began, time.perf_counter())
 
-    def _release(self, transfer: Transfer) -> None:
-        self._held.remove(transfer)
-        if transfer.error is not None:
-            self._failed(transfer, transfer.error)
-        elif transfer.settled == len(transfer.chunks):
-            self._landed(transfer)
-        else:
-            self._queue.push(transfer, new=False)
+    def _take(self) -> list[tuple[Transfer, int]]:
+        """What to move next, as (transfer, number of its next chunks); empty: stop.
+
+        Demand transfers are moved whole, all those queued together. Speculative ones give up to
+        max_chunks chunks from the head of the queue, moved together, after which the queue is
+        consulted again."""
+        while not self._stopping:
+            head = self._queue.pop()
+            if head is None:
+                self._cond.wait(IDLE_WAIT_S)
+                continue
+            taken, room = [], self.max_chunks
+            while head is not None:
+                left = len(head.chunks) - head.next_chunk
+                count = left if head.demand else min(room, left)
+                taken.append((head, count))
+                room -= count
+                rank = self._queue.head_rank()
+                if rank is None or (rank[0] != 0 and (head.demand or room <= 0)):
+                    break
+                head = self._queue.pop()
+            return taken
+        return []
+
+    def _finish(self, began: float, held: list[tuple[Transfer, int]], errors: dict[Transfer, BaseException]) -> None:
+        """Under the lock: the round's busy time; each held transfer advanced, landed or failed."""
+        self._busy(time.perf_counter() - began)
+        for transfer, count in held:
+            if transfer in errors:
+                transfer.next_chunk = len(transfer.chunks)
+                self._failed(transfer, errors[transfer])
+                continue
+            transfer.next_chunk += count
+            if transfer.done:
+                self._landed(transfer)
 
 
-def _label(move: Move) -> str:
-    experts = " ".join(f"{t.key.layer}/{t.key.expert}" for t, _, _ in move.parts)
-    return f"{'demand' if move.demand else 'speculative'} {experts}"
+def _label(held: list[tuple[Transfer, int]]) -> str:
+    demand = any(transfer.demand for transfer, _ in held)
+    experts = " ".join(f"{t.key.layer}/{t.key.expert}" for t, _ in held)
+    return f"{'demand' if demand else 'speculative'} {experts}"
 
 
 class DiskWorker(LinkWorker):
-    """The disk link's I/O thread; it reads its moves on max_chunks threads of its own (see the module doc)."""
+    """The disk link's one I/O thread (see the module doc)."""
 
     name = "disk"
 
     def __init__(self, cond: threading.Condition, queue: TransferQueue,
                  read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],
                  landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
-                 busy: Callable[[float, int], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
+                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
         super().__init__(cond, queue, landed, failed, busy, max_chunks)
         self._read = read
-        self._readers = futures.ThreadPoolExecutor(max_chunks, thread_name_prefix=f"moestream-{self.name}-read")
         self.start()
 
-    def _close(self) -> None:
-        self._readers.shutdown(wait=True)
-
-    def _issue(self, move: Move) -> futures.Future:
-        """The move's chunks read together, by one of the reading threads."""
-        return self._readers.submit(self._read, [(chunk.segments, chunk.dst) for chunk in move.chunks()])
-
-    def _wait(self, flight: list[tuple[Move, futures.Future]]) -> list[tuple[Move, dict[Transfer, BaseException]]]:
-        """Waits for the first read to complete (one failed read fails every transfer of its move)."""
-        done, _ = futures.wait([read for _, read in flight], return_when=futures.FIRST_COMPLETED)
-        moved = [(move, read.exception()) for move, read in flight if read in done]
-        flight[:] = [(move, read) for move, read in flight if read not in done]
-        for move, error in moved:
-            if error is not None:  # handed to the threads that wait on these experts
-                log.debug("a disk read of %d chunks failed: %s", len(move.chunks()), error)
-        return [(move, {} if error is None else {t: error for t, _, _ in move.parts}) for move, error in moved]
+    def _step(self, held: list[tuple[Transfer, int]]) -> None:
+        """Reads the held chunks together (one failed read fails them all)."""
+        batch = [(chunk.segments, chunk.dst) for transfer, count in held
+                 for chunk in transfer.chunks[transfer.next_chunk : transfer.next_chunk + count]]
+        began, errors = time.perf_counter(), {}
+        try:
+            self._read(batch)
+        except BaseException as error:  # handed to the thread that waits on these experts
+            log.debug("a disk read of %d chunks failed: %s", len(batch), error)
+            errors = {transfer: error for transfer, _ in held}
+        with self._cond:
+            self._finish(began, held, errors)

@@ -192,6 +192,7 @@ def test_a_damaged_checkpoint_is_one_error_line(model_dir, tmp_path, capsys, dam
     (["--policy", "nope"], "nope"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--device", "tpu"], "tpu"),
+    (["--chunks-in-flight", "0"], "chunks-in-flight"),
 ])
 def test_bad_flags_are_one_error_line(model_dir, capsys, flags, expected):
     assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, *flags]) == 2

@@ -281,18 +281,6 @@ def test_reordering_hands_out_the_resident_expert_then_the_one_in_flight_as_it_l
         fetch.release()
 
 
-def test_reordering_hands_out_experts_in_flight_in_the_order_they_land(checkpoint):
-    with make_async(checkpoint, device_slots=4, timeout_s=5.0) as store:
-        gates = resident_and_in_flight(checkpoint, store, in_flight=(K(0, 1), K(0, 2)))  # K(0, 1) queued first
-        fetch = store.fetch([K(0, 1), K(0, 2)])
-        ready = fetch.ready(reorder=True)
-        gates.open(K(0, 2))
-        assert next(ready)[0] == K(0, 2)
-        gates.open(K(0, 1))
-        assert next(ready)[0] == K(0, 1)
-        fetch.release()
-
-
 def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint):
     with make_async(checkpoint, device_slots=4, timeout_s=5.0) as store:
         gates = resident_and_in_flight(checkpoint, store)
@@ -309,3 +297,12 @@ def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint
         consumer.join(10)
         fetch.release()
     assert order == [K(0, 3), K(0, 2), K(0, 0)]  # K(0, 0) was in place and K(0, 2) landed first
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_the_disk_round_reads_as_many_speculative_chunks_as_configured(checkpoint, chunks):
+    eb = checkpoint.index.topology.expert_bytes
+    config = StoreConfig(str(4 * eb), "0", asynchronous=True, chunks_in_flight=chunks, chunk_bytes=512)
+    with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
+        assert store._worker.max_chunks == chunks
+        take(store, [K(0, 0)])

@@ -3,7 +3,7 @@ import re
 import pytest
 import torch
 
-from moestream.errors import BudgetError
+from moestream.errors import BudgetError, MoestreamError
 from moestream.store.config import Budget, StoreConfig
 from moestream.topology import Topology
 
@@ -94,3 +94,8 @@ def test_minimum_ratio_suffices_for_awkward_sizes():
         StoreConfig("0.001", "0").device_slots(topology)
     min_ratio = re.search(r"a ratio of ([\d.e-]+)", str(err.value)).group(1)
     assert StoreConfig(min_ratio, "0").device_slots(topology) >= 6
+
+
+def test_config_refuses_rounds_of_no_chunk():
+    with pytest.raises(MoestreamError, match="chunks_in_flight must be >= 1, got 0"):
+        StoreConfig("0.5", "0", chunks_in_flight=0)
