@@ -55,3 +55,31 @@ def test_a_directory_with_an_older_token_memory_asks_to_retrain(policy, tmp_path
     save_file(tensors, str(directory / "weights.safetensors"))
     with pytest.raises(PredictorFileError, match="retrain"):
         POLICIES.create("default", TOPOLOGY, predictor_dir=directory)
+
+
+def test_the_token_memory_is_a_map_of_the_file_and_the_rest_is_read(policy, tmp_path):
+    import mmap
+
+    policy.save(tmp_path / "lean")
+    loaded = POLICIES.create("default", TOPOLOGY, predictor_dir=tmp_path / "lean").predictor
+    np.testing.assert_array_equal(loaded.memory, policy.predictor.memory)
+    assert isinstance(_buffer_owner(loaded.memory), mmap.mmap)
+    assert not isinstance(_buffer_owner(loaded.weights.dense), mmap.mmap)
+
+
+def _buffer_owner(array):
+    while isinstance(getattr(array, "base", None), np.ndarray):
+        array = array.base
+    return array.base if array.base is not None else array
+
+
+def test_a_truncated_weights_file_is_named(policy, tmp_path):
+    import pytest
+
+    from moestream.policies.trained import PredictorFileError
+
+    directory = policy.save(tmp_path / "cut")
+    weights = directory / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(PredictorFileError, match="weights.safetensors"):
+        POLICIES.create("default", TOPOLOGY, predictor_dir=directory)
