@@ -38,6 +38,11 @@ class Timeline:
         return sorted(clipped, key=lambda s: s.begin_s)
 
 
+def expert_names(keys) -> str:
+    """A label of expert keys: layer/expert each."""
+    return " ".join(f"{k.layer}/{k.expert}" for k in keys)
+
+
 def busy_s(spans: list[Span]) -> float:
     """The time covered by at least one of the spans (overlaps counted once)."""
     total, reach = 0.0, float("-inf")

@@ -168,11 +168,11 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     predictor_dir = args.predictor_dir if issubclass(POLICIES.get(name), TrainedPolicy) else None
     config = EngineConfig(device=args.device, expert_budget=budget, policy=name, sync=mode == "sync",
                           replay_routing=args.replay_routing, predictor_dir=predictor_dir)
-    rss_before = rss_mib()
     with Engine(model, config) as engine:
         if budget == "1.0":
             engine.preload()
         with Server(engine, model.name, worker_config=WorkerConfig(batching=batching_config(args))) as server:
+            rss_before = rss_mib()  # after the engine opened and the server started: the growth is the run's
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
         memory = memory_figures(rss_before)  # the engine still open
     figures = loadgen.report(measured, wall, loadgen.Slo()) | memory | {

@@ -1,13 +1,14 @@
 """`moestream bench timeline`: where one decode token's time goes, lane by lane.
 
 One prompt runs through the engine (experts on disk, page cache dropped first; routing replayed when
---replay-routing is given) with a `Timeline` attached. For one decode token (--token, default the
-last) it prints the token's wall time and, per lane, the time busy and the number of spans: the
-compute thread's routed expert MLPs, policy decisions and waits for expert bytes, what remains of
-the compute thread (the dense part, sampling, Python), and each link's transfers with the share that
-ran while the compute thread computed rather than waited. --json writes the token's spans (ms from
-the token's start), --plot draws them one row per lane. Figures only: nothing is asserted. Knows no
-policy by name.
+--replay-routing is given) with a `Timeline` attached. For one decode step (--token K: from step K's
+start to the next one's; by default the one before the last, since the last one's end also holds
+building the result) it prints the step's wall time and, per lane, the time busy and the number of
+spans: the compute thread's routed expert MLPs, policy decisions and waits for expert bytes, what
+remains of the compute thread (the dense part, prefetch calls, sampling, Python), and each link's
+transfers with the share that ran while the compute thread computed rather than waited. --json
+writes the step's spans (ms from its start), --plot draws them one row per lane. Figures only:
+nothing is asserted. Knows no policy by name.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def add_parser(kinds) -> None:
     parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
     parser.add_argument("--sync", action="store_true", help="the on-demand path")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated (default 16)")
-    parser.add_argument("--token", type=int, help="which decode token, 1 to max-new-tokens - 1 (default the last)")
+    parser.add_argument("--token", type=int, help="which decode step, 1 to max-new-tokens - 1 (default the one "
+                        "before the last)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
     parser.add_argument("--json", type=Path, help="write the token's spans and figures here")
@@ -57,6 +59,9 @@ def run(args) -> int:
 
     token = _check(args)
     timeline, steps = _record(args)
+    if token + 1 >= len(steps.starts):
+        raise MoestreamError(f"the generation ended after {len(steps.starts) - 2} decode steps (end of sequence), "
+                             f"before step {token}: pass a smaller --token")
     document = figures(timeline, steps.starts, token)
     _print(document)
     if args.json:
@@ -67,9 +72,9 @@ def run(args) -> int:
 
 
 def _check(args) -> int:
-    if args.max_new_tokens < 2 or args.threads < 1:
-        raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
-    token = args.max_new_tokens - 1 if args.token is None else args.token
+    if args.max_new_tokens < 3 or args.threads < 1:
+        raise MoestreamError("--max-new-tokens must be >= 3 and --threads >= 1")
+    token = args.max_new_tokens - 2 if args.token is None else args.token
     if not 1 <= token <= args.max_new_tokens - 1:
         raise MoestreamError(f"--token must be between 1 and {args.max_new_tokens - 1}, got {token}")
     return token
@@ -101,7 +106,7 @@ def _record(args) -> tuple[Timeline, StepStarts]:
 
 
 def figures(timeline: Timeline, starts: list[float], token: int) -> dict:
-    """The figures and spans of decode token `token` (step token + 1; step 0 is the prefill)."""
+    """The figures and spans of decode step `token` (step 0 is the prefill): from its start to the next's."""
     begin, end = starts[token], starts[token + 1]
     spans = timeline.window(begin, end)
     lanes = {lane: [s for s in spans if s.lane == lane] for lane in LANES}

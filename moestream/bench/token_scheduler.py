@@ -84,9 +84,9 @@ def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
     def count(request, delta, new_token: bool) -> None:
         tokens.extend([1] if new_token else [])
 
-    rss_before = rss_mib()
     with Engine(model, config) as engine:
         batcher = ContinuousBatcher(engine, batching, count)
+        rss_before = rss_mib()  # after the engine opened: the growth is the run's
         for prompt in prompts:
             batcher.admit(Request(engine.encode(prompt), params, lambda event: None))
         while any(not s.prefilled for s in batcher.slots):  # prefills are not what is compared

@@ -60,6 +60,8 @@ class BackgroundPredictor(Predictor):
     def __init__(self, inner: Predictor, synchronous: bool = False, max_pending: int = MAX_PENDING,
                  timeout_s: float = 60.0):
         super().__init__(inner.topology)
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.inner = inner
         self.synchronous = synchronous
         self.timeout_s = timeout_s
@@ -110,14 +112,14 @@ class BackgroundPredictor(Predictor):
         self._raise_worker_error()
 
     def close(self) -> None:
-        """Stop the worker thread after the queued work; the wrapper then runs inline."""
+        """Stop the worker thread after the queued work; the wrapper then runs inline. A worker that does
+        not stop in time is kept (the wrapper stays asynchronous, so no call runs beside it)."""
         if self._thread is not None:
-            thread, self._thread = self._thread, None
-            self.synchronous = True
             self._put(_STOP)
-            thread.join(self.timeout_s)
-            if thread.is_alive():
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():
                 raise BackgroundTimeout(f"the background predictor did not stop within {self.timeout_s:g} s")
+            self._thread = None
         self.synchronous = True
         self._raise_worker_error()
 

@@ -200,12 +200,17 @@ class Engine:
         return self._result(seqs, clock, isinstance(prompts[0], str))
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        if self._background is not None:
-            self._background.close()
-        self.store.close()
-        self._blas_threads.restore_original_limits()
+        """Releases everything it holds, each step even if one before it failed."""
+        try:
+            for hook in self._hooks:
+                hook.remove()
+            if self._background is not None:
+                self._background.close()
+        finally:
+            try:
+                self.store.close()
+            finally:
+                self._blas_threads.restore_original_limits()
 
     def __enter__(self) -> "Engine":
         return self

@@ -97,11 +97,11 @@ class Prefetcher:
     def after(self, layer_now: int) -> None:
         began = time.perf_counter()
         requests = self.driver.decide(layer_now, self._view)
-        if requests:
-            self.store.prefetch(requests)
-        if self.timeline is not None:
+        if self.timeline is not None:  # the decision only: what prefetch waits for, the store records
             label = f"after layer {layer_now}: {len(requests)} requests"
             self.timeline.add("policy", label, began, time.perf_counter())
+        if requests:
+            self.store.prefetch(requests)
 
     def _view(self, layer_now: int) -> CacheView:
         return CacheView(

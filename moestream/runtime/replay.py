@@ -11,7 +11,8 @@ Running out of rows wraps around to the first row (and is logged once): a benchm
 is set by its prompts and flags, not by the trace, and wrapping keeps the recorded distribution
 (the number of wraps is kept in `wraps`, so a report can say so). Each iteration's rows are kept in
 `iterations` for a benchmark's simulator, the last MAX_RECORDED_ITERATIONS of them (a server that
-replays for days stays bounded); `rows_used` counts every row.
+replays for days stays bounded); `rows_used` counts every row. Steps run inside `paused()` follow the
+router and take no rows (a measurement no request sees, such as serving's KV probe).
 
 Experts: the trace's experts replace the router's top-k of the active rows; padding rows keep the
 router's choice (they run no experts). Weights: the trace's gate weights when it has them, else the
@@ -26,6 +27,7 @@ knows no policy and no store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 
@@ -72,8 +74,20 @@ class RoutingReplay(Observer):
         small = np.uint8 if model_topology.num_experts <= 256 else trace.experts.dtype
         self._experts = trace.experts.astype(small, copy=False)  # [N, L, K]; the rest of the trace is not kept
         self._weights = trace.gate_weights  # [N, L, K] or None
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Steps run inside follow the router's own routing and take no rows."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def begin_iteration(self, ctx: IterationContext) -> None:
+        if self._paused:
+            return
         n = self.num_rows
         rows = (self.cursor + np.arange(ctx.num_tokens)) % n  # [T]
         wraps = (self.cursor + ctx.num_tokens) // n
@@ -92,6 +106,8 @@ class RoutingReplay(Observer):
     def route(self, layer: int, active: np.ndarray, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """active [T] bool, top_k_index/top_k_weights [T, K] -> the replayed [T, K] pair."""
+        if self._paused:
+            return top_k_index, top_k_weights
         if not self.iterations:
             raise RuntimeError("routing replay got a layer before any iteration began")
         rows = self.iterations[-1]  # [A]

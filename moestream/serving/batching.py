@@ -21,6 +21,7 @@ them leaves or is regrouped. Sequences that leave end their state in the policy
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -225,8 +226,10 @@ class ContinuousBatcher:
         seq = self.engine.new_sequence([self.engine.pad_id])
         plan = prefill_plan(self.engine.next_step(), [seq], self.engine.pad_id, self.engine.config.device)
         self.runner.cache = kv.empty_cache()
+        replay = self.engine.replay
         try:
-            self.engine.run_step(self.runner, plan)
+            with replay.paused() if replay is not None else contextlib.nullcontext():  # it takes no trace rows
+                self.engine.run_step(self.runner, plan)
             (cache,) = kv.split(self.runner.cache, [1])
         finally:
             self.runner.cache = None

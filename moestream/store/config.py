@@ -40,9 +40,9 @@ class StoreConfig:
     direct_io=False forces buffered reads (followed by dropping the page cache for the range read).
     asynchronous: transfers run on an I/O worker beside the caller (where the tiers allow it);
     chunk_bytes: the largest piece of one transfer (0: one weight matrix); chunks_in_flight: the
-    speculative chunks a disk round reads together, so the most a demand miss waits behind (1: one
-    chunk, at about half the read throughput of 8 on an NVMe disk); transfer_timeout_s: the longest
-    any wait for expert bytes may last before it fails.
+    speculative chunks a round moves together on each link (disk reads, host -> device copies), so the
+    most a demand miss waits behind (1: one chunk, at about half the read throughput of 8 on an NVMe
+    disk); transfer_timeout_s: the longest any wait for expert bytes may last before it fails.
     """
 
     device_budget: Budget

@@ -47,7 +47,7 @@ from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
 from moestream.store.streams import make_link
-from moestream.timeline import Timeline
+from moestream.timeline import Timeline, expert_names
 from moestream.topology import ExpertKey, Topology
 
 TIERS = ("device", "host")
@@ -215,7 +215,7 @@ class ExpertStore:
         ended = time.perf_counter()
         self._stats.stall_s += ended - began
         if self.timeline is not None:
-            self.timeline.add("wait", _names(keys), began, ended)
+            self.timeline.add("wait", expert_names(keys), began, ended)
         return ended - began
 
     def _load(self, keys: list[ExpertKey]) -> None:
@@ -280,7 +280,7 @@ class ExpertStore:
         self._reader.read_batch(batch)
         seconds, stats = time.perf_counter() - began, self._stats
         if self.timeline is not None:
-            self.timeline.add("disk", "demand " + _names(keys), began, began + seconds)
+            self.timeline.add("disk", "read " + expert_names(keys), began, began + seconds)
         stats.disk_read_s += seconds
         stats.disk_batches += 1
         stats.read_fit.add(len(keys), seconds)
@@ -410,7 +410,3 @@ def _check_index(index: ExpertIndex) -> None:
             raise CheckpointError(
                 f"expert {tuple(key)} has {location.nbytes} bytes on disk, the topology says {topology.expert_bytes}"
             )
-
-
-def _names(keys: Sequence[ExpertKey]) -> str:
-    return " ".join(f"{k.layer}/{k.expert}" for k in keys)  # layer/expert each

@@ -43,7 +43,7 @@ class TieredAsyncStore(AsyncExpertStore):
         super().__init__(index, config, device_eviction, host_eviction, integrity)
         self._copies = TransferQueue(self.device_slots)
         self._copier = CopyWorker(self._cond, self._copies, self._link, self._copied, self._copy_failed,
-                                  self._link_copied)
+                                  self._link_copied, config.chunks_in_flight)
 
     # -- under the lock --------------------------------------------------------------------------
 

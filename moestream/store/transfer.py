@@ -32,7 +32,7 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import MoestreamError
-from moestream.timeline import Timeline
+from moestream.timeline import Timeline, expert_names
 from moestream.topology import ExpertKey
 
 log = logging.getLogger(__name__)
@@ -205,10 +205,10 @@ class LinkWorker(ABC):
                 held = self._take()
                 if not held:
                     return
-            began = time.perf_counter()
+            began, timeline = time.perf_counter(), self.timeline  # read once: the compute thread may reset it
             self._step(held)
-            if self.timeline is not None:
-                self.timeline.add(self.name, _label(held), began, time.perf_counter())
+            if timeline is not None:
+                timeline.add(self.name, _label(held), began, time.perf_counter())
 
     def _take(self) -> list[tuple[Transfer, int]]:
         """What to move next, as (transfer, number of its next chunks); empty: stop.
@@ -249,7 +249,7 @@ class LinkWorker(ABC):
 
 def _label(held: list[tuple[Transfer, int]]) -> str:
     demand = any(transfer.demand for transfer, _ in held)
-    experts = " ".join(f"{t.key.layer}/{t.key.expert}" for t, _ in held)
+    experts = expert_names(t.key for t, _ in held)
     return f"{'demand' if demand else 'speculative'} {experts}"
 
 

@@ -165,9 +165,11 @@ def test_flush_and_close_wait_at_most_their_timeout(wrappers):
 def test_flush_returns_after_a_worker_error_instead_of_hanging(wrappers):
     inner = Gated()
     inner.fail = True
+    inner.gate.clear()  # both events queue before the first fails
     background = wrappers(inner)
     background.observe(event(0))
-    background.observe(event(1))  # skipped: the worker has failed
+    background.observe(event(1))  # skipped once the worker has failed
+    inner.gate.set()
     with pytest.raises(RuntimeError, match="background predictor failed"):
         background.flush()
     background.flush()  # the error was raised once; the worker still answers

@@ -215,7 +215,8 @@ def test_numpy_blas_runs_one_thread_while_an_engine_is_open(checkpoint):
 
 
 def test_an_engine_on_the_cpu_bounds_onednn_s_shape_caches_unless_the_user_did(checkpoint, monkeypatch):
-    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "")  # so that teardown restores the environment as it was
+    monkeypatch.delenv("LRU_CACHE_CAPACITY")
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
     with _engine(checkpoint("olmoe")):
         assert os.environ["LRU_CACHE_CAPACITY"] == str(CACHE_ENTRIES)

@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from moestream.checkpoint.index import build_index
 from moestream.events import IterationContext
@@ -95,3 +96,15 @@ def test_the_record_of_iterations_is_bounded(monkeypatch):
         replay.begin_iteration(_ctx(num_tokens))
     assert [rows.tolist() for rows in replay.iterations] == [[2, 3, 4], [0]]  # the last two
     assert replay.rows_used == 6 and not replay.recorded_all
+
+
+def test_a_paused_replay_leaves_the_router_s_routing_and_takes_no_rows():
+    topo = Topology((1, 2), num_experts=4, top_k=2, expert_bytes=8)
+    replay = RoutingReplay(synthetic_trace(topo, num_sequences=1, tokens_per_sequence=5), topo)
+    index, weights = torch.tensor([[3, 2]]), torch.tensor([[0.6, 0.4]])
+    with replay.paused():
+        replay.begin_iteration(_ctx(1))
+        assert replay.route(0, np.array([True]), index, weights) == (index, weights)
+    assert replay.cursor == 0 and replay.rows_used == 0 and not replay.iterations
+    replay.begin_iteration(_ctx(1))
+    assert replay.route(0, np.array([True]), index, weights)[0].tolist() == [replay._experts[0, 0].tolist()]

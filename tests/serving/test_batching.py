@@ -197,3 +197,12 @@ def test_a_prefill_delay_lets_running_sequences_decode_until_it_is_due(serving_c
         alone = [_drive(ContinuousBatcher(engine, BatchingConfig(), lambda r, d, n: None), [_request(p, m)], [0])[0]
                  for p, m in ((PROMPTS[0], 8), (PROMPTS[1], 3), (PROMPTS[2], 3))]
     assert [seqs[id(r)].output_ids for r in (first, late, later)] == [s.output_ids for s in alone]
+
+
+def test_the_kv_probe_at_start_takes_no_replayed_rows(serving_checkpoint, replay_trace):
+    config = EngineConfig(expert_budget="0.5", direct_io=False, replay_routing=str(replay_trace))
+    with Engine(serving_checkpoint, config) as engine:
+        batcher = ContinuousBatcher(engine, BatchingConfig(), lambda request, delta, new: None)
+        assert batcher.bytes_per_token > 0
+        assert engine.replay.cursor == 0 and engine.replay.rows_used == 0  # served requests start at row 0
+        batcher.close()

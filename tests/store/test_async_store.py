@@ -10,7 +10,7 @@ from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
 from moestream.store.async_store import AsyncExpertStore
 from moestream.store.factory import open_store
-from moestream.store.transfer import TransferError
+from moestream.store.transfer import TransferError, pieces
 from moestream.topology import ExpertKey
 from tests.store.links import LateLink
 from tests.store.test_store import assert_holds_expert
@@ -302,7 +302,11 @@ def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_the_disk_round_reads_as_many_speculative_chunks_as_configured(checkpoint, chunks):
     eb = checkpoint.index.topology.expert_bytes
-    config = StoreConfig(str(4 * eb), "0", asynchronous=True, chunks_in_flight=chunks, chunk_bytes=512)
+    config = StoreConfig(str(4 * eb), "0", asynchronous=True, chunks_in_flight=chunks, chunk_bytes=32)
     with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
-        assert store._worker.max_chunks == chunks
-        take(store, [K(0, 0)])
+        rounds, read = [], store._worker._read
+        store._worker._read = lambda batch: rounds.append(len(batch)) or read(batch)
+        store.prefetch([TransferRequest(K(0, e), 1.0 - e / 10) for e in range(3)])  # many 32-byte chunks each
+        store.wait_idle()
+        pieces_of = [len(pieces(checkpoint.index.locations[K(0, e)].segments, 32)) for e in range(3)]
+        assert max(rounds) == chunks < min(pieces_of) and sum(rounds) == sum(pieces_of)
