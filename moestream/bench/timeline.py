@@ -45,13 +45,18 @@ def add_parser(kinds) -> None:
 
 
 class StepStarts(Observer):
-    """When each iteration began (perf_counter seconds)."""
+    """When each iteration began (perf_counter seconds), and the compute thread's CPU time then."""
 
     def __init__(self):
         self.starts: list[float] = []
+        self.cpu_s: list[float] = []
 
     def begin_iteration(self, ctx) -> None:
+        self.mark()
+
+    def mark(self) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_s.append(time.thread_time())
 
 
 def run(args) -> int:
@@ -62,7 +67,8 @@ def run(args) -> int:
     if token + 1 >= len(steps.starts):
         raise MoestreamError(f"the generation ended after {len(steps.starts) - 2} decode steps (end of sequence), "
                              f"before step {token}: pass a smaller --token")
-    document = figures(timeline, steps.starts, token)
+    document = figures(timeline, steps.starts, token) | {
+        "compute_thread_cpu_ms": (steps.cpu_s[token + 1] - steps.cpu_s[token]) * 1e3}
     _print(document)
     if args.json:
         write_json(document, args.json)
@@ -101,7 +107,7 @@ def _record(args) -> tuple[Timeline, StepStarts]:
         drop_page_cache(shards(model))
         engine.record_timeline(timeline)
         engine.generate([PROMPTS[0]], args.max_new_tokens)
-        steps.starts.append(time.perf_counter())  # the end of the last step
+        steps.mark()  # the end of the last step
     return timeline, steps
 
 
@@ -138,6 +144,8 @@ def _print(document: dict) -> None:
         print(f"{'compute thread: ' + lane:<28}{lanes[lane]['busy_ms']:>9.1f}{lanes[lane]['spans']:>7}")
     print(f"{'compute thread: the rest':<28}{document['rest_of_compute_thread_ms']:>9.1f}{'-':>7}   "
           "(dense layers, sampling, Python)")
+    print(f"{'compute thread: CPU time':<28}{document['compute_thread_cpu_ms']:>9.1f}{'-':>7}   "
+          "(on a core; the rest of the step it waited: bytes, the GIL, the scheduler)")
     for lane in (lane for lane in TRANSFER_LANES if lanes[lane]["spans"]):
         beside_wait = document["transfer_beside_wait_ms"][lane]
         print(f"{'link: ' + lane:<28}{lanes[lane]['busy_ms']:>9.1f}{lanes[lane]['spans']:>7}   "

@@ -24,6 +24,7 @@ def test_a_token_s_lanes_add_up_and_its_spans_lie_inside_it(tmp_path, monkeypatc
     thread = sum(lanes[lane]["busy_ms"] for lane in ("experts", "policy", "wait"))
     assert thread + record["rest_of_compute_thread_ms"] == pytest.approx(record["token_ms"])
     assert all(0 <= s["begin_ms"] <= s["end_ms"] <= record["token_ms"] for s in record["spans"])
+    assert 0 < record["compute_thread_cpu_ms"] <= record["token_ms"] * 1.05  # thread_time ticks coarser
     assert sum(s["lane"] == "experts" for s in record["spans"]) == lanes["experts"]["spans"]
     if mode == "sync":  # the compute thread reads its own misses: every read is waited for
         assert record["transfer_beside_wait_ms"]["disk"] == pytest.approx(lanes["disk"]["busy_ms"])
