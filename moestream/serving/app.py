@@ -102,7 +102,7 @@ class Frontend:
             self.worker.submit(request)
         except Overloaded as error:
             raise ApiError(429, str(error), code="overloaded") from None
-        if not await _admitted(request, events, http):
+        if not await _admitted(request, events, http, self.worker):
             return Response(status_code=499)  # nobody reads it
         rid = request_id(chat)
         if body.stream:
@@ -148,9 +148,10 @@ class Frontend:
             request.cancel()  # the client disconnected (or the stream ended): the sequence stops
 
 
-async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest) -> bool:
+async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest, worker: EngineWorker) -> bool:
     """Waits for the request's first event: True once the worker admitted it, False (the request
-    cancelled) if its client left first. A refusal is raised as its ApiError."""
+    cancelled) if its client left first. A refusal is raised as its ApiError, and so is an engine
+    thread that has stopped (503), which would never answer."""
     admitted = False
     try:
         while True:
@@ -159,6 +160,8 @@ async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest) 
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     return False
+                if not worker.alive:
+                    raise ApiError(503, "the engine is not running", code="server_error")
                 continue
             _raise_failure(event)  # else it is Admitted: the worker's first event says one or the other
             admitted = True

@@ -123,6 +123,11 @@ class EngineWorker:
             self._queue.get_nowait().emit(Overloaded("the server is shutting down"))
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (started and not stopped)."""
+        return self._thread.is_alive()
+
+    @property
     def num_running(self) -> int:
         return len(self.batcher.slots)
 

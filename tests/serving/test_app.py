@@ -60,3 +60,14 @@ def test_answers_say_whether_the_routing_is_replayed(serving_checkpoint, replay_
     assert chunks[-1]["moestream"] == label and chunks[-1]["choices"][0]["finish_reason"] is not None
     assert not any("moestream" in c for c in chunks[:-1])
     assert models["data"][0]["moestream"] == label and health == {"status": "ok", "moestream": label}
+
+
+def test_a_request_to_a_stopped_engine_thread_gets_503_not_a_hang(serving_checkpoint):
+    body = {"prompt": "Anyone there?", "max_tokens": 2}
+    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine, \
+            Server(engine, "tiny") as server:
+        server.worker._stop.set()  # the engine thread ends as if it had died: nothing would answer
+        server.worker._thread.join(10)
+        for stream in (False, True):
+            answer = httpx.post(server.url + "/v1/completions", json=body | {"stream": stream}, timeout=30)
+            assert answer.status_code == 503 and "not running" in answer.json()["error"]["message"]
