@@ -1,11 +1,12 @@
 """A timeline of what the engine's threads did, for finding where a token's time goes.
 
 Spans (lane, label, begin, end; `time.perf_counter` seconds) are recorded by the mechanism when it is
-given a timeline: the compute thread's routed expert MLPs ("experts") and policy decisions after each
-gate ("policy"), its waits for expert bytes ("wait"), and each transfer on its link's worker ("disk",
-"h2d": host to device). What the compute thread does between its spans is the dense part of the model. Recording is
-thread-safe (a deque append) and bounded (the last `max_spans`). Knows no policy and no store: it
-only keeps what it is told.
+given a timeline: the compute thread's routed expert MLPs ("experts"); the observers' begin and
+observe calls (the policy's predictor and eviction state) and the policy's decisions after each gate
+("policy"); its waits for expert bytes ("wait"); each transfer round on its link's worker ("disk",
+"h2d": host to device). What the compute thread does between its spans is the dense part of the
+model. Recording is thread-safe (a deque append) and bounded (the last `max_spans`). Knows no policy
+and no store: it only keeps what it is told.
 """
 
 from __future__ import annotations

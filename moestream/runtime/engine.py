@@ -159,7 +159,7 @@ class Engine:
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         """Record the expert MLPs, policy decisions, waits and transfers into timeline (None: stop)."""
-        self.experts.timeline = self.prefetcher.timeline = timeline
+        self.experts.timeline = self.prefetcher.timeline = self.publisher.timeline = timeline
         self.store.record_timeline(timeline)
 
     def add_observer(self, observer: Observer) -> None:
