@@ -186,8 +186,10 @@ def _raise_failure(event: Admitted | TextDelta | Exception) -> Admitted | TextDe
 
 
 def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the worker's thread and stops it (the engine stays open)."""
-    frontend = Frontend(worker, model_name)
+    """The app; its lifespan starts the worker's thread and stops it (the engine stays open). The routes
+    are module-level functions that find the `Frontend` in app.state: FastAPI caches what it learns of
+    each endpoint function for the life of the process, so a route closing over the worker would keep
+    every engine a process has served alive."""
 
     async def lifespan(app):
         app.state.loop = asyncio.get_running_loop()  # Server.tasks() asks it from another thread
@@ -196,31 +198,37 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         await asyncio.to_thread(worker.close)
 
     app = FastAPI(title="moestream", lifespan=lifespan)
+    app.state.frontend = Frontend(worker, model_name)
     _add_error_handlers(app)
     authorized = [Depends(_bearer(api_key))] if api_key else []
-
-    @app.post("/v1/completions", dependencies=authorized)
-    async def completions(body: CompletionBody, http: HttpRequest):
-        return await frontend.answer(body, http)
-
-    @app.post("/v1/chat/completions", dependencies=authorized)
-    async def chat_completions(body: ChatBody, http: HttpRequest):
-        return await frontend.answer(body, http)
-
-    @app.get("/v1/models", dependencies=authorized)
-    async def models():
-        model = {"id": model_name, "object": "model", "owned_by": "moestream"} | frontend.info
-        return {"object": "list", "data": [model]}
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"} | frontend.info
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
-
+    app.add_api_route("/v1/completions", _completions, methods=["POST"], dependencies=authorized)
+    app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"], dependencies=authorized)
+    app.add_api_route("/v1/models", _models, methods=["GET"], dependencies=authorized)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
     return app
+
+
+async def _completions(body: CompletionBody, http: HttpRequest):
+    return await http.app.state.frontend.answer(body, http)
+
+
+async def _chat_completions(body: ChatBody, http: HttpRequest):
+    return await http.app.state.frontend.answer(body, http)
+
+
+async def _models(http: HttpRequest):
+    frontend = http.app.state.frontend
+    model = {"id": frontend.model_name, "object": "model", "owned_by": "moestream"} | frontend.info
+    return {"object": "list", "data": [model]}
+
+
+async def _health(http: HttpRequest):
+    return {"status": "ok"} | http.app.state.frontend.info
+
+
+async def _metrics(http: HttpRequest):
+    return Response(http.app.state.frontend.worker.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 def _bearer(api_key: str):

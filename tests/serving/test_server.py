@@ -298,3 +298,22 @@ def test_no_threads_are_left_after_shutdown(engine):
     with Server(engine, MODEL) as server:
         httpx.post(server.url + "/v1/completions", json={"prompt": "bye", "max_tokens": 2}, timeout=60)
     assert _threads() <= before
+
+
+def test_a_closed_server_leaves_its_engine_to_the_garbage_collector(serving_checkpoint):
+    """FastAPI caches what it learns of every endpoint function for the process's life: routes that closed
+    over the worker kept each engine served (its slots: hundreds of MiB) alive."""
+    import gc
+    import weakref
+
+    from moestream.runtime import Engine, EngineConfig
+
+    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
+        with Server(engine, "tiny", api_key="k") as served:
+            answer = httpx.post(served.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                headers={"Authorization": "Bearer k"}, timeout=60)
+            assert answer.status_code == 200 and httpx.get(served.url + "/metrics").status_code == 200
+        engines = [weakref.ref(engine), weakref.ref(served.worker)]
+    del engine, served, answer
+    gc.collect()
+    assert [ref() for ref in engines] == [None, None]
