@@ -15,3 +15,9 @@ def status_field(name: str) -> str | None:
     except OSError:
         pass
     return None
+
+
+def status_mib(name: str) -> float | None:
+    """A /proc/self/status size field in MiB (e.g. 'VmRSS'), or None."""
+    value = status_field(name)  # '861232 kB'
+    return int(value.split()[0]) / 1024 if value is not None else None

@@ -22,7 +22,7 @@ from pathlib import Path
 from moestream.bench.engine.spec import peak_rss_mib
 from moestream.cli.serve import add_batching_arguments, batching_config
 from moestream.errors import MoestreamError
-from moestream.procfs import status_field
+from moestream.procfs import status_mib
 
 
 def add_parser(kinds) -> None:
@@ -129,8 +129,7 @@ def _ratio_line(first: str, rate: float, last: str, base: float) -> str:
 
 def rss_mib() -> float | None:
     """This process's resident set now (MiB; VmRSS), or None where /proc/self/status is absent."""
-    value = status_field("VmRSS")  # '861232 kB'
-    return int(value.split()[0]) / 1024 if value is not None else None
+    return status_mib("VmRSS")
 
 
 def memory_figures(rss_before_mib: float | None) -> dict:

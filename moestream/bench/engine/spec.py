@@ -10,7 +10,7 @@ import resource
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from moestream.procfs import status_field
+from moestream.procfs import status_mib
 from moestream.read_fit import ReadBatchFit
 
 KINDS = ("engine", "hf-accelerate")
@@ -71,9 +71,9 @@ class Counters:
 def peak_rss_mib() -> float:
     """This process's peak resident set (MiB): Linux's VmHWM, which starts afresh at exec. getrusage's
     ru_maxrss does not: an exec'd child inherits the peak of the parent it was forked from."""
-    value = status_field("VmHWM")  # '861232 kB'
-    if value is not None:
-        return int(value.split()[0]) / 1024
+    peak = status_mib("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB (macOS: bytes)
 
 
