@@ -129,6 +129,17 @@ def _accepts(model: torch.nn.Module, argument: str) -> bool:
     return argument in inspect.signature(model.forward).parameters
 
 
+def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """The KV cache as the model's forward names it: `cache` (newer transformers 5.x), else
+    `past_key_values` (earlier 5.x, which swallow an unknown `cache=` into **kwargs and cache nothing)."""
+    return {"cache": cache} if _accepts(model, "cache") else {"past_key_values": cache}
+
+
+def _returned_cache(out):
+    """The output's KV cache under either name (see `_cache_kwargs`)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
 @RUNNERS.register("AutoModelForCausalLM")
 class CausalRunner(ModelRunner):
     per_sequence_cache = True
@@ -148,8 +159,9 @@ class CausalRunner(ModelRunner):
             self.cache = DynamicCache(config=self.model.config)
         extra = {"logits_to_keep": 1} if _accepts(self.model, "logits_to_keep") else {}
         out = self._forward(plan.rows, input_ids=plan.input_ids, attention_mask=plan.attention_mask,
-                            position_ids=plan.position_ids, cache=self.cache, use_cache=True, **extra)
-        self.cache = out.cache
+                            position_ids=plan.position_ids, use_cache=True, **_cache_kwargs(self.model, self.cache),
+                            **extra)
+        self.cache = _returned_cache(out)
         return _next_logits(out)  # [B, V]
 
 
@@ -179,8 +191,8 @@ class Seq2SeqRunner(ModelRunner):
             self._encode(plan)
             decoder_ids, rows = self._start(plan)
         out = self._forward(rows, encoder_outputs=self.encoder_outputs, attention_mask=self.encoder_mask,
-                            decoder_input_ids=decoder_ids, cache=self.cache, use_cache=True)
-        self.cache = out.cache
+                            decoder_input_ids=decoder_ids, use_cache=True, **_cache_kwargs(self.model, self.cache))
+        self.cache = _returned_cache(out)
         return _next_logits(out)  # [B, V]
 
     def _encode(self, plan: StepPlan) -> None:
