@@ -45,24 +45,20 @@ class Budget:
             raise BudgetError(f"a budget ratio must be in [0, 1], got {self.ratio}")
 
     @classmethod
-    def parse(cls, text: "str | int | float | Budget") -> "Budget":
-        """'0.25' or '25%' (ratio), '512MiB', '1GB', '1073741824' (bytes; an integer is bytes)."""
+    def parse(cls, text: "str | int | float | Budget", flag: str = "budget") -> "Budget":
+        """'0.25', '1.0' or '25%' (ratio), '512MiB', '1GB', '4096B' (sizes). A bare integer other than 0 is
+        refused: '1' could mean one byte or everything. `flag` names the setting in error messages."""
         if isinstance(text, Budget):
             return text
-        if isinstance(text, (int, float)) and not isinstance(text, bool):
-            text = str(text)
-        match = _BUDGET.match(text) if isinstance(text, str) else None
-        if match is None:
-            raise BudgetError(f"cannot read budget {text!r}: use a ratio like 0.25 or 25%, or a size like 512MiB")
-        number, unit = match.group(1), match.group(2).lower()
+        number, unit = _split(text, flag, "a ratio like 0.25 or 25%, or a size like 512MiB")
         if unit == "%":
             return cls(ratio=float(number) / 100)
         if not unit and "." in number:
             return cls(ratio=float(number))
-        if unit not in _UNITS:
-            known = ", ".join(u for u in _UNITS if u)
-            raise BudgetError(f"unknown size unit {match.group(2)!r} in budget {text!r}; known: {known}")
-        return cls(size_bytes=int(float(number) * _UNITS[unit]))
+        if not unit and float(number) != 0:
+            raise BudgetError(f"{flag}: {text!r} has no unit: write a ratio (1.0 or 100% for all experts) "
+                              f"or a size ({number}B, 512MiB)")
+        return cls(size_bytes=_bytes(number, unit, text, flag))
 
     def resolve(self, total_bytes: int) -> int:
         """The budget in bytes, given the model's total routed-expert bytes."""
@@ -79,9 +75,26 @@ class Budget:
         return f"{share:.3g}%"
 
 
-def parse_size(text: str, what: str) -> int:
-    """A byte count written like a budget's size ('256KiB', '1048576'); ratios are refused."""
-    budget = Budget.parse(text)
-    if budget.size_bytes is None:
-        raise BudgetError(f"{what} takes a size such as 256KiB, not a ratio ({text!r})")
-    return budget.size_bytes
+def parse_size(text: "str | int", flag: str) -> int:
+    """A byte count such as '256KiB' or '1048576' (a bare integer is bytes); ratios are refused."""
+    number, unit = _split(text, flag, "a size such as 256KiB or a byte count")
+    if unit == "%" or (not unit and "." in number):
+        raise BudgetError(f"{flag} takes a size such as 256KiB, not a ratio ({text!r})")
+    return _bytes(number, unit, text, flag)
+
+
+def _split(text, flag: str, expected: str) -> tuple[str, str]:
+    """(number, lower-case unit or '%') of a budget or size, or one line naming the flag."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = str(text)
+    match = _BUDGET.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise BudgetError(f"{flag}: cannot read {text!r}: use {expected}")
+    return match.group(1), match.group(2).lower()
+
+
+def _bytes(number: str, unit: str, text, flag: str) -> int:
+    if unit not in _UNITS:
+        known = ", ".join(u for u in _UNITS if u)
+        raise BudgetError(f"{flag}: unknown size unit in {text!r}; known: {known}")
+    return int(float(number) * _UNITS[unit])

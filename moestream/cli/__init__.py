@@ -38,6 +38,10 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpWithDefaults)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):
+        """One line naming the flag (argparse's own messages do), not the whole usage."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser, with every subcommand, or only the one argv names."""

@@ -70,8 +70,8 @@ def require_checkpoint_dir(path: Path) -> None:
 
 def check_engine_arguments(args) -> None:
     """The engine flags' budgets and the checkpoint path, checked before torch is imported."""
-    Budget.parse(args.expert_budget)
-    Budget.parse(args.host_budget)
+    Budget.parse(args.expert_budget, "--expert-budget")
+    Budget.parse(args.host_budget, "--host-budget")
     parse_size(args.chunk_size, "--chunk-size")
     if args.chunks_in_flight < 1:
         raise MoestreamError(f"--chunks-in-flight must be >= 1, got {args.chunks_in_flight}")

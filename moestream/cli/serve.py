@@ -56,7 +56,7 @@ def batching_config(args):
     from moestream.budget import Budget
     from moestream.serving.batching import BatchingConfig
 
-    kv = Budget.parse(args.kv_budget)
+    kv = Budget.parse(args.kv_budget, "--kv-budget")
     if kv.size_bytes is None:
         raise MoestreamError(f"--kv-budget is a size like 512MiB, got {args.kv_budget!r}")
     return BatchingConfig(args.max_batch_size, args.max_num_seqs, kv.size_bytes, args.prefill_token_budget,

@@ -98,7 +98,7 @@ def _too_small(budget_bytes: int, slots: int, topology: Topology) -> str:
     return (
         f"device budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}) holds {slots} experts of "
         f"{topology.expert_bytes} bytes, but one layer routes top_k={topology.top_k} experts per token: "
-        f"the minimum is {minimum} bytes ({format_bytes(minimum)}), a ratio of {ratio:g} of the "
+        f"the minimum is {minimum}B ({format_bytes(minimum)}), a ratio of {ratio:g} of the "
         f"{topology.total_expert_bytes} routed-expert bytes"
     )
 

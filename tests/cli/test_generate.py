@@ -188,7 +188,9 @@ def test_a_damaged_checkpoint_is_one_error_line(model_dir, tmp_path, capsys, dam
 
 @pytest.mark.parametrize("flags, expected", [
     (["--expert-budget", "lots"], "budget"),
-    (["--expert-budget", "1"], "minimum"),
+    (["--expert-budget", "1B"], "minimum"),
+    (["--expert-budget", "1"], "--expert-budget: '1' has no unit"),
+    (["--chunk-size", "-5"], "--chunk-size: cannot read '-5'"),
     (["--policy", "nope"], "nope"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--device", "tpu"], "tpu"),
@@ -271,7 +273,7 @@ def _run_cli(*args: str) -> tuple[int, bool, str]:
     (("generate", "--model", ".", "--prompt", "hi"), "no config.json"),
     (("generate", "--model", "pyproject.toml", "--prompt", "hi"), "is a file: pass the checkpoint's directory"),
     (("generate", "--model", "/no/such/dir", "--prompt", "hi", "--expert-budget", "12XB"), "unknown size unit"),
-    (("demo", "--host-budget", "lots"), "cannot read budget"),
+    (("demo", "--host-budget", "lots"), "--host-budget: cannot read 'lots'"),
     (("verify", "--model", "/no/such/dir"), "does not exist"),
 ])
 def test_bad_paths_and_budgets_are_refused_before_torch_is_imported(args, message):

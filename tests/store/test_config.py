@@ -18,7 +18,7 @@ TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3), num_experts=16, top_k=4, expert_byt
     ("1GB", 10**9, None),
     ("1 gib", 2**30, None),
     ("1.5KiB", 1536, None),
-    ("1073741824", 1073741824, None),
+    ("1073741824B", 1073741824, None),
     ("0", 0, None),
 ])
 def test_parse_reads_ratios_and_sizes(text, size_bytes, ratio):
@@ -26,7 +26,7 @@ def test_parse_reads_ratios_and_sizes(text, size_bytes, ratio):
     assert (budget.size_bytes, budget.ratio) == (size_bytes, ratio)
 
 
-@pytest.mark.parametrize("text", ["abc", "", "-1", "12XB", "1.5", "150%", "0.5.1"])
+@pytest.mark.parametrize("text", ["abc", "", "-1", "12XB", "1.5", "150%", "0.5.1", "1", "5"])
 def test_parse_refuses_bad_budgets_naming_them(text):
     with pytest.raises(BudgetError) as err:
         Budget.parse(text)
@@ -42,7 +42,7 @@ def test_budget_needs_exactly_one_of_bytes_and_ratio():
 
 def test_resolve_gives_bytes():
     assert Budget.parse("0.25").resolve(48_000) == 12_000
-    assert Budget.parse("3000").resolve(48_000) == 3000
+    assert Budget.parse("3000B").resolve(48_000) == 3000
     assert Budget.parse("0.3").resolve(10) == 3  # no float truncation to 2
 
 
@@ -67,7 +67,7 @@ def test_config_refuses_cuda_without_cuda():
 
 
 def test_slots_are_budget_over_expert_bytes_capped_at_all_experts():
-    config = StoreConfig("12500", "0.5")
+    config = StoreConfig("12500B", "0.5")
     assert config.device_slots(TOPOLOGY) == 12
     assert config.host_slots(TOPOLOGY) == 24
     assert StoreConfig("1.0", "10GB").host_slots(TOPOLOGY) == TOPOLOGY.total_experts
@@ -76,15 +76,15 @@ def test_slots_are_budget_over_expert_bytes_capped_at_all_experts():
 
 def test_too_small_device_budget_states_a_sufficient_minimum():
     with pytest.raises(BudgetError) as err:
-        StoreConfig("3999", "0").device_slots(TOPOLOGY)
+        StoreConfig("3999B", "0").device_slots(TOPOLOGY)
     message = str(err.value)
     assert "top_k=4" in message
-    min_bytes = int(re.search(r"minimum is (\d+) bytes", message).group(1))
+    min_bytes = int(re.search(r"minimum is (\d+)B", message).group(1))
     min_ratio = re.search(r"a ratio of ([\d.e-]+)", message).group(1)
     assert min_bytes == TOPOLOGY.top_k * TOPOLOGY.expert_bytes
-    assert StoreConfig(str(min_bytes), "0").device_slots(TOPOLOGY) == TOPOLOGY.top_k
+    assert StoreConfig(f"{min_bytes}B", "0").device_slots(TOPOLOGY) == TOPOLOGY.top_k
     with pytest.raises(BudgetError):
-        StoreConfig(str(min_bytes - 1), "0").device_slots(TOPOLOGY)
+        StoreConfig(f"{min_bytes - 1}B", "0").device_slots(TOPOLOGY)
     assert StoreConfig(min_ratio, "0").device_slots(TOPOLOGY) >= TOPOLOGY.top_k
 
 
