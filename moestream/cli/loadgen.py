@@ -65,4 +65,8 @@ def run(args) -> int:
     if args.plot:
         print(f"latency CDF: {loadgen.plot_cdf(measured, args.plot, f'{args.trace} at {args.rps:g} req/s')}",
               file=sys.stderr)
+    if measured and not figures["num_completed"]:
+        failed = ", ".join(f"{label} x{count}" for label, count in figures["failures"].items())
+        print(f"moestream loadgen: error: no request succeeded ({failed})", file=sys.stderr)
+        return 1
     return 0

@@ -97,6 +97,7 @@ def report(measured: list[Measured], wall_s: float, slo: Slo) -> dict:
         "num_requests": len(measured),
         "num_completed": len(ok),
         "num_failed": len(measured) - len(ok),
+        "failures": _failures(measured),
         "wall_s": wall_s,
         "throughput_rps": len(ok) / wall_s if wall_s else 0.0,
         "throughput_tokens_per_s": sum(m.num_tokens for m in ok) / wall_s if wall_s else 0.0,
@@ -105,6 +106,12 @@ def report(measured: list[Measured], wall_s: float, slo: Slo) -> dict:
         "slo": asdict(slo),
         "slo_attainment": len(met) / len(measured) if measured else 0.0,
     }
+
+
+def _failures(measured: list[Measured]) -> dict[str, int]:
+    """How many requests failed, by HTTP status ('no answer': refused, reset or past the drain timeout)."""
+    labels = [str(m.status) if m.status else "no answer" for m in measured if m.status != 200]
+    return {label: labels.count(label) for label in sorted(set(labels))}
 
 
 def _percentiles(values: np.ndarray) -> dict[str, float | None]:
@@ -116,7 +123,9 @@ def summary(figures: dict) -> str:
         return " ".join(f"{name} {value:.1f}" if value is not None else f"{name} n/a"
                         for name, value in figures[key].items())
 
-    return (f"{figures['num_completed']}/{figures['num_requests']} requests in {figures['wall_s']:.1f} s: "
+    failed = ", ".join(f"{label} x{count}" for label, count in figures["failures"].items())
+    return (f"{figures['num_completed']}/{figures['num_requests']} requests in {figures['wall_s']:.1f} s"
+            f"{f' ({failed} failed)' if failed else ''}: "
             f"{figures['throughput_rps']:.2f} req/s, {figures['throughput_tokens_per_s']:.1f} tokens/s; "
             f"TTFT ms {ms('ttft_ms')}; TPOT ms {ms('tpot_ms')}; SLO attainment {100 * figures['slo_attainment']:.1f}%")
 

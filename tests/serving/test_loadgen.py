@@ -101,3 +101,24 @@ def test_loadgen_against_a_live_server(serving_checkpoint, tmp_path, capsys):
 def test_loadgen_refuses_remote_servers_and_missing_traces(tmp_path, capsys, argv, message):
     assert main(["loadgen", *argv, "--rps", "1", "--duration", "1", "--data-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_loadgen_fails_when_no_request_succeeds_and_counts_why(serving_checkpoint, tmp_path, capsys):
+    trace = _azure(tmp_path / "trace.csv", [(s, 40, 30) for s in range(0, 4)])
+    argv = ["--trace", str(trace), "--rps", "2", "--duration", "1", "--scale-lengths", "0.2",
+            "--data-dir", str(tmp_path), "--drain-timeout", "5"]
+    assert main(["loadgen", "--url", f"http://127.0.0.1:{_closed_port()}", *argv]) == 1
+    out, err = capsys.readouterr()
+    assert "0/2 requests" in out and "no answer x2 failed" in out and "no request succeeded" in err
+    with Engine(serving_checkpoint, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
+        with Server(engine, "tiny", api_key="right") as server:
+            assert main(["loadgen", "--url", server.url, "--api-key", "wrong", *argv]) == 1
+    assert "401 x2 failed" in capsys.readouterr().out
