@@ -7,6 +7,7 @@ returns or cursor escapes. This module knows nothing of what is being counted.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -41,3 +42,11 @@ def progress_bar(iterable=None, *, stream=None, **options) -> tqdm:
         options = {"mininterval": PLAIN_INTERVAL_S, "ascii": True, "dynamic_ncols": False, "ncols": 80} | options
         stream = LineWriter(stream)
     return tqdm(iterable, file=stream, **options)
+
+
+def plain_foreign_bars() -> None:
+    """Where stderr is not a terminal, turn off transformers' and huggingface_hub's own bars ('Loading
+    weights', 'Writing model shards'), which would draw with cursor escapes. Call before they are
+    imported (a CLI's start); a value the user set is kept."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

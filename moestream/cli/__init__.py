@@ -15,6 +15,7 @@ import sys
 
 from moestream import __version__
 from moestream.errors import MoestreamError
+from moestream.progress import plain_foreign_bars
 
 DESCRIPTION = "Serve Mixture-of-Experts models whose experts live on disk and in host memory."
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    plain_foreign_bars()
     try:
         return int(args.handler(args) or 0)
     except MoestreamError as error:
