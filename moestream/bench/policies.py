@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.table import Table
 
 from moestream.atomic import write_json
+from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
 from moestream.policies import POLICIES
@@ -88,11 +89,10 @@ def _traces(args):
 
 
 def _dev_trace() -> Path:
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        candidate = root.parent / "shared" / "data" / DEV_TRACE
-        if candidate.exists():
-            return candidate
-    raise MoestreamError("no --trace given and the shared dev trace (../shared/data) was not found")
+    data = resolve_data_dir()
+    if not (data.path / DEV_TRACE).is_file():
+        raise MoestreamError(f"no --trace given and no dev trace {DEV_TRACE} under the {data.describe()}")
+    return data.path / DEV_TRACE
 
 
 def _names(text: str) -> list[str]:

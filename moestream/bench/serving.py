@@ -21,6 +21,7 @@ from pathlib import Path
 
 from moestream.bench.engine.spec import peak_rss_mib
 from moestream.cli.serve import add_batching_arguments, batching_config
+from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.procfs import status_mib
 
@@ -35,7 +36,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--predictor-dir", metavar="DIR",
                         help="a trained predictor (`moestream train-predictor`) for the policies that learn one")
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
-    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="where workloads/ lies")
+    parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.data_dir)")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     parser.add_argument("--min-requests", type=int, default=20,
@@ -93,8 +94,10 @@ def run(args) -> int:
     from moestream.serving import workload
 
     model = args.model or demo_checkpoint(args.small)
-    trace = workload.read_trace(workload.trace_path(args.trace, args.data_dir))
-    prompts = workload.prompt_texts(args.data_dir)
+    data = resolve_data_dir(args.data_dir)
+    print(data.describe(), file=sys.stderr)
+    trace = workload.read_trace(workload.trace_path(args.trace, data.path))
+    prompts = workload.prompt_texts(data.path)
     runs = [_serve_and_replay(model, "1.0", "lru", rates[0], trace, prompts, args) | {"policy": "all-resident"}]
     limit_ms = args.tpot_factor * runs[0]["tpot_ms"]["p50"]
     print(f"all-resident TPOT p50 {runs[0]['tpot_ms']['p50']:.1f} ms: limit p99 TPOT {limit_ms:.1f} ms", flush=True)

@@ -229,7 +229,7 @@ def compare_streaming(model_dir: Path, prompts, budgets: list[str], args) -> tup
     index = build_index(model_dir).experts
     shards = sorted(model_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
     topology = index.topology
-    least = str(topology.top_k * topology.expert_bytes)  # bytes: the least budget the store accepts
+    least = f"{topology.top_k * topology.expert_bytes}B"  # bytes: the least budget the store accepts
     long_prompt = [" ".join(prompts * PREFILL_COPIES)]
     jobs = [(budgets[0], long_prompt, 1), (least, long_prompt, 1),  # max_new_tokens=1: the prefill alone
             *((budget, prompts, args.max_new_tokens) for budget in budgets)]

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from moestream.bench.serving import memory_figures, memory_text, rss_mib
+from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 
 
@@ -30,7 +31,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--max-batch-size", type=int, default=16, help="sequences per decode batch (default 16)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per sequence (default 32)")
     parser.add_argument("--prompt-words", type=int, default=48, help="words kept of each prompt (default 48)")
-    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"), help="where workloads/ lies")
+    parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.data_dir)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
@@ -50,7 +51,9 @@ def run(args) -> int:
     if unknown or not schedulers:
         raise MoestreamError(f"unknown token scheduler(s) {unknown}; choose from {', '.join(TOKEN_SCHEDULERS.names())}")
     model = args.model or demo_checkpoint(args.small)
-    texts = workload.prompt_texts(args.data_dir)
+    data = resolve_data_dir(args.data_dir)
+    print(data.describe(), file=sys.stderr)
+    texts = workload.prompt_texts(data.path)
     prompts = [" ".join(texts[i % len(texts)].split()[: args.prompt_words]) for i in range(args.num_seqs)]
     rows = [_measure(model, name, prompts, args) for name in schedulers]
     for row in rows:

@@ -1,7 +1,8 @@
 """`moestream loadgen`: replays a real arrival trace against a server on this machine and prints
 throughput, TTFT/TPOT percentiles and SLO attainment (optionally JSON and a latency CDF plot).
 
-Traces are read where the user keeps them (--data-dir, default ../shared/data, or a file path);
+Traces are read where the user keeps them (a file path, or a named trace under the data directory:
+--data-dir, else as `moestream.data_dir` finds it, said on stderr);
 nothing of them is copied. Sending stops at --duration, waiting stops --drain-timeout later.
 """
 
@@ -23,8 +24,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--duration", type=float, required=True, help="seconds of arrivals to replay")
     parser.add_argument("--scale-lengths", type=float, default=1.0,
                         help="multiply the trace's input and output lengths (e.g. 0.05 for a small model)")
-    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"),
-                        help="where the workloads folder lies (default ../shared/data)")
+    parser.add_argument("--data-dir", type=Path, help="where the workloads folder lies (default: $MOESTREAM_DATA, "
+                                                       "else shared/data beside the checkout, else ../shared/data)")
     parser.add_argument("--max-requests", type=int, default=1000, help="send at most this many (default 1000)")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for answers after the last send")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target of the SLO (default 2000)")
@@ -51,11 +52,14 @@ def run(args) -> int:
     import asyncio
 
     from moestream.atomic import write_json
+    from moestream.data_dir import resolve_data_dir
     from moestream.serving import loadgen, workload
 
     loadgen.check_loopback(args.url)
-    trace = workload.read_trace(workload.trace_path(args.trace, args.data_dir))
-    planned = workload.plan(trace, workload.prompt_texts(args.data_dir), args.rps, args.duration,
+    data = resolve_data_dir(args.data_dir)
+    print(data.describe(), file=sys.stderr)
+    trace = workload.read_trace(workload.trace_path(args.trace, data.path))
+    planned = workload.plan(trace, workload.prompt_texts(data.path), args.rps, args.duration,
                             args.scale_lengths, args.max_requests)
     measured, wall = asyncio.run(loadgen.replay(args.url, planned, args.drain_timeout, args.api_key, args.model))
     figures = loadgen.report(measured, wall, loadgen.Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))

@@ -7,7 +7,6 @@ GOODPRED with the lead time of --cost-model. The rule is in moestream.eval.predi
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def run(args) -> int:
     }
     if args.json is not None:
         write_json(result, args.json)
-    print(_summary(result) if args.json is not None else json.dumps(result, indent=2))
+    print_report(result)
     return 0
 
 
@@ -75,9 +74,35 @@ def _split(trace, fraction: float, seed: int):
     return train, test
 
 
-def _summary(result: dict) -> str:
-    return (
-        f"{result['predictor']} D={result['horizon_layers']}: precision {result['precision']:.4f} "
-        f"recall {result['recall']:.4f} F1 {result['f1']:.4f} GOODPRED {result['goodpred']:.4f} "
-        f"({result['num_tokens']} test tokens, {result['seconds']:.1f} s)"
-    )
+def print_report(result: dict) -> None:
+    """Per-layer precision, recall and F1, the overall row, and what GOODPRED and zeros mean."""
+    from rich.table import Table
+
+    from moestream.report import report_console
+
+    table = Table(title=f"{result['predictor']}, D={result['horizon_layers']} layers ahead, "
+                        f"{result['num_tokens']} test tokens")
+    for column in ("MoE layer", "precision", "recall", "F1"):
+        table.add_column(column, justify="right")
+    layers = zip(result["per_layer_precision"], result["per_layer_recall"], result["per_layer_f1"])
+    for layer, figures in enumerate(layers):
+        table.add_row(str(layer), *(f"{value:.4f}" for value in figures))
+    table.add_row("all", *(f"{result[key]:.4f}" for key in ("precision", "recall", "f1")), style="bold")
+    console = report_console(80)
+    console.print(table)
+    for line in _explained(result):
+        console.print(line, highlight=False)
+
+
+def _explained(result: dict) -> list[str]:
+    lines = [f"GOODPRED {result['goodpred']:.4f} = precision x fetch rate {result['fetch_rate']:.3f}: the share of "
+             f"a top-k prediction whose transfers ({result['transfer_ms']:.2f} ms each, {result['cost_model']}) "
+             f"finish within D layers of compute ({result['layer_compute_ms']:.2f} ms each)."]
+    if result["fetch_rate"] == 0:
+        lead = result["horizon_layers"] * result["layer_compute_ms"]
+        lines.append(f"It is 0 because D={result['horizon_layers']} gives {lead:.2f} ms of lead, less than one "
+                     "transfer: no prediction can land in time; raise --horizon-layers or use a faster --cost-model.")
+    if result["num_predicted"] == 0:
+        lines.append(f"{result['predictor']} predicts nothing (it does not prefetch), so precision and recall "
+                     "are 0 by convention, not a measured miss.")
+    return lines

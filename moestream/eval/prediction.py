@@ -221,6 +221,7 @@ def summarize(counts: PredictionCounts, horizon_layers: int, rate: float) -> dic
         "f1": counts.f1(),
         "goodpred": precision * rate,
         "fetch_rate": rate,
+        "num_predicted": int(counts.predicted.sum()),
         "per_layer_f1": [counts.f1(layer) for layer in range(len(counts.hits))],
         "per_layer_precision": [counts.precision(layer) for layer in range(len(counts.hits))],
         "per_layer_recall": [counts.recall(layer) for layer in range(len(counts.hits))],

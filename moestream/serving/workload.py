@@ -18,7 +18,6 @@ from moestream.registry import Registry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DATA_DIR = Path("../shared/data")
 NAMED_TRACES = {  # trace name -> file under <data dir>/workloads
     "azure-conv": "azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
     "azure-code": "azure-llm-2023/AzureLLMInferenceTrace_code.csv",

@@ -33,12 +33,27 @@ def test_writes_json_with_metrics(traces, tmp_path, capsys):
     assert "F1" in capsys.readouterr().out
 
 
-def test_prints_json_and_splits_one_trace(traces, capsys):
+def test_prints_a_table_and_splits_one_trace(traces, tmp_path, capsys):
     _, _, everything = traces
-    code = main(["predict-eval", "--train", str(everything), "--test-fraction", "0.25", "--predictor", "token"])
+    code = main(["predict-eval", "--train", str(everything), "--test-fraction", "0.25", "--predictor", "token",
+                 "--json", str(tmp_path / "r.json")])
     assert code == 0
-    result = json.loads(capsys.readouterr().out)
+    result = json.loads((tmp_path / "r.json").read_text())
     assert result["num_tokens"] == 30 and result["horizon_layers"] == 1
+    out = capsys.readouterr().out
+    assert "{" not in out and "30 test tokens" in out and f"{result['f1']:.4f}" in out
+
+
+def test_zeros_are_explained(traces, capsys):
+    train, test, _ = traces
+    assert main(["predict-eval", "--train", str(train), "--test", str(test), "--predictor", "lru",
+                 "--horizon-layers", "0"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lru predicts nothing" in out and "no prediction can land in time" in out
+    assert main(["predict-eval", "--train", str(train), "--test", str(test), "--predictor", "cooccur",
+                 "--horizon-layers", "3", "--cost-model", "pcie4-consumer"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "predicts nothing" not in out and "no prediction can land" not in out
 
 
 def _fails(capsys, *args):

@@ -26,7 +26,7 @@ NEW_TOKENS = 6
 def _engine(path, budget="0.5", policy=None, **config) -> Engine:
     if budget == "min":
         topology = build_index(path).topology
-        budget = str(topology.top_k * topology.expert_bytes)
+        budget = f"{topology.top_k * topology.expert_bytes}B"
     return Engine(path, EngineConfig(expert_budget=budget, direct_io=False, **config), policy=policy)
 
 

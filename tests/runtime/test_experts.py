@@ -20,7 +20,7 @@ SWAP_FAMILIES = [name for name in FAMILIES.names() if not FAMILIES.get(name).use
 
 def _min_engine(path) -> Engine:
     topology = build_index(path).topology
-    budget = str(topology.top_k * topology.expert_bytes)
+    budget = f"{topology.top_k * topology.expert_bytes}B"
     return Engine(path, EngineConfig(expert_budget=budget, direct_io=False))
 
 
