@@ -47,9 +47,12 @@ class Budget:
     @classmethod
     def parse(cls, text: "str | int | float | Budget", flag: str = "budget") -> "Budget":
         """'0.25', '1.0' or '25%' (ratio), '512MiB', '1GB', '4096B' (sizes). A bare integer other than 0 is
-        refused: '1' could mean one byte or everything. `flag` names the setting in error messages."""
+        refused: '1' could mean one byte or everything. A Python int is bytes and a float a ratio (their
+        type says which). `flag` names the setting in error messages."""
         if isinstance(text, Budget):
             return text
+        if isinstance(text, int) and not isinstance(text, bool):
+            return cls(size_bytes=text)
         number, unit = _split(text, flag, "a ratio like 0.25 or 25%, or a size like 512MiB")
         if unit == "%":
             return cls(ratio=float(number) / 100)

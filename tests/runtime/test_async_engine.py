@@ -35,7 +35,7 @@ MODES = {  # name -> EngineConfig settings
 
 def _min_budget(path) -> str:
     topology = build_index(path).topology
-    return str(2 * topology.top_k * topology.expert_bytes)
+    return f"{2 * topology.top_k * topology.expert_bytes}B"
 
 
 def _engine(path, policy=None, **config) -> Engine:

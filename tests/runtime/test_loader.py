@@ -82,7 +82,7 @@ print(json.dumps({"growth_bytes": high_water_mark() - baseline}))
 
 def _growth(path, budget: int) -> int:
     """How much the peak resident memory of a fresh process grows to load the model and generate."""
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), str(budget)],
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), f"{budget}B"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["growth_bytes"]
 

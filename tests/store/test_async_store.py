@@ -20,7 +20,7 @@ K = ExpertKey
 
 def make_async(ckpt, device_slots, chunk_bytes=0, timeout_s=10.0):
     eb = ckpt.index.topology.expert_bytes
-    config = StoreConfig(str(device_slots * eb), "0", asynchronous=True, chunk_bytes=chunk_bytes,
+    config = StoreConfig(device_slots * eb, "0", asynchronous=True, chunk_bytes=chunk_bytes,
                          transfer_timeout_s=timeout_s)
     return open_store(ckpt.index, config, LRUPolicy(), LRUPolicy())
 
@@ -234,7 +234,7 @@ def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_by
     """late: a link whose copies complete later (tests/store/links.py): the staging slot is reused only once
     the copy from it has run."""
     eb = checkpoint.index.topology.expert_bytes
-    config = StoreConfig(str(3 * eb), "0", asynchronous=True, chunk_bytes=chunk_bytes)
+    config = StoreConfig(3 * eb, "0", asynchronous=True, chunk_bytes=chunk_bytes)
     with StagedStore(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
         store._bounce.data.zero_()
         if late:
@@ -302,7 +302,7 @@ def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_the_disk_round_reads_as_many_speculative_chunks_as_configured(checkpoint, chunks):
     eb = checkpoint.index.topology.expert_bytes
-    config = StoreConfig(str(4 * eb), "0", asynchronous=True, chunks_in_flight=chunks, chunk_bytes=32)
+    config = StoreConfig(4 * eb, "0", asynchronous=True, chunks_in_flight=chunks, chunk_bytes=32)
     with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
         rounds, read = [], store._worker._read
         store._worker._read = lambda batch: rounds.append(len(batch)) or read(batch)

@@ -10,7 +10,7 @@ def test_open_store_on_the_cpu_picks_the_one_tier_asynchronous_store_or_the_sync
     eb = checkpoint.index.topology.expert_bytes
     kinds = {}
     for asynchronous, host in [(True, 0), (True, 2), (False, 0), (False, 2)]:
-        config = StoreConfig(str(4 * eb), str(host * eb), asynchronous=asynchronous)
+        config = StoreConfig(4 * eb, host * eb, asynchronous=asynchronous)
         with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
             kinds[asynchronous, host] = type(store)
     assert kinds == {(True, 0): AsyncExpertStore, (True, 2): AsyncExpertStore,
@@ -20,13 +20,13 @@ def test_open_store_on_the_cpu_picks_the_one_tier_asynchronous_store_or_the_sync
 def test_a_host_tier_left_apart_gets_the_tiered_store(checkpoint):
     """What open_store builds for CUDA with a host tier, where the tiers are not merged."""
     topology, eb = checkpoint.index.topology, checkpoint.index.topology.expert_bytes
-    kinds = {host: store_kind(StoreConfig(str(4 * eb), str(host * eb), asynchronous=True), topology)
+    kinds = {host: store_kind(StoreConfig(4 * eb, host * eb, asynchronous=True), topology)
              for host in (0, 2)}
     assert kinds == {0: AsyncExpertStore, 2: TieredAsyncStore}
 
 
 def test_on_the_cpu_the_host_budget_joins_the_one_tier(checkpoint):
     eb = checkpoint.index.topology.expert_bytes
-    config = StoreConfig(str(3 * eb), str(2 * eb), asynchronous=True)
+    config = StoreConfig(3 * eb, 2 * eb, asynchronous=True)
     with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
         assert (store.device_slots, store.host_slots) == (5, 0)

@@ -17,7 +17,7 @@ K = ExpertKey
 
 def make_store(ckpt, device_slots, host_slots=0, device="cpu", direct_io=True):
     expert_bytes = ckpt.index.topology.expert_bytes
-    config = StoreConfig(str(device_slots * expert_bytes), str(host_slots * expert_bytes), device, direct_io)
+    config = StoreConfig(device_slots * expert_bytes, host_slots * expert_bytes, device, direct_io)
     return ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy())
 
 
@@ -305,7 +305,7 @@ class RefuseOne:
 @pytest.mark.parametrize("host_slots", [0, 3])
 def test_an_expert_that_fails_its_check_is_never_kept(checkpoint, host_slots):
     eb = checkpoint.index.topology.expert_bytes
-    config = StoreConfig(str(3 * eb), str(host_slots * eb), "cpu", True)
+    config = StoreConfig(3 * eb, host_slots * eb, "cpu", True)
     integrity = RefuseOne(K(1, 2))
     with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         use(store, K(0, 0))
@@ -326,7 +326,7 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
     residues = {ckpt.index.residue(key, 4096) for key in ckpt.index.locations}
     assert len(residues) > 1 and 0 not in residues
     eb = ckpt.index.topology.expert_bytes
-    config = StoreConfig(str(4 * eb), str(host_slots * eb), asynchronous=asynchronous)
+    config = StoreConfig(4 * eb, host_slots * eb, asynchronous=asynchronous)
     with store_kind(config, ckpt.index.topology)(ckpt.index, config, LRUPolicy(), LRUPolicy()) as store:
         for key in ckpt.index.locations:
             slot = store.acquire([key])[key]
@@ -352,7 +352,7 @@ def test_copies_that_complete_later_are_waited_for_before_compute_and_before_the
     checkpoint = make_checkpoint(hidden=64, inter=48)  # experts over a block: slots overlap at any placement
     eb = checkpoint.index.topology.expert_bytes
     kind = StagingStore if host_slots == 0 else ExpertStore
-    with kind(checkpoint.index, StoreConfig(str(4 * eb), str(host_slots * eb)), LRUPolicy(), LRUPolicy()) as store:
+    with kind(checkpoint.index, StoreConfig(4 * eb, host_slots * eb), LRUPolicy(), LRUPolicy()) as store:
         assert (store._bounce.num_slots, store.host_slots) == ((2, 0) if host_slots == 0 else (0, 2))
         store._link = link = LateLink()
         first = store.acquire([K(0, 0), K(0, 1)])  # their copies wait for compute

@@ -24,7 +24,7 @@ K = ExpertKey
 
 def make_tiered(ckpt, device_slots, host_slots, chunk_bytes=0, timeout_s=10.0):
     eb = ckpt.index.topology.expert_bytes
-    config = StoreConfig(str(device_slots * eb), str(host_slots * eb), asynchronous=True, chunk_bytes=chunk_bytes,
+    config = StoreConfig(device_slots * eb, host_slots * eb, asynchronous=True, chunk_bytes=chunk_bytes,
                          transfer_timeout_s=timeout_s)
     return TieredAsyncStore(ckpt.index, config, LRUPolicy(), LRUPolicy())
 
@@ -212,7 +212,7 @@ class Damaged:
 
 def test_a_damaged_expert_fails_in_its_host_slot_before_any_copy_up(checkpoint):
     eb = checkpoint.index.topology.expert_bytes
-    config = StoreConfig(str(2 * eb), str(4 * eb), asynchronous=True)
+    config = StoreConfig(2 * eb, 4 * eb, asynchronous=True)
     integrity = Damaged(K(1, 2))
     with TieredAsyncStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         with pytest.raises(CheckpointError, match=r"\(1, 2\) is damaged"):

@@ -18,15 +18,13 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import moestream
 from moestream.bench.engine.spec import RunSpec
+from moestream.cgroup import CGROUP_ROOT, PROC_CGROUP, MemoryCgroup, own_cgroup
 from moestream.errors import MoestreamError
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
 RUN_TIMEOUT_S = 1800
 MIB = 2**20
 _names = itertools.count()
@@ -36,48 +34,11 @@ class RunFailed(MoestreamError):
     """A run's process failed (or was killed, e.g. by the memory cap); the message says how."""
 
 
-@dataclass(frozen=True)
-class MemoryCgroup:
-    """This process's memory cgroup and the names of the files that limit and measure a child."""
-
-    path: Path
-    version: int  # 2: the unified hierarchy; 1: the memory controller's own
-    limit_file: str
-    peak_file: str
-
-    @property
-    def label(self) -> str:
-        return f"cgroup v{self.version} {self.limit_file}"
-
-    def swap_settings(self, limit_bytes: int) -> tuple[tuple[str, str], ...]:
-        """(file, value) that forbid swap beyond the limit, each written where the kernel has the file:
-        v2 swap.max 0; v1 memory + swap at the memory limit, and swappiness 0 where swap is not counted."""
-        if self.version == 2:
-            return (("memory.swap.max", "0"),)
-        return ("memory.memsw.limit_in_bytes", str(limit_bytes)), ("memory.swappiness", "0")
-
-
-def own_cgroup() -> MemoryCgroup | None:
-    """This process's memory cgroup (v2, else v1's memory controller), or None without either."""
-    lines = PROC_CGROUP.read_text().splitlines() if PROC_CGROUP.is_file() else []
-    if (CGROUP_ROOT / "cgroup.controllers").is_file():
-        path = next((line[3:] for line in lines if line.startswith("0::")), None)
-        return None if path is None else MemoryCgroup(CGROUP_ROOT / path.lstrip("/"), 2, "memory.max", "memory.peak")
-    mount = CGROUP_ROOT / "memory"
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(",") and mount.is_dir():
-            group = mount / path.lstrip("/")  # a container's mount is its own cgroup: the path is not under it
-            return MemoryCgroup(group if group.is_dir() else mount, 1, "memory.limit_in_bytes",
-                                "memory.max_usage_in_bytes")
-    return None
-
-
-def cap_support() -> str | None:
+def cap_support(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> str | None:
     """None where a memory-limited child cgroup can be created here, else why not (plainly)."""
-    group = own_cgroup()
+    group = own_cgroup(root, proc)
     if group is None:
-        return f"no memory cgroup (v2 or v1) under {CGROUP_ROOT}"
+        return f"no memory cgroup (v2 or v1) under {root}"
     if group.version == 2 and "memory" not in (group.path / "cgroup.subtree_control").read_text().split():
         return f"the memory controller is not delegated to child cgroups of {group.path}"
     try:
