@@ -10,7 +10,8 @@ import argparse
 import os
 from pathlib import Path
 
-from moestream.cli.generate import add_engine_arguments, check_engine_arguments, engine_config
+from moestream.cli.generate import (PROMPT_ALLOWANCE, add_engine_arguments, check_engine_arguments, engine_config,
+                                     resolve_auto_budgets)
 from moestream.errors import MoestreamError
 
 PROMPTS = (
@@ -67,6 +68,7 @@ def run(args) -> int:
         raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_engine_arguments(args)
     model = args.model or demo_checkpoint(args.small)
+    resolve_auto_budgets(args, model, kv_tokens=args.max_new_tokens + PROMPT_ALLOWANCE)
     runs = [("offloaded", engine_config(args)), ("all resident", engine_config(args, expert_budget="1.0"))]
     rows = [measure(label, model, config, PROMPTS, args.max_new_tokens) for label, config in runs]
     print_table(rows, model)

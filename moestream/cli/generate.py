@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 from moestream.budget import Budget, parse_size
+from moestream.memory_plan import AUTO
 from moestream.errors import CheckpointError, MoestreamError
 
+PROMPT_ALLOWANCE = 2048  # prompt tokens a sequence may bring, in the KV that an auto budget leaves room for
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("generate", help="generate text with experts streamed from disk")
@@ -37,7 +39,8 @@ def add_parser(commands) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that map onto EngineConfig (shared by generate, demo and bench)."""
     parser.add_argument("--expert-budget", default="0.25",
-                        help="device-tier budget: a ratio of all routed-expert bytes (0.25, 25%%) or a size (512MiB)")
+                        help="device-tier budget: a ratio of all routed-expert bytes (0.25, 25%%), a size (512MiB), "
+                             "or auto (what the memory available leaves: see `moestream plan`)")
     parser.add_argument("--host-budget", default="0",
                         help="host-tier budget, same forms (default 0: no host tier); on the CPU without --sync "
                              "it joins the expert budget, since host and device memory are one tier there")
@@ -70,13 +73,30 @@ def require_checkpoint_dir(path: Path) -> None:
 
 def check_engine_arguments(args) -> None:
     """The engine flags' budgets and the checkpoint path, checked before torch is imported."""
-    Budget.parse(args.expert_budget, "--expert-budget")
-    Budget.parse(args.host_budget, "--host-budget")
+    for flag, value in (("--expert-budget", args.expert_budget), ("--host-budget", args.host_budget)):
+        if value != AUTO:
+            Budget.parse(value, flag)
     parse_size(args.chunk_size, "--chunk-size")
     if args.chunks_in_flight < 1:
         raise MoestreamError(f"--chunks-in-flight must be >= 1, got {args.chunks_in_flight}")
     if getattr(args, "model", None) is not None:
         require_checkpoint_dir(args.model)
+
+
+def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:
+    """Replaces an `auto` budget by the bytes that `moestream.memory_plan` finds free, and says so."""
+    if AUTO not in (args.expert_budget, args.host_budget):
+        return
+    from moestream.memory_plan import model_sizes, plan_memory
+
+    sizes = model_sizes(model)
+    plan = plan_memory(sizes, args.device, kv_bytes or kv_tokens * sizes.kv_bytes_per_token)
+    if args.expert_budget == AUTO:
+        args.expert_budget = f"{plan.expert_budget_bytes}B"
+    if args.host_budget == AUTO:
+        args.host_budget = f"{plan.host_budget_bytes}B"
+    for line in ["auto budgets:", *plan.lines()]:
+        print(line, file=sys.stderr)
 
 
 def engine_config(args, **overrides):
@@ -100,6 +120,7 @@ def run(args) -> int:
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
 
+    resolve_auto_budgets(args, args.model, kv_tokens=args.batch_size * (args.max_new_tokens + PROMPT_ALLOWANCE))
     records = _generate(args, prompts)
     print(summary(records), file=sys.stderr)
     if args.json:

@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from moestream.cli.generate import add_engine_arguments, check_engine_arguments, engine_config
+from moestream.cli.generate import add_engine_arguments, check_engine_arguments, engine_config, resolve_auto_budgets
 from moestream.errors import MoestreamError
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ def run(args) -> int:
     from moestream.serving.server import Server
     from moestream.serving.worker import WorkerConfig
 
-    workers = WorkerConfig(args.max_wait_ms, args.max_queue, args.max_queue_wait_ms, batching_config(args))
+    batching = batching_config(args)
+    resolve_auto_budgets(args, args.model, kv_bytes=batching.kv_budget_bytes)
+    workers = WorkerConfig(args.max_wait_ms, args.max_queue, args.max_queue_wait_ms, batching)
     with Engine(args.model, engine_config(args), progress=True) as engine:
         if engine.replay is not None:
             from moestream.runtime.replay import REPLAY_LABEL

@@ -1,0 +1,39 @@
+"""`moestream plan`: what fits where for a checkpoint on this machine, before anything is loaded.
+
+Prints the memory available (the cgroup's headroom or MemAvailable; on CUDA the device's free memory),
+what the floor, the dense part, the KV and a margin take, the budgets `--expert-budget auto` and
+`--host-budget auto` would choose, and the bytes a token may read from disk. The rule is in
+moestream.memory_plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moestream.cli.generate import PROMPT_ALLOWANCE, require_checkpoint_dir
+from moestream.errors import MoestreamError
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("plan", help="what fits where for a checkpoint, before loading it")
+    parser.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--kv-tokens", type=int, default=PROMPT_ALLOWANCE,
+                        help=f"tokens of KV to leave room for (default {PROMPT_ALLOWANCE})")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    if args.kv_tokens < 0:
+        raise MoestreamError(f"--kv-tokens must be >= 0, got {args.kv_tokens}")
+    require_checkpoint_dir(args.model)
+    from moestream.memory_plan import model_sizes, plan_memory
+
+    sizes = model_sizes(args.model)
+    plan = plan_memory(sizes, args.device, args.kv_tokens * sizes.kv_bytes_per_token)
+    print(f"{args.model}: {sizes.num_moe_layers} MoE layers, {sizes.num_experts} routed experts (top-{sizes.top_k})")
+    for line in plan.lines():
+        print(line)
+    print(f"(--expert-budget auto would use {plan.expert_budget_bytes}B"
+          + (f", --host-budget auto {plan.host_budget_bytes}B)" if args.device.startswith("cuda") else ")"))
+    return 0
