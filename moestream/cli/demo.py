@@ -10,8 +10,8 @@ import argparse
 import os
 from pathlib import Path
 
-from moestream.cli.generate import (PROMPT_ALLOWANCE, add_engine_arguments, check_engine_arguments, engine_config,
-                                     resolve_auto_budgets)
+from moestream.cli.generate import (PROMPT_ALLOWANCE, Throughput, add_engine_arguments, check_engine_arguments,
+                                     engine_config, resolve_auto_budgets)
 from moestream.errors import MoestreamError
 
 PROMPTS = (
@@ -93,13 +93,17 @@ def measure(label: str, model: Path, config, prompts, max_new_tokens: int) -> di
             engine.preload()
         results = [engine.generate([p], max_new_tokens) for p in progress_bar(prompts, desc=label, unit="prompt")]
         total = engine.checkpoint.topology.total_expert_bytes
-    metrics = [r.metrics for r in results]
+    metrics, rates = [r.metrics for r in results], Throughput()
+    for result in results:
+        rates.add(result)
     return {
         "run": label,
         "expert_budget": config.expert_budget.percent(total),
         "host_budget": config.host_budget.percent(total),
         "ttft_ms": sum(m.ttft_ms for m in metrics) / len(metrics),
         "tpot_ms": sum(m.tpot_ms for m in metrics) / len(metrics),
+        "prompt_tokens_per_s": rates.prompt_per_s,
+        "generation_tokens_per_s": rates.generation_per_s,
         "expert_hits": sum(m.expert_hits for m in metrics),
         "expert_misses": sum(m.expert_misses for m in metrics),
         "bytes_read": {tier: sum(m.bytes_read.get(tier, 0) for m in metrics) for tier in ("disk", "host")},
@@ -115,13 +119,15 @@ def print_table(rows: list[dict], model: Path) -> None:
     from moestream.report import report_console
 
     host = any(row["bytes_read"]["host"] or row["host_budget"] != "0%" for row in rows)
-    columns = ("run", "budget", "TTFT ms", "TPOT ms", "hits", "misses", "disk") + (("host",) if host else ())
+    columns = ("run", "budget", "TTFT ms", "TPOT ms", "prompt tok/s", "gen tok/s", "hits", "misses", "disk") + (("host",) if host else ())
     note = "" if host else "no host tier (--host-budget 0): misses are read from disk straight into the device tier"
     table = Table(title=f"moestream demo: {model}", caption=note or None)
     for column in columns:
         table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
     for row in rows:
+        generation = row["generation_tokens_per_s"]
         cells = [row["run"], row["expert_budget"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}",
+                 f"{row['prompt_tokens_per_s']:.1f}", "n/a" if generation is None else f"{generation:.2f}",
                  str(row["expert_hits"]), str(row["expert_misses"]), format_bytes(row["bytes_read"]["disk"])]
         table.add_row(*cells, *([format_bytes(row["bytes_read"]["host"])] if host else []))
     report_console(REPORT_WIDTH).print(table)

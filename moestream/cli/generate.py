@@ -9,6 +9,7 @@ stderr at the end. Paths and budgets are checked before the heavy imports (torch
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import sys
 from pathlib import Path
 
@@ -121,15 +122,16 @@ def run(args) -> int:
     from moestream.atomic import write_json
 
     resolve_auto_budgets(args, args.model, kv_tokens=args.batch_size * (args.max_new_tokens + PROMPT_ALLOWANCE))
-    records = _generate(args, prompts)
-    print(summary(records), file=sys.stderr)
+    records, rates = _generate(args, prompts)
+    print(summary(records, rates), file=sys.stderr)
     if args.json:
         write_json(records[0] if args.prompts_file is None else records, args.json)
     return 0
 
 
-def summary(records: list[dict]) -> str:
-    """One line of figures over every prompt: tokens, TTFT, TPOT, expert hit rate, bytes read."""
+def summary(records: list[dict], rates: "Throughput") -> str:
+    """One line of figures over every prompt: tokens, TTFT, TPOT, prompt and generation tokens/s, expert
+    hit rate, bytes read."""
     from moestream.budget import format_bytes
 
     tokens = sum(len(r["token_ids"]) for r in records)
@@ -137,8 +139,37 @@ def summary(records: list[dict]) -> str:
     rate = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
     disk, host = (sum(r["bytes_read"].get(tier, 0) for r in records) for tier in ("disk", "host"))
     return (f"{tokens} tokens, TTFT {_mean(r['ttft_ms'] for r in records):.1f} ms, "
-            f"TPOT {_mean(r['tpot_ms'] for r in records):.1f} ms, expert hit rate {rate}, "
+            f"TPOT {_mean(r['tpot_ms'] for r in records):.1f} ms, {rates}, expert hit rate {rate}, "
             f"read {format_bytes(disk)} from disk, {format_bytes(host)} from host")
+
+
+@dataclass
+class Throughput:
+    """Prompt and generation tokens per second over a run's batches, as llama.cpp reports them."""
+
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_tokens: int = 0  # generated tokens after each row's first (which the prefill produces)
+    decode_ms: float = 0.0
+
+    def add(self, result) -> None:
+        m, steps = result.metrics, max(len(ids) for ids in result.token_ids)
+        self.prompt_tokens += m.num_prompt_tokens
+        self.prefill_ms += m.ttft_ms
+        self.decode_tokens += m.num_generated_tokens - len(result.token_ids)
+        self.decode_ms += m.tpot_ms * max(0, steps - 1)
+
+    @property
+    def prompt_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_ms * 1e3 if self.prefill_ms else 0.0
+
+    @property
+    def generation_per_s(self) -> float | None:
+        return self.decode_tokens / self.decode_ms * 1e3 if self.decode_ms else None
+
+    def __str__(self) -> str:
+        decode = "n/a" if self.generation_per_s is None else f"{self.generation_per_s:.2f}"
+        return f"prompt {self.prompt_per_s:.1f} tokens/s, generation {decode} tokens/s"
 
 
 def _mean(values) -> float:
@@ -160,14 +191,15 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def _generate(args, prompts: list[str]) -> list[dict]:
-    """Runs the prompts in batches and returns one JSON record per prompt (the trace saved if asked)."""
+def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
+    """Runs the prompts in batches: one JSON record per prompt, and the run's throughput (the trace
+    saved if asked)."""
     from moestream.runtime import Engine
 
     recording = args.record_trace is not None
     config = engine_config(args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
     many = args.prompts_file is not None
-    records = []
+    records, rates = [], Throughput()
     with Engine(args.model, config, progress=True) as engine:
         if engine.replay is not None:  # the trace fits the model: label what follows
             from moestream.runtime.replay import REPLAY_LABEL
@@ -179,6 +211,7 @@ def _generate(args, prompts: list[str]) -> list[dict]:
             if many:
                 print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
             result = _run_batch(engine, batch, args.max_new_tokens)
+            rates.add(result)
             for row, prompt in enumerate(batch):
                 if recorder is not None:
                     recorder.set_text(result.seq_ids[row], prompt)
@@ -186,7 +219,7 @@ def _generate(args, prompts: list[str]) -> list[dict]:
                 records.append(report(result, row) | extra)
         if recorder is not None:
             _save_trace(recorder, args.record_trace)
-    return records
+    return records, rates
 
 
 def _run_batch(engine, batch: list[str], max_new_tokens: int):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from moestream.checkpoint.make_model import make_config
 from moestream.checkpoint.spec import demo_spec
 from moestream.cli import main
@@ -41,6 +43,9 @@ def test_small_demo_runs_twice_on_one_checkpoint(tmp_path, monkeypatch, capsys):
     sample = first[first.index("sample:"):]
     assert "random weights, so the text is noise" in sample and "offloaded and resident tokens are identical" in sample
     assert offloaded["expert_budget"] == "25%" and resident["expert_budget"] == "100%"
+    for run in record["runs"]:  # 2 decode steps per prompt after the prefill's token, at TPOT each
+        assert run["generation_tokens_per_s"] == pytest.approx(1e3 / run["tpot_ms"], rel=0.01)
+        assert run["prompt_tokens_per_s"] > 0 and "gen tok/s" in first
     assert "no host tier" in first and "host" not in first.split("no host tier")[0].split("disk")[-1]
     made = (tmp_path / SMALL_NAME / "config.json").stat().st_mtime_ns
     assert main(args) == 0

@@ -1,6 +1,7 @@
 """`moestream generate`: prints the text, writes the JSON other tools read, fails with one line."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -236,6 +237,9 @@ def test_generate_streams_the_text_and_summarises_on_stderr(model_dir, monkeypat
     summary = captured.err.strip().splitlines()[-1]
     assert summary.startswith("6 tokens, TTFT ") and "TPOT" in summary and "expert hit rate" in summary
     assert "from disk" in summary
+    figures = dict(re.findall(r"(TTFT|TPOT|prompt|generation) ([\d.]+)", summary))
+    assert float(figures["generation"]) == pytest.approx(1e3 / float(figures["TPOT"]), rel=0.05)  # 5 decode steps; TPOT is printed to 0.1 ms
+    assert float(figures["prompt"]) > 0
 
 
 def test_ctrl_c_keeps_the_text_already_printed(model_dir, monkeypatch, capsys):
