@@ -127,6 +127,14 @@ class ContinuousBatcher:
         self.eos = eos_ids(self.engine.model.generation_config)
         self.decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def cached_lengths(self) -> dict[int, int]:
+        """Each sequence's cached positions over every KV cache the batcher holds (its own, or merged
+        into a held batch): a finished sequence is in none."""
+        lengths = {s.seq.seq_id: s.cache.length for s in self.slots if s.cache is not None}
+        for held in self._held.values():
+            lengths.update({s.seq.seq_id: n for s, n in zip(held.slots, held.lengths)})
+        return lengths
+
     # -- admission -------------------------------------------------------------------------------
 
     @property

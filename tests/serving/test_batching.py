@@ -206,3 +206,23 @@ def test_the_kv_probe_at_start_takes_no_replayed_rows(serving_checkpoint, replay
         assert batcher.bytes_per_token > 0
         assert engine.replay.cursor == 0 and engine.replay.rows_used == 0  # served requests start at row 0
         batcher.close()
+
+
+def test_a_finished_sequence_s_kv_cache_is_held_no_more(serving_checkpoint):
+    """Two sequences decode over one merged cache; when one ends, no cache held keeps its positions,
+    and once both end nothing is held."""
+    with _engine(serving_checkpoint) as engine:
+        batcher = ContinuousBatcher(engine, BatchingConfig(max_batch_size=4), lambda r, d, n: None)
+        short, long = _request(PROMPTS[0], 3), _request(PROMPTS[1], 6)
+        batcher.admit(short)
+        batcher.admit(long)
+        seqs = {id(s.request): s.seq for s in batcher.slots}
+        while any(s.request is short for s in batcher.slots):
+            batcher.step()
+            running = [s.seq for s in batcher.slots]
+            assert batcher.cached_lengths() == {s.seq_id: len(s.prompt_ids) + len(s.output_ids) - 1 for s in running}
+        assert len(seqs[id(short)].output_ids) == 3 and seqs[id(short)].seq_id not in batcher.cached_lengths()
+        while batcher.step():
+            pass
+        assert batcher.cached_lengths() == {} and len(seqs[id(long)].output_ids) == 6
+        batcher.close()

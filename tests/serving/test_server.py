@@ -270,6 +270,18 @@ def test_the_api_key_is_required(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+def test_a_streamed_request_needs_the_api_key_too(server, path, body, headers):
+    with httpx.stream("POST", server.url + path, json=body | {"stream": True}, headers=headers, timeout=60) as answer:
+        answer.read()
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    assert "moestream_generated_tokens_total 0.0" in httpx.get(server.url + "/metrics").text  # nothing was generated
+
+
 def test_a_full_queue_answers_429(engine):
     config = WorkerConfig(max_queue=1, max_wait_ms=0, batching=BatchingConfig(max_batch_size=1))
     body = {"prompt": "Busy busy", "max_tokens": 30, "temperature": 0}
