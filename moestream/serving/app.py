@@ -23,11 +23,11 @@ from transformers import AutoTokenizer
 
 from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
-from moestream.serving.generation import TextDelta
+from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.protocol import (ChatBody, CompletionBody, chunk, error_json, moestream_info, request_id,
                                          response)
 from moestream.serving.sampling import SamplingError, SamplingParams
-from moestream.serving.worker import Admitted, EngineWorker, Overloaded, Request
+from moestream.serving.worker import EngineWorker, Overloaded
 
 DEFAULT_MAX_TOKENS = 16
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is there
