@@ -177,8 +177,7 @@ class Engine:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32,
-                 on_tokens: Callable[[list[int | None]], None] | None = None,
-                 sampler: TokenSampler | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int | None]], None] | None = None) -> GenerationResult:
         """Greedy generation for a batch of prompts (text, or token ids), one static batch.
 
         on_tokens: called after each step with each prompt's new token (None once it has finished)."""
