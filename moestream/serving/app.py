@@ -128,7 +128,7 @@ class Frontend:
                         return response(rid, self.model_name, chat, "".join(pieces), delta.finish_reason,
                                         len(request.prompt_ids), request.num_tokens) | self.info
         finally:
-            request.cancel()  # a no-op once finished; frees the slot of a client that went away
+            request.cancel()  # a no-op once finished; ends the sequence of a client that went away
 
     async def _stream(self, rid: str, chat: bool, request: Request, events: asyncio.Queue):
         first = True
