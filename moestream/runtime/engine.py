@@ -47,8 +47,8 @@ from moestream.runtime.onednn import bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
-from moestream.runtime.runner import RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan
-from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches, TokenSampler
+from moestream.runtime.runner import RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan, TokenSampler
+from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches
 from moestream.timeline import Timeline
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,20 @@ from moestream.runtime.finite import check_finite
 from moestream.runtime.publisher import Publisher, RowContext
 
 
+class TokenSampler(Protocol):
+    """Chooses one sequence's tokens and may end it early (sampling, stop strings, cancellation)."""
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from the sequence's logits [V]."""
+
+    def stop_reason(self, output_ids: list[int]) -> str | None:
+        """Why the sequence ends after its newest token ("abort", "stop"), or None."""
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the sequence was cancelled (it ends before the next step)."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One prompt and what has been generated for it; sampler (None: greedy) chooses its tokens."""
@@ -31,7 +45,7 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     max_tokens: int = 1 << 62  # tokens to generate at most
-    sampler: Any = None  # a TokenSampler (runtime/scheduler.py)
+    sampler: TokenSampler | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     arrived: float = 0.0  # when its request arrived (a batching rule may wait for company)

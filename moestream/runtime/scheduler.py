@@ -22,20 +22,6 @@ from moestream.runtime import kv
 from moestream.runtime.runner import BatchCache, Sequence
 
 
-class TokenSampler(Protocol):
-    """Chooses one sequence's tokens and may end it early (sampling, stop strings, cancellation)."""
-
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next token from the sequence's logits [V]."""
-
-    def stop_reason(self, output_ids: list[int]) -> str | None:
-        """Why the sequence ends after its newest token ("abort", "stop"), or None."""
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether the sequence was cancelled (it ends before the next step)."""
-
-
 @dataclass(frozen=True)
 class ScheduledBatch:
     """One step's sequences (rows in order) and the cache they run over."""

@@ -75,20 +75,20 @@ class Batcher:
         """on_delta(request, delta, with a new token); clock: that of Request.arrived."""
         self.engine, self.config, self.on_delta = engine, config, on_delta
         self.requests: list[Generating] = []  # admitted and not ended, in arrival order
-        self.paths: RoutingPaths | None = None  # each sequence's routing path (continuous batching)
-        self.bytes_per_token = 0  # KV cache of one token (0: static batches, no budget)
-        self.scheduler = engine.scheduler(self._rule(clock))
+        continuous = engine.runner_class.per_sequence_cache
+        # each sequence's routing path, for the token scheduler (continuous batching only)
+        self.paths = RoutingPaths(engine.checkpoint.topology) if continuous else None
+        self.bytes_per_token = engine.kv_bytes_per_token() if continuous else 0  # 0: no KV budget
+        rule = self._continuous(clock) if continuous else StaticBatches(config.max_batch_size)
+        self.scheduler = engine.scheduler(rule)
+        if self.paths is not None:
+            engine.add_observer(self.paths)
+        self._observing = self.paths is not None
         tokenizer = engine.tokenizer
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _rule(self, clock: Callable[[], float]):
+    def _continuous(self, clock: Callable[[], float]) -> ContinuousBatches:
         config = self.config
-        if not self.engine.runner_class.per_sequence_cache:
-            return StaticBatches(config.max_batch_size)
-        self.bytes_per_token = self.engine.kv_bytes_per_token()
-        self.paths = RoutingPaths(self.engine.checkpoint.topology)
-        self.engine.add_observer(self.paths)
-        self._observing = True
         return ContinuousBatches(config.max_batch_size, config.prefill_token_budget, config.max_prefill_delay_ms,
                                  TOKEN_SCHEDULERS.create(config.token_scheduler), self.paths,
                                  self.engine.config.device, clock)
@@ -154,7 +154,7 @@ class Batcher:
         for generating in list(self.requests):
             self.scheduler.finish(generating.seq, "abort")
             self._deliver(generating, None)
-        if self.paths is not None and self._observing:
+        if self._observing:
             self.engine.remove_observer(self.paths)
             self._observing = False
 

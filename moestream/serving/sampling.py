@@ -92,7 +92,7 @@ def stop_index(text: str, stop: tuple[str, ...]) -> int | None:
 
 @dataclass
 class SequenceSampler:
-    """One sequence's sampler (runtime/scheduler.py's TokenSampler): its tokens under its params, a
+    """One sequence's sampler (runtime/runner.py's TokenSampler): its tokens under its params, a
     stop string or a cancellation (from any thread) ending it; max_tokens and EOS end it in the scheduler."""
 
     params: SamplingParams
