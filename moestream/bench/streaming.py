@@ -141,21 +141,21 @@ class PlainModel:
 
         from moestream.runtime.metrics import CpuClock, StepClock
         from moestream.runtime.publisher import Publisher
-        from moestream.runtime.runner import RUNNERS, Sequence
+        from moestream.runtime.runner import RUNNERS, BatchCache, Sequence
 
         seqs = [Sequence(0, list(self.tokenizer(prompt)["input_ids"]))]
         runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, Publisher(), 0, self.device)
-        clock, cpu = StepClock(), CpuClock()
+        clock, cpu, cache = StepClock(), CpuClock(), BatchCache()
         with torch.inference_mode():
             plan = runner.prefill(0, seqs)
             while plan is not None:
                 cpu.begin_iteration()
-                seqs[0].output_ids.append(int(runner.run(plan).argmax(dim=-1)[0]))
+                seqs[0].output_ids.append(int(runner.run(plan, cache).argmax(dim=-1)[0]))
                 done = seqs[0].output_ids[-1] in self.eos or len(seqs[0].output_ids) >= max_new_tokens
                 if done:
                     cpu.end_sequence()
                 clock.mark()
-                plan = None if done else runner.decode(len(clock.marks), seqs)
+                plan = None if done else runner.decode(len(clock.marks), seqs, cache)
         return Sample(clock.ttft_ms, clock.tpot_ms, cpu.tpot_ms())
 
 

@@ -73,9 +73,9 @@ def run(args) -> int:
 def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
     """One fresh engine; every prompt admitted at once, then steps until all are done."""
     from moestream.runtime import Engine, EngineConfig
-    from moestream.serving.batching import BatchingConfig, ContinuousBatcher
+    from moestream.serving.batching import Batcher, BatchingConfig
+    from moestream.serving.generation import Request
     from moestream.serving.sampling import SamplingParams
-    from moestream.serving.worker import Request
 
     config = EngineConfig(device=args.device, expert_budget=args.expert_budget, policy=args.policy,
                           direct_io=False, replay_routing=args.replay_routing)
@@ -88,11 +88,14 @@ def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
         tokens.extend([1] if new_token else [])
 
     with Engine(model, config) as engine:
-        batcher = ContinuousBatcher(engine, batching, count)
+        batcher = Batcher(engine, batching, count)
+        if batcher.paths is None:
+            raise MoestreamError(f"continuous batching needs a decoder-only model; "
+                                 f"{engine.checkpoint.adapter.model_type} is not one")
         rss_before = rss_mib()  # after the engine opened: the growth is the run's
         for prompt in prompts:
             batcher.admit(Request(engine.encode(prompt), params, lambda event: None))
-        while any(not s.prefilled for s in batcher.slots):  # prefills are not what is compared
+        while batcher.scheduler.waiting:  # prefills are not what is compared
             batcher.step()
         engine.store.reset_stats()
         started, done = time.perf_counter(), len(tokens)

@@ -1,11 +1,13 @@
 """The offloading engine: a checkpoint's dense part on the compute device, its experts in the store,
-greedy generation with a KV cache, routing events for the policy, and metrics of every run.
+routing events for the policy, and `step`, the one forward pass of every way of generating.
 
-Each step follows plan -> run -> update: the runner plans the iteration's inputs (a `StepPlan`),
+`step(scheduler)` is schedule -> forward -> postprocess: the scheduler (runtime/scheduler.py) picks
+the sequences and the cache they run over; the runner plans the iteration's inputs (a `StepPlan`),
 the engine announces it to observers (`IterationContext`) and lets the policy predict, the runner
-runs the model (each MoE layer publishes its routing, fetches misses and computes), and the engine
-appends the greedy tokens and finishes sequences. The policy is taken by registry name; the engine
-knows no policy and no family.
+runs the model (each MoE layer publishes its routing, fetches misses and computes); the scheduler
+then appends the tokens and ends sequences. `generate` (greedy batches), the `LLM` API and the
+server all add sequences to a scheduler and loop on `step`. The policy is taken by registry name;
+the engine knows no policy, no family and no request.
 
 On the CPU, the engine bounds oneDNN's per-shape caches (`moestream.runtime.onednn`; process-wide,
 before the first matmul, unless the user set them). While an engine is open, numpy's BLAS runs one
@@ -16,12 +18,13 @@ kernels need (a prefill with a predicting policy ran twice as slow with torch on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 from threadpoolctl import threadpool_limits
@@ -34,6 +37,7 @@ from moestream.policies import POLICIES
 from moestream.policies.contracts import Observer, Policy, TransferRequest
 from moestream.policies.driver import PolicyDriver
 from moestream.progress import progress_bar
+from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
@@ -43,7 +47,8 @@ from moestream.runtime.onednn import bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
-from moestream.runtime.runner import RUNNERS, ModelRunner, Sequence, StepPlan
+from moestream.runtime.runner import RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan, TokenSampler
+from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches
 from moestream.timeline import Timeline
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
@@ -60,14 +65,10 @@ class GenerationResult:
     replayed: bool = False  # routing came from a recorded trace (config.replay_routing): for measurement only
 
 
-class TokenSampler(Protocol):
-    """Chooses each row's next token and may end sequences early (e.g. sampling, stop strings)."""
-
-    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of logits [B, V]."""
-
-    def stops(self, row: int, seq: Sequence) -> bool:
-        """Whether the row's sequence ends after the token just appended."""
+@dataclass(frozen=True)
+class StepOutput:
+    batch: ScheduledBatch
+    tokens: list[int | None]  # each row's new token (None: its sequence had ended before the step)
 
 
 class Engine:
@@ -94,6 +95,7 @@ class Engine:
         self.prefetcher = Prefetcher(self.driver, self.store)
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder)
         self._hooks: list = []
+        self.runner: ModelRunner | None = None
         self._tokenizer = None
         self._seq_counter = itertools.count()
         self._step_counter = itertools.count()
@@ -101,6 +103,8 @@ class Engine:
         self._blas_threads = threadpool_limits(limits=1, user_api="blas")  # after the policy's imports
         try:
             self.model = self._load_model(progress)
+            self.runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
+                                         self.pad_id, self.config.device)
             self.replay = self._replay()
             if self.store.device_slots >= self.checkpoint.topology.total_experts:
                 self.preload(progress)
@@ -173,30 +177,22 @@ class Engine:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32,
-                 on_tokens: Callable[[list[int | None]], None] | None = None,
-                 sampler: TokenSampler | None = None) -> GenerationResult:
-        """Greedy generation for a batch of prompts (text, or token ids).
+                 on_tokens: Callable[[list[int | None]], None] | None = None) -> GenerationResult:
+        """Greedy generation for a batch of prompts (text, or token ids), one static batch.
 
-        on_tokens: called after each step with each prompt's new token (None once it has finished).
-        sampler: chooses the tokens instead of argmax and may end sequences before max_new_tokens."""
+        on_tokens: called after each step with each prompt's new token (None once it has finished)."""
         if max_new_tokens < 1:
             raise MoestreamError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        seqs = [Sequence(next(self._seq_counter), ids) for ids in self.prompt_ids(prompts)]
-        runner = self.make_runner()
+        seqs = [self.new_sequence(ids, max_new_tokens) for ids in self.prompt_ids(prompts)]
+        scheduler = self.scheduler(StaticBatches(len(seqs)))
+        for seq in seqs:
+            scheduler.add(seq)
         self.store.reset_stats()
         clock = StepClock()
-        with torch.inference_mode():
-            plan = runner.prefill(next(self._step_counter), seqs)
-            while plan is not None:
-                self._begin(plan)
-                logits = runner.run(plan)  # [B, V]
-                tokens = logits.argmax(dim=-1).tolist() if sampler is None else sampler.choose(logits, seqs)
-                new = self._update(seqs, tokens, max_new_tokens, sampler)
-                if on_tokens is not None:
-                    on_tokens(new)
-                clock.mark()
-                done = all(s.finished for s in seqs)
-                plan = None if done else runner.decode(next(self._step_counter), seqs)
+        while (out := self.step(scheduler)) is not None:
+            if on_tokens is not None:
+                on_tokens(out.tokens)
+            clock.mark()
         return self._result(seqs, clock, isinstance(prompts[0], str))
 
     def close(self) -> None:
@@ -218,33 +214,56 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- steps driven by a scheduler outside generate (continuous batching) -----------------------
+    # -- the step loop --------------------------------------------------------------------------
 
     @property
     def runner_class(self) -> type[ModelRunner]:
         return RUNNERS.get(self.checkpoint.adapter.auto_class)
 
-    def new_sequence(self, prompt_ids: list[int]) -> Sequence:
-        return Sequence(next(self._seq_counter), list(prompt_ids))
+    def new_sequence(self, prompt_ids: list[int], max_tokens: int = 1 << 62,
+                     sampler: TokenSampler | None = None) -> Sequence:
+        """A sequence with a fresh id (sampler None: greedy)."""
+        return Sequence(next(self._seq_counter), list(prompt_ids), max_tokens, sampler)
 
-    def next_step(self) -> int:
-        return next(self._step_counter)
+    def scheduler(self, rule: BatchingRule) -> Scheduler:
+        """A scheduler of sequences on this engine, batched by the rule."""
+        return Scheduler(rule, self._eos_ids(), self.end_sequence)
 
-    def make_runner(self) -> ModelRunner:
-        return RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
-                              self.pad_id, self.config.device)
+    def step(self, scheduler: Scheduler) -> StepOutput | None:
+        """One schedule -> forward -> postprocess (None: nothing to run). If the forward pass raises,
+        the batch stays the scheduler's `in_flight`."""
+        batch = scheduler.schedule()
+        if batch is None:
+            return None
+        return StepOutput(batch, scheduler.postprocess(batch, self._forward(batch)))
 
-    def run_step(self, runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
-        """Announces the plan's iteration and runs it: next-token logits [B, V]."""
-        with torch.inference_mode():
-            self._begin(plan)
-            return runner.run(plan)
+    def kv_bytes_per_token(self) -> int:
+        """The KV cache bytes of one token, from a prefill of one token that no request sees and that
+        takes no replayed routing: exact whatever the family and the installed transformers keep
+        (DeepSeek's attention caches its compressed latents), where a formula over the config is not."""
+        seq = self.new_sequence([self.pad_id])
+        batch = ScheduledBatch(True, [seq], BatchCache(kv.empty_cache()))
+        try:
+            with self.replay.paused() if self.replay is not None else contextlib.nullcontext():
+                self._forward(batch)
+            (cache,) = kv.split(batch.cache.kv, [1])
+        finally:
+            self.end_sequence(seq.seq_id)
+        return cache.num_bytes
 
     def end_sequence(self, seq_id: int) -> None:
         """Ends a sequence's per-sequence state in the policy and observers."""
         self.publisher.end_sequence(seq_id)
 
     # -- steps -----------------------------------------------------------------------------------
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The batch's forward pass: next-token logits [B, V]; its cache holds its past after it."""
+        step, seqs = next(self._step_counter), batch.seqs
+        with torch.inference_mode():
+            plan = self.runner.prefill(step, seqs) if batch.is_prefill else self.runner.decode(step, seqs, batch.cache)
+            self._begin(plan)
+            return self.runner.run(plan, batch.cache)
 
     def _begin(self, plan: StepPlan) -> None:
         """Announces the iteration to observers and lets the policy predict before the first layer."""
@@ -258,21 +277,6 @@ class Engine:
             ctx = dataclasses.replace(ctx, tokens=tuple(self._tokenizer.convert_ids_to_tokens(ctx.token_ids.tolist())))
         self.publisher.begin_iteration(ctx)
         self.prefetcher.after(-1)
-
-    def _update(self, seqs: list[Sequence], tokens: list[int], max_new_tokens: int,
-                sampler: TokenSampler | None = None) -> list[int | None]:
-        """Appends each unfinished sequence's token; returns the tokens appended (None: finished before)."""
-        eos, new = self._eos_ids(), []
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
-            new.append(None if seq.finished else int(token))
-            if seq.finished:
-                continue
-            seq.output_ids.append(int(token))
-            stopped = sampler is not None and sampler.stops(row, seq)
-            if stopped or int(token) in eos or len(seq.output_ids) >= max_new_tokens:
-                seq.finished = True
-                self.publisher.end_sequence(seq.seq_id)
-        return new
 
     def _result(self, seqs: list[Sequence], clock: StepClock, decode_text: bool) -> GenerationResult:
         stats = self.store.stats()

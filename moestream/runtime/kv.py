@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, EncoderDecoderCache
 
 
 @dataclass
@@ -29,6 +29,13 @@ class SeqCache:
     @property
     def num_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+
+def num_bytes(cache) -> int:
+    """The bytes of a transformers cache's keys and values (an encoder-decoder's: both of its caches)."""
+    parts = [cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache) else [cache]
+    tensors = [t for part in parts for layer in part.layers for t in (layer.keys, layer.values)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def empty_cache() -> DynamicCache:

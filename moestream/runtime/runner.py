@@ -1,16 +1,18 @@
 """Turns a batch of sequences into forward passes: step plans (what to run) and model runners (how).
 
 A `StepPlan` is a plain record of one iteration's inputs: a prefill of every prompt (left padded)
-or one decode token per sequence. A runner owns the KV cache of one batch and calls the model the
-way `transformers`' greedy `generate` does (same position ids, masks, cache), so that tokens match.
-Runners are registered by the adapter's `auto_class`; they know no policy and no family.
+or one decode token per sequence. A `BatchCache` is one batch's past (the model's KV cache, each
+row's cached positions, an encoder-decoder's encoder outputs); the scheduler owns it and hands it
+to each step. A runner holds no batch state: it builds plans and calls the model the way
+`transformers`' greedy `generate` does (same position ids, masks, cache), so that tokens match.
+Runners are registered by the adapter's `auto_class`; they know no policy, no family and no scheduler.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -22,12 +24,45 @@ from moestream.runtime.finite import check_finite
 from moestream.runtime.publisher import Publisher, RowContext
 
 
-@dataclass
+class TokenSampler(Protocol):
+    """Chooses one sequence's tokens and may end it early (sampling, stop strings, cancellation)."""
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from the sequence's logits [V]."""
+
+    def stop_reason(self, output_ids: list[int]) -> str | None:
+        """Why the sequence ends after its newest token ("abort", "stop"), or None."""
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the sequence was cancelled (it ends before the next step)."""
+
+
+@dataclass(eq=False)
 class Sequence:
+    """One prompt and what has been generated for it; sampler (None: greedy) chooses its tokens."""
+
     seq_id: int
     prompt_ids: list[int]
+    max_tokens: int = 1 << 62  # tokens to generate at most
+    sampler: TokenSampler | None = None
     output_ids: list[int] = field(default_factory=list)
-    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    arrived: float = 0.0  # when its request arrived (a batching rule may wait for company)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class BatchCache:
+    """One batch's past, owned by the scheduler: the model's KV cache (None: the runner makes one),
+    each row's cached positions [B, W] (decoder-only), and an encoder-decoder's encoder outputs."""
+
+    kv: Any = None
+    mask: torch.Tensor | None = None
+    encoder_outputs: Any = None
 
 
 @dataclass(frozen=True)
@@ -74,18 +109,19 @@ def prefill_plan(step: int, seqs: list[Sequence], pad_id: int, device: str) -> S
     return StepPlan(step, True, ids.to(device), mask.to(device), positions.to(device), rows, ctx)
 
 
-def merged_decode_plan(step: int, seqs: list[Sequence], past_mask: torch.Tensor, device: str) -> StepPlan:
-    """One token per sequence over a batch cache merged from per-sequence caches (runtime/kv.py):
-    past_mask [B, W] marks each row's cached positions; each row continues at its own position."""
-    ids = _last_tokens(seqs)
-    positions = torch.tensor([len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]).unsqueeze(1)  # [B, 1]
+def decode_plan(step: int, seqs: list[Sequence], past_mask: torch.Tensor) -> StepPlan:
+    """One token per sequence after its cached positions, past_mask [B, W]: each row continues at
+    its own position, as `generate` extends a left-padded batch (or a batch merged from per-sequence
+    caches, runtime/kv.py)."""
+    ids = _last_tokens(seqs).to(past_mask.device)
+    positions = past_mask.sum(-1, keepdim=True)  # [B, 1]
     mask = torch.cat([past_mask, past_mask.new_ones((len(seqs), 1))], dim=-1)  # [B, W + 1]
     rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
-    return StepPlan(step, False, ids.to(device), mask.to(device), positions.to(device), rows, ctx)
+    return StepPlan(step, False, ids, mask, positions, rows, ctx)
 
 
 class ModelRunner:
-    """Runs plans through one model for one batch, keeping its cache; returns next-token logits [B, V]."""
+    """Runs plans through one model, over the batch cache it is handed; returns next-token logits [B, V]."""
 
     records_traces: ClassVar[bool] = True  # every MoE layer routes exactly the iteration's tokens
     per_sequence_cache: ClassVar[bool] = False  # runs batches merged from per-sequence caches (runtime/kv.py)
@@ -95,17 +131,15 @@ class ModelRunner:
         self.publisher = publisher
         self.pad_id = pad_id
         self.device = device
-        self.cache = None
-        self.previous: StepPlan | None = None
 
     def prefill(self, step: int, seqs: list[Sequence]) -> StepPlan:
-        self.previous = prefill_plan(step, seqs, self.pad_id, self.device)
-        return self.previous
+        return prefill_plan(step, seqs, self.pad_id, self.device)
 
-    def decode(self, step: int, seqs: list[Sequence]) -> StepPlan:
+    def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
         raise NotImplementedError
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
+        """Runs the plan; the cache holds the batch's past after it."""
         raise NotImplementedError
 
     def _forward(self, rows: RowContext, module: torch.nn.Module | None = None, **inputs):
@@ -144,24 +178,17 @@ def _returned_cache(out):
 class CausalRunner(ModelRunner):
     per_sequence_cache = True
 
-    def decode(self, step: int, seqs: list[Sequence]) -> StepPlan:
-        """Positions and mask continue the previous step's, as `generate` extends them."""
-        previous = self.previous
-        ids = _last_tokens(seqs)
-        positions = previous.position_ids[:, -1:].cpu() + 1  # [B, 1]
-        mask = torch.cat([previous.attention_mask, previous.attention_mask.new_ones((len(seqs), 1))], dim=-1)
-        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
-        self.previous = StepPlan(step, False, ids.to(self.device), mask, positions.to(self.device), rows, ctx)
-        return self.previous
+    def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
+        return decode_plan(step, seqs, cache.mask)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+    def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
+        if cache.kv is None:
+            cache.kv = DynamicCache(config=self.model.config)
         extra = {"logits_to_keep": 1} if _accepts(self.model, "logits_to_keep") else {}
         out = self._forward(plan.rows, input_ids=plan.input_ids, attention_mask=plan.attention_mask,
-                            position_ids=plan.position_ids, use_cache=True, **_cache_kwargs(self.model, self.cache),
+                            position_ids=plan.position_ids, use_cache=True, **_cache_kwargs(self.model, cache.kv),
                             **extra)
-        self.cache = _returned_cache(out)
+        cache.kv, cache.mask = _returned_cache(out), plan.attention_mask
         return _next_logits(out)  # [B, V]
 
 
@@ -174,33 +201,29 @@ class Seq2SeqRunner(ModelRunner):
 
     records_traces = False
 
-    def __init__(self, model: torch.nn.Module, publisher: Publisher, pad_id: int, device: str):
-        super().__init__(model, publisher, pad_id, device)
-        self.encoder_outputs = None
-        self.encoder_mask = None
-
-    def decode(self, step: int, seqs: list[Sequence]) -> StepPlan:
+    def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
+        """cache.mask is the encoder's mask [B, S]; decoder positions count the tokens generated."""
         ids = _last_tokens(seqs)
         positions = torch.tensor([len(s.output_ids) for s in seqs]).unsqueeze(1)  # [B, 1]
         rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
-        return StepPlan(step, False, ids.to(self.device), self.encoder_mask, positions, rows, ctx)
+        return StepPlan(step, False, ids.to(self.device), cache.mask, positions, rows, ctx)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
         decoder_ids, rows = plan.input_ids, plan.rows
         if plan.is_prefill:
-            self._encode(plan)
+            self._encode(plan, cache)
             decoder_ids, rows = self._start(plan)
-        out = self._forward(rows, encoder_outputs=self.encoder_outputs, attention_mask=self.encoder_mask,
-                            decoder_input_ids=decoder_ids, use_cache=True, **_cache_kwargs(self.model, self.cache))
-        self.cache = _returned_cache(out)
+        out = self._forward(rows, encoder_outputs=cache.encoder_outputs, attention_mask=cache.mask,
+                            decoder_input_ids=decoder_ids, use_cache=True, **_cache_kwargs(self.model, cache.kv))
+        cache.kv = _returned_cache(out)
         return _next_logits(out)  # [B, V]
 
-    def _encode(self, plan: StepPlan) -> None:
+    def _encode(self, plan: StepPlan, cache: BatchCache) -> None:
         config = self.model.config
-        self.cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
-        self.encoder_mask = plan.attention_mask
-        self.encoder_outputs = self._forward(plan.rows, self.model.get_encoder(), input_ids=plan.input_ids,
-                                             attention_mask=plan.attention_mask)
+        cache.kv = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+        cache.mask = plan.attention_mask
+        cache.encoder_outputs = self._forward(plan.rows, self.model.get_encoder(), input_ids=plan.input_ids,
+                                              attention_mask=plan.attention_mask)
 
     def _start(self, plan: StepPlan) -> tuple[torch.Tensor, RowContext]:
         """The decoder's first input [B, 1]: every sequence's start token, at decoder position 0."""

@@ -23,11 +23,11 @@ from transformers import AutoTokenizer
 
 from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
-from moestream.serving.generation import TextDelta
+from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.protocol import (ChatBody, CompletionBody, chunk, error_json, moestream_info, request_id,
                                          response)
 from moestream.serving.sampling import SamplingError, SamplingParams
-from moestream.serving.worker import Admitted, EngineWorker, Overloaded, Request
+from moestream.serving.worker import EngineWorker, Overloaded
 
 DEFAULT_MAX_TOKENS = 16
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is there
@@ -128,7 +128,7 @@ class Frontend:
                         return response(rid, self.model_name, chat, "".join(pieces), delta.finish_reason,
                                         len(request.prompt_ids), request.num_tokens) | self.info
         finally:
-            request.cancel()  # a no-op once finished; frees the slot of a client that went away
+            request.cancel()  # a no-op once finished; ends the sequence of a client that went away
 
     async def _stream(self, rid: str, chat: bool, request: Request, events: asyncio.Queue):
         first = True

@@ -1,35 +1,69 @@
-"""One static batch of requests through the engine with per-request sampling (the offline `LLM`
-API), and `TextStream`, which the continuous batcher shares: text increments with stop strings held
-back until they can no longer begin one. It knows no HTTP and no queue.
+"""A request to generate and what it streams back: `Request` (a prompt, its sampling params and the
+callable that receives its events), `Admitted` (its first event once a batcher took it in), `TextDelta`
+(each step's new text) and `TextStream`, which releases text only where it is final (stop strings
+held back until they can no longer begin one). It knows no engine, no HTTP and no queue.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
-from moestream.serving.sampling import BatchSampler, SamplingParams
+from moestream.serving.sampling import SamplingParams, SequenceSampler
 
 
 @dataclass(frozen=True)
-class CompletionOutput:
-    text: str  # generated text, stop string and what follows removed
-    token_ids: list[int]  # generated ids (EOS kept when emitted)
-    finish_reason: str  # "stop", "length" or "abort"
-    num_prompt_tokens: int
+class Admitted:
+    """A request's first event once the worker has taken it into the batcher (a refused request's
+    first event is the exception that refused it)."""
 
 
 @dataclass(frozen=True)
 class TextDelta:
-    row: int
-    text: str  # new text since the row's previous delta
+    text: str  # new text since the request's previous delta
     finished: bool
     finish_reason: str | None = None
 
 
+@dataclass
+class Request:
+    """One sequence to generate. emit gets Admitted (or the refusal), then TextDelta records, or an
+    exception if its step failed."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Admitted | TextDelta | Exception], None]
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    num_tokens: int = 0
+    _sampler: SequenceSampler | None = None
+    _cancelled: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """Stops the request: dropped if still queued, ended before its next step if running."""
+        with self._lock:
+            self._cancelled = True
+            if self._sampler is not None:
+                self._sampler.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def attach(self, sampler: SequenceSampler) -> None:
+        """The sampler of the request's sequence, which a cancellation ends."""
+        with self._lock:
+            self._sampler = sampler
+            if self._cancelled:
+                sampler.cancel()
+
+
 class TextStream:
-    """The text of one row as it grows, released only where it is final (no partial character and
-    no possible beginning of a stop string at its end)."""
+    """The text of one sequence as it grows, released only where it is final (no partial character
+    and no possible beginning of a stop string at its end)."""
 
     def __init__(self, stop: tuple[str, ...]):
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -41,38 +75,3 @@ class TextStream:
             end = self.sent
         piece, self.sent = text[self.sent: end], max(self.sent, end)
         return piece
-
-
-def run_batch(engine, prompt_ids: list[list[int]], params: list[SamplingParams],
-              on_delta: Callable[[TextDelta], None] | None = None,
-              on_sampler: Callable[[BatchSampler], None] | None = None) -> list[CompletionOutput]:
-    """Generates every prompt (token ids) with its own params; on_delta gets each row's new text
-    after each step, on_sampler the batch's sampler before the first step (to cancel rows)."""
-    decode = _decoder(engine)
-    sampler = BatchSampler(list(params), decode)
-    if on_sampler is not None:
-        on_sampler(sampler)
-    streams = [TextStream(p.stop) for p in params]
-    outputs: list[list[int]] = [[] for _ in params]
-    done = [False] * len(params)
-
-    def on_tokens(new: list[int | None]) -> None:
-        for row, token in enumerate(new):
-            if token is None or done[row]:
-                continue
-            outputs[row].append(token)
-            done[row] = sampler.finished(row)
-            if on_delta is not None:
-                piece = streams[row].delta(sampler.text(row, outputs[row]), done[row])
-                reason = sampler.finish_reason(row) if done[row] else None
-                on_delta(TextDelta(row, piece, done[row], reason))
-
-    result = engine.generate(prompt_ids, max_new_tokens=max(p.max_tokens for p in params),
-                             on_tokens=on_tokens, sampler=sampler)
-    return [CompletionOutput(sampler.text(row, ids), list(ids), sampler.finish_reason(row), len(prompt_ids[row]))
-            for row, ids in enumerate(result.token_ids)]
-
-
-def _decoder(engine) -> Callable[[list[int]], str]:
-    tokenizer = engine.tokenizer
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,5 +1,6 @@
 """The offline Python API in the spirit of vLLM: `LLM(model_dir, **engine options).generate(prompts,
-SamplingParams(...))` -> one `RequestOutput` per prompt. Prompts run in batches of max_batch_size.
+SamplingParams(...))` -> one `RequestOutput` per prompt. The prompts are added to the engine's
+scheduler, which runs them in static batches of max_batch_size, and it steps until all have ended.
 Under routing replay (replay_routing=TRACE) every output says so (`replayed`)."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from typing import Sequence as Seq
 
 from moestream.errors import MoestreamError
 from moestream.runtime import Engine, EngineConfig
-from moestream.serving.generation import CompletionOutput, run_batch
-from moestream.serving.sampling import SamplingParams
+from moestream.runtime.scheduler import StaticBatches
+from moestream.serving.sampling import SamplingParams, SequenceSampler
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,18 @@ class LLM:
         """Text or token-id prompts; one SamplingParams for all, or one per prompt (default: greedy, 16 tokens)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
-        ids = self.engine.prompt_ids(prompts)
-        outputs: list[CompletionOutput] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            end = start + self.max_batch_size
-            outputs += run_batch(self.engine, ids[start:end], params[start:end])
+        tokenizer = self.engine.tokenizer
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        seqs = [self.engine.new_sequence(ids, p.max_tokens, SequenceSampler(p, decode))
+                for ids, p in zip(self.engine.prompt_ids(prompts), params)]
+        scheduler = self.engine.scheduler(StaticBatches(self.max_batch_size))
+        for seq in seqs:
+            scheduler.add(seq)
+        while self.engine.step(scheduler) is not None:
+            pass
         replayed = self.engine.replay is not None
-        return [RequestOutput(prompt, o.text, o.token_ids, o.finish_reason, o.num_prompt_tokens, replayed)
-                for prompt, o in zip(prompts, outputs)]
+        return [RequestOutput(prompt, s.sampler.text(s.output_ids), list(s.output_ids), s.finish_reason,
+                              len(s.prompt_ids), replayed) for prompt, s in zip(prompts, seqs)]
 
     def close(self) -> None:
         self.engine.close()

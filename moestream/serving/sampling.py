@@ -1,9 +1,9 @@
 """How tokens are chosen: `SamplingParams` (greedy, temperature, top-k, top-p, seed, stop strings,
-max tokens) and `BatchSampler`, the engine's token sampler for one batch of sequences.
+max tokens) and `SequenceSampler`, the engine's token sampler of one sequence.
 
 Each sequence samples with its own torch generator seeded from its `seed`, so a sequence's tokens do
-not depend on the other sequences of its batch. Greedy rows take the argmax, exactly as the engine
-does without a sampler. It knows no model and no server; text comes through a `decode` callable.
+not depend on the other sequences of its batch. Greedy sequences take the argmax, exactly as the
+engine does without a sampler. It knows no model and no server; text comes through a `decode` callable.
 """
 
 from __future__ import annotations
@@ -91,59 +91,41 @@ def stop_index(text: str, stop: tuple[str, ...]) -> int | None:
 
 
 @dataclass
-class BatchSampler:
-    """The engine's sampler for one batch: row r follows params[r]; rows may be cancelled.
+class SequenceSampler:
+    """One sequence's sampler (runtime/runner.py's TokenSampler): its tokens under its params, a
+    stop string or a cancellation (from any thread) ending it; max_tokens and EOS end it in the scheduler."""
 
-    finish_reason(r): "stop" (EOS or a stop string), "length" (max_tokens) or "abort" (cancelled)."""
-
-    params: list[SamplingParams]
+    params: SamplingParams
     decode: Callable[[list[int]], str]
-    generators: list[torch.Generator] = field(init=False)
-    _reasons: dict[int, str] = field(init=False, default_factory=dict)
-    _cancelled: set[int] = field(init=False, default_factory=set)
-    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
-    _seqs: list = field(init=False, default_factory=list)  # the engine's sequences, once choose ran
+    generator: torch.Generator = field(init=False)
+    _cancelled: threading.Event = field(init=False, default_factory=threading.Event)
 
     def __post_init__(self):
-        self.generators = [_generator(p.seed) for p in self.params]
+        self.generator = _generator(self.params.seed)
 
-    def choose(self, logits: torch.Tensor, seqs) -> list[int]:
-        self._seqs = seqs
-        tokens = logits.argmax(dim=-1).tolist()  # [B]
-        for row, params in enumerate(self.params):
-            if not params.greedy and not seqs[row].finished:
-                tokens[row] = sample_token(logits[row], params, self.generators[row])
-        return tokens
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from logits [V]."""
+        return int(logits.argmax()) if self.params.greedy else sample_token(logits, self.params, self.generator)
 
-    def stops(self, row: int, seq) -> bool:
-        params = self.params[row]
-        with self._lock:
-            if row in self._cancelled:
-                self._reasons[row] = "abort"
-        if row in self._reasons:
-            return True
-        if params.stop and stop_index(self.decode(seq.output_ids), params.stop) is not None:
-            self._reasons[row] = "stop"
-        elif len(seq.output_ids) >= params.max_tokens:
-            self._reasons[row] = "length"
-        return row in self._reasons
+    def stop_reason(self, output_ids: list[int]) -> str | None:
+        if self.cancelled:
+            return "abort"
+        if self.params.stop and stop_index(self.decode(output_ids), self.params.stop) is not None:
+            return "stop"
+        return None
 
-    def cancel(self, row: int) -> None:
-        """Ends the row's sequence after the current step (safe from any thread)."""
-        with self._lock:
-            self._cancelled.add(row)
+    def cancel(self) -> None:
+        """Ends the sequence before its next step (safe from any thread)."""
+        self._cancelled.set()
 
-    def finished(self, row: int) -> bool:
-        """Whether the engine has ended the row's sequence (EOS, max tokens or this sampler)."""
-        return bool(self._seqs) and self._seqs[row].finished
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
 
-    def finish_reason(self, row: int) -> str:
-        return self._reasons.get(row, "stop")
-
-    def text(self, row: int, output_ids: list[int]) -> str:
-        """The row's text with everything from its first stop string on removed."""
+    def text(self, output_ids: list[int]) -> str:
+        """The sequence's text with everything from its first stop string on removed."""
         text = self.decode(output_ids)
-        cut = stop_index(text, self.params[row].stop)
+        cut = stop_index(text, self.params.stop)
         return text if cut is None else text[:cut]
 
 

@@ -1,11 +1,9 @@
 """The engine thread: the one thread that runs the engine, fed by a bounded queue of requests.
 
-Its loop admits waiting requests into the continuous batcher (serving/batching.py; for a model whose
-runner keeps no per-sequence cache, such as an encoder-decoder, the static batcher of
-serving/static_batching.py, which runs each batch to its end) while the running set has room (slots
-and KV budget; when idle, the first request waits up to max_wait_ms for company so that their
-prompts prefill together), fails requests that waited longer than max_queue_wait_ms, and runs one
-schedule -> run -> update step. A request's first event, through its `emit` callable (called on the
+Its loop admits waiting requests into the batcher (serving/batching.py) while the running set has
+room (max_num_seqs and the KV budget; when idle, the first request waits up to max_wait_ms for
+company so that their prompts prefill together), fails requests that waited longer than
+max_queue_wait_ms, and runs one engine step. A request's first event, through its `emit` callable (called on the
 engine thread), says whether it got in: `Admitted`, or the exception that refused it (too big for
 the KV budget, waited too long, server shutting down); each step's text follows. The worker knows no
 HTTP; a full queue raises `Overloaded`.
@@ -18,14 +16,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from moestream.errors import MoestreamError
-from moestream.serving.batching import BatchingConfig, ContinuousBatcher, KvBudgetError
-from moestream.serving.generation import TextDelta
+from moestream.serving.batching import Batcher, BatchingConfig, KvBudgetError
+from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.metrics import ServerMetrics
-from moestream.serving.sampling import BatchSampler, SamplingParams
-from moestream.serving.static_batching import StaticBatcher
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -34,12 +29,6 @@ POLL_S = 0.05
 class Overloaded(MoestreamError):
     """The server cannot take the request: its queue is full, it waited too long for room, or the
     server is shutting down."""
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A request's first event once the worker has taken it into the batcher (a refused request's
-    first event is the exception that refused it)."""
 
 
 @dataclass(frozen=True)
@@ -54,48 +43,14 @@ class WorkerConfig:
             raise MoestreamError("max_queue must be >= 1, max_wait_ms >= 0 and max_queue_wait_ms > 0")
 
 
-@dataclass
-class Request:
-    """One sequence to generate. emit gets Admitted (or the refusal), then TextDelta records, or an
-    exception if the batch failed."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    emit: Callable[[Admitted | TextDelta | Exception], None]
-    arrived: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    num_tokens: int = 0
-    _sampler: tuple[BatchSampler, int] | None = None
-    _cancelled: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def cancel(self) -> None:
-        """Stops the request: dropped if still queued, ended after the current step if running."""
-        with self._lock:
-            self._cancelled = True
-            if self._sampler is not None:
-                self._sampler[0].cancel(self._sampler[1])
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def attach(self, sampler: BatchSampler, row: int) -> None:
-        with self._lock:
-            self._sampler = sampler, row
-            if self._cancelled:
-                sampler.cancel(row)
-
-
 class EngineWorker:
     def __init__(self, engine, config: WorkerConfig | None = None):
         self.engine = engine
         self.config = config or WorkerConfig()
         self._queue: queue.Queue[Request] = queue.Queue(self.config.max_queue)
         self._head: Request | None = None  # taken from the queue, waiting for room
-        batcher_class = ContinuousBatcher if engine.runner_class.per_sequence_cache else StaticBatcher
-        self.batcher = batcher_class(engine, self.config.batching, self.update)
-        self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.slots),
+        self.batcher = Batcher(engine, self.config.batching, self.update)
+        self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.requests),
                                      lambda: self.batcher.reserved_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
@@ -129,14 +84,14 @@ class EngineWorker:
 
     @property
     def num_running(self) -> int:
-        return len(self.batcher.slots)
+        return len(self.batcher.requests)
 
     def _loop(self) -> None:
         self.engine.store.reset_stats()  # the metrics count from here
         while not self._stop.is_set():
             self.admit()
-            if self.batcher.slots:
-                self.metrics.batch_size.observe(len(self.batcher.slots))
+            if self.batcher.requests:
+                self.metrics.batch_size.observe(len(self.batcher.requests))
                 self.batcher.step()
                 self.metrics.observe_store(self.engine.store.stats())
 
@@ -144,7 +99,7 @@ class EngineWorker:
         """Takes waiting requests in while the batcher has room; an idle engine waits up to POLL_S
         for a first request, then up to max_wait_ms for others. Returns the requests taken in."""
         self._drop_expired()
-        idle = not self.batcher.slots
+        idle = not self.batcher.requests
         admitted = self._admit_ready(block_s=POLL_S if idle else 0.0)
         if idle and admitted:
             deadline = time.perf_counter() + self.config.max_wait_ms / 1e3
@@ -177,7 +132,7 @@ class EngineWorker:
             self._admissible(head)  # fails it
 
     def _room(self) -> bool:
-        return len(self.batcher.slots) < self.batcher.config.num_seqs
+        return len(self.batcher.requests) < self.batcher.config.num_seqs
 
     def _take(self, block_s: float) -> Request | None:
         """The head request if the batcher can take it now (else it stays the head), or None."""

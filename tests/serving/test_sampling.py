@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moestream.serving.sampling import BatchSampler, SamplingError, SamplingParams, sample_token, stop_index
+from moestream.serving.sampling import SamplingError, SamplingParams, SequenceSampler, sample_token, stop_index
 
 
 @pytest.mark.parametrize("fields", [
@@ -47,29 +47,23 @@ def test_the_same_seed_draws_the_same_tokens():
     assert len({sample_token(logits, params, _generator(s)) for s in range(20)}) > 3
 
 
-class _Seq:
-    def __init__(self, ids):
-        self.output_ids, self.finished = ids, False
-
-
-def test_batch_sampler_rows_follow_their_own_params():
+def test_each_sequence_follows_its_own_params():
     logits = torch.randn(2, 30, generator=_generator(0))  # [B, V]
-    sampler = BatchSampler([SamplingParams(), SamplingParams(temperature=1.0, seed=3)], str)
-    tokens = sampler.choose(logits, [_Seq([]), _Seq([])])
-    assert tokens[0] == int(logits[0].argmax())
-    assert tokens[1] == sample_token(logits[1], SamplingParams(temperature=1.0), _generator(3))
+    greedy, sampled = SequenceSampler(SamplingParams(), str), SequenceSampler(SamplingParams(temperature=1.0, seed=3), str)
+    assert greedy.choose(logits[0]) == int(logits[0].argmax())
+    assert sampled.choose(logits[1]) == sample_token(logits[1], SamplingParams(temperature=1.0), _generator(3))
 
 
-def test_stops_on_stop_string_length_and_cancel():
+def test_stops_on_a_stop_string_and_cancel():
+    """max_tokens and EOS end a sequence in the scheduler (tests/runtime/test_scheduler.py)."""
     decode = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731
-    sampler = BatchSampler([SamplingParams(stop=("cd",), max_tokens=9), SamplingParams(max_tokens=2),
-                            SamplingParams(max_tokens=9)], decode)
-    assert not sampler.stops(0, _Seq([0, 2])) and sampler.stops(0, _Seq([0, 2, 3, 4]))
-    assert sampler.finish_reason(0) == "stop" and sampler.text(0, [0, 2, 3, 4]) == "a"
-    assert not sampler.stops(1, _Seq([0])) and sampler.stops(1, _Seq([0, 1]))
-    assert sampler.finish_reason(1) == "length"
-    sampler.cancel(2)
-    assert sampler.stops(2, _Seq([0])) and sampler.finish_reason(2) == "abort"
+    stopping, other = SequenceSampler(SamplingParams(stop=("cd",), max_tokens=9), decode), \
+        SequenceSampler(SamplingParams(max_tokens=9), decode)
+    assert stopping.stop_reason([0, 2]) is None and stopping.stop_reason([0, 2, 3, 4]) == "stop"
+    assert stopping.text([0, 2, 3, 4]) == "a"
+    assert other.stop_reason([0]) is None and not other.cancelled
+    other.cancel()
+    assert other.cancelled and other.stop_reason([0]) == "abort"
 
 
 def test_stop_index_is_the_earliest():

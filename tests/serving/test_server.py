@@ -146,7 +146,7 @@ def _threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if not t.name.startswith("moestream-io")}
 
 
-def test_a_run_leaves_no_tasks_threads_or_slots(engine):
+def test_a_run_leaves_no_tasks_threads_or_running_sequences(engine):
     threads = _threads()
     observers = list(engine.driver.observers)
     streamed = {"prompt": "Leak check", "max_tokens": 300, "temperature": 1.0, "seed": 2, "stream": True}
@@ -189,13 +189,13 @@ def test_a_fresh_server_answers_a_request_over_the_kv_budget_400(engine, stream)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_request_waiting_too_long_for_a_slot_is_a_503(engine, stream):
+def test_a_request_waiting_too_long_for_room_is_a_503(engine, stream):
     config = WorkerConfig(max_wait_ms=0, max_queue_wait_ms=50, batching=BatchingConfig(max_batch_size=1))
     running = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}
     with Server(engine, MODEL, worker_config=config) as server:
         with httpx.stream("POST", server.url + "/v1/completions", json=running, timeout=60) as first:
             lines = first.iter_lines()  # kept: a dropped line iterator closes the stream
-            assert next(line for line in lines if line.startswith("data: "))  # it holds the one slot
+            assert next(line for line in lines if line.startswith("data: "))  # it holds the one place
             body = {"prompt": "x", "max_tokens": 2, "stream": stream}
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as late:
                 late.read()
@@ -203,13 +203,13 @@ def test_a_request_waiting_too_long_for_a_slot_is_a_503(engine, stream):
     assert late.json()["error"]["code"] == "overloaded" and late.json()["error"]["type"] == "server_error"
 
 
-def test_a_client_leaving_while_its_request_waits_for_a_slot_cancels_it(engine):
+def test_a_client_leaving_while_its_request_waits_for_room_cancels_it(engine):
     config = WorkerConfig(max_wait_ms=0, batching=BatchingConfig(max_batch_size=1))
     running = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 1.0, "seed": 1, "stream": True}
     with Server(engine, MODEL, worker_config=config) as server:
         with httpx.stream("POST", server.url + "/v1/completions", json=running, timeout=60) as first:
             lines = first.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))  # it holds the one slot
+            assert next(line for line in lines if line.startswith("data: "))  # it holds the one place
             with pytest.raises(httpx.TimeoutException):  # a streamed request's answer begins once admitted
                 httpx.post(server.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=0.3)
             metrics = _settled(server, 'moestream_requests_total{finish_reason="abort"} 1.0')
@@ -270,6 +270,18 @@ def test_the_api_key_is_required(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+def test_a_streamed_request_needs_the_api_key_too(server, path, body, headers):
+    with httpx.stream("POST", server.url + path, json=body | {"stream": True}, headers=headers, timeout=60) as answer:
+        answer.read()
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    assert "moestream_generated_tokens_total 0.0" in httpx.get(server.url + "/metrics").text  # nothing was generated
+
+
 def test_a_full_queue_answers_429(engine):
     config = WorkerConfig(max_queue=1, max_wait_ms=0, batching=BatchingConfig(max_batch_size=1))
     body = {"prompt": "Busy busy", "max_tokens": 30, "temperature": 0}
@@ -302,7 +314,7 @@ def test_no_threads_are_left_after_shutdown(engine):
 
 def test_a_closed_server_leaves_its_engine_to_the_garbage_collector(serving_checkpoint):
     """FastAPI caches what it learns of every endpoint function for the process's life: routes that closed
-    over the worker kept each engine served (its slots: hundreds of MiB) alive."""
+    over the worker kept each engine served (its expert slots: hundreds of MiB) alive."""
     import gc
     import weakref
 

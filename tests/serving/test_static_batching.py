@@ -11,7 +11,7 @@ from moestream import LLM, SamplingParams
 from moestream.runtime import Engine, EngineConfig
 from moestream.serving.batching import BatchingConfig
 from moestream.serving.server import Server
-from moestream.serving.static_batching import StaticBatcher
+from moestream.runtime.scheduler import StaticBatches
 from moestream.serving.worker import WorkerConfig
 
 PROMPTS = ["The cat sat on", "Experts route tokens", "Once upon a time", "1, 2, 3,"]
@@ -31,7 +31,7 @@ def server(switch_checkpoint):
 
 
 def test_the_worker_batches_an_encoder_decoder_statically(server):
-    assert isinstance(server.worker.batcher, StaticBatcher)
+    assert isinstance(server.worker.batcher.scheduler.rule, StaticBatches)
 
 
 def test_concurrent_streamed_answers_equal_offline_generate(server, switch_checkpoint):

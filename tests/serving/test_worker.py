@@ -9,9 +9,9 @@ import pytest
 
 from moestream.errors import MoestreamError
 from moestream.serving.batching import BatchingConfig, KvBudgetError
-from moestream.serving.generation import TextDelta
+from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.sampling import SamplingParams
-from moestream.serving.worker import Admitted, EngineWorker, Overloaded, Request, WorkerConfig
+from moestream.serving.worker import EngineWorker, Overloaded, WorkerConfig
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def _request(seen=None):
     return Request([1, 2, 3], SamplingParams(max_tokens=2), (seen if seen is not None else []).append)
 
 
-def test_waiting_requests_join_while_there_are_slots(make_worker):
+def test_waiting_requests_join_while_there_is_room(make_worker):
     worker = make_worker(max_wait_ms=0, batching=BatchingConfig(max_batch_size=3))
     requests = [_request() for _ in range(5)]
     for request in requests:

@@ -1,0 +1,116 @@
+"""Continuous batching, as a batching rule of the engine's scheduler (runtime/scheduler.py):
+sequences join and leave the running set between steps.
+
+Each step is either one prefill (the waiting prompts, up to prefill_token_budget tokens) or one
+decode of a batch of running sequences; a prefill never runs twice in a row while sequences decode,
+so decode latency stays bounded by one prefill while prompts arrive. With offloaded experts a
+prefill reads most of every layer's experts, so each one that lands between decode steps costs the
+running sequences about a sweep of the experts: with max_prefill_delay_ms, prompts that arrive while
+sequences decode wait (up to that long since they arrived, or until the running sequences finish)
+and then prefill together, one sweep for all of them, trading time to first token for time per
+output token. When more sequences run than max_batch_size, the token scheduler splits them into
+batches that decode in turn. Each sequence keeps its own KV cache (runtime/kv.py), merged into a
+decode batch's cache when the batch first runs; that merged cache is held while the same sequences
+decode together (no copy per step) and split back into the sequences' own caches only when one of
+them leaves or is regrouped. The rule knows no request, no model and no HTTP.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from moestream.runtime import kv
+from moestream.runtime.runner import BatchCache, Sequence
+from moestream.runtime.scheduler import ScheduledBatch
+from moestream.serving.token_scheduler import RoutingPaths, TokenScheduler
+
+
+@dataclass
+class ContinuousBatches:
+    max_batch_size: int  # sequences per decode step
+    prefill_token_budget: int  # prompt tokens per prefill step (one longer prompt runs alone)
+    max_prefill_delay_ms: float  # while sequences decode, a prompt waits up to this long to prefill
+    grouping: TokenScheduler  # how running sequences are split into decode batches
+    paths: RoutingPaths  # each sequence's routing path, for the grouping
+    device: str
+    clock: Callable[[], float] = time.perf_counter  # the clock of Sequence.arrived
+    _own: dict[int, kv.SeqCache] = field(default_factory=dict)  # by seq id, outside any held batch
+    _held: dict[tuple[int, ...], BatchCache] = field(default_factory=dict)  # merged caches by their seq ids
+    _groups: list[list[int]] = field(default_factory=list)  # seq ids of the decode batches
+    _turn: int = 0
+    _last_prefill: bool = False
+
+    def schedule(self, waiting: list[Sequence], running: list[Sequence]) -> ScheduledBatch | None:
+        if waiting and not (self._last_prefill and running) and self._prefill_due(waiting, running):
+            batch = ScheduledBatch(True, self._prefill_batch(waiting), BatchCache(kv.empty_cache()))
+        elif running:
+            batch = self._decode_batch(self._next_group(running))
+        else:
+            return None
+        self._last_prefill = batch.is_prefill
+        return batch
+
+    def ran(self, batch: ScheduledBatch) -> None:
+        """A prefill's cache is cut into its sequences' own; a decode batch's stays held."""
+        if batch.is_prefill:
+            lengths = [len(s.prompt_ids) for s in batch.seqs]
+            self._own.update(zip((s.seq_id for s in batch.seqs), kv.split(batch.cache.kv, lengths)))
+
+    def release(self, seq: Sequence) -> None:
+        for key in [k for k in self._held if seq.seq_id in k]:
+            self._split(key)
+        self._own.pop(seq.seq_id, None)
+
+    def cached_lengths(self) -> dict[int, int]:
+        lengths = {seq_id: cache.length for seq_id, cache in self._own.items()}
+        for key, held in self._held.items():
+            lengths.update(zip(key, held.mask.sum(-1).tolist()))
+        return lengths
+
+    def cached_bytes(self) -> int:
+        return sum(c.num_bytes for c in self._own.values()) + sum(kv.num_bytes(h.kv) for h in self._held.values())
+
+    def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch:
+        """The batch over its held cache, merged from its sequences' own caches on its first step."""
+        key = tuple(s.seq_id for s in seqs)
+        if key not in self._held:
+            for other in [k for k in self._held if set(k) & set(key)]:
+                self._split(other)
+            cache, mask = kv.merge([self._own.pop(seq_id) for seq_id in key])
+            self._held[key] = BatchCache(cache, mask.to(self.device))
+        return ScheduledBatch(False, seqs, self._held[key])
+
+    def _split(self, key: tuple[int, ...]) -> None:
+        """Splits a held batch back into its sequences' own caches."""
+        held = self._held.pop(key)
+        self._own.update(zip(key, kv.split(held.kv, held.mask.sum(-1).tolist())))
+
+    def _prefill_due(self, waiting: list[Sequence], running: list[Sequence]) -> bool:
+        """Whether the waiting prompts prefill now: nothing decodes, or the oldest has waited long enough."""
+        oldest = min(seq.arrived for seq in waiting)
+        return not running or (self.clock() - oldest) * 1e3 >= self.max_prefill_delay_ms
+
+    def _prefill_batch(self, waiting: list[Sequence]) -> list[Sequence]:
+        batch, tokens = [], 0
+        for seq in waiting[: self.max_batch_size]:
+            if batch and tokens + len(seq.prompt_ids) > self.prefill_token_budget:
+                break
+            batch.append(seq)
+            tokens += len(seq.prompt_ids)
+        return batch
+
+    def _next_group(self, running: list[Sequence]) -> list[Sequence]:
+        """The next decode batch in turn; batches are regrouped when the running set changed."""
+        by_id = {s.seq_id: s for s in running}
+        if sorted(by_id) != sorted(i for group in self._groups for i in group):
+            paths = np.stack([self.paths.path(s.seq_id) for s in running])  # [N, L * E]
+            self._groups = [[running[row].seq_id for row in group]
+                            for group in self.grouping.group(paths, self.max_batch_size)]
+            self._turn = 0
+        group = self._groups[self._turn % len(self._groups)]
+        self._turn += 1
+        return [by_id[i] for i in group]
