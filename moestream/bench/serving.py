@@ -89,10 +89,12 @@ def run(args) -> int:
         raise MoestreamError(f"--min-requests must be >= 1, got {args.min_requests}")
     require_serve_extra()
     from moestream.atomic import write_json
+    from moestream.bench.engine.plan import checkpoint_line
     from moestream.cli.demo import demo_checkpoint
     from moestream.serving import workload
 
     model = args.model or demo_checkpoint(args.small)
+    print(checkpoint_line(model), flush=True)
     trace = workload.read_trace(workload.trace_path(args.trace, args.data_dir))
     prompts = workload.prompt_texts(args.data_dir)
     runs = [_serve_and_replay(model, "1.0", "lru", rates[0], trace, prompts, args) | {"policy": "all-resident"}]
