@@ -68,17 +68,19 @@ def meta_model(spec: ModelSpec, config: PretrainedConfig) -> torch.nn.Module:
         return auto_class.from_config(config, dtype=DTYPES[spec.dtype])
 
 
-def disk_tensors(model: torch.nn.Module) -> list[TensorPlan]:
-    """The tensors save_pretrained writes for `model`: tied copies and ignored keys left out, the
-    family's in-memory layout converted back to its on-disk one."""
+def disk_tensors(model: torch.nn.Module) -> list[list[TensorPlan]]:
+    """The tensors save_pretrained writes for `model` (tied copies and ignored keys left out), in units:
+    the tensors each in-memory tensor is saved as (a layer's fused experts become one unit of
+    per-expert tensors in most families), which writing keeps in one shard."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     state = model.state_dict()
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
-    state = revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
-    return [TensorPlan(name, tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()]
+    state = remove_tied_weights_from_state_dict(state, model)
+    units = [revert_weight_conversion(model, {key: tensor}) for key, tensor in state.items()]
+    return [[TensorPlan(name, tuple(t.shape), t.dtype) for name, t in unit.items()] for unit in units]
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -148,10 +150,10 @@ def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path) ->
     train_tokenizer(spec.tokenizer_vocab_size or spec.vocab_size).save_pretrained(directory)
 
 
-def write_weights(tensors: list[TensorPlan], fill: writer.Fill, directory: Path, max_shard_bytes: int | None,
+def write_weights(units: list[list[TensorPlan]], fill: writer.Fill, directory: Path, max_shard_bytes: int | None,
                   workers: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
-    """The safetensors shards (and their index when there are several) of `tensors`."""
-    shards = writer.plan_shards(tensors, max_shard_bytes)
+    """The safetensors shards (and their index when there are several) of the units' tensors."""
+    shards = writer.plan_shards(units, max_shard_bytes)
     names = writer.shard_names(len(shards))
     for shard, name in zip(shards, names):
         writer.write_shard(directory / name, shard, fill, workers, on_bytes)
@@ -165,11 +167,11 @@ def _write(spec: ModelSpec, directory: Path, progress: bool, workers: int) -> No
     config = make_config(spec)  # config and tokenizer first: their errors come before any progress output
     model = meta_model(spec, config)
     _write_metadata(spec, model, directory)
-    tensors = disk_tensors(model)
-    total = sum(tensor.nbytes for tensor in tensors)
+    units = disk_tensors(model)
+    total = sum(tensor.nbytes for unit in units for tensor in unit)
     with progress_bar(total=total, desc=f"make-model {spec.family}", disable=not progress, unit="B",
                       unit_scale=True) as bar:
-        write_weights(tensors, filler(spec, config), directory, spec.max_shard_bytes, workers, bar.update)
+        write_weights(units, filler(spec, config), directory, spec.max_shard_bytes, workers, bar.update)
     with progress_bar(total=total, desc="manifest", disable=not progress, unit="B", unit_scale=True) as bar:
         # writes moestream-manifest.json: the digests of what was just written
         verify(directory, bar.update, on_start=lambda shard_bytes: bar.reset(total=shard_bytes))

@@ -12,7 +12,6 @@ not what fills them or which model they belong to.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -49,22 +48,19 @@ class TensorPlan:
 Fill = Callable[[TensorPlan], torch.Tensor]  # the tensor's values: contiguous, of its shape and dtype
 
 
-def natural_key(name: str) -> list:
-    """Sort key that orders layer numbers numerically (layers.2 before layers.10)."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def plan_shards(tensors: list[TensorPlan], max_shard_bytes: int | None) -> list[list[TensorPlan]]:
-    """Tensors in natural name order, cut into shards of at most max_shard_bytes (a tensor is never split:
-    one larger than the limit gets a shard of its own). None: one shard."""
+def plan_shards(units: list[list[TensorPlan]], max_shard_bytes: int | None) -> list[list[TensorPlan]]:
+    """Units of tensors (each kept in one shard: e.g. the tensors one fused in-memory tensor is saved as),
+    in order, cut into shards of at most max_shard_bytes; a unit larger than the limit gets a shard of
+    its own. None: one shard."""
     shards: list[list[TensorPlan]] = [[]]
     size = 0
-    for tensor in sorted(tensors, key=lambda t: natural_key(t.name)):
-        if max_shard_bytes is not None and shards[-1] and size + tensor.nbytes > max_shard_bytes:
+    for unit in units:
+        unit_bytes = sum(tensor.nbytes for tensor in unit)
+        if max_shard_bytes is not None and shards[-1] and size + unit_bytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(tensor)
-        size += tensor.nbytes
+        shards[-1].extend(unit)
+        size += unit_bytes
     return shards
 
 

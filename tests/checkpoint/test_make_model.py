@@ -197,7 +197,7 @@ def test_what_it_writes_has_the_permissions_of_a_plain_write(tmp_path, umask, di
 def _planned(spec):
     """(config, tensors) make-model would write for spec, nothing written."""
     config = make_config(spec)
-    return config, disk_tensors(meta_model(spec, config))
+    return config, [tensor for unit in disk_tensors(meta_model(spec, config)) for tensor in unit]
 
 
 def test_the_deepseek_v2_lite_preset_has_its_real_shape():

@@ -1,5 +1,5 @@
 """The tensor-at-a-time safetensors writer: files safetensors reads back value for value, every tensor
-aligned, shards cut at tensor boundaries, and never more than a few tensors produced ahead."""
+aligned, shards cut between units of tensors, and never more than a few tensors produced ahead."""
 
 import json
 import struct
@@ -47,15 +47,16 @@ def test_a_fill_of_the_wrong_shape_or_dtype_is_refused(tmp_path):
         writer.write_shard(tmp_path / "x.safetensors", TENSORS[1:2], lambda t: torch.zeros(t.shape, dtype=torch.float64), 1)
 
 
-def test_shards_hold_whole_tensors_in_natural_order_up_to_the_limit():
+def test_shards_keep_each_unit_whole_in_order_up_to_the_limit():
     tensors = [TensorPlan(f"layers.{i}.w", (10,), torch.float32) for i in (10, 2, 1)]  # 40 bytes each
-    shards = writer.plan_shards(tensors + [TensorPlan("big", (100,), torch.float32)], max_shard_bytes=90)
-    assert [[t.name for t in shard] for shard in shards] == [["big"], ["layers.1.w", "layers.2.w"], ["layers.10.w"]]
-    assert len(writer.plan_shards(tensors, None)) == 1
+    big = TensorPlan("big", (100,), torch.float32)
+    shards = writer.plan_shards([[tensors[0]], [big], tensors[1:]], 90)
+    assert [[t.name for t in shard] for shard in shards] == [["layers.10.w"], ["big"], ["layers.2.w", "layers.1.w"]]
+    assert len(writer.plan_shards([tensors, [big]], None)) == 1
     assert writer.shard_names(1) == ["model.safetensors"]
     assert writer.shard_names(2) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     index = writer.index(shards, writer.shard_names(len(shards)))
-    assert index["metadata"]["total_size"] == 520 and index["weight_map"]["layers.10.w"].startswith("model-00003")
+    assert index["metadata"]["total_size"] == 520 and index["weight_map"]["layers.1.w"].startswith("model-00003")
 
 
 def test_at_most_two_tensors_per_worker_are_produced_ahead_of_the_file(tmp_path):
