@@ -8,7 +8,7 @@
 #   4. a table of every run.
 # Each step runs under its own timeout (capped by what is left of GPU_CHECK_BUDGET_S), so one failure
 # or overrun loses only that step; a budget's figures come with its own call, so a late timeout loses
-# only the last budget. Everything goes to $OUT: env.txt, <step>.log, steps.tsv (step,
+# only the last budget. Everything goes to $OUT: <step>.log (env.log: machine and versions), steps.tsv (step,
 # exit status, seconds), tests.xml, bench-engine-*.json, table.md.
 #
 # Run from the repository root (moestream need not be installed: PYTHONPATH is set to it):
@@ -94,7 +94,9 @@ make_checkpoint() {
     echo "reusing the checkpoint at $CKPT"
     return 0
   fi
-  rm -rf "$CKPT" && mkdir -p "$(dirname "$CKPT")" || return 1
+  # a write killed by its timeout leaves its staging directory (.NAME.partial-*) beside the checkpoint
+  rm -rf "$CKPT" "$(dirname "$CKPT")/.$(basename "$CKPT").partial-"* && mkdir -p "$(dirname "$CKPT")" || return 1
+  df -h "$(dirname "$CKPT")" | tail -1
   # shellcheck disable=SC2086  # MAKE_ARGS: flags without spaces
   "$PY" -m moestream make-model $MAKE_ARGS --out "$CKPT" && sync
 }
