@@ -82,7 +82,7 @@ environment() {
   date -u
   git log -1 --oneline 2>/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  nproc; free -g; df -h "$(dirname "$CKPT")" 2>/dev/null || df -h /tmp
+  nproc; free -g; df -hT "$(dirname "$CKPT")" 2>/dev/null || df -hT /tmp
   "$PY" -c "import sys, torch, transformers, safetensors; print(sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'safetensors', safetensors.__version__)"
   "$PY" -c "import pytest; print('pytest', pytest.__version__)" 2>&1 | tail -1
