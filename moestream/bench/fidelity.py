@@ -54,6 +54,7 @@ def run(args) -> int:
 def compare(args) -> dict:
     from moestream.bench.engine.spec import RunSpec
     from moestream.bench.engine.isolation import run_isolated
+    from moestream.bench.engine.plan import checkpoint_line
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS, demo_checkpoint
     from moestream.errors import MoestreamError
@@ -62,6 +63,7 @@ def compare(args) -> dict:
         raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
     model = args.model or demo_checkpoint(args.small)
     topology = build_index(model).topology
+    print(checkpoint_line(model), flush=True)
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync,
                    reorder=not args.no_reorder, prompts=PROMPTS,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=not args.buffered_io,

@@ -90,10 +90,12 @@ def run(args) -> int:
         raise MoestreamError(f"--min-requests must be >= 1, got {args.min_requests}")
     require_serve_extra()
     from moestream.atomic import write_json
+    from moestream.bench.engine.plan import checkpoint_line
     from moestream.cli.demo import demo_checkpoint
     from moestream.serving import workload
 
     model = args.model or demo_checkpoint(args.small)
+    print(checkpoint_line(model), flush=True)
     data = resolve_data_dir(args.data_dir)
     print(data.describe(), file=sys.stderr)
     trace = workload.read_trace(workload.trace_path(args.trace, data.path))

@@ -89,6 +89,7 @@ def _check(args) -> int:
 def _record(args) -> tuple[Timeline, StepStarts]:
     import torch
 
+    from moestream.bench.engine.plan import checkpoint_line
     from moestream.bench.engine.runners import make_policy, shards
     from moestream.bench.engine.spec import RunSpec
     from moestream.checkpoint.index import build_index
@@ -98,6 +99,7 @@ def _record(args) -> tuple[Timeline, StepStarts]:
 
     torch.set_num_threads(args.threads)
     model = str(args.model or demo_checkpoint(args.small))
+    print(checkpoint_line(model), flush=True)
     config = EngineConfig(expert_budget=args.budget, direct_io=not args.buffered_io, sync=args.sync,
                           policy=args.policy, replay_routing=args.replay_routing)
     spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))

@@ -1,34 +1,46 @@
 """Write a randomly initialised MoE checkpoint of any supported family, in the family's real on-disk
-format (transformers' own save_pretrained), with a small byte-level BPE tokenizer.
+format (the tensors transformers' save_pretrained writes), with a small byte-level BPE tokenizer and
+the integrity manifest (`moestream verify`'s).
 
-The checkpoint is built in a temporary directory beside the output and renamed into place, so an
-interrupted run leaves no partial checkpoint. It knows families only through their adapters.
+The model is never built in memory: its tensors' names, shapes and dtypes come from the model on
+the meta device with transformers' own save-time conversion (fused experts back to the family's
+per-expert tensors), and each tensor is filled when the writer reaches it (`writer.py`): a 31 GB
+checkpoint is written in a few hundred MiB. Values are seeded per tensor (spec.seed and the
+tensor's name), so the bytes do not depend on the number of workers: norm weights 1, biases 0,
+tensors the family asks for noise N(0, NOISE_STD), everything else N(0, initializer_range) (T5's
+convention where the config has it instead), drawn in the tensor's own dtype. The checkpoint is built in a temporary directory beside the output and
+renamed into place, so an interrupted run leaves no partial checkpoint. It knows families only
+through their adapters.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
-from moestream.progress import progress_bar
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from moestream.atomic import make_readable, staging_dir
+from moestream.atomic import make_readable, staging_dir, write_json
+from moestream.checkpoint import writer
 from moestream.checkpoint.spec import ModelSpec, demo_spec
 from moestream.checkpoint.tokenizer import SpecialTokenIds, train_tokenizer
+from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import CheckpointError
+from moestream.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelSpec", "build_model", "demo_spec", "make_config", "make_model"]
+__all__ = ["ModelSpec", "demo_spec", "disk_tensors", "make_config", "make_model"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NOISE_STD = 0.05  # spread of the tensors a family asks to fill with noise (biases transformers zeroes)
+DEFAULT_STD = 0.02  # for a config without initializer_range
 
 
 def make_config(spec: ModelSpec) -> PretrainedConfig:
@@ -49,31 +61,78 @@ def make_config(spec: ModelSpec) -> PretrainedConfig:
     return config
 
 
-def build_model(spec: ModelSpec, config: PretrainedConfig) -> torch.nn.Module:
-    """The randomly initialised model, seeded by spec.seed without touching the global RNG state."""
-    adapter = spec.adapter()
-    auto_class = getattr(transformers, adapter.auto_class)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = auto_class.from_config(config, dtype=DTYPES[spec.dtype])
-        generator = torch.Generator().manual_seed(spec.seed + 1)
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith(adapter.noise_init):
-                    tensor.copy_((torch.randn(tensor.shape, generator=generator) * NOISE_STD).to(tensor.dtype))
-    return model.eval()
+def meta_model(spec: ModelSpec, config: PretrainedConfig) -> torch.nn.Module:
+    """The model on the meta device: its structure, dtypes and final config, no memory."""
+    auto_class = getattr(transformers, spec.adapter().auto_class)
+    with torch.device("meta"):
+        return auto_class.from_config(config, dtype=DTYPES[spec.dtype])
 
 
-@contextlib.contextmanager
-def _transformers_progress(enabled: bool):
-    """Show transformers' own progress bars only when asked (restores the previous setting)."""
-    bars = transformers.utils.logging
-    was_enabled = bars.is_progress_bar_enabled()
-    (bars.enable_progress_bar if enabled else bars.disable_progress_bar)()
-    try:
-        yield
-    finally:
-        (bars.enable_progress_bar if was_enabled else bars.disable_progress_bar)()
+def disk_tensors(model: torch.nn.Module) -> list[list[TensorPlan]]:
+    """The tensors save_pretrained writes for `model` (tied copies and ignored keys left out), in units:
+    the tensors each in-memory tensor is saved as (a layer's fused experts become one unit of
+    per-expert tensors in most families), which writing keeps in one shard."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    units = [revert_weight_conversion(model, {key: tensor}) for key, tensor in state.items()]
+    return [[TensorPlan(name, tuple(t.shape), t.dtype) for name, t in unit.items()] for unit in units]
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A generator seed of its own for each tensor (stable across runs, machines and worker counts)."""
+    digest = hashlib.blake2b(f"moestream:{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def init_kind(name: str, noise_suffixes: tuple[str, ...]) -> str:
+    """How a tensor is filled: "noise", "ones" (norm weights), "zeros" (biases) or "normal"."""
+    if name.endswith(noise_suffixes):
+        return "noise"
+    module, _, leaf = name.rpartition(".")
+    if leaf == "weight" and "norm" in module.rpartition(".")[2]:
+        return "ones"
+    return "zeros" if leaf == "bias" or leaf.endswith("_bias") else "normal"
+
+
+def filler(spec: ModelSpec, config: PretrainedConfig) -> writer.Fill:
+    """The function that gives each planned tensor its values."""
+    noise = tuple(spec.adapter().noise_init)
+    scales = _scales(config)
+
+    def fill(tensor: TensorPlan) -> torch.Tensor:
+        kind = init_kind(tensor.name, noise)
+        if kind == "zeros":
+            return torch.zeros(tensor.shape, dtype=tensor.dtype)
+        if kind == "ones":
+            return torch.full(tensor.shape, scales(tensor, kind), dtype=tensor.dtype)
+        generator = torch.Generator().manual_seed(tensor_seed(spec.seed, tensor.name))
+        values = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        return values.mul_(scales(tensor, kind))
+
+    return fill
+
+
+def _scales(config: PretrainedConfig) -> Callable[[TensorPlan, str], float]:
+    """A tensor's std (its value for norm weights). Configs with an initializer_range: that std, norms 1.
+    T5's convention (initializer_factor F, as switch_transformers): norms F, embeddings, output head and
+    routers N(0, F), other weights N(0, F / sqrt(fan in))."""
+    factor = getattr(config, "initializer_factor", None)
+    if getattr(config, "initializer_range", None) or factor is None:
+        std = float(getattr(config, "initializer_range", None) or DEFAULT_STD)
+        return lambda tensor, kind: {"ones": 1.0, "noise": NOISE_STD}.get(kind, std)
+
+    def t5_scale(tensor: TensorPlan, kind: str) -> float:
+        if kind in ("ones", "noise"):
+            return factor if kind == "ones" else NOISE_STD
+        whole_rows = tensor.shape[0] == config.vocab_size or "router" in tensor.name
+        return factor if whole_rows or len(tensor.shape) < 2 else factor * tensor.shape[-1] ** -0.5
+
+    return t5_scale
 
 
 def _check_out(out: Path) -> None:
@@ -81,27 +140,56 @@ def _check_out(out: Path) -> None:
         raise CheckpointError(f"output {out} already exists and is not an empty directory")
 
 
-def _write(spec: ModelSpec, directory: Path, progress: bool) -> None:
+def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path) -> None:
+    """config.json, generation_config.json and the tokenizer, as save_pretrained writes them."""
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(directory)
+    if model.can_generate():
+        GenerationConfig.from_model_config(config).save_pretrained(directory)
+    train_tokenizer(spec.tokenizer_vocab_size or spec.vocab_size).save_pretrained(directory)
+
+
+def write_weights(units: list[list[TensorPlan]], fill: writer.Fill, directory: Path, max_shard_bytes: int | None,
+                  workers: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+    """The safetensors shards (and their index when there are several) of the units' tensors."""
+    shards = writer.plan_shards(units, max_shard_bytes)
+    names = writer.shard_names(len(shards))
+    for shard, name in zip(shards, names):
+        writer.write_shard(directory / name, shard, fill, workers, on_bytes)
+    if len(shards) > 1:
+        write_json(writer.index(shards, names), directory / writer.INDEX_FILE)
+
+
+def _write(spec: ModelSpec, directory: Path, progress: bool, workers: int) -> None:
+    from moestream.checkpoint.verify import verify
+
     config = make_config(spec)  # config and tokenizer first: their errors come before any progress output
-    tokenizer = train_tokenizer(spec.vocab_size)
-    stages = progress_bar(total=3, desc=f"make-model {spec.family}", disable=not progress, unit="step")
-    with stages, _transformers_progress(progress):
-        model = build_model(spec, config)
-        stages.update()
-        model.save_pretrained(directory, max_shard_size=spec.max_shard_bytes or "1000GB")
-        stages.update()
-        tokenizer.save_pretrained(directory)
-        stages.update()
+    model = meta_model(spec, config)
+    _write_metadata(spec, model, directory)
+    units = disk_tensors(model)
+    total = sum(tensor.nbytes for unit in units for tensor in unit)
+    with progress_bar(total=total, desc=f"make-model {spec.family}", disable=not progress, unit="B",
+                      unit_scale=True) as bar:
+        write_weights(units, filler(spec, config), directory, spec.max_shard_bytes, workers, bar.update)
+    with progress_bar(total=total, desc="manifest", disable=not progress, unit="B", unit_scale=True) as bar:
+        # writes moestream-manifest.json: the digests of what was just written
+        verify(directory, bar.update, on_start=lambda shard_bytes: bar.reset(total=shard_bytes))
 
 
-def make_model(spec: ModelSpec, out: str | Path, progress: bool = False) -> Path:
-    """Write the checkpoint `spec` describes to directory `out` (absent or empty); returns `out`."""
+def default_workers() -> int:
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def make_model(spec: ModelSpec, out: str | Path, progress: bool = False, workers: int | None = None) -> Path:
+    """Write the checkpoint `spec` describes to directory `out` (absent or empty); returns `out`.
+    workers: threads filling tensors (default: the CPUs this process may use, at most 16)."""
     out = Path(out)
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(out, "partial")
     try:
-        _write(spec, tmp, progress)
+        _write(spec, tmp, progress, workers or default_workers())
         make_readable(tmp)
         _check_out(out)
         if out.exists():

@@ -1,11 +1,12 @@
-"""What `moestream make-model` writes: a validated ModelSpec, and the demo checkpoint's settings.
+"""What `moestream make-model` writes: a validated ModelSpec, the presets of real models' shapes
+(`PRESETS`), a width scale, and the demo checkpoint's settings.
 
 Light to import (no torch or transformers), so the CLI can build its parser quickly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES, FamilyAdapter
@@ -31,6 +32,7 @@ class ModelSpec:
     dtype: str = "fp32"
     max_shard_bytes: int | None = None
     config_overrides: dict = field(default_factory=dict)  # extra config fields, applied last
+    tokenizer_vocab_size: int | None = None  # a tokenizer smaller than the embedding (None: vocab_size)
 
     def __post_init__(self):
         adapter = self.adapter()
@@ -49,6 +51,9 @@ class ModelSpec:
                                   f"(need >= {MIN_VOCAB_SIZE})")
         if self.dtype not in DTYPE_NAMES:
             raise CheckpointError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+        if self.tokenizer_vocab_size is not None and not MIN_VOCAB_SIZE <= self.tokenizer_vocab_size <= self.vocab_size:
+            raise CheckpointError(f"tokenizer vocab size {self.tokenizer_vocab_size} must be between "
+                                  f"{MIN_VOCAB_SIZE} and the vocab size ({self.vocab_size})")
         if self.max_shard_bytes is not None and self.max_shard_bytes < 1:
             raise CheckpointError(f"max shard bytes must be >= 1, got {self.max_shard_bytes}")
 
@@ -78,3 +83,49 @@ def demo_spec() -> ModelSpec:
         max_shard_bytes=256 * 2**20,
         config_overrides=dict(n_shared_experts=2, topk_method="greedy", n_group=1, topk_group=1),
     )
+
+
+# DeepSeek-V2-Lite's config.json fields that shape the model (beyond ModelSpec's own): 27 layers, layer 0
+# dense (width 10944), 64 routed experts of width 1408 (top-6, greedy softmax routing) and 2 shared,
+# multi-head latent attention with 16 heads, kv_lora_rank 512, no q LoRA, YaRN rope.
+DEEPSEEK_V2_LITE_FIELDS = dict(
+    n_shared_experts=2, first_k_dense_replace=1, intermediate_size=10944, topk_method="greedy", n_group=1,
+    topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, num_attention_heads=16, num_key_value_heads=16,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=0.707, mscale_all_dim=0.707),
+)
+WIDTH_FIELDS = ("num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank")  # scale with hidden
+
+
+def deepseek_v2_lite_spec() -> ModelSpec:
+    """DeepSeek-V2-Lite's full shape (bf16): 17.3 MB per routed expert, 28.8 GB of routed experts, about
+    31.4 GB in all. The tokenizer is the packaged one (1024 tokens) under the real 102400-row embedding."""
+    return ModelSpec(
+        family="deepseek_v2", num_layers=27, num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1408,
+        vocab_size=102400, tokenizer_vocab_size=1024, dtype="bf16", max_shard_bytes=4 * 2**30,
+        config_overrides=dict(DEEPSEEK_V2_LITE_FIELDS),
+    )
+
+
+PRESETS = {"deepseek-v2-lite": deepseek_v2_lite_spec}
+
+
+def preset_spec(name: str) -> ModelSpec:
+    if name not in PRESETS:
+        raise CheckpointError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def width_scaled(spec: ModelSpec, factor: float) -> ModelSpec:
+    """The spec with its hidden width (and the attention widths that follow it: heads, LoRA ranks)
+    scaled by `factor`; experts keep their width. 0.5 on DeepSeek-V2-Lite: hidden 1024, 8.65 MB experts."""
+    if not 0.0 < factor <= 64.0:
+        raise CheckpointError(f"width scale must be in (0, 64], got {factor}")
+    hidden = max(16, int(round(spec.hidden_size * factor / 16)) * 16)
+    overrides = dict(spec.config_overrides)
+    for name in WIDTH_FIELDS:
+        if overrides.get(name):
+            overrides[name] = max(1, int(round(overrides[name] * factor)))
+    return replace(spec, hidden_size=hidden, config_overrides=overrides)

@@ -1,8 +1,12 @@
-"""`moestream make-model FAMILY --out DIR`: write a random test checkpoint in the family's real format."""
+"""`moestream make-model [FAMILY] --out DIR`: write a random test checkpoint in the family's real format,
+or one of a real model's shape (`--preset deepseek-v2-lite`, `--width-scale 0.5`)."""
 
 from __future__ import annotations
 
-from moestream.checkpoint.spec import ModelSpec
+from dataclasses import replace
+
+from moestream.checkpoint.spec import PRESETS, ModelSpec
+from moestream.errors import CheckpointError
 from moestream.families import FAMILIES
 
 
@@ -14,49 +18,61 @@ HELP = {
     "intermediate-size": "width of one routed expert",
     "vocab-size": "tokenizer and embedding size",
     "seed": "random init seed",
-    "max-shard-bytes": "split weights into safetensors shards of about this size (default: one file); transformers "
-                       "keeps each of its tensors whole, and a layer's experts are one tensor in memory, so a shard "
-                       "holds at least one layer's experts",
+    "max-shard-bytes": "split weights into safetensors shards of about this size (default: one file); a tensor "
+                       "is never split",
 }
 
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "make-model", help="write a randomly initialised MoE checkpoint (safetensors + tokenizer)"
+        "make-model", help="write a randomly initialised MoE checkpoint (safetensors + tokenizer + manifest)"
     )
-    parser.add_argument("family", help=f"transformers model_type: {', '.join(FAMILIES.names())}")
+    parser.add_argument("family", nargs="?", help=f"transformers model_type: {', '.join(FAMILIES.names())} "
+                                                  "(or --preset)")
     parser.add_argument("--out", required=True, help="output directory (must be absent or empty)")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="a real model's full shape (deepseek-v2-lite: 31 GB); flags below override its fields")
+    parser.add_argument("--width-scale", type=float, metavar="F",
+                        help="scale the hidden width (and attention widths) by F; experts keep their width "
+                             "(0.5 on deepseek-v2-lite: 8.65 MB experts, 14.4 GB of them)")
+    parser.add_argument("--workers", type=int, help="threads filling tensors (default: this machine's CPUs, "
+                                                    "at most 16)")
     defaults = ModelSpec.__dataclass_fields__
     for flag, text in HELP.items():
         default = defaults[flag.replace("-", "_")].default
         shown = "" if default is None else f" (default: {default})"
-        parser.add_argument(f"--{flag}", type=int, default=default, help=text + shown)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults["dtype"].default,
-                        help="the weights' type on disk")
+        parser.add_argument(f"--{flag}", type=int, help=text + shown)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"),
+                        help=f"the weights' type on disk (default: {defaults['dtype'].default})")
     parser.set_defaults(handler=run)
 
 
+def spec_from_args(args) -> ModelSpec:
+    """The preset (or the family's defaults), the flags given over it, then the width scale."""
+    from moestream.checkpoint.spec import preset_spec, width_scaled
+
+    if args.preset is None and args.family is None:
+        raise CheckpointError("make-model needs a FAMILY or --preset")
+    base = preset_spec(args.preset) if args.preset else ModelSpec(family=args.family)
+    if args.family is not None and args.family != base.family:
+        raise CheckpointError(f"--preset {args.preset} is a {base.family} model, not {args.family}")
+    given = {flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in (*HELP, "dtype")}
+    spec = replace(base, **{name: value for name, value in given.items() if value is not None})
+    return spec if args.width_scale is None else width_scaled(spec, args.width_scale)
+
+
 def run(args) -> int:
-    spec = ModelSpec(
-        family=args.family,
-        num_layers=args.num_layers,
-        num_experts=args.num_experts,
-        top_k=args.top_k,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        vocab_size=args.vocab_size,
-        seed=args.seed,
-        dtype=args.dtype,
-        max_shard_bytes=args.max_shard_bytes,
-    )
+    if args.workers is not None and args.workers < 1:
+        raise CheckpointError(f"--workers must be >= 1, got {args.workers}")
+    spec = spec_from_args(args)
     from moestream.checkpoint.index import build_index  # heavy (torch, transformers): only when run
     from moestream.checkpoint.make_model import make_model
 
-    out = make_model(spec, args.out, progress=True)
+    out = make_model(spec, args.out, progress=True, workers=args.workers)
     topology = build_index(out).topology
     print(
         f"wrote {spec.family} checkpoint to {out}: {topology.num_layers} MoE layers x {topology.num_experts} experts "
         f"(top-{topology.top_k}), {topology.expert_bytes} bytes per expert, "
-        f"{topology.total_expert_bytes / 2**20:.1f} MiB of routed experts"
+        f"{topology.total_expert_bytes / 2**20:.1f} MiB of routed experts, with its integrity manifest"
     )
     return 0

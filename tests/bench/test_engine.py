@@ -4,6 +4,7 @@ every figure sane. Figures themselves are the benchmark's business, not the test
 import json
 
 import pytest
+import torch
 
 from moestream.checkpoint.index import build_index
 from moestream.cli import main
@@ -72,3 +73,22 @@ def test_every_figure_is_sane(small_bench):
     assert offloaded[2]["routed_expert_ms"] is None  # transformers + accelerate: no expert of ours
     assert record["cost_model"]["layer_compute_ms"] > 0 and record["cost_model"]["disk_to_host_gbps"] > 0
     assert record["memory_cap"]["requested"] == "auto" and record["memory_cap"]["reason"]
+
+
+@pytest.mark.slow
+def test_the_document_says_which_checkpoint_and_device_it_ran(small_bench):
+    _, record = small_bench
+    assert record["device"] == "cpu" and record["prompts"] == 4 and record["model"].endswith("demo-small")
+    assert record["checkpoint"].startswith("2 MoE layers x 16 experts (top-6)")
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--device", "gpu"], "unknown device 'gpu'"),
+    (["--prompts", "5"], "--prompts must be between 1 and 4"),
+    pytest.param(["--device", "cuda"], "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
+])
+def test_a_bad_device_or_prompt_count_is_one_error_line(capsys, flags, problem):
+    assert main(["bench", "engine", "--small", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and problem in err[0] and "Traceback" not in err[0]

@@ -6,12 +6,14 @@ from pathlib import Path
 import numpy as np
 
 from moestream.checkpoint.index import build_index
+from moestream.checkpoint.manifest import MANIFEST_FILE
 
 DAMAGE_BYTES = 4096
 
 
 def copy_checkpoint(source: Path, target: Path) -> Path:
-    shutil.copytree(source, target)
+    """A copy as a download would be: make-model's integrity manifest left out (verify writes one)."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(MANIFEST_FILE))
     return target
 
 

@@ -1,5 +1,6 @@
 """`make_model` writes real-format checkpoints of every family that plain transformers loads, with
-each family's routing specifics, varied routing, non-degenerate greedy output, and atomic writes."""
+each family's routing specifics, varied routing, non-degenerate greedy output, atomic writes, its
+integrity manifest, and real models' shapes (presets, width scale) planned without building them."""
 
 import hashlib
 import os
@@ -9,9 +10,12 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from moestream.checkpoint import make_model as make_model_module
-from moestream.checkpoint.make_model import demo_spec, make_config, make_model
-from moestream.checkpoint.spec import ModelSpec
+from moestream.checkpoint import writer
+from moestream.checkpoint.index import build_index
+from moestream.checkpoint.make_model import demo_spec, disk_tensors, make_config, make_model, meta_model
+from moestream.checkpoint.manifest import load_manifest
+from moestream.checkpoint.spec import ModelSpec, deepseek_v2_lite_spec, width_scaled
+from moestream.checkpoint.verify import verify
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES
 
@@ -125,17 +129,13 @@ def test_refuses_a_non_empty_output_but_fills_an_empty_one(tmp_path):
 
 
 def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
-    real_build = make_model_module.build_model
+    real_write = writer.write_shard
 
-    class Interrupting:
-        def __init__(self, model):
-            self.model = model
+    def interrupting(*args, **kwargs):
+        real_write(*args, **kwargs)
+        raise KeyboardInterrupt
 
-        def save_pretrained(self, directory, **kwargs):
-            self.model.save_pretrained(directory, **kwargs)
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(make_model_module, "build_model", lambda *a: Interrupting(real_build(*a)))
+    monkeypatch.setattr(writer, "write_shard", interrupting)
     with pytest.raises(KeyboardInterrupt):
         make_model(ModelSpec("mixtral", num_layers=1, hidden_size=16, intermediate_size=8), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
@@ -192,3 +192,54 @@ def test_what_it_writes_has_the_permissions_of_a_plain_write(tmp_path, umask, di
         os.umask(before)
     assert out.stat().st_mode & 0o777 == directory
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: files for p in out.iterdir()}
+
+
+def _planned(spec):
+    """(config, tensors) make-model would write for spec, nothing written."""
+    config = make_config(spec)
+    return config, [tensor for unit in disk_tensors(meta_model(spec, config)) for tensor in unit]
+
+
+def test_the_deepseek_v2_lite_preset_has_its_real_shape():
+    config, tensors = _planned(deepseek_v2_lite_spec())
+    assert (config.num_hidden_layers, config.first_k_dense_replace, config.n_routed_experts) == (27, 1, 64)
+    assert (config.num_experts_per_tok, config.n_shared_experts, config.hidden_size) == (6, 2, 2048)
+    assert (config.moe_intermediate_size, config.intermediate_size, config.kv_lora_rank) == (1408, 10944, 512)
+    assert (config.num_attention_heads, config.vocab_size, config.topk_method) == (16, 102400, "greedy")
+    experts = [t for t in tensors if ".mlp.experts." in t.name]
+    assert len(experts) == 26 * 64 * 3 and {t.dtype for t in experts} == {torch.bfloat16}
+    assert sum(t.nbytes for t in experts) == 26 * 64 * 17_301_504  # 3 x 2048 x 1408 x 2 bytes each
+    assert 31.0e9 < sum(t.nbytes for t in tensors) < 31.5e9
+
+
+def test_half_width_halves_the_hidden_width_and_keeps_expert_width():
+    config, tensors = _planned(width_scaled(deepseek_v2_lite_spec(), 0.5))
+    assert (config.hidden_size, config.num_attention_heads, config.kv_lora_rank) == (1024, 8, 256)
+    assert config.moe_intermediate_size == 1408
+    experts = sum(t.nbytes for t in tensors if ".mlp.experts." in t.name)
+    assert experts == 26 * 64 * 8_650_752 and 14.3e9 < experts < 14.5e9
+    with pytest.raises(CheckpointError, match="width scale"):
+        width_scaled(deepseek_v2_lite_spec(), 0.0)
+
+
+def test_bytes_do_not_depend_on_the_number_of_workers(tmp_path):
+    spec = ModelSpec("qwen2_moe", num_layers=2, max_shard_bytes=100_000)
+    assert file_digests(make_model(spec, tmp_path / "a", workers=1)) == \
+        file_digests(make_model(spec, tmp_path / "b", workers=4))
+
+
+def test_the_checkpoint_comes_with_its_integrity_manifest(tiny_checkpoint):
+    path = tiny_checkpoint("qwen2_moe", num_layers=2, max_shard_bytes=300_000)
+    manifest = load_manifest(build_index(path))
+    assert manifest is not None and len(manifest.digests) == build_index(path).topology.total_experts
+    assert not verify(path).manifest_written  # the shards match the digests recorded when they were written
+
+
+def test_a_tokenizer_smaller_than_the_embedding(tmp_path):
+    spec = ModelSpec("deepseek_v2", num_layers=2, vocab_size=4096, tokenizer_vocab_size=512)
+    path = make_model(spec, tmp_path / "m")
+    model, info = load(path)
+    assert not any(info.values()) and model.config.vocab_size == 4096
+    assert len(AutoTokenizer.from_pretrained(path)) == 512
+    with pytest.raises(CheckpointError, match="tokenizer vocab size 8192"):
+        ModelSpec("deepseek_v2", vocab_size=4096, tokenizer_vocab_size=8192)

@@ -25,6 +25,10 @@ def test_writes_a_checkpoint_and_summarises_it(tmp_path, capsys):
         (["make-model", "llama"], "unsupported model family 'llama'"),
         (["make-model", "mixtral", "--top-k", "20"], "top-k 20 must be between 1 and num_experts"),
         (["make-model", "mixtral", "--vocab-size", "99999"], "larger than the packaged corpus"),
+        (["make-model"], "needs a FAMILY or --preset"),
+        (["make-model", "mixtral", "--preset", "deepseek-v2-lite"], "is a deepseek_v2 model, not mixtral"),
+        (["make-model", "--preset", "deepseek-v2-lite", "--width-scale", "-1"], "width scale must be in"),
+        (["make-model", "mixtral", "--workers", "0"], "--workers must be >= 1"),
     ],
 )
 def test_bad_input_is_one_error_line(tmp_path, capsys, argv, problem):
@@ -40,3 +44,17 @@ def test_refuses_a_non_empty_output(tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")
     assert main(["make-model", "mixtral", "--out", str(tmp_path)]) == 2
     assert "already exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_a_preset_at_a_width_scale_with_flags_over_it(tmp_path, capsys):
+    """DeepSeek-V2-Lite's topology and fields at a 64th of its hidden width, experts narrowed by a flag."""
+    out = tmp_path / "lite"
+    code = main(["make-model", "--preset", "deepseek-v2-lite", "--width-scale", "0.03125", "--intermediate-size", "16",
+                 "--vocab-size", "2048", "--out", str(out)])
+    assert code == 0
+    checkpoint = build_index(out)
+    topology = checkpoint.topology
+    assert (topology.num_layers, topology.num_experts, topology.top_k, topology.num_shared_experts) == (26, 64, 6, 2)
+    assert topology.expert_bytes == 3 * 64 * 16 * 2  # hidden 2048 / 32, bf16
+    assert (checkpoint.config.kv_lora_rank, checkpoint.config.intermediate_size) == (16, 10944)
+    assert "with its integrity manifest" in capsys.readouterr().out

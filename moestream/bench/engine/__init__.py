@@ -1,4 +1,5 @@
-"""`moestream bench engine`: the engine end to end on the demo checkpoint, cold, experts on disk.
+"""`moestream bench engine`: the engine end to end on a checkpoint (`--model`, default the demo one),
+cold, experts on disk.
 
 For each budget (10/25/50% by default): TTFT, TPOT, stall per token, overlap (transfer time hidden
 behind compute), hit rate, bytes read per token and peak RSS of `--sync` on-demand LRU, async `lru`,
@@ -8,7 +9,8 @@ offline `oracle` moves per token on the same replayed rows in the simulator / co
 bandwidth). Every run is a fresh process (its own peak RSS; the process floor, Python + torch +
 transformers imported, is measured in each) with the checkpoint dropped from the page cache. With
 `--replay-routing TRACE` the engine follows a recorded trace's routing (figures labelled replayed).
-With `--memory-cap`, each offloaded run runs again in a memory cgroup of that size (isolation.py),
+`--device cuda[:N]` puts every engine run's dense part and device tier on that GPU (transformers +
+accelerate's disk offload, a CPU baseline, is then skipped with a note). With `--memory-cap`, each offloaded run runs again in a memory cgroup of that size (isolation.py),
 beside its uncapped twin. Targets are printed as ok/missed, never asserted. The calibrated cost model
 is written with `--json` for `moestream sim --cost-model measured:PATH`.
 """
@@ -19,6 +21,7 @@ import argparse
 from pathlib import Path
 
 BUDGETS = "0.1,0.25,0.5"
+DEMO_PROMPTS = 4  # len(moestream.cli.demo.PROMPTS), not imported here: the parser stays light
 DESIGNS = "moe-infinity,expertflow,fmoe,promoe"  # each design's own policy (the paper systems)
 
 
@@ -26,6 +29,9 @@ def add_parser(kinds) -> None:
     parser = kinds.add_parser("engine", help="TPOT, stalls, hit rate and peak RSS per policy, cold, against "
                                              "the physical limit")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where every engine run computes (default cpu)")
+    parser.add_argument("--prompts", type=int, default=DEMO_PROMPTS, metavar="N",
+                        help=f"the first N of the {DEMO_PROMPTS} demo prompts (default all)")
     parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
                         help="a trained predictor (train-predictor) for the policies of its kind; repeatable")

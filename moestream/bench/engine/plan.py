@@ -41,7 +41,8 @@ def measure(args) -> dict:
     budgets = _check(args)
     model = args.model or demo_checkpoint(args.small)
     topology = build_index(model).topology
-    base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS, max_new_tokens=args.max_new_tokens,
+    base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
+                   max_new_tokens=args.max_new_tokens,
                    threads=args.threads, direct_io=not args.buffered_io, replay_routing=args.replay_routing,
                    predictor_dirs=tuple(args.predictor_dir))
     disk = disk_figures(Path(model), not args.buffered_io)
@@ -49,7 +50,7 @@ def measure(args) -> dict:
     dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
     context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
                "cap": _cap(args)}
-    results, skipped = [], []
+    results, skipped = [], _hf_on_cuda(args, budgets)
     for budget in budgets:
         results += _budget_runs(base, budget, _run_list(args), context, skipped)
     cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]},
@@ -59,23 +60,56 @@ def measure(args) -> dict:
     rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
     floors = [row.pop("floor_rss_mib") for row in rows]
     floors = [floor for floor, row in zip(floors, rows) if row["memory_cap_mib"] is None]  # capped runs: twins
-    integrity = report_integrity(Path(model), "cpu", not args.buffered_io)  # digest and finite check costs
+    integrity = report_integrity(Path(model), args.device, not args.buffered_io)  # digest and finite check costs
     return {"runs": rows, "resident_tpot_ms": resident["tpot_ms"], "floor_rss_mib": statistics.median(floors),
             "dense_mib": dense_mib, "disk_bw_gbps": disk["bandwidth"] / 1e9, "model": str(model),
+            "checkpoint": checkpoint_summary(topology), "device": args.device, "prompts": args.prompts,
             "replay_routing": args.replay_routing, "replay_wraps": resident.get("replay_wraps", 0),
             "threads": args.threads, "max_new_tokens": args.max_new_tokens, "skipped": skipped,
             "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost), "integrity": integrity}
 
 
 def _run_list(args) -> list[Job]:
-    return jobs(args.designs) + ([] if args.no_hf else [Job(HF, True, HF)])
+    return jobs(args.designs) + ([] if args.no_hf or _on_cuda(args) else [Job(HF, True, HF)])
+
+
+def _on_cuda(args) -> bool:
+    return args.device.startswith("cuda")
+
+
+def _hf_on_cuda(args, budgets: list[str]) -> list[dict]:
+    """The note that transformers + accelerate's disk offload (a CPU baseline) is not run on CUDA."""
+    if args.no_hf or not _on_cuda(args):
+        return []
+    return [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None,
+             "reason": "not run with --device cuda: accelerate's disk offload is the CPU baseline"}
+            for budget in budgets]
+
+
+def checkpoint_line(model) -> str:
+    """`checkpoint PATH: its shape`, the line each bench prints first."""
+    from moestream.checkpoint.index import build_index
+
+    return f"checkpoint {model}: {checkpoint_summary(build_index(model).topology)}"
+
+
+def checkpoint_summary(topology) -> str:
+    """What a bench ran on, in one line: its MoE shape and expert size."""
+    return (f"{topology.num_layers} MoE layers x {topology.num_experts} experts (top-{topology.top_k}), "
+            f"{topology.expert_bytes / 1e6:.2f} MB per expert, {topology.total_expert_bytes / 1e9:.2f} GB of experts")
 
 
 def _check(args) -> list[str]:
     from moestream.store.config import Budget
 
+    from moestream.cli.demo import PROMPTS
+    from moestream.runtime.config import EngineConfig
+
     if args.threads < 1 or args.max_new_tokens < 1:
         raise MoestreamError("--threads and --max-new-tokens must be >= 1")
+    if not 1 <= args.prompts <= len(PROMPTS):
+        raise MoestreamError(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
+    EngineConfig(device=args.device)  # refuses an unknown device, or CUDA where there is none
     if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
         raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
     if args.replay_routing is not None and not Path(args.replay_routing).is_file():

@@ -68,6 +68,8 @@ def print_report(document: dict, args) -> None:
     from moestream.report import report_console
 
     console = report_console(REPORT_WIDTH)
+    console.print(f"checkpoint {document['model']}: {document.get('checkpoint', '?')}; device "
+                  f"{document.get('device', 'cpu')}")
     if document["replay_routing"]:
         console.print(f"[replayed routing from {document['replay_routing']}: the engine follows the trace's "
                       f"routing; figures are for measurement only]")
@@ -90,7 +92,9 @@ def _table(document: dict, args):
     from rich.table import Table
 
     table = Table(title=f"moestream bench engine: {document['model']}",
-                  caption=f"{args.threads} torch thread(s), {document['max_new_tokens']} new tokens per prompt, cold "
+                  caption=f"{args.threads} torch thread(s), device {document.get('device', 'cpu')}, "
+                          f"{document.get('prompts', 4)} prompt(s), "
+                          f"{document['max_new_tokens']} new tokens per prompt, cold "
                           "start, a fresh process per run; per-token figures over decode steps; expert µs: one routed "
                           "expert MLP's mean wall time; cap (peak): the run's cgroup memory limit and the memory "
                           "charged to that cgroup at its peak; limit: max(resident TPOT, oracle bytes per token / "

@@ -85,7 +85,7 @@ class EngineRun:
         from moestream.store.bandwidth import drop_page_cache
 
         drop_page_cache(shards(spec.model))
-        config = EngineConfig(expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
+        config = EngineConfig(device=spec.device, expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
                               policy=spec.policy, replay_routing=spec.replay_routing, reorder=spec.reorder)
         policy = make_policy(spec, build_index(spec.model).topology)
         with Engine(spec.model, config, policy=policy) as engine:

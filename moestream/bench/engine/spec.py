@@ -21,6 +21,7 @@ class RunSpec:
     model: str
     budget: str  # expert budget: a ratio ("0.25") or a size
     kind: str = "engine"  # "engine" (ours) or "hf-accelerate"
+    device: str = "cpu"  # where the engine computes: "cpu" or "cuda[:N]"
     policy: str = "lru"
     sync: bool = False
     reorder: bool = True  # cache-aware reordering (EngineConfig.reorder)
