@@ -1,14 +1,15 @@
 """`moestream bench experts`: a routed expert MLP's effective bandwidth against the machine's read bandwidth.
 
 Read bandwidth: a large float32 tensor reduced (summed) on one torch thread, the best of the
-repeats. Expert MLP: DeepSeek-V2-style gated experts (gate_up_proj then down_proj in
-one contiguous slot, as the store lays them out) at the demo shape, the half-width DeepSeek-V2-Lite
-shape and the full shape; one MoE layer's call runs top_k experts, each over `tokens` rows, through
-the former per-expert path ("per-expert" kernel) and the new one ("stream", the CPU default), in
-alternation. Every call takes the next top_k slots of a pool larger than the last-level cache, so
-weights come from memory as they do at decode. An expert's effective bandwidth is its bytes over its
-share of the call's median time. Times are the process's CPU time, so that
-what other processes on a shared machine take is not counted. Prints a table (and --json); asserts nothing.
+repeats. Expert MLP: DeepSeek-V2-style gated experts (gate_up_proj then down_proj in one contiguous
+slot, as the store lays them out) at the demo shape, the half-width DeepSeek-V2-Lite shape and the
+full shape; one MoE layer's call runs top_k experts, each over `tokens` rows, through the former
+per-expert path ("per-expert" kernel), the new one ("stream", the CPU default) and torch's grouped
+GEMM over the pool's evenly spaced slots ("grouped"), in alternation. Every call takes the next
+top_k slots of a pool larger than the last-level cache, so weights come from memory as they do at
+decode. An expert's effective bandwidth is its bytes over its share of the call's median time.
+Times are the process's CPU time by default, so that what other processes on a shared machine take
+is not counted (--clock wall: elapsed time). Prints a table (and --json); asserts nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pathlib import Path
 READ_MIB = 256  # the reduced tensor: well past the last-level cache
 POOL_MIB = 320  # slots the calls rotate through
 TOP_K = 6  # experts per layer call (DeepSeek-V2-Lite's top-k)
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 SHAPES = {"demo": (256, 448), "half": (1024, 1408), "full": (2048, 1408)}  # name -> (hidden, expert width)
 DTYPES = ("bf16", "fp32")
-KERNELS = ("per-expert", "stream")  # old path, new path
+OLD, NEW = "per-expert", "stream"  # the former path, the CPU default
+KERNELS = (OLD, NEW, "grouped")  # grouped: torch's grouped GEMM over the evenly spaced slots of the pool
 
 
 def add_parser(kinds) -> None:
@@ -33,6 +36,8 @@ def add_parser(kinds) -> None:
     parser.add_argument("--repeats", type=int, default=15, help="layer calls timed per path and case")
     parser.add_argument("--pool-mib", type=int, default=POOL_MIB, help="slots the calls rotate through, in MiB "
                         "(keep it past the last-level cache)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu: the process's CPU time (what "
+                        "other processes on a shared machine take is not counted); wall: elapsed time")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.set_defaults(handler=run)
 
@@ -41,7 +46,7 @@ def run(args) -> int:
     from moestream.atomic import write_json
 
     cases = _cases(args)
-    figures = measure(cases, args.repeats, args.pool_mib)
+    figures = measure(cases, args.repeats, args.pool_mib, args.clock)
     print(table(figures))
     if args.json:
         write_json(figures, args.json)
@@ -72,38 +77,36 @@ def _names(text: str, known, flag: str) -> list[str]:
     return names
 
 
-def measure(cases: list[tuple[str, str, int]], repeats: int, pool_mib: int = POOL_MIB) -> dict:
-    """The read bandwidth and every case's figures, on one torch thread."""
+def measure(cases: list[tuple[str, str, int]], repeats: int, pool_mib: int = POOL_MIB, clock: str = "cpu") -> dict:
+    """The read bandwidth and every case's figures, on one torch thread, timed by `clock` (a CLOCKS name)."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        read = read_bandwidth(repeats)
-        rows = [case_figures(shape, dtype, tokens, repeats, pool_mib) | {"read_fraction": None} for shape, dtype, tokens in cases]
+        read = read_bandwidth(repeats, CLOCKS[clock])
+        rows = [case_figures(shape, dtype, tokens, repeats, pool_mib, CLOCKS[clock]) for shape, dtype, tokens in cases]
     finally:
         torch.set_num_threads(previous)
     for row in rows:
         row["read_fraction"] = {k: bw / read for k, bw in row["bytes_per_s"].items()}
-    return {"threads": 1, "read_bytes_per_s": read, "top_k": TOP_K, "cases": rows}
+    return {"threads": 1, "clock": clock, "read_bytes_per_s": read, "top_k": TOP_K, "cases": rows}
 
 
-def read_bandwidth(repeats: int) -> float:
+def read_bandwidth(repeats: int, clock=time.process_time) -> float:
     """Bytes per second of summing a large float32 tensor, the best of the repeats."""
     import torch
 
     x = torch.ones(READ_MIB * 2**20 // 4)  # [N] float32
     x.sum()
-    best = min(_seconds(x.sum) for _ in range(max(repeats, 3)))
+    best = min(_seconds(x.sum, clock) for _ in range(max(repeats, 3)))
     return x.nbytes / best
 
 
-def _seconds(fn) -> float:
-    """CPU time of the process running fn (1 torch thread: what other processes on a shared machine
-    take is not counted)."""
-    began = time.process_time()
+def _seconds(fn, clock=time.process_time) -> float:
+    began = clock()
     fn()
-    return time.process_time() - began
+    return clock() - began
 
 
 class ExpertPool:
@@ -171,7 +174,8 @@ def layer_call(kernel: str, rows, experts: list[dict], tokens: int):
     return layer.result()
 
 
-def case_figures(shape: str, dtype_name: str, tokens: int, repeats: int, pool_mib: int = POOL_MIB) -> dict:
+def case_figures(shape: str, dtype_name: str, tokens: int, repeats: int, pool_mib: int = POOL_MIB,
+                 clock=time.process_time) -> dict:
     """Median seconds and effective bandwidth per expert of each kernel, in alternation, for one case."""
     import torch
 
@@ -183,7 +187,7 @@ def case_figures(shape: str, dtype_name: str, tokens: int, repeats: int, pool_mi
     for _ in range(repeats + 1):  # the first round warms up
         for kernel in KERNELS:
             experts = pool.take(TOP_K)
-            times[kernel].append(_seconds(lambda: layer_call(kernel, rows, experts, tokens)))
+            times[kernel].append(_seconds(lambda: layer_call(kernel, rows, experts, tokens), clock))
     per_expert = {kernel: statistics.median(t[1:]) / TOP_K for kernel, t in times.items()}
     return {"shape": shape, "hidden": hidden, "width": width, "dtype": dtype_name, "tokens": tokens,
             "expert_bytes": pool.expert_bytes, "seconds_per_expert": per_expert,
@@ -191,16 +195,17 @@ def case_figures(shape: str, dtype_name: str, tokens: int, repeats: int, pool_mi
 
 
 def table(figures: dict) -> str:
-    """The figures as a text table, one line per case."""
-    old, new = KERNELS
+    """The figures as a text table, one line per case: per kernel, ms per expert, GB/s and the share of
+    the read bandwidth; then the new path's speedup over the old."""
+    kernels = list(figures["cases"][0]["seconds_per_expert"]) if figures["cases"] else list(KERNELS)
+    head = " | ".join(f"{kernel + ' ms':>14} {'GB/s':>6} {'read':>5}" for kernel in kernels)
     lines = [f"read bandwidth: {figures['read_bytes_per_s'] / 1e9:.1f} GB/s (sum of a {READ_MIB} MiB float32 "
-             f"tensor, {figures['threads']} thread(s)); one layer call = {figures['top_k']} experts x tokens rows",
-             f"{'shape':<6} {'H':>5} {'I':>5} {'dtype':<5} {'tokens':>6} {'MB':>6} | "
-             f"{old + ' ms':>14} {'GB/s':>6} {'read':>5} | {new + ' ms':>10} {'GB/s':>6} {'read':>5} | speedup"]
+             f"tensor, {figures['threads']} thread); a layer call = {figures['top_k']} experts x tokens rows; "
+             f"times: {figures['clock']} clock, median",
+             f"{'shape':<6} {'H':>5} {'I':>5} {'dtype':<5} {'tokens':>6} {'MB':>6} | {head} | {NEW} vs {OLD}"]
     for case in figures["cases"]:
         s, bw, frac = case["seconds_per_expert"], case["bytes_per_s"], case["read_fraction"]
+        cells = " | ".join(f"{s[k] * 1e3:>14.3f} {bw[k] / 1e9:>6.2f} {frac[k]:>5.0%}" for k in kernels)
         lines.append(f"{case['shape']:<6} {case['hidden']:>5} {case['width']:>5} {case['dtype']:<5} "
-                     f"{case['tokens']:>6} {case['expert_bytes'] / 1e6:>6.2f} | "
-                     f"{s[old] * 1e3:>14.3f} {bw[old] / 1e9:>6.2f} {frac[old]:>5.0%} | "
-                     f"{s[new] * 1e3:>10.3f} {bw[new] / 1e9:>6.2f} {frac[new]:>5.0%} | {s[old] / s[new]:>6.2f}x")
+                     f"{case['tokens']:>6} {case['expert_bytes'] / 1e6:>6.2f} | {cells} | {s[OLD] / s[NEW]:>6.2f}x")
     return "\n".join(lines)

@@ -9,9 +9,10 @@ scattered back to their (token, k) places, from `result` (once). Kernels, regist
 - "stream" (the CPU default): each expert's two matrix products and its activation run as it is
   added, into one [R, H] buffer, so that compute overlaps the bytes still landing; the row-wise tail
   (post, routing weights, scatter) runs once per layer instead of once per expert.
-- "grouped" (CUDA, where torch has a grouped GEMM): `add` only collects; `flush` runs each projection
-  of every collected expert as one grouped matrix product over a strided view of their slots
-  (device slots are evenly spaced), and falls back to "stream" where the slots are not.
+- "grouped" (the CUDA default, where torch has a grouped GEMM): `add` only collects; `flush` runs each
+  projection of every collected expert as one grouped matrix product over a strided view of their
+  slots (device slots are evenly spaced), and falls back to "stream" where they are not (host slots
+  start at their file offsets' residues) or where torch has no grouped GEMM for the device.
 - "per-expert": the former path, each expert's whole MLP, weighting and scatter on its own; kept as
   the reference the bench compares against.
 
@@ -146,15 +147,22 @@ def stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
     step = step or first.numel()
     groups = (max(offsets) - low) // step + 1
     same = all(v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for v in views)
-    misaligned = (step * first.element_size()) % ALIGN_BYTES or min(v.data_ptr() for v in views) % ALIGN_BYTES
+    strides = (step, *first.stride()[:-1])
+    misaligned = any(stride * first.element_size() % ALIGN_BYTES for stride in strides) or (
+        min(v.data_ptr() for v in views) % ALIGN_BYTES)
     if not same or misaligned or groups > 4 * len(views) + 64:
         return None
     return first.as_strided((groups, *first.shape), (step, *first.stride()), low)
 
 
 def grouped_ready(device: torch.device) -> bool:
-    """Whether torch has a grouped GEMM for this device (CUDA, compute capability 8.0 or later)."""
-    return device.type == "cuda" and grouped_mm() is not None and torch.cuda.get_device_capability(device) >= (8, 0)
+    """Whether torch has a grouped GEMM for this device: CUDA of compute capability 8.0 or later, or a CPU
+    with torch 2.9 or later (a loop of the same per-group product in C++, as transformers calls it)."""
+    if grouped_mm() is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
 
 
 @dataclass(frozen=True)
@@ -224,5 +232,7 @@ class GroupedLayer:
 
 
 def default_kernel(device: torch.device) -> str:
-    """The LAYER_KERNELS name for a device: grouped where torch has a grouped GEMM for it, else stream."""
-    return "grouped" if grouped_ready(device) else "stream"
+    """The LAYER_KERNELS name for a device: "grouped" on CUDA with a grouped GEMM (copies land on streams,
+    so waiting for a group's experts costs the host nothing), else "stream" (a CPU computes each
+    expert while the next one's bytes land)."""
+    return "grouped" if device.type == "cuda" and grouped_ready(device) else "stream"

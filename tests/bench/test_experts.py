@@ -19,7 +19,7 @@ def test_bench_experts_prints_a_line_per_case_and_writes_the_figures(tmp_path, c
     assert [(c["dtype"], c["tokens"]) for c in cases] == [("bf16", 1), ("bf16", 3), ("fp32", 1), ("fp32", 3)]
     assert cases[0]["expert_bytes"] == 3 * 256 * 448 * 2 and cases[2]["expert_bytes"] == 3 * 256 * 448 * 4
     for case in cases:
-        assert set(case["bytes_per_s"]) == {"per-expert", "stream"}
+        assert set(case["bytes_per_s"]) == {"per-expert", "stream", "grouped"}
         assert all(value > 0 for value in case["bytes_per_s"].values())
         assert case["read_fraction"]["stream"] == case["bytes_per_s"]["stream"] / figures["read_bytes_per_s"]
 

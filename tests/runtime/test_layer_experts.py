@@ -1,6 +1,8 @@
 """A MoE layer's routed experts in one call: bit-identical to transformers for every family, kernel,
 dtype and token count, whatever order the experts arrive in."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,7 +93,7 @@ def _layer(num_tokens=3, top_k=2, hidden=8, seed=0):
     scale = torch.rand(num_tokens * top_k, 1, generator=generator)  # [S, 1]
     order = torch.tensor([0, 3, 4, 1, 2, 5])  # rows sorted by expert: expert 0 [0, 2), 1 [2, 3), 2 [3, 6)
     rows = LayerRows(LinearMath(), states[order // top_k], scale[order], order, num_tokens * top_k, torch.float32)
-    experts = [{"up": torch.randn(hidden, 5, generator=generator), "down": torch.randn(5, hidden, generator=generator)}
+    experts = [{"up": torch.randn(hidden, 4, generator=generator), "down": torch.randn(4, hidden, generator=generator)}
                for _ in range(3)]
     return rows, experts, [(0, 2), (2, 3), (3, 6)]
 
@@ -141,8 +143,7 @@ def test_evenly_spaced_views_stack_into_one_strided_view():
     assert stacked([pool[0, :16].view(4, 4), torch.zeros(4, 4)]) is None  # another storage
 
 
-@pytest.mark.skipif(grouped_ready(torch.device("cpu")), reason="checks the CPU fallback")
-def test_the_grouped_kernel_streams_where_torch_has_no_grouped_gemm():
+def test_the_grouped_kernel_streams_experts_whose_math_has_no_grouped_form():
     rows, experts, spans = _layer()
     grouped, stream = LAYER_KERNELS.create("grouped", rows), LAYER_KERNELS.create("stream", rows)
     for weights, span in zip(experts, spans):
@@ -150,3 +151,35 @@ def test_the_grouped_kernel_streams_where_torch_has_no_grouped_gemm():
         stream.add(weights, *span)
     grouped.flush()
     assert torch.equal(grouped.result(), stream.result())
+
+
+class GroupedOnlyMath(LinearMath):
+    """Computes only through grouped products: one expert at a time would fail."""
+
+    def up(self, hidden, weights):
+        raise AssertionError("computed expert by expert")
+
+    down = up
+
+    def up_grouped(self, x, stacked, offs, groups):
+        return torch.nn.functional.grouped_mm(x, stacked["up"], offs=offs)
+
+    def down_grouped(self, x, stacked, offs, groups):
+        return torch.nn.functional.grouped_mm(x, stacked["down"], offs=offs)
+
+
+@pytest.mark.skipif(not grouped_ready(torch.device("cpu")), reason="torch has no grouped GEMM on the CPU")
+def test_the_grouped_kernel_runs_experts_of_evenly_spaced_slots_as_one_grouped_product():
+    rows, experts, spans = _layer()
+    pool = torch.zeros(8, 128)  # [slots, floats]: every slot holds one expert's up [8, 4] then down [4, 8]
+    placed = []
+    for slot, weights in zip((6, 0, 2), experts):
+        pool[slot, :32], pool[slot, 32:64] = weights["up"].reshape(-1), weights["down"].reshape(-1)
+        placed.append({"up": pool[slot, :32].view(8, 4), "down": pool[slot, 32:64].view(4, 8)})
+    expected = LAYER_KERNELS.create("stream", rows)
+    grouped = LAYER_KERNELS.create("grouped", dataclasses.replace(rows, math=GroupedOnlyMath()))
+    for weights, copy, span in zip(experts, placed, spans):
+        expected.add(weights, *span)
+        grouped.add(copy, *span)
+    grouped.flush()
+    assert torch.equal(grouped.result(), expected.result())
