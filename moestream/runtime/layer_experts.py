@@ -220,9 +220,10 @@ class GroupedLayer:
         ranked = sorted(range(len(pending)), key=groups.of_expert.__getitem__)  # experts in group order
         perm = torch.cat([torch.arange(pending[i][1], pending[i][2]) for i in ranked])  # [n] rows by group
         num_groups = next(iter(groups.stacked.values())).shape[0]
-        counts = torch.zeros(num_groups, dtype=torch.int32)
+        sizes = [0] * num_groups
         for i in ranked:
-            counts[groups.of_expert[i]] = pending[i][2] - pending[i][1]
+            sizes[groups.of_expert[i]] = pending[i][2] - pending[i][1]
+        counts = torch.tensor(sizes, dtype=torch.int32)  # [G] rows per group
         offs = counts.cumsum(0, dtype=torch.int32).to(device)  # [G]
         row_groups = torch.repeat_interleave(torch.arange(num_groups), counts.long()).to(device)  # [n]
         perm = perm.to(device)

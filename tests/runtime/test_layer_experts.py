@@ -183,3 +183,29 @@ def test_the_grouped_kernel_runs_experts_of_evenly_spaced_slots_as_one_grouped_p
         grouped.add(copy, *span)
     grouped.flush()
     assert torch.equal(grouped.result(), expected.result())
+
+
+@pytest.mark.skipif(not grouped_ready(torch.device("cpu")), reason="torch has no grouped GEMM on the CPU")
+@pytest.mark.parametrize("family", ["deepseek_v2", "gpt_oss"])  # gpt_oss: biases, [in, out] weights, its own gate
+def test_grouped_products_of_a_transformers_experts_module_equal_its_per_expert_products(family):
+    from moestream.checkpoint.make_model import make_config
+    from moestream.checkpoint.spec import ModelSpec
+    from moestream.runtime.expert_math import FusedExpertMath
+
+    config = make_config(ModelSpec(family, num_layers=2))
+    model = auto_class(family).from_config(config)
+    adapter = FAMILIES.create(family)
+    module = model.get_submodule(adapter.blocks(config)[-1].experts_path)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0, 0.05, generator=torch.Generator().manual_seed(4))
+    rows, _, spans = _layer(hidden=config.hidden_size)
+    rows = dataclasses.replace(rows, math=FusedExpertMath(module))
+    stream, grouped = LAYER_KERNELS.create("stream", rows), LAYER_KERNELS.create("grouped", rows)
+    for expert, span in zip((5, 1, 3), spans):  # slices [e] of the module's fused parameters: evenly spaced
+        weights = {part.param: adapter.expert_tensor(module, expert, part.param) for part in adapter.parts}
+        stream.add(weights, *span)
+        grouped.add(weights, *span)
+    grouped.flush()
+    with torch.no_grad():
+        assert torch.equal(grouped.result(), stream.result())
