@@ -173,21 +173,22 @@ class OffloadedExperts:
                     self._timed(began, key)
                 began = time.perf_counter()
                 layer.flush()
-                self._timed(began)
+                self._timed(began, label=f"layer {group[0].layer}: flush of {len(group)} experts")
             finally:
                 fetch.release()
         began = time.perf_counter()
         out = layer.result()  # [S, H]
-        self._timed(began)
+        self._timed(began, label="the layer's weighting and scatter")
         return out
 
-    def _timed(self, began: float, key: ExpertKey | None = None) -> None:
-        """An expert's MLP (key), or the layer's grouped or row-wise work (None), on the compute thread."""
+    def _timed(self, began: float, key: ExpertKey | None = None, label: str = "") -> None:
+        """An expert added (key), or the layer's grouped or row-wise work (label), on the compute thread."""
         ended = time.perf_counter()
         self.timing.seconds += ended - began
         self.timing.experts += int(key is not None)
-        if self.timeline is not None and key is not None:
-            self.timeline.add("experts", f"layer {key.layer} expert {key.expert}", began, ended)
+        if self.timeline is not None:
+            label = f"layer {key.layer} expert {key.expert}" if key is not None else label
+            self.timeline.add("experts", label, began, ended)
 
     def _slot_views(self, slot: torch.Tensor) -> Weights:
         """Typed views of a slot, kept for the slot addresses used most recently (an address serves
