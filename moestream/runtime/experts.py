@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from transformers.integrations.moe import ExpertsInterface
 
 from moestream.registry import Registry
-from moestream.runtime.offload import FusedExpertMath, OffloadedExperts
+from moestream.runtime.expert_math import FusedExpertMath
+from moestream.runtime.offload import OffloadedExperts
 from moestream.runtime.replay import RoutingReplay
 
 IMPLEMENTATION = "moestream"

@@ -9,12 +9,13 @@ is built only when some observer overrides `Observer.observe` (reactive policies
 read none, and building it costs as much as a layer's bookkeeping).
 
 Cache-aware reordering: experts compute as their bytes are in place, resident ones first, then
-those in flight as they land (`reorder=False`: in expert order, waiting for each). Each expert's
-whole MLP (`ExpertMath` stages: up, act, down, post) runs over its own rows only, from typed views
-of its slot, and writes its weighted rows into their own places of a [T * K, H] buffer, which is
-summed over k as transformers does. No expert's result depends on another's or on the order of
-arrival, so outputs are bit-identical whatever the order. When a layer's experts exceed the device
-tier, they run in groups that fit it. This module knows no policy or family by name.
+those in flight as they land (`reorder=False`: in expert order, waiting for each). The layer's
+routed experts run as one `LayerExperts` (`moestream.runtime.layer_experts`, a kernel chosen by
+name or by the device): each expert's rows, sorted by expert, go through its MLP from typed views of
+its slot, and the weighted rows land in their own places of a [T * K, H] buffer, which is summed
+over k as transformers does. No expert's result depends on another's or on the order of arrival, so
+outputs are bit-identical whatever the order. When a layer's experts exceed the device tier, they
+run in groups that fit it. This module knows no policy or family by name.
 """
 
 from __future__ import annotations
@@ -22,69 +23,18 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from moestream.policies.contracts import CacheView, Observer
 from moestream.policies.driver import PolicyDriver
+from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import check_finite
+from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows, default_kernel
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
-
-Weights = dict[str, torch.Tensor]  # one expert's parameters by name: typed views of its slot
-
-
-class ExpertMath(Protocol):
-    """An expert MLP in stages: `up` and `down` per expert, `act` and `post` over many experts' rows."""
-
-    def up(self, hidden: torch.Tensor, weights: Weights) -> torch.Tensor:
-        """[n, H] rows of one expert -> [n, U] (U: 2I for gated experts)."""
-
-    def act(self, up: torch.Tensor) -> torch.Tensor:
-        """[N, U] -> [N, I], row by row."""
-
-    def down(self, inner: torch.Tensor, weights: Weights) -> torch.Tensor:
-        """[n, I] rows of one expert -> [n, H]."""
-
-    def post(self, out: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, H], row by row."""
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    out = x @ weight if transposed else F.linear(x, weight)  # [N, out]
-    return out if bias is None else out + bias
-
-
-class FusedExpertMath:
-    """The computation of a transformers experts module (`@use_experts_implementation`), read from
-    the module's own flags, gate and activation, as in `grouped_mm_experts_forward`."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.up_name = "gate_up_proj" if module.has_gate else "up_proj"
-
-    def up(self, hidden: torch.Tensor, weights: Weights) -> torch.Tensor:
-        return self._project(hidden, weights, self.up_name)  # [n, 2I] or [n, I]
-
-    def act(self, up: torch.Tensor) -> torch.Tensor:
-        m = self.module
-        return m._apply_gate(up) if m.has_gate else m.act_fn(up)  # [N, I]
-
-    def down(self, inner: torch.Tensor, weights: Weights) -> torch.Tensor:
-        return self._project(inner, weights, "down_proj")  # [n, H]
-
-    def post(self, out: torch.Tensor) -> torch.Tensor:
-        m = self.module
-        return m.post_expert_norm(out) if getattr(m, "has_post_expert_norm", False) else out
-
-    def _project(self, x: torch.Tensor, weights: Weights, name: str) -> torch.Tensor:
-        bias = weights[f"{name}_bias"] if self.module.has_bias else None
-        return _linear(x.to(weights[name].dtype), weights[name], bias, self.module.is_transposed)
-
 
 class Prefetcher:
     """After a layer's routing: the driver's transfer requests for the layers ahead, into the device tier."""
@@ -160,11 +110,13 @@ class ComputeTiming:
 class OffloadedExperts:
     """The mechanism behind every bound experts module of a model."""
 
-    def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None, reorder: bool = True):
+    def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None, reorder: bool = True,
+                 kernel: str | None = None):
         self.store = store
         self.publisher = publisher
         self.prefetcher = prefetcher
         self.reorder = reorder
+        self.kernel = kernel  # a LAYER_KERNELS name; None: the device's default
         self.timing = ComputeTiming()
         self.timeline: Timeline | None = None  # records each expert MLP when set
         self._router_logits: dict[int, torch.Tensor] = {}
@@ -209,33 +161,34 @@ class OffloadedExperts:
         """Every used (token, k) row through its expert, weighted -> [S, H] (unused rows zero)."""
         order = torch.from_numpy(plan.order).to(hidden.device)  # [R]
         top_k = plan.num_rows // hidden.shape[0]
-        inputs = hidden[order // top_k]  # [R, H]
-        weights = top_k_weights.reshape(-1)[order, None]  # [R, 1]
-        out_dtype = torch.promote_types(hidden.dtype, top_k_weights.dtype)
-        out = torch.zeros(plan.num_rows, hidden.shape[-1], dtype=out_dtype, device=hidden.device)  # [S, H]
+        rows = LayerRows(math, hidden[order // top_k], top_k_weights.reshape(-1)[order, None], order,
+                         plan.num_rows, torch.promote_types(hidden.dtype, top_k_weights.dtype))
+        layer = LAYER_KERNELS.create(self.kernel or default_kernel(hidden.device), rows)
         for number, group in enumerate(groups):
             fetch = first if number == 0 else self.store.fetch(group, [key for g in groups for key in g])
             try:
                 for key, slot in fetch.ready(self.reorder):
-                    a, b = plan.span(key.expert)
                     began = time.perf_counter()
-                    out[order[a:b]] = self._expert(math, inputs[a:b], slot) * weights[a:b]  # [n, H]
-                    self._timed(key, began)
+                    layer.add(self._slot_views(slot), *plan.span(key.expert))
+                    self._timed(began, key)
+                began = time.perf_counter()
+                layer.flush()
+                self._timed(began, label=f"layer {group[0].layer}: flush of {len(group)} experts")
             finally:
                 fetch.release()
+        began = time.perf_counter()
+        out = layer.result()  # [S, H]
+        self._timed(began, label="the layer's weighting and scatter")
         return out
 
-    def _timed(self, key: ExpertKey, began: float) -> None:
+    def _timed(self, began: float, key: ExpertKey | None = None, label: str = "") -> None:
+        """An expert added (key), or the layer's grouped or row-wise work (label), on the compute thread."""
         ended = time.perf_counter()
         self.timing.seconds += ended - began
-        self.timing.experts += 1
+        self.timing.experts += int(key is not None)
         if self.timeline is not None:
-            self.timeline.add("experts", f"layer {key.layer} expert {key.expert}", began, ended)
-
-    def _expert(self, math: ExpertMath, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """One expert's MLP over its rows [n, H] -> [n, H], from typed views of its slot."""
-        views = self._slot_views(slot)
-        return math.post(math.down(math.act(math.up(rows, views)), views))
+            label = f"layer {key.layer} expert {key.expert}" if key is not None else label
+            self.timeline.add("experts", label, began, ended)
 
     def _slot_views(self, slot: torch.Tensor) -> Weights:
         """Typed views of a slot, kept for the slot addresses used most recently (an address serves

@@ -8,7 +8,8 @@ from moestream.checkpoint.index import build_index
 from moestream.families import FAMILIES
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.experts import IMPLEMENTATION, OneHotDenseExperts
-from moestream.runtime.offload import FusedExpertMath, OffloadedExperts
+from moestream.runtime.expert_math import FusedExpertMath
+from moestream.runtime.offload import OffloadedExperts
 from moestream.runtime.publisher import Publisher
 from moestream.store.pool import SlotPool
 from moestream.topology import ExpertKey

@@ -1,0 +1,239 @@
+"""A MoE layer's routed experts in one call: every expert's MLP over its rows, from typed views of its slot.
+
+The caller sorts the layer's used (token, k) rows by expert and opens a `LayerExperts` over them
+(`open_layer`); it then hands over each expert's slot views and row span as the expert's bytes are in
+place (`add`), calls `flush` before it releases the experts added, and takes the weighted rows,
+scattered back to their (token, k) places, from `result` (once). Kernels, registered by name in
+`LAYER_KERNELS`:
+
+- "stream" (the CPU default): each expert's two matrix products and its activation run as it is
+  added, into one [R, H] buffer, so that compute overlaps the bytes still landing; the row-wise tail
+  (post, routing weights, scatter) runs once per layer instead of once per expert.
+- "grouped" (the CUDA default, where torch has a grouped GEMM): `add` only collects; `flush` runs each
+  projection of every collected expert as one grouped matrix product over a strided view of their
+  slots (device slots are evenly spaced), and falls back to "stream" where they are not (host slots
+  start at their file offsets' residues) or where torch has no grouped GEMM for the device.
+- "per-expert": the former path, each expert's whole MLP, weighting and scatter on its own; kept as
+  the reference the bench compares against.
+
+Exactness: each expert's matrix products see exactly the rows that transformers' grouped_mm gives
+that expert (its CPU kernel is a loop of the same matrix product per expert), the activation and
+post are row-wise, and the caller sums the [T, K, H] result over k as transformers does, whatever
+order the experts arrived in. fp32 weights whose slot start is not 16-byte aligned are computed from
+an aligned copy: MKL's single-row (gemv) product rounds differently on such addresses (measured:
+4- and 8-byte offsets change the last bits; 16, 32 and 64 do not), while transformers' parameters
+are aligned. Knows no store, policy or family.
+"""
+
+from __future__ import annotations
+
+import math as _math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moestream.registry import Registry
+from moestream.runtime.expert_math import ExpertMath, GroupedExpertMath, Weights, grouped_mm
+
+ALIGN_BYTES = 16  # fp32 weights at other addresses are copied (see the module docstring)
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """A layer's used rows sorted by expert: what every kernel computes over."""
+
+    math: ExpertMath
+    inputs: torch.Tensor  # [R, H] hidden state of each used (token, k) row, sorted by expert
+    scale: torch.Tensor  # [R, 1] routing weight of each row
+    order: torch.Tensor  # [R] place of each row among the S = T * K (token, k) rows
+    num_rows: int  # S
+    out_dtype: torch.dtype  # of the [S, H] result
+
+
+class LayerExperts(Protocol):
+    def add(self, weights: Weights, start: int, end: int) -> None:
+        """One expert's slot views and its rows [start, end) of the sorted rows."""
+
+    def flush(self) -> None:
+        """Computes whatever was added and not yet computed (before the caller releases those experts)."""
+
+    def result(self) -> torch.Tensor:
+        """[S, H]: each used row's weighted expert output in its (token, k) place, unused rows zero."""
+
+
+LAYER_KERNELS: Registry[LayerExperts] = Registry("layer experts kernel")
+
+
+def aligned(weights: Weights) -> Weights:
+    """The views, with a 16-byte-aligned copy of each fp32 one that is not (exactness, see above)."""
+    if all(w.dtype != torch.float32 or w.data_ptr() % ALIGN_BYTES == 0 for w in weights.values()):
+        return weights
+    return {name: w.clone() if w.dtype == torch.float32 and w.data_ptr() % ALIGN_BYTES else w
+            for name, w in weights.items()}
+
+
+def expert_mlp(math: ExpertMath, rows: torch.Tensor, weights: Weights) -> torch.Tensor:
+    """One expert's MLP without its post stage: [n, H] -> [n, H]."""
+    weights = aligned(weights)
+    return math.down(math.act(math.up(rows, weights)), weights)
+
+
+def zeros(rows: LayerRows) -> torch.Tensor:
+    """[S, H] zeros of the result's dtype."""
+    return torch.zeros(rows.num_rows, rows.inputs.shape[-1], dtype=rows.out_dtype, device=rows.inputs.device)
+
+
+def scattered(rows: LayerRows, weighted: torch.Tensor) -> torch.Tensor:
+    """[R, H] weighted rows -> [S, H] in their (token, k) places, unused rows zero."""
+    return zeros(rows).index_copy_(0, rows.order, weighted.to(rows.out_dtype))
+
+
+@LAYER_KERNELS.register("stream")
+class StreamedLayer:
+    """Each expert's products and activation as it is added; post, weighting and scatter once."""
+
+    def __init__(self, rows: LayerRows):
+        self.rows = rows
+        self.outputs: torch.Tensor | None = None  # [R, H], filled expert by expert
+
+    def add(self, weights: Weights, start: int, end: int) -> None:
+        self.put(slice(start, end), expert_mlp(self.rows.math, self.rows.inputs[start:end], weights))
+
+    def put(self, where: slice | torch.Tensor, out: torch.Tensor) -> None:
+        """Experts' outputs [n, H] (before post) of the sorted rows `where`."""
+        if self.outputs is None:
+            self.outputs = out.new_empty(self.rows.inputs.shape[0], out.shape[-1])  # [R, H]
+        self.outputs[where] = out
+
+    def flush(self) -> None:
+        pass  # every expert was computed when added
+
+    def result(self) -> torch.Tensor:
+        if self.outputs is None:
+            return zeros(self.rows)  # no used rows
+        return scattered(self.rows, self.rows.math.post(self.outputs) * self.rows.scale)
+
+
+@LAYER_KERNELS.register("per-expert")
+class PerExpertLayer:
+    """The former path: each expert's whole MLP, weighting and scatter when it is added."""
+
+    def __init__(self, rows: LayerRows):
+        self.rows = rows
+        self.out = zeros(rows)  # [S, H]
+
+    def add(self, weights: Weights, start: int, end: int) -> None:
+        r = self.rows
+        out = r.math.post(expert_mlp(r.math, r.inputs[start:end], weights)) * r.scale[start:end]  # [n, H]
+        self.out[r.order[start:end]] = out
+
+    def flush(self) -> None:
+        pass
+
+    def result(self) -> torch.Tensor:
+        return self.out
+
+
+def stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [G, ...] strided view over tensors of one storage spaced evenly apart (G >= len(views), the
+    i-th at group (offset_i - offset_0) / step), or None where they are not (or too sparse)."""
+    first = views[0]
+    offsets = [v.storage_offset() for v in views]
+    low = min(offsets)
+    step = 0
+    for offset in offsets:
+        step = _math.gcd(step, offset - low)
+    step = step or first.numel()
+    groups = (max(offsets) - low) // step + 1
+    same = all(v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for v in views)
+    strides = (step, *first.stride()[:-1])
+    misaligned = any(stride * first.element_size() % ALIGN_BYTES for stride in strides) or (
+        min(v.data_ptr() for v in views) % ALIGN_BYTES)
+    if not same or misaligned or groups > 4 * len(views) + 64:
+        return None
+    return first.as_strided((groups, *first.shape), (step, *first.stride()), low)
+
+
+def grouped_ready(device: torch.device) -> bool:
+    """Whether torch has a grouped GEMM for this device: CUDA of compute capability 8.0 or later, or a CPU
+    with torch 2.9 or later (a loop of the same per-group product in C++, as transformers calls it)."""
+    if grouped_mm() is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 9)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Where each of the collected experts lies in the stacked views of their slots."""
+
+    stacked: Weights  # name -> [G, ...]
+    of_expert: list[int]  # group of each collected expert
+
+    @classmethod
+    def of(cls, experts: list[Weights]) -> "Groups | None":
+        stacks = {name: stacked([w[name] for w in experts]) for name in experts[0]}
+        if any(s is None for s in stacks.values()):
+            return None
+        of_expert = None
+        for name, stack in stacks.items():
+            step = stack.stride(0)
+            found = [(w[name].storage_offset() - stack.storage_offset()) // step for w in experts]
+            if of_expert is not None and found != of_expert:
+                return None
+            of_expert = found
+        return cls(stacks, of_expert)
+
+
+@LAYER_KERNELS.register("grouped")
+class GroupedLayer:
+    """`add` collects; `flush` runs each projection of the collected experts as one grouped GEMM over
+    strided views of their slots (CUDA), else streams them."""
+
+    def __init__(self, rows: LayerRows):
+        self.rows = rows
+        self.stream = StreamedLayer(rows)
+        self.pending: list[tuple[Weights, int, int]] = []
+
+    def add(self, weights: Weights, start: int, end: int) -> None:
+        self.pending.append((weights, start, end))
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        groups = Groups.of([w for w, _, _ in pending]) if pending and self._can_group() else None
+        if groups is None:
+            for weights, start, end in pending:
+                self.stream.add(weights, start, end)
+            return
+        self._run(groups, pending)
+
+    def result(self) -> torch.Tensor:
+        return self.stream.result()
+
+    def _can_group(self) -> bool:
+        return isinstance(self.rows.math, GroupedExpertMath) and grouped_ready(self.rows.inputs.device)
+
+    def _run(self, groups: Groups, pending: list[tuple[Weights, int, int]]) -> None:
+        device = self.rows.inputs.device
+        ranked = sorted(range(len(pending)), key=groups.of_expert.__getitem__)  # experts in group order
+        perm = torch.cat([torch.arange(pending[i][1], pending[i][2]) for i in ranked])  # [n] rows by group
+        num_groups = next(iter(groups.stacked.values())).shape[0]
+        sizes = [0] * num_groups
+        for i in ranked:
+            sizes[groups.of_expert[i]] = pending[i][2] - pending[i][1]
+        counts = torch.tensor(sizes, dtype=torch.int32)  # [G] rows per group
+        offs = counts.cumsum(0, dtype=torch.int32).to(device)  # [G]
+        row_groups = torch.repeat_interleave(torch.arange(num_groups), counts.long()).to(device)  # [n]
+        perm = perm.to(device)
+        math = self.rows.math
+        inner = math.act(math.up_grouped(self.rows.inputs[perm], groups.stacked, offs, row_groups))
+        self.stream.put(perm, math.down_grouped(inner, groups.stacked, offs, row_groups))  # [n, H]
+
+
+def default_kernel(device: torch.device) -> str:
+    """The LAYER_KERNELS name for a device: "grouped" on CUDA with a grouped GEMM (copies land on streams,
+    so waiting for a group's experts costs the host nothing), else "stream" (a CPU computes each
+    expert while the next one's bytes land)."""
+    return "grouped" if device.type == "cuda" and grouped_ready(device) else "stream"
