@@ -221,9 +221,9 @@ class Engine:
         return RUNNERS.get(self.checkpoint.adapter.auto_class)
 
     def new_sequence(self, prompt_ids: list[int], max_tokens: int = 1 << 62,
-                     sampler: TokenSampler | None = None) -> Sequence:
+                     sampler: TokenSampler | None = None, ignore_eos: bool = False) -> Sequence:
         """A sequence with a fresh id (sampler None: greedy)."""
-        return Sequence(next(self._seq_counter), list(prompt_ids), max_tokens, sampler)
+        return Sequence(next(self._seq_counter), list(prompt_ids), max_tokens, sampler, ignore_eos)
 
     def scheduler(self, rule: BatchingRule) -> Scheduler:
         """A scheduler of sequences on this engine, batched by the rule."""

@@ -120,7 +120,7 @@ class Batcher:
                                 f"{self.config.kv_budget_bytes}")
         sampler = SequenceSampler(request.params, self.decode)
         request.attach(sampler)
-        seq = self.engine.new_sequence(request.prompt_ids, request.params.max_tokens, sampler)
+        seq = self.engine.new_sequence(request.prompt_ids, request.params.max_tokens, sampler, request.params.ignore_eos)
         seq.arrived = request.arrived
         self.requests.append(Generating(request, seq, TextStream(request.params.stop), need))
         self.scheduler.add(seq)

@@ -24,12 +24,13 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = 1
+    ignore_eos: bool = False  # an extension, as in vLLM: generate max_tokens whatever the model ends with
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises SamplingError on values out of range."""
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=self.stop or ())
+                              top_k=self.top_k, seed=self.seed, stop=self.stop or (), ignore_eos=self.ignore_eos)
 
 
 class CompletionBody(_Body):
