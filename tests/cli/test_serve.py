@@ -115,3 +115,10 @@ def _announced_url(server) -> str:
         if "serving" in line and " on http://" in line:
             return line.rsplit(" on ", 1)[1].strip()
     raise AssertionError("the server ended before it said where it serves")
+
+
+def test_a_kv_budget_that_holds_no_request_is_refused_at_start_up(tiny_checkpoint, capsys):
+    model = tiny_checkpoint("qwen2_moe", num_layers=2)
+    assert main(["serve", "--model", str(model), "--port", "0", "--buffered-io", "--kv-budget", "16B"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kv-budget" in err and "holds no request" in err and "serving" not in err

@@ -94,7 +94,8 @@ def test_a_request_hears_first_whether_it_got_in(make_worker):
     while worker.batcher.step():
         pass
     assert admitted[0] == Admitted() and all(isinstance(e, TextDelta) for e in admitted[1:]) and admitted[-1].finished
-    tight = make_worker(max_wait_ms=0, batching=BatchingConfig(kv_budget_bytes=1))
+    per_token = worker.batcher.bytes_per_token  # a budget that holds 3 tokens: a request, not this one of 5
+    tight = make_worker(max_wait_ms=0, batching=BatchingConfig(kv_budget_bytes=3 * per_token))
     tight.submit(_request(refused))
     assert tight.admit() == []
     assert len(refused) == 1 and isinstance(refused[0], KvBudgetError)
