@@ -56,7 +56,7 @@ class Frontend:
         self.tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint.path)  # the event loop's own
         text_config = engine.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.context_len = getattr(text_config, "max_position_embeddings", None)
+        self.context_len = engine.context_len
         self.info = moestream_info(engine.replay is not None)  # beside usage, and in /v1/models, /health
 
     def prompt_ids(self, body: CompletionBody | ChatBody) -> list[int]:

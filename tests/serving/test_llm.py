@@ -69,6 +69,15 @@ def test_ignore_eos_generates_max_tokens_past_the_end_of_sequence(llm):
     assert past.token_ids[:len(out.token_ids)] == out.token_ids  # the same draws, then more
 
 
+def test_the_context_length_holds_offline_too(llm, caplog):
+    context = llm.engine.context_len
+    with pytest.raises(MoestreamError, match=f"the prompt has {context} tokens; this model's context is {context}"):
+        llm.generate([[5] * context], SamplingParams(max_tokens=1))
+    out = llm.generate([[5] * (context - 3)], SamplingParams(max_tokens=10**8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    assert "max new tokens capped at 3" in caplog.text
+
+
 def test_params_must_match_the_prompts(llm):
     with pytest.raises(MoestreamError):
         llm.generate(PROMPTS, [SamplingParams()])
