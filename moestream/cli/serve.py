@@ -56,6 +56,11 @@ def batching_config(args):
     from moestream.budget import Budget
     from moestream.serving.batching import BatchingConfig
 
+    at_least = {"--max-batch-size": (args.max_batch_size, 1), "--prefill-token-budget": (args.prefill_token_budget, 1),
+                "--max-num-seqs": (args.max_num_seqs, 0)}
+    for flag, (value, least) in at_least.items():
+        if value < least:
+            raise MoestreamError(f"{flag} must be >= {least}, got {value}")
     kv = Budget.parse(args.kv_budget, "--kv-budget")
     if kv.size_bytes is None:
         raise MoestreamError(f"--kv-budget is a size like 512MiB, got {args.kv_budget!r}")
@@ -80,13 +85,14 @@ def run(args) -> int:
     check_engine_arguments(args)
     require_serve_extra()
     from moestream.runtime import Engine
-    from moestream.serving.server import Server
+    from moestream.serving.server import Server, bind
     from moestream.serving.worker import WorkerConfig
 
     batching = batching_config(args)
     resolve_auto_budgets(args, args.model, kv_bytes=batching.kv_budget_bytes)
     workers = WorkerConfig(args.max_wait_ms, args.max_queue, args.max_queue_wait_ms, batching)
-    with Engine(args.model, engine_config(args), progress=True) as engine:
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
+    with sock, Engine(args.model, engine_config(args), progress=True) as engine:
         if engine.replay is not None:
             from moestream.runtime.replay import REPLAY_LABEL
 
@@ -94,6 +100,11 @@ def run(args) -> int:
                         '"moestream": {"replayed": true})', REPLAY_LABEL, args.replay_routing)
         server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
                         args.api_key, workers)
-        print(f"moestream: serving {args.model} on http://{args.host}:{args.port}", file=sys.stderr)
-        server.run()
+        host, port = sock.getsockname()[:2]
+        print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
+        try:
+            server.run(sock)
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+            pass
+    print("moestream: stopped: new requests refused, running ones finished or ended", file=sys.stderr)
     return 0

@@ -221,9 +221,28 @@ class Engine:
         return RUNNERS.get(self.checkpoint.adapter.auto_class)
 
     def new_sequence(self, prompt_ids: list[int], max_tokens: int = 1 << 62,
-                     sampler: TokenSampler | None = None) -> Sequence:
-        """A sequence with a fresh id (sampler None: greedy)."""
-        return Sequence(next(self._seq_counter), list(prompt_ids), max_tokens, sampler)
+                     sampler: TokenSampler | None = None, ignore_eos: bool = False) -> Sequence:
+        """A sequence with a fresh id (sampler None: greedy), held to the model's context length: a
+        prompt as long as the context is refused, and max_tokens is capped to what is left of it."""
+        return Sequence(next(self._seq_counter), list(prompt_ids), self._within_context(len(prompt_ids), max_tokens),
+                        sampler, ignore_eos)
+
+    @property
+    def context_len(self) -> int | None:
+        """The model's context length (max_position_embeddings), None where it has none."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    def _within_context(self, num_prompt: int, max_tokens: int) -> int:
+        context = self.context_len
+        if context is None or num_prompt + max_tokens <= context:
+            return max_tokens
+        if num_prompt >= context:
+            raise MoestreamError(f"the prompt has {num_prompt} tokens; this model's context is {context} tokens "
+                                 "(max_position_embeddings)")
+        if max_tokens < 1 << 62:  # a caller's limit, not the default
+            log.warning("moestream: max new tokens capped at %d: the prompt's %d tokens and the model's context "
+                        "of %d leave no more", context - num_prompt, num_prompt, context)
+        return context - num_prompt
 
     def scheduler(self, rule: BatchingRule) -> Scheduler:
         """A scheduler of sequences on this engine, batched by the rule."""

@@ -46,6 +46,7 @@ class Sequence:
     prompt_ids: list[int]
     max_tokens: int = 1 << 62  # tokens to generate at most
     sampler: TokenSampler | None = None
+    ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens (benchmarks)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     arrived: float = 0.0  # when its request arrived (a batching rule may wait for company)

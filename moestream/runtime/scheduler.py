@@ -141,7 +141,7 @@ class Scheduler:
         reason = None if seq.sampler is None else seq.sampler.stop_reason(seq.output_ids)
         if reason is None and len(seq.output_ids) >= seq.max_tokens:
             reason = "length"
-        if reason is None and token in self.eos_ids:
+        if reason is None and token in self.eos_ids and not seq.ignore_eos:
             reason = "stop"
         if reason is not None:
             self.finish(seq, reason)

@@ -25,7 +25,7 @@ from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.protocol import (ChatBody, CompletionBody, chunk, error_json, moestream_info, request_id,
-                                         response)
+                                         response, usage_chunk)
 from moestream.serving.sampling import SamplingError, SamplingParams
 from moestream.serving.worker import EngineWorker, Overloaded
 
@@ -56,7 +56,7 @@ class Frontend:
         self.tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint.path)  # the event loop's own
         text_config = engine.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.context_len = getattr(text_config, "max_position_embeddings", None)
+        self.context_len = engine.context_len
         self.info = moestream_info(engine.replay is not None)  # beside usage, and in /v1/models, /health
 
     def prompt_ids(self, body: CompletionBody | ChatBody) -> list[int]:
@@ -74,8 +74,8 @@ class Frontend:
     def check(self, body: CompletionBody | ChatBody, prompt_ids: list[int]) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist", "model", "model_not_found")
-        if body.n != 1:
-            raise ApiError(400, "only n=1 is supported", "n")
+        if (refused := body.refused()) is not None:
+            raise ApiError(400, refused[1], refused[0])
         if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         if not prompt_ids:
@@ -106,7 +106,8 @@ class Frontend:
             return Response(status_code=499)  # nobody reads it
         rid = request_id(chat)
         if body.stream:
-            return StreamingResponse(self._stream(rid, chat, request, events), media_type="text/event-stream")
+            stream = self._stream(rid, chat, request, events, body.include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
         return await self._whole(rid, chat, request, events, http)
 
     async def _whole(self, rid: str, chat: bool, request: Request, events: asyncio.Queue,
@@ -130,7 +131,7 @@ class Frontend:
         finally:
             request.cancel()  # a no-op once finished; ends the sequence of a client that went away
 
-    async def _stream(self, rid: str, chat: bool, request: Request, events: asyncio.Queue):
+    async def _stream(self, rid: str, chat: bool, request: Request, events: asyncio.Queue, with_usage: bool):
         first = True
         try:
             while True:
@@ -142,6 +143,8 @@ class Frontend:
                 yield _sse(piece | self.info if event.finished else piece)
                 first = False
                 if event.finished:
+                    if with_usage:
+                        yield _sse(usage_chunk(rid, self.model_name, chat, len(request.prompt_ids), request.num_tokens))
                     break
             yield "data: [DONE]\n\n"
         finally:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from moestream.budget import format_bytes
 from moestream.errors import MoestreamError
 from moestream.runtime.runner import Sequence
 from moestream.runtime.scheduler import ScheduledBatch, StaticBatches
@@ -79,6 +80,7 @@ class Batcher:
         # each sequence's routing path, for the token scheduler (continuous batching only)
         self.paths = RoutingPaths(engine.checkpoint.topology) if continuous else None
         self.bytes_per_token = engine.kv_bytes_per_token() if continuous else 0  # 0: no KV budget
+        _check_kv_budget(config.kv_budget_bytes, self.bytes_per_token)
         rule = self._continuous(clock) if continuous else StaticBatches(config.max_batch_size)
         self.scheduler = engine.scheduler(rule)
         if self.paths is not None:
@@ -120,7 +122,7 @@ class Batcher:
                                 f"{self.config.kv_budget_bytes}")
         sampler = SequenceSampler(request.params, self.decode)
         request.attach(sampler)
-        seq = self.engine.new_sequence(request.prompt_ids, request.params.max_tokens, sampler)
+        seq = self.engine.new_sequence(request.prompt_ids, request.params.max_tokens, sampler, request.params.ignore_eos)
         seq.arrived = request.arrived
         self.requests.append(Generating(request, seq, TextStream(request.params.stop), need))
         self.scheduler.add(seq)
@@ -178,3 +180,11 @@ class Batcher:
                 self.scheduler.finish(generating.seq, "abort")
             generating.request.emit(error)
         return batch
+
+
+def _check_kv_budget(budget_bytes: int, bytes_per_token: int) -> None:
+    """Refuses a KV budget that no request fits: one prompt token and one new token."""
+    if 2 * bytes_per_token > budget_bytes:
+        raise KvBudgetError(f"the KV budget (--kv-budget) of {format_bytes(budget_bytes)} holds no request: "
+                            f"one prompt token and one new token take {format_bytes(2 * bytes_per_token)} "
+                            f"({bytes_per_token} bytes of KV a token)")

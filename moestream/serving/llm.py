@@ -42,7 +42,7 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts))
         tokenizer = self.engine.tokenizer
         decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        seqs = [self.engine.new_sequence(ids, p.max_tokens, SequenceSampler(p, decode))
+        seqs = [self.engine.new_sequence(ids, p.max_tokens, SequenceSampler(p, decode), p.ignore_eos)
                 for ids, p in zip(self.engine.prompt_ids(prompts), params)]
         scheduler = self.engine.scheduler(StaticBatches(self.max_batch_size))
         for seq in seqs:

@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from moestream.serving.sampling import SamplingParams
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -24,12 +29,29 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = 1
+    ignore_eos: bool = False  # an extension, as in vLLM: generate max_tokens whatever the model ends with
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None  # refused when asked for (see `refused`)
+    top_logprobs: int | None = None
+
+    def refused(self) -> tuple[str, str] | None:
+        """(parameter, why) of an option this server does not support, or None."""
+        if self.n != 1:
+            return "n", "only n=1 is supported"
+        if self.logprobs not in (None, False, 0) or self.top_logprobs:
+            name = "top_logprobs" if self.top_logprobs else "logprobs"
+            return name, "logprobs are not supported by this server"
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises SamplingError on values out of range."""
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=self.stop or ())
+                              top_k=self.top_k, seed=self.seed, stop=self.stop or (), ignore_eos=self.ignore_eos)
 
 
 class CompletionBody(_Body):
@@ -76,6 +98,18 @@ def chunk(rid: str, model: str, chat: bool, text: str, finish_reason: str | None
     return _envelope(rid, model, "text_completion", choice)
 
 
+def usage(num_prompt_tokens: int, num_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
+            "total_tokens": num_prompt_tokens + num_tokens}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, num_prompt_tokens: int, num_tokens: int) -> dict:
+    """The last streamed chunk when stream_options.include_usage: no choices, the request's usage."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(num_prompt_tokens, num_tokens)}
+
+
 def response(rid: str, model: str, chat: bool, text: str, finish_reason: str,
              num_prompt_tokens: int, num_tokens: int) -> dict:
     """The whole answer of a non-streamed request, with its token usage."""
@@ -86,6 +120,4 @@ def response(rid: str, model: str, chat: bool, text: str, finish_reason: str,
     else:
         body = _envelope(rid, model, "text_completion",
                          {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
-    usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
-             "total_tokens": num_prompt_tokens + num_tokens}
-    return body | {"usage": usage}
+    return body | {"usage": usage(num_prompt_tokens, num_tokens)}

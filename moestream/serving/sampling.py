@@ -33,6 +33,7 @@ class SamplingParams:
     top_k: int = 0  # the k most likely tokens only (0: all)
     seed: int | None = None  # a sequence's generator seed (None: a fresh random seed)
     stop: tuple[str, ...] = ()  # strings that end the sequence; trimmed from the text
+    ignore_eos: bool = False  # go on past end-of-sequence tokens up to max_tokens (as vLLM's, for benchmarks)
 
     def __post_init__(self):
         object.__setattr__(self, "stop", _stop_strings(self.stop))

@@ -53,12 +53,16 @@ class EngineWorker:
         self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.requests),
                                      lambda: self.batcher.reserved_bytes)
         self._stop = threading.Event()
+        self._draining = threading.Event()
+        self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, request: Request) -> None:
+        if self._draining.is_set():
+            raise Overloaded("the server is shutting down")
         try:
             self._queue.put_nowait(request)
         except queue.Full:
@@ -71,11 +75,13 @@ class EngineWorker:
         if self._thread.is_alive():
             self._thread.join()
         self.batcher.close()
-        if self._head is not None:
-            self._head.emit(Overloaded("the server is shutting down"))
-            self._head = None
-        while not self._queue.empty():
-            self._queue.get_nowait().emit(Overloaded("the server is shutting down"))
+        self._fail_waiting()
+
+    def drain(self, grace_s: float) -> None:
+        """Stops admitting (waiting and new requests get 'shutting down'); running requests may finish
+        within grace_s, then end with finish reason 'abort', and the engine thread stops. Any thread."""
+        self._drain_deadline = time.perf_counter() + grace_s
+        self._draining.set()
 
     @property
     def alive(self) -> bool:
@@ -89,11 +95,30 @@ class EngineWorker:
     def _loop(self) -> None:
         self.engine.store.reset_stats()  # the metrics count from here
         while not self._stop.is_set():
-            self.admit()
+            if self._draining.is_set():
+                if self._drained():
+                    return
+            else:
+                self.admit()
             if self.batcher.requests:
                 self.metrics.batch_size.observe(len(self.batcher.requests))
                 self.batcher.step()
                 self.metrics.observe_store(self.engine.store.stats())
+
+    def _drained(self) -> bool:
+        """While draining: fails the waiting requests; once nothing runs or the grace period is over,
+        ends what still runs and says so."""
+        self._fail_waiting()
+        if self.batcher.requests and time.perf_counter() < self._drain_deadline:
+            return False
+        self.batcher.close()
+        return True
+
+    def _fail_waiting(self) -> None:
+        waiting = ([self._head] if self._head is not None else []) + _emptied(self._queue)
+        self._head = None
+        for request in waiting:
+            request.emit(Overloaded("the server is shutting down"))
 
     def admit(self) -> list[Request]:
         """Takes waiting requests in while the batcher has room; an idle engine waits up to POLL_S
@@ -180,6 +205,15 @@ class EngineWorker:
             if request.num_tokens > 1:
                 self.metrics.tpot.observe((now - request.first_token) / (request.num_tokens - 1))
         request.emit(delta)
+
+
+def _emptied(waiting: queue.Queue) -> list[Request]:
+    taken = []
+    while True:
+        try:
+            taken.append(waiting.get_nowait())
+        except queue.Empty:
+            return taken
 
 
 def _waited_ms(request: Request) -> float:

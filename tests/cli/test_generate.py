@@ -352,3 +352,13 @@ def test_default_without_a_trained_model_is_one_error_line_and_no_output(model_d
                  "--buffered-io"]) == 2
     captured = capsys.readouterr()
     assert "--predictor-dir DIR" in _error_line_of(captured.err) and captured.out == ""
+
+
+def test_max_new_tokens_past_the_context_is_capped_saying_so(model_dir, tmp_path, caplog):
+    out = tmp_path / "r.json"
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "100000000",
+                 "--buffered-io", "--json", str(out)]) == 0
+    assert "max new tokens capped at" in caplog.text
+    from moestream.checkpoint.index import load_config
+
+    assert len(json.loads(out.read_text())["token_ids"]) < load_config(model_dir).max_position_embeddings

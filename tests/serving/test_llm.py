@@ -56,6 +56,28 @@ def test_stop_string_ends_and_is_trimmed(llm):
     assert len(out.token_ids) < len(full.token_ids) or full.finish_reason == "stop"
 
 
+def test_ignore_eos_generates_max_tokens_past_the_end_of_sequence(llm):
+    eos = llm.engine.model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    sampled = [SamplingParams(max_tokens=200, temperature=1.0, seed=seed) for seed in range(8)]
+    ended = next((o, p) for o, p in zip(llm.generate(PROMPTS[:1] * 8, sampled), sampled) if o.finish_reason == "stop")
+    (out, params) = ended
+    assert out.token_ids[-1] in eos and len(out.token_ids) < 200
+    past = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=200, temperature=1.0, seed=params.seed,
+                                                     ignore_eos=True))[0]
+    assert past.finish_reason == "length" and len(past.token_ids) == 200
+    assert past.token_ids[:len(out.token_ids)] == out.token_ids  # the same draws, then more
+
+
+def test_the_context_length_holds_offline_too(llm, caplog):
+    context = llm.engine.context_len
+    with pytest.raises(MoestreamError, match=f"the prompt has {context} tokens; this model's context is {context}"):
+        llm.generate([[5] * context], SamplingParams(max_tokens=1))
+    out = llm.generate([[5] * (context - 3)], SamplingParams(max_tokens=10**8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    assert "max new tokens capped at 3" in caplog.text
+
+
 def test_params_must_match_the_prompts(llm):
     with pytest.raises(MoestreamError):
         llm.generate(PROMPTS, [SamplingParams()])

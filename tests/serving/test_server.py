@@ -66,6 +66,22 @@ def test_streamed_text_equals_the_whole_answer(server):
     assert all(c["object"] == "text_completion" for c in chunks)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "def add(a, b):"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_include_usage_adds_a_last_chunk_with_the_usage(server, path, body):
+    body = body | {"max_tokens": 5, "temperature": 0, "stream": True}
+    whole = _post(server, path, body | {"stream": False}).json()
+    with httpx.stream("POST", server.url + path, json=body | {"stream_options": {"include_usage": True}},
+                      headers=AUTH, timeout=60) as stream:
+        chunks = _events(stream.iter_lines())
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all("usage" not in c for c in chunks[:-1]) and chunks[-2]["choices"][0]["finish_reason"]
+    with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=60) as stream:
+        assert all("usage" not in c for c in _events(stream.iter_lines()))
+
+
 def test_a_streamed_stop_string_is_trimmed_like_the_whole_answer(server):
     body = {"prompt": "The cat sat on", "max_tokens": 12, "temperature": 0}
     full = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
@@ -235,6 +251,9 @@ def test_a_client_leaving_before_a_whole_answer_cancels_its_sequence(server):
     ("/v1/completions", {"prompt": "x", "top_p": 7}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400),
     ("/v1/completions", {"prompt": "x", "n": 3}, 400),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400),
     ("/v1/completions", {"prompt": [10**7]}, 400),
     ("/v1/completions", {"prompt": "word " * 2000, "max_tokens": 4}, 400),
     ("/v1/completions", {"max_tokens": 4}, 400),
@@ -254,6 +273,8 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     answer = _post(server, path, body)
     assert answer.status_code == status, answer.text
     assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+    if "logprobs" in body or "top_logprobs" in body:
+        assert "not supported" in answer.json()["error"]["message"]
 
 
 def test_malformed_json_is_a_400(server):

@@ -94,7 +94,8 @@ def test_a_request_hears_first_whether_it_got_in(make_worker):
     while worker.batcher.step():
         pass
     assert admitted[0] == Admitted() and all(isinstance(e, TextDelta) for e in admitted[1:]) and admitted[-1].finished
-    tight = make_worker(max_wait_ms=0, batching=BatchingConfig(kv_budget_bytes=1))
+    per_token = worker.batcher.bytes_per_token  # a budget that holds 3 tokens: a request, not this one of 5
+    tight = make_worker(max_wait_ms=0, batching=BatchingConfig(kv_budget_bytes=3 * per_token))
     tight.submit(_request(refused))
     assert tight.admit() == []
     assert len(refused) == 1 and isinstance(refused[0], KvBudgetError)
@@ -112,3 +113,24 @@ def test_bad_worker_config_is_refused(fields):
 def test_bad_batching_config_is_refused(fields):
     with pytest.raises(MoestreamError):
         BatchingConfig(**fields)
+
+
+def test_draining_refuses_new_requests_and_ends_running_ones_after_the_grace(make_worker):
+    worker = make_worker(max_wait_ms=0)
+    running_seen, waiting_seen = [], []
+    running = Request([1, 2, 3], SamplingParams(max_tokens=1000), running_seen.append)
+    worker.submit(running)
+    assert worker.admit() == [running]
+    worker.submit(Request([1, 2, 3], SamplingParams(max_tokens=2), waiting_seen.append))
+    worker.drain(grace_s=0.3)
+    worker.start()
+    with pytest.raises(Overloaded, match="shutting down"):
+        worker.submit(_request())
+    deadline = time.monotonic() + 30
+    while worker.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not worker.alive  # the engine thread stopped by itself
+    assert isinstance(waiting_seen[0], Overloaded) and "shutting down" in str(waiting_seen[0])
+    last = running_seen[-1]
+    assert isinstance(last, TextDelta) and last.finished and last.finish_reason == "abort"
+    assert 1 < len(running_seen) < 1000  # it ran during the grace, and was ended before its max_tokens
