@@ -1,6 +1,8 @@
 """`moestream bench engine --small` end to end: every run in its own process, the issue's JSON schema,
 every figure sane. Figures themselves are the benchmark's business, not the test's."""
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -28,16 +30,17 @@ def small_bench(tmp_path_factory):
         topology = build_index(demo_checkpoint(small=True)).topology
         trace = root / "trace.npz"
         save_trace(synthetic_trace(topology, num_sequences=3, tokens_per_sequence=10, seed=1), trace)
-        out = root / "bench.json"
-        code = main(["bench", "engine", "--small", "--replay-routing", str(trace), "--budgets", "0.5",
-                     "--designs", "", "--max-new-tokens", "3", "--buffered-io", "--memory-cap", "auto",
-                     "--json", str(out)])
-    return code, json.loads(out.read_text())
+        out, err = root / "bench.json", io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["bench", "engine", "--small", "--replay-routing", str(trace), "--budgets", "0.5",
+                         "--designs", "", "--max-new-tokens", "3", "--buffered-io", "--memory-cap", "auto",
+                         "--json", str(out)])
+    return code, json.loads(out.read_text()), err.getvalue()
 
 
 @pytest.mark.slow
 def test_the_document_follows_the_issue_schema(small_bench):
-    code, record = small_bench
+    code, record, _ = small_bench
     assert code == 0
     assert TOP_KEYS <= set(record)
     assert all(set(run) == RUN_KEYS for run in record["runs"])
@@ -51,7 +54,7 @@ def test_the_document_follows_the_issue_schema(small_bench):
 
 @pytest.mark.slow
 def test_every_figure_is_sane(small_bench):
-    _, record = small_bench
+    _, record, _ = small_bench
     resident, *offloaded = record["runs"]
     assert resident["hit_rate"] == 1.0 and resident["bytes_per_token"] == 0
     assert record["resident_tpot_ms"] == resident["tpot_ms"] > 0
@@ -76,8 +79,17 @@ def test_every_figure_is_sane(small_bench):
 
 
 @pytest.mark.slow
+def test_each_run_prints_its_figures_as_it_ends(small_bench):
+    _, record, err = small_bench
+    lines = [line for line in err.splitlines() if line.startswith("bench engine: ")]
+    assert len(lines) == len(record["runs"]) + len(record["skipped"])  # every run, in the order they ran
+    assert lines[0].startswith("bench engine: all resident at 1.0: ")
+    assert f"TPOT {record['runs'][0]['tpot_ms']:.1f} ms" in lines[0]
+
+
+@pytest.mark.slow
 def test_the_document_says_which_checkpoint_and_device_it_ran(small_bench):
-    _, record = small_bench
+    _, record, _ = small_bench
     assert record["device"] == "cpu" and record["prompts"] == 4 and record["model"].endswith("demo-small")
     assert record["checkpoint"].startswith("2 MoE layers x 16 experts (top-6)")
 

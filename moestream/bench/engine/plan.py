@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 from pathlib import Path
 
 from moestream.bench.engine.spec import RunSpec
@@ -47,6 +48,7 @@ def measure(args) -> dict:
                    predictor_dirs=tuple(args.predictor_dir))
     disk = disk_figures(Path(model), not args.buffered_io)
     resident = run_isolated(dataclasses.replace(base, preload=True))
+    progress("all resident", "1.0", resident)
     dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
     context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
                "cap": _cap(args)}
@@ -185,13 +187,36 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
         spec = dataclasses.replace(base, budget=budget, policy=job.policy if job.kind == "engine" else "lru",
                                    sync=job.sync, kind=job.kind)
         for cap in caps:
+            label = f"{job.policy} {job.mode}" + (f" capped at {cap / MIB:.0f} MiB" if cap else "")
             try:
                 done.append((job, budget, run_isolated(spec, cap) | {"memory_cap_mib": cap and cap / MIB}))
+                progress(label, budget, done[-1][2])
             except (RunFailed, OSError) as error:
+                progress(label, budget, None, str(error))
                 skipped.append({"policy": job.policy, "budget": budget, "mode": job.mode,
                                 "memory_cap_mib": cap and cap / MIB, "reason": str(error)})
                 break  # no capped twin of a run that failed uncapped
     return done
+
+
+def progress(label: str, budget: str, result: dict | None, failure: str = "") -> None:
+    """One line on stderr as each run ends, so that a bench stopped midway (a timeout) still shows
+    what it measured; the table and the JSON come at the end."""
+    if result is None:
+        line = f"failed: {failure.splitlines()[-1] if failure else 'no reason given'}"
+    else:
+        shown = {"TTFT": ("ttft_ms", 1, "ms"), "TPOT": ("tpot_ms", 1, "ms"), "stall": ("stall_ms_per_token", 1, "ms/token"),
+                 "hit rate": ("hit_rate", 1e-3, ""), "read": ("bytes_per_token", 1e6, "MB/token")}
+        line = ", ".join(f"{name} {_figure(result.get(key), scale, unit)}" for name, (key, scale, unit) in shown.items())
+    print(f"bench engine: {label} at {budget}: {line}", file=sys.stderr, flush=True)
+
+
+def _figure(value, scale: float, unit: str) -> str:
+    """value / scale to one decimal (scale < 1: three decimals of value), with its unit; n/a for None."""
+    if value is None:
+        return "n/a"
+    text = f"{value:.3f}" if scale < 1 else f"{value / scale:.1f}"
+    return f"{text} {unit}".rstrip()
 
 
 def _cap_bytes(context: dict, budget_mib: float) -> int:
