@@ -19,7 +19,7 @@ KERNELS = LAYER_KERNELS.names()
 
 def _min_engine(path) -> Engine:
     topology = build_index(path).topology
-    return Engine(path, EngineConfig(expert_budget=str(topology.top_k * topology.expert_bytes), direct_io=False))
+    return Engine(path, EngineConfig(expert_budget=topology.top_k * topology.expert_bytes, direct_io=False))
 
 
 def _routing(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int):
