@@ -44,8 +44,8 @@ class AsyncExpertStore(ExpertStore):
     serves_host_tier = False  # TieredAsyncStore (moestream.store.tiered) serves one
 
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-                 host_eviction: EvictionPolicy, integrity: Integrity | None = None):
-        super().__init__(index, config, device_eviction, host_eviction, integrity)
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None):
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
         if self._host is not None and not self.serves_host_tier:
             raise ValueError("the asynchronous store serves a device tier without a host tier")
         self._cond = threading.Condition(self._lock)
@@ -181,11 +181,12 @@ class AsyncExpertStore(ExpertStore):
                 self._cancel(transfer)
 
     def _demand(self, key: ExpertKey) -> None:
+        transfer = self._pending.get(key)
+        if transfer is not None:  # in flight: a miss, late, promoted to demand
+            self._late(key)
+            self._queue_of(transfer).reprioritise(transfer, demand=True)
+            return
         if self._hit(key):
-            transfer = self._pending.get(key)
-            if transfer is not None:
-                self._stats.late += 1
-                self._queue_of(transfer).reprioritise(transfer, demand=True)
             return
         self._stats.misses += 1
         self._make_room()

@@ -20,11 +20,12 @@ from moestream.topology import Topology
 
 
 def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-               host_eviction: EvictionPolicy, integrity: Integrity | None = None) -> ExpertStore:
-    """The store for config (see the module doc), with its tiers' eviction policies."""
+               host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None) -> ExpertStore:
+    """The store for config (see the module doc), with its tiers' eviction policies; reader, link: as
+    ExpertStore takes them."""
     if config.asynchronous and not config.uses_cuda:
         config = one_tier(config, index.topology)
-    return store_kind(config, index.topology)(index, config, device_eviction, host_eviction, integrity)
+    return store_kind(config, index.topology)(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
 
 
 def store_kind(config: StoreConfig, topology: Topology) -> type[ExpertStore]:

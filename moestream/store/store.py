@@ -46,7 +46,7 @@ from moestream.store.config import StoreConfig
 from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
-from moestream.store.streams import make_link
+from moestream.store.streams import Link, make_link
 from moestream.timeline import Timeline, expert_names
 from moestream.topology import ExpertKey, Topology
 
@@ -56,14 +56,14 @@ BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier whe
 
 @dataclass
 class StoreStats:
-    hits: int = 0  # acquire: experts already in the device tier
-    misses: int = 0  # acquire: experts fetched on demand
+    hits: int = 0  # acquire: experts whose bytes were in the device tier
+    misses: int = 0  # acquire: experts fetched on demand, or still in flight (late)
     host_hits: int = 0  # device fills served by the host tier
     host_misses: int = 0  # device fills served by disk
     bytes_read: dict[str, int] = field(default_factory=lambda: {"disk": 0, "host": 0})
     prefetched: int = 0  # experts brought into the device tier by prefetch
     prefetched_bytes: int = 0
-    prefetch_hits: int = 0  # acquire hits on prefetched experts not used before
+    prefetch_hits: int = 0  # acquire hits on prefetched experts landed and not used before (never a late one)
     prefetch_wasted: int = 0  # prefetched experts evicted before any acquire used them
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     disk_read_s: float = 0.0  # wall time of the disk reads (a batch's requests in flight together count once)
@@ -72,7 +72,7 @@ class StoreStats:
     stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
     transfer_s: float = 0.0  # time the disk link was busy
     copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
-    late: int = 0  # fetch hits whose bytes were still in flight
+    late: int = 0  # fetched experts whose bytes were still in flight (counted in misses)
     cancelled: int = 0  # queued speculative transfers dropped before they ran
 
     @property
@@ -89,8 +89,10 @@ class ExpertStore:
     bounce_slots = BOUNCE_SLOTS  # pinned staging slots when a CUDA device tier has no host tier
 
     def __init__(self, index: ExpertIndex, config: StoreConfig,
-                 device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None):
-        """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest)."""
+                 device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None,
+                 reader: DiskReader | None = None, link: Link | None = None):
+        """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest); reader
+        and link replace the disk reader and the host -> device copy link (default: made for config)."""
         self.index = index
         self.integrity = integrity
         self.config = config
@@ -104,9 +106,9 @@ class ExpertStore:
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
         self._bounce = SlotPool(self._staging_slots(pin), expert_bytes, "cpu", pin_memory=pin)
-        self._reader = DiskReader(direct_io=config.direct_io)
+        self._reader = reader or DiskReader(direct_io=config.direct_io)
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
-        self._link = make_link(config.device)  # host -> device
+        self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
         self._unused_prefetches: set[ExpertKey] = set()
         self._stats = StoreStats()
@@ -172,6 +174,13 @@ class ExpertStore:
             self._unused_prefetches.discard(key)
             self._stats.prefetch_hits += 1
         return True
+
+    def _late(self, key: ExpertKey) -> None:
+        """key was asked for while its bytes were in flight: a miss, never a prefetch hit."""
+        self._device.access(key)
+        self._stats.misses += 1
+        self._stats.late += 1
+        self._unused_prefetches.discard(key)
 
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)

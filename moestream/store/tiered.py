@@ -37,10 +37,10 @@ class TieredAsyncStore(AsyncExpertStore):
     serves_host_tier = True
 
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-                 host_eviction: EvictionPolicy, integrity: Integrity | None = None):
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None):
         if not config.host_slots(index.topology):
             raise ValueError("the tiered asynchronous store needs a host tier of at least one expert")
-        super().__init__(index, config, device_eviction, host_eviction, integrity)
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
         self._copies = TransferQueue(self.device_slots)
         self._copier = CopyWorker(self._cond, self._copies, self._link, self._copied, self._copy_failed,
                                   self._link_copied, config.chunks_in_flight)
