@@ -17,9 +17,8 @@ Mechanism rules (documented choices):
   needed no later than the prefetched expert (layers ahead, as the planner measures them). When
   no other victim exists the prefetch is dropped. Demand loads may evict any unpinned expert.
 - The planner's view shows as in flight what moves to the device tier and the routed layer's demand
-  loads, and as resident only what has landed, as the engine's store does. (The store also keeps
-  earlier plans' queued prefetches until they run or a layer's gate pre-empts them; here each plan
-  replaces the queued ones before the planner looks.)
+  loads, and as resident only what has landed, as the engine's store does. Each plan replaces the
+  queued prefetches before the planner looks, as the engine's store does (`PrefetchPlanner`).
 - The planner is consulted only when the predictor predicts something; an empty prediction list
   is an empty plan (the queue is cleared), except before the first layer (`predict(-1)`), where
   it leaves the plan made at the previous iteration's last layer in place.

@@ -13,7 +13,8 @@ Life of an expert: admitted to a slot and pinned by its transfer (in flight: `in
 landed (unpinned, resident), or cancelled while queued (slot freed), or failed (slot freed, the
 error kept for the thread that waits on it). `fetch` is the early preemption: the layer's misses go
 to the head of the queue in the order asked, its in-flight experts become demand, and the queued
-speculative transfers of its layers that the gate did not choose are dropped. A demand miss that
+speculative transfers of its layers that the gate did not choose are dropped. `drop_plan` drops the
+queued prefetches that have not started (a new plan replaces them). A demand miss that
 finds every slot pinned cancels queued speculative transfers, lowest priority first, then waits for
 an in-flight one to land. Every wait has a timeout (`StoreConfig.transfer_timeout_s`).
 """
@@ -118,6 +119,14 @@ class AsyncExpertStore(ExpertStore):
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
+
+    def drop_plan(self) -> None:
+        """Cancels the queued prefetches that have not started: each plan replaces the previous plan's
+        (the `PrefetchPlanner` contract); transfers under way continue."""
+        with self._lock:
+            for transfer in self._speculative():
+                if not transfer.started:
+                    self._cancel(transfer)
 
     def wait_idle(self) -> None:
         """Blocks until no transfer is in flight (e.g. after a preload); raises the first failure."""

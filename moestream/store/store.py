@@ -352,6 +352,9 @@ class ExpertStore:
             brought.append(key)
         return brought, kept
 
+    def drop_plan(self) -> None:
+        """Drops the previous plan's prefetches that have not started (none here: prefetch runs them)."""
+
     # -- views of the state --------------------------------------------------------------------
 
     def resident(self, tier: str = "device") -> frozenset[ExpertKey]:

@@ -64,10 +64,10 @@ class TieredAsyncStore(AsyncExpertStore):
         self._queue_read(key, self._host_pool.slot(slot, self._residues[key]), priority, demand)
         return True
 
-    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
+    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool, continued: bool = False) -> None:
         src, dst = self._slot_of(self._host_pool, self._host, key), self._slot_of(self._device_pool, self._device, key)
         chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
-        copy = HostCopy(key, chunks, priority=priority, demand=demand)
+        copy = HostCopy(key, chunks, priority=priority, demand=demand, continued=continued)
         self._copies.push(copy)
         self._pending[key] = copy
         self._cond.notify_all()
@@ -118,7 +118,7 @@ class TieredAsyncStore(AsyncExpertStore):
         if not self._verified(transfer, self._host_pool, self._host):
             return
         self._stats.host_misses += 1
-        self._queue_copy(transfer.key, transfer.priority, transfer.demand)
+        self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
 
     def _copied(self, copy: HostCopy) -> None:  # under the lock: the bytes are in the device slot
         if self._pending.get(copy.key) is not copy:

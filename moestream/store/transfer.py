@@ -59,10 +59,15 @@ class Transfer:
     demand: bool = False  # the compute thread waits on it
     order: int = 0  # tie-break: first asked, first served
     next_chunk: int = 0
+    continued: bool = False  # the second stage of a transfer that has started (a copy after its read)
 
     @property
     def rank(self) -> tuple:
         return (0, self.order) if self.demand else (1, -self.priority, self.order)
+
+    @property
+    def started(self) -> bool:
+        return self.continued or self.next_chunk > 0
 
     @property
     def done(self) -> bool:

@@ -112,3 +112,19 @@ def test_a_pinned_experts_slot_keeps_its_bytes_while_its_layer_computes(checkpoi
         for key in layer:
             assert_holds_expert(checkpoint, slots[key], key)
         fetch.release()
+
+
+@pytest.mark.parametrize("kind", ["async", "tiered"])
+def test_a_new_plan_drops_the_previous_plans_unstarted_prefetches_and_the_read_under_way_continues(checkpoint, kind):
+    gates = OrderedGates(checkpoint.index)
+    with make(kind, checkpoint, device_slots=6, reader=gates) as store:
+        store.prefetch([TransferRequest(K(1, 3), 0.9)])
+        gates.wait_reading(K(1, 3))  # under way
+        store.prefetch([TransferRequest(K(0, 0), 0.8), TransferRequest(K(0, 1), 0.7)])  # queued behind it
+        assert store.in_flight() == {K(1, 3), K(0, 0), K(0, 1)}
+        store.drop_plan()
+        assert store.in_flight() == {K(1, 3)} and store.stats().cancelled == 2
+        store.prefetch([TransferRequest(K(0, 2), 0.5)])
+        gates.open(*every_key(checkpoint))
+        store.wait_idle()
+        assert store.resident() == {K(1, 3), K(0, 2)} and store.stats().prefetched == 4
