@@ -52,6 +52,7 @@ from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Lin
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
+from moestream.transfer_core import HIT, LATE, TransferCore
 
 INF = float("inf")
 
@@ -104,9 +105,8 @@ class StreamSimulator:
         tiers = [self.device] + ([self.host] if self.host else [])
         self.driver = PolicyDriver(policy, [tier.policy for tier in tiers], horizon_layers=config.horizon_layers)
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
-        self.loading: dict[ExpertKey, Transfer] = {}  # queued or moving towards the device tier
+        self.core: TransferCore[Transfer] = TransferCore(self.device)  # what is queued or moving to the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
-        self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
         self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
         self.now = 0.0
@@ -119,7 +119,8 @@ class StreamSimulator:
             self.driver.run_iteration(it, self)
             self.counters.num_tokens += it.ctx.num_tokens
             self.counters.num_iterations += 1
-        counters = self.counters
+        counters, counts = self.counters, self.core.counts
+        counters.prefetch_hits, counters.wasted_prefetches = counts.prefetch_hits, counts.wasted
         counters.sim_ms = self.now
         counters.bytes_by_link = {link.name: link.bytes_moved for link in self.links}
         return counters
@@ -196,22 +197,19 @@ class StreamSimulator:
     def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[dict[ExpertKey, float], list[ExpertKey]]:
         """Count hits, start demand loads; when each missed expert lands, and the misses in needed's order."""
         lands, missed, demands, hits = {}, [], [], 0
-        loading, access, unused = self.loading, self.device.access, self.unused
+        lookup, moving = self.core.lookup, self.core.moving
         for key in needed:
-            transfer = loading.get(key) if loading else None
-            if transfer is None:
-                if access(key) is not None:
-                    hits += 1
-                    if key in unused:
-                        unused.discard(key)
-                        self.counters.prefetch_hits += 1
-                    continue
-            elif transfer.stage != QUEUED:
-                missed.append(key)
-                lands[key] = self._wait(transfer)
+            found = lookup(key)
+            if found == HIT:
+                hits += 1
                 continue
-            else:  # a prefetch still queued: the demand load replaces it
-                del loading[key]
+            if found == LATE:
+                transfer = moving[key]
+                if transfer.stage != QUEUED:
+                    missed.append(key)
+                    lands[key] = self._wait(transfer)
+                    continue
+                del moving[key]  # a prefetch still queued: the demand load replaces it
                 transfer.stage = DROPPED
             missed.append(key)
             demands.append(key)
@@ -240,7 +238,7 @@ class StreamSimulator:
 
     def _demand(self, transfer: Transfer) -> float:
         """A demand load through the host tier; when it lands."""
-        self.loading[transfer.key] = transfer
+        self.core.track(transfer.key, transfer)
         earliest = self._through_host(transfer)
         self._admit_device(transfer.key, (), demand=True)
         transfer.stage = MOVING
@@ -280,7 +278,7 @@ class StreamSimulator:
         for link in self.links:
             if link.planned:
                 for transfer in link.drop_planned():
-                    del self.loading[transfer.key]
+                    del self.core.moving[transfer.key]
         if not predictions:
             self.need = {}
             return
@@ -291,7 +289,7 @@ class StreamSimulator:
             if ahead < need.get(key, INF):
                 need[key] = ahead
         self.need = need
-        in_flight = frozenset(self.loading).union(self.demanding)  # as the engine's store shows them
+        in_flight = frozenset(self.core.moving).union(self.demanding)  # as the engine's store shows them
         view = CacheView(_ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now, num_layers)
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(requests, need)
@@ -299,12 +297,13 @@ class StreamSimulator:
             link.wake(self.now)
 
     def _queue(self, requests, need: dict[ExpertKey, int]) -> None:
+        moving = self.core.moving
         for request in requests:
             key = request.key
-            if key in self.loading or key in self.device:
+            if key in moving or key in self.device:
                 continue
             transfer = Transfer(key, True, need.get(key, INF))
-            self.loading[key] = transfer
+            self.core.track(key, transfer)
             link = self.device_link if self.host is None or self._host_ready(key) else self.lower_link
             link.planned.append(transfer)
 
@@ -370,20 +369,18 @@ class StreamSimulator:
         counters, unpins = self.counters, []
         for transfer in done:
             key = transfer.key
-            del self.loading[key]
+            self.core.landed(key, transfer.prefetch and not transfer.waited)
             if transfer.device_pinned:
                 unpins.append(key)
             if transfer.host_pinned:
                 self.host.unpin((key,))
             if transfer.prefetch:
                 counters.prefetches_landed += 1
-                if not transfer.waited:
-                    self.unused.add(key)
         if unpins:
             self.device.unpin(unpins)
 
     def _drop(self, transfer: Transfer) -> None:
-        del self.loading[transfer.key]
+        del self.core.moving[transfer.key]
         self.counters.prefetches_dropped += 1
         if transfer.host_pinned:
             self.host.unpin((transfer.key,))
@@ -391,16 +388,13 @@ class StreamSimulator:
 
     def _admit_device(self, key: ExpertKey, protect, demand: bool) -> bool:
         try:
-            _, evicted = self.device.admit(key, protect)
+            self.core.admit(key, protect)
         except CacheFullError:
             if demand:
                 raise BudgetError(
                     f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"
                 ) from None
             return False
-        if evicted is not None and evicted in self.unused:
-            self.unused.discard(evicted)
-            self.counters.wasted_prefetches += 1
         return True
 
     def _admit_host(self, transfer: Transfer, demand: bool) -> bool:

@@ -36,6 +36,7 @@ from moestream.store.store import ExpertStore, _key
 from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
+from moestream.transfer_core import HIT, LATE
 
 STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its chunk
 
@@ -51,7 +52,6 @@ class AsyncExpertStore(ExpertStore):
             raise ValueError("the asynchronous store serves a device tier without a host tier")
         self._cond = threading.Condition(self._lock)
         self._queue = TransferQueue(self.device_slots)
-        self._pending: dict[ExpertKey, Transfer] = {}
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
         self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, self._landed, self._failed,
@@ -94,7 +94,7 @@ class AsyncExpertStore(ExpertStore):
                 for key in candidates:
                     if key in self._errors:
                         raise self._errors.pop(key)
-                    if key not in self._pending:
+                    if key not in self._core.moving:
                         return key, self._slot_of(self._device_pool, self._device, key)
                 began = time.perf_counter()
                 try:
@@ -110,12 +110,11 @@ class AsyncExpertStore(ExpertStore):
             brought, kept = self._admit_prefetches(requests)
             self._device.unpin(kept)
             for key in kept:
-                if key in self._pending:
-                    transfer = self._pending[key]
+                if key in self._core.moving:
+                    transfer = self._core.moving[key]
                     self._queue_of(transfer).reprioritise(transfer, priority=priorities[key])
             # each keeps the pin _admit_prefetches gave it until it lands (or leaves the tier if refused)
             brought = [key for key in brought if self._enqueue(key, priorities[key], demand=False)]
-            self._unused_prefetches.update(brought)
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
@@ -132,8 +131,8 @@ class AsyncExpertStore(ExpertStore):
         """Blocks until no transfer is in flight (e.g. after a preload); raises the first failure."""
         deadline = time.perf_counter() + self.config.transfer_timeout_s
         with self._cond:
-            while self._pending:
-                self._wait(deadline, f"{len(self._pending)} transfers in flight")
+            while self._core.moving:
+                self._wait(deadline, f"{len(self._core.moving)} transfers in flight")
             if self._errors:
                 error = next(iter(self._errors.values()))
                 self._errors.clear()
@@ -142,7 +141,7 @@ class AsyncExpertStore(ExpertStore):
     def in_flight(self) -> frozenset[ExpertKey]:
         """Experts admitted whose bytes are queued or being read."""
         with self._lock:
-            return frozenset(self._pending)
+            return frozenset(self._core.moving)
 
     def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
         """Experts whose bytes are in place in the tier (those still arriving there excluded)."""
@@ -159,7 +158,7 @@ class AsyncExpertStore(ExpertStore):
             self._closed = True
         self._stop_workers()
         with self._cond:
-            for transfer in list(self._pending.values()):
+            for transfer in list(self._core.moving.values()):
                 self._forget(transfer)
             self._queue.drain()
             self._cond.notify_all()
@@ -172,7 +171,7 @@ class AsyncExpertStore(ExpertStore):
 
     def _arriving(self, tier: str) -> set[ExpertKey]:
         """Experts admitted to the tier whose bytes are still on their way there."""
-        return set(self._pending)
+        return set(self._core.moving)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -180,7 +179,7 @@ class AsyncExpertStore(ExpertStore):
 
     def _pinned(self) -> set[ExpertKey]:
         """Experts pinned by callers; transfers' own pins do not count: they are cancelled or land."""
-        return set(self._device.pinned()) - self._pending.keys()
+        return set(self._device.pinned()) - self._core.moving.keys()
 
     def _preempt(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
         """Drops queued speculative transfers of the wanted experts' layers that the gate did not choose."""
@@ -190,12 +189,13 @@ class AsyncExpertStore(ExpertStore):
                 self._cancel(transfer)
 
     def _demand(self, key: ExpertKey) -> None:
-        transfer = self._pending.get(key)
-        if transfer is not None:  # in flight: a miss, late, promoted to demand
+        found = self._core.lookup(key)
+        if found == LATE:  # in flight: a miss, late, promoted to demand
             self._late(key)
+            transfer = self._core.moving[key]
             self._queue_of(transfer).reprioritise(transfer, demand=True)
             return
-        if self._hit(key):
+        if found == HIT:
             return
         self._stats.misses += 1
         self._make_room()
@@ -204,7 +204,7 @@ class AsyncExpertStore(ExpertStore):
         try:
             self._enqueue(key, 0.0, demand=True)
         except BaseException:
-            self._forget_admission(key)
+            self._core.forget(key)
             raise
 
     def _make_room(self) -> None:
@@ -228,7 +228,7 @@ class AsyncExpertStore(ExpertStore):
         transfer = Transfer(key, chunks_of(self.index.locations[key].segments, slot, self.config.chunk_bytes),
                             priority=priority, demand=demand)
         self._queue.push(transfer)
-        self._pending[key] = transfer
+        self._core.track(key, transfer)
         self._cond.notify_all()
 
     def _speculative(self) -> list[Transfer]:
@@ -241,17 +241,11 @@ class AsyncExpertStore(ExpertStore):
     def _cancel(self, transfer: Transfer) -> None:
         if self._queue_of(transfer).cancel(transfer.key) is transfer:
             self._stats.cancelled += 1
-            self._unused_prefetches.discard(transfer.key)
             self._forget(transfer)
 
     def _forget(self, transfer: Transfer) -> None:
         """The transfer's expert leaves the device tier (its bytes never arrived there)."""
-        self._pending.pop(transfer.key, None)
-        self._forget_admission(transfer.key)
-
-    def _forget_admission(self, key: ExpertKey) -> None:
-        if key in self._device:
-            self._device.remove(key)
+        self._core.forget(transfer.key)
 
     def _wait(self, deadline: float, what: str) -> None:
         self._check_open()
@@ -281,7 +275,7 @@ class AsyncExpertStore(ExpertStore):
     def _landed(self, transfer: Transfer) -> None:  # under the lock
         if not self._verified(transfer, self._device_pool, self._device):
             return
-        del self._pending[transfer.key]
+        self._core.landed(transfer.key, prefetch=not transfer.demand)
         self._device.unpin([transfer.key])
         self._stats.host_misses += 1
         self._cond.notify_all()
@@ -289,7 +283,7 @@ class AsyncExpertStore(ExpertStore):
     def _verified(self, transfer: Transfer, pool, tier) -> bool:  # under the lock
         """Whether a landed transfer is still wanted and its bytes in tier's slot pass the integrity
         check (if not, the transfer has failed)."""
-        if self._pending.get(transfer.key) is not transfer:
+        if self._core.moving.get(transfer.key) is not transfer:
             return False  # forgotten by close()
         try:
             self._arrived([transfer.key], [self._slot_of(pool, tier, transfer.key)])
@@ -303,7 +297,7 @@ class AsyncExpertStore(ExpertStore):
 
     def _fail(self, transfer: Transfer, error: BaseException, what: str) -> None:  # under the lock
         """The error kept for the thread that waits on the transfer's expert, which leaves the tier."""
-        if self._pending.get(transfer.key) is transfer:
+        if self._core.moving.get(transfer.key) is transfer:
             failure = error if isinstance(error, CheckpointError) else TransferError(f"{what}: {error}")
             failure.__cause__ = None if failure is error else error
             self._errors[transfer.key] = failure

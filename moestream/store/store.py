@@ -49,6 +49,7 @@ from moestream.store.pool import SlotPool
 from moestream.store.streams import Link, make_link
 from moestream.timeline import Timeline, expert_names
 from moestream.topology import ExpertKey, Topology
+from moestream.transfer_core import HIT, TransferCore
 
 TIERS = ("device", "host")
 BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier when there is no host tier
@@ -110,7 +111,7 @@ class ExpertStore:
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
         self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
-        self._unused_prefetches: set[ExpertKey] = set()
+        self._core: TransferCore = TransferCore(self._device)  # lookups, admissions, landings, counts
         self._stats = StoreStats()
         self.timeline: Timeline | None = None  # records waits and transfers when set (record_timeline)
 
@@ -133,7 +134,7 @@ class ExpertStore:
             pinned, misses = [], []  # experts pinned so far, and the misses among them
             try:
                 for key in wanted:
-                    if not self._hit(key):
+                    if self._core.lookup(key) != HIT:
                         self._stats.misses += 1
                         self._admit(key)
                         misses.append(key)
@@ -166,21 +167,12 @@ class ExpertStore:
         with self._lock:
             return key, self._slot_of(self._device_pool, self._device, key)
 
-    def _hit(self, key: ExpertKey) -> bool:
-        if self._device.access(key) is None:
-            return False
-        self._stats.hits += 1
-        if key in self._unused_prefetches:
-            self._unused_prefetches.discard(key)
-            self._stats.prefetch_hits += 1
-        return True
-
     def _late(self, key: ExpertKey) -> None:
         """key was asked for while its bytes were in flight: a miss, never a prefetch hit."""
         self._device.access(key)
         self._stats.misses += 1
         self._stats.late += 1
-        self._unused_prefetches.discard(key)
+        self._core.used(key)
 
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)
@@ -197,12 +189,7 @@ class ExpertStore:
 
     def _admit(self, key: ExpertKey) -> None:
         """A device slot for key (evicting by policy); its bytes come with _load."""
-        _, victim = self._device.admit(key)
-        if victim is not None:
-            self._stats.evictions["device"] += 1
-            if victim in self._unused_prefetches:
-                self._unused_prefetches.discard(victim)
-                self._stats.prefetch_wasted += 1
+        self._core.admit(key)
 
     def _discard(self, keys: Iterable[ExpertKey]) -> None:
         """Forget admitted experts whose bytes did not arrive."""
@@ -331,7 +318,8 @@ class ExpertStore:
                 raise
             finally:
                 self._device.unpin(brought + kept)
-            self._unused_prefetches.update(brought)
+            for key in brought:
+                self._core.landed(key, prefetch=True)
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
@@ -381,12 +369,15 @@ class ExpertStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            return self._stats.copy()
+            stats, counts = self._stats.copy(), self._core.counts
+            stats.hits, stats.prefetch_hits, stats.prefetch_wasted = counts.hits, counts.prefetch_hits, counts.wasted
+            stats.evictions["device"] = counts.evictions
+            return stats
 
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = StoreStats()
-            self._unused_prefetches.clear()
+            self._core.reset_counts()
 
     def close(self) -> None:
         with self._lock:

@@ -56,7 +56,7 @@ class TieredAsyncStore(AsyncExpertStore):
             self._queue_copy(key, priority, demand)
             return True
         if not self._host_room(demand):
-            self._forget_admission(key)
+            self._core.forget(key)
             return False
         slot, victim = self._host.admit(key)
         self._stats.evictions["host"] += victim is not None
@@ -69,7 +69,7 @@ class TieredAsyncStore(AsyncExpertStore):
         chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
         copy = HostCopy(key, chunks, priority=priority, demand=demand, continued=continued)
         self._copies.push(copy)
-        self._pending[key] = copy
+        self._core.track(key, copy)
         self._cond.notify_all()
 
     def _host_room(self, demand: bool) -> bool:
@@ -93,7 +93,7 @@ class TieredAsyncStore(AsyncExpertStore):
 
     def _arriving(self, tier: str) -> set[ExpertKey]:
         if tier == "host":
-            return {key for key, t in self._pending.items() if not isinstance(t, HostCopy)}
+            return {key for key, t in self._core.moving.items() if not isinstance(t, HostCopy)}
         return super()._arriving(tier)
 
     def _forget(self, transfer: Transfer) -> None:
@@ -121,9 +121,9 @@ class TieredAsyncStore(AsyncExpertStore):
         self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
 
     def _copied(self, copy: HostCopy) -> None:  # under the lock: the bytes are in the device slot
-        if self._pending.get(copy.key) is not copy:
+        if self._core.moving.get(copy.key) is not copy:
             return  # forgotten by close()
-        del self._pending[copy.key]
+        self._core.landed(copy.key, prefetch=not copy.demand)
         self._device.unpin([copy.key])
         self._host.unpin([copy.key])
         self._stats.bytes_read["host"] += self.topology.expert_bytes
