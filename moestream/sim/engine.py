@@ -38,7 +38,6 @@ This module knows the policy contract, not any policy by name.
 
 from __future__ import annotations
 
-from collections.abc import Set
 from typing import Iterable
 
 from moestream.cache import CacheFullError, ExpertCache
@@ -48,45 +47,12 @@ from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
 from moestream.sim.metrics import LayerCounts, StreamCounters
 from moestream.sim.protocols import PROTOCOLS, REPLAYS, Protocol
-from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Link, Transfer
+from moestream.sim.transfers import (DROPPED, INF, LOWER, MOVING, QUEUED, WAITING, Link, NeededNoLater, ReadyKeys,
+                                     Transfer)
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
 from moestream.transfer_core import HIT, LATE, TransferCore
-
-INF = float("inf")
-
-
-class _NeededNoLater:
-    """Keys the current predictions need within `limit` layers: a prefetch must not evict them."""
-
-    __slots__ = ("need", "limit")
-
-    def __init__(self, need: dict[ExpertKey, int], limit: float):
-        self.need, self.limit = need, limit
-
-    def __contains__(self, key: object) -> bool:
-        return self.need.get(key, INF) <= self.limit
-
-
-class _ReadyKeys(Set):
-    """The device tier's landed experts, as a read-only set that stays valid while a planner runs."""
-
-    def __init__(self, cache: ExpertCache, moving: Set):
-        self._cache, self._moving = cache, moving
-
-    @classmethod
-    def _from_iterable(cls, keys: Iterable) -> frozenset:
-        return frozenset(keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._cache and key not in self._moving
-
-    def __iter__(self):
-        return (key for key in self._cache.resident() if key not in self._moving)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
 
 class StreamSimulator:
@@ -290,7 +256,7 @@ class StreamSimulator:
                 need[key] = ahead
         self.need = need
         in_flight = frozenset(self.core.moving).union(self.demanding)  # as the engine's store shows them
-        view = CacheView(_ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now, num_layers)
+        view = CacheView(ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now, num_layers)
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(requests, need)
         for link in self.links:
@@ -331,7 +297,7 @@ class StreamSimulator:
         if not arrived and self.host is not None and not self._host_ready(key):
             self._drop(transfer)  # its host copy was evicted after the plan
             return
-        if not self._admit_device(key, _NeededNoLater(self.need, transfer.need), demand=False):
+        if not self._admit_device(key, NeededNoLater(self.need, transfer.need), demand=False):
             self._drop(transfer)
             return
         self.device.pin((key,))
