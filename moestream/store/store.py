@@ -317,6 +317,12 @@ class ExpertStore:
             cache = self._cache(tier)
             return cache.resident() if cache is not None else frozenset()
 
+    def pinned(self, tier: str = "device") -> frozenset[ExpertKey]:
+        """Experts holding a pin in the tier (a caller's, or a transfer's while it moves), resident or not."""
+        with self._lock:
+            cache = self._cache(tier)
+            return cache.pin_holders() if cache is not None else frozenset()
+
     def in_flight(self) -> frozenset[ExpertKey]:
         """Experts being transferred: none, since this store moves bytes synchronously."""
         return frozenset()
