@@ -27,8 +27,8 @@ from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.policies.contracts import EvictionPolicy
 from moestream.store.async_store import STOP_TIMEOUT_S, AsyncExpertStore
 from moestream.store.config import StoreConfig
-from moestream.store.copier import CopyWorker, HostCopy, copy_chunks
-from moestream.store.transfer import Transfer, TransferQueue
+from moestream.store.copier import CopyWorker, copy_chunks
+from moestream.store.transfer import DISK, H2D, Transfer, TransferQueue
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
@@ -67,7 +67,7 @@ class TieredAsyncStore(AsyncExpertStore):
     def _queue_copy(self, key: ExpertKey, priority: float, demand: bool, continued: bool = False) -> None:
         src, dst = self._slot_of(self._host_pool, self._host, key), self._slot_of(self._device_pool, self._device, key)
         chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
-        copy = HostCopy(key, chunks, priority=priority, demand=demand, continued=continued)
+        copy = Transfer(key, chunks, priority=priority, demand=demand, continued=continued, link=H2D)
         self._copies.push(copy)
         self._core.track(key, copy)
         self._cond.notify_all()
@@ -89,17 +89,17 @@ class TieredAsyncStore(AsyncExpertStore):
         return sorted(self._queue.speculative() + self._copies.speculative(), key=lambda t: t.priority)
 
     def _queue_of(self, transfer: Transfer) -> TransferQueue:
-        return self._copies if isinstance(transfer, HostCopy) else self._queue
+        return self._copies if transfer.link == H2D else self._queue
 
     def _arriving(self, tier: str) -> set[ExpertKey]:
         if tier == "host":
-            return {key for key, t in self._core.moving.items() if not isinstance(t, HostCopy)}
+            return {key for key, t in self._core.moving.items() if t.link == DISK}
         return super()._arriving(tier)
 
     def _forget(self, transfer: Transfer) -> None:
         """As the one-tier store; a read's expert also leaves the host tier, a copy's stays there."""
         super()._forget(transfer)
-        if isinstance(transfer, HostCopy):
+        if transfer.link == H2D:
             self._host.unpin([transfer.key])
         elif transfer.key in self._host:
             self._host.remove(transfer.key)
@@ -120,7 +120,7 @@ class TieredAsyncStore(AsyncExpertStore):
         self._stats.host_misses += 1
         self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
 
-    def _copied(self, copy: HostCopy) -> None:  # under the lock: the bytes are in the device slot
+    def _copied(self, copy: Transfer) -> None:  # under the lock: the bytes are in the device slot
         if self._core.moving.get(copy.key) is not copy:
             return  # forgotten by close()
         self._core.landed(copy.key, prefetch=not copy.demand)
@@ -129,7 +129,7 @@ class TieredAsyncStore(AsyncExpertStore):
         self._stats.bytes_read["host"] += self.topology.expert_bytes
         self._cond.notify_all()
 
-    def _copy_failed(self, copy: HostCopy, error: BaseException) -> None:  # under the lock
+    def _copy_failed(self, copy: Transfer, error: BaseException) -> None:  # under the lock
         self._fail(copy, error, f"copying expert {tuple(copy.key)} from host to device failed")
 
     def _link_copied(self, seconds: float) -> None:  # under the lock

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle worker sleeps before it checks for stop again
 MAX_CHUNKS_IN_FLIGHT = 8  # speculative chunks read together (each its own request in flight)
+DISK, H2D = "disk", "h2d"  # the links a transfer moves on: disk -> slot, host slot -> device slot
 
 
 class TransferError(MoestreamError):
@@ -60,6 +61,7 @@ class Transfer:
     order: int = 0  # tie-break: first asked, first served
     next_chunk: int = 0
     continued: bool = False  # the second stage of a transfer that has started (a copy after its read)
+    link: str = DISK  # which link moves it (its queue)
 
     @property
     def rank(self) -> tuple:
@@ -261,7 +263,7 @@ def _label(held: list[tuple[Transfer, int]]) -> str:
 class DiskWorker(LinkWorker):
     """The disk link's one I/O thread (see the module doc)."""
 
-    name = "disk"
+    name = DISK
 
     def __init__(self, cond: threading.Condition, queue: TransferQueue,
                  read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],

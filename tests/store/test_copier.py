@@ -4,9 +4,9 @@ import time
 import torch
 
 from moestream.checkpoint.layout import Segment
-from moestream.store.copier import CopyWorker, HostCopy, copy_chunks
+from moestream.store.copier import CopyWorker, copy_chunks
 from moestream.store.streams import CpuLink
-from moestream.store.transfer import TransferQueue
+from moestream.store.transfer import H2D, Transfer, TransferQueue
 from moestream.topology import ExpertKey
 
 K = ExpertKey
@@ -32,7 +32,7 @@ def host_copy(key, fill, demand=False, priority=0.0, nbytes=4, chunk_bytes=0):
     filled with `fill` and its dst with zeros."""
     src, dst = torch.full((nbytes,), fill, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     chunks = copy_chunks([Segment("weights.safetensors", 0, nbytes)], src, dst, chunk_bytes)
-    copy = HostCopy(key, chunks, priority=priority, demand=demand)
+    copy = Transfer(key, chunks, priority=priority, demand=demand, link=H2D)
     copy.src, copy.dst = src, dst
     return copy
 
