@@ -78,7 +78,7 @@ class AsyncExpertStore(ExpertStore):
         return Fetch(self, wanted)
 
     def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
-        """As ExpertStore.acquire: returns once every key's bytes are in place."""
+        """Returns once every key's bytes are in place (fetch, then wait for all)."""
         fetch = self.fetch(keys)
         try:
             return dict(fetch.ready())

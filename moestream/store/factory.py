@@ -1,6 +1,6 @@
 """Which expert store serves a configuration: synchronous, asynchronous with one tier, or with two.
 
-`open_store` makes it: the synchronous `ExpertStore` unless the configuration asks for asynchronous
+`open_store` makes it: the synchronous `InlineStore` unless the configuration asks for asynchronous
 transfers; then `AsyncExpertStore` for a device tier alone and `TieredAsyncStore` for a device tier
 with a host tier. On the CPU, host and device memory are the same: there the host budget joins the
 device tier (one tier, each expert held once, no second copy). This module knows no policy.
@@ -14,6 +14,7 @@ from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.policies.contracts import EvictionPolicy
 from moestream.store.async_store import AsyncExpertStore
 from moestream.store.config import Budget, StoreConfig
+from moestream.store.inline import InlineStore
 from moestream.store.store import ExpertStore
 from moestream.store.tiered import TieredAsyncStore
 from moestream.topology import Topology
@@ -31,7 +32,7 @@ def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: Evictio
 def store_kind(config: StoreConfig, topology: Topology) -> type[ExpertStore]:
     """The store class for config as given (tiers not merged)."""
     if not config.asynchronous:
-        return ExpertStore
+        return InlineStore
     return TieredAsyncStore if config.host_slots(topology) else AsyncExpertStore
 
 

@@ -7,7 +7,7 @@ from moestream.checkpoint.layout import ExpertIndex, ExpertLocation
 from moestream.errors import BudgetError, CheckpointError
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
-from moestream.store import ExpertStore, StoreConfig
+from moestream.store import InlineStore, StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.factory import store_kind
 from moestream.topology import ExpertKey
@@ -19,7 +19,7 @@ K = ExpertKey
 def make_store(ckpt, device_slots, host_slots=0, device="cpu", direct_io=True, reader=None):
     expert_bytes = ckpt.index.topology.expert_bytes
     config = StoreConfig(str(device_slots * expert_bytes), str(host_slots * expert_bytes), device, direct_io)
-    return ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
+    return InlineStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
 
 
 def use(store, *keys):
@@ -248,11 +248,11 @@ def test_store_refuses_a_too_small_budget_and_a_bad_index(checkpoint):
         make_store(checkpoint, device_slots=index.topology.top_k - 1)
     missing = ExpertIndex(index.topology, {k: v for k, v in index.locations.items() if k != K(1, 1)}, index.layout)
     with pytest.raises(CheckpointError, match="no location"):
-        ExpertStore(missing, StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+        InlineStore(missing, StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
     short = dict(index.locations)
     short[K(0, 0)] = ExpertLocation(K(0, 0), index.locations[K(0, 0)].segments[:2])
     with pytest.raises(CheckpointError, match="bytes on disk"):
-        ExpertStore(ExpertIndex(index.topology, short, index.layout), StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+        InlineStore(ExpertIndex(index.topology, short, index.layout), StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
 
 
 def test_unknown_tier_is_refused(checkpoint):
@@ -308,7 +308,7 @@ def test_an_expert_that_fails_its_check_is_never_kept(checkpoint, host_slots):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(str(3 * eb), str(host_slots * eb), "cpu", True)
     integrity = RefuseOne(K(1, 2))
-    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+    with InlineStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         use(store, K(0, 0))
         with pytest.raises(CheckpointError, match="damaged"):
             store.acquire([K(0, 1), K(1, 2)])
@@ -338,7 +338,7 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
             assert disk.stats.direct_bytes >= 0.8 * disk.stats.bytes_read
 
 
-class StagingStore(ExpertStore):
+class StagingStore(InlineStore):
     """The CUDA store without a host tier (disk -> bounce slot -> device slot), on the CPU: two bounce slots."""
 
     def _staging_slots(self, pinned):
@@ -352,7 +352,7 @@ def test_copies_that_complete_later_are_waited_for_before_compute_and_before_the
     each copy, and a disk read into a host or bounce slot waits for the copies from it."""
     checkpoint = make_checkpoint(hidden=64, inter=48)  # experts over a block: slots overlap at any placement
     eb = checkpoint.index.topology.expert_bytes
-    kind = StagingStore if host_slots == 0 else ExpertStore
+    kind = StagingStore if host_slots == 0 else InlineStore
     link = LateLink()
     with kind(checkpoint.index, StoreConfig(str(4 * eb), str(host_slots * eb)), LRUPolicy(), LRUPolicy(),
               link=link) as store:
