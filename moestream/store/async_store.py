@@ -33,7 +33,7 @@ from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.store import ExpertStore, _key
-from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.store.transfer import DiskWorker, LinkReports, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 from moestream.transfer_core import HIT, LATE
@@ -54,8 +54,8 @@ class AsyncExpertStore(ExpertStore):
         self._queue = TransferQueue(self.device_slots)
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
-        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, self._landed, self._failed,
-                                  self._link_read, config.chunks_in_flight)
+        reports = LinkReports(landed=self._landed, failed=self._failed, busy=self._link_read)
+        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, reports, config.chunks_in_flight)
 
     # -- compute thread --------------------------------------------------------------------------
 

@@ -20,13 +20,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.store.streams import Event, Link
-from moestream.store.transfer import H2D, MAX_CHUNKS_IN_FLIGHT, LinkWorker, Transfer, TransferQueue, pieces
+from moestream.store.transfer import (H2D, MAX_CHUNKS_IN_FLIGHT, LinkReports, LinkWorker, Transfer, TransferQueue,
+                                      pieces)
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,9 @@ class CopyWorker(LinkWorker):
 
     name = H2D
 
-    def __init__(self, cond: threading.Condition, queue: TransferQueue, link: Link,
-                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
-                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        super().__init__(cond, queue, landed, failed, busy, max_chunks)
+    def __init__(self, cond: threading.Condition, queue: TransferQueue, link: Link, reports: LinkReports,
+                 max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
+        super().__init__(cond, queue, reports, max_chunks)
         self._link = link
         self.start()
 

@@ -21,12 +21,14 @@ from moestream.topology import Topology
 
 
 def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-               host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None) -> ExpertStore:
+               host_eviction: EvictionPolicy, integrity: Integrity | None = None,
+               reader=None, link=None) -> ExpertStore:
     """The store for config (see the module doc), with its tiers' eviction policies; reader, link: as
     ExpertStore takes them."""
     if config.asynchronous and not config.uses_cuda:
         config = one_tier(config, index.topology)
-    return store_kind(config, index.topology)(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
+    kind = store_kind(config, index.topology)
+    return kind(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
 
 
 def store_kind(config: StoreConfig, topology: Topology) -> type[ExpertStore]:

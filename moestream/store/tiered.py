@@ -28,7 +28,7 @@ from moestream.policies.contracts import EvictionPolicy
 from moestream.store.async_store import STOP_TIMEOUT_S, AsyncExpertStore
 from moestream.store.config import StoreConfig
 from moestream.store.copier import CopyWorker, copy_chunks
-from moestream.store.transfer import DISK, H2D, Transfer, TransferQueue
+from moestream.store.transfer import DISK, H2D, LinkReports, Transfer, TransferQueue
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
@@ -42,8 +42,8 @@ class TieredAsyncStore(AsyncExpertStore):
             raise ValueError("the tiered asynchronous store needs a host tier of at least one expert")
         super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
         self._copies = TransferQueue(self.device_slots)
-        self._copier = CopyWorker(self._cond, self._copies, self._link, self._copied, self._copy_failed,
-                                  self._link_copied, config.chunks_in_flight)
+        reports = LinkReports(landed=self._copied, failed=self._copy_failed, busy=self._link_copied)
+        self._copier = CopyWorker(self._cond, self._copies, self._link, reports, config.chunks_in_flight)
 
     # -- under the lock --------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import torch
 from moestream.checkpoint.layout import Segment
 from moestream.store.copier import CopyWorker, copy_chunks
 from moestream.store.streams import CpuLink
-from moestream.store.transfer import H2D, Transfer, TransferQueue
+from moestream.store.transfer import H2D, LinkReports, Transfer, TransferQueue
 from moestream.topology import ExpertKey
 
 K = ExpertKey
@@ -45,8 +45,9 @@ def run(copies, max_chunks=8):
         for copy in copies[:1]:
             queue.push(copy)
     link = GatedLink(gate)
-    worker = CopyWorker(cond, queue, link, lambda c: landed.append(c.key),
-                        lambda c, e: failed.append((c.key, str(e))), busy.append, max_chunks)
+    reports = LinkReports(landed=lambda c: landed.append(c.key), failed=lambda c, e: failed.append((c.key, str(e))),
+                          busy=busy.append)
+    worker = CopyWorker(cond, queue, link, reports, max_chunks)
     link.entered.wait(5)  # the worker holds the first copy at the gate
     with cond:
         for copy in copies[1:]:
@@ -87,7 +88,7 @@ def test_a_failed_copy_is_reported_and_the_worker_goes_on():
 def test_stop_ends_the_idle_worker():
     threads = threading.active_count()
     cond = threading.Condition(threading.RLock())
-    worker = CopyWorker(cond, TransferQueue(1), CpuLink(torch.device("cpu")), *[lambda *args: None] * 3)
+    worker = CopyWorker(cond, TransferQueue(1), CpuLink(torch.device("cpu")), LinkReports(*[lambda *args: None] * 3))
     assert threading.active_count() == threads + 1
     worker.stop(5)
     assert threading.active_count() == threads
