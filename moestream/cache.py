@@ -84,6 +84,10 @@ class ExpertCache:
         """The resident keys with at least one pin (O(pinned), not O(capacity))."""
         return frozenset(key for key, count in self._pins.items() if count > 0 and key in self._slots)
 
+    def pin_holders(self) -> frozenset[ExpertKey]:
+        """Every key holding a pin, resident or not (a pin left on a key that left is a leak)."""
+        return frozenset(key for key, count in self._pins.items() if count > 0)
+
     def is_pinned(self, key: ExpertKey) -> bool:
         return self._pins[key] > 0
 

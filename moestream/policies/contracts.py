@@ -132,8 +132,12 @@ class CacheView:
 class PrefetchPlanner(ABC):
     """Turns predictions into prioritised transfer requests for one tier.
 
-    Each plan replaces the previous plan's requests that have not started; transfers in flight
-    continue. On-demand misses never go through a planner: the mechanism serves them first.
+    Each plan replaces the previous plan's requests that have not started: the mechanism drops them
+    before it builds the view the planner sees, so `in_flight` there holds only transfers under way
+    (and the routed layer's demand loads); those continue. After a layer with no prediction the plan
+    is empty (it still replaces); before an iteration's first layer, no prediction leaves the last
+    plan standing. The engine's stores (`drop_plan`, then `prefetch`) and the simulator both do this.
+    On-demand misses never go through a planner: the mechanism serves them first.
     """
 
     @abstractmethod

@@ -52,8 +52,12 @@ class Prefetcher:
             self.timeline.add("policy", label, began, time.perf_counter())
         if requests:
             self.store.prefetch(requests)
+        elif layer_now >= 0:  # an empty plan replaces the last one too (before the first layer it stands)
+            self.store.drop_plan()
 
     def _view(self, layer_now: int) -> CacheView:
+        """The tier as the planner sees it, once the previous plan's unstarted prefetches are dropped."""
+        self.store.drop_plan()
         return CacheView(
             resident=self.store.resident(),
             in_flight=self.store.in_flight(),

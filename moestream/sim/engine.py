@@ -17,9 +17,8 @@ Mechanism rules (documented choices):
   needed no later than the prefetched expert (layers ahead, as the planner measures them). When
   no other victim exists the prefetch is dropped. Demand loads may evict any unpinned expert.
 - The planner's view shows as in flight what moves to the device tier and the routed layer's demand
-  loads, and as resident only what has landed, as the engine's store does. (The store also keeps
-  earlier plans' queued prefetches until they run or a layer's gate pre-empts them; here each plan
-  replaces the queued ones before the planner looks.)
+  loads, and as resident only what has landed, as the engine's store does. Each plan replaces the
+  queued prefetches before the planner looks, as the engine's store does (`PrefetchPlanner`).
 - The planner is consulted only when the predictor predicts something; an empty prediction list
   is an empty plan (the queue is cleared), except before the first layer (`predict(-1)`), where
   it leaves the plan made at the previous iteration's last layer in place.
@@ -39,7 +38,6 @@ This module knows the policy contract, not any policy by name.
 
 from __future__ import annotations
 
-from collections.abc import Set
 from typing import Iterable
 
 from moestream.cache import CacheFullError, ExpertCache
@@ -49,44 +47,12 @@ from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
 from moestream.sim.metrics import LayerCounts, StreamCounters
 from moestream.sim.protocols import PROTOCOLS, REPLAYS, Protocol
-from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Link, Transfer
+from moestream.sim.transfers import (DROPPED, INF, LOWER, MOVING, QUEUED, WAITING, Link, NeededNoLater, ReadyKeys,
+                                     Transfer)
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
-
-INF = float("inf")
-
-
-class _NeededNoLater:
-    """Keys the current predictions need within `limit` layers: a prefetch must not evict them."""
-
-    __slots__ = ("need", "limit")
-
-    def __init__(self, need: dict[ExpertKey, int], limit: float):
-        self.need, self.limit = need, limit
-
-    def __contains__(self, key: object) -> bool:
-        return self.need.get(key, INF) <= self.limit
-
-
-class _ReadyKeys(Set):
-    """The device tier's landed experts, as a read-only set that stays valid while a planner runs."""
-
-    def __init__(self, cache: ExpertCache, moving: Set):
-        self._cache, self._moving = cache, moving
-
-    @classmethod
-    def _from_iterable(cls, keys: Iterable) -> frozenset:
-        return frozenset(keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._cache and key not in self._moving
-
-    def __iter__(self):
-        return (key for key in self._cache.resident() if key not in self._moving)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
+from moestream.transfer_core import HIT, LATE, TransferCore
 
 
 class StreamSimulator:
@@ -105,9 +71,8 @@ class StreamSimulator:
         tiers = [self.device] + ([self.host] if self.host else [])
         self.driver = PolicyDriver(policy, [tier.policy for tier in tiers], horizon_layers=config.horizon_layers)
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
-        self.loading: dict[ExpertKey, Transfer] = {}  # queued or moving towards the device tier
+        self.core: TransferCore[Transfer] = TransferCore(self.device)  # what is queued or moving to the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
-        self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
         self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
         self.now = 0.0
@@ -120,7 +85,8 @@ class StreamSimulator:
             self.driver.run_iteration(it, self)
             self.counters.num_tokens += it.ctx.num_tokens
             self.counters.num_iterations += 1
-        counters = self.counters
+        counters, counts = self.counters, self.core.counts
+        counters.prefetch_hits, counters.wasted_prefetches = counts.prefetch_hits, counts.wasted
         counters.sim_ms = self.now
         counters.bytes_by_link = {link.name: link.bytes_moved for link in self.links}
         return counters
@@ -197,22 +163,19 @@ class StreamSimulator:
     def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[dict[ExpertKey, float], list[ExpertKey]]:
         """Count hits, start demand loads; when each missed expert lands, and the misses in needed's order."""
         lands, missed, demands, hits = {}, [], [], 0
-        loading, access, unused = self.loading, self.device.access, self.unused
+        lookup, moving = self.core.lookup, self.core.moving
         for key in needed:
-            transfer = loading.get(key) if loading else None
-            if transfer is None:
-                if access(key) is not None:
-                    hits += 1
-                    if key in unused:
-                        unused.discard(key)
-                        self.counters.prefetch_hits += 1
-                    continue
-            elif transfer.stage != QUEUED:
-                missed.append(key)
-                lands[key] = self._wait(transfer)
+            found = lookup(key)
+            if found == HIT:
+                hits += 1
                 continue
-            else:  # a prefetch still queued: the demand load replaces it
-                del loading[key]
+            if found == LATE:
+                transfer = moving[key]
+                if transfer.stage != QUEUED:
+                    missed.append(key)
+                    lands[key] = self._wait(transfer)
+                    continue
+                del moving[key]  # a prefetch still queued: the demand load replaces it
                 transfer.stage = DROPPED
             missed.append(key)
             demands.append(key)
@@ -241,7 +204,7 @@ class StreamSimulator:
 
     def _demand(self, transfer: Transfer) -> float:
         """A demand load through the host tier; when it lands."""
-        self.loading[transfer.key] = transfer
+        self.core.track(transfer.key, transfer)
         earliest = self._through_host(transfer)
         self._admit_device(transfer.key, (), demand=True)
         transfer.stage = MOVING
@@ -281,7 +244,7 @@ class StreamSimulator:
         for link in self.links:
             if link.planned:
                 for transfer in link.drop_planned():
-                    del self.loading[transfer.key]
+                    del self.core.moving[transfer.key]
         if not predictions:
             self.need = {}
             return
@@ -292,20 +255,21 @@ class StreamSimulator:
             if ahead < need.get(key, INF):
                 need[key] = ahead
         self.need = need
-        in_flight = frozenset(self.loading).union(self.demanding)  # as the engine's store shows them
-        view = CacheView(_ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now, num_layers)
+        in_flight = frozenset(self.core.moving).union(self.demanding)  # as the engine's store shows them
+        view = CacheView(ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now, num_layers)
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(requests, need)
         for link in self.links:
             link.wake(self.now)
 
     def _queue(self, requests, need: dict[ExpertKey, int]) -> None:
+        moving = self.core.moving
         for request in requests:
             key = request.key
-            if key in self.loading or key in self.device:
+            if key in moving or key in self.device:
                 continue
             transfer = Transfer(key, True, need.get(key, INF))
-            self.loading[key] = transfer
+            self.core.track(key, transfer)
             link = self.device_link if self.host is None or self._host_ready(key) else self.lower_link
             link.planned.append(transfer)
 
@@ -333,7 +297,7 @@ class StreamSimulator:
         if not arrived and self.host is not None and not self._host_ready(key):
             self._drop(transfer)  # its host copy was evicted after the plan
             return
-        if not self._admit_device(key, _NeededNoLater(self.need, transfer.need), demand=False):
+        if not self._admit_device(key, NeededNoLater(self.need, transfer.need), demand=False):
             self._drop(transfer)
             return
         self.device.pin((key,))
@@ -371,20 +335,18 @@ class StreamSimulator:
         counters, unpins = self.counters, []
         for transfer in done:
             key = transfer.key
-            del self.loading[key]
+            self.core.landed(key, transfer.prefetch and not transfer.waited)
             if transfer.device_pinned:
                 unpins.append(key)
             if transfer.host_pinned:
                 self.host.unpin((key,))
             if transfer.prefetch:
                 counters.prefetches_landed += 1
-                if not transfer.waited:
-                    self.unused.add(key)
         if unpins:
             self.device.unpin(unpins)
 
     def _drop(self, transfer: Transfer) -> None:
-        del self.loading[transfer.key]
+        del self.core.moving[transfer.key]
         self.counters.prefetches_dropped += 1
         if transfer.host_pinned:
             self.host.unpin((transfer.key,))
@@ -392,16 +354,13 @@ class StreamSimulator:
 
     def _admit_device(self, key: ExpertKey, protect, demand: bool) -> bool:
         try:
-            _, evicted = self.device.admit(key, protect)
+            self.core.admit(key, protect)
         except CacheFullError:
             if demand:
                 raise BudgetError(
                     f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"
                 ) from None
             return False
-        if evicted is not None and evicted in self.unused:
-            self.unused.discard(evicted)
-            self.counters.wasted_prefetches += 1
         return True
 
     def _admit_host(self, transfer: Transfer, demand: bool) -> bool:

@@ -1,4 +1,5 @@
-"""Links in virtual time: one transfer at a time, demand loads first, then planned prefetches.
+"""Links in virtual time: one transfer at a time, demand loads first, then planned prefetches; and the
+two views of the device tier that planning and the prefetch rule read (`ReadyKeys`, `NeededNoLater`).
 
 A link keeps the transfers it has committed (start and end known, in order), the prefetches it
 was asked for and has not started (in plan order, replaced by every new plan) and the in-flight
@@ -8,8 +9,13 @@ transfers that arrived from a lower link and wait for it. It knows no cache and 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Set
+from typing import Iterable
 
+from moestream.cache import ExpertCache
 from moestream.topology import ExpertKey
+
+INF = float("inf")
 
 # stages of a transfer towards the device tier; DROPPED: given up before it started
 DROPPED, QUEUED, LOWER, WAITING, MOVING = range(5)
@@ -91,3 +97,35 @@ class Link:
         dropped = [t for t in self.planned if t.stage == QUEUED]
         self.planned.clear()
         return dropped
+
+
+class NeededNoLater:
+    """Keys the current predictions need within `limit` layers: a prefetch must not evict them."""
+
+    __slots__ = ("need", "limit")
+
+    def __init__(self, need: dict[ExpertKey, int], limit: float):
+        self.need, self.limit = need, limit
+
+    def __contains__(self, key: object) -> bool:
+        return self.need.get(key, INF) <= self.limit
+
+
+class ReadyKeys(Set):
+    """The device tier's landed experts, as a read-only set that stays valid while a planner runs."""
+
+    def __init__(self, cache: ExpertCache, moving: Set):
+        self._cache, self._moving = cache, moving
+
+    @classmethod
+    def _from_iterable(cls, keys: Iterable) -> frozenset:
+        return frozenset(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._cache and key not in self._moving
+
+    def __iter__(self):
+        return (key for key in self._cache.resident() if key not in self._moving)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

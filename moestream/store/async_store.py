@@ -13,7 +13,8 @@ Life of an expert: admitted to a slot and pinned by its transfer (in flight: `in
 landed (unpinned, resident), or cancelled while queued (slot freed), or failed (slot freed, the
 error kept for the thread that waits on it). `fetch` is the early preemption: the layer's misses go
 to the head of the queue in the order asked, its in-flight experts become demand, and the queued
-speculative transfers of its layers that the gate did not choose are dropped. A demand miss that
+speculative transfers of its layers that the gate did not choose are dropped. `drop_plan` drops the
+queued prefetches that have not started (a new plan replaces them). A demand miss that
 finds every slot pinned cancels queued speculative transfers, lowest priority first, then waits for
 an in-flight one to land. Every wait has a timeout (`StoreConfig.transfer_timeout_s`).
 """
@@ -32,9 +33,10 @@ from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.store import ExpertStore, _key
-from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.store.transfer import DiskWorker, LinkReports, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
+from moestream.transfer_core import HIT, LATE
 
 STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its chunk
 
@@ -44,17 +46,16 @@ class AsyncExpertStore(ExpertStore):
     serves_host_tier = False  # TieredAsyncStore (moestream.store.tiered) serves one
 
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-                 host_eviction: EvictionPolicy, integrity: Integrity | None = None):
-        super().__init__(index, config, device_eviction, host_eviction, integrity)
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None):
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
         if self._host is not None and not self.serves_host_tier:
             raise ValueError("the asynchronous store serves a device tier without a host tier")
         self._cond = threading.Condition(self._lock)
         self._queue = TransferQueue(self.device_slots)
-        self._pending: dict[ExpertKey, Transfer] = {}
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
-        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, self._landed, self._failed,
-                                  self._link_read, config.chunks_in_flight)
+        reports = LinkReports(landed=self._landed, failed=self._failed, busy=self._link_read)
+        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, reports, config.chunks_in_flight)
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -77,7 +78,7 @@ class AsyncExpertStore(ExpertStore):
         return Fetch(self, wanted)
 
     def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
-        """As ExpertStore.acquire: returns once every key's bytes are in place."""
+        """Returns once every key's bytes are in place (fetch, then wait for all)."""
         fetch = self.fetch(keys)
         try:
             return dict(fetch.ready())
@@ -93,7 +94,7 @@ class AsyncExpertStore(ExpertStore):
                 for key in candidates:
                     if key in self._errors:
                         raise self._errors.pop(key)
-                    if key not in self._pending:
+                    if key not in self._core.moving:
                         return key, self._slot_of(self._device_pool, self._device, key)
                 began = time.perf_counter()
                 try:
@@ -109,22 +110,29 @@ class AsyncExpertStore(ExpertStore):
             brought, kept = self._admit_prefetches(requests)
             self._device.unpin(kept)
             for key in kept:
-                if key in self._pending:
-                    transfer = self._pending[key]
+                if key in self._core.moving:
+                    transfer = self._core.moving[key]
                     self._queue_of(transfer).reprioritise(transfer, priority=priorities[key])
             # each keeps the pin _admit_prefetches gave it until it lands (or leaves the tier if refused)
             brought = [key for key in brought if self._enqueue(key, priorities[key], demand=False)]
-            self._unused_prefetches.update(brought)
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
+
+    def drop_plan(self) -> None:
+        """Cancels the queued prefetches that have not started: each plan replaces the previous plan's
+        (the `PrefetchPlanner` contract); transfers under way continue."""
+        with self._lock:
+            for transfer in self._speculative():
+                if not transfer.started:
+                    self._cancel(transfer)
 
     def wait_idle(self) -> None:
         """Blocks until no transfer is in flight (e.g. after a preload); raises the first failure."""
         deadline = time.perf_counter() + self.config.transfer_timeout_s
         with self._cond:
-            while self._pending:
-                self._wait(deadline, f"{len(self._pending)} transfers in flight")
+            while self._core.moving:
+                self._wait(deadline, f"{len(self._core.moving)} transfers in flight")
             if self._errors:
                 error = next(iter(self._errors.values()))
                 self._errors.clear()
@@ -133,7 +141,7 @@ class AsyncExpertStore(ExpertStore):
     def in_flight(self) -> frozenset[ExpertKey]:
         """Experts admitted whose bytes are queued or being read."""
         with self._lock:
-            return frozenset(self._pending)
+            return frozenset(self._core.moving)
 
     def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
         """Experts whose bytes are in place in the tier (those still arriving there excluded)."""
@@ -150,7 +158,7 @@ class AsyncExpertStore(ExpertStore):
             self._closed = True
         self._stop_workers()
         with self._cond:
-            for transfer in list(self._pending.values()):
+            for transfer in list(self._core.moving.values()):
                 self._forget(transfer)
             self._queue.drain()
             self._cond.notify_all()
@@ -163,7 +171,7 @@ class AsyncExpertStore(ExpertStore):
 
     def _arriving(self, tier: str) -> set[ExpertKey]:
         """Experts admitted to the tier whose bytes are still on their way there."""
-        return set(self._pending)
+        return set(self._core.moving)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -171,7 +179,7 @@ class AsyncExpertStore(ExpertStore):
 
     def _pinned(self) -> set[ExpertKey]:
         """Experts pinned by callers; transfers' own pins do not count: they are cancelled or land."""
-        return set(self._device.pinned()) - self._pending.keys()
+        return set(self._device.pinned()) - self._core.moving.keys()
 
     def _preempt(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
         """Drops queued speculative transfers of the wanted experts' layers that the gate did not choose."""
@@ -181,11 +189,13 @@ class AsyncExpertStore(ExpertStore):
                 self._cancel(transfer)
 
     def _demand(self, key: ExpertKey) -> None:
-        if self._hit(key):
-            transfer = self._pending.get(key)
-            if transfer is not None:
-                self._stats.late += 1
-                self._queue_of(transfer).reprioritise(transfer, demand=True)
+        found = self._core.lookup(key)
+        if found == LATE:  # in flight: a miss, late, promoted to demand
+            self._late(key)
+            transfer = self._core.moving[key]
+            self._queue_of(transfer).reprioritise(transfer, demand=True)
+            return
+        if found == HIT:
             return
         self._stats.misses += 1
         self._make_room()
@@ -194,7 +204,7 @@ class AsyncExpertStore(ExpertStore):
         try:
             self._enqueue(key, 0.0, demand=True)
         except BaseException:
-            self._forget_admission(key)
+            self._core.forget(key)
             raise
 
     def _make_room(self) -> None:
@@ -218,7 +228,7 @@ class AsyncExpertStore(ExpertStore):
         transfer = Transfer(key, chunks_of(self.index.locations[key].segments, slot, self.config.chunk_bytes),
                             priority=priority, demand=demand)
         self._queue.push(transfer)
-        self._pending[key] = transfer
+        self._core.track(key, transfer)
         self._cond.notify_all()
 
     def _speculative(self) -> list[Transfer]:
@@ -231,17 +241,11 @@ class AsyncExpertStore(ExpertStore):
     def _cancel(self, transfer: Transfer) -> None:
         if self._queue_of(transfer).cancel(transfer.key) is transfer:
             self._stats.cancelled += 1
-            self._unused_prefetches.discard(transfer.key)
             self._forget(transfer)
 
     def _forget(self, transfer: Transfer) -> None:
         """The transfer's expert leaves the device tier (its bytes never arrived there)."""
-        self._pending.pop(transfer.key, None)
-        self._forget_admission(transfer.key)
-
-    def _forget_admission(self, key: ExpertKey) -> None:
-        if key in self._device:
-            self._device.remove(key)
+        self._core.forget(transfer.key)
 
     def _wait(self, deadline: float, what: str) -> None:
         self._check_open()
@@ -271,7 +275,7 @@ class AsyncExpertStore(ExpertStore):
     def _landed(self, transfer: Transfer) -> None:  # under the lock
         if not self._verified(transfer, self._device_pool, self._device):
             return
-        del self._pending[transfer.key]
+        self._core.landed(transfer.key, prefetch=not transfer.demand)
         self._device.unpin([transfer.key])
         self._stats.host_misses += 1
         self._cond.notify_all()
@@ -279,7 +283,7 @@ class AsyncExpertStore(ExpertStore):
     def _verified(self, transfer: Transfer, pool, tier) -> bool:  # under the lock
         """Whether a landed transfer is still wanted and its bytes in tier's slot pass the integrity
         check (if not, the transfer has failed)."""
-        if self._pending.get(transfer.key) is not transfer:
+        if self._core.moving.get(transfer.key) is not transfer:
             return False  # forgotten by close()
         try:
             self._arrived([transfer.key], [self._slot_of(pool, tier, transfer.key)])
@@ -293,7 +297,7 @@ class AsyncExpertStore(ExpertStore):
 
     def _fail(self, transfer: Transfer, error: BaseException, what: str) -> None:  # under the lock
         """The error kept for the thread that waits on the transfer's expert, which leaves the tier."""
-        if self._pending.get(transfer.key) is transfer:
+        if self._core.moving.get(transfer.key) is transfer:
             failure = error if isinstance(error, CheckpointError) else TransferError(f"{what}: {error}")
             failure.__cause__ = None if failure is error else error
             self._errors[transfer.key] = failure

@@ -1,7 +1,7 @@
 """The host -> device link's I/O worker: copies experts from their host slots up to their device slots.
 
-A `HostCopy` is the second stage of a transfer in a two-tier store (disk -> host slot, then host
-slot -> device slot), or the only one when the expert is in the host tier already. It is cut into
+A copy (a `Transfer` on the `H2D` link) is the second stage of a transfer in a two-tier store (disk ->
+host slot, then host slot -> device slot), or the only one when the expert is in the host tier already. It is cut into
 chunks as the disk read is (one per weight matrix, or pieces of at most `chunk_bytes`). The store
 queues it in a `TransferQueue` of its own (demand first, in the order asked, then speculative by
 priority). Each round the `CopyWorker` thread takes chunks from the head of that queue as the disk
@@ -20,13 +20,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.store.streams import Event, Link
-from moestream.store.transfer import MAX_CHUNKS_IN_FLIGHT, LinkWorker, Transfer, TransferQueue, pieces
+from moestream.store.transfer import (H2D, MAX_CHUNKS_IN_FLIGHT, LinkReports, LinkWorker, Transfer, TransferQueue,
+                                      pieces)
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,6 @@ class CopyChunk:
     dst: torch.Tensor  # [nbytes] uint8 view of the device slot
 
 
-@dataclass(eq=False)
-class HostCopy(Transfer):
-    """One expert's copy from its host slot to its device slot, as CopyChunks."""
-
-
 def copy_chunks(segments: Sequence[Segment], src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int) -> list[CopyChunk]:
     """The copy of a host slot (laid out as the expert's segments) into a device slot, chunk by chunk."""
     return [CopyChunk(src[at : at + part.nbytes], dst[at : at + part.nbytes]) for part, at in pieces(segments, chunk_bytes)]
@@ -50,12 +46,11 @@ def copy_chunks(segments: Sequence[Segment], src: torch.Tensor, dst: torch.Tenso
 class CopyWorker(LinkWorker):
     """The host -> device link's one thread (see the module doc)."""
 
-    name = "h2d"
+    name = H2D
 
-    def __init__(self, cond: threading.Condition, queue: TransferQueue, link: Link,
-                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
-                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        super().__init__(cond, queue, landed, failed, busy, max_chunks)
+    def __init__(self, cond: threading.Condition, queue: TransferQueue, link: Link, reports: LinkReports,
+                 max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
+        super().__init__(cond, queue, reports, max_chunks)
         self._link = link
         self.start()
 

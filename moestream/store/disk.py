@@ -38,7 +38,7 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import CheckpointError
-from moestream.store.scatter import scatter_plan
+from moestream.store.scatter import Piece, Request, Run, scatter_plan
 
 logger = logging.getLogger(__name__)
 
@@ -46,33 +46,6 @@ BLOCK_BYTES = 4096  # logical block size that O_DIRECT offsets, lengths and buff
 STAGING_BYTES = 1 * 2**20  # the largest single read request (one staging buffer per worker)
 NUM_WORKERS = 8  # read requests in flight at once
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # what a filesystem answers when it refuses O_DIRECT
-
-
-@dataclass(frozen=True)
-class Piece:
-    file_offset: int
-    nbytes: int
-    dst_offset: int  # where these bytes go in their destination
-    dst: int = 0  # which destination of the batch
-
-
-@dataclass(frozen=True)
-class Run:
-    """A byte range of one file holding pieces of one or more destinations."""
-
-    file: Path
-    start: int
-    end: int
-    pieces: tuple[Piece, ...]
-
-
-@dataclass(frozen=True)
-class Request:
-    """One read syscall's range [start, start + nbytes) of a run's file (aligned out for O_DIRECT)."""
-
-    run: Run
-    start: int
-    nbytes: int
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Which expert store serves a configuration: synchronous, asynchronous with one tier, or with two.
 
-`open_store` makes it: the synchronous `ExpertStore` unless the configuration asks for asynchronous
+`open_store` makes it: the synchronous `InlineStore` unless the configuration asks for asynchronous
 transfers; then `AsyncExpertStore` for a device tier alone and `TieredAsyncStore` for a device tier
 with a host tier. On the CPU, host and device memory are the same: there the host budget joins the
 device tier (one tier, each expert held once, no second copy). This module knows no policy.
@@ -14,23 +14,27 @@ from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.policies.contracts import EvictionPolicy
 from moestream.store.async_store import AsyncExpertStore
 from moestream.store.config import Budget, StoreConfig
+from moestream.store.inline import InlineStore
 from moestream.store.store import ExpertStore
 from moestream.store.tiered import TieredAsyncStore
 from moestream.topology import Topology
 
 
 def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-               host_eviction: EvictionPolicy, integrity: Integrity | None = None) -> ExpertStore:
-    """The store for config (see the module doc), with its tiers' eviction policies."""
+               host_eviction: EvictionPolicy, integrity: Integrity | None = None,
+               reader=None, link=None) -> ExpertStore:
+    """The store for config (see the module doc), with its tiers' eviction policies; reader, link: as
+    ExpertStore takes them."""
     if config.asynchronous and not config.uses_cuda:
         config = one_tier(config, index.topology)
-    return store_kind(config, index.topology)(index, config, device_eviction, host_eviction, integrity)
+    kind = store_kind(config, index.topology)
+    return kind(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
 
 
 def store_kind(config: StoreConfig, topology: Topology) -> type[ExpertStore]:
     """The store class for config as given (tiers not merged)."""
     if not config.asynchronous:
-        return ExpertStore
+        return InlineStore
     return TieredAsyncStore if config.host_slots(topology) else AsyncExpertStore
 
 

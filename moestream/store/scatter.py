@@ -13,14 +13,39 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from moestream.store.disk import Request
-
 IOV_MAX = 1024  # the most buffers one preadv takes (Linux's UIO_MAXIOV)
+
+
+@dataclass(frozen=True)
+class Piece:
+    file_offset: int
+    nbytes: int
+    dst_offset: int  # where these bytes go in their destination
+    dst: int = 0  # which destination of the batch
+
+
+@dataclass(frozen=True)
+class Run:
+    """A byte range of one file holding pieces of one or more destinations."""
+
+    file: Path
+    start: int
+    end: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One read syscall's range [start, start + nbytes) of a run's file (aligned out for O_DIRECT)."""
+
+    run: Run
+    start: int
+    nbytes: int
+
 
 
 @dataclass(frozen=True)

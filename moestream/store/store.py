@@ -1,38 +1,31 @@
-"""The expert store: disk, a host tier and a device tier of expert slots, with budgets and copies.
+"""The expert store: disk, a host tier and a device tier of expert slots, with budgets; what every
+kind of store shares, and the calls each kind makes its own way.
 
-Residency of each tier is an `ExpertCache` whose eviction policy is passed in; the store knows no
-policy by name. `acquire` makes experts resident in the device tier and pins them until `release`;
-a device miss is served from the host tier when it holds the expert (one host->device copy), else
-from disk into a host slot and on to the device (the host tier keeps the copy), or from disk
-straight into the device slot when the host tier has no slots. Device victims are dropped, not
-written back. `prefetch` brings requested experts in by priority without ever evicting a pinned
-expert. Each call admits all its misses first and then reads them from disk as one batch, so that
-the disk reader keeps their requests in flight together. Calls return once the bytes are in
-place; public calls hold a lock so that a prefetch worker can run beside the compute thread. The
-store knows no model family and no policy.
+Residency of each tier is an `ExpertCache` whose eviction policy is passed in; lookups, admissions
+to the device tier, landings and their counts go through the transfer core
+(`moestream.transfer_core`), the bookkeeping the simulator drives too. `ExpertStore` holds the
+tiers, their slot pools, the disk reader and the host -> device `Link`, and answers the views
+(`resident`, `pinned`, `streaming_groups`, `stats`). How bytes move is each kind's own: the
+synchronous `InlineStore` (`moestream.store.inline`, `--sync`) moves them on the caller's thread;
+`AsyncExpertStore` (`moestream.store.async_store`) and `TieredAsyncStore` (`moestream.store.tiered`)
+on link workers beside compute; `open_store` (`moestream.store.factory`) picks one. Every kind:
+`fetch` pins a layer's experts and hands them out as their bytes are in place, `release` unpins,
+`prefetch` queues a plan's requests by priority (never evicting a pinned expert), `drop_plan` drops
+the previous plan's unstarted ones. Device victims are dropped, not written back. Public calls
+hold a lock. The store knows no model family and no policy.
 
-Counters: hits/misses count acquire's device-tier lookups; host_hits/host_misses count every
-device fill (demand or prefetch) by where it came from; bytes_read["disk"] is bytes read from the
-files, bytes_read["host"] bytes copied from host memory to the device.
-
-Asynchronous mode (`StoreConfig.asynchronous`; the subclasses in `moestream.store.async_store`,
-one tier, and `moestream.store.tiered`, a host tier with a worker per link; `open_store` in
-`moestream.store.factory` picks one): `prefetch` admits its experts and queues their transfers for
-the I/O workers (`moestream.store.transfer`, `moestream.store.copier`) and returns at once; `fetch`
-pins a layer's experts, puts its misses at the head of the queue, drops the queued speculative
-transfers of the same layers that the gate did not choose, and hands the experts out as they land.
-An admitted expert whose bytes are in flight is pinned by its transfer, so that nothing evicts a
-slot being written. Every wait has a timeout. stall_s counts the time the caller's thread waited
-for expert bytes, transfer_s the time the disk link was busy (both equal in synchronous mode, where
-every transfer runs on the caller), copy_s the time the asynchronous host -> device link was busy.
+Counters (`StoreStats`): hits/misses count the device-tier lookups of fetch and acquire (an expert
+still in flight is a miss, and late); host_hits/host_misses count every device fill by where it
+came from; bytes_read["disk"] is bytes read from the files, bytes_read["host"] bytes copied from
+host memory to the device; stall_s the time the caller's thread waited for expert bytes,
+transfer_s the time the disk link was busy, copy_s the time the asynchronous host -> device link
+was busy.
 """
-
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
 from typing import Iterable, Sequence
 
 import torch
@@ -41,56 +34,27 @@ from moestream.cache import CacheFullError, ExpertCache
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy, TransferRequest
-from moestream.read_fit import ReadBatchFit
 from moestream.store.config import StoreConfig
 from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
-from moestream.store.streams import make_link
+from moestream.store.stats import StoreStats
+from moestream.store.streams import Link, make_link
 from moestream.timeline import Timeline, expert_names
 from moestream.topology import ExpertKey, Topology
+from moestream.transfer_core import TransferCore
 
 TIERS = ("device", "host")
-BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier when there is no host tier
 
 
-@dataclass
-class StoreStats:
-    hits: int = 0  # acquire: experts already in the device tier
-    misses: int = 0  # acquire: experts fetched on demand
-    host_hits: int = 0  # device fills served by the host tier
-    host_misses: int = 0  # device fills served by disk
-    bytes_read: dict[str, int] = field(default_factory=lambda: {"disk": 0, "host": 0})
-    prefetched: int = 0  # experts brought into the device tier by prefetch
-    prefetched_bytes: int = 0
-    prefetch_hits: int = 0  # acquire hits on prefetched experts not used before
-    prefetch_wasted: int = 0  # prefetched experts evicted before any acquire used them
-    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
-    disk_read_s: float = 0.0  # wall time of the disk reads (a batch's requests in flight together count once)
-    disk_batches: int = 0  # batches of disk reads (each in flight together)
-    read_fit: ReadBatchFit = field(default_factory=ReadBatchFit)  # the synchronous store's read batches
-    stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
-    transfer_s: float = 0.0  # time the disk link was busy
-    copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
-    late: int = 0  # fetch hits whose bytes were still in flight
-    cancelled: int = 0  # queued speculative transfers dropped before they ran
-
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else 0.0
-
-    def copy(self) -> "StoreStats":
-        return dataclasses.replace(self, bytes_read=dict(self.bytes_read), evictions=dict(self.evictions),
-                                   read_fit=dataclasses.replace(self.read_fit))
-
-
-class ExpertStore:
-    bounce_slots = BOUNCE_SLOTS  # pinned staging slots when a CUDA device tier has no host tier
+class ExpertStore(ABC):
+    bounce_slots: int  # pinned staging slots when a CUDA device tier has no host tier (each kind its own)
 
     def __init__(self, index: ExpertIndex, config: StoreConfig,
-                 device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None):
-        """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest)."""
+                 device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None,
+                 reader: DiskReader | None = None, link: Link | None = None):
+        """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest); reader
+        and link replace the disk reader and the host -> device copy link (default: made for config)."""
         self.index = index
         self.integrity = integrity
         self.config = config
@@ -104,11 +68,11 @@ class ExpertStore:
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
         self._bounce = SlotPool(self._staging_slots(pin), expert_bytes, "cpu", pin_memory=pin)
-        self._reader = DiskReader(direct_io=config.direct_io)
+        self._reader = reader or DiskReader(direct_io=config.direct_io)
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
-        self._link = make_link(config.device)  # host -> device
+        self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
-        self._unused_prefetches: set[ExpertKey] = set()
+        self._core: TransferCore = TransferCore(self._device)  # lookups, admissions, landings, counts
         self._stats = StoreStats()
         self.timeline: Timeline | None = None  # records waits and transfers when set (record_timeline)
 
@@ -119,59 +83,50 @@ class ExpertStore:
         """Bounce slots: where the device tier is not host memory and no host tier is there instead."""
         return min(self.bounce_slots, self.device_slots) if pinned and not self.host_slots else 0
 
-    # -- demand path ---------------------------------------------------------------------------
+    # -- the calls each kind makes its own way ---------------------------------------------------
 
+    @abstractmethod
+    def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> Fetch:
+        """Pins keys in the device tier and brings in the missing ones; the Fetch hands them out.
+        chosen: every expert the gate chose in these layers (keys may be one group of them)."""
+
+    @abstractmethod
     def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
-        """Make keys resident in the device tier and pin them; returns their 1-D uint8 slots.
+        """Pins keys in the device tier; returns their 1-D uint8 slots once their bytes are in place."""
 
-        The misses are admitted first, then their bytes are brought in together (one batch of disk reads)."""
-        wanted = list(dict.fromkeys(_key(k) for k in keys))
-        with self._lock:
-            self._check_fits(wanted)
-            pinned, misses = [], []  # experts pinned so far, and the misses among them
-            try:
-                for key in wanted:
-                    if not self._hit(key):
-                        self._stats.misses += 1
-                        self._admit(key)
-                        misses.append(key)
-                    self._device.pin([key])
-                    pinned.append(key)
-                self._timed_load(misses)
-            except BaseException:
-                self._device.unpin(pinned)
-                self._discard(misses)
-                raise
-            return {key: self._slot_of(self._device_pool, self._device, key) for key in wanted}
+    @abstractmethod
+    def next_ready(self, candidates: Sequence[ExpertKey]) -> tuple[ExpertKey, torch.Tensor]:
+        """One of the fetched candidates whose bytes are in place, with its slot."""
+
+    @abstractmethod
+    def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
+        """Brings requested experts into the device tier, highest priority first; returns those admitted."""
+
+    @abstractmethod
+    def drop_plan(self) -> None:
+        """Drops the previous plan's prefetches that have not started (the `PrefetchPlanner` contract)."""
+
+    @abstractmethod
+    def in_flight(self) -> frozenset[ExpertKey]:
+        """Experts admitted whose bytes are on their way."""
+
+    @abstractmethod
+    def wait_idle(self) -> None:
+        """Blocks until no transfer is in flight."""
+
+    # -- demand path ---------------------------------------------------------------------------
 
     def release(self, keys: Iterable[ExpertKey]) -> None:
         """Unpin experts returned by acquire (once per acquire)."""
         with self._lock:
             self._device.unpin(_key(k) for k in keys)
 
-    def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> "Fetch":
-        """Pins keys in the device tier and brings in the missing ones; the Fetch hands them out.
-        chosen: every expert the gate chose in these layers (keys may be one group of them).
-
-        Here every transfer runs before fetch returns (the synchronous, on-demand path)."""
-        wanted = list(dict.fromkeys(_key(k) for k in keys))
-        self.acquire(wanted)
-        return Fetch(self, wanted)
-
-    def next_ready(self, candidates: Sequence[ExpertKey]) -> tuple[ExpertKey, torch.Tensor]:
-        """One of the fetched candidates whose bytes are in place, with its slot (all are, here)."""
-        key = candidates[0]
-        with self._lock:
-            return key, self._slot_of(self._device_pool, self._device, key)
-
-    def _hit(self, key: ExpertKey) -> bool:
-        if self._device.access(key) is None:
-            return False
-        self._stats.hits += 1
-        if key in self._unused_prefetches:
-            self._unused_prefetches.discard(key)
-            self._stats.prefetch_hits += 1
-        return True
+    def _late(self, key: ExpertKey) -> None:
+        """key was asked for while its bytes were in flight: a miss, never a prefetch hit."""
+        self._device.access(key)
+        self._stats.misses += 1
+        self._stats.late += 1
+        self._core.used(key)
 
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)
@@ -188,27 +143,7 @@ class ExpertStore:
 
     def _admit(self, key: ExpertKey) -> None:
         """A device slot for key (evicting by policy); its bytes come with _load."""
-        _, victim = self._device.admit(key)
-        if victim is not None:
-            self._stats.evictions["device"] += 1
-            if victim in self._unused_prefetches:
-                self._unused_prefetches.discard(victim)
-                self._stats.prefetch_wasted += 1
-
-    def _discard(self, keys: Iterable[ExpertKey]) -> None:
-        """Forget admitted experts whose bytes did not arrive."""
-        for key in keys:
-            if key in self._device:
-                self._device.remove(key)
-
-    def _timed_load(self, keys: list[ExpertKey]) -> None:
-        """_load on the calling thread: its time is both stall and link time."""
-        began = time.perf_counter()
-        try:
-            self._load(keys)
-        finally:
-            if keys:
-                self._stats.transfer_s += self._waited(began, keys)
+        self._core.admit(key)
 
     def _waited(self, began: float, keys: Sequence[ExpertKey]) -> float:
         """The compute thread waited for these experts' bytes from began until now; returns the seconds."""
@@ -217,74 +152,6 @@ class ExpertStore:
         if self.timeline is not None:
             self.timeline.add("wait", expert_names(keys), began, ended)
         return ended - began
-
-    def _load(self, keys: list[ExpertKey]) -> None:
-        """Copy the bytes of keys, just admitted to the device tier, into their device slots."""
-        if not keys:
-            return
-        dsts = [self._slot_of(self._device_pool, self._device, key) for key in keys]
-        if self._host is not None:
-            for i in range(0, len(keys), self.host_slots):  # a batch never evicts its own host copies
-                self._load_through_host(keys[i : i + self.host_slots], dsts[i : i + self.host_slots])
-        elif self._bounce.num_slots == 0:  # the device tier is host memory: read straight into it
-            self._stats.host_misses += len(keys)
-            self._read_disk(keys, dsts)
-        else:
-            for i in range(0, len(keys), self._bounce.num_slots):
-                self._load_through_bounce(keys[i : i + self._bounce.num_slots], dsts[i : i + self._bounce.num_slots])
-
-    def _load_through_host(self, keys: list[ExpertKey], dsts: list[torch.Tensor]) -> None:
-        """Host hits are copied up; the rest are read from disk into host slots (kept there), then copied up."""
-        batch, slots, admitted = set(keys), [], []
-        try:
-            for key in keys:
-                slot = self._host.access(key)
-                if slot is not None:
-                    self._stats.host_hits += 1
-                else:
-                    slot = self._admit_host(key, batch)
-                    admitted.append(key)
-                slots.append(slot)
-            self._read_disk(admitted, [self._slot_of(self._host_pool, self._host, key) for key in admitted])
-        except BaseException:
-            for key in admitted:
-                self._host.remove(key)
-            raise
-        for key, dst, slot in zip(keys, dsts, slots):
-            self._copy_to_device(dst, self._host_pool, slot, self._residues[key])
-
-    def _admit_host(self, key: ExpertKey, batch: set[ExpertKey]) -> int:
-        self._stats.host_misses += 1
-        slot, victim = self._host.admit(key, protect=batch)
-        if victim is not None:
-            self._stats.evictions["host"] += 1
-        self._host_pool.wait_reads(slot)
-        return slot
-
-    def _load_through_bounce(self, keys: list[ExpertKey], dsts: list[torch.Tensor]) -> None:
-        """No host tier but a CUDA device: read into pinned bounce slots, then copy up."""
-        self._stats.host_misses += len(keys)
-        for i in range(len(keys)):
-            self._bounce.wait_reads(i)
-        residues = [self._residues[key] for key in keys]
-        self._read_disk(keys, [self._bounce.slot(i, residue) for i, residue in enumerate(residues)])
-        for i, (dst, residue) in enumerate(zip(dsts, residues)):
-            self._copy_to_device(dst, self._bounce, i, residue)
-
-    def _read_disk(self, keys: list[ExpertKey], dsts: list[torch.Tensor]) -> None:
-        """Reads the experts' bytes into dsts, all requests in flight together."""
-        if not keys:
-            return
-        began = time.perf_counter()
-        batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
-        self._reader.read_batch(batch)
-        seconds, stats = time.perf_counter() - began, self._stats
-        if self.timeline is not None:
-            self.timeline.add("disk", "read " + expert_names(keys), began, began + seconds)
-        stats.disk_read_s += seconds
-        stats.disk_batches += 1
-        stats.read_fit.add(len(keys), seconds)
-        self._arrived(keys, dsts)
 
     def _arrived(self, keys: Sequence[ExpertKey], slots: Sequence[torch.Tensor]) -> None:
         """The one place that runs after experts' bytes are read from disk into their slots (both modes).
@@ -298,34 +165,7 @@ class ExpertStore:
         """key's slot in tier, placed so that its disk reads land in place."""
         return pool.slot(tier.slot(key), self._residues[key])
 
-    def _copy_to_device(self, dst: torch.Tensor, pool: SlotPool, slot: int, residue: int) -> None:
-        done = self._link.copy(dst, pool.slot(slot, residue))
-        done.wait_on_compute()
-        pool.mark_read(slot, done)
-        self._stats.bytes_read["host"] += dst.numel()
-
     # -- prefetch ------------------------------------------------------------------------------
-
-    def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
-        """Bring requested experts into the device tier, highest priority first; returns those brought.
-
-        Requested experts already resident are kept: no later, lower-priority request of the same
-        call evicts them, nor those it brought. Stops when every slot holds a pinned or kept expert.
-        The experts brought are read from disk together.
-        """
-        with self._lock:
-            brought, kept = self._admit_prefetches(requests)
-            try:
-                self._timed_load(brought)
-            except BaseException:
-                self._discard(brought)
-                raise
-            finally:
-                self._device.unpin(brought + kept)
-            self._unused_prefetches.update(brought)
-            self._stats.prefetched += len(brought)
-            self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
-        return brought
 
     def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> tuple[list[ExpertKey], list[ExpertKey]]:
         """Admits (and pins) the experts to bring; pins the requested ones already resident."""
@@ -350,9 +190,11 @@ class ExpertStore:
             cache = self._cache(tier)
             return cache.resident() if cache is not None else frozenset()
 
-    def in_flight(self) -> frozenset[ExpertKey]:
-        """Experts being transferred: none, since this store moves bytes synchronously."""
-        return frozenset()
+    def pinned(self, tier: str = "device") -> frozenset[ExpertKey]:
+        """Experts holding a pin in the tier (a caller's, or a transfer's while it moves), resident or not."""
+        with self._lock:
+            cache = self._cache(tier)
+            return cache.pin_holders() if cache is not None else frozenset()
 
     def streaming_groups(self, keys: Sequence[ExpertKey]) -> list[list[ExpertKey]]:
         """Split a layer's experts into groups that fit the device tier at once, resident ones first."""
@@ -364,17 +206,17 @@ class ExpertStore:
             ordered = [k for k in wanted if k in self._device] + [k for k in wanted if k not in self._device]
         return [ordered[i : i + room] for i in range(0, len(ordered), room)]
 
-    def wait_idle(self) -> None:
-        """Returns at once: here transfers finish before the calls that start them return."""
-
     def stats(self) -> StoreStats:
         with self._lock:
-            return self._stats.copy()
+            stats, counts = self._stats.copy(), self._core.counts
+            stats.hits, stats.prefetch_hits, stats.prefetch_wasted = counts.hits, counts.prefetch_hits, counts.wasted
+            stats.evictions["device"] = counts.evictions
+            return stats
 
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = StoreStats()
-            self._unused_prefetches.clear()
+            self._core.reset_counts()
 
     def close(self) -> None:
         with self._lock:

@@ -27,8 +27,8 @@ from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.policies.contracts import EvictionPolicy
 from moestream.store.async_store import STOP_TIMEOUT_S, AsyncExpertStore
 from moestream.store.config import StoreConfig
-from moestream.store.copier import CopyWorker, HostCopy, copy_chunks
-from moestream.store.transfer import Transfer, TransferQueue
+from moestream.store.copier import CopyWorker, copy_chunks
+from moestream.store.transfer import DISK, H2D, LinkReports, Transfer, TransferQueue
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
@@ -37,13 +37,13 @@ class TieredAsyncStore(AsyncExpertStore):
     serves_host_tier = True
 
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-                 host_eviction: EvictionPolicy, integrity: Integrity | None = None):
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None):
         if not config.host_slots(index.topology):
             raise ValueError("the tiered asynchronous store needs a host tier of at least one expert")
-        super().__init__(index, config, device_eviction, host_eviction, integrity)
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
         self._copies = TransferQueue(self.device_slots)
-        self._copier = CopyWorker(self._cond, self._copies, self._link, self._copied, self._copy_failed,
-                                  self._link_copied, config.chunks_in_flight)
+        reports = LinkReports(landed=self._copied, failed=self._copy_failed, busy=self._link_copied)
+        self._copier = CopyWorker(self._cond, self._copies, self._link, reports, config.chunks_in_flight)
 
     # -- under the lock --------------------------------------------------------------------------
 
@@ -56,7 +56,7 @@ class TieredAsyncStore(AsyncExpertStore):
             self._queue_copy(key, priority, demand)
             return True
         if not self._host_room(demand):
-            self._forget_admission(key)
+            self._core.forget(key)
             return False
         slot, victim = self._host.admit(key)
         self._stats.evictions["host"] += victim is not None
@@ -64,12 +64,12 @@ class TieredAsyncStore(AsyncExpertStore):
         self._queue_read(key, self._host_pool.slot(slot, self._residues[key]), priority, demand)
         return True
 
-    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
+    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool, continued: bool = False) -> None:
         src, dst = self._slot_of(self._host_pool, self._host, key), self._slot_of(self._device_pool, self._device, key)
         chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
-        copy = HostCopy(key, chunks, priority=priority, demand=demand)
+        copy = Transfer(key, chunks, priority=priority, demand=demand, continued=continued, link=H2D)
         self._copies.push(copy)
-        self._pending[key] = copy
+        self._core.track(key, copy)
         self._cond.notify_all()
 
     def _host_room(self, demand: bool) -> bool:
@@ -89,17 +89,17 @@ class TieredAsyncStore(AsyncExpertStore):
         return sorted(self._queue.speculative() + self._copies.speculative(), key=lambda t: t.priority)
 
     def _queue_of(self, transfer: Transfer) -> TransferQueue:
-        return self._copies if isinstance(transfer, HostCopy) else self._queue
+        return self._copies if transfer.link == H2D else self._queue
 
     def _arriving(self, tier: str) -> set[ExpertKey]:
         if tier == "host":
-            return {key for key, t in self._pending.items() if not isinstance(t, HostCopy)}
+            return {key for key, t in self._core.moving.items() if t.link == DISK}
         return super()._arriving(tier)
 
     def _forget(self, transfer: Transfer) -> None:
         """As the one-tier store; a read's expert also leaves the host tier, a copy's stays there."""
         super()._forget(transfer)
-        if isinstance(transfer, HostCopy):
+        if transfer.link == H2D:
             self._host.unpin([transfer.key])
         elif transfer.key in self._host:
             self._host.remove(transfer.key)
@@ -118,18 +118,18 @@ class TieredAsyncStore(AsyncExpertStore):
         if not self._verified(transfer, self._host_pool, self._host):
             return
         self._stats.host_misses += 1
-        self._queue_copy(transfer.key, transfer.priority, transfer.demand)
+        self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
 
-    def _copied(self, copy: HostCopy) -> None:  # under the lock: the bytes are in the device slot
-        if self._pending.get(copy.key) is not copy:
+    def _copied(self, copy: Transfer) -> None:  # under the lock: the bytes are in the device slot
+        if self._core.moving.get(copy.key) is not copy:
             return  # forgotten by close()
-        del self._pending[copy.key]
+        self._core.landed(copy.key, prefetch=not copy.demand)
         self._device.unpin([copy.key])
         self._host.unpin([copy.key])
         self._stats.bytes_read["host"] += self.topology.expert_bytes
         self._cond.notify_all()
 
-    def _copy_failed(self, copy: HostCopy, error: BaseException) -> None:  # under the lock
+    def _copy_failed(self, copy: Transfer, error: BaseException) -> None:  # under the lock
         self._fail(copy, error, f"copying expert {tuple(copy.key)} from host to device failed")
 
     def _link_copied(self, seconds: float) -> None:  # under the lock

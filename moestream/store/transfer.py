@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle worker sleeps before it checks for stop again
 MAX_CHUNKS_IN_FLIGHT = 8  # speculative chunks read together (each its own request in flight)
+DISK, H2D = "disk", "h2d"  # the links a transfer moves on: disk -> slot, host slot -> device slot
 
 
 class TransferError(MoestreamError):
@@ -59,10 +60,16 @@ class Transfer:
     demand: bool = False  # the compute thread waits on it
     order: int = 0  # tie-break: first asked, first served
     next_chunk: int = 0
+    continued: bool = False  # the second stage of a transfer that has started (a copy after its read)
+    link: str = DISK  # which link moves it (its queue)
 
     @property
     def rank(self) -> tuple:
         return (0, self.order) if self.demand else (1, -self.priority, self.order)
+
+    @property
+    def started(self) -> bool:
+        return self.continued or self.next_chunk > 0
 
     @property
     def done(self) -> bool:
@@ -159,22 +166,29 @@ class TransferQueue:
         return queued
 
 
+@dataclass(frozen=True)
+class LinkReports:
+    """What a link's worker tells its store, each under the store's lock."""
+
+    landed: Callable[[Transfer], None]  # every chunk of the transfer has moved
+    failed: Callable[[Transfer, BaseException], None]  # it cannot move; the error is for whoever waits on it
+    busy: Callable[[float], None]  # seconds the link was busy for one round
+
+
 class LinkWorker(ABC):
     """One link's I/O thread over a queue it shares with the store (the condition's lock guards both).
 
     Each round it takes chunks from the head of the queue (`_take`), moves them outside the lock
     (`_step`, the link's own), and puts the unfinished transfers back, so that whatever ranks ahead
     now goes first: a demand waits at most for one round behind speculative work. It reports each
-    finished or failed transfer through `landed` and `failed`, and the time it was busy through
-    `busy`, all called under the lock."""
+    finished or failed transfer and the time it was busy through its `LinkReports`, all called under
+    the lock."""
 
     name = "link"
 
-    def __init__(self, cond: threading.Condition, queue: TransferQueue, landed: Callable[[Transfer], None],
-                 failed: Callable[[Transfer, BaseException], None], busy: Callable[[float], None],
+    def __init__(self, cond: threading.Condition, queue: TransferQueue, reports: LinkReports,
                  max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        self._cond, self._queue = cond, queue
-        self._landed, self._failed, self._busy = landed, failed, busy
+        self._cond, self._queue, self._reports = cond, queue, reports
         self.max_chunks = max_chunks
         self._stopping = False
         self.timeline: Timeline | None = None  # records each round when set
@@ -236,15 +250,15 @@ class LinkWorker(ABC):
 
     def _finish(self, began: float, held: list[tuple[Transfer, int]], errors: dict[Transfer, BaseException]) -> None:
         """Under the lock: the round's busy time; each held transfer advanced, landed or failed."""
-        self._busy(time.perf_counter() - began)
+        self._reports.busy(time.perf_counter() - began)
         for transfer, count in held:
             if transfer in errors:
                 transfer.next_chunk = len(transfer.chunks)
-                self._failed(transfer, errors[transfer])
+                self._reports.failed(transfer, errors[transfer])
                 continue
             transfer.next_chunk += count
             if transfer.done:
-                self._landed(transfer)
+                self._reports.landed(transfer)
 
 
 def _label(held: list[tuple[Transfer, int]]) -> str:
@@ -256,13 +270,12 @@ def _label(held: list[tuple[Transfer, int]]) -> str:
 class DiskWorker(LinkWorker):
     """The disk link's one I/O thread (see the module doc)."""
 
-    name = "disk"
+    name = DISK
 
     def __init__(self, cond: threading.Condition, queue: TransferQueue,
-                 read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int],
-                 landed: Callable[[Transfer], None], failed: Callable[[Transfer, BaseException], None],
-                 busy: Callable[[float], None], max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        super().__init__(cond, queue, landed, failed, busy, max_chunks)
+                 read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int], reports: LinkReports,
+                 max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
+        super().__init__(cond, queue, reports, max_chunks)
         self._read = read
         self.start()
 

@@ -9,6 +9,7 @@ from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
 from moestream.store.async_store import AsyncExpertStore
+from moestream.store.disk import DiskReader
 from moestream.store.factory import open_store
 from moestream.store.transfer import TransferError, pieces
 from moestream.topology import ExpertKey
@@ -18,18 +19,19 @@ from tests.store.test_store import assert_holds_expert
 K = ExpertKey
 
 
-def make_async(ckpt, device_slots, chunk_bytes=0, timeout_s=10.0):
+def make_async(ckpt, device_slots, chunk_bytes=0, timeout_s=10.0, reader=None):
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(device_slots * eb, "0", asynchronous=True, chunk_bytes=chunk_bytes,
                          transfer_timeout_s=timeout_s)
-    return open_store(ckpt.index, config, LRUPolicy(), LRUPolicy())
+    return open_store(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
 
 
 class GatedReader:
-    """Forwards reads to the real reader, each once the test opens the gate (or with a delay, or failing)."""
+    """Forwards reads to a disk reader, each once the test opens the gate (or with a delay, or failing)."""
 
-    def __init__(self, inner, gate=None, delay_s=lambda: 0.0, fail=lambda batch: False):
-        self.inner, self.gate, self.delay_s, self.fail = inner, gate, delay_s, fail
+    def __init__(self, inner=None, gate=None, delay_s=lambda: 0.0, fail=lambda batch: False):
+        self.inner = inner if inner is not None else DiskReader()
+        self.gate, self.delay_s, self.fail = gate, delay_s, fail
         self.files = []
 
     def read_batch(self, batch):
@@ -49,8 +51,8 @@ class ExpertGates:
     """Forwards each read to the real reader once the test has let through every expert it reads (`open`);
     `reading` holds the experts whose reads have begun."""
 
-    def __init__(self, inner, index):
-        self.inner, self.opened, self.reading, self.cond = inner, set(), set(), threading.Condition()
+    def __init__(self, index, opened=()):
+        self.inner, self.opened, self.reading, self.cond = DiskReader(), set(opened), set(), threading.Condition()
         self.owner = {(seg.file, seg.offset): key for key, loc in index.locations.items() for seg in loc.segments}
 
     def read_batch(self, batch):
@@ -95,8 +97,7 @@ def test_fetched_experts_hold_their_bytes(checkpoint, chunk_bytes):
 
 def test_prefetch_returns_before_the_bytes_and_in_flight_tells_the_truth(checkpoint):
     gate = threading.Event()
-    with make_async(checkpoint, device_slots=4) as store:
-        store._reader = GatedReader(store._reader, gate)
+    with make_async(checkpoint, device_slots=4, reader=GatedReader(gate=gate)) as store:
         brought = store.prefetch([TransferRequest(K(1, 1), 0.9), TransferRequest(K(1, 2), 0.5)])
         assert brought == [K(1, 1), K(1, 2)]
         assert store.in_flight() == {K(1, 1), K(1, 2)} and store.resident() == frozenset()
@@ -110,10 +111,9 @@ def test_prefetch_returns_before_the_bytes_and_in_flight_tells_the_truth(checkpo
         assert stats.transfer_s > 0 and stats.bytes_read["disk"] == 2 * checkpoint.index.topology.expert_bytes
 
 
-def block_on_a_first_read(store, gate: threading.Event) -> None:
-    """Gates the store's reads and prefetches K(0, 3) at 0.9; returns once the worker blocks on its
-    first chunk (until gate is set)."""
-    store._reader = reader = GatedReader(store._reader, gate)
+def block_on_a_first_read(store, reader: GatedReader) -> None:
+    """Prefetches K(0, 3) at 0.9 through the store's gated reader; returns once the worker blocks on its
+    first chunk (until the gate is set)."""
     store.prefetch([TransferRequest(K(0, 3), 0.9)])
     while not reader.files:
         time.sleep(0.001)
@@ -121,8 +121,8 @@ def block_on_a_first_read(store, gate: threading.Event) -> None:
 
 def test_a_gate_decision_drops_stale_speculation_of_its_layer_and_goes_first(checkpoint):
     gate = threading.Event()
-    with make_async(checkpoint, device_slots=6) as store:
-        block_on_a_first_read(store, gate)
+    with make_async(checkpoint, device_slots=6, reader=(reader := GatedReader(gate=gate))) as store:
+        block_on_a_first_read(store, reader)
         store.prefetch([TransferRequest(K(1, e), 0.5) for e in range(3)] + [TransferRequest(K(0, 2), 0.1)])
         fetch = store.fetch([K(1, 0), K(1, 3)])  # layer 1 chose experts 0 and 3
         assert store.in_flight() == {K(0, 3), K(0, 2), K(1, 0), K(1, 3)}  # K(1, 1), K(1, 2) dropped
@@ -132,13 +132,12 @@ def test_a_gate_decision_drops_stale_speculation_of_its_layer_and_goes_first(che
         fetch.release()
         store.wait_idle()
     assert sorted(order) == [K(1, 0), K(1, 3)]
-    assert store.stats().misses == 1
+    assert store.stats().misses == 2  # K(1, 3) read on demand, K(1, 0) late (still in flight when asked)
 
 
 def test_a_demand_miss_cancels_queued_speculation_when_every_slot_is_taken(checkpoint):
     gate = threading.Event()
-    with make_async(checkpoint, device_slots=3) as store:
-        store._reader = GatedReader(store._reader, gate)
+    with make_async(checkpoint, device_slots=3, reader=GatedReader(gate=gate)) as store:
         store.prefetch([TransferRequest(K(0, e), 1.0 - e / 10) for e in range(3)])
         fetch = store.fetch([K(1, 0), K(1, 1)])
         gate.set()
@@ -151,8 +150,7 @@ def test_a_demand_miss_cancels_queued_speculation_when_every_slot_is_taken(check
 
 def test_a_failed_read_surfaces_as_an_error_and_the_store_recovers(checkpoint):
     fail = {"on": True}
-    with make_async(checkpoint, device_slots=4) as store:
-        store._reader = GatedReader(store._reader, fail=lambda batch: fail["on"])
+    with make_async(checkpoint, device_slots=4, reader=GatedReader(fail=lambda batch: fail["on"])) as store:
         with pytest.raises(TransferError, match=r"expert \(0, 1\).*injected"):
             take(store, [K(0, 1)])
         assert store.resident() == frozenset() and store.in_flight() == frozenset()
@@ -162,8 +160,7 @@ def test_a_failed_read_surfaces_as_an_error_and_the_store_recovers(checkpoint):
 
 def test_every_wait_has_a_timeout(checkpoint):
     gate = threading.Event()
-    with make_async(checkpoint, device_slots=4, timeout_s=0.2) as store:
-        store._reader = GatedReader(store._reader, gate)
+    with make_async(checkpoint, device_slots=4, timeout_s=0.2, reader=GatedReader(gate=gate)) as store:
         with pytest.raises(TransferError, match="timed out"):
             take(store, [K(0, 1)])
         gate.set()
@@ -193,20 +190,14 @@ def settle(store) -> None:
         pass  # the failure of one of them, expected here
 
 
-def no_pins(cache, checkpoint) -> bool:
-    """Whether no expert of the checkpoint holds a pin in the tier (resident or not)."""
-    return not any(cache.is_pinned(key) for key in checkpoint.index.topology.keys())
-
-
 def test_random_delays_and_failures_keep_bytes_exact_and_leak_nothing(checkpoint):
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     rng = random.Random(0)
-    with make_async(checkpoint, device_slots=4, chunk_bytes=64) as store:
-        store._reader = GatedReader(store._reader, delay_s=lambda: rng.random() * 0.002,
-                                    fail=lambda batch: rng.random() < 0.05)
+    reader = GatedReader(delay_s=lambda: rng.random() * 0.002, fail=lambda batch: rng.random() < 0.05)
+    with make_async(checkpoint, device_slots=4, chunk_bytes=64, reader=reader) as store:
         assert random_steps(store, checkpoint, rng, 60) > 0
         settle(store)
-        assert no_pins(store._device, checkpoint) and store.in_flight() == frozenset()
+        assert not store.pinned() and store.in_flight() == frozenset()
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
 
@@ -235,10 +226,8 @@ def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_by
     the copy from it has run."""
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(3 * eb, "0", asynchronous=True, chunk_bytes=chunk_bytes)
-    with StagedStore(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
+    with StagedStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), link=LateLink() if late else None) as store:
         store._bounce.data.zero_()
-        if late:
-            store._link = LateLink()
         store.prefetch([TransferRequest(K(1, 2), 1.0)])
         for keys in ([K(0, 0), K(1, 3)], [K(1, 2), K(0, 1)]):
             for key, slot in take(store, keys):
@@ -248,8 +237,8 @@ def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_by
 
 def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_experts(checkpoint):
     gate = threading.Event()
-    with make_async(checkpoint, device_slots=6) as store:
-        block_on_a_first_read(store, gate)
+    with make_async(checkpoint, device_slots=6, reader=(reader := GatedReader(gate=gate))) as store:
+        block_on_a_first_read(store, reader)
         store.prefetch([TransferRequest(K(1, 1), 0.5), TransferRequest(K(1, 2), 0.4)])
         fetch = store.fetch([K(1, 0)], chosen=[K(1, 0), K(1, 1)])
         assert store.in_flight() == {K(0, 3), K(1, 0), K(1, 1)}  # K(1, 2) dropped, K(1, 1) kept
@@ -259,18 +248,18 @@ def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_ex
         store.wait_idle()
 
 
-def resident_and_in_flight(checkpoint, store, in_flight=(K(0, 2),)) -> ExpertGates:
-    """K(0, 0) resident; in_flight prefetched in that order, their reads begun and held until let through."""
+def resident_and_in_flight(store, gates: ExpertGates, in_flight=(K(0, 2),)) -> None:
+    """K(0, 0) resident; in_flight prefetched in that order, their reads begun and held until let through
+    (the store reads through gates, which let K(0, 0) through)."""
     take(store, [K(0, 0)])
-    store._reader = gates = ExpertGates(store._reader, checkpoint.index)
     store.prefetch([TransferRequest(key, 0.9 - i / 10) for i, key in enumerate(in_flight)])
     gates.wait_reading(in_flight)
-    return gates
 
 
 def test_reordering_hands_out_the_resident_expert_then_the_one_in_flight_as_it_lands_then_the_miss(checkpoint):
-    with make_async(checkpoint, device_slots=4, timeout_s=5.0) as store:
-        gates = resident_and_in_flight(checkpoint, store)
+    gates = ExpertGates(checkpoint.index, opened=[K(0, 0)])
+    with make_async(checkpoint, device_slots=4, timeout_s=5.0, reader=gates) as store:
+        resident_and_in_flight(store, gates)
         fetch = store.fetch([K(0, 3), K(0, 2), K(0, 0)])  # a miss, one in flight, one resident
         ready = fetch.ready(reorder=True)
         assert next(ready)[0] == K(0, 0)  # while no read can finish
@@ -282,8 +271,9 @@ def test_reordering_hands_out_the_resident_expert_then_the_one_in_flight_as_it_l
 
 
 def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint):
-    with make_async(checkpoint, device_slots=4, timeout_s=5.0) as store:
-        gates = resident_and_in_flight(checkpoint, store)
+    gates = ExpertGates(checkpoint.index, opened=[K(0, 0)])
+    with make_async(checkpoint, device_slots=4, timeout_s=5.0, reader=gates) as store:
+        resident_and_in_flight(store, gates)
         fetch = store.fetch([K(0, 3), K(0, 2), K(0, 0)])
         order = []
         consumer = threading.Thread(target=lambda: order.extend(key for key, _ in fetch.ready(reorder=False)))
@@ -299,14 +289,25 @@ def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint
     assert order == [K(0, 3), K(0, 2), K(0, 0)]  # K(0, 0) was in place and K(0, 2) landed first
 
 
+class RoundLog(DiskReader):
+    """The disk reader, recording how many chunks each read batch (one worker round) holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.rounds = []
+
+    def read_batch(self, batch):
+        self.rounds.append(len(batch))
+        return super().read_batch(batch)
+
+
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_the_disk_round_reads_as_many_speculative_chunks_as_configured(checkpoint, chunks):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(4 * eb, "0", asynchronous=True, chunks_in_flight=chunks, chunk_bytes=32)
-    with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
-        rounds, read = [], store._worker._read
-        store._worker._read = lambda batch: rounds.append(len(batch)) or read(batch)
+    reader = RoundLog()
+    with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy(), reader=reader) as store:
         store.prefetch([TransferRequest(K(0, e), 1.0 - e / 10) for e in range(3)])  # many 32-byte chunks each
         store.wait_idle()
         pieces_of = [len(pieces(checkpoint.index.locations[K(0, e)].segments, 32)) for e in range(3)]
-        assert max(rounds) == chunks < min(pieces_of) and sum(rounds) == sum(pieces_of)
+        assert max(reader.rounds) == chunks < min(pieces_of) and sum(reader.rounds) == sum(pieces_of)

@@ -4,9 +4,9 @@ import time
 import torch
 
 from moestream.checkpoint.layout import Segment
-from moestream.store.copier import CopyWorker, HostCopy, copy_chunks
+from moestream.store.copier import CopyWorker, copy_chunks
 from moestream.store.streams import CpuLink
-from moestream.store.transfer import TransferQueue
+from moestream.store.transfer import H2D, LinkReports, Transfer, TransferQueue
 from moestream.topology import ExpertKey
 
 K = ExpertKey
@@ -32,7 +32,7 @@ def host_copy(key, fill, demand=False, priority=0.0, nbytes=4, chunk_bytes=0):
     filled with `fill` and its dst with zeros."""
     src, dst = torch.full((nbytes,), fill, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     chunks = copy_chunks([Segment("weights.safetensors", 0, nbytes)], src, dst, chunk_bytes)
-    copy = HostCopy(key, chunks, priority=priority, demand=demand)
+    copy = Transfer(key, chunks, priority=priority, demand=demand, link=H2D)
     copy.src, copy.dst = src, dst
     return copy
 
@@ -45,8 +45,9 @@ def run(copies, max_chunks=8):
         for copy in copies[:1]:
             queue.push(copy)
     link = GatedLink(gate)
-    worker = CopyWorker(cond, queue, link, lambda c: landed.append(c.key),
-                        lambda c, e: failed.append((c.key, str(e))), busy.append, max_chunks)
+    reports = LinkReports(landed=lambda c: landed.append(c.key), failed=lambda c, e: failed.append((c.key, str(e))),
+                          busy=busy.append)
+    worker = CopyWorker(cond, queue, link, reports, max_chunks)
     link.entered.wait(5)  # the worker holds the first copy at the gate
     with cond:
         for copy in copies[1:]:
@@ -87,7 +88,7 @@ def test_a_failed_copy_is_reported_and_the_worker_goes_on():
 def test_stop_ends_the_idle_worker():
     threads = threading.active_count()
     cond = threading.Condition(threading.RLock())
-    worker = CopyWorker(cond, TransferQueue(1), CpuLink(torch.device("cpu")), *[lambda *args: None] * 3)
+    worker = CopyWorker(cond, TransferQueue(1), CpuLink(torch.device("cpu")), LinkReports(*[lambda *args: None] * 3))
     assert threading.active_count() == threads + 1
     worker.stop(5)
     assert threading.active_count() == threads

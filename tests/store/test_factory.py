@@ -2,7 +2,7 @@ from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
 from moestream.store.async_store import AsyncExpertStore
 from moestream.store.factory import open_store, store_kind
-from moestream.store.store import ExpertStore
+from moestream.store.inline import InlineStore
 from moestream.store.tiered import TieredAsyncStore
 
 
@@ -14,7 +14,7 @@ def test_open_store_on_the_cpu_picks_the_one_tier_asynchronous_store_or_the_sync
         with open_store(checkpoint.index, config, LRUPolicy(), LRUPolicy()) as store:
             kinds[asynchronous, host] = type(store)
     assert kinds == {(True, 0): AsyncExpertStore, (True, 2): AsyncExpertStore,
-                     (False, 0): ExpertStore, (False, 2): ExpertStore}
+                     (False, 0): InlineStore, (False, 2): InlineStore}
 
 
 def test_a_host_tier_left_apart_gets_the_tiered_store(checkpoint):

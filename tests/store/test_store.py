@@ -7,7 +7,8 @@ from moestream.checkpoint.layout import ExpertIndex, ExpertLocation
 from moestream.errors import BudgetError, CheckpointError
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
-from moestream.store import ExpertStore, StoreConfig
+from moestream.store import InlineStore, StoreConfig
+from moestream.store.disk import DiskReader
 from moestream.store.factory import store_kind
 from moestream.topology import ExpertKey
 from tests.store.links import LateLink
@@ -15,10 +16,10 @@ from tests.store.links import LateLink
 K = ExpertKey
 
 
-def make_store(ckpt, device_slots, host_slots=0, device="cpu", direct_io=True):
+def make_store(ckpt, device_slots, host_slots=0, device="cpu", direct_io=True, reader=None):
     expert_bytes = ckpt.index.topology.expert_bytes
     config = StoreConfig(device_slots * expert_bytes, host_slots * expert_bytes, device, direct_io)
-    return ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy())
+    return InlineStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
 
 
 def use(store, *keys):
@@ -103,7 +104,7 @@ def test_keys_may_be_numpy_pairs(checkpoint):
         slots = store.acquire([(np.int64(1), np.int64(2))])
         assert list(slots) == [K(1, 2)] and type(next(iter(slots)).layer) is int
         store.release([K(1, 2)])
-        assert not store._device.is_pinned(K(1, 2))
+        assert not store.pinned()
 
 
 def test_pins_count_per_acquire(checkpoint):
@@ -202,8 +203,8 @@ def test_streaming_groups_leave_room_for_experts_in_use(checkpoint):
 class CountingReader:
     """Wraps the store's disk reader, recording the destinations of each batch."""
 
-    def __init__(self, reader):
-        self.reader = reader
+    def __init__(self):
+        self.reader = DiskReader()
         self.batches = []
 
     def read_batch(self, batch):
@@ -217,15 +218,15 @@ class CountingReader:
 @pytest.mark.parametrize("host_slots", [0, 2, 8])
 def test_the_misses_of_one_call_are_read_as_batches(make_checkpoint, host_slots):
     ckpt = make_checkpoint(num_experts=6)
-    with make_store(ckpt, device_slots=6, host_slots=host_slots) as store:
-        store._reader = CountingReader(store._reader)
+    reader = CountingReader()
+    with make_store(ckpt, device_slots=6, host_slots=host_slots, reader=reader) as store:
         use(store, K(0, 0))
         slots = use(store, *[K(0, e) for e in range(5)])
         for key, slot in slots.items():
             assert_holds_expert(ckpt, slot, key)
         assert store.prefetch([TransferRequest(K(1, e), 1.0) for e in range(3)]) == [K(1, e) for e in range(3)]
         expected = [1, 4, 3] if host_slots != 2 else [1, 2, 2, 2, 1]  # a batch never outgrows the host tier
-        assert store._reader.batches == expected
+        assert reader.batches == expected
         assert store.stats().disk_batches == len(expected)
         fit = store.stats().read_fit  # the sums of a line fit over the same batches
         assert (fit.batches, fit.experts) == (len(expected), sum(expected))
@@ -247,11 +248,11 @@ def test_store_refuses_a_too_small_budget_and_a_bad_index(checkpoint):
         make_store(checkpoint, device_slots=index.topology.top_k - 1)
     missing = ExpertIndex(index.topology, {k: v for k, v in index.locations.items() if k != K(1, 1)}, index.layout)
     with pytest.raises(CheckpointError, match="no location"):
-        ExpertStore(missing, StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+        InlineStore(missing, StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
     short = dict(index.locations)
     short[K(0, 0)] = ExpertLocation(K(0, 0), index.locations[K(0, 0)].segments[:2])
     with pytest.raises(CheckpointError, match="bytes on disk"):
-        ExpertStore(ExpertIndex(index.topology, short, index.layout), StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+        InlineStore(ExpertIndex(index.topology, short, index.layout), StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
 
 
 def test_unknown_tier_is_refused(checkpoint):
@@ -307,7 +308,7 @@ def test_an_expert_that_fails_its_check_is_never_kept(checkpoint, host_slots):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(3 * eb, host_slots * eb, "cpu", True)
     integrity = RefuseOne(K(1, 2))
-    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+    with InlineStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         use(store, K(0, 0))
         with pytest.raises(CheckpointError, match="damaged"):
             store.acquire([K(0, 1), K(1, 2)])
@@ -327,17 +328,17 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
     assert len(residues) > 1 and 0 not in residues
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(4 * eb, host_slots * eb, asynchronous=asynchronous)
-    with store_kind(config, ckpt.index.topology)(ckpt.index, config, LRUPolicy(), LRUPolicy()) as store:
+    disk = DiskReader()
+    with store_kind(config, ckpt.index.topology)(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=disk) as store:
         for key in ckpt.index.locations:
             slot = store.acquire([key])[key]
             assert_holds_expert(ckpt, slot, key)
             store.release([key])
-        reader = store._reader.stats
-        if store._reader.is_direct(ckpt.files[0]):
-            assert reader.direct_bytes >= 0.8 * reader.bytes_read
+        if disk.is_direct(ckpt.files[0]):
+            assert disk.stats.direct_bytes >= 0.8 * disk.stats.bytes_read
 
 
-class StagingStore(ExpertStore):
+class StagingStore(InlineStore):
     """The CUDA store without a host tier (disk -> bounce slot -> device slot), on the CPU: two bounce slots."""
 
     def _staging_slots(self, pinned):
@@ -351,10 +352,11 @@ def test_copies_that_complete_later_are_waited_for_before_compute_and_before_the
     each copy, and a disk read into a host or bounce slot waits for the copies from it."""
     checkpoint = make_checkpoint(hidden=64, inter=48)  # experts over a block: slots overlap at any placement
     eb = checkpoint.index.topology.expert_bytes
-    kind = StagingStore if host_slots == 0 else ExpertStore
-    with kind(checkpoint.index, StoreConfig(4 * eb, host_slots * eb), LRUPolicy(), LRUPolicy()) as store:
+    kind = StagingStore if host_slots == 0 else InlineStore
+    link = LateLink()
+    with kind(checkpoint.index, StoreConfig(4 * eb, host_slots * eb), LRUPolicy(), LRUPolicy(),
+              link=link) as store:
         assert (store._bounce.num_slots, store.host_slots) == ((2, 0) if host_slots == 0 else (0, 2))
-        store._link = link = LateLink()
         first = store.acquire([K(0, 0), K(0, 1)])  # their copies wait for compute
         second = store.acquire([K(1, 2), K(1, 3)])  # read into the same two host or bounce slots
         link.compute()

@@ -7,33 +7,35 @@ import threading
 import time
 
 import pytest
+import torch
 
 from moestream.errors import CheckpointError
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
+from moestream.store.streams import CpuLink
 from moestream.store.tiered import TieredAsyncStore
 from moestream.store.transfer import TransferError
 from moestream.topology import ExpertKey
 from tests.store.links import LateLink
-from tests.store.test_async_store import GatedReader, no_pins, random_steps, settle, take
+from tests.store.test_async_store import GatedReader, random_steps, settle, take
 from tests.store.test_store import assert_holds_expert
 
 K = ExpertKey
 
 
-def make_tiered(ckpt, device_slots, host_slots, chunk_bytes=0, timeout_s=10.0):
+def make_tiered(ckpt, device_slots, host_slots, chunk_bytes=0, timeout_s=10.0, reader=None, link=None):
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(device_slots * eb, host_slots * eb, asynchronous=True, chunk_bytes=chunk_bytes,
                          transfer_timeout_s=timeout_s)
-    return TieredAsyncStore(ckpt.index, config, LRUPolicy(), LRUPolicy())
+    return TieredAsyncStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader, link=link)
 
 
 class SlowReader(GatedReader):
     """GatedReader that tells whether a read is under way."""
 
-    def __init__(self, inner, **kwargs):
-        super().__init__(inner, **kwargs)
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.reading = threading.Event()
 
     def read_batch(self, batch):
@@ -45,10 +47,11 @@ class SlowReader(GatedReader):
 
 
 class GatedLink:
-    """Forwards copies to the store's link once the gate opens; records whether a disk read was under way."""
+    """Forwards copies to a link (the CPU's) once the gate opens; records whether a disk read was under way."""
 
-    def __init__(self, inner, gate=None, reader=None, delay_s=lambda: 0.0, fail=lambda: False):
-        self.inner, self.gate, self.reader, self.delay_s, self.fail = inner, gate, reader, delay_s, fail
+    def __init__(self, inner=None, gate=None, reader=None, delay_s=lambda: 0.0, fail=lambda: False):
+        self.inner = inner if inner is not None else CpuLink(torch.device("cpu"))
+        self.gate, self.reader, self.delay_s, self.fail = gate, reader, delay_s, fail
         self.copying = threading.Event()
         self.during_read = []
 
@@ -63,10 +66,8 @@ class GatedLink:
             raise RuntimeError("injected copy failure")
         return self.inner.copy(dst, src)
 
-
-def gate_link(store, **kwargs) -> GatedLink:
-    link = store._copier._link = GatedLink(store._copier._link, **kwargs)
-    return link
+    def synchronize(self):
+        self.inner.synchronize()
 
 
 def evict_to_host(store, *keys):
@@ -95,21 +96,24 @@ def test_experts_go_disk_to_host_to_device_and_the_host_tier_keeps_them(checkpoi
         assert (stats.host_misses, stats.host_hits) == (5, 1)  # K(0, 0) came back from the host tier
         assert stats.bytes_read == {"disk": 5 * eb, "host": 6 * eb}
         assert stats.copy_s > 0 and stats.transfer_s > 0
-        assert store.in_flight() == frozenset() and not store._host.pinned()
+        assert store.in_flight() == frozenset() and not store.pinned("host")
 
 
 def test_both_links_run_at_once(checkpoint):
     gate = threading.Event()
-    with make_tiered(checkpoint, device_slots=2, host_slots=6) as store:
+    gate.set()  # open until K(0, 0) is in the host tier alone
+    reader = SlowReader(gate=gate)
+    link = GatedLink(reader=reader)
+    with make_tiered(checkpoint, device_slots=2, host_slots=6, reader=reader, link=link) as store:
         evict_to_host(store, K(0, 0))
-        store._reader = reader = SlowReader(store._reader, gate=gate)
-        link = gate_link(store, reader=reader)
+        gate.clear()
+        link.during_read.clear()
         store.prefetch([TransferRequest(K(0, 1), 0.5)])  # a host miss: the disk worker blocks on it
         wait_for(reader.reading)
         got = dict(take(store, [K(0, 0)]))  # a host hit: copied up while the disk read goes on
         assert_holds_expert(checkpoint, got[K(0, 0)], K(0, 0))
         assert set(link.during_read) == {True} and store.in_flight() == {K(0, 1)}  # each chunk of the copy
-        assert K(0, 1) in store._host and K(0, 1) not in store.resident("host")
+        assert K(0, 1) in store.pinned("host") and K(0, 1) not in store.resident("host")  # its slot is being written
         gate.set()
         store.wait_idle()
         assert store.resident() == {K(0, 0), K(0, 1)} and K(0, 1) in store.resident("host")
@@ -120,12 +124,9 @@ class HeldCopies:
     """Holds the store's copies up: `late`, issued on a link whose copies run only when allowed
     (tests/store/links.py); else each copy blocks before it is issued, until the gate opens."""
 
-    def __init__(self, store, late: bool):
+    def __init__(self, late: bool):
         self.late, self.gate = late, threading.Event()
-        if late:
-            self.link = store._copier._link = LateLink(credits=0)
-        else:
-            self.link = gate_link(store, gate=self.gate)
+        self.link = LateLink(credits=0) if late else GatedLink(gate=self.gate)
 
     def wait_copying(self):
         wait_for((lambda: self.link.issued) if self.late else self.link.copying)
@@ -139,9 +140,8 @@ class HeldCopies:
 
 @pytest.mark.parametrize("late", [False, True])
 def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_done(checkpoint, late):
-    with make_tiered(checkpoint, device_slots=4, host_slots=1) as store:
-        copies = HeldCopies(store, late)
-        store._reader = reader = GatedReader(store._reader)
+    copies, reader = HeldCopies(late), GatedReader()
+    with make_tiered(checkpoint, device_slots=4, host_slots=1, reader=reader, link=copies.link) as store:
         first = store.fetch([K(0, 0)])
         copies.wait_copying()  # K(0, 0) is in the one host slot, its copy up is held
         assert store.prefetch([TransferRequest(K(0, 1), 1.0)]) == []  # speculation finds no host slot
@@ -160,10 +160,13 @@ def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_done(checkpoint
 
 def test_a_gate_decision_cancels_queued_copies_of_its_layer_and_the_host_keeps_them(make_checkpoint):
     ckpt, gate = make_checkpoint(num_experts=8), threading.Event()
-    with make_tiered(ckpt, device_slots=4, host_slots=8) as store:
+    gate.set()  # open until the copies below
+    link = GatedLink(gate=gate)
+    with make_tiered(ckpt, device_slots=4, host_slots=8, link=link) as store:
         for keys in ([K(1, 1), K(1, 2)], [K(0, 0), K(0, 1)], [K(0, 2), K(0, 3)]):
             take(store, keys)  # the device tier no longer holds K(1, 1), K(1, 2); the host tier does
-        link = gate_link(store, gate=gate)
+        gate.clear()
+        link.copying.clear()
         store.prefetch([TransferRequest(K(0, 4), 0.9)])  # read, then its copy up waits on the gate
         wait_for(link.copying)
         store.prefetch([TransferRequest(K(1, 1), 0.5), TransferRequest(K(1, 2), 0.4)])  # queued copies
@@ -177,14 +180,13 @@ def test_a_gate_decision_cancels_queued_copies_of_its_layer_and_the_host_keeps_t
         assert_holds_expert(ckpt, got[K(1, 3)], K(1, 3))
         store.wait_idle()
         assert store.resident() == {K(0, 4), K(1, 3)} | (store.resident() & {K(0, e) for e in range(4)})
-        assert not store._host.pinned()
+        assert not store.pinned("host")
 
 
 def test_a_failed_read_and_a_failed_copy_surface_as_errors_and_the_store_recovers(checkpoint):
     fail = {"read": True, "copy": False}
-    with make_tiered(checkpoint, device_slots=2, host_slots=4) as store:
-        store._reader = GatedReader(store._reader, fail=lambda batch: fail["read"])
-        gate_link(store, fail=lambda: fail["copy"])
+    reader, link = GatedReader(fail=lambda batch: fail["read"]), GatedLink(fail=lambda: fail["copy"])
+    with make_tiered(checkpoint, device_slots=2, host_slots=4, reader=reader, link=link) as store:
         with pytest.raises(TransferError, match=r"reading expert \(0, 1\) from disk.*injected"):
             take(store, [K(0, 1)])
         assert store.resident("host") == frozenset() and store.in_flight() == frozenset()
@@ -195,7 +197,7 @@ def test_a_failed_read_and_a_failed_copy_surface_as_errors_and_the_store_recover
         fail["copy"] = False
         assert_holds_expert(checkpoint, dict(take(store, [K(0, 1)]))[K(0, 1)], K(0, 1))
         stats = store.stats()
-        assert (stats.host_misses, stats.host_hits) == (1, 1) and not store._host.pinned()
+        assert (stats.host_misses, stats.host_hits) == (1, 1) and not store.pinned("host")
 
 
 class Damaged:
@@ -220,13 +222,12 @@ def test_a_damaged_expert_fails_in_its_host_slot_before_any_copy_up(checkpoint):
         store.wait_idle()
         assert store.resident("host") == {K(1, 1)} and store.resident() == {K(1, 1)}
         assert store.stats().bytes_read == {"disk": 2 * eb, "host": eb}  # K(1, 2) was never copied up
-        assert sorted(integrity.checked) == [K(1, 1), K(1, 2)] and not store._host.pinned()
+        assert sorted(integrity.checked) == [K(1, 1), K(1, 2)] and not store.pinned("host")
 
 
 def test_a_stuck_copy_times_out(checkpoint):
     gate = threading.Event()
-    with make_tiered(checkpoint, device_slots=2, host_slots=2, timeout_s=0.2) as store:
-        gate_link(store, gate=gate)
+    with make_tiered(checkpoint, device_slots=2, host_slots=2, timeout_s=0.2, link=GatedLink(gate=gate)) as store:
         with pytest.raises(TransferError, match="timed out"):
             take(store, [K(0, 1)])
         gate.set()
@@ -237,15 +238,13 @@ def test_random_delays_and_failures_in_both_links_keep_bytes_exact_and_leak_noth
     """late: the copies complete later, when the copier waits for them (tests/store/links.py)."""
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     rng = random.Random(0)
-    with make_tiered(checkpoint, device_slots=3, host_slots=2, chunk_bytes=64) as store:
-        if late:
-            store._copier._link = LateLink()
-        store._reader = GatedReader(store._reader, delay_s=lambda: rng.random() * 0.002,
-                                    fail=lambda batch: rng.random() < 0.04)
-        gate_link(store, delay_s=lambda: rng.random() * 0.001, fail=lambda: rng.random() < 0.04)
+    reader = GatedReader(delay_s=lambda: rng.random() * 0.002, fail=lambda batch: rng.random() < 0.04)
+    link = GatedLink(LateLink() if late else None, delay_s=lambda: rng.random() * 0.001,
+                     fail=lambda: rng.random() < 0.04)
+    with make_tiered(checkpoint, device_slots=3, host_slots=2, chunk_bytes=64, reader=reader, link=link) as store:
         assert random_steps(store, checkpoint, rng, 80) > 0
         settle(store)
-        assert no_pins(store._host, checkpoint) and no_pins(store._device, checkpoint)
+        assert not store.pinned("host") and not store.pinned()
         assert store.in_flight() == frozenset()
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
@@ -258,7 +257,7 @@ def test_close_stops_both_workers_and_refuses_later_calls(checkpoint):
     store.prefetch([TransferRequest(K(0, e), 1.0) for e in range(4)])
     store.close()
     assert threading.active_count() == threads and store.in_flight() == frozenset()
-    assert not store._host.pinned()
+    assert not store.pinned("host")
     with pytest.raises(TransferError, match="closed"):
         store.fetch([K(0, 0)])
 

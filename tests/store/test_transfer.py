@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moestream.checkpoint.layout import Segment
-from moestream.store.transfer import DiskWorker, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.store.transfer import DiskWorker, LinkReports, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.topology import ExpertKey
 
 K = ExpertKey
@@ -78,8 +78,8 @@ def test_a_demand_waits_at_most_one_chunk_behind_speculative_work():
         time.sleep(0.01)
         return 1
 
-    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: None, lambda s: None,
-                        max_chunks=1)
+    reports = LinkReports(lambda t: landed.append(t.key), lambda t, e: None, lambda s: None)
+    worker = DiskWorker(cond, queue, read, reports, max_chunks=1)
     speculative = transfer(K(0, 0), num_chunks=6, priority=1.0)
     with cond:
         queue.push(speculative)
@@ -105,8 +105,8 @@ def test_a_failed_read_is_reported_and_the_worker_goes_on():
             raise OSError("injected")
         return 1
 
-    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: failed.append((t.key, e)),
-                        lambda s: None, max_chunks=1)
+    reports = LinkReports(lambda t: landed.append(t.key), lambda t, e: failed.append((t.key, e)), lambda s: None)
+    worker = DiskWorker(cond, queue, read, reports, max_chunks=1)
     bad = Transfer(K(0, 0), chunks_of([Segment("bad", 0, 1)], torch.zeros(1, dtype=torch.uint8), 0))
     with cond:
         queue.push(bad)
@@ -134,8 +134,8 @@ def test_demand_transfers_are_read_whole_together_and_speculation_in_rounds():
         queue.push(transfer(K(1, 0), num_chunks=2, at=5000, demand=True))
         queue.push(transfer(K(1, 1), num_chunks=2, at=7000, demand=True))
     landed = []
-    worker = DiskWorker(cond, queue, read, lambda t: landed.append(t.key), lambda t, e: None, busy.append,
-                        max_chunks=4)
+    reports = LinkReports(lambda t: landed.append(t.key), lambda t, e: None, busy.append)
+    worker = DiskWorker(cond, queue, read, reports, max_chunks=4)
     gate.set()
     deadline = time.time() + 5
     while len(landed) < 4 and time.time() < deadline:

@@ -1,0 +1,88 @@
+"""The transfer core: the bookkeeping of experts on their way into the device tier, one object that
+the engine's stores (`moestream.store`) and the simulator (`moestream.sim.engine`) both drive.
+
+It answers a layer's lookups (in place: a hit, and a prefetch hit when a landed prefetch is used for
+the first time; on its way: late; else a miss), admits experts to the tier (the tier's eviction
+policy picks the victim; a landed prefetch evicted unused is wasted), keeps which experts are on
+their way (`moving`, each with its driver's own record of the transfer) and lands them. The
+engine's link workers and the simulator's links differ in who moves the bytes and when (threads in
+real time, a cost model in virtual time), not in these rules. Clock-free and device-free: it knows
+no time, no bytes, no thread (a caller holds its own lock), and no policy by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from moestream.cache import ExpertCache
+from moestream.topology import ExpertKey
+
+HIT, LATE, MISS = "hit", "late", "miss"
+Record = TypeVar("Record")  # a driver's record of one transfer (the core never looks inside)
+
+
+@dataclass
+class TransferCounts:
+    hits: int = 0  # lookups whose expert was in place
+    prefetch_hits: int = 0  # hits on a landed prefetch that nobody had used (never a late one)
+    wasted: int = 0  # landed prefetches evicted before any use
+    evictions: int = 0  # experts evicted from the tier
+
+
+class TransferCore(Generic[Record]):
+    def __init__(self, device: ExpertCache):
+        self.device = device
+        self.moving: dict[ExpertKey, Record] = {}  # on their way into the tier (admitted or planned)
+        self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
+        self.counts = TransferCounts()
+
+    def lookup(self, key: ExpertKey) -> str:
+        """A layer needs key: HIT (in place: accessed and counted), LATE (on its way: `moving[key]`),
+        or MISS."""
+        if key in self.moving:
+            return LATE
+        if self.device.access(key) is None:
+            return MISS
+        self.counts.hits += 1
+        if key in self.unused:
+            self.unused.discard(key)
+            self.counts.prefetch_hits += 1
+        return HIT
+
+    def used(self, key: ExpertKey) -> None:
+        """key was needed before it landed: whatever lands for it is no unused prefetch."""
+        self.unused.discard(key)
+
+    def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> None:
+        """A slot for key in the tier, evicting by policy (never a pinned or protected expert);
+        raises CacheFullError when no victim is allowed."""
+        _, evicted = self.device.admit(key, protect)
+        if evicted is not None:
+            self.counts.evictions += 1
+            if evicted in self.unused:
+                self.unused.discard(evicted)
+                self.counts.wasted += 1
+
+    def track(self, key: ExpertKey, record: Record) -> None:
+        """key is on its way into the tier (queued or moving); record is the driver's transfer."""
+        self.moving[key] = record
+
+    def landed(self, key: ExpertKey, prefetch: bool) -> Record | None:
+        """key's bytes are in place; a prefetch nobody waited for is unused until a hit uses it."""
+        record = self.moving.pop(key, None)
+        if prefetch:
+            self.unused.add(key)
+        return record
+
+    def forget(self, key: ExpertKey) -> None:
+        """key will not land (dropped, cancelled or failed): it leaves the tier if admitted."""
+        self.moving.pop(key, None)
+        self.unused.discard(key)
+        if key in self.device:
+            self.device.remove(key)
+
+    def reset_counts(self) -> None:
+        self.counts = TransferCounts()
+        self.unused.clear()
