@@ -36,7 +36,7 @@ def test_a_layer_is_bit_identical_whatever_the_order_its_experts_arrive_in(tiny_
     path = tiny_checkpoint("mixtral", num_layers=2, num_experts=8, top_k=4)
     topology = build_index(path).topology
     assert topology.top_k >= 4
-    config = EngineConfig(expert_budget=str(topology.num_experts * topology.expert_bytes), direct_io=False)
+    config = EngineConfig(expert_budget=topology.num_experts * topology.expert_bytes, direct_io=False)
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(24, 64, generator=generator)  # [T, H]
     index = torch.rand(24, topology.num_experts, generator=generator).topk(topology.top_k, dim=-1).indices  # [T, K]
