@@ -7,7 +7,8 @@ import torch
 
 from moestream.checkpoint.index import build_index
 from moestream.runtime import Engine, EngineConfig
-from moestream.runtime.offload import FusedExpertMath, OffloadedExperts
+from moestream.runtime.expert_math import FusedExpertMath
+from moestream.runtime.offload import OffloadedExperts
 from moestream.runtime.publisher import Publisher
 from moestream.store.fetch import Fetch
 

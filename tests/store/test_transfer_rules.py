@@ -50,7 +50,7 @@ class OrderedGates:
 
 def make(kind, ckpt, device_slots, reader, host_slots=4):
     eb = ckpt.index.topology.expert_bytes
-    host = str(host_slots * eb) if kind == "tiered" else "0"
+    host = host_slots * eb if kind == "tiered" else 0
     config = StoreConfig(device_slots * eb, host, asynchronous=kind != "sync", transfer_timeout_s=10.0)
     if kind == "tiered":  # on the CPU open_store merges the tiers: build the two-tier store itself
         return TieredAsyncStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
