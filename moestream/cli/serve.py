@@ -85,6 +85,7 @@ def run(args) -> int:
     check_engine_arguments(args)
     require_serve_extra()
     from moestream.runtime import Engine
+    from moestream.serving import logs
     from moestream.serving.server import Server, bind
     from moestream.serving.worker import WorkerConfig
 
@@ -100,6 +101,8 @@ def run(args) -> int:
                         '"moestream": {"replayed": true})', REPLAY_LABEL, args.replay_routing)
         server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
                         args.api_key, workers)
+        logging.getLogger("moestream.serve").setLevel(logging.INFO)  # vLLM's lines: start-up, requests, periodic
+        logs.startup(engine)
         host, port = sock.getsockname()[:2]
         print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
         try:

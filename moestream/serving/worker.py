@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from moestream.errors import MoestreamError
+from moestream.serving import logs
 from moestream.serving.batching import Batcher, BatchingConfig, KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.metrics import ServerMetrics
@@ -53,6 +54,7 @@ class EngineWorker:
         self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.requests),
                                      lambda: self.batcher.reserved_bytes)
         self._stop = threading.Event()
+        self._periodic, self._num_finished = logs.Periodic(), 0
         self._draining = threading.Event()
         self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
@@ -76,6 +78,7 @@ class EngineWorker:
             self._thread.join()
         self.batcher.close()
         self._fail_waiting()
+        logs.stopped(self._num_finished)
 
     def drain(self, grace_s: float) -> None:
         """Stops admitting (waiting and new requests get 'shutting down'); running requests may finish
@@ -104,6 +107,7 @@ class EngineWorker:
                 self.metrics.batch_size.observe(len(self.batcher.requests))
                 self.batcher.step()
                 self.metrics.observe_store(self.engine.store.stats())
+            self._periodic.maybe_log(len(self.batcher.requests), self._queue.qsize(), self.engine.store.stats)
 
     def _drained(self) -> bool:
         """While draining: fails the waiting requests; once nothing runs or the grace period is over,
@@ -196,10 +200,13 @@ class EngineWorker:
         now = time.perf_counter()
         if new_token:
             request.num_tokens += 1
+            self._periodic.tokens(1)
             if request.first_token is None:
                 request.first_token = now
                 self.metrics.ttft.observe(now - request.arrived)
         if delta.finished:
+            self._num_finished += 1
+            logs.finished(self._num_finished, request, delta.finish_reason)
             self.metrics.requests.labels(delta.finish_reason).inc()
             self.metrics.tokens.inc(request.num_tokens)
             if request.num_tokens > 1:

@@ -1,0 +1,72 @@
+"""The server's log lines, as vLLM prints them: what was loaded at start-up, one line per finished
+request, a periodic line while there is work, and a line at shutdown. Everything goes to the
+`moestream.serve` logger at INFO (`moestream serve` shows it). Formats figures; decides nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from moestream.budget import format_bytes
+
+log = logging.getLogger("moestream.serve")
+PERIOD_S = 10.0
+
+
+def startup(engine) -> None:
+    """Model, family, policy, each tier's budget in bytes and experts, device and threads."""
+    import torch
+
+    config, topology, store = engine.config, engine.checkpoint.topology, engine.store
+    log.info("moestream: %s (%s), %d MoE layers x %d experts (top-%d) of %s; policy %s; device %s, %d torch threads",
+             engine.checkpoint.path, engine.checkpoint.adapter.model_type, topology.num_layers, topology.num_experts,
+             topology.top_k, format_bytes(topology.expert_bytes), config.policy, config.device, torch.get_num_threads())
+    for tier, slots in (("device", store.device_slots), ("host", store.host_slots)):
+        log.info("moestream: %s tier: %d expert slots, %s (%.1f%% of the experts)", tier, slots,
+                 format_bytes(slots * topology.expert_bytes), 100 * slots / topology.total_experts)
+
+
+def finished(number: int, request, finish_reason: str) -> None:
+    """One finished request: its tokens, TTFT, TPOT and why it ended."""
+    ttft = (request.first_token - request.arrived) * 1e3 if request.first_token is not None else None
+    tpot = ((time.perf_counter() - request.first_token) * 1e3 / (request.num_tokens - 1)
+            if request.first_token is not None and request.num_tokens > 1 else None)
+    log.info("moestream: request %d finished (%s): %d prompt + %d output tokens, TTFT %s, TPOT %s", number,
+             finish_reason, len(request.prompt_ids), request.num_tokens, _ms(ttft), _ms(tpot))
+
+
+def stopped(num_requests: int) -> None:
+    log.info("moestream: shut down after %d requests", num_requests)
+
+
+class Periodic:
+    """Every PERIOD_S while requests run or wait: running and waiting requests, tokens/s, the expert
+    hit rate and disk bytes/s over the period."""
+
+    def __init__(self, period_s: float = PERIOD_S, clock=time.perf_counter):
+        self.period_s, self.clock = period_s, clock
+        self._since, self._tokens, self._stats = clock(), 0, None
+
+    def tokens(self, count: int) -> None:
+        self._tokens += count
+
+    def maybe_log(self, running: int, waiting: int, read_stats) -> None:
+        """read_stats() -> the store's StoreStats, read only when a line is due."""
+        now = self.clock()
+        if now - self._since < self.period_s:
+            return
+        stats = read_stats()
+        if running or waiting or self._tokens:
+            before, seconds = self._stats, now - self._since
+            hits = stats.hits - (before.hits if before else 0)
+            lookups = hits + stats.misses - (before.misses if before else 0)
+            disk = stats.bytes_read.get("disk", 0) - (before.bytes_read.get("disk", 0) if before else 0)
+            rate = f"{100 * hits / lookups:.1f}%" if lookups else "n/a"
+            log.info("moestream: %d running, %d waiting; %.1f tokens/s, expert hit rate %s, disk %s/s",
+                     running, waiting, self._tokens / seconds, rate, format_bytes(int(disk / seconds)))
+        self._since, self._tokens, self._stats = now, 0, stats.copy()
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"

@@ -1,0 +1,40 @@
+"""The server's log lines: a periodic line over the period's work only, one line per finished request."""
+
+import logging
+
+from moestream.serving import logs
+from moestream.serving.generation import Request
+from moestream.serving.sampling import SamplingParams
+from moestream.store.stats import StoreStats
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_periodic_line_gives_the_period_s_rates_and_nothing_when_idle(caplog):
+    caplog.set_level(logging.INFO, "moestream.serve")
+    clock = Clock()
+    periodic = logs.Periodic(period_s=10, clock=clock)
+    first = StoreStats(hits=10, misses=10, bytes_read={"disk": 1000, "host": 0})
+    clock.now += 10
+    periodic.maybe_log(0, 0, lambda: first)  # nothing ran: no line, but the period starts here
+    assert caplog.text == ""
+    periodic.tokens(30)
+    clock.now += 5
+    periodic.maybe_log(2, 1, lambda: 1 / 0)  # not due: the stats are not read
+    clock.now += 5
+    periodic.maybe_log(2, 1, lambda: StoreStats(hits=40, misses=20, bytes_read={"disk": 1000 + 10 * 2**20, "host": 0}))
+    assert "2 running, 1 waiting; 3.0 tokens/s, expert hit rate 75.0%, disk 1.0 MiB/s" in caplog.text
+
+
+def test_a_finished_request_is_one_line(caplog):
+    caplog.set_level(logging.INFO, "moestream.serve")
+    request = Request([1, 2, 3], SamplingParams(max_tokens=4), lambda event: None)
+    request.first_token, request.num_tokens = request.arrived + 0.05, 1
+    logs.finished(7, request, "length")
+    assert "request 7 finished (length): 3 prompt + 1 output tokens, TTFT 50.0 ms, TPOT n/a" in caplog.text
