@@ -39,7 +39,7 @@ from moestream.policies.driver import PolicyDriver
 from moestream.progress import progress_bar
 from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
-from moestream.runtime.config import EngineConfig
+from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from moestream.budget import Budget, format_bytes
-from moestream.errors import BudgetError, MoestreamError
+from moestream.config import EngineConfig
+from moestream.errors import BudgetError
+from moestream.settings import check, same_as
 from moestream.topology import Topology
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -47,12 +49,12 @@ class StoreConfig:
 
     device_budget: Budget
     host_budget: Budget
-    device: str = "cpu"
-    direct_io: bool = True
+    device: str = same_as(EngineConfig, "device")
+    direct_io: bool = same_as(EngineConfig, "direct_io")
     asynchronous: bool = False
-    chunk_bytes: int = 0
-    chunks_in_flight: int = 8
-    transfer_timeout_s: float = 60.0
+    chunk_bytes: int = same_as(EngineConfig, "chunk_bytes")
+    chunks_in_flight: int = same_as(EngineConfig, "chunks_in_flight")
+    transfer_timeout_s: float = same_as(EngineConfig, "transfer_timeout_s")
 
     def __post_init__(self):
         object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
@@ -60,12 +62,7 @@ class StoreConfig:
         object.__setattr__(self, "device", _parse_device(self.device))
         if self.device_budget.ratio is not None and self.device_budget.ratio <= 0.0:
             raise BudgetError("the device budget ratio must be in (0, 1], got 0")
-        if self.chunk_bytes < 0:
-            raise MoestreamError(f"chunk_bytes must be >= 0 (0: one weight matrix), got {self.chunk_bytes}")
-        if self.chunks_in_flight < 1:
-            raise MoestreamError(f"chunks_in_flight must be >= 1, got {self.chunks_in_flight}")
-        if not self.transfer_timeout_s > 0:
-            raise MoestreamError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        check(self)
 
     @property
     def uses_cuda(self) -> bool:

@@ -105,7 +105,7 @@ def _check(args) -> list[str]:
     from moestream.store.config import Budget
 
     from moestream.cli.demo import PROMPTS
-    from moestream.runtime.config import EngineConfig
+    from moestream.config import EngineConfig
 
     if args.threads < 1 or args.max_new_tokens < 1:
         raise MoestreamError("--threads and --max-new-tokens must be >= 1")
