@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from moestream.budget import Budget, parse_size
 from moestream.errors import MoestreamError
 from moestream.memory_plan import AUTO
-from moestream.policies import POLICIES
-from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
 from moestream.settings import check, setting
 
 
@@ -59,6 +57,8 @@ class EngineConfig:
     transfer_timeout_s: float = setting(60.0, "longest wait for expert bytes before it fails", above=0)
 
     def __post_init__(self):
+        from moestream.policies import POLICIES  # imported here: the CLI's parser stays light
+
         check(self)
         store = self.store_config()  # validates budgets and the device
         object.__setattr__(self, "expert_budget", store.device_budget)
@@ -93,6 +93,8 @@ class BatchingConfig:
         "first token (default 0: at the next step)", minimum=0)
 
     def __post_init__(self):
+        from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
+
         check(self)
         if self.token_scheduler not in TOKEN_SCHEDULERS:
             raise MoestreamError(f"unknown token scheduler {self.token_scheduler!r}; "

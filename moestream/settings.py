@@ -44,12 +44,14 @@ def flag_of(f: Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """Adds a flag for each setting of `cls` (and of the settings dataclasses it nests) not in skip."""
+def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                  only: tuple[str, ...] | None = None) -> None:
+    """Adds a flag for each setting of `cls` (and of the settings dataclasses it nests), but those in
+    skip, or only those in `only`."""
     for f in fields(cls):
         if _nested(f):
-            add_arguments(parser, f.default_factory, skip)
-        elif "help" in f.metadata and f.name not in skip:
+            add_arguments(parser, f.default_factory, skip, only)
+        elif "help" in f.metadata and f.name not in skip and (only is None or f.name in only):
             _add(parser, f)
 
 
