@@ -86,7 +86,7 @@ def _add(parser: argparse.ArgumentParser, f: Field) -> None:
         parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true", help=meta["help"])
         return
     kind = None if "parse" in meta or f.default is None else type(f.default)
-    parser.add_argument(flag, dest=f.name, default=f.default, type=kind, help=meta["help"], metavar=meta.get("metavar"))
+    parser.add_argument(flag, dest=f.name, default=f.default, type=kind, help=meta["help"], metavar=meta.get("metavar") or flag[2:].upper().replace("-", "_"))
 
 
 def _name_flags(message: str, cls) -> str:
