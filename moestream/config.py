@@ -9,7 +9,7 @@ CLI refuses bad flags before its heavy imports; it knows nothing of how the sett
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moestream.budget import Budget, parse_size
 from moestream.errors import MoestreamError
@@ -111,7 +111,7 @@ class WorkerConfig:
                                  minimum=0)
     max_queue: int = setting(64, "waiting requests beyond which 429 is answered", minimum=1)
     max_queue_wait_ms: float = setting(60_000.0, "a request not started within this is answered 503", above=0)
-    batching: BatchingConfig = setting(factory=BatchingConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
 
     def __post_init__(self):
         check(self)

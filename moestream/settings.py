@@ -1,11 +1,10 @@
 """Settings declared once: a dataclass field carries its default, help text and bounds, and this
 module turns such a dataclass into argparse flags and the parsed flags back into the dataclass.
 
-A field declared with `setting(default, help)` becomes the flag --field-name (or `flag`); a bool
-field is a switch that flips its default; `parse(text, flag)` reads a flag's text (else the
-default's type does, in argparse); a field whose default is a settings dataclass nests (its flags join the
-parser). Errors from the dataclass name the flag when its values came from the command line. This
-module knows no particular setting, and the settings dataclasses know no argparse.
+A field declared with `setting(default, help)` becomes the flag --field-name (or `flag`); a bool is a
+switch that flips its default; `parse(text, flag)` reads a flag's text (else the default's type); a
+field whose default_factory is a dataclass nests. Errors name the flag when the values came from the
+command line. This module knows no particular setting; the dataclasses know no argparse.
 """
 
 from __future__ import annotations
@@ -17,11 +16,9 @@ from dataclasses import MISSING, Field, field, fields, is_dataclass
 from moestream.errors import MoestreamError
 
 
-def setting(default=MISSING, help: str | None = None, *, flag: str | None = None, parse=None,
-            minimum=None, above=None, metavar: str | None = None, factory=MISSING) -> Field:
-    """A dataclass field with its flag's metadata; without help it gets no flag."""
-    meta = dict(help=help, flag=flag, parse=parse, minimum=minimum, above=above, metavar=metavar)
-    return field(default=default, default_factory=factory, metadata={k: v for k, v in meta.items() if v is not None})
+def setting(default, help: str, **meta) -> Field:
+    """A field with its flag's help text and metadata: flag, parse, minimum, above, metavar."""
+    return field(default=default, metadata=meta | {"help": help})
 
 
 def same_as(cls, name: str) -> Field:

@@ -37,14 +37,12 @@ def _parse_device(device: "str | torch.device") -> str:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Budgets of the device tier (compute memory) and host tier (RAM), and how to read disk.
+    """Budgets of the device tier (compute memory) and host tier (RAM), and how to move experts: the
+    settings of EngineConfig (moestream.config) that the store reads, with their defaults and bounds.
 
-    direct_io=False forces buffered reads (followed by dropping the page cache for the range read).
+    direct_io=False forces buffered reads (then drops the page cache for the range read);
     asynchronous: transfers run on an I/O worker beside the caller (where the tiers allow it);
-    chunk_bytes: the largest piece of one transfer (0: one weight matrix); chunks_in_flight: the
-    speculative chunks a round moves together on each link (disk reads, host -> device copies), so the
-    most a demand miss waits behind (1: one chunk, at about half the read throughput of 8 on an NVMe
-    disk); transfer_timeout_s: the longest any wait for expert bytes may last before it fails.
+    chunks_in_flight: the speculative chunks a round moves together on each link.
     """
 
     device_budget: Budget
