@@ -12,9 +12,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moestream.budget import Budget, parse_size
-from moestream.errors import MoestreamError
+from moestream.errors import BudgetError, MoestreamError
 from moestream.memory_plan import AUTO
 from moestream.settings import check, setting
+
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def parse_device(device) -> str:
+    """'cpu' or 'cuda:N' of a device that exists, or one line saying why not."""
+    import torch  # here: the CLI's parser imports no torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from None
+    if parsed.type not in _DEVICE_TYPES:
+        raise BudgetError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:N]'")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise BudgetError(f"device {device!r} requested but CUDA is not available")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise BudgetError(f"device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return str(parsed)
 
 
 def tier_budget(text: str, flag: str) -> "Budget | str":
@@ -60,20 +80,14 @@ class EngineConfig:
         from moestream.policies import POLICIES  # imported here: the CLI's parser stays light
 
         check(self)
-        store = self.store_config()  # validates budgets and the device
-        object.__setattr__(self, "expert_budget", store.device_budget)
-        object.__setattr__(self, "host_budget", store.host_budget)
-        object.__setattr__(self, "device", store.device)
+        object.__setattr__(self, "expert_budget", Budget.parse(self.expert_budget))
+        object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
+        object.__setattr__(self, "device", parse_device(self.device))
+        if self.expert_budget.ratio == 0.0:
+            raise BudgetError("the device budget ratio must be in (0, 1], got 0")
         if POLICIES.get(self.policy).offline:
             raise MoestreamError(f"policy {self.policy!r} needs the future routing of a trace; "
                                  "it runs in the simulator only")
-
-    def store_config(self):
-        from moestream.store.config import StoreConfig
-
-        return StoreConfig(device_budget=self.expert_budget, host_budget=self.host_budget, device=self.device,
-                           direct_io=self.direct_io, asynchronous=not self.sync, chunk_bytes=self.chunk_bytes,
-                           chunks_in_flight=self.chunks_in_flight, transfer_timeout_s=self.transfer_timeout_s)
 
 
 @dataclass(frozen=True)

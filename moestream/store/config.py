@@ -13,27 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from moestream.budget import Budget, format_bytes
-from moestream.config import EngineConfig
+from moestream.config import EngineConfig, parse_device
 from moestream.errors import BudgetError
 from moestream.settings import check, same_as
 from moestream.topology import Topology
-
-_DEVICE_TYPES = ("cpu", "cuda")
-
-
-def _parse_device(device: "str | torch.device") -> str:
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from None
-    if parsed.type not in _DEVICE_TYPES:
-        raise BudgetError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:N]'")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise BudgetError(f"device {device!r} requested but CUDA is not available")
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        raise BudgetError(f"device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
-    return str(parsed)
-
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -57,10 +40,17 @@ class StoreConfig:
     def __post_init__(self):
         object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
         object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
-        object.__setattr__(self, "device", _parse_device(self.device))
-        if self.device_budget.ratio is not None and self.device_budget.ratio <= 0.0:
+        object.__setattr__(self, "device", parse_device(self.device))
+        if self.device_budget.ratio == 0.0:
             raise BudgetError("the device budget ratio must be in (0, 1], got 0")
         check(self)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "StoreConfig":
+        """The store's settings among the engine's."""
+        return cls(device_budget=config.expert_budget, host_budget=config.host_budget, device=config.device,
+                   direct_io=config.direct_io, asynchronous=not config.sync, chunk_bytes=config.chunk_bytes,
+                   chunks_in_flight=config.chunks_in_flight, transfer_timeout_s=config.transfer_timeout_s)
 
     @property
     def uses_cuda(self) -> bool:
