@@ -19,6 +19,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from moestream.config import EngineConfig
+from moestream.settings import add_arguments
+
 HIT_RATE_TOLERANCE = 0.03  # absolute
 STALL_TOLERANCE = 0.15  # relative to the engine's stall
 
@@ -28,14 +31,11 @@ def add_parser(kinds) -> None:
     parser.add_argument("--replay-routing", required=True, metavar="TRACE", help="trace whose routing both follow")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
     parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
-    parser.add_argument("--policy", default="lru", help="policy of both (default lru)")
-    parser.add_argument("--sync", action="store_true", help="the engine's on-demand path")
-    parser.add_argument("--no-reorder", action="store_true", help="the engine computes a layer's experts in id order")
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io"))
     parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
@@ -65,14 +65,14 @@ def compare(args) -> dict:
     topology = build_index(model).topology
     print(checkpoint_line(model), flush=True)
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync,
-                   reorder=not args.no_reorder, prompts=PROMPTS,
-                   max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=not args.buffered_io,
+                   reorder=args.reorder, prompts=PROMPTS,
+                   max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir))
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
     simulated = _simulate(args, spec, engine, topology, cost)
     return {"model": str(model), "budget": args.budget, "policy": args.policy,
-            "mode": "sync" if args.sync else "async", "reorder": not args.no_reorder,
+            "mode": "sync" if args.sync else "async", "reorder": args.reorder,
             "replay_routing": args.replay_routing,
             "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
                                               "decode_tokens", "expert_hits", "expert_misses", "expert_read_ms",

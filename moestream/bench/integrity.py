@@ -15,6 +15,9 @@ import statistics
 import time
 from pathlib import Path
 
+from moestream.config import EngineConfig
+from moestream.settings import add_arguments
+
 NUM_LAYERS_SAMPLED = 8  # MoE layers whose experts are read (spread over the model)
 EXPERTS_PER_LAYER = 8  # experts read per sampled layer, in one read batch
 FINITE_REPEATS = 200  # decode steps timed for the finite check
@@ -23,8 +26,7 @@ FINITE_REPEATS = 200  # decode steps timed for the finite check
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("integrity", help="cost of the expert digest check and of the finite check")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    add_arguments(parser, EngineConfig, only=("device", "direct_io"))
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
@@ -35,7 +37,7 @@ def run(args) -> int:
 
     if args.model is not None:
         require_checkpoint_dir(args.model)
-    report_integrity(args.model or demo_checkpoint(args.small), args.device, not args.buffered_io)
+    report_integrity(args.model or demo_checkpoint(args.small), args.device, args.direct_io)
     return 0
 
 

@@ -20,10 +20,12 @@ import sys
 from pathlib import Path
 
 from moestream.bench.engine.spec import peak_rss_mib
-from moestream.cli.serve import add_batching_arguments, batching_config
+from moestream.budget import Budget
+from moestream.config import BatchingConfig, EngineConfig
 from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.procfs import status_mib
+from moestream.settings import add_arguments, from_args, read_flags
 
 
 def add_parser(kinds) -> None:
@@ -31,10 +33,6 @@ def add_parser(kinds) -> None:
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
     parser.add_argument("--policies", default="default,lru:sync",
                         help="comma-separated policy names, NAME:sync for on demand (default default,lru:sync)")
-    parser.add_argument("--expert-budget", default="0.25", help="device-tier budget of the policies' runs (default 0.25)")
-    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
-    parser.add_argument("--predictor-dir", metavar="DIR",
-                        help="a trained predictor (`moestream train-predictor`) for the policies that learn one")
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
     parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.data_dir)")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
@@ -44,8 +42,8 @@ def add_parser(kinds) -> None:
                              "requests is their slowest one (default 20)")
     parser.add_argument("--scale-lengths", type=float, default=0.05, help="scale of the trace's lengths (default 0.05)")
     parser.add_argument("--tpot-factor", type=float, default=2.0, help="p99 TPOT limit / all-resident TPOT (default 2)")
-    add_batching_arguments(parser)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    add_arguments(parser, BatchingConfig)
+    add_arguments(parser, EngineConfig, skip=("policy", "sync"))  # --policies names both
     parser.add_argument("--all-rates", action="store_true", help="run every rate, also after one is not sustained")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--plot-dir", type=Path, help="write each run's latency CDF plot (PNG) in this directory")
@@ -83,6 +81,8 @@ def _policies(text: str, predictor_dir) -> list[str]:
 def run(args) -> int:
     from moestream.cli.serve import require_serve_extra
 
+    read_flags(EngineConfig, args)
+    batching = from_args(BatchingConfig, args)
     rates, policies = _rates(args.rates), _policies(args.policies, args.predictor_dir)
     if not (args.duration > 0 and args.scale_lengths > 0 and args.tpot_factor > 0):
         raise MoestreamError("--duration, --scale-lengths and --tpot-factor must be > 0")
@@ -100,14 +100,15 @@ def run(args) -> int:
     print(data.describe(), file=sys.stderr)
     trace = workload.read_trace(workload.trace_path(args.trace, data.path))
     prompts = workload.prompt_texts(data.path)
-    runs = [_serve_and_replay(model, "1.0", "lru", rates[0], trace, prompts, args) | {"policy": "all-resident"}]
+    resident = _serve_and_replay(model, Budget(ratio=1.0), "lru", rates[0], trace, prompts, args, batching)
+    runs = [resident | {"policy": "all-resident"}]
     limit_ms = args.tpot_factor * runs[0]["tpot_ms"]["p50"]
     print(f"all-resident TPOT p50 {runs[0]['tpot_ms']['p50']:.1f} ms: limit p99 TPOT {limit_ms:.1f} ms", flush=True)
     best = {}
     for policy in policies:
         best[policy] = 0.0
         for rate in rates:
-            figures = _serve_and_replay(model, args.expert_budget, policy, rate, trace, prompts, args)
+            figures = _serve_and_replay(model, args.expert_budget, policy, rate, trace, prompts, args, batching)
             runs.append(figures | {"policy": policy})
             if not _sustained(figures, limit_ms):
                 if args.all_rates:
@@ -156,11 +157,11 @@ def _sustained(figures: dict, limit_ms: float) -> bool:
     return figures["num_failed"] == 0 and p99 is not None and p99 <= limit_ms
 
 
-def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace, prompts, args) -> dict:
+def _serve_and_replay(model: Path, budget: Budget, policy: str, rate: float, trace, prompts, args, batching) -> dict:
     """One server run: a fresh engine (budget, policy), the trace replayed at rate; its figures."""
     from moestream.policies import POLICIES
     from moestream.policies.trained import TrainedPolicy
-    from moestream.runtime import Engine, EngineConfig
+    from moestream.runtime import Engine
     from moestream.runtime.replay import REPLAY_LABEL
     from moestream.serving import loadgen, workload
     from moestream.serving.server import Server
@@ -170,20 +171,20 @@ def _serve_and_replay(model: Path, budget: str, policy: str, rate: float, trace,
     planned = workload.plan(trace, prompts, rate, duration_s, args.scale_lengths, max_requests=10_000)
     name, _, mode = policy.partition(":")
     predictor_dir = args.predictor_dir if issubclass(POLICIES.get(name), TrainedPolicy) else None
-    config = EngineConfig(device=args.device, expert_budget=budget, policy=name, sync=mode == "sync",
-                          replay_routing=args.replay_routing, predictor_dir=predictor_dir)
+    config = from_args(EngineConfig, args, expert_budget=budget, policy=name, sync=mode == "sync",
+                       predictor_dir=predictor_dir)
     with Engine(model, config) as engine:
-        if budget == "1.0":
+        if budget == Budget(ratio=1.0):
             engine.preload()
-        with Server(engine, model.name, worker_config=WorkerConfig(batching=batching_config(args))) as server:
+        with Server(engine, model.name, worker_config=WorkerConfig(batching=batching)) as server:
             rss_before = rss_mib()  # after the engine opened and the server started: the growth is the run's
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
         memory = memory_figures(rss_before)  # the engine still open
     figures = loadgen.report(measured, wall, loadgen.Slo()) | memory | {
-        "rps": rate, "expert_budget": budget, "mode": "sync" if engine.config.sync else "async",
+        "rps": rate, "expert_budget": str(budget), "mode": "sync" if engine.config.sync else "async",
         "replayed": engine.replay is not None}
     if args.plot_dir:
-        label = "all-resident" if budget == "1.0" else policy.replace(":", "-")
+        label = "all-resident" if budget == Budget(ratio=1.0) else policy.replace(":", "-")
         plot = loadgen.plot_cdf(measured, args.plot_dir / f"{label}-{rate:g}rps.png", f"{label}, {rate:g} req/s")
         figures["plot"] = str(plot)
         print(f"latency CDF: {plot}", file=sys.stderr, flush=True)

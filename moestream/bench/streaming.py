@@ -29,6 +29,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from moestream.config import EngineConfig
+from moestream.settings import add_arguments
+
 BUDGETS = "0.1,0.25,0.5"
 REPEATS = 4
 STREAM_TARGET = 0.80  # streaming bandwidth / sequential bandwidth, at least
@@ -46,8 +49,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help=f"interleaved repetitions; figures are medians over them (default {REPEATS})")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every run (default 1)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    add_arguments(parser, EngineConfig, only=("device", "direct_io"))
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
@@ -182,7 +184,7 @@ class EngineModel:
 def _config(args, budget: str):
     from moestream.runtime import EngineConfig
 
-    return EngineConfig(device=args.device, expert_budget=budget, direct_io=not args.buffered_io)
+    return EngineConfig(device=args.device, expert_budget=budget, direct_io=args.direct_io)
 
 
 # -- the two comparisons ---------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def compare_streaming(model_dir: Path, prompts, budgets: list[str], args) -> tup
     for repeat in range(args.repeats):
         for i, job in enumerate(jobs):
             turn = repeat * len(jobs) + i
-            disk.take(shards[turn % len(shards)], index, turn, not args.buffered_io)
+            disk.take(shards[turn % len(shards)], index, turn, args.direct_io)
             runs[i] += cold_run(model_dir, *job, args)
     rows = [_engine_row(f"offload {b}", samples, len(prompts), b) for b, samples in zip(budgets, runs[2:])]
     prefills = [serving_prefill(runs[i], [disk.reference_around(r * len(jobs) + i) for r in range(args.repeats)],

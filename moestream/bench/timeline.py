@@ -17,8 +17,10 @@ import argparse
 import time
 from pathlib import Path
 
+from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
+from moestream.settings import add_arguments
 from moestream.timeline import LANES, Span, Timeline, busy_s, overlap_s
 
 TRANSFER_LANES = ("disk", "h2d")
@@ -28,16 +30,13 @@ THREAD_LANES = ("experts", "policy", "wait")  # the compute thread's own spans
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("timeline", help="one decode token's compute, transfers and waits")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
-    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
-    parser.add_argument("--policy", default="lru", help="policy (default lru)")
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
     parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
-    parser.add_argument("--sync", action="store_true", help="the on-demand path")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated (default 16)")
     parser.add_argument("--token", type=int, help="which decode step, 1 to max-new-tokens - 1 (default the one "
                         "before the last)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io"))
     parser.add_argument("--json", type=Path, help="write the token's spans and figures here")
     parser.add_argument("--plot", type=Path, help="draw the token's spans here (PNG)")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
@@ -100,7 +99,7 @@ def _record(args) -> tuple[Timeline, StepStarts]:
     torch.set_num_threads(args.threads)
     model = str(args.model or demo_checkpoint(args.small))
     print(checkpoint_line(model), flush=True)
-    config = EngineConfig(expert_budget=args.budget, direct_io=not args.buffered_io, sync=args.sync,
+    config = EngineConfig(expert_budget=args.budget, direct_io=args.direct_io, sync=args.sync,
                           policy=args.policy, replay_routing=args.replay_routing)
     spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))
     policy = make_policy(spec, build_index(model).topology)

@@ -17,30 +17,31 @@ from pathlib import Path
 
 from moestream.bench.serving import memory_figures, memory_text, rss_mib
 from moestream.data_dir import resolve_data_dir
+from moestream.config import BatchingConfig, EngineConfig
 from moestream.errors import MoestreamError
+from moestream.settings import add_arguments, from_args, read_flags
 
 
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("token-scheduler", help="activated experts, hit rate and throughput per token scheduler")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
     parser.add_argument("--schedulers", default="fifo,expertflow", help="token schedulers to compare (default fifo,expertflow)")
-    parser.add_argument("--expert-budget", default="0.25", help="device-tier budget (default 0.25)")
-    parser.add_argument("--policy", default="lru", help="caching policy (default lru)")
-    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
     parser.add_argument("--num-seqs", type=int, default=32, help="sequences running together (default 32)")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="sequences per decode batch (default 16)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per sequence (default 32)")
     parser.add_argument("--prompt-words", type=int, default=48, help="words kept of each prompt (default 48)")
     parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.data_dir)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
+    add_arguments(parser, EngineConfig, skip=("direct_io",))  # buffered reads
+    add_arguments(parser, BatchingConfig, skip=("max_num_seqs", "kv_budget_bytes", "token_scheduler"))
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    if min(args.num_seqs, args.max_batch_size, args.max_tokens, args.prompt_words) < 1:
-        raise MoestreamError("--num-seqs, --max-batch-size, --max-tokens and --prompt-words must be >= 1")
+    if min(args.num_seqs, args.max_tokens, args.prompt_words) < 1:
+        raise MoestreamError("--num-seqs, --max-tokens and --prompt-words must be >= 1")
+    read_flags(EngineConfig, args)
+    from_args(BatchingConfig, args)  # refuses bad batching flags before the model loads
     from moestream.atomic import write_json
     from moestream.cli.demo import demo_checkpoint
     from moestream.serving import workload
@@ -72,15 +73,14 @@ def run(args) -> int:
 
 def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
     """One fresh engine; every prompt admitted at once, then steps until all are done."""
-    from moestream.runtime import Engine, EngineConfig
-    from moestream.serving.batching import Batcher, BatchingConfig
+    from moestream.runtime import Engine
+    from moestream.serving.batching import Batcher
     from moestream.serving.generation import Request
     from moestream.serving.sampling import SamplingParams
 
-    config = EngineConfig(device=args.device, expert_budget=args.expert_budget, policy=args.policy,
-                          direct_io=False, replay_routing=args.replay_routing)
-    batching = BatchingConfig(max_batch_size=args.max_batch_size, max_num_seqs=args.num_seqs,
-                              kv_budget_bytes=1 << 40, token_scheduler=scheduler)
+    config = from_args(EngineConfig, args, direct_io=False)
+    batching = from_args(BatchingConfig, args, max_num_seqs=args.num_seqs, kv_budget_bytes=1 << 40,
+                         token_scheduler=scheduler)
     params = SamplingParams(max_tokens=args.max_tokens)
     tokens = []  # one entry per token generated
 

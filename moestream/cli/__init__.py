@@ -27,7 +27,7 @@ class HelpWithDefaults(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         if (not action.option_strings or "default" in text or text == argparse.SUPPRESS
-                or default is None or default is False or default is argparse.SUPPRESS or default == []):
+                or default is None or isinstance(default, bool) or default is argparse.SUPPRESS or default == []):
             return text
         return f"{text} (default: %(default)s)"
 

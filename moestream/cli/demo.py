@@ -10,9 +10,10 @@ import argparse
 import os
 from pathlib import Path
 
-from moestream.cli.generate import (PROMPT_ALLOWANCE, Throughput, add_engine_arguments, check_engine_arguments,
-                                     engine_config, resolve_auto_budgets)
+from moestream.cli.generate import PROMPT_ALLOWANCE, Throughput, require_checkpoint_dir, resolve_auto_budgets
+from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
+from moestream.settings import add_arguments, from_args, read_flags
 
 PROMPTS = (
     "The quickest way to learn a new programming language is",
@@ -31,7 +32,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per prompt (default 24)")
     parser.add_argument("--json", type=Path, help="write the table's figures to this JSON file")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # a tiny demo model, for tests
-    add_engine_arguments(parser)
+    add_arguments(parser, EngineConfig)
     parser.set_defaults(handler=run)
 
 
@@ -66,10 +67,12 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    check_engine_arguments(args)
+    read_flags(EngineConfig, args)
+    if args.model is not None:
+        require_checkpoint_dir(args.model)
     model = args.model or demo_checkpoint(args.small)
     resolve_auto_budgets(args, model, kv_tokens=args.max_new_tokens + PROMPT_ALLOWANCE)
-    runs = [("offloaded", engine_config(args)), ("all resident", engine_config(args, expert_budget="1.0"))]
+    runs = [("offloaded", from_args(EngineConfig, args)), ("all resident", from_args(EngineConfig, args, expert_budget=1.0))]
     rows = [measure(label, model, config, PROMPTS, args.max_new_tokens) for label, config in runs]
     print_table(rows, model)
     same = rows[0]["token_ids"] == rows[1]["token_ids"]

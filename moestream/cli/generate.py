@@ -8,14 +8,15 @@ stderr at the end. Paths and budgets are checked before the heavy imports (torch
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 import sys
 from pathlib import Path
 
-from moestream.budget import Budget, parse_size
-from moestream.memory_plan import AUTO
+from moestream.budget import Budget
+from moestream.config import EngineConfig
 from moestream.errors import CheckpointError, MoestreamError
+from moestream.memory_plan import AUTO
+from moestream.settings import add_arguments, from_args, read_flags
 
 PROMPT_ALLOWANCE = 2048  # prompt tokens a sequence may bring, in the KV that an auto budget leaves room for
 
@@ -28,38 +29,13 @@ def add_parser(commands) -> None:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="prompts of --prompts-file generated together (default 1); figures are per batch")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    add_engine_arguments(parser)
+    add_arguments(parser, EngineConfig)
     parser.add_argument("--json", type=Path,
                         help="write text, token ids and figures to this JSON file (a list with --prompts-file)")
     parser.add_argument("--record-trace", type=Path, help="save the run's routing as a trace file")
     parser.add_argument("--record-hidden", action="store_true",
                         help="include router inputs and token embeddings in the trace")
     parser.set_defaults(handler=run)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags that map onto EngineConfig (shared by generate, demo and bench)."""
-    parser.add_argument("--expert-budget", default="0.25",
-                        help="device-tier budget: a ratio of all routed-expert bytes (0.25, 25%%), a size (512MiB), "
-                             "or auto (what the memory available leaves: see `moestream plan`)")
-    parser.add_argument("--host-budget", default="0",
-                        help="host-tier budget, same forms (default 0: no host tier); on the CPU without --sync "
-                             "it joins the expert budget, since host and device memory are one tier there")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    parser.add_argument("--policy", default="lru", help="prefetch/eviction policy by name (default lru)")
-    parser.add_argument("--predictor-dir", help="trained predictor of the policy (from `moestream train-predictor`)")
-    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache, not O_DIRECT")
-    parser.add_argument("--sync", action="store_true",
-                        help="transfer experts on the compute thread (the on-demand baseline; default: async)")
-    parser.add_argument("--chunk-size", default="0",
-                        help="largest piece of one expert transfer, e.g. 256KiB (default 0: one weight matrix)")
-    parser.add_argument("--chunks-in-flight", type=int, default=8,
-                        help="speculative chunks read together, the most a demand miss waits behind (default 8)")
-    parser.add_argument("--no-reorder", action="store_true",
-                        help="compute a layer's experts in expert order instead of resident ones first")
-    parser.add_argument("--replay-routing", metavar="TRACE",
-                        help="follow this trace's routing instead of the router's (measurement only; "
-                             "outputs are labelled as replayed)")
 
 
 def require_checkpoint_dir(path: Path) -> None:
@@ -72,18 +48,6 @@ def require_checkpoint_dir(path: Path) -> None:
         raise CheckpointError(f"no config.json in checkpoint directory {path}")
 
 
-def check_engine_arguments(args) -> None:
-    """The engine flags' budgets and the checkpoint path, checked before torch is imported."""
-    for flag, value in (("--expert-budget", args.expert_budget), ("--host-budget", args.host_budget)):
-        if value != AUTO:
-            Budget.parse(value, flag)
-    parse_size(args.chunk_size, "--chunk-size")
-    if args.chunks_in_flight < 1:
-        raise MoestreamError(f"--chunks-in-flight must be >= 1, got {args.chunks_in_flight}")
-    if getattr(args, "model", None) is not None:
-        require_checkpoint_dir(args.model)
-
-
 def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:
     """Replaces an `auto` budget by the bytes that `moestream.memory_plan` finds free, and says so."""
     if AUTO not in (args.expert_budget, args.host_budget):
@@ -93,23 +57,11 @@ def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 
     sizes = model_sizes(model)
     plan = plan_memory(sizes, args.device, kv_bytes or kv_tokens * sizes.kv_bytes_per_token)
     if args.expert_budget == AUTO:
-        args.expert_budget = f"{plan.expert_budget_bytes}B"
+        args.expert_budget = Budget(size_bytes=plan.expert_budget_bytes)
     if args.host_budget == AUTO:
-        args.host_budget = f"{plan.host_budget_bytes}B"
+        args.host_budget = Budget(size_bytes=plan.host_budget_bytes)
     for line in ["auto budgets:", *plan.lines()]:
         print(line, file=sys.stderr)
-
-
-def engine_config(args, **overrides):
-    """The EngineConfig the engine flags describe (imported lazily: `moestream --help` stays fast)."""
-    from moestream.runtime import EngineConfig
-
-    settings = dict(device=args.device, expert_budget=args.expert_budget, host_budget=args.host_budget,
-                    policy=args.policy, predictor_dir=args.predictor_dir, direct_io=not args.buffered_io,
-                    sync=args.sync, replay_routing=args.replay_routing,
-                    chunk_bytes=parse_size(args.chunk_size, "--chunk-size"), reorder=not args.no_reorder,
-                    chunks_in_flight=args.chunks_in_flight)
-    return EngineConfig(**(settings | overrides))
 
 
 def run(args) -> int:
@@ -117,7 +69,8 @@ def run(args) -> int:
         raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
         raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
-    check_engine_arguments(args)
+    read_flags(EngineConfig, args)
+    require_checkpoint_dir(args.model)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
 
@@ -197,7 +150,7 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     from moestream.runtime import Engine
 
     recording = args.record_trace is not None
-    config = engine_config(args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
+    config = from_args(EngineConfig, args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
     many = args.prompts_file is not None
     records, rates = [], Throughput()
     with Engine(args.model, config, progress=True) as engine:

@@ -11,13 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from moestream.cli.generate import PROMPT_ALLOWANCE, require_checkpoint_dir
+from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
+from moestream.settings import add_arguments
 
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("plan", help="what fits where for a checkpoint, before loading it")
     parser.add_argument("--model", type=Path, required=True, help="checkpoint directory")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    add_arguments(parser, EngineConfig, only=("device",))
     parser.add_argument("--kv-tokens", type=int, default=PROMPT_ALLOWANCE,
                         help=f"tokens of KV to leave room for (default {PROMPT_ALLOWANCE})")
     parser.set_defaults(handler=run)

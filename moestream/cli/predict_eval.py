@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 from moestream.atomic import write_json
+from moestream.config import EngineConfig
 from moestream.eval.prediction import EvalError, LeadTimeCost, evaluate_policy
+from moestream.settings import add_arguments
 from moestream.sim.cost import DEFAULT_COST_MODEL, get_cost_model
 
 
@@ -24,7 +26,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the --test-fraction split (default 0)")
     parser.add_argument("--predictor", required=True, metavar="NAME", help="a registered policy (moestream.policies)")
     parser.add_argument("--predictor-dir", type=Path, help="a trained predictor directory (train-predictor)")
-    parser.add_argument("--horizon-layers", type=int, default=1, help="D: predict D layers ahead (0: at the gate)")
+    add_arguments(parser, EngineConfig, only=("horizon_layers",))  # D: 0 predicts at the gate
     parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL, help="cost preset for GOODPRED's lead time")
     parser.add_argument("--train-tokens", type=Path, help="tokens jsonl of a DeepSeek --train npz")
     parser.add_argument("--test-tokens", type=Path, help="tokens jsonl of a DeepSeek --test npz")

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 from moestream.atomic import write_json
+from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
+from moestream.settings import add_arguments
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="hit rate vs ratio and per layer, as PNG")
     parser.add_argument("--mode", default="decode", choices=MODES, help="workload of the stream protocol")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per iteration (--mode batched)")
-    parser.add_argument("--horizon-layers", type=int, default=2, help="how many layers ahead to predict")
+    add_arguments(parser, EngineConfig, only=("horizon_layers",))
     parser.add_argument("--host-ratio", type=float, default=1.0, help="host-tier share of experts (GPU presets)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the moe-beyond pool refills")
     parser.add_argument("--warmup-tokens", type=int, default=10, help="unscored tokens per prompt (moe-beyond)")

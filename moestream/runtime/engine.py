@@ -39,7 +39,7 @@ from moestream.policies.driver import PolicyDriver
 from moestream.progress import progress_bar
 from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
-from moestream.runtime.config import EngineConfig
+from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
@@ -50,6 +50,7 @@ from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan, TokenSampler
 from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches
 from moestream.timeline import Timeline
+from moestream.store.config import StoreConfig
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
 
@@ -88,7 +89,7 @@ class Engine:
         # before observers() lists the predictor
         self._background = offload_predictor(self.policy, timeout_s=self.config.transfer_timeout_s)
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
-        self.store: ExpertStore = open_store(self.checkpoint.experts, self.config.store_config(),
+        self.store: ExpertStore = open_store(self.checkpoint.experts, StoreConfig.of(self.config),
                                              evictions["device"], evictions["host"], load_manifest(self.checkpoint))
         self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moestream.budget import format_bytes
+from moestream.config import BatchingConfig
 from moestream.errors import MoestreamError
 from moestream.runtime.runner import Sequence
 from moestream.runtime.scheduler import ScheduledBatch, StaticBatches
@@ -33,31 +34,6 @@ log = logging.getLogger(__name__)
 
 class KvBudgetError(MoestreamError):
     """A request needs more KV cache than the whole budget."""
-
-
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_batch_size: int = 16  # sequences per decode step
-    max_num_seqs: int = 0  # running sequences at most (0: max_batch_size); above a batch, batches alternate
-    kv_budget_bytes: int = 1 << 30  # KV cache reserved by the running sequences at most
-    prefill_token_budget: int = 2048  # prompt tokens per prefill step (one longer prompt runs alone)
-    token_scheduler: str = "fifo"  # how running sequences are split into batches (TOKEN_SCHEDULERS)
-    max_prefill_delay_ms: float = 0.0  # while sequences decode, a prompt waits up to this long to prefill
-
-    def __post_init__(self):
-        if self.max_batch_size < 1 or self.max_num_seqs < 0 or self.prefill_token_budget < 1:
-            raise MoestreamError("max_batch_size and prefill_token_budget must be >= 1, max_num_seqs >= 0")
-        if not self.max_prefill_delay_ms >= 0:
-            raise MoestreamError(f"max_prefill_delay_ms must be >= 0, got {self.max_prefill_delay_ms}")
-        if self.kv_budget_bytes < 1:
-            raise MoestreamError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
-        if self.token_scheduler not in TOKEN_SCHEDULERS:
-            raise MoestreamError(f"unknown token scheduler {self.token_scheduler!r}; "
-                                 f"choose from {', '.join(TOKEN_SCHEDULERS.names())}")
-
-    @property
-    def num_seqs(self) -> int:
-        return self.max_num_seqs or self.max_batch_size
 
 
 @dataclass(eq=False)

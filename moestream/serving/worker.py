@@ -15,11 +15,11 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
+from moestream.config import WorkerConfig
 from moestream.errors import MoestreamError
 from moestream.serving import logs
-from moestream.serving.batching import Batcher, BatchingConfig, KvBudgetError
+from moestream.serving.batching import Batcher, KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.metrics import ServerMetrics
 
@@ -30,18 +30,6 @@ POLL_S = 0.05
 class Overloaded(MoestreamError):
     """The server cannot take the request: its queue is full, it waited too long for room, or the
     server is shutting down."""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    max_wait_ms: float = 20.0  # how long the first request reaching an idle engine waits for others
-    max_queue: int = 64  # requests waiting beyond this many are refused
-    max_queue_wait_ms: float = 60_000.0  # a request not admitted within this is failed (503)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-
-    def __post_init__(self):
-        if self.max_queue < 1 or not self.max_wait_ms >= 0 or not self.max_queue_wait_ms > 0:
-            raise MoestreamError("max_queue must be >= 1, max_wait_ms >= 0 and max_queue_wait_ms > 0")
 
 
 class EngineWorker:

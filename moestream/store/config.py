@@ -13,59 +13,44 @@ from dataclasses import dataclass
 import torch
 
 from moestream.budget import Budget, format_bytes
-from moestream.errors import BudgetError, MoestreamError
+from moestream.config import EngineConfig, parse_device
+from moestream.errors import BudgetError
+from moestream.settings import check, same_as
 from moestream.topology import Topology
-
-_DEVICE_TYPES = ("cpu", "cuda")
-
-
-def _parse_device(device: "str | torch.device") -> str:
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from None
-    if parsed.type not in _DEVICE_TYPES:
-        raise BudgetError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:N]'")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise BudgetError(f"device {device!r} requested but CUDA is not available")
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        raise BudgetError(f"device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
-    return str(parsed)
-
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Budgets of the device tier (compute memory) and host tier (RAM), and how to read disk.
+    """Budgets of the device tier (compute memory) and host tier (RAM), and how to move experts: the
+    settings of EngineConfig (moestream.config) that the store reads, with their defaults and bounds.
 
-    direct_io=False forces buffered reads (followed by dropping the page cache for the range read).
+    direct_io=False forces buffered reads (then drops the page cache for the range read);
     asynchronous: transfers run on an I/O worker beside the caller (where the tiers allow it);
-    chunk_bytes: the largest piece of one transfer (0: one weight matrix); chunks_in_flight: the
-    speculative chunks a round moves together on each link (disk reads, host -> device copies), so the
-    most a demand miss waits behind (1: one chunk, at about half the read throughput of 8 on an NVMe
-    disk); transfer_timeout_s: the longest any wait for expert bytes may last before it fails.
+    chunks_in_flight: the speculative chunks a round moves together on each link.
     """
 
     device_budget: Budget
     host_budget: Budget
-    device: str = "cpu"
-    direct_io: bool = True
+    device: str = same_as(EngineConfig, "device")
+    direct_io: bool = same_as(EngineConfig, "direct_io")
     asynchronous: bool = False
-    chunk_bytes: int = 0
-    chunks_in_flight: int = 8
-    transfer_timeout_s: float = 60.0
+    chunk_bytes: int = same_as(EngineConfig, "chunk_bytes")
+    chunks_in_flight: int = same_as(EngineConfig, "chunks_in_flight")
+    transfer_timeout_s: float = same_as(EngineConfig, "transfer_timeout_s")
 
     def __post_init__(self):
         object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
         object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
-        object.__setattr__(self, "device", _parse_device(self.device))
-        if self.device_budget.ratio is not None and self.device_budget.ratio <= 0.0:
+        object.__setattr__(self, "device", parse_device(self.device))
+        if self.device_budget.ratio == 0.0:
             raise BudgetError("the device budget ratio must be in (0, 1], got 0")
-        if self.chunk_bytes < 0:
-            raise MoestreamError(f"chunk_bytes must be >= 0 (0: one weight matrix), got {self.chunk_bytes}")
-        if self.chunks_in_flight < 1:
-            raise MoestreamError(f"chunks_in_flight must be >= 1, got {self.chunks_in_flight}")
-        if not self.transfer_timeout_s > 0:
-            raise MoestreamError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        check(self)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "StoreConfig":
+        """The store's settings among the engine's."""
+        return cls(device_budget=config.expert_budget, host_budget=config.host_budget, device=config.device,
+                   direct_io=config.direct_io, asynchronous=not config.sync, chunk_bytes=config.chunk_bytes,
+                   chunks_in_flight=config.chunks_in_flight, transfer_timeout_s=config.transfer_timeout_s)
 
     @property
     def uses_cuda(self) -> bool:

@@ -39,7 +39,7 @@ def test_prints_a_table_and_splits_one_trace(traces, tmp_path, capsys):
                  "--json", str(tmp_path / "r.json")])
     assert code == 0
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["num_tokens"] == 30 and result["horizon_layers"] == 1
+    assert result["num_tokens"] == 30 and result["horizon_layers"] == 2  # the engine's default
     out = capsys.readouterr().out
     assert "{" not in out and "30 test tokens" in out and f"{result['f1']:.4f}" in out
 

@@ -6,13 +6,13 @@ import torch
 from moestream.errors import BudgetError, MoestreamError, UnknownNameError
 from moestream.policies import POLICIES
 from moestream.runtime import EngineConfig
-from moestream.store.config import Budget
+from moestream.store.config import Budget, StoreConfig
 
 
 def test_defaults_parse_into_budgets():
     config = EngineConfig()
     assert config.expert_budget == Budget(ratio=0.25) and config.host_budget == Budget(size_bytes=0)
-    assert config.store_config().device == "cpu"
+    assert StoreConfig.of(config).device == "cpu"
 
 
 @pytest.mark.parametrize("settings, error, named", [

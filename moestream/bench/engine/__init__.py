@@ -20,6 +20,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moestream.config import EngineConfig
+from moestream.settings import add_arguments
+
 BUDGETS = "0.1,0.25,0.5"
 DEMO_PROMPTS = 4  # len(moestream.cli.demo.PROMPTS), not imported here: the parser stays light
 DESIGNS = "moe-infinity,expertflow,fmoe,promoe"  # each design's own policy (the paper systems)
@@ -29,10 +32,8 @@ def add_parser(kinds) -> None:
     parser = kinds.add_parser("engine", help="TPOT, stalls, hit rate and peak RSS per policy, cold, against "
                                              "the physical limit")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where every engine run computes (default cpu)")
     parser.add_argument("--prompts", type=int, default=DEMO_PROMPTS, metavar="N",
                         help=f"the first N of the {DEMO_PROMPTS} demo prompts (default all)")
-    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (matching topology)")
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
                         help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
@@ -44,7 +45,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--designs", default=DESIGNS, help=f"design policies to run (default {DESIGNS}; '' none)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers + accelerate disk offload")
-    parser.add_argument("--buffered-io", action="store_true", help="read experts through the page cache")
+    add_arguments(parser, EngineConfig, only=("device", "replay_routing", "direct_io"))
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 

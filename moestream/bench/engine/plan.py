@@ -44,9 +44,9 @@ def measure(args) -> dict:
     topology = build_index(model).topology
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
                    max_new_tokens=args.max_new_tokens,
-                   threads=args.threads, direct_io=not args.buffered_io, replay_routing=args.replay_routing,
+                   threads=args.threads, direct_io=args.direct_io, replay_routing=args.replay_routing,
                    predictor_dirs=tuple(args.predictor_dir))
-    disk = disk_figures(Path(model), not args.buffered_io)
+    disk = disk_figures(Path(model), args.direct_io)
     resident = run_isolated(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)
     dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
@@ -62,7 +62,7 @@ def measure(args) -> dict:
     rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
     floors = [row.pop("floor_rss_mib") for row in rows]
     floors = [floor for floor, row in zip(floors, rows) if row["memory_cap_mib"] is None]  # capped runs: twins
-    integrity = report_integrity(Path(model), args.device, not args.buffered_io)  # digest and finite check costs
+    integrity = report_integrity(Path(model), args.device, args.direct_io)  # digest and finite check costs
     return {"runs": rows, "resident_tpot_ms": resident["tpot_ms"], "floor_rss_mib": statistics.median(floors),
             "dense_mib": dense_mib, "disk_bw_gbps": disk["bandwidth"] / 1e9, "model": str(model),
             "checkpoint": checkpoint_summary(topology), "device": args.device, "prompts": args.prompts,
@@ -105,7 +105,7 @@ def _check(args) -> list[str]:
     from moestream.store.config import Budget
 
     from moestream.cli.demo import PROMPTS
-    from moestream.runtime.config import EngineConfig
+    from moestream.config import EngineConfig
 
     if args.threads < 1 or args.max_new_tokens < 1:
         raise MoestreamError("--threads and --max-new-tokens must be >= 1")

@@ -1,0 +1,131 @@
+"""The settings a user chooses, each declared once with its default, help text and bounds:
+EngineConfig (where the engine computes, the expert budgets, the policy, how experts move; it builds
+the store's StoreConfig), and serving's WorkerConfig, which nests the batcher's BatchingConfig.
+
+Validated on construction, so that a bad setting fails before anything is loaded. The CLI's flags
+are generated from these fields (moestream.settings). This module imports no torch, so that the
+CLI refuses bad flags before its heavy imports; it knows nothing of how the settings are carried out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moestream.budget import Budget, parse_size
+from moestream.errors import BudgetError, MoestreamError
+from moestream.memory_plan import AUTO
+from moestream.settings import check, setting
+
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def parse_device(device) -> str:
+    """'cpu' or 'cuda:N' of a device that exists, or one line saying why not."""
+    import torch  # here: the CLI's parser imports no torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from None
+    if parsed.type not in _DEVICE_TYPES:
+        raise BudgetError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:N]'")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise BudgetError(f"device {device!r} requested but CUDA is not available")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise BudgetError(f"device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return str(parsed)
+
+
+def tier_budget(text: str, flag: str) -> "Budget | str":
+    """A tier's budget flag: a Budget, or `auto` (resolved by the CLI from the memory available)."""
+    return AUTO if text == AUTO else Budget.parse(text, flag)
+
+
+def kv_size(text: str, flag: str) -> int:
+    """A KV budget flag: a size such as 512MiB, in bytes."""
+    budget = Budget.parse(text, flag)
+    if budget.size_bytes is None:
+        raise MoestreamError(f"{flag}: takes a size like 512MiB, not a ratio ({text!r})")
+    return budget.size_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = setting("cpu", "cpu or cuda[:N]: where the dense part and the device tier live")
+    expert_budget: Budget | str = setting(
+        Budget(ratio=0.25), "device-tier budget: a ratio of all routed-expert bytes (0.25, 25%%), a size "
+        "(512MiB), or auto (what the memory available leaves: see `moestream plan`)", parse=tier_budget)
+    host_budget: Budget | str = setting(
+        Budget(size_bytes=0), "host-tier budget, same forms (default 0: no host tier); on the CPU without --sync "
+        "it joins the expert budget, since host and device memory are one tier there", parse=tier_budget)
+    policy: str = setting("lru", "prefetch/eviction policy by name (moestream.policies)")
+    horizon_layers: int = setting(2, "how many MoE layers ahead the policy predicts after each layer", minimum=0)
+    direct_io: bool = setting(True, "read experts through the page cache, not O_DIRECT", flag="--buffered-io")
+    publish_gate_probs: bool = False  # add the router's full distribution to routing events (--record-trace)
+    publish_hidden: bool = False  # add router inputs to routing events even if no policy asks (--record-hidden)
+    predictor_dir: str | None = setting(None, "trained predictor of the policy (from `moestream train-predictor`)")
+    sync: bool = setting(False, "transfer experts on the compute thread (the on-demand baseline; default: async)")
+    replay_routing: str | None = setting(None, "follow this trace's routing instead of the router's (measurement "
+                                         "only; outputs are labelled as replayed)", metavar="TRACE")
+    chunk_bytes: int = setting(0, "largest piece of one expert transfer, e.g. 256KiB (default 0: one weight matrix)",
+                               flag="--chunk-size", parse=parse_size, minimum=0)
+    chunks_in_flight: int = setting(8, "speculative chunks read together, the most a demand miss waits behind",
+                                    minimum=1)
+    reorder: bool = setting(True, "compute a layer's experts in expert order instead of resident ones first",
+                            flag="--no-reorder")
+    transfer_timeout_s: float = setting(60.0, "longest wait for expert bytes before it fails", above=0)
+
+    def __post_init__(self):
+        from moestream.policies import POLICIES  # imported here: the CLI's parser stays light
+
+        check(self)
+        object.__setattr__(self, "expert_budget", Budget.parse(self.expert_budget))
+        object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
+        object.__setattr__(self, "device", parse_device(self.device))
+        if self.expert_budget.ratio == 0.0:
+            raise BudgetError("the device budget ratio must be in (0, 1], got 0")
+        if POLICIES.get(self.policy).offline:
+            raise MoestreamError(f"policy {self.policy!r} needs the future routing of a trace; "
+                                 "it runs in the simulator only")
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch_size: int = setting(16, "sequences per decode step", minimum=1)
+    max_num_seqs: int = setting(0, "running sequences at most; above the batch size, batches decode in turn "
+                                   "(default 0: the batch size)", minimum=0)
+    kv_budget_bytes: int = setting(1 << 30, "KV cache the running sequences may reserve (default 1GiB)",
+                                   flag="--kv-budget", parse=kv_size, minimum=1)
+    prefill_token_budget: int = setting(2048, "prompt tokens per prefill step (one longer prompt runs alone)",
+                                        minimum=1)
+    token_scheduler: str = setting("fifo", "how running sequences form batches: fifo or expertflow "
+                                           "(routing similarity)")
+    max_prefill_delay_ms: float = setting(
+        0.0, "while sequences decode, a new prompt waits up to this long (or until they finish) and prefills "
+        "with the prompts that came meanwhile: fewer sweeps of the experts between decode steps, a later "
+        "first token (default 0: at the next step)", minimum=0)
+
+    def __post_init__(self):
+        from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
+
+        check(self)
+        if self.token_scheduler not in TOKEN_SCHEDULERS:
+            raise MoestreamError(f"unknown token scheduler {self.token_scheduler!r}; "
+                                 f"choose from {', '.join(TOKEN_SCHEDULERS.names())}")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.max_num_seqs or self.max_batch_size
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    max_wait_ms: float = setting(20.0, "how long the first request reaching an idle engine waits for others",
+                                 minimum=0)
+    max_queue: int = setting(64, "waiting requests beyond which 429 is answered", minimum=1)
+    max_queue_wait_ms: float = setting(60_000.0, "a request not started within this is answered 503", above=0)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+
+    def __post_init__(self):
+        check(self)

@@ -1,0 +1,96 @@
+"""Settings declared once: a dataclass field carries its default, help text and bounds, and this
+module turns such a dataclass into argparse flags and the parsed flags back into the dataclass.
+
+A field declared with `setting(default, help)` becomes the flag --field-name (or `flag`); a bool is a
+switch that flips its default; `parse(text, flag)` reads a flag's text (else the default's type); a
+field whose default_factory is a dataclass nests. Errors name the flag when the values came from the
+command line. This module knows no particular setting; the dataclasses know no argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import MISSING, Field, field, fields, is_dataclass
+
+from moestream.errors import MoestreamError
+
+
+def setting(default, help: str, **meta) -> Field:
+    """A field with its flag's help text and metadata: flag, parse, minimum, above, metavar."""
+    return field(default=default, metadata=meta | {"help": help})
+
+
+def same_as(cls, name: str) -> Field:
+    """A field with the default and bounds of `cls`'s field `name` (a setting another config repeats)."""
+    declared = cls.__dataclass_fields__[name]
+    return field(default=declared.default, metadata=declared.metadata)
+
+
+def check(config) -> None:
+    """Refuses a field below its `minimum` or not above its `above`, naming the field."""
+    for f in fields(config):
+        value, least, above = getattr(config, f.name), f.metadata.get("minimum"), f.metadata.get("above")
+        if least is not None and not value >= least:
+            raise MoestreamError(f"{f.name} must be >= {least}, got {value}")
+        if above is not None and not value > above:
+            raise MoestreamError(f"{f.name} must be > {above}, got {value}")
+
+
+def flag_of(f: Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                  only: tuple[str, ...] | None = None) -> None:
+    """Adds a flag for each setting of `cls` (and of the settings dataclasses it nests), but those in
+    skip, or only those in `only`."""
+    for f in fields(cls):
+        if _nested(f):
+            add_arguments(parser, f.default_factory, skip, only)
+        elif "help" in f.metadata and f.name not in skip and (only is None or f.name in only):
+            _add(parser, f)
+
+
+def read_flags(cls, args: argparse.Namespace) -> None:
+    """Reads, in place, the flags of `cls` whose text a `parse` reads (budgets, sizes): a refusal is
+    a MoestreamError naming the flag. Call it first, to refuse bad flags before any heavy import."""
+    for f in fields(cls):
+        if _nested(f):
+            read_flags(f.default_factory, args)
+        elif "parse" in f.metadata and isinstance(getattr(args, f.name, None), str):
+            setattr(args, f.name, f.metadata["parse"](getattr(args, f.name), flag_of(f)))
+
+
+def from_args(cls, args: argparse.Namespace, **overrides):
+    """The `cls` that the parsed flags describe (overrides win); a refusal names the flag."""
+    read_flags(cls, args)
+    values = {f.name: from_args(f.default_factory, args) if _nested(f) else getattr(args, f.name)
+              for f in fields(cls) if _nested(f) or ("help" in f.metadata and hasattr(args, f.name))}
+    try:
+        return cls(**(values | overrides))
+    except MoestreamError as error:
+        raise type(error)(_name_flags(str(error), cls)) from None
+
+
+def _nested(f: Field) -> bool:
+    return f.default_factory is not MISSING and is_dataclass(f.default_factory)
+
+
+def _add(parser: argparse.ArgumentParser, f: Field) -> None:
+    meta, flag = f.metadata, flag_of(f)
+    if isinstance(f.default, bool):
+        parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true", help=meta["help"])
+        return
+    kind = None if "parse" in meta or f.default is None else type(f.default)
+    parser.add_argument(flag, dest=f.name, default=f.default, type=kind, help=meta["help"], metavar=meta.get("metavar") or flag[2:].upper().replace("-", "_"))
+
+
+def _name_flags(message: str, cls) -> str:
+    """The message with each flagged field's name replaced by its flag."""
+    for f in fields(cls):
+        if _nested(f):
+            message = _name_flags(message, f.default_factory)
+        elif "help" in f.metadata:
+            message = re.sub(rf"\b{f.name}\b", flag_of(f), message)
+    return message
