@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from moestream.errors import MoestreamError
 from moestream.serving.batching import Batcher, BatchingConfig, KvBudgetError
@@ -52,6 +53,7 @@ class EngineWorker:
         self.batcher = Batcher(engine, self.config.batching, self.update)
         self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.requests),
                                      lambda: self.batcher.reserved_bytes)
+        self.step_listeners: list[Callable[[], None]] = []  # called on the engine thread after each step
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._drain_deadline = 0.0
@@ -104,6 +106,8 @@ class EngineWorker:
                 self.metrics.batch_size.observe(len(self.batcher.requests))
                 self.batcher.step()
                 self.metrics.observe_store(self.engine.store.stats())
+                for listener in self.step_listeners:
+                    listener()
 
     def _drained(self) -> bool:
         """While draining: fails the waiting requests; once nothing runs or the grace period is over,
