@@ -93,7 +93,7 @@ def _heatmap(stats: dict):
         for column in rates:
             text.append(CELL, style=_color(column[layer]))
         text.append("\n")
-    text.append(f"{'':10}{len(rates)} recent steps, newest right; red 0% .. green 100%, grey: no lookup",
+    text.append(f"{'':10}{len(rates)} recent steps, newest right; red 0% .. green 100%",
                 style="dim")
     return text
 
