@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (streamed as
-server-sent events or whole), /v1/models, /health and /metrics, in front of one `EngineWorker`.
+server-sent events or whole), /v1/models, /health, /metrics, the live figures (/v1/moestream/stats, serving/live.py) and the page
+that draws them (/dashboard, public; it asks for the key when the server has one), in front of one `EngineWorker`.
 
 Requests are checked here (parameters, model name, context length, API key) and refused with
 OpenAI-style error JSON; so are those the worker refuses (over the KV budget, too long in its queue),
@@ -14,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from importlib import resources
 import time
 
 from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
 from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
+from moestream.serving.live import LiveStats
 from moestream.serving.protocol import (ChatBody, CompletionBody, chunk, error_json, moestream_info, request_id,
                                          response, usage_chunk)
 from moestream.serving.sampling import SamplingError, SamplingParams
@@ -196,17 +199,22 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     async def lifespan(app):
         app.state.loop = asyncio.get_running_loop()  # Server.tasks() asks it from another thread
+        app.state.live.attach()
         worker.start()
         yield
         await asyncio.to_thread(worker.close)
+        app.state.live.detach()
 
     app = FastAPI(title="moestream", lifespan=lifespan)
     app.state.frontend = Frontend(worker, model_name)
+    app.state.live = LiveStats(worker)
     _add_error_handlers(app)
     authorized = [Depends(_bearer(api_key))] if api_key else []
     app.add_api_route("/v1/completions", _completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/models", _models, methods=["GET"], dependencies=authorized)
+    app.add_api_route("/v1/moestream/stats", _live_stats, methods=["GET"], dependencies=authorized)
+    app.add_api_route("/dashboard", _dashboard, methods=["GET"], response_class=HTMLResponse)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     return app
@@ -228,6 +236,14 @@ async def _models(http: HttpRequest):
 
 async def _health(http: HttpRequest):
     return {"status": "ok"} | http.app.state.frontend.info
+
+
+async def _live_stats(http: HttpRequest):
+    return http.app.state.live.snapshot()
+
+
+async def _dashboard():
+    return HTMLResponse(resources.files("moestream").joinpath("data/dashboard.html").read_text())
 
 
 async def _metrics(http: HttpRequest):

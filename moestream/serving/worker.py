@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Callable
 
 from moestream.config import WorkerConfig
 from moestream.errors import MoestreamError
@@ -41,6 +42,7 @@ class EngineWorker:
         self.batcher = Batcher(engine, self.config.batching, self.update)
         self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.requests),
                                      lambda: self.batcher.reserved_bytes)
+        self.step_listeners: list[Callable[[], None]] = []  # called on the engine thread after each step
         self._stop = threading.Event()
         self._periodic, self._num_finished = logs.Periodic(), 0
         self._draining = threading.Event()
@@ -95,6 +97,8 @@ class EngineWorker:
                 self.metrics.batch_size.observe(len(self.batcher.requests))
                 self.batcher.step()
                 self.metrics.observe_store(self.engine.store.stats())
+                for listener in self.step_listeners:
+                    listener()
             self._periodic.maybe_log(len(self.batcher.requests), self._queue.qsize(), self.engine.store.stats)
 
     def _drained(self) -> bool:

@@ -1,0 +1,172 @@
+"""`moestream top`: the live figures of a server on this machine in the terminal (rich), refreshed every
+second: the device hit rate per layer over recent steps as colored cells, tier occupancy, transfers,
+prediction precision and recall, bytes per token from each tier, TTFT/TPOT percentiles and requests.
+
+It reads GET /v1/moestream/stats (moestream/serving/live.py) and knows nothing of the engine. An
+unreachable server or a refused key is one line on stderr and exit 2; Ctrl-C ends it with 0.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlparse
+
+from moestream.errors import MoestreamError
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+REFRESH_S = 1.0
+HEATMAP_STEPS = 60  # the most recent steps shown
+CELL = "■"
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("top", help="watch a local server's expert cache, live")
+    parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000 (loopback only)")
+    parser.add_argument("--api-key", help="bearer key of the server")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from moestream.cli.serve import require_serve_extra
+
+    require_serve_extra()
+    import httpx
+    from rich.console import Console
+    from rich.live import Live
+
+    check_loopback(args.url)
+    with httpx.Client(base_url=args.url, timeout=5.0,
+                      headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}) as client:
+        if args.once:
+            Console().print(frame(fetch(client, args.url)))
+            return 0
+        try:
+            with Live(frame(fetch(client, args.url)), refresh_per_second=4, screen=False) as live:
+                while True:
+                    time.sleep(REFRESH_S)
+                    live.update(frame(fetch(client, args.url)))
+        except KeyboardInterrupt:
+            return 0
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname
+    if host not in LOOPBACK_HOSTS:
+        raise MoestreamError(f"--url: top only watches servers on this machine (127.0.0.1, localhost, ::1), "
+                             f"not {host!r}")
+
+
+def fetch(client, url: str) -> dict:
+    """The server's live figures; one-line errors when it cannot be reached or refuses."""
+    import httpx
+
+    try:
+        answer = client.get("/v1/moestream/stats")
+    except httpx.HTTPError as error:
+        raise MoestreamError(f"--url: cannot reach the server at {url} ({type(error).__name__})") from None
+    if answer.status_code == 401:
+        raise MoestreamError(f"--api-key: the server at {url} needs a valid API key")
+    if answer.status_code != 200:
+        raise MoestreamError(f"--url: {url}/v1/moestream/stats answered {answer.status_code}")
+    return answer.json()
+
+
+def frame(stats: dict):
+    """One screen of figures (a rich renderable)."""
+    from rich.columns import Columns
+    from rich.console import Group
+    from rich.panel import Panel
+
+    tables = [_tiers(stats), _cache(stats), _prediction(stats), _bytes(stats), _latency(stats), _requests(stats)]
+    title = f"moestream top: {stats['tokens']} tokens, hit rate {_pct(stats['hit_rate'])}"
+    return Group(Panel(_heatmap(stats), title=title, title_align="left"), Columns(tables, padding=(0, 2)))
+
+
+def _heatmap(stats: dict):
+    from rich.text import Text
+
+    rates = stats["heatmap"]["hit_rate"][-HEATMAP_STEPS:]  # [S][L]
+    text = Text()
+    for layer in range(stats["layers"]):
+        text.append(f"layer {layer:>3} ", style="dim")
+        for column in rates:
+            text.append(CELL, style=_color(column[layer]))
+        text.append("\n")
+    text.append(f"{'':10}{len(rates)} recent steps, newest right; red 0% .. green 100%",
+                style="dim")
+    return text
+
+
+def _color(rate: float | None) -> str:
+    if rate is None:
+        return "grey30"
+    red, green = round(220 * (1 - rate) + 40 * rate), round(60 * (1 - rate) + 190 * rate)
+    return f"rgb({red},{green},70)"
+
+
+def _table(title: str, rows: list[tuple[str, str]]):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    table.add_column(style="dim")
+    table.add_column(justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _tiers(stats: dict):
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    table = Table(title="tiers", title_justify="left", show_header=False, box=None, pad_edge=False)
+    for tier, slots in stats["tiers"].items():
+        bar = ProgressBar(total=max(slots["total"], 1), completed=slots["used"], width=20)
+        table.add_row(tier, bar, f"{slots['used']}/{slots['total']}")
+    return table
+
+
+def _cache(stats: dict):
+    transfers = stats["transfers"]
+    return _table("transfers", [("in flight", str(transfers["in_flight"])), ("late", str(transfers["late"])),
+                                ("cancelled", str(transfers["cancelled"]))])
+
+
+def _prediction(stats: dict):
+    p = stats["prediction"]
+    return _table("prediction", [("precision", _pct(p["precision"])), ("recall", _pct(p["recall"])),
+                                 ("prefetched", str(p["prefetched"])), ("wasted", str(p["wasted"]))])
+
+
+def _bytes(stats: dict):
+    return _table("bytes/token", [(f"from {tier}", _bytes_text(n)) for tier, n in stats["bytes_per_token"].items()])
+
+
+def _latency(stats: dict):
+    latency = stats["latency_s"]
+    return _table("latency (s)", [(f"{name.upper()} {q}", _num(latency[name][q]))
+                                  for q in ("p50", "p90", "p99") for name in ("ttft", "tpot")])
+
+
+def _requests(stats: dict):
+    requests = stats["requests"]
+    return _table("requests", [("running", str(requests["running"])), ("waiting", str(requests["waiting"]))])
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _bytes_text(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB"):
+        if x < 1024:
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GiB"
