@@ -22,3 +22,17 @@ def test_the_line_writer_drops_cursor_escapes_and_blank_redraws():
     writer.write("\r      ")
     writer.write("\rb: 20%\n")
     assert stream.getvalue() == "a: 10%\nb: 20%\n"
+
+
+def test_commands_draw_no_cursor_escapes_into_a_log(tmp_path):
+    """make-model and generate with stderr in a file: plain lines only (transformers' own bars too)."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    runs = [["make-model", "mixtral", "--out", str(model)],
+            ["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "2", "--buffered-io"]]
+    for args in runs:
+        done = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "\r" not in done.stderr and "\x1b" not in done.stderr and done.stderr.strip()
