@@ -81,6 +81,7 @@ def test_every_figure_is_sane(small_bench):
 @pytest.mark.slow
 def test_each_run_prints_its_figures_as_it_ends(small_bench):
     _, record, err = small_bench
+    assert record["oracle_bytes_per_token"]["0.5"] > 0  # the bound beside the runs' bytes
     lines = [line for line in err.splitlines() if line.startswith("bench engine: ")]
     assert len(lines) == len(record["runs"]) + len(record["skipped"])  # every run, in the order they ran
     assert lines[0].startswith("bench engine: all resident at 1.0: ")

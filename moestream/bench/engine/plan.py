@@ -57,7 +57,7 @@ def measure(args) -> dict:
         results += _budget_runs(base, budget, _run_list(args), context, skipped)
     cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]},
                      disk["bandwidth"])
-    limits = _limits(budgets, _replayed(args, resident, topology), cost, context)
+    limits, oracle = _limits(budgets, _replayed(args, resident, topology), cost, context)
     rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
     rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
     floors = [row.pop("floor_rss_mib") for row in rows]
@@ -68,7 +68,8 @@ def measure(args) -> dict:
             "checkpoint": checkpoint_summary(topology), "device": args.device, "prompts": args.prompts,
             "replay_routing": args.replay_routing, "replay_wraps": resident.get("replay_wraps", 0),
             "threads": args.threads, "max_new_tokens": args.max_new_tokens, "skipped": skipped,
-            "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost), "integrity": integrity}
+            "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost), "integrity": integrity,
+            "oracle_bytes_per_token": oracle}
 
 
 def _run_list(args) -> list[Job]:
@@ -227,19 +228,21 @@ def _cap_bytes(context: dict, budget_mib: float) -> int:
     return int((floor + context["dense_mib"] + budget_mib + CAP_SLACK_MIB) * MIB)
 
 
-def _limits(budgets: list[str], run, cost, context: dict) -> dict[str, float]:
-    """Per budget: max(resident TPOT, oracle bytes per token / O_DIRECT bandwidth); none without a replayed trace."""
+def _limits(budgets: list[str], run, cost, context: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """Per budget: max(resident TPOT, oracle bytes per token / O_DIRECT bandwidth), and the oracle's bytes
+    per token; none without a replayed trace."""
     from moestream.bench.engine.simulated import oracle_bytes_per_token, sim_ratio
     from moestream.store.config import Budget
 
     if run is None:
-        return {}
-    topology, limits = context["topology"], {}
+        return {}, {}
+    topology, limits, oracle = context["topology"], {}, {}
     for budget in budgets:
         slots = Budget.parse(budget).resolve(topology.total_expert_bytes) // topology.expert_bytes
         moved = oracle_bytes_per_token(run, sim_ratio(slots, topology), cost)
         limits[budget] = max(context["resident"]["tpot_ms"], moved / context["disk_bw"] * 1e3)
-    return limits
+        oracle[budget] = moved
+    return limits, oracle
 
 
 def _fraction(budget: str, topology) -> float:

@@ -52,6 +52,17 @@ def _is_target(budget: str) -> bool:
         return False
 
 
+def _bytes_line(budget: str, oracle_bytes: float, runs: list[dict]) -> str:
+    """The offline oracle's bytes per token at a budget, beside each uncapped run's at the same budget."""
+    line = f"bytes per token at {budget}: offline oracle {oracle_bytes / 1e6:.0f} MB"
+    try:
+        fraction = float(budget)
+    except ValueError:  # a size: runs are labelled by fraction, so none is matched
+        return line
+    same = [r for r in runs if abs(r["budget"] - fraction) < 1e-9 and r.get("memory_cap_mib") is None]
+    return line + "".join(f"; {r['policy']} {r['mode']} {r['bytes_per_token'] / 1e6:.0f} MB" for r in same)
+
+
 def _speedup(slower: float | None, faster: float, factor: float) -> str:
     if not slower:
         return "not measured"
@@ -76,6 +87,8 @@ def print_report(document: dict, args) -> None:
     console.print(_table(document, args))
     console.print(f"process floor (Python + torch + transformers) {document['floor_rss_mib']:.0f} MiB, dense part "
                   f"{document['dense_mib']:.0f} MiB, cold O_DIRECT sequential read {document['disk_bw_gbps']:.2f} GB/s")
+    for budget, moved in document.get("oracle_bytes_per_token", {}).items():
+        console.print(_bytes_line(budget, moved, document["runs"]))
     cap = document["memory_cap"]
     if cap["requested"] is not None:
         console.print(f"memory cap {cap['requested']}: {'applied' if cap['applied'] else 'NOT applied'} "

@@ -47,3 +47,13 @@ def test_a_capped_run_that_was_killed_misses_the_target():
          "reason": "exit status -9 (killed: out of memory under the cap?)"}]}
     verdict = targets(document)["default TPOT under the memory cap <= 1.1x uncapped"]
     assert verdict.startswith("missed (the capped run failed: exit status -9")
+
+
+def test_the_oracle_s_bytes_per_token_are_printed_beside_each_uncapped_run_s():
+    from moestream.bench.engine.report import _bytes_line
+
+    runs = [_run("default", "async", 90.0) | {"bytes_per_token": 8e8}, _run("lru", "sync", 150.0) | {"bytes_per_token": 9e8},
+            _run("lru", "sync", 150.0, cap=514.0) | {"bytes_per_token": 1e9},
+            _run("lru", "sync", 90.0, budget=0.5) | {"bytes_per_token": 5e8}]
+    assert _bytes_line("0.25", 4.5e8, runs) == ("bytes per token at 0.25: offline oracle 450 MB; default async 800 MB; "
+                                                 "lru sync 900 MB")
