@@ -12,11 +12,11 @@ no time, no bytes, no thread (a caller holds its own lock), and no policy by nam
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from moestream.cache import ExpertCache
+from moestream.cache import CacheFullError, ExpertCache
 from moestream.topology import ExpertKey
 
 HIT, LATE, MISS = "hit", "late", "miss"
@@ -64,6 +64,26 @@ class TransferCore(Generic[Record]):
             if evicted in self.unused:
                 self.unused.discard(evicted)
                 self.counts.wasted += 1
+
+    def admit_prefetches(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
+        """The one prefetch admission rule, applied when a plan is made: in the plan's order (best first),
+        each expert not in the tier takes a slot, pinned for its transfer until it lands or is forgotten,
+        evicting by policy any unpinned expert but those the plan asked for earlier; stops at the first
+        that finds no victim. Returns the experts admitted, in order."""
+        device, kept, brought = self.device, [], []
+        for key in keys:
+            if key in device:
+                device.pin((key,))
+                kept.append(key)
+                continue
+            try:
+                self.admit(key)
+            except CacheFullError:
+                break
+            device.pin((key,))
+            brought.append(key)
+        device.unpin(kept)
+        return brought
 
     def track(self, key: ExpertKey, record: Record) -> None:
         """key is on its way into the tier (queued or moving); record is the driver's transfer."""

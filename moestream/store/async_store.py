@@ -107,13 +107,12 @@ class AsyncExpertStore(ExpertStore):
         with self._lock:
             self._check_open()
             priorities = {_key(r.key): r.priority for r in requests}
-            brought, kept = self._admit_prefetches(requests)
-            self._device.unpin(kept)
-            for key in kept:
-                if key in self._core.moving:
+            brought = self._admit_prefetches(requests)
+            for key in priorities.keys() - set(brought):
+                if key in self._core.moving:  # under way already: its rank follows the new plan
                     transfer = self._core.moving[key]
                     self._queue_of(transfer).reprioritise(transfer, priority=priorities[key])
-            # each keeps the pin _admit_prefetches gave it until it lands (or leaves the tier if refused)
+            # each keeps the pin admission gave it until it lands (or leaves the tier if refused)
             brought = [key for key in brought if self._enqueue(key, priorities[key], demand=False)]
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes

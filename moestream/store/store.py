@@ -167,21 +167,9 @@ class ExpertStore(ABC):
 
     # -- prefetch ------------------------------------------------------------------------------
 
-    def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> tuple[list[ExpertKey], list[ExpertKey]]:
-        """Admits (and pins) the experts to bring; pins the requested ones already resident."""
-        brought, kept = [], []  # experts admitted to bring in, and those resident already
-        for request in sorted(requests, key=lambda r: -r.priority):
-            key = _key(request.key)
-            if key in self._device:
-                self._device.pin([key])
-                kept.append(key)
-                continue
-            if len(self._device) >= self.device_slots and not self._device.has_evictable():
-                break
-            self._admit(key)
-            self._device.pin([key])
-            brought.append(key)
-        return brought, kept
+    def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
+        """The core's prefetch admission, best first: the experts admitted (each pinned) to bring in."""
+        return self._core.admit_prefetches([_key(r.key) for r in sorted(requests, key=lambda r: -r.priority)])
 
     # -- views of the state --------------------------------------------------------------------
 
