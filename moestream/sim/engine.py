@@ -24,6 +24,8 @@ Mechanism rules (documented choices):
   it leaves the plan made at the previous iteration's last layer in place.
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
+- A demand-loaded expert keeps the recency of its admission (no access when it lands); an expert
+  found on its way is accessed when looked up (`TransferCore.lookup`), as the engine's store.
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
 - A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing
   one by one (through a host tier, each is committed on its own, with no batch cost). With
@@ -75,7 +77,7 @@ class StreamSimulator:
         self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.now = 0.0
         self._compute_cache: dict[tuple[int, int], float] = {}
-        self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], list[ExpertKey], int] | None = None  # routed
+        self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], int] | None = None  # routed
         self.counters = StreamCounters(LayerCounts(topo.num_layers))
 
     def run(self, iterations: Iterable[Iteration]) -> StreamCounters:
@@ -101,8 +103,7 @@ class StreamSimulator:
                 f"{self.device.capacity} slots; raise the cache ratio"
             )
         self.device.pin(needed)
-        lands, missed = self._gather(layer, needed)
-        self._layer = needed, lands, missed, num_tokens
+        self._layer = needed, self._gather(layer, needed), num_tokens
 
     def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
         """Plan the predictions; after a routed layer, compute it (LayerMechanism)."""
@@ -111,16 +112,13 @@ class StreamSimulator:
             self._compute_layer(*self._layer)
             self._layer = None
 
-    def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], missed: list[ExpertKey],
-                       num_tokens: int) -> None:
+    def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int) -> None:
         compute_ms = self._compute_ms(num_tokens, len(needed))
         ready_ms = self.now + self._stall_ms(needed, lands, num_tokens, compute_ms)
         counters = self.counters
         counters.resident_ms += compute_ms
         counters.stall_ms += ready_ms - self.now
         self._advance(ready_ms)
-        for key in missed:
-            self.device.access(key)
         end_ms = ready_ms + compute_ms
         self._advance(end_ms)
         self.device.unpin(needed)
@@ -158,9 +156,9 @@ class StreamSimulator:
             done += expert_ms
         return waited
 
-    def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[dict[ExpertKey, float], list[ExpertKey]]:
-        """Count hits, start demand loads; when each missed expert lands, and the misses in needed's order."""
-        lands, missed, demands, hits = {}, [], [], 0
+    def _gather(self, layer: int, needed: list[ExpertKey]) -> dict[ExpertKey, float]:
+        """Count hits, start demand loads; when each missed expert lands."""
+        lands, demands, hits = {}, [], 0
         lookup, moving = self.core.lookup, self.core.moving
         for key in needed:
             found = lookup(key)
@@ -170,20 +168,18 @@ class StreamSimulator:
             if found == LATE:
                 transfer = moving[key]
                 if transfer.stage != QUEUED:
-                    missed.append(key)
                     lands[key] = self._wait(transfer)
                     continue
-                del moving[key]  # a prefetch still queued: the demand load replaces it (in its slot)
+                self.core.untrack(key)  # a prefetch still queued: the demand load replaces it (in its slot)
                 transfer.stage = DROPPED
                 self._release(transfer)
-            missed.append(key)
             demands.append(key)
         if demands:
             landing = self._load_on_demand(demands)
             lands.update(zip(demands, landing))
         self.counters.layers.hits[layer] += hits
         self.counters.layers.accesses[layer] += len(needed)
-        return lands, missed
+        return lands
 
     def _load_on_demand(self, keys: list[ExpertKey]) -> list[float]:
         """Load keys ahead of every prefetch (slots reserved now; keys may be reordered); when each lands."""
@@ -321,7 +317,7 @@ class StreamSimulator:
         counters, unpins = self.counters, []
         for transfer in done:
             key = transfer.key
-            self.core.landed(key, transfer.prefetch and not transfer.waited)
+            self.core.landed(key, transfer.prefetch)
             if transfer.device_pinned:
                 unpins.append(key)
             if transfer.host_pinned:

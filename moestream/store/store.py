@@ -123,10 +123,8 @@ class ExpertStore(ABC):
 
     def _late(self, key: ExpertKey) -> None:
         """key was asked for while its bytes were in flight: a miss, never a prefetch hit."""
-        self._device.access(key)
         self._stats.misses += 1
         self._stats.late += 1
-        self._core.used(key)
 
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)
