@@ -258,11 +258,11 @@ class AsyncExpertStore(ExpertStore):
     def _read_chunks(self, batch) -> int:
         """The worker's read of chunks (outside the lock): into their slots together, or staged one by one."""
         if not self._bounce.num_slots:
-            return self._reader.read_batch(batch)
+            return self.reader.read_batch(batch)
         got = 0
         for segments, dst in batch:
             staging = self._bounce.slot(0, segments[0].offset)[: dst.numel()]  # [chunk bytes], pinned, congruent
-            got += self._reader.read_batch([(segments, staging)])
+            got += self.reader.read_batch([(segments, staging)])
             self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
         return got
 

@@ -150,7 +150,7 @@ class InlineStore(ExpertStore):
             return
         began = time.perf_counter()
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
-        self._reader.read_batch(batch)
+        self.reader.read_batch(batch)
         seconds, stats = time.perf_counter() - began, self._stats
         if self.timeline is not None:
             self.timeline.add("disk", "read " + expert_names(keys), began, began + seconds)

@@ -68,7 +68,7 @@ class ExpertStore(ABC):
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
         self._bounce = SlotPool(self._staging_slots(pin), expert_bytes, "cpu", pin_memory=pin)
-        self._reader = reader or DiskReader(direct_io=config.direct_io)
+        self.reader = reader or DiskReader(direct_io=config.direct_io)  # public: callers may wrap it
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
         self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
@@ -207,7 +207,7 @@ class ExpertStore(ABC):
     def close(self) -> None:
         with self._lock:
             self._link.synchronize()
-            self._reader.close()
+            self.reader.close()
 
     def __enter__(self) -> "ExpertStore":
         return self
