@@ -65,6 +65,13 @@ class TransferCore(Generic[Record]):
                 self.unused.discard(evicted)
                 self.counts.wasted += 1
 
+    def admit_demand(self, key: ExpertKey) -> None:
+        """A missed expert's slot (evicting by policy any unpinned expert); the miss is a use: accessed.
+        Nothing to do for one in the tier already (on its way: its lookup accessed it)."""
+        if key not in self.device:
+            self.admit(key)
+            self.device.access(key)
+
     def admit_prefetches(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
         """The one prefetch admission rule, applied when a plan is made: in the plan's order (best first),
         each expert not in the tier takes a slot, pinned for its transfer until it lands or is forgotten,

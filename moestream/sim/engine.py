@@ -24,8 +24,8 @@ Mechanism rules (documented choices):
   it leaves the plan made at the previous iteration's last layer in place.
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
-- A demand-loaded expert keeps the recency of its admission (no access when it lands); an expert
-  found on its way is accessed when looked up (`TransferCore.lookup`), as the engine's store.
+- A missed expert is accessed when its demand load admits it, one found on its way when looked up
+  (`TransferCore.admit_demand`, `TransferCore.lookup`), as in the engine's store.
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
 - A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing
   one by one (through a host tier, each is committed on its own, with no batch cost). With
@@ -371,7 +371,7 @@ class StreamSimulator:
             if not self._drop_worst():
                 self._wait_landing()
         try:
-            self.core.admit(key)
+            self.core.admit_demand(key)
         except CacheFullError:
             raise BudgetError(
                 f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"

@@ -140,8 +140,8 @@ class ExpertStore(ABC):
     # -- filling device slots ------------------------------------------------------------------
 
     def _admit(self, key: ExpertKey) -> None:
-        """A device slot for key (evicting by policy); its bytes come with _load."""
-        self._core.admit(key)
+        """A device slot for a missed key (the core's demand admission); its bytes come with _load."""
+        self._core.admit_demand(key)
 
     def _waited(self, began: float, keys: Sequence[ExpertKey]) -> float:
         """The compute thread waited for these experts' bytes from began until now; returns the seconds."""
