@@ -12,11 +12,11 @@ no time, no bytes, no thread (a caller holds its own lock), and no policy by nam
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from moestream.cache import ExpertCache
+from moestream.cache import CacheFullError, ExpertCache
 from moestream.topology import ExpertKey
 
 HIT, LATE, MISS = "hit", "late", "miss"
@@ -36,12 +36,16 @@ class TransferCore(Generic[Record]):
         self.device = device
         self.moving: dict[ExpertKey, Record] = {}  # on their way into the tier (admitted or planned)
         self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
+        self.waited: set[ExpertKey] = set()  # moving experts a layer looked up (late): no unused prefetch
         self.counts = TransferCounts()
 
     def lookup(self, key: ExpertKey) -> str:
-        """A layer needs key: HIT (in place: accessed and counted), LATE (on its way: `moving[key]`),
-        or MISS."""
+        """A layer needs key: HIT (in place: accessed and counted), LATE (on its way, `moving[key]`:
+        accessed, and whatever lands for it is no unused prefetch), or MISS (a demand load admits it:
+        no access)."""
         if key in self.moving:
+            self.device.access(key)
+            self.waited.add(key)
             return LATE
         if self.device.access(key) is None:
             return MISS
@@ -50,10 +54,6 @@ class TransferCore(Generic[Record]):
             self.unused.discard(key)
             self.counts.prefetch_hits += 1
         return HIT
-
-    def used(self, key: ExpertKey) -> None:
-        """key was needed before it landed: whatever lands for it is no unused prefetch."""
-        self.unused.discard(key)
 
     def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> None:
         """A slot for key in the tier, evicting by policy (never a pinned or protected expert);
@@ -65,6 +65,33 @@ class TransferCore(Generic[Record]):
                 self.unused.discard(evicted)
                 self.counts.wasted += 1
 
+    def admit_demand(self, key: ExpertKey) -> None:
+        """A missed expert's slot (evicting by policy any unpinned expert); the miss is a use: accessed.
+        Nothing to do for one in the tier already (on its way: its lookup accessed it)."""
+        if key not in self.device:
+            self.admit(key)
+            self.device.access(key)
+
+    def admit_prefetches(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
+        """The one prefetch admission rule, applied when a plan is made: in the plan's order (best first),
+        each expert not in the tier takes a slot, pinned for its transfer until it lands or is forgotten,
+        evicting by policy any unpinned expert but those the plan asked for earlier; stops at the first
+        that finds no victim. Returns the experts admitted, in order."""
+        device, kept, brought = self.device, [], []
+        for key in keys:
+            if key in device:
+                device.pin((key,))
+                kept.append(key)
+                continue
+            try:
+                self.admit(key)
+            except CacheFullError:
+                break
+            device.pin((key,))
+            brought.append(key)
+        device.unpin(kept)
+        return brought
+
     def track(self, key: ExpertKey, record: Record) -> None:
         """key is on its way into the tier (queued or moving); record is the driver's transfer."""
         self.moving[key] = record
@@ -72,13 +99,20 @@ class TransferCore(Generic[Record]):
     def landed(self, key: ExpertKey, prefetch: bool) -> Record | None:
         """key's bytes are in place; a prefetch nobody waited for is unused until a hit uses it."""
         record = self.moving.pop(key, None)
-        if prefetch:
+        if prefetch and key not in self.waited:
             self.unused.add(key)
+        self.waited.discard(key)
         return record
+
+    def untrack(self, key: ExpertKey) -> None:
+        """key's queued transfer is replaced by a load the caller does not track: no longer moving, but
+        still in the tier."""
+        self.moving.pop(key, None)
+        self.waited.discard(key)
 
     def forget(self, key: ExpertKey) -> None:
         """key will not land (dropped, cancelled or failed): it leaves the tier if admitted."""
-        self.moving.pop(key, None)
+        self.untrack(key)
         self.unused.discard(key)
         if key in self.device:
             self.device.remove(key)

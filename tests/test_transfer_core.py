@@ -33,8 +33,7 @@ def test_a_late_prefetch_is_late_and_never_a_prefetch_hit():
     c.admit(K(0, 1))
     c.track(K(0, 1), "prefetch")
     assert c.lookup(K(0, 1)) == LATE and c.moving[K(0, 1)] == "prefetch"
-    c.used(K(0, 1))
-    c.landed(K(0, 1), prefetch=False)  # the driver lands what a layer waited for as no unused prefetch
+    c.landed(K(0, 1), prefetch=True)  # a prefetch a layer waited for lands as no unused prefetch
     assert c.lookup(K(0, 1)) == HIT
     assert (c.counts.hits, c.counts.prefetch_hits) == (1, 0)
 
@@ -66,3 +65,15 @@ def test_a_forgotten_transfer_leaves_the_tier_and_is_no_longer_moving():
     c.track(K(0, 1), "cancelled")
     c.forget(K(0, 1))
     assert c.lookup(K(0, 1)) == MISS and not c.moving and K(0, 1) not in c.device
+
+
+def test_a_plan_is_admitted_best_first_keeping_what_it_asked_for_earlier():
+    c = core(slots=3)
+    for key in (K(0, 1), K(0, 2), K(0, 3)):
+        arrive(c, key, prefetch=False)
+    c.lookup(K(0, 1))  # LRU order now 2, 3, 1
+    brought = c.admit_prefetches([K(0, 2), K(0, 4), K(0, 5), K(0, 6)])
+    # 4 evicts 3 (2 is kept by the plan), 5 evicts 1; then every slot is pinned or kept: 6 is refused
+    assert brought == [K(0, 4), K(0, 5)]
+    assert c.device.resident() == {K(0, 2), K(0, 4), K(0, 5)}
+    assert c.device.pinned() == {K(0, 4), K(0, 5)}  # the transfers' pins, until they land

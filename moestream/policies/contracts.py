@@ -136,7 +136,10 @@ class PrefetchPlanner(ABC):
     before it builds the view the planner sees, so `in_flight` there holds only transfers under way
     (and the routed layer's demand loads); those continue. After a layer with no prediction the plan
     is empty (it still replaces); before an iteration's first layer, no prediction leaves the last
-    plan standing. The engine's stores (`drop_plan`, then `prefetch`) and the simulator both do this.
+    plan standing. The requests are admitted when the plan is made, best first, each taking a slot
+    (evicting by policy, never an expert the plan asked for earlier) until no victim is allowed
+    (`TransferCore.admit_prefetches`). The engine's stores (`drop_plan`, then `prefetch`) and the
+    simulator both do this.
     On-demand misses never go through a planner: the mechanism serves them first.
     """
 

@@ -12,10 +12,10 @@ released.
 
 Mechanism rules (documented choices):
 - One transfer at a time per link, never pre-empted; demand loads are committed when issued (their
-  slot is reserved then), prefetches take their slot when they start.
-- A prefetch never evicts a pinned or moving expert, nor one the current predictions say is
-  needed no later than the prefetched expert (layers ahead, as the planner measures them). When
-  no other victim exists the prefetch is dropped. Demand loads may evict any unpinned expert.
+  slot is reserved then). A plan's prefetches take their slots when the plan is made, by the
+  transfer core's one admission rule (`TransferCore.admit_prefetches`, as the engine's store), and
+  hold them pinned until they land or the next plan drops them unstarted (they leave the tier).
+  Demand loads may evict any unpinned expert.
 - The planner's view shows as in flight what moves to the device tier and the routed layer's demand
   loads, and as resident only what has landed, as the engine's store does. Each plan replaces the
   queued prefetches before the planner looks, as the engine's store does (`PrefetchPlanner`).
@@ -24,6 +24,8 @@ Mechanism rules (documented choices):
   it leaves the plan made at the previous iteration's last layer in place.
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
+- A missed expert is accessed when its demand load admits it, one found on its way when looked up
+  (`TransferCore.admit_demand`, `TransferCore.lookup`), as in the engine's store.
 - Caches start empty. Hits and accesses count distinct experts per layer and iteration.
 - A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing
   one by one (through a host tier, each is committed on its own, with no batch cost). With
@@ -47,8 +49,7 @@ from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
 from moestream.sim.metrics import LayerCounts, StreamCounters
 from moestream.sim.protocols import PROTOCOLS, REPLAYS, Protocol
-from moestream.sim.transfers import (DROPPED, INF, LOWER, MOVING, QUEUED, WAITING, Link, NeededNoLater, ReadyKeys,
-                                     Transfer)
+from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Link, ReadyKeys, Transfer
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
@@ -74,10 +75,9 @@ class StreamSimulator:
         self.core: TransferCore[Transfer] = TransferCore(self.device)  # what is queued or moving to the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
-        self.need: dict[ExpertKey, int] = {}  # layers ahead of each expert the current plan predicts
         self.now = 0.0
         self._compute_cache: dict[tuple[int, int], float] = {}
-        self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], list[ExpertKey], int] | None = None  # routed
+        self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], int] | None = None  # routed
         self.counters = StreamCounters(LayerCounts(topo.num_layers))
 
     def run(self, iterations: Iterable[Iteration]) -> StreamCounters:
@@ -103,8 +103,7 @@ class StreamSimulator:
                 f"{self.device.capacity} slots; raise the cache ratio"
             )
         self.device.pin(needed)
-        lands, missed = self._gather(layer, needed)
-        self._layer = needed, lands, missed, num_tokens
+        self._layer = needed, self._gather(layer, needed), num_tokens
 
     def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
         """Plan the predictions; after a routed layer, compute it (LayerMechanism)."""
@@ -113,16 +112,13 @@ class StreamSimulator:
             self._compute_layer(*self._layer)
             self._layer = None
 
-    def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], missed: list[ExpertKey],
-                       num_tokens: int) -> None:
+    def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int) -> None:
         compute_ms = self._compute_ms(num_tokens, len(needed))
         ready_ms = self.now + self._stall_ms(needed, lands, num_tokens, compute_ms)
         counters = self.counters
         counters.resident_ms += compute_ms
         counters.stall_ms += ready_ms - self.now
         self._advance(ready_ms)
-        for key in missed:
-            self.device.access(key)
         end_ms = ready_ms + compute_ms
         self._advance(end_ms)
         self.device.unpin(needed)
@@ -160,9 +156,9 @@ class StreamSimulator:
             done += expert_ms
         return waited
 
-    def _gather(self, layer: int, needed: list[ExpertKey]) -> tuple[dict[ExpertKey, float], list[ExpertKey]]:
-        """Count hits, start demand loads; when each missed expert lands, and the misses in needed's order."""
-        lands, missed, demands, hits = {}, [], [], 0
+    def _gather(self, layer: int, needed: list[ExpertKey]) -> dict[ExpertKey, float]:
+        """Count hits, start demand loads; when each missed expert lands."""
+        lands, demands, hits = {}, [], 0
         lookup, moving = self.core.lookup, self.core.moving
         for key in needed:
             found = lookup(key)
@@ -172,19 +168,18 @@ class StreamSimulator:
             if found == LATE:
                 transfer = moving[key]
                 if transfer.stage != QUEUED:
-                    missed.append(key)
                     lands[key] = self._wait(transfer)
                     continue
-                del moving[key]  # a prefetch still queued: the demand load replaces it
+                self.core.untrack(key)  # a prefetch still queued: the demand load replaces it (in its slot)
                 transfer.stage = DROPPED
-            missed.append(key)
+                self._release(transfer)
             demands.append(key)
         if demands:
             landing = self._load_on_demand(demands)
             lands.update(zip(demands, landing))
         self.counters.layers.hits[layer] += hits
         self.counters.layers.accesses[layer] += len(needed)
-        return lands, missed
+        return lands
 
     def _load_on_demand(self, keys: list[ExpertKey]) -> list[float]:
         """Load keys ahead of every prefetch (slots reserved now; keys may be reordered); when each lands."""
@@ -197,7 +192,7 @@ class StreamSimulator:
             counters.host_accesses += len(keys)
             counters.host_hits += len(keys)
         for key in keys:
-            self._admit_device(key, (), demand=True)
+            self._admit_device(key)
         lands = self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before it computes
         self.demanding = list(keys)
         return lands
@@ -206,7 +201,7 @@ class StreamSimulator:
         """A demand load through the host tier; when it lands."""
         self.core.track(transfer.key, transfer)
         earliest = self._through_host(transfer)
-        self._admit_device(transfer.key, (), demand=True)
+        self._admit_device(transfer.key)
         transfer.stage = MOVING
         return self.device_link.commit(transfer, earliest)
 
@@ -233,7 +228,7 @@ class StreamSimulator:
             return transfer.end_ms
         if transfer.stage == WAITING:
             self.device_link.waiting.remove(transfer)
-        self._admit_device(transfer.key, (), demand=True)
+        self._admit_device(transfer.key)
         transfer.stage = MOVING
         return self.device_link.commit(transfer, max(self.now, transfer.lower_end_ms))
 
@@ -244,31 +239,23 @@ class StreamSimulator:
         for link in self.links:
             if link.planned:
                 for transfer in link.drop_planned():
-                    del self.core.moving[transfer.key]
+                    self._release(transfer)
+                    self.core.forget(transfer.key)
         if not predictions:
-            self.need = {}
             return
-        num_layers, keys = self.topology.num_layers, self.keys
-        need: dict[ExpertKey, int] = {}
-        for p in predictions:  # layers ahead as planning.layers_ahead measures them, inlined
-            key, ahead = keys[p.layer][p.expert], p.layer - layer_now + p.tokens_ahead * num_layers
-            if ahead < need.get(key, INF):
-                need[key] = ahead
-        self.need = need
         in_flight = frozenset(self.core.moving).union(self.demanding)  # as the engine's store shows them
-        view = CacheView(ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now, num_layers)
+        view = CacheView(ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now,
+                         self.topology.num_layers)
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
-        self._queue(requests, need)
+        self._queue(self.core.admit_prefetches([r.key for r in requests]))
         for link in self.links:
             link.wake(self.now)
 
-    def _queue(self, requests, need: dict[ExpertKey, int]) -> None:
-        moving = self.core.moving
-        for request in requests:
-            key = request.key
-            if key in moving or key in self.device:
-                continue
-            transfer = Transfer(key, True, need.get(key, INF))
+    def _queue(self, keys: list[ExpertKey]) -> None:
+        """Queue the transfers of prefetches just admitted (each pinned in the device tier)."""
+        for key in keys:
+            transfer = Transfer(key, True)
+            transfer.device_pinned = True
             self.core.track(key, transfer)
             link = self.device_link if self.host is None or self._host_ready(key) else self.lower_link
             link.planned.append(transfer)
@@ -297,11 +284,6 @@ class StreamSimulator:
         if not arrived and self.host is not None and not self._host_ready(key):
             self._drop(transfer)  # its host copy was evicted after the plan
             return
-        if not self._admit_device(key, NeededNoLater(self.need, transfer.need), demand=False):
-            self._drop(transfer)
-            return
-        self.device.pin((key,))
-        transfer.device_pinned = True
         if self.host is not None and not transfer.host_pinned:
             self._pin_host(transfer)
             self.host.access(key)
@@ -335,7 +317,7 @@ class StreamSimulator:
         counters, unpins = self.counters, []
         for transfer in done:
             key = transfer.key
-            self.core.landed(key, transfer.prefetch and not transfer.waited)
+            self.core.landed(key, transfer.prefetch)
             if transfer.device_pinned:
                 unpins.append(key)
             if transfer.host_pinned:
@@ -346,22 +328,54 @@ class StreamSimulator:
             self.device.unpin(unpins)
 
     def _drop(self, transfer: Transfer) -> None:
-        del self.core.moving[transfer.key]
+        """A prefetch given up before it started: it leaves the device tier."""
         self.counters.prefetches_dropped += 1
-        if transfer.host_pinned:
-            self.host.unpin((transfer.key,))
+        self._release(transfer)
+        self.core.forget(transfer.key)
         transfer.stage = DROPPED
 
-    def _admit_device(self, key: ExpertKey, protect, demand: bool) -> bool:
+    def _drop_worst(self) -> bool:
+        """Drop the lowest-priority queued prefetch; False when none is queued."""
+        for link in reversed(self.links):
+            while link.planned:
+                transfer = link.planned.pop()
+                if transfer.stage == QUEUED:
+                    self._drop(transfer)
+                    return True
+        return False
+
+    def _wait_landing(self) -> None:
+        """Every slot is pinned and nothing is queued: wait (a stall) until the next transfer lands."""
+        ends = [link.running[0][0] for link in self.links if link.running]
+        if not ends:
+            raise BudgetError(f"device tier of {self.device.capacity} slots has no expert to evict; "
+                              "raise the cache ratio")
+        until = max(self.now, min(ends))
+        self.counters.stall_ms += until - self.now
+        self._advance(until)
+        self.now = until
+
+    def _release(self, transfer: Transfer) -> None:
+        """The pins a transfer holds, given back."""
+        if transfer.device_pinned:
+            self.device.unpin((transfer.key,))
+            transfer.device_pinned = False
+        if transfer.host_pinned:
+            self.host.unpin((transfer.key,))
+            transfer.host_pinned = False
+
+    def _admit_device(self, key: ExpertKey) -> None:
+        """A demand load's slot (evicting any unpinned expert), as the engine's store makes room: queued
+        prefetches are dropped, lowest priority first, then the next landing is waited for."""
+        while key not in self.device and len(self.device) >= self.device.capacity and not self.device.has_evictable():
+            if not self._drop_worst():
+                self._wait_landing()
         try:
-            self.core.admit(key, protect)
+            self.core.admit_demand(key)
         except CacheFullError:
-            if demand:
-                raise BudgetError(
-                    f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"
-                ) from None
-            return False
-        return True
+            raise BudgetError(
+                f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"
+            ) from None
 
     def _admit_host(self, transfer: Transfer, demand: bool) -> bool:
         try:

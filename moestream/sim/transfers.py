@@ -1,5 +1,5 @@
 """Links in virtual time: one transfer at a time, demand loads first, then planned prefetches; and the
-two views of the device tier that planning and the prefetch rule read (`ReadyKeys`, `NeededNoLater`).
+view of the device tier that planning reads (`ReadyKeys`).
 
 A link keeps the transfers it has committed (start and end known, in order), the prefetches it
 was asked for and has not started (in plan order, replaced by every new plan) and the in-flight
@@ -15,8 +15,6 @@ from typing import Iterable
 from moestream.cache import ExpertCache
 from moestream.topology import ExpertKey
 
-INF = float("inf")
-
 # stages of a transfer towards the device tier; DROPPED: given up before it started
 DROPPED, QUEUED, LOWER, WAITING, MOVING = range(5)
 
@@ -24,9 +22,9 @@ DROPPED, QUEUED, LOWER, WAITING, MOVING = range(5)
 class Transfer:
     """One expert on its way to the device tier (through the host tier when it must)."""
 
-    __slots__ = ("key", "prefetch", "stage", "end_ms", "lower_end_ms", "waited", "device_pinned", "host_pinned", "need")
+    __slots__ = ("key", "prefetch", "stage", "end_ms", "lower_end_ms", "waited", "device_pinned", "host_pinned")
 
-    def __init__(self, key: ExpertKey, prefetch: bool, need: float = 0.0):
+    def __init__(self, key: ExpertKey, prefetch: bool):
         self.key = key
         self.prefetch = prefetch  # asked for by a plan (else a demand load)
         self.stage = QUEUED
@@ -35,7 +33,6 @@ class Transfer:
         self.waited = False  # a layer needed it before it landed (a late prefetch)
         self.device_pinned = False  # holds a pin in the device tier while it moves
         self.host_pinned = False  # holds a pin in the host tier until it lands in the device tier
-        self.need = need  # layers ahead at which the plan expects it to be needed
 
 
 class Link:
@@ -97,18 +94,6 @@ class Link:
         dropped = [t for t in self.planned if t.stage == QUEUED]
         self.planned.clear()
         return dropped
-
-
-class NeededNoLater:
-    """Keys the current predictions need within `limit` layers: a prefetch must not evict them."""
-
-    __slots__ = ("need", "limit")
-
-    def __init__(self, need: dict[ExpertKey, int], limit: float):
-        self.need, self.limit = need, limit
-
-    def __contains__(self, key: object) -> bool:
-        return self.need.get(key, INF) <= self.limit
 
 
 class ReadyKeys(Set):

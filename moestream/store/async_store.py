@@ -107,13 +107,12 @@ class AsyncExpertStore(ExpertStore):
         with self._lock:
             self._check_open()
             priorities = {_key(r.key): r.priority for r in requests}
-            brought, kept = self._admit_prefetches(requests)
-            self._device.unpin(kept)
-            for key in kept:
-                if key in self._core.moving:
+            brought = self._admit_prefetches(requests)
+            for key in priorities.keys() - set(brought):
+                if key in self._core.moving:  # under way already: its rank follows the new plan
                     transfer = self._core.moving[key]
                     self._queue_of(transfer).reprioritise(transfer, priority=priorities[key])
-            # each keeps the pin _admit_prefetches gave it until it lands (or leaves the tier if refused)
+            # each keeps the pin admission gave it until it lands (or leaves the tier if refused)
             brought = [key for key in brought if self._enqueue(key, priorities[key], demand=False)]
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
@@ -259,11 +258,11 @@ class AsyncExpertStore(ExpertStore):
     def _read_chunks(self, batch) -> int:
         """The worker's read of chunks (outside the lock): into their slots together, or staged one by one."""
         if not self._bounce.num_slots:
-            return self._reader.read_batch(batch)
+            return self.reader.read_batch(batch)
         got = 0
         for segments, dst in batch:
             staging = self._bounce.slot(0, segments[0].offset)[: dst.numel()]  # [chunk bytes], pinned, congruent
-            got += self._reader.read_batch([(segments, staging)])
+            got += self.reader.read_batch([(segments, staging)])
             self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
         return got
 

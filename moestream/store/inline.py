@@ -150,7 +150,7 @@ class InlineStore(ExpertStore):
             return
         began = time.perf_counter()
         batch = [(self.index.locations[key].segments, dst) for key, dst in zip(keys, dsts)]
-        self._reader.read_batch(batch)
+        self.reader.read_batch(batch)
         seconds, stats = time.perf_counter() - began, self._stats
         if self.timeline is not None:
             self.timeline.add("disk", "read " + expert_names(keys), began, began + seconds)
@@ -175,14 +175,14 @@ class InlineStore(ExpertStore):
         The experts brought are read from disk together.
         """
         with self._lock:
-            brought, kept = self._admit_prefetches(requests)
+            brought = self._admit_prefetches(requests)
             try:
                 self._timed_load(brought)
             except BaseException:
                 self._discard(brought)
                 raise
             finally:
-                self._device.unpin(brought + kept)
+                self._device.unpin(brought)
             for key in brought:
                 self._core.landed(key, prefetch=True)
             self._stats.prefetched += len(brought)

@@ -68,7 +68,7 @@ class ExpertStore(ABC):
         self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
         self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
         self._bounce = SlotPool(self._staging_slots(pin), expert_bytes, "cpu", pin_memory=pin)
-        self._reader = reader or DiskReader(direct_io=config.direct_io)
+        self.reader = reader or DiskReader(direct_io=config.direct_io)  # public: callers may wrap it
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
         self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
@@ -123,10 +123,8 @@ class ExpertStore(ABC):
 
     def _late(self, key: ExpertKey) -> None:
         """key was asked for while its bytes were in flight: a miss, never a prefetch hit."""
-        self._device.access(key)
         self._stats.misses += 1
         self._stats.late += 1
-        self._core.used(key)
 
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)
@@ -142,8 +140,8 @@ class ExpertStore(ABC):
     # -- filling device slots ------------------------------------------------------------------
 
     def _admit(self, key: ExpertKey) -> None:
-        """A device slot for key (evicting by policy); its bytes come with _load."""
-        self._core.admit(key)
+        """A device slot for a missed key (the core's demand admission); its bytes come with _load."""
+        self._core.admit_demand(key)
 
     def _waited(self, began: float, keys: Sequence[ExpertKey]) -> float:
         """The compute thread waited for these experts' bytes from began until now; returns the seconds."""
@@ -167,21 +165,9 @@ class ExpertStore(ABC):
 
     # -- prefetch ------------------------------------------------------------------------------
 
-    def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> tuple[list[ExpertKey], list[ExpertKey]]:
-        """Admits (and pins) the experts to bring; pins the requested ones already resident."""
-        brought, kept = [], []  # experts admitted to bring in, and those resident already
-        for request in sorted(requests, key=lambda r: -r.priority):
-            key = _key(request.key)
-            if key in self._device:
-                self._device.pin([key])
-                kept.append(key)
-                continue
-            if len(self._device) >= self.device_slots and not self._device.has_evictable():
-                break
-            self._admit(key)
-            self._device.pin([key])
-            brought.append(key)
-        return brought, kept
+    def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
+        """The core's prefetch admission, best first: the experts admitted (each pinned) to bring in."""
+        return self._core.admit_prefetches([_key(r.key) for r in sorted(requests, key=lambda r: -r.priority)])
 
     # -- views of the state --------------------------------------------------------------------
 
@@ -221,7 +207,7 @@ class ExpertStore(ABC):
     def close(self) -> None:
         with self._lock:
             self._link.synchronize()
-            self._reader.close()
+            self.reader.close()
 
     def __enter__(self) -> "ExpertStore":
         return self

@@ -120,7 +120,7 @@ def test_random_delays_keep_outputs_identical_over_many_steps(mixtral, trace):
     expected = _generate(mixtral, _policy("cooccur", trace), prompts, steps=3, sync=True)
     before = _counts()
     with _engine(mixtral, _policy("cooccur", trace), chunk_bytes=1024) as engine:
-        engine.store._reader = FaultyReader(engine.store._reader, random.Random(1))
+        engine.store.reader = FaultyReader(engine.store.reader, random.Random(1))
         got = [engine.generate(prompts, max_new_tokens=5).token_ids for _ in range(3)]
     assert got == expected
     assert _counts() == before
@@ -129,11 +129,11 @@ def test_random_delays_keep_outputs_identical_over_many_steps(mixtral, trace):
 def test_a_failed_read_is_a_clear_error_not_a_hang(mixtral):
     before = _counts()
     with _engine(mixtral, transfer_timeout_s=20) as engine:
-        engine.store._reader = FaultyReader(engine.store._reader, random.Random(2), failure_rate=0.2)
+        engine.store.reader = FaultyReader(engine.store.reader, random.Random(2), failure_rate=0.2)
         with pytest.raises(TransferError, match="injected read failure"):
             for _ in range(20):
                 engine.generate(list(PROMPTS), max_new_tokens=5)
-        engine.store._reader.failure_rate = 0.0
+        engine.store.reader.failure_rate = 0.0
         again = engine.generate(list(PROMPTS), max_new_tokens=5).token_ids
     assert again == _generate(mixtral, None, list(PROMPTS), steps=1, sync=True)[0]
     assert _counts() == before
@@ -193,12 +193,12 @@ def test_the_two_tier_store_under_random_delays_and_failures_is_exact_or_fails_c
     prompts, before = list(PROMPTS), _counts()
     expected = _generate(mixtral, None, prompts, steps=1, sync=True)[0]
     with _engine(mixtral, host_budget="0.75", chunk_bytes=1024, transfer_timeout_s=20) as engine:
-        engine.store._reader = FaultyReader(engine.store._reader, random.Random(3))
+        engine.store.reader = FaultyReader(engine.store.reader, random.Random(3))
         assert engine.generate(prompts, max_new_tokens=5).token_ids == expected
-        engine.store._reader.failure_rate = 0.2
+        engine.store.reader.failure_rate = 0.2
         with pytest.raises(TransferError, match="injected read failure"):
             for _ in range(20):
                 engine.generate(prompts, max_new_tokens=5)
-        engine.store._reader.failure_rate = 0.0
+        engine.store.reader.failure_rate = 0.0
         assert engine.generate(prompts, max_new_tokens=5).token_ids == expected
     assert _counts() == before

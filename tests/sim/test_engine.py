@@ -52,13 +52,14 @@ def test_prefetch_arriving_after_the_gate_is_late_and_stalls_the_rest():
 
 
 def test_wrong_prefetch_evicted_unused_is_wasted():
-    topo = tiny.topology()
-    trace = tiny.trace([[[[0], [1]]]], topo)
+    topo = tiny.topology(num_layers=3)
+    trace = tiny.trace([[[[0], [1], [2]]]], topo)
     policy = tiny.scripted(topo, {1: [2]})  # wrong: layer 1 needs expert 1
-    m = run(policy, trace, cache_ratio=0.25, cost=tiny.cost(), horizon_layers=1)  # 2 slots
-    # layer 1's demand load evicts the least recent: the prefetched, never used expert
+    m = run(policy, trace, cache_ratio=2 / 12, cost=tiny.cost(), horizon_layers=1)  # 2 slots
+    # the prefetch takes its slot when planned, after layer 0's demand load: layer 1's demand load
+    # evicts layer 0's expert, layer 2's the least recent, the prefetched, never used expert
     assert (m["hits"], m["prefetches"], m["wasted_prefetches"], m["wasted_prefetch_ratio"]) == (0, 1, 1, 1.0)
-    assert m["demand_fetches"] == 2
+    assert m["demand_fetches"] == 3
 
 
 def test_doubling_link_bandwidth_halves_a_transfer_bound_stall():
