@@ -29,7 +29,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from moestream.budget import Budget, format_bytes
 from moestream.config import EngineConfig
+from moestream.errors import MoestreamError
 from moestream.settings import add_arguments
 
 BUDGETS = "0.1,0.25,0.5"
@@ -58,8 +60,8 @@ def add_parser(kinds) -> None:
 def run(args) -> int:
     import torch
 
-    from moestream.cli.demo import PROMPTS, demo_checkpoint
     from moestream.atomic import write_json
+    from moestream.cli.demo import PROMPTS, demo_checkpoint
 
     _check_args(args)
     budgets = _budgets(args.budgets)
@@ -81,16 +83,12 @@ def run(args) -> int:
 
 
 def _check_args(args) -> None:
-    from moestream.errors import MoestreamError
-
     for flag in ("max_new_tokens", "repeats", "threads"):
         if getattr(args, flag) < 1:
             raise MoestreamError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
 
 
 def _budgets(text: str) -> list[str]:
-    from moestream.store.config import Budget
-
     budgets = [part.strip() for part in text.split(",") if part.strip()]
     for budget in budgets:
         Budget.parse(budget)
@@ -101,7 +99,7 @@ def _median(values) -> float:
     return statistics.median(values) if (values := list(values)) else 0.0
 
 
-# -- one generation --------------------------------------------------------------------------------
+# -- one generation, and the two comparisons -------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -181,21 +179,12 @@ class EngineModel:
                       stats.disk_read_s, stats.disk_batches, metrics.num_prompt_tokens)
 
 
-def _config(args, budget: str):
-    from moestream.runtime import EngineConfig
-
-    return EngineConfig(device=args.device, expert_budget=budget, direct_io=args.direct_io)
-
-
-# -- the two comparisons ---------------------------------------------------------------------------
-
-
 def compare_resident(model_dir: Path, prompts, args) -> list[dict]:
     """Transformers vs our engine with every expert resident, interleaved: [transformers row, ours]."""
     from moestream.runtime import Engine
 
     plain = PlainModel(model_dir, args.device)
-    with Engine(model_dir, _config(args, "1.0")) as engine:
+    with Engine(model_dir, EngineConfig(device=args.device, expert_budget="1.0", direct_io=args.direct_io)) as engine:
         engine.preload()
         ours = EngineModel(engine, "all resident")
         samples: dict[str, list[Sample]] = {plain.label: [], ours.label: []}
@@ -253,7 +242,7 @@ def cold_run(model_dir: Path, budget: str, prompts, max_new_tokens: int, args) -
     from moestream.runtime import Engine
     from moestream.store.bandwidth import drop_page_cache
 
-    with Engine(model_dir, _config(args, budget)) as engine:
+    with Engine(model_dir, EngineConfig(device=args.device, expert_budget=budget, direct_io=args.direct_io)) as engine:
         drop_page_cache(model_dir.glob("*.safetensors"))  # loading the dense part may have cached expert bytes
         ours = EngineModel(engine, f"offload {budget}")
         return [ours.generate(prompt, max_new_tokens) for prompt in prompts]
@@ -296,8 +285,6 @@ def _stream_rate(runs: list[Sample]) -> float:
 
 def serving_prefill(runs: list[Sample], around: list[float], budget: str, topology) -> dict:
     """The cold serving prefills' row, each one's rate paired with the sequential reference around it."""
-    from moestream.store.config import Budget
-
     rates = [_stream_rate([s]) for s in runs]
     parsed = Budget.parse(budget)
     slots = parsed.resolve(topology.total_experts * topology.expert_bytes) // topology.expert_bytes
@@ -395,8 +382,6 @@ def _prefill_line(prefill: dict, verdict: str) -> str:
 
 def _table(rows: list[dict], model: Path, args):
     from rich.table import Table
-
-    from moestream.budget import format_bytes
 
     table = Table(title=f"moestream bench streaming: {model}",
                   caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
