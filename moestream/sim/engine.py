@@ -32,9 +32,7 @@ Mechanism rules (documented choices):
   cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once landed
   ("ready": resident first, then as they land, the engine's cache-aware reordering; "given": in id
   order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
-- A layer looks its experts up in ascending id order, as the engine does (`bench fidelity` found
-  that routing order, the order before, made LRU evict other experts than the engine's among those
-  a layer used at once).
+- A layer looks its experts up in ascending id order, as the engine does (docs/measurements/fidelity.md).
 This module knows the policy contract, not any policy by name.
 """
 
@@ -93,15 +91,12 @@ class StreamSimulator:
 
     def routed(self, event, num_tokens: int) -> None:
         """Pin the layer's experts, count hits and start demand loads (LayerMechanism)."""
-        layer, expert_ids = event.layer, event.expert_ids.ravel().tolist()
-        expert_ids = sorted(set(expert_ids))  # the engine's order: its eviction breaks a layer's ties by it
-        keys = self.keys[layer]
-        needed = [keys[e] for e in expert_ids]
+        layer, keys = event.layer, self.keys[event.layer]
+        ids = sorted(set(event.expert_ids.ravel().tolist()))  # the engine's order: its eviction breaks ties by it
+        needed = [keys[e] for e in ids]
         if len(needed) > self.device.capacity:
-            raise BudgetError(
-                f"layer {layer} needs {len(needed)} experts at once but the device tier has "
-                f"{self.device.capacity} slots; raise the cache ratio"
-            )
+            raise BudgetError(f"layer {layer} needs {len(needed)} experts at once but the device tier has "
+                              f"{self.device.capacity} slots; raise the cache ratio")
         self.device.pin(needed)
         self._layer = needed, self._gather(layer, needed), num_tokens
 
