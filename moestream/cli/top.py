@@ -9,11 +9,9 @@ unreachable server or a refused key is one line on stderr and exit 2; Ctrl-C end
 from __future__ import annotations
 
 import time
-from urllib.parse import urlparse
-
+from moestream.budget import format_bytes
 from moestream.errors import MoestreamError
 
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 REFRESH_S = 1.0
 HEATMAP_STEPS = 60  # the most recent steps shown
 CELL = "■"
@@ -35,7 +33,9 @@ def run(args) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    check_loopback(args.url)
+    from moestream.serving.loadgen import check_loopback
+
+    check_loopback(args.url, "--url: top only watches")
     with httpx.Client(base_url=args.url, timeout=5.0,
                       headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}) as client:
         if args.once:
@@ -48,13 +48,6 @@ def run(args) -> int:
                     live.update(frame(fetch(client, args.url)))
         except KeyboardInterrupt:
             return 0
-
-
-def check_loopback(url: str) -> None:
-    host = urlparse(url).hostname
-    if host not in LOOPBACK_HOSTS:
-        raise MoestreamError(f"--url: top only watches servers on this machine (127.0.0.1, localhost, ::1), "
-                             f"not {host!r}")
 
 
 def fetch(client, url: str) -> dict:
@@ -163,10 +156,4 @@ def _num(x: float | None) -> str:
 
 
 def _bytes_text(x: float | None) -> str:
-    if x is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB"):
-        if x < 1024:
-            return f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} GiB"
+    return "-" if x is None else format_bytes(round(x))

@@ -39,10 +39,11 @@ class Slo:
     tpot_s: float = 0.2
 
 
-def check_loopback(url: str) -> None:
+def check_loopback(url: str, refusal: str = "loadgen only targets") -> None:
+    """Refuses a URL whose host is not this machine; `refusal` begins the message (the command's words)."""
     host = urlparse(url).hostname
     if host not in LOOPBACK_HOSTS:
-        raise MoestreamError(f"loadgen only targets servers on this machine (127.0.0.1, localhost, ::1), not {host!r}")
+        raise MoestreamError(f"{refusal} servers on this machine (127.0.0.1, localhost, ::1), not {host!r}")
 
 
 async def _one(client: httpx.AsyncClient, request: PlannedRequest, start: float, model: str | None) -> Measured:
