@@ -47,7 +47,8 @@ from moestream.runtime.onednn import bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
-from moestream.runtime.runner import RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan, TokenSampler
+from moestream.runtime.runner import (NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan,
+                                      TokenSampler)
 from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches
 from moestream.timeline import Timeline
 from moestream.store.config import StoreConfig
@@ -221,7 +222,7 @@ class Engine:
     def runner_class(self) -> type[ModelRunner]:
         return RUNNERS.get(self.checkpoint.adapter.auto_class)
 
-    def new_sequence(self, prompt_ids: list[int], max_tokens: int = 1 << 62,
+    def new_sequence(self, prompt_ids: list[int], max_tokens: int = NO_TOKEN_LIMIT,
                      sampler: TokenSampler | None = None, ignore_eos: bool = False) -> Sequence:
         """A sequence with a fresh id (sampler None: greedy), held to the model's context length: a
         prompt as long as the context is refused, and max_tokens is capped to what is left of it."""
@@ -240,7 +241,7 @@ class Engine:
         if num_prompt >= context:
             raise MoestreamError(f"the prompt has {num_prompt} tokens; this model's context is {context} tokens "
                                  "(max_position_embeddings)")
-        if max_tokens < 1 << 62:  # a caller's limit, not the default
+        if max_tokens < NO_TOKEN_LIMIT:  # a caller's limit is capped with a warning; no limit, silently
             log.warning("moestream: max new tokens capped at %d: the prompt's %d tokens and the model's context "
                         "of %d leave no more", context - num_prompt, num_prompt, context)
         return context - num_prompt

@@ -38,13 +38,16 @@ class TokenSampler(Protocol):
         """Whether the sequence was cancelled (it ends before the next step)."""
 
 
+NO_TOKEN_LIMIT = 1 << 62  # a sequence's max_tokens when its caller sets none
+
+
 @dataclass(eq=False)
 class Sequence:
     """One prompt and what has been generated for it; sampler (None: greedy) chooses its tokens."""
 
     seq_id: int
     prompt_ids: list[int]
-    max_tokens: int = 1 << 62  # tokens to generate at most
+    max_tokens: int = NO_TOKEN_LIMIT  # tokens to generate at most
     sampler: TokenSampler | None = None
     ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens (benchmarks)
     output_ids: list[int] = field(default_factory=list)
