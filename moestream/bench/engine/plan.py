@@ -15,6 +15,9 @@ from moestream.errors import MoestreamError
 
 HF = "hf-accelerate"
 CAP_SLACK_MIB = 64  # the memory cap: floor + dense part + budget + this
+PROGRESS_FIGURES = {"TTFT": ("ttft_ms", 1, "{:.1f} ms"), "TPOT": ("tpot_ms", 1, "{:.1f} ms"),  # name: (key, scale, form)
+                    "stall": ("stall_ms_per_token", 1, "{:.1f} ms/token"), "hit rate": ("hit_rate", 1, "{:.3f}"),
+                    "read": ("bytes_per_token", 1e6, "{:.1f} MB/token")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,18 +209,9 @@ def progress(label: str, budget: str, result: dict | None, failure: str = "") ->
     if result is None:
         line = f"failed: {failure.splitlines()[-1] if failure else 'no reason given'}"
     else:
-        shown = {"TTFT": ("ttft_ms", 1, "ms"), "TPOT": ("tpot_ms", 1, "ms"), "stall": ("stall_ms_per_token", 1, "ms/token"),
-                 "hit rate": ("hit_rate", 1e-3, ""), "read": ("bytes_per_token", 1e6, "MB/token")}
-        line = ", ".join(f"{name} {_figure(result.get(key), scale, unit)}" for name, (key, scale, unit) in shown.items())
+        line = ", ".join(f"{name} {'n/a' if result.get(key) is None else form.format(result[key] / scale)}"
+                         for name, (key, scale, form) in PROGRESS_FIGURES.items())
     print(f"bench engine: {label} at {budget}: {line}", file=sys.stderr, flush=True)
-
-
-def _figure(value, scale: float, unit: str) -> str:
-    """value / scale to one decimal (scale < 1: three decimals of value), with its unit; n/a for None."""
-    if value is None:
-        return "n/a"
-    text = f"{value:.3f}" if scale < 1 else f"{value / scale:.1f}"
-    return f"{text} {unit}".rstrip()
 
 
 def _cap_bytes(context: dict, budget_mib: float) -> int:
