@@ -1,0 +1,158 @@
+"""FP8 block-scaled weights, as DeepSeek-V3/R1 and the official FP8 releases of Qwen3-MoE publish them and
+transformers' finegrained FP8 integration reads them.
+
+A linear weight `X.weight` [R, C] is stored in float8_e4m3fn beside `X.weight_scale_inv` float32
+[ceil(R/bm), ceil(C/bn)], one scale per bm x bn block (`quantization_config.weight_block_size`, [128, 128];
+the last block of a row or column may be partial): W = float(q) * scale_inv of its block. Without
+weight_block_size the scale is one per tensor. Every linear layer of the decoder is FP8 (attention, dense
+MLPs, shared and routed experts); embeddings, norms, routers and the output head are not.
+
+`Fp8Codec` decodes one expert's weights into scratch (each source tensor into its rows of the fused weight:
+gate_proj then up_proj into gate_up_proj) and the dense FP8 weights once at load, with transformers'
+arithmetic (the product in float32, then cast), so weights equal transformers' dequantized model's bit for
+bit. `encode` is the inverse that writers use. Knows the format only: no family, store or runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from moestream.errors import CheckpointError
+from moestream.families.base import ExpertPart
+from moestream.quant.codec import CODECS, Shapes, Tensors
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+WEIGHT, SCALE = "weight", "weight_scale_inv"
+COMPANIONS = ("weight_scale_inv", "activation_scale")  # tensors beside an FP8 weight that are not weights
+DEFAULT_BLOCK = (128, 128)
+
+
+def scale_grid(shape: Sequence[int], block: Sequence[int] | None) -> tuple[int, ...]:
+    """The shape of the scales of a weight of `shape` [R, C]: () per tensor, else [ceil(R/bm), ceil(C/bn)]."""
+    if block is None:
+        return ()
+    return tuple(math.ceil(size / step) for size, step in zip(shape, block))
+
+
+def encode(weight: torch.Tensor, block: Sequence[int] | None = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [R, C] -> (float8_e4m3fn [R, C], float32 scale_inv of scale_grid): each block's largest
+    magnitude maps to 448."""
+    values = weight.float()
+    amax = _block_reduce(values.abs(), block)  # [ceil(R/bm), ceil(C/bn)] or []
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (values / _expand(scale_inv, values.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized, scale_inv
+
+
+def decode_into(weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor,
+                block: Sequence[int] | None) -> torch.Tensor:
+    """weight fp8 [R, C] and its scales -> out [R, C] (its dtype), in place: float32 product, then cast."""
+    torch.mul(weight.float(), _expand(_as_scale(scale_inv), weight.shape, block), out=out)
+    return out
+
+
+def decode(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+           block: Sequence[int] | None) -> torch.Tensor:
+    """The dense weight of an FP8 weight and its scales, in `dtype` (a new tensor)."""
+    return decode_into(weight, scale_inv, torch.empty(weight.shape, dtype=dtype, device=weight.device), block)
+
+
+def _as_scale(scale_inv: torch.Tensor) -> torch.Tensor:
+    """Float32 scales; ue8m0 scales stored as uint8 bytes are 2 ** (byte - 127), as transformers reads them."""
+    if scale_inv.dtype == torch.uint8:
+        return torch.exp2(scale_inv.float() - 127.0)
+    return scale_inv.float()
+
+
+def _expand(scale: torch.Tensor, shape: Sequence[int], block: Sequence[int] | None) -> torch.Tensor:
+    """Scales [rb, cb] -> one per element [R, C] (a per-tensor scale is returned as it is, to broadcast)."""
+    if block is None:
+        return scale
+    rows, cols = shape
+    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def _block_reduce(values: torch.Tensor, block: Sequence[int] | None) -> torch.Tensor:
+    """The largest value of each block of `values` [R, C] (of the whole tensor without blocks)."""
+    if block is None:
+        return values.amax()
+    rows, cols = values.shape
+    grid = scale_grid(values.shape, block)
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = values
+    return padded.view(grid[0], block[0], grid[1], block[1]).amax(dim=(1, 3))
+
+
+@CODECS.register("fp8")
+class Fp8Codec:
+    """FP8 experts: each source tensor `S.weight` of a part `P` (gate_proj.weight, then up_proj.weight, of
+    gate_up_proj) becomes the slot parts `P.i.weight` and `P.i.weight_scale_inv`; a part whose tensors are
+    not `.weight`s (a bias) stays as it is. Dense FP8 weights are decoded at load."""
+
+    def __init__(self, quantization_config: Mapping[str, Any]) -> None:
+        fmt = quantization_config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise CheckpointError(f"fp8 checkpoints with fmt {fmt!r} are not supported; supported: e4m3")
+        block = quantization_config.get("weight_block_size")
+        if block is not None and (len(block) != 2 or min(block) < 1):
+            raise CheckpointError(f"fp8 weight_block_size must be two positive sizes, got {block}")
+        self.block = None if block is None else (int(block[0]), int(block[1]))
+
+    def disk_parts(self, parts: Sequence[ExpertPart]) -> tuple[ExpertPart, ...]:
+        quantized = []
+        for part in parts:
+            if not all(name.endswith("." + WEIGHT) for name in part.disk):
+                quantized.append(part)
+                continue
+            for i, name in enumerate(part.disk):
+                quantized += [ExpertPart(f"{part.param}.{i}.{role}", (f"{name.removesuffix(WEIGHT)}{role}",),
+                                         part.fused_on_disk) for role in (WEIGHT, SCALE)]
+        return tuple(quantized)
+
+    def dense_shapes(self, layout: Mapping[str, tuple[int, ...]]) -> Shapes:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in layout.items():
+            param, _, role = name.rpartition(".")
+            if role != WEIGHT or not param:
+                continue
+            self._check_scales(name, shape, layout[name.removesuffix(WEIGHT) + SCALE])
+            param = param.rpartition(".")[0]
+            rows = shapes.get(param, (0,))[0]
+            shapes[param] = (rows + shape[0], *shape[1:])
+        return shapes
+
+    def decode(self, parts: Tensors, out: Tensors) -> Tensors:
+        weights = dict(out)
+        for param, dense in out.items():
+            row, index = 0, 0
+            while row < dense.shape[0]:
+                weight = parts[f"{param}.{index}.{WEIGHT}"]
+                decode_into(weight, parts[f"{param}.{index}.{SCALE}"], dense[row:row + weight.shape[0]], self.block)
+                row, index = row + weight.shape[0], index + 1
+        weights.update({name: part for name, part in parts.items() if not name.endswith((WEIGHT, SCALE))})
+        return weights
+
+    def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        present = set(names)
+        groups = {}
+        for name in names:
+            if name.endswith("." + SCALE) and name.removesuffix("_scale_inv") in present:
+                weight = name.removesuffix("_scale_inv")
+                roles = {role: weight.removesuffix(WEIGHT) + role for role in (WEIGHT, *COMPANIONS)}
+                groups[weight] = {role: disk for role, disk in roles.items() if disk in present}
+        return groups
+
+    def decode_dense(self, tensors: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        weight, scale_inv = tensors[WEIGHT], tensors[SCALE]
+        self._check_scales(WEIGHT, tuple(weight.shape), tuple(scale_inv.shape))
+        return decode(weight, scale_inv, dtype, self.block)
+
+    def _check_scales(self, name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
+        expected = scale_grid(shape, self.block)
+        if tuple(scale_shape) != expected and not (self.block is None and math.prod(scale_shape) == 1):
+            raise CheckpointError(f"fp8 weight {name} {tuple(shape)} has scales {tuple(scale_shape)}; "
+                                  f"blocks of {self.block} need {expected}")
