@@ -22,11 +22,14 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.families.base import ExpertPart
+from moestream.quant import linears
 from moestream.quant.codec import CODECS, Shapes, Tensors
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+METHOD = "fp8"
 WEIGHT, SCALE = "weight", "weight_scale_inv"
+ROLES = (WEIGHT, SCALE)  # the slot parts of one linear: "{param}.{j}.weight", "{param}.{j}.weight_scale_inv"
 COMPANIONS = ("weight_scale_inv", "activation_scale")  # tensors beside an FP8 weight that are not weights
 DEFAULT_BLOCK = (128, 128)
 
@@ -87,11 +90,11 @@ def _block_reduce(values: torch.Tensor, block: Sequence[int] | None) -> torch.Te
     return padded.view(grid[0], block[0], grid[1], block[1]).amax(dim=(1, 3))
 
 
-@CODECS.register("fp8")
+@CODECS.register(METHOD)
 class Fp8Codec:
-    """FP8 experts: each source tensor `S.weight` of a part `P` (gate_proj.weight, then up_proj.weight, of
-    gate_up_proj) becomes the slot parts `P.i.weight` and `P.i.weight_scale_inv`; a part whose tensors are
-    not `.weight`s (a bias) stays as it is. Dense FP8 weights are decoded at load."""
+    """FP8 experts: linear j of a part P (gate_proj.weight, then up_proj.weight, of gate_up_proj) becomes the
+    slot parts `P.j.weight` and `P.j.weight_scale_inv` (moestream.quant.linears); decoding writes its rows of
+    P. Dense FP8 weights are decoded at load."""
 
     def __init__(self, quantization_config: Mapping[str, Any]) -> None:
         fmt = quantization_config.get("fmt", "e4m3")
@@ -103,38 +106,23 @@ class Fp8Codec:
         self.block = None if block is None else (int(block[0]), int(block[1]))
 
     def disk_parts(self, parts: Sequence[ExpertPart]) -> tuple[ExpertPart, ...]:
-        quantized = []
-        for part in parts:
-            if not all(name.endswith("." + WEIGHT) for name in part.disk):
-                quantized.append(part)
-                continue
-            for i, name in enumerate(part.disk):
-                quantized += [ExpertPart(f"{part.param}.{i}.{role}", (f"{name.removesuffix(WEIGHT)}{role}",),
-                                         part.fused_on_disk) for role in (WEIGHT, SCALE)]
-        return tuple(quantized)
+        return linears.linear_parts(parts, ROLES, {role: role for role in ROLES}, METHOD)
 
     def dense_shapes(self, layout: Mapping[str, tuple[int, ...]]) -> Shapes:
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name, shape in layout.items():
-            param, _, role = name.rpartition(".")
-            if role != WEIGHT or not param:
-                continue
-            self._check_scales(name, shape, layout[name.removesuffix(WEIGHT) + SCALE])
-            param = param.rpartition(".")[0]
-            rows = shapes.get(param, (0,))[0]
-            shapes[param] = (rows + shape[0], *shape[1:])
-        return shapes
+        return linears.dense_shapes(layout, self._linear_shape)
+
+    def _linear_shape(self, layout: Mapping[str, tuple[int, ...]], prefix: str) -> tuple[int, int]:
+        shape = layout[f"{prefix}.{WEIGHT}"]
+        self._check_scales(prefix, shape, layout[f"{prefix}.{SCALE}"])
+        return shape
 
     def decode(self, parts: Tensors, out: Tensors) -> Tensors:
-        weights = dict(out)
-        for param, dense in out.items():
-            row, index = 0, 0
-            while row < dense.shape[0]:
-                weight = parts[f"{param}.{index}.{WEIGHT}"]
-                decode_into(weight, parts[f"{param}.{index}.{SCALE}"], dense[row:row + weight.shape[0]], self.block)
-                row, index = row + weight.shape[0], index + 1
-        weights.update({name: part for name, part in parts.items() if not name.endswith((WEIGHT, SCALE))})
-        return weights
+        return linears.decode_linears(parts, out, self._decode_linear)
+
+    def _decode_linear(self, parts: Tensors, prefix: str, target: torch.Tensor) -> int:
+        weight = parts[f"{prefix}.{WEIGHT}"]  # [R, C] fp8
+        decode_into(weight, parts[f"{prefix}.{SCALE}"], target[: weight.shape[0]], self.block)
+        return weight.shape[0]
 
     def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
         present = set(names)
