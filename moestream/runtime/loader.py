@@ -41,9 +41,10 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
     expected = set(model.state_dict(keep_vars=True))
     loaded: set[str] = set()
     total = sum(len(names) for names in checkpoint.dense.values())
+    groups = _quantized_dense(checkpoint)
     with progress_bar(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
         for file, names in checkpoint.dense.items():
-            loaded |= _load_file(model, checkpoint, file, names, device, bar)
+            loaded |= _load_file(model, checkpoint, file, names, device, bar, groups)
     missing = {key for key in expected - loaded if not _is_expert_key(key, checkpoint)}
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     still_meta = [key for key, value in model.state_dict(keep_vars=True).items()
@@ -53,8 +54,16 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
                               f" ({len(still_meta)} missing in all)")
 
 
-def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: str, bar) -> set[str]:
+def _quantized_dense(checkpoint: CheckpointIndex) -> dict[str, dict[str, str]]:
+    """Dense tensors stored quantized (e.g. FP8 attention weights): disk name -> {role: disk name of each
+    quantized tensor of it} (the codec's dense_groups); empty for an unquantized dense part."""
+    return {} if checkpoint.codec is None else checkpoint.codec.dense_groups(checkpoint.dense_names())
+
+
+def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: str, bar,
+               groups: dict[str, dict[str, str]]) -> set[str]:
     loaded = set()
+    companions = {disk for name, roles in groups.items() for disk in roles.values() if disk != name}
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -62,7 +71,7 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: st
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into expert bytes
             for name in names:
                 key = checkpoint.adapter.model_key(name)
-                if _assign(model, key, _read_tensor(fd, checkpoint.tensors[name]), device):
+                if name not in companions and _assign(model, key, _dense_value(checkpoint, fd, name, groups), device):
                     loaded.add(key)
                 bar.update(1)
         finally:
@@ -70,6 +79,24 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: st
     except (OSError, RuntimeError, KeyError) as error:
         raise CheckpointError(f"cannot read dense tensors from {file}: {error}") from None
     return loaded
+
+
+def _dense_value(checkpoint: CheckpointIndex, fd: int, name: str, groups: dict[str, dict[str, str]]) -> torch.Tensor:
+    """The dense tensor `name`: as read, or decoded from its quantized tensors in float32 (then cast once to
+    the parameter's dtype, as transformers' dequantization casts its float32 product)."""
+    value = _read_tensor(fd, checkpoint.tensors[name])
+    if name not in groups:
+        return value
+    tensors = {role: value if disk == name else _read_alone(checkpoint.tensors[disk]) for role, disk in groups[name].items()}
+    return checkpoint.codec.decode_dense(tensors, torch.float32)
+
+
+def _read_alone(info: TensorInfo) -> torch.Tensor:
+    fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return _read_tensor(fd, info)
+    finally:
+        os.close(fd)
 
 
 def _read_tensor(fd: int, info: TensorInfo) -> torch.Tensor:
