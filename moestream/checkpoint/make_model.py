@@ -146,7 +146,7 @@ def _quant_layout(spec: ModelSpec):
         return None
     from moestream.checkpoint.quantized import QUANT_LAYOUTS
 
-    return QUANT_LAYOUTS.create(spec.quant)
+    return QUANT_LAYOUTS.create(spec.quant, spec)
 
 
 def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path, quantization_config: dict | None) -> None:

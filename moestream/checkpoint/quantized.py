@@ -11,6 +11,7 @@ no family by name and nothing of the runtime.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -18,7 +19,9 @@ from typing import ClassVar
 import torch
 
 from moestream.checkpoint.writer import Fill, TensorPlan
+from moestream.checkpoint.spec import ModelSpec
 from moestream.quant import fp8, mxfp4
+from moestream.quant.encode import IntScheme, quantize
 from moestream.registry import Registry
 
 
@@ -27,6 +30,9 @@ class QuantLayout:
     `planned` and `encode`, which return the same disk tensors in the same order."""
 
     pattern: ClassVar[str]  # re.search on a dense disk tensor's name
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
 
     def quantization_config(self) -> dict:
         raise NotImplementedError
@@ -123,3 +129,31 @@ class Fp8Layout(QuantLayout):
 
     def encode(self, tensor: TensorPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return fp8.encode(values, self.block)
+
+
+@QUANT_LAYOUTS.register("w4a16")
+class W4a16Layout(QuantLayout):
+    """llm-compressor's W4A16 (compressed-tensors "pack-quantized", moestream.quant.encode): each routed expert
+    linear as `weight_packed` int32 [O, I/8], `weight_scale` [O, I/G] and `weight_shape`, symmetric, groups of
+    G = 128 inputs (the largest divisor of 128 that divides the expert widths, in narrower test models)."""
+
+    pattern = r"\.experts\.\d+\.\w+\.weight$"
+    group_size = 128
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(spec)
+        self.scheme = IntScheme(4, math.gcd(self.group_size, spec.hidden_size, spec.intermediate_size))
+
+    def quantization_config(self) -> dict:
+        return self.scheme.quantization_config()
+
+    def planned(self, tensor: TensorPlan) -> tuple[TensorPlan, ...]:
+        stem = tensor.name.removesuffix("weight")
+        return tuple(TensorPlan(stem + suffix, shape, dtype)
+                     for suffix, (shape, dtype) in self._suffixes(tensor).items())
+
+    def encode(self, tensor: TensorPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(quantize(values, self.scheme, suffix) for suffix in self._suffixes(tensor))
+
+    def _suffixes(self, tensor: TensorPlan) -> dict:
+        return self.scheme.suffixes(tensor.shape, tensor.dtype)
