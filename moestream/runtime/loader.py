@@ -27,10 +27,15 @@ from moestream.progress import progress_bar
 log = logging.getLogger(__name__)
 
 
+def compute_dtype(config) -> torch.dtype:
+    """The dtype the model computes in: its config's, else float32."""
+    return getattr(config, "dtype", None) or torch.float32
+
+
 def build_skeleton(checkpoint: CheckpointIndex) -> torch.nn.Module:
     """The model of the checkpoint's family on the meta device, in eval mode."""
     auto_class = getattr(transformers, checkpoint.adapter.auto_class)
-    dtype = getattr(checkpoint.config, "dtype", None) or torch.float32
+    dtype = compute_dtype(checkpoint.config)
     with torch.device("meta"):
         model = auto_class.from_config(checkpoint.config, dtype=dtype)
     return model.eval()
