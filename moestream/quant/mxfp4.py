@@ -46,31 +46,43 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exponent + BIAS).to(torch.uint8)
 
 
-def pair_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[256, 2]: the two e2m1 values (low nibble, high nibble) of every byte, in `dtype`."""
+def nibble_tables(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """([256], [256]): the e2m1 value of every byte's low nibble and of its high nibble, in `dtype`."""
     values = torch.tensor(E2M1, dtype=dtype, device=device)
     codes = torch.arange(256, device=device)
-    return torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=-1)
+    return values[codes & 0x0F], values[codes >> 4]
 
 
-def decode_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """blocks uint8 [R, G, 16], scales uint8 [R, G] -> out [R, G*32] (any strides, e.g. a transposed view of
-    the model's [G*32, R] weight), filled in place; `table` is pair_table(out.dtype)."""
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype values are scaled in: `dtype` where every power of two of e8m0 fits it, else float32."""
+    return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+
+def decode_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """blocks uint8 [R, G, 16], scales uint8 [R, G] -> out [G*32, R] (the model's layout, contiguous), filled in
+    place; `tables` are nibble_tables(work_dtype(out.dtype)). Each value is its e2m1 value times 2 ** (s - 127),
+    an exact product rounded once to out's dtype, as transformers' ldexp. The bytes are transposed first (a
+    quarter of the output's bytes), then each nibble is a 1-D gather straight into the model's layout."""
     rows, groups, half = blocks.shape
-    values = table[blocks.reshape(-1).int()].view(rows, groups, 2 * half)  # [R, G, 32]
-    exponent = scales.int().sub_(BIAS).unsqueeze(-1)  # [R, G, 1]
-    torch.ldexp(values, exponent, out=out.unflatten(-1, (groups, 2 * half)))
-    return out
+    work = out if out.dtype == tables[0].dtype else torch.empty(out.shape, dtype=tables[0].dtype, device=out.device)
+    codes = blocks.view(rows, groups * half).T.contiguous().view(-1).int()  # [G*16 * R]: byte (c/2, r)
+    nibbles = [torch.index_select(table, 0, codes).view(groups * half, rows) for table in tables]  # [G*16, R]
+    torch.stack(nibbles, dim=1, out=work.view(groups * half, 2, rows))  # columns 2j, 2j+1 of disk row r
+    exponents = (scales.int() - BIAS).T.contiguous()  # [G, R]
+    powers = torch.ldexp(torch.ones(exponents.shape, dtype=work.dtype, device=work.device), exponents)
+    work.view(groups, 2 * half, rows).mul_(powers.unsqueeze(1))  # exact: a power of two times two bits
+    return work if work is out else out.copy_(work)
 
 
 def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [..., R, G, 16], scales [..., R, G] -> the dense weight [..., G*32, R] in `dtype` (a new tensor)."""
     *lead, rows, groups, half = blocks.shape
     out = torch.empty(*lead, groups * 2 * half, rows, dtype=dtype, device=blocks.device)
-    table = pair_table(dtype, blocks.device)
+    tables = nibble_tables(work_dtype(dtype), blocks.device)
     flat_out = out.view(-1, groups * 2 * half, rows)
     for index, (b, s) in enumerate(zip(blocks.view(-1, rows, groups, half), scales.view(-1, rows, groups))):
-        decode_into(b, s, flat_out[index].T, table)
+        decode_into(b, s, flat_out[index], tables)
     return out
 
 
@@ -80,7 +92,7 @@ class Mxfp4Codec(DenseUnquantized):
     (the expert's slices of the disk tensors `P_blocks`, `P_scales`); bias parts stay as they are."""
 
     def __init__(self, quantization_config: Mapping[str, Any]) -> None:
-        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def disk_parts(self, parts: Sequence[ExpertPart]) -> tuple[ExpertPart, ...]:
         quantized = []
@@ -110,13 +122,12 @@ class Mxfp4Codec(DenseUnquantized):
     def decode(self, parts: Tensors, out: Tensors) -> Tensors:
         weights = dict(out)
         for param, dense in out.items():
-            table = self._table(dense.dtype, dense.device)
-            decode_into(parts[param + BLOCKS], parts[param + SCALES], dense.T, table)  # [R, C] view of [C, R]
+            decode_into(parts[param + BLOCKS], parts[param + SCALES], dense, self._tables_of(dense))
         weights.update({name: part for name, part in parts.items() if not name.endswith((BLOCKS, SCALES))})
         return weights
 
-    def _table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (dtype, device)
+    def _tables_of(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (work_dtype(dense.dtype), dense.device)
         if key not in self._tables:
-            self._tables[key] = pair_table(dtype, device)
+            self._tables[key] = nibble_tables(*key)
         return self._tables[key]

@@ -20,7 +20,7 @@ def gpt_oss(tiny_checkpoint):
     return tiny_checkpoint("gpt_oss", num_layers=2, quant="mxfp4")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_equals_transformers_on_random_bytes(dtype):
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=generator, dtype=torch.uint8)  # [E, R, G, 16]
