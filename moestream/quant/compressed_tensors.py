@@ -89,6 +89,8 @@ class CompressedTensorsCodec(DenseUnquantized):
     def _ints(self, q: torch.Tensor) -> torch.Tensor:
         if self.format == INT:
             return q
+        if self.bits == 4:
+            return packing.unpack_nibbles(q)
         return packing.unpack(q, self.bits, dim=1) - (1 << (self.bits - 1))
 
     def _zeros(self, zero: torch.Tensor, rows: int) -> torch.Tensor:

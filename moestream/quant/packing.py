@@ -27,6 +27,17 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(*moved.shape[:-1], moved.shape[-1] * count).movedim(-1, dim)
 
 
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 words of 4-bit values packed along the last dim -> int8 [..., 8 n] of those values - 8 (the
+    signed values of compressed-tensors' offset encoding). The same as unpack(packed, 4, -1) - 8, in
+    three passes over bytes instead of eight over int32 lanes: each byte of a little-endian word holds
+    two values, low first, spread into the two bytes of an int16."""
+    pairs = packed.view(torch.uint8).to(torch.int16)  # [..., 4 n], one byte each
+    low = pairs & 15
+    spread = pairs.bitwise_right_shift_(4).bitwise_left_shift_(8).bitwise_or_(low)  # bytes: low, high
+    return spread.view(torch.int8).sub_(8)  # [..., 8 n]
+
+
 def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Unsigned values in [0, 2**bits) -> int32 words packed along `dim` (its size a multiple of
     per_word(bits))."""
@@ -47,7 +58,8 @@ def scaled(ints: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.
     has it, else in float32)."""
     rows, cols = out.shape
     groups = scale.shape[-1]
-    work = out.dtype if scale.dtype == out.dtype else torch.float32
-    values = ints.to(work).view(rows, groups, cols // groups)  # [O, g, G]
-    product = values.mul_(scale.to(work).unsqueeze(-1))  # [O, g, G]
-    return out.copy_(product.view(rows, cols))
+    if scale.dtype == out.dtype:  # in place: one conversion pass, one multiplication pass
+        out.copy_(ints).view(rows, groups, cols // groups).mul_(scale.unsqueeze(-1))
+        return out
+    values = ints.to(torch.float32).view(rows, groups, cols // groups)  # [O, g, G]
+    return out.copy_(values.mul_(scale.float().unsqueeze(-1)).view(rows, cols))
