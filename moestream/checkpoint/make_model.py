@@ -9,8 +9,10 @@ checkpoint is written in a few hundred MiB. Values are seeded per tensor (spec.s
 tensor's name), so the bytes do not depend on the number of workers: norm weights 1, biases 0,
 tensors the family asks for noise N(0, NOISE_STD), everything else N(0, initializer_range) (T5's
 convention where the config has it instead), drawn in the tensor's own dtype. The checkpoint is built in a temporary directory beside the output and
-renamed into place, so an interrupted run leaves no partial checkpoint. It knows families only
-through their adapters.
+renamed into place, so an interrupted run leaves no partial checkpoint. With `spec.quant`, the tensors
+that the format's published checkpoints quantize are written quantized (`quantized.py`: the quantization
+of the same seeded tensors) and config.json declares the format. It knows families only through their
+adapters.
 """
 
 from __future__ import annotations

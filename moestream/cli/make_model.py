@@ -1,5 +1,6 @@
 """`moestream make-model [FAMILY] --out DIR`: write a random test checkpoint in the family's real format,
-or one of a real model's shape (`--preset deepseek-v2-lite`, `--width-scale 0.5`)."""
+or one of a real model's shape (`--preset deepseek-v2-lite`, `--width-scale 0.5`), optionally in a
+published quantized format (`--quant mxfp4|fp8|w4a16`)."""
 
 from __future__ import annotations
 
