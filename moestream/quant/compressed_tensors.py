@@ -18,7 +18,7 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.quant import linears, packing
-from moestream.quant.codec import CODECS, DenseUnquantized
+from moestream.quant.codec import CODECS
 
 METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -41,7 +41,7 @@ def weights_scheme(qconfig: Mapping[str, Any]) -> tuple[str, dict]:
 
 
 @CODECS.register(METHOD)
-class CompressedTensorsCodec(DenseUnquantized):
+class CompressedTensorsCodec:
     """Integer weight-only experts in compressed-tensors' pack-quantized or int-quantized format."""
 
     def __init__(self, quantization_config: Mapping[str, Any]):
@@ -75,6 +75,12 @@ class CompressedTensorsCodec(DenseUnquantized):
 
     def decode(self, parts, out):
         return linears.decode_linears(parts, out, self._decode_linear)
+
+    def dense_groups(self, names):
+        return linears.dense_groups(names, self.roles, "scale")
+
+    def decode_dense(self, tensors, dtype):
+        return linears.decode_dense(tensors, dtype, self._shape, self._decode_linear)
 
     def _decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
         q = parts[f"{prefix}.q"]

@@ -13,14 +13,14 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.quant import linears, packing
-from moestream.quant.codec import CODECS, DenseUnquantized
+from moestream.quant.codec import CODECS
 
 METHOD = "gptq"
 ROLES = {"q": "qweight", "zero": "qzeros", "scale": "scales", "g_idx": "g_idx"}
 
 
 @CODECS.register(METHOD)
-class GptqCodec(DenseUnquantized):
+class GptqCodec:
     """Integer weight-only experts in GPTQ's qweight/qzeros/scales/g_idx layout."""
 
     def __init__(self, quantization_config: Mapping[str, Any]):
@@ -43,6 +43,12 @@ class GptqCodec(DenseUnquantized):
 
     def decode(self, parts, out):
         return linears.decode_linears(parts, out, self._decode_linear)
+
+    def dense_groups(self, names):
+        return linears.dense_groups(names, ROLES, "q")
+
+    def decode_dense(self, tensors, dtype):
+        return linears.decode_dense(tensors, dtype, self._shape, self._decode_linear)
 
     def _decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
         q = packing.unpack(parts[f"{prefix}.q"], self.bits, dim=0)  # [I, O]

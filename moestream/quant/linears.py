@@ -70,3 +70,27 @@ def decode_linears(parts: Mapping[str, torch.Tensor], out: Mapping[str, torch.Te
             rows = decode_one(parts, prefix, weight[row:])
             row, j = row + rows, j + 1
     return dict(out)
+
+
+def dense_groups(names: Sequence[str], roles: Mapping[str, str], marker: str) -> dict[str, dict[str, str]]:
+    """Quantized dense linears among disk names: "{stem}.weight" -> {role: "{stem}.{suffix}"} for every stem
+    that has a `marker` tensor (roles: role -> disk suffix; roles whose tensor is absent are left out)."""
+    present = set(names)
+    suffix = f".{roles[marker]}"
+    groups = {}
+    for name in names:
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            groups[f"{stem}{WEIGHT}"] = {role: f"{stem}.{end}" for role, end in roles.items() if f"{stem}.{end}" in present}
+    return groups
+
+
+def decode_dense(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 shape_of: Callable[[Mapping[str, tuple[int, ...]], str], tuple[int, int]],
+                 decode_one: Callable[[Mapping[str, torch.Tensor], str, torch.Tensor], int]) -> torch.Tensor:
+    """One quantized dense linear ({role: tensor}) -> its [O, I] weight in `dtype`, by a codec's per-linear
+    shape and decoding (the same as an expert linear's)."""
+    parts = {f"dense.0.{role}": tensor for role, tensor in tensors.items()}
+    out = torch.empty(shape_of({name: tuple(t.shape) for name, t in parts.items()}, "dense.0"), dtype=dtype)
+    decode_one(parts, "dense.0", out)
+    return out

@@ -4,7 +4,8 @@ The skeleton is built on the meta device (no memory); then every dense tensor of
 read (its own byte range only, with readahead off, so that loading the dense part reads no expert
 bytes), renamed by the family adapter and placed on the compute device one at a time; tied weights
 are tied and non-persistent buffers (rotary inverse frequencies) are computed on the device by the
-model's own initialiser. The routed experts' parameters stay on meta: the experts implementation
+model's own initialiser. Dense tensors a quantized checkpoint stores quantized are decoded by its
+codec (`dense_groups`, `decode_dense`) as they are read. The routed experts' parameters stay on meta: the experts implementation
 computes from the store's slots instead. Shared experts are ordinary dense modules.
 This module knows no policy and names no family.
 """
@@ -44,12 +45,16 @@ def build_skeleton(checkpoint: CheckpointIndex) -> torch.nn.Module:
 def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str, progress: bool = False) -> None:
     """Reads every dense tensor onto `device`; raises CheckpointError if the model lacks any."""
     expected = set(model.state_dict(keep_vars=True))
+    groups = checkpoint.codec.dense_groups(checkpoint.dense_names()) if checkpoint.codec is not None else {}
+    quantized = {name for group in groups.values() for name in group.values()}
     loaded: set[str] = set()
     total = sum(len(names) for names in checkpoint.dense.values())
-    groups = _quantized_dense(checkpoint)
     with progress_bar(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
         for file, names in checkpoint.dense.items():
-            loaded |= _load_file(model, checkpoint, file, names, device, bar, groups)
+            loaded |= _load_file(model, checkpoint, file, [n for n in names if n not in quantized], device, bar)
+        for name, group in groups.items():
+            loaded |= _load_quantized(model, checkpoint, name, group, device)
+            bar.update(len(group))
     missing = {key for key in expected - loaded if not _is_expert_key(key, checkpoint)}
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     still_meta = [key for key, value in model.state_dict(keep_vars=True).items()
@@ -59,16 +64,8 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
                               f" ({len(still_meta)} missing in all)")
 
 
-def _quantized_dense(checkpoint: CheckpointIndex) -> dict[str, dict[str, str]]:
-    """Dense tensors stored quantized (e.g. FP8 attention weights): disk name -> {role: disk name of each
-    quantized tensor of it} (the codec's dense_groups); empty for an unquantized dense part."""
-    return {} if checkpoint.codec is None else checkpoint.codec.dense_groups(checkpoint.dense_names())
-
-
-def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: str, bar,
-               groups: dict[str, dict[str, str]]) -> set[str]:
+def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: str, bar) -> set[str]:
     loaded = set()
-    companions = {disk for name, roles in groups.items() for disk in roles.values() if disk != name}
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -76,7 +73,7 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: st
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into expert bytes
             for name in names:
                 key = checkpoint.adapter.model_key(name)
-                if name not in companions and _assign(model, key, _dense_value(checkpoint, fd, name, groups), device):
+                if _assign(model, key, _read_tensor(fd, checkpoint.tensors[name]), device):
                     loaded.add(key)
                 bar.update(1)
         finally:
@@ -86,22 +83,22 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: st
     return loaded
 
 
-def _dense_value(checkpoint: CheckpointIndex, fd: int, name: str, groups: dict[str, dict[str, str]]) -> torch.Tensor:
-    """The dense tensor `name`: as read, or decoded from its quantized tensors in float32 (then cast once to
-    the parameter's dtype, as transformers' dequantization casts its float32 product)."""
-    value = _read_tensor(fd, checkpoint.tensors[name])
-    if name not in groups:
-        return value
-    tensors = {role: value if disk == name else _read_alone(checkpoint.tensors[disk]) for role, disk in groups[name].items()}
-    return checkpoint.codec.decode_dense(tensors, torch.float32)
-
-
-def _read_alone(info: TensorInfo) -> torch.Tensor:
-    fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return _read_tensor(fd, info)
-    finally:
-        os.close(fd)
+def _load_quantized(model, checkpoint: CheckpointIndex, name: str, group: dict[str, str], device: str) -> set[str]:
+    """One dense tensor stored quantized: its tensors read, decoded by the codec, assigned as `name`."""
+    tensors = {}
+    for role, disk_name in group.items():
+        info = checkpoint.tensors[disk_name]
+        try:
+            fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                tensors[role] = _read_tensor(fd, info)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            raise CheckpointError(f"cannot read dense tensor {disk_name} from {info.file}: {error}") from None
+    value = checkpoint.codec.decode_dense(tensors, compute_dtype(checkpoint.config))
+    key = checkpoint.adapter.model_key(name)
+    return {key} if _assign(model, key, value, device) else set()
 
 
 def _read_tensor(fd: int, info: TensorInfo) -> torch.Tensor:

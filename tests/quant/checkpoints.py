@@ -49,12 +49,19 @@ def gptq_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
             "scales": scale, "g_idx": torch.arange(cols, dtype=torch.int32) // GPTQ_GROUP}
 
 
-def write_gptq(source: Path, out: Path) -> Path:
-    """A GPTQ copy of `source` (experts quantized, the rest as it is) in one shard, no manifest."""
+def attention_linears(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Stems of the attention projections (q_proj, o_proj): dense tensors a GPTQ checkpoint also quantizes."""
+    return [name[: -len(".weight")] for name in tensors if name.endswith(("self_attn.q_proj.weight",
+                                                                           "self_attn.o_proj.weight"))]
+
+
+def write_gptq(source: Path, out: Path, attention: bool = False) -> Path:
+    """A GPTQ copy of `source` (experts, and with `attention` q_proj/o_proj, quantized; the rest as it is)
+    in one shard, no manifest."""
     out.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())
     tensors = read_all(source)
-    for stem in expert_linears(config):
+    for stem in expert_linears(config) + (attention_linears(tensors) if attention else []):
         tensors |= {f"{stem}.{k}": v.contiguous() for k, v in gptq_tensors(tensors.pop(f"{stem}.weight")).items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     quant = {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "desc_act": False, "sym": False,
@@ -84,6 +91,11 @@ def reference_model(source: Path, quantized: Path) -> torch.nn.Module:
     model = getattr(transformers, adapter.auto_class).from_pretrained(source).eval()
     tensors = read_all(quantized)
     dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        for name in tensors:
+            if name.endswith(".qweight") and ".experts." not in name:  # a quantized dense linear
+                stem = name[: -len(".qweight")]
+                model.get_parameter(adapter.model_key(f"{stem}.weight")).copy_(dequantized(quantized, stem, dtype, tensors))
     for block in adapter.blocks(model.config):
         module = model.get_submodule(block.experts_path)
         for expert in range(adapter.num_experts(model.config)):

@@ -1,5 +1,6 @@
 """A quantized checkpoint generates exactly what transformers' model generates with the same experts
-dequantized (by the reference dequantization), offloading on and off, sync and async."""
+(and quantized dense linears) dequantized by the reference dequantization, offloading on and off,
+sync and async."""
 
 import pytest
 
@@ -13,6 +14,7 @@ from tests.runtime.conftest import PROMPTS, reference_generate
 NEW_TOKENS = 6
 SCHEMES = {"int4": IntScheme(4, 32), "int8": IntScheme(8, None)}
 CASES = [("mixtral", "int4", "fp32"), ("mixtral", "int8", "fp32"), ("mixtral", "gptq", "bf16"),
+         ("mixtral", "gptq+attention", "fp32"),
          ("qwen3_moe", "int4", "bf16"), ("deepseek_v2", "int4", "bf16")]
 
 
@@ -26,8 +28,8 @@ def quantized(tiny_checkpoint, tmp_path_factory):
         if key not in made:
             source = tiny_checkpoint(family, num_layers=3, dtype=dtype)
             out = tmp_path_factory.mktemp("quantized") / f"{family}-{fmt}"
-            if fmt == "gptq":
-                write_gptq(source, out)
+            if fmt.startswith("gptq"):
+                write_gptq(source, out, attention=fmt.endswith("attention"))
             else:
                 quantize_checkpoint(source, out, SCHEMES[fmt])
             made[key] = source, out, reference_model(source, out)
