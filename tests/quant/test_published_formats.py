@@ -6,6 +6,7 @@ the unquantized checkpoint of the same seed with each expert set to the referenc
 Offloading on (the smallest budget) and off (every expert resident), sync and async."""
 
 import pytest
+import torch
 import transformers
 from transformers import Mxfp4Config
 
@@ -61,3 +62,14 @@ def test_greedy_tokens_match_transformers_on_the_same_checkpoint(published, case
     assert result.token_ids == reference_generate(model, prompts, NEW_TOKENS, pad_id)
     assert (result.metrics.expert_misses > 0) == (budget != "1.0")
     assert result.metrics.bytes_read["disk"] == result.metrics.expert_misses * build_index(path).topology.expert_bytes
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == "fp8"], ids=lambda c: "-".join(c))
+def test_fp8_dense_linears_load_as_transformers_dequantizes_them(published, case):
+    from moestream.runtime.loader import load_model
+
+    path, model = published(*case)
+    theirs = model.state_dict()
+    ours = {key: value for key, value in load_model(build_index(path), "cpu").state_dict().items() if not value.is_meta}
+    assert any(".self_attn." in key for key in ours)
+    assert all(torch.equal(value, theirs[key]) for key, value in ours.items())
