@@ -3,7 +3,10 @@ disk (`ExpertIndex`), and which tensors are dense (everything else), all from sa
 
 No expert bytes are read. For each expert, the adapter's `parts` name the disk tensors that, in order,
 fill the expert's slot; a tensor fused over experts ([E, ...]) contributes its contiguous slice [e].
-This module knows families only through `moestream.families.adapter_for`, and nothing of policies.
+A quantized checkpoint's experts are laid out from its codec's on-disk parts (`moestream.quant`),
+widest dtype first so that every typed view of a slot is aligned. This module knows families only
+through `moestream.families.adapter_for`, quantization only through `codec_for`, and nothing of
+policies.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from moestream.checkpoint.shards import TensorInfo, read_tensors
 from moestream.errors import CheckpointError
 from moestream.families import adapter_for
 from moestream.families.base import ExpertPart, FamilyAdapter, MoEBlock
+from moestream.quant import ExpertCodec, codec_for
 from moestream.topology import ExpertKey, Topology
 
 
@@ -33,6 +37,7 @@ class CheckpointIndex:
     experts: ExpertIndex
     dense: dict[Path, tuple[str, ...]]  # shard file -> its non-expert tensor names (disk keys), by offset
     tensors: dict[str, TensorInfo]  # every tensor of the checkpoint, by disk key
+    codec: ExpertCodec | None = None  # how its experts are quantized; None: they are not
 
     @property
     def topology(self) -> Topology:
@@ -107,14 +112,23 @@ def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]], parts) -> 
     return tuple(views)
 
 
-def _index_experts(adapter: FamilyAdapter, config, blocks, tensors) -> tuple[ExpertIndex, set[str]]:
-    """The ExpertIndex and the set of disk tensor names it covers."""
+def _widest_first(parts: tuple[ExpertPart, ...], block: MoEBlock, num_experts: int,
+                  tensors: dict[str, TensorInfo]) -> tuple[ExpertPart, ...]:
+    """The parts ordered by their dtype's width, widest first (stable): every part then starts at a slot
+    offset that its dtype divides."""
+    width = {p.param: _part_slices(p, block, 0, num_experts, tensors)[1].itemsize for p in parts}
+    return tuple(sorted(parts, key=lambda p: -width[p.param]))
+
+
+def _index_experts(adapter: FamilyAdapter, parts: tuple[ExpertPart, ...], config, blocks,
+                   tensors) -> tuple[ExpertIndex, set[str]]:
+    """The ExpertIndex of experts made of `parts` and the set of disk tensor names it covers."""
     num_experts = adapter.num_experts(config)
     locations: dict[ExpertKey, ExpertLocation] = {}
     expected = None
     for block in blocks:
         for expert in range(num_experts):
-            found = [_part_slices(p, block, expert, num_experts, tensors) for p in adapter.parts]
+            found = [_part_slices(p, block, expert, num_experts, tensors) for p in parts]
             shapes_dtypes = [(shape, dtype) for shape, dtype, _ in found]
             expected = expected or shapes_dtypes
             if shapes_dtypes != expected:
@@ -122,10 +136,10 @@ def _index_experts(adapter: FamilyAdapter, config, blocks, tensors) -> tuple[Exp
                                       f"{shapes_dtypes}, but the first expert has {expected}")
             key = ExpertKey(block.moe_index, expert)
             locations[key] = ExpertLocation(key, _merge([s for _, _, segs in found for s in segs]))
-    layout = _layout(expected, adapter.parts)
+    layout = _layout(expected, parts)
     expert_bytes = sum(p.nbytes for p in layout)
     covered = {
-        f"{b.disk_prefix}.{t.format(expert=e)}" for b in blocks for p in adapter.parts for t in p.disk
+        f"{b.disk_prefix}.{t.format(expert=e)}" for b in blocks for p in parts for t in p.disk
         for e in range(num_experts)
     }
     return ExpertIndex(adapter.topology(config, expert_bytes), locations, layout), covered
@@ -148,5 +162,10 @@ def build_index(path: str | Path) -> CheckpointIndex:
     blocks = tuple(adapter.blocks(config))
     if not blocks:
         raise CheckpointError(f"the config in {path} declares no MoE layers")
-    experts, expert_names = _index_experts(adapter, config, blocks, tensors)
-    return CheckpointIndex(path, config, adapter, blocks, experts, _dense_by_shard(tensors, expert_names), tensors)
+    codec = codec_for(config)
+    parts = adapter.parts
+    if codec is not None:
+        parts = _widest_first(codec.disk_parts(adapter.parts), blocks[0], adapter.num_experts(config), tensors)
+    experts, expert_names = _index_experts(adapter, parts, config, blocks, tensors)
+    return CheckpointIndex(path, config, adapter, blocks, experts, _dense_by_shard(tensors, expert_names), tensors,
+                           codec)

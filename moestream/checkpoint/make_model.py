@@ -9,8 +9,10 @@ checkpoint is written in a few hundred MiB. Values are seeded per tensor (spec.s
 tensor's name), so the bytes do not depend on the number of workers: norm weights 1, biases 0,
 tensors the family asks for noise N(0, NOISE_STD), everything else N(0, initializer_range) (T5's
 convention where the config has it instead), drawn in the tensor's own dtype. The checkpoint is built in a temporary directory beside the output and
-renamed into place, so an interrupted run leaves no partial checkpoint. It knows families only
-through their adapters.
+renamed into place, so an interrupted run leaves no partial checkpoint. With `spec.quant`, the tensors
+that the format's published checkpoints quantize are written quantized (`quantized.py`: the quantization
+of the same seeded tensors) and config.json declares the format. It knows families only through their
+adapters.
 """
 
 from __future__ import annotations
@@ -140,10 +142,22 @@ def _check_out(out: Path) -> None:
         raise CheckpointError(f"output {out} already exists and is not an empty directory")
 
 
-def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path) -> None:
-    """config.json, generation_config.json and the tokenizer, as save_pretrained writes them."""
+def _quant_layout(spec: ModelSpec):
+    """The layout of spec.quant (checkpoint/quantized.py), or None for an unquantized checkpoint."""
+    if spec.quant is None:
+        return None
+    from moestream.checkpoint.quantized import QUANT_LAYOUTS
+
+    return QUANT_LAYOUTS.create(spec.quant, spec)
+
+
+def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path, quantization_config: dict | None) -> None:
+    """config.json (with the format's quantization_config), generation_config.json and the tokenizer, as
+    save_pretrained writes them."""
     config = model.config
     config.architectures = [type(model).__name__]
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
     config.save_pretrained(directory)
     if model.can_generate():
         GenerationConfig.from_model_config(config).save_pretrained(directory)
@@ -166,12 +180,17 @@ def _write(spec: ModelSpec, directory: Path, progress: bool, workers: int) -> No
 
     config = make_config(spec)  # config and tokenizer first: their errors come before any progress output
     model = meta_model(spec, config)
-    _write_metadata(spec, model, directory)
-    units = disk_tensors(model)
+    layout = _quant_layout(spec)
+    _write_metadata(spec, model, directory, None if layout is None else layout.quantization_config())
+    units, fill = disk_tensors(model), filler(spec, config)
+    if layout is not None:
+        from moestream.checkpoint.quantized import quantize_units
+
+        units, fill = quantize_units(layout, units, fill)
     total = sum(tensor.nbytes for unit in units for tensor in unit)
     with progress_bar(total=total, desc=f"make-model {spec.family}", disable=not progress, unit="B",
                       unit_scale=True) as bar:
-        write_weights(units, filler(spec, config), directory, spec.max_shard_bytes, workers, bar.update)
+        write_weights(units, fill, directory, spec.max_shard_bytes, workers, bar.update)
     with progress_bar(total=total, desc="manifest", disable=not progress, unit="B", unit_scale=True) as bar:
         # writes moestream-manifest.json: the digests of what was just written
         verify(directory, bar.update, on_start=lambda shard_bytes: bar.reset(total=shard_bytes))

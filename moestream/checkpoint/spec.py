@@ -15,6 +15,10 @@ SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")  # token ids 0, 1, 2
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 16  # every byte, the specials, a few merges
 DTYPE_NAMES = ("bf16", "fp32")
 DEFAULT_TOP_K = 2
+# --quant FORMAT: the families whose published checkpoints come in it, and the multiple that hidden and expert
+# widths must be (MXFP4 scales groups of 32 values); layouts in checkpoint/quantized.py
+QUANT_FAMILIES = {"mxfp4": ("gpt_oss",), "fp8": ("deepseek_v3", "qwen3_moe"), "w4a16": ("mixtral", "qwen3_moe")}
+QUANT_WIDTH_MULTIPLE = {"mxfp4": 32, "fp8": 1, "w4a16": 8}
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class ModelSpec:
     max_shard_bytes: int | None = None
     config_overrides: dict = field(default_factory=dict)  # extra config fields, applied last
     tokenizer_vocab_size: int | None = None  # a tokenizer smaller than the embedding (None: vocab_size)
+    quant: str | None = None  # a QUANT_FAMILIES format: experts (and what else the format's releases quantize)
 
     def __post_init__(self):
         adapter = self.adapter()
@@ -56,6 +61,19 @@ class ModelSpec:
                                   f"{MIN_VOCAB_SIZE} and the vocab size ({self.vocab_size})")
         if self.max_shard_bytes is not None and self.max_shard_bytes < 1:
             raise CheckpointError(f"max shard bytes must be >= 1, got {self.max_shard_bytes}")
+        if self.quant is not None:
+            self._check_quant()
+
+    def _check_quant(self) -> None:
+        if self.quant not in QUANT_FAMILIES:
+            raise CheckpointError(f"unknown quantized format {self.quant!r}; formats: {', '.join(QUANT_FAMILIES)}")
+        if self.family not in QUANT_FAMILIES[self.quant]:
+            raise CheckpointError(f"--quant {self.quant} is written for {', '.join(QUANT_FAMILIES[self.quant])}, "
+                                  f"not {self.family}")
+        multiple = QUANT_WIDTH_MULTIPLE[self.quant]
+        if self.hidden_size % multiple or self.intermediate_size % multiple:
+            raise CheckpointError(f"--quant {self.quant} needs hidden and intermediate sizes that are multiples "
+                                  f"of {multiple}, got {self.hidden_size} and {self.intermediate_size}")
 
     def adapter(self) -> FamilyAdapter:
         if self.family not in FAMILIES:

@@ -26,7 +26,7 @@ INDEX_FILE = "model.safetensors.index.json"
 HEADER_ALIGN = 8
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL"}
+               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 @dataclass(frozen=True)

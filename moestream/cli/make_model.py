@@ -1,11 +1,12 @@
 """`moestream make-model [FAMILY] --out DIR`: write a random test checkpoint in the family's real format,
-or one of a real model's shape (`--preset deepseek-v2-lite`, `--width-scale 0.5`)."""
+or one of a real model's shape (`--preset deepseek-v2-lite`, `--width-scale 0.5`), optionally in a
+published quantized format (`--quant mxfp4|fp8|w4a16`)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from moestream.checkpoint.spec import PRESETS, ModelSpec
+from moestream.checkpoint.spec import PRESETS, QUANT_FAMILIES, ModelSpec
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES
 
@@ -44,6 +45,10 @@ def add_parser(commands) -> None:
         parser.add_argument(f"--{flag}", type=int, help=text + shown)
     parser.add_argument("--dtype", choices=("bf16", "fp32"),
                         help=f"the weights' type on disk (default: {defaults['dtype'].default})")
+    parser.add_argument("--quant", choices=sorted(QUANT_FAMILIES),
+                        help="write the experts (and what else the format's published checkpoints quantize) in a "
+                             "quantized format: " + "; ".join(f"{name} for {', '.join(families)}"
+                                                              for name, families in QUANT_FAMILIES.items()))
     parser.set_defaults(handler=run)
 
 
@@ -56,7 +61,7 @@ def spec_from_args(args) -> ModelSpec:
     base = preset_spec(args.preset) if args.preset else ModelSpec(family=args.family)
     if args.family is not None and args.family != base.family:
         raise CheckpointError(f"--preset {args.preset} is a {base.family} model, not {args.family}")
-    given = {flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in (*HELP, "dtype")}
+    given = {flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in (*HELP, "dtype", "quant")}
     spec = replace(base, **{name: value for name, value in given.items() if value is not None})
     return spec if args.width_scale is None else width_scaled(spec, args.width_scale)
 
@@ -70,8 +75,9 @@ def run(args) -> int:
 
     out = make_model(spec, args.out, progress=True, workers=args.workers)
     topology = build_index(out).topology
+    quantized = "" if spec.quant is None else f"{spec.quant} "
     print(
-        f"wrote {spec.family} checkpoint to {out}: {topology.num_layers} MoE layers x {topology.num_experts} experts "
+        f"wrote {quantized}{spec.family} checkpoint to {out}: {topology.num_layers} MoE layers x {topology.num_experts} experts "
         f"(top-{topology.top_k}), {topology.expert_bytes} bytes per expert, "
         f"{topology.total_expert_bytes / 2**20:.1f} MiB of routed experts, with its integrity manifest"
     )

@@ -41,7 +41,7 @@ from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
-from moestream.runtime.loader import load_model
+from moestream.runtime.loader import compute_dtype, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.onednn import bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
@@ -54,6 +54,7 @@ from moestream.timeline import Timeline
 from moestream.store.config import StoreConfig
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
+from moestream.quant.decoder import ExpertDecoder
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class Engine:
         self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
         self.prefetcher = Prefetcher(self.driver, self.store)
-        self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder)
+        self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder,
+                                        decode=expert_decoder(self.checkpoint, self.config.device))
         self._hooks: list = []
         self.runner: ModelRunner | None = None
         self._tokenizer = None
@@ -347,6 +349,13 @@ def eos_ids(generation_config: GenerationConfig) -> set[int]:
     """The token ids that end a sequence."""
     eos = generation_config.eos_token_id
     return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def expert_decoder(checkpoint: CheckpointIndex, device: str) -> ExpertDecoder | None:
+    """The decoder of a quantized checkpoint's experts (scratch on the compute device), None if unquantized."""
+    if checkpoint.codec is None:
+        return None
+    return ExpertDecoder(checkpoint.codec, checkpoint.experts.layout, compute_dtype(checkpoint.config), device)
 
 
 def _make_policy(config: EngineConfig, topology) -> Policy:

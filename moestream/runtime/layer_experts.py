@@ -22,14 +22,16 @@ post are row-wise, and the caller sums the [T, K, H] result over k as transforme
 order the experts arrived in. fp32 weights whose slot start is not 16-byte aligned are computed from
 an aligned copy: MKL's single-row (gemv) product rounds differently on such addresses (measured:
 4- and 8-byte offsets change the last bits; 16, 32 and 64 do not), while transformers' parameters
-are aligned. Knows no store, policy or family.
+are aligned. Quantized experts (`LayerRows.decode` set) are decoded into reusable scratch right before
+their MLP, one at a time (so "grouped" streams them). Knows no store, policy, family or quantization
+format.
 """
 
 from __future__ import annotations
 
 import math as _math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -49,6 +51,11 @@ class LayerRows:
     order: torch.Tensor  # [R] place of each row among the S = T * K (token, k) rows
     num_rows: int  # S
     out_dtype: torch.dtype  # of the [S, H] result
+    decode: Callable[[Weights], Weights] | None = None  # quantized slot views -> dense weights (scratch)
+
+    def weights(self, views: Weights) -> Weights:
+        """The weights an expert's MLP reads: its slot views, or their decoding right now."""
+        return views if self.decode is None else self.decode(views)
 
 
 class LayerExperts(Protocol):
@@ -98,7 +105,8 @@ class StreamedLayer:
         self.outputs: torch.Tensor | None = None  # [R, H], filled expert by expert
 
     def add(self, weights: Weights, start: int, end: int) -> None:
-        self.put(slice(start, end), expert_mlp(self.rows.math, self.rows.inputs[start:end], weights))
+        mlp = expert_mlp(self.rows.math, self.rows.inputs[start:end], self.rows.weights(weights))
+        self.put(slice(start, end), mlp)
 
     def put(self, where: slice | torch.Tensor, out: torch.Tensor) -> None:
         """Experts' outputs [n, H] (before post) of the sorted rows `where`."""
@@ -125,7 +133,7 @@ class PerExpertLayer:
 
     def add(self, weights: Weights, start: int, end: int) -> None:
         r = self.rows
-        out = r.math.post(expert_mlp(r.math, r.inputs[start:end], weights)) * r.scale[start:end]  # [n, H]
+        out = r.math.post(expert_mlp(r.math, r.inputs[start:end], r.weights(weights))) * r.scale[start:end]  # [n, H]
         self.out[r.order[start:end]] = out
 
     def flush(self) -> None:
@@ -213,7 +221,8 @@ class GroupedLayer:
         return self.stream.result()
 
     def _can_group(self) -> bool:
-        return isinstance(self.rows.math, GroupedExpertMath) and grouped_ready(self.rows.inputs.device)
+        rows = self.rows  # quantized experts stream: each is decoded into the one scratch right before its MLP
+        return rows.decode is None and isinstance(rows.math, GroupedExpertMath) and grouped_ready(rows.inputs.device)
 
     def _run(self, groups: Groups, pending: list[tuple[Weights, int, int]]) -> None:
         device = self.rows.inputs.device

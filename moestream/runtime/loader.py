@@ -4,7 +4,8 @@ The skeleton is built on the meta device (no memory); then every dense tensor of
 read (its own byte range only, with readahead off, so that loading the dense part reads no expert
 bytes), renamed by the family adapter and placed on the compute device one at a time; tied weights
 are tied and non-persistent buffers (rotary inverse frequencies) are computed on the device by the
-model's own initialiser. The routed experts' parameters stay on meta: the experts implementation
+model's own initialiser. Dense tensors a quantized checkpoint stores quantized are decoded by its
+codec (`dense_groups`, `decode_dense`) as they are read. The routed experts' parameters stay on meta: the experts implementation
 computes from the store's slots instead. Shared experts are ordinary dense modules.
 This module knows no policy and names no family.
 """
@@ -27,10 +28,15 @@ from moestream.progress import progress_bar
 log = logging.getLogger(__name__)
 
 
+def compute_dtype(config) -> torch.dtype:
+    """The dtype the model computes in: its config's, else float32."""
+    return getattr(config, "dtype", None) or torch.float32
+
+
 def build_skeleton(checkpoint: CheckpointIndex) -> torch.nn.Module:
     """The model of the checkpoint's family on the meta device, in eval mode."""
     auto_class = getattr(transformers, checkpoint.adapter.auto_class)
-    dtype = getattr(checkpoint.config, "dtype", None) or torch.float32
+    dtype = compute_dtype(checkpoint.config)
     with torch.device("meta"):
         model = auto_class.from_config(checkpoint.config, dtype=dtype)
     return model.eval()
@@ -39,11 +45,16 @@ def build_skeleton(checkpoint: CheckpointIndex) -> torch.nn.Module:
 def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str, progress: bool = False) -> None:
     """Reads every dense tensor onto `device`; raises CheckpointError if the model lacks any."""
     expected = set(model.state_dict(keep_vars=True))
+    groups = checkpoint.codec.dense_groups(checkpoint.dense_names()) if checkpoint.codec is not None else {}
+    quantized = {name for group in groups.values() for name in group.values()}
     loaded: set[str] = set()
     total = sum(len(names) for names in checkpoint.dense.values())
     with progress_bar(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
         for file, names in checkpoint.dense.items():
-            loaded |= _load_file(model, checkpoint, file, names, device, bar)
+            loaded |= _load_file(model, checkpoint, file, [n for n in names if n not in quantized], device, bar)
+        for name, group in groups.items():
+            loaded |= _load_quantized(model, checkpoint, name, group, device)
+            bar.update(len(group))
     missing = {key for key in expected - loaded if not _is_expert_key(key, checkpoint)}
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     still_meta = [key for key, value in model.state_dict(keep_vars=True).items()
@@ -70,6 +81,24 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: st
     except (OSError, RuntimeError, KeyError) as error:
         raise CheckpointError(f"cannot read dense tensors from {file}: {error}") from None
     return loaded
+
+
+def _load_quantized(model, checkpoint: CheckpointIndex, name: str, group: dict[str, str], device: str) -> set[str]:
+    """One dense tensor stored quantized: its tensors read, decoded by the codec, assigned as `name`."""
+    tensors = {}
+    for role, disk_name in group.items():
+        info = checkpoint.tensors[disk_name]
+        try:
+            fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                tensors[role] = _read_tensor(fd, info)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            raise CheckpointError(f"cannot read dense tensor {disk_name} from {info.file}: {error}") from None
+    value = checkpoint.codec.decode_dense(tensors, compute_dtype(checkpoint.config))
+    key = checkpoint.adapter.model_key(name)
+    return {key} if _assign(model, key, value, device) else set()
 
 
 def _read_tensor(fd: int, info: TensorInfo) -> torch.Tensor:

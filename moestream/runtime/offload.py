@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -115,8 +116,10 @@ class OffloadedExperts:
     """The mechanism behind every bound experts module of a model."""
 
     def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None, reorder: bool = True,
-                 kernel: str | None = None):
+                 kernel: str | None = None, decode: Callable[[Weights], Weights] | None = None):
+        """decode: a quantized slot's views -> the dense weights of its MLP (into scratch), None: unquantized."""
         self.store = store
+        self.decode = decode
         self.publisher = publisher
         self.prefetcher = prefetcher
         self.reorder = reorder
@@ -166,7 +169,7 @@ class OffloadedExperts:
         order = torch.from_numpy(plan.order).to(hidden.device)  # [R]
         top_k = plan.num_rows // hidden.shape[0]
         rows = LayerRows(math, hidden[order // top_k], top_k_weights.reshape(-1)[order, None], order,
-                         plan.num_rows, torch.promote_types(hidden.dtype, top_k_weights.dtype))
+                         plan.num_rows, torch.promote_types(hidden.dtype, top_k_weights.dtype), self.decode)
         layer = LAYER_KERNELS.create(self.kernel or default_kernel(hidden.device), rows)
         for number, group in enumerate(groups):
             fetch = first if number == 0 else self.store.fetch(group, [key for g in groups for key in g])

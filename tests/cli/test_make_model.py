@@ -29,6 +29,7 @@ def test_writes_a_checkpoint_and_summarises_it(tmp_path, capsys):
         (["make-model", "mixtral", "--preset", "deepseek-v2-lite"], "is a deepseek_v2 model, not mixtral"),
         (["make-model", "--preset", "deepseek-v2-lite", "--width-scale", "-1"], "width scale must be in"),
         (["make-model", "mixtral", "--workers", "0"], "--workers must be >= 1"),
+        (["make-model", "mixtral", "--quant", "mxfp4"], "--quant mxfp4 is written for gpt_oss, not mixtral"),
     ],
 )
 def test_bad_input_is_one_error_line(tmp_path, capsys, argv, problem):
@@ -38,6 +39,15 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, argv, problem):
     assert len(err) == 1 and err[0].startswith("moestream: error: ") and problem in err[0]
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_writes_a_quantized_checkpoint(tmp_path, capsys):
+    out = tmp_path / "gpt_oss"
+    assert main(["make-model", "gpt_oss", "--quant", "mxfp4", "--num-layers", "2", "--out", str(out)]) == 0
+    checkpoint = build_index(out)
+    assert checkpoint.codec.registry_name == "mxfp4"
+    assert f"wrote mxfp4 gpt_oss checkpoint to {out}" in capsys.readouterr().out
+    assert checkpoint.topology.expert_bytes == 7296  # 4.25 bits per weight, float32 biases
 
 
 def test_refuses_a_non_empty_output(tmp_path, capsys):

@@ -1,0 +1,159 @@
+"""make-model's quantized checkpoints, one `QuantLayout` per format in `QUANT_LAYOUTS` (by the name
+`--quant` takes): which of a model's disk tensors the format stores quantized, as which disk tensors, and
+the config's `quantization_config`, as the format's published checkpoints have them.
+
+A quantized tensor's values come from the dense tensor it replaces, drawn as make_model draws any tensor
+(seeded by the dense tensor's name), then encoded by the format's codec module: the checkpoint is the
+quantization of the unquantized one of the same seed. Each disk tensor of a format re-draws and re-encodes
+its source, so that tensors stay independent (any order, any worker). Knows formats and tensor names,
+no family by name and nothing of the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moestream.checkpoint.writer import Fill, TensorPlan
+from moestream.checkpoint.spec import ModelSpec
+from moestream.quant import fp8, mxfp4
+from moestream.quant.encode import IntScheme, quantize
+from moestream.registry import Registry
+
+
+class QuantLayout:
+    """One format. Subclasses set `pattern` (the names of the dense tensors it quantizes) and implement
+    `planned` and `encode`, which return the same disk tensors in the same order."""
+
+    pattern: ClassVar[str]  # re.search on a dense disk tensor's name
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def quantization_config(self) -> dict:
+        raise NotImplementedError
+
+    def quantizes(self, tensor: TensorPlan) -> bool:
+        return tensor.dtype.is_floating_point and re.search(self.pattern, tensor.name) is not None
+
+    def planned(self, tensor: TensorPlan) -> tuple[TensorPlan, ...]:
+        """The disk tensors (name, shape, dtype) that replace the dense `tensor`."""
+        raise NotImplementedError
+
+    def encode(self, tensor: TensorPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The dense tensor's values -> the values of each of `planned(tensor)`."""
+        raise NotImplementedError
+
+
+QUANT_LAYOUTS: Registry[QuantLayout] = Registry("quantized checkpoint format")
+
+
+@dataclass(frozen=True)
+class _Source:
+    dense: TensorPlan  # the tensor the model holds
+    index: int  # which of the format's disk tensors for it
+
+
+def quantize_units(layout: QuantLayout, units: list[list[TensorPlan]],
+                   fill: Fill) -> tuple[list[list[TensorPlan]], Fill]:
+    """The model's disk tensors in units (make_model.disk_tensors) with the format's tensors in place of the
+    ones it quantizes, and the fill that gives them their values."""
+    sources: dict[str, _Source] = {}
+    planned_units = []
+    for unit in units:
+        planned = []
+        for tensor in unit:
+            replacements = layout.planned(tensor) if layout.quantizes(tensor) else (tensor,)
+            if replacements != (tensor,):
+                sources.update({plan.name: _Source(tensor, i) for i, plan in enumerate(replacements)})
+            planned.extend(replacements)
+        planned_units.append(planned)
+    return planned_units, _quantized_fill(layout, fill, sources)
+
+
+def _quantized_fill(layout: QuantLayout, fill: Fill, sources: dict[str, _Source]) -> Fill:
+    def quantized(tensor: TensorPlan) -> torch.Tensor:
+        source = sources.get(tensor.name)
+        if source is None:
+            return fill(tensor)
+        return layout.encode(source.dense, fill(source.dense))[source.index].contiguous()
+
+    return quantized
+
+
+@QUANT_LAYOUTS.register("mxfp4")
+class Mxfp4Layout(QuantLayout):
+    """GPT-OSS's release: each layer's fused experts [E, A, B] as `_blocks` uint8 [E, B, A/32, 16] and `_scales`
+    uint8 [E, B, A/32] (groups of 32 along A); attention, router, embeddings, head and biases as they are."""
+
+    pattern = r"\.mlp\.experts\.(gate_up_proj|down_proj)$"
+
+    def quantization_config(self) -> dict:
+        return {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+
+    def planned(self, tensor: TensorPlan) -> tuple[TensorPlan, ...]:
+        experts, inner, outer = tensor.shape  # the model's [E, A, B]: B rows of A values on disk
+        groups = inner // mxfp4.GROUP
+        return (TensorPlan(tensor.name + mxfp4.BLOCKS, (experts, outer, groups, mxfp4.GROUP // 2), torch.uint8),
+                TensorPlan(tensor.name + mxfp4.SCALES, (experts, outer, groups), torch.uint8))
+
+    def encode(self, tensor: TensorPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return mxfp4.encode(values.transpose(-1, -2))
+
+
+@QUANT_LAYOUTS.register("fp8")
+class Fp8Layout(QuantLayout):
+    """DeepSeek-V3's release (and Qwen3's FP8 ones): every linear weight of the decoder layers (attention,
+    dense MLPs, shared and routed experts) float8_e4m3fn with float32 `weight_scale_inv` per 128 x 128 block;
+    embeddings, norms, routers and the head as they are."""
+
+    pattern = r"^model\.layers\.\d+\..*\.\w*_proj\w*\.weight$"
+    block = fp8.DEFAULT_BLOCK
+
+    def quantization_config(self) -> dict:
+        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                "weight_block_size": list(self.block)}
+
+    def quantizes(self, tensor: TensorPlan) -> bool:
+        return len(tensor.shape) == 2 and super().quantizes(tensor)
+
+    def planned(self, tensor: TensorPlan) -> tuple[TensorPlan, ...]:
+        scale_name = tensor.name.removesuffix(fp8.WEIGHT) + fp8.SCALE
+        return (TensorPlan(tensor.name, tensor.shape, fp8.FP8),
+                TensorPlan(scale_name, fp8.scale_grid(tensor.shape, self.block), torch.float32))
+
+    def encode(self, tensor: TensorPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fp8.encode(values, self.block)
+
+
+@QUANT_LAYOUTS.register("w4a16")
+class W4a16Layout(QuantLayout):
+    """llm-compressor's W4A16 (compressed-tensors "pack-quantized", moestream.quant.encode): each routed expert
+    linear as `weight_packed` int32 [O, I/8], `weight_scale` [O, I/G] and `weight_shape`, symmetric, groups of
+    G = 128 inputs (the largest divisor of 128 that divides the expert widths, in narrower test models)."""
+
+    pattern = r"\.experts\.\d+\.\w+\.weight$"
+    group_size = 128
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(spec)
+        self.scheme = IntScheme(4, math.gcd(self.group_size, spec.hidden_size, spec.intermediate_size))
+
+    def quantization_config(self) -> dict:
+        return self.scheme.quantization_config()
+
+    def planned(self, tensor: TensorPlan) -> tuple[TensorPlan, ...]:
+        stem = tensor.name.removesuffix("weight")
+        return tuple(TensorPlan(stem + suffix, shape, dtype)
+                     for suffix, (shape, dtype) in self._suffixes(tensor).items())
+
+    def encode(self, tensor: TensorPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(quantize(values, self.scheme, suffix) for suffix in self._suffixes(tensor))
+
+    def _suffixes(self, tensor: TensorPlan) -> dict:
+        return self.scheme.suffixes(tensor.shape, tensor.dtype)

@@ -1,0 +1,105 @@
+"""The contract of quantized experts: an `ExpertCodec` per quantization method, registered in `CODECS`
+under the method's name (`quantization_config.quant_method` of the checkpoint's config.json).
+
+A quantized expert stays in its on-disk format in every tier: its slot is the concatenation of the
+quantized disk tensors that `disk_parts` names (one `ExpertPart` each, so the checkpoint indexer
+lays them out and reads them like any other part), and the runtime views a slot as those parts
+(typed views, `ExpertIndex.views`; the indexer orders a quantized slot's parts widest dtype first,
+stably, so that every view is aligned). Right before an expert's MLP, `decode` turns the parts into the
+dense weights the family's `ExpertMath` reads, written into scratch tensors that the caller
+allocated once (shapes from `dense_shapes`, in the compute dtype) and reuses for every expert: no
+whole-layer dequantized copy exists.
+
+Names: a codec chooses the names of its slot parts (e.g. "gate_up_proj.0.weight_packed" or
+"gate_up_proj_blocks"); `decode` reads the same names. Parts it leaves unquantized (e.g. biases)
+keep the family's names and pass through `decode` unchanged.
+
+Dense (non-expert) tensors that a checkpoint stores quantized (e.g. FP8 attention weights) are
+grouped by `dense_groups` and decoded once at load by `decode_dense`.
+
+This module knows no family, store, policy or runtime; codecs know their format and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
+
+import torch
+
+from moestream.errors import CheckpointError
+from moestream.families.base import ExpertPart
+from moestream.registry import Registry
+
+Tensors = dict[str, torch.Tensor]
+Shapes = dict[str, tuple[int, ...]]
+
+
+class ExpertCodec(Protocol):
+    """One quantization method. Built with the checkpoint config's `quantization_config` (a dict);
+    raises CheckpointError from __init__ for a variant it does not support (naming it)."""
+
+    registry_name: ClassVar[str]  # the method name it is registered under (set by CODECS.register)
+
+    def __init__(self, quantization_config: Mapping[str, Any]) -> None: ...
+
+    def disk_parts(self, parts: Sequence[ExpertPart]) -> tuple[ExpertPart, ...]:
+        """The family's dense parts -> the quantized on-disk parts of one expert, in slot order (a part
+        left unquantized is returned as it is). Each returned part's `disk` names its tensors with
+        {expert}, relative to the block prefix, as `ExpertPart` does."""
+
+    def dense_shapes(self, layout: Mapping[str, tuple[int, ...]]) -> Shapes:
+        """Per-expert shapes of the quantized parts (by slot part name) -> per-expert shape of each dense
+        weight that `decode` writes (by the name `ExpertMath` reads, e.g. "gate_up_proj")."""
+
+    def decode(self, parts: Tensors, out: Tensors) -> Tensors:
+        """One expert: its quantized parts (typed views of its slot, by slot part name) -> the weights
+        `ExpertMath` reads: the tensors of `out` (scratch of `dense_shapes`, compute dtype) filled in
+        place, plus the parts left unquantized, as they are. Must not keep references to `parts`."""
+
+    def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Quantized dense (non-expert) tensors among the checkpoint's dense disk names: dense disk name
+        it decodes to -> {role: disk name of each of its quantized tensors}. Names in no group load as
+        they are. Codecs whose checkpoints keep the dense part unquantized return {}."""
+
+    def decode_dense(self, tensors: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        """One group of `dense_groups` ({role: tensor}) -> the dense tensor in `dtype`."""
+
+
+class DenseUnquantized:
+    """The dense-part hooks of a codec whose checkpoints keep every non-expert tensor unquantized."""
+
+    def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        return {}
+
+    def decode_dense(self, tensors: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        raise CheckpointError("this quantization method stores no quantized dense tensors")
+
+
+CODECS: Registry[ExpertCodec] = Registry("quantization method")
+
+
+def method_of(config) -> str | None:
+    """The quantization method a transformers config declares (quantization_config.quant_method), or None."""
+    qconfig = quantization_config(config)
+    return None if qconfig is None else str(qconfig.get("quant_method"))
+
+
+def quantization_config(config) -> dict | None:
+    """The config's quantization_config as a dict, or None for an unquantized checkpoint."""
+    qconfig = getattr(config, "quantization_config", None)
+    if qconfig is None:
+        return None
+    return qconfig if isinstance(qconfig, dict) else qconfig.to_dict()
+
+
+def codec_for(config) -> ExpertCodec | None:
+    """The codec of a checkpoint's config, None when it is not quantized; CheckpointError naming the method
+    and the supported ones when moestream cannot read it."""
+    qconfig = quantization_config(config)
+    if qconfig is None:
+        return None
+    method = qconfig.get("quant_method")
+    if method not in CODECS:
+        raise CheckpointError(f"unsupported quantization method {method!r} in the checkpoint's config.json; "
+                              f"supported: {', '.join(CODECS.names()) or 'none'}")
+    return CODECS.create(method, qconfig)

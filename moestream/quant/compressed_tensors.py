@@ -1,0 +1,105 @@
+"""compressed-tensors' integer weight layouts (llm-compressor's output, vLLM's W4A16/W8A16 loader):
+
+- "pack-quantized": `weight_packed` int32 [O, I / (32 / b)] (b-bit values + 2**(b-1), first in the
+  lowest bits), `weight_scale` [O, I / G] (G: group size; I for per channel), `weight_zero_point`
+  when asymmetric (int32 [O / (32 / b), I / G] packed along O the same way), `weight_shape` [2];
+- "int-quantized": `weight` int8 [O, I], `weight_scale` [O, I / G], `weight_zero_point` when asymmetric
+  (int8 [O, I / G]).
+
+A weight is (q - zero_point) * scale, group by group along I. Activations stay in the compute dtype
+(W4A16, W8A16). Knows no family or runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from moestream.errors import CheckpointError
+from moestream.quant import linears, packing
+from moestream.quant.codec import CODECS
+
+METHOD = "compressed-tensors"
+PACKED = "pack-quantized"
+INT = "int-quantized"
+
+
+def weights_scheme(qconfig: Mapping[str, Any]) -> tuple[str, dict]:
+    """(format, weights args) of a config with one group of int weight-only quantization."""
+    groups = list((qconfig.get("config_groups") or {}).values())
+    if len(groups) != 1 or not isinstance(groups[0], Mapping) or not isinstance(groups[0].get("weights"), Mapping):
+        raise CheckpointError(f"{METHOD}: only one config group of quantized weights is supported, "
+                              f"the checkpoint has {len(groups)}")
+    weights = dict(groups[0]["weights"])
+    fmt = groups[0].get("format") or qconfig.get("format")
+    if fmt not in (PACKED, INT) or weights.get("type", "int") != "int" or groups[0].get("input_activations"):
+        raise CheckpointError(f"{METHOD}: format {fmt!r} with {weights.get('type')} weights and activations "
+                              f"{groups[0].get('input_activations')!r} is not supported; supported: "
+                              f"{PACKED} and {INT} integer weights (W4A16, W8A16)")
+    return fmt, weights
+
+
+@CODECS.register(METHOD)
+class CompressedTensorsCodec:
+    """Integer weight-only experts in compressed-tensors' pack-quantized or int-quantized format."""
+
+    def __init__(self, quantization_config: Mapping[str, Any]):
+        self.format, weights = weights_scheme(quantization_config)
+        self.bits = int(weights.get("num_bits", 4))
+        self.symmetric = bool(weights.get("symmetric", True))
+        if self.format == PACKED:
+            packing.per_word(self.bits)
+        if weights.get("actorder") not in (None, False) and weights.get("actorder") != "weight":
+            raise CheckpointError(f"{METHOD}: activation-ordered groups (actorder {weights['actorder']!r}) are not supported")
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """Slot role -> disk suffix of each quantized tensor of one linear."""
+        names = {"q": "weight_packed" if self.format == PACKED else "weight", "scale": "weight_scale"}
+        if not self.symmetric:
+            names["zero"] = "weight_zero_point"
+        if self.format == PACKED:
+            names["shape"] = "weight_shape"
+        return names
+
+    def disk_parts(self, parts):
+        return linears.linear_parts(parts, list(self.roles), self.roles, METHOD)
+
+    def dense_shapes(self, layout):
+        return linears.dense_shapes(layout, self._shape)
+
+    def _shape(self, layout, prefix: str) -> tuple[int, int]:
+        rows, cols = layout[f"{prefix}.q"]
+        return rows, cols * (packing.per_word(self.bits) if self.format == PACKED else 1)
+
+    def decode(self, parts, out):
+        return linears.decode_linears(parts, out, self._decode_linear)
+
+    def dense_groups(self, names):
+        return linears.dense_groups(names, self.roles, "scale")
+
+    def decode_dense(self, tensors, dtype):
+        return linears.decode_dense(tensors, dtype, self._shape, self._decode_linear)
+
+    def _decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
+        q = parts[f"{prefix}.q"]
+        ints = self._ints(q)  # [O, I] signed
+        rows = ints.shape[0]
+        zero = parts.get(f"{prefix}.zero")
+        if zero is not None:
+            ints = ints - self._zeros(zero, rows).repeat_interleave(ints.shape[1] // zero.shape[1], dim=1)
+        packing.scaled(ints, parts[f"{prefix}.scale"], target[:rows])
+        return rows
+
+    def _ints(self, q: torch.Tensor) -> torch.Tensor:
+        if self.format == INT:
+            return q
+        if self.bits == 4:
+            return packing.unpack_nibbles(q)
+        return packing.unpack(q, self.bits, dim=1) - (1 << (self.bits - 1))
+
+    def _zeros(self, zero: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.format == INT or zero.dtype != torch.int32:
+            return zero.to(torch.int32)
+        return (packing.unpack(zero, self.bits, dim=0) - (1 << (self.bits - 1)))[:rows]
