@@ -27,17 +27,45 @@ from typing import Iterable
 
 import numpy as np
 
+from moestream.errors import MoestreamError
 from moestream.events import RoutingEvent
 from moestream.parallel.placement import Placement
 from moestream.policies.contracts import Policy
 from moestream.sim.config import SimConfig
 from moestream.sim.engine import StreamSimulator
-from moestream.sim.network import NetworkLink
+from moestream.settings import setting
+from moestream.sim.network import NETWORKS, NO_NETWORK, NetworkLink
 from moestream.sim.protocols import REPLAYS, SimulationError, check_compatible
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
 
 HOME = 0  # the rank that holds the tokens
+
+
+def parse_ranks(text: str, flag: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8); a refusal names the flag."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise MoestreamError(f"{flag}: {text!r} is not a list of rank counts (1,2,4,8)") from None
+    if not counts or min(counts) < 1:
+        raise MoestreamError(f"{flag}: every rank count must be >= 1, got {text!r}")
+    return counts
+
+
+@dataclass(frozen=True)
+class RanksConfig:
+    """How `moestream sim` spreads experts over ranks (its flags)."""
+
+    ranks: tuple[int, ...] | None = setting(
+        None, "simulate expert parallelism on each of these numbers of ranks (one GPU each; per-rank budgets "
+              "as --cache-ratio/--host-ratio of all experts) and print the scaling", parse=parse_ranks,
+        metavar="N[,N...]")
+    network: str = setting(NO_NETWORK, f"the link of each rank pair: {', '.join([NO_NETWORK, *NETWORKS])}")
+    placement: str = setting("round-robin", "which rank owns each expert: round-robin, or balanced (from "
+                                             "--train's routing, else the replayed trace's)")
+    hidden_bytes: int = setting(0, "bytes of one token's hidden state on the network (2 x hidden size); 0: the "
+                                   "synthetic:NAME shape's", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -176,6 +204,7 @@ class RankedSimulation:
             "tpot_ms": self.now / iterations,
             "resident_tpot_ms": self.resident_ms / iterations,
             "stall_ms_per_token": max(r["stall_ms_per_token"] for r in ranks),  # the most stalled rank's
+            "critical_stall_ms_per_token": (self.now - self.resident_ms) / tokens,  # the step's wait for bytes
             "network_ms_per_token": self.network_ms / tokens,
             "hit_rate": sum(r["hits"] for r in ranks) / accesses if accesses else 0.0,
             "bytes_per_token": sum(r["bytes_per_token"] for r in ranks),
