@@ -12,7 +12,7 @@ import copy
 from moestream.errors import MoestreamError
 from moestream.sim.ranks import RanksConfig
 
-REPORT_WIDTH = 160
+REPORT_WIDTH = 180
 
 
 def check_flags(flags: RanksConfig, args) -> None:
