@@ -73,13 +73,14 @@ Scaling = dict[str, dict[float, dict[int, dict]]]  # policy -> cache ratio -> nu
 def plot_scaling(results: Scaling, path: str | os.PathLike, title: str = "") -> Path:
     """Two panels: TPOT (and all-resident TPOT) against the number of ranks; each rank's hit rate."""
     figure, (tpot, hits) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axes in (tpot, hits):
+        axes.set_xscale("log", base=2)
     for policy, by_ratio in results.items():
         for ratio, by_ranks in by_ratio.items():
             _scaling_lines(tpot, hits, by_ranks, f"{policy} @ {ratio:g}")
     tpot.set(xlabel="ranks (one GPU each)", ylabel="TPOT (ms)", title="TPOT vs ranks", yscale="log")
     hits.set(xlabel="ranks (one GPU each)", ylabel="hit rate (%)", title="hit rate of each rank", ylim=(0, 100))
     for axes in (tpot, hits):
-        axes.set_xscale("log", base=2)
         axes.minorticks_off()
         axes.grid(alpha=0.3)
         axes.legend()
