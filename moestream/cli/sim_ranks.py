@@ -34,11 +34,11 @@ def check_flags(flags: RanksConfig, args) -> None:
 def run_ranks(args, flags: RanksConfig, trace, train, policies: dict, configs: list) -> int:
     from moestream.atomic import write_json
 
-    stats = _stats(flags, train if train is not None else trace)
-    results = {name: {config.cache_ratio: _scaling(policy, trace, config, flags, stats) for config in configs}
+    stats, hidden = _stats(flags, train if train is not None else trace), _hidden_bytes(flags, str(args.trace))
+    results = {name: {config.cache_ratio: _scaling(policy, trace, config, flags, stats, hidden) for config in configs}
                for name, policy in policies.items()}
     if args.json is not None:
-        write_json(_document(args, flags, configs[0], trace, results), args.json)
+        write_json(_document(args, flags, configs[0], trace, results) | {"hidden_bytes": hidden}, args.json)
     if args.plot is not None:
         from moestream.sim.plots import plot_scaling
 
@@ -55,13 +55,13 @@ def _stats(flags: RanksConfig, trace):
     return ActivationStats.from_routing(trace.experts, trace.topology.num_experts)
 
 
-def _scaling(policy, trace, config, flags: RanksConfig, stats) -> dict[int, dict]:
+def _scaling(policy, trace, config, flags: RanksConfig, stats, hidden: int) -> dict[int, dict]:
     from moestream.parallel.placement import make_placement
     from moestream.progress import progress_bar
     from moestream.sim.network import get_network
     from moestream.sim.ranks import RankSetup, simulate_ranks
 
-    network, hidden = get_network(flags.network), _hidden_bytes(flags, str(trace.source))
+    network = get_network(flags.network)
     by_ranks = {}
     for world in progress_bar(flags.ranks, desc=f"sim ratio {config.cache_ratio:g}", unit="world"):
         placement = make_placement(flags.placement, trace.topology, world, stats)
@@ -70,12 +70,13 @@ def _scaling(policy, trace, config, flags: RanksConfig, stats) -> dict[int, dict
     return by_ranks
 
 
-def _hidden_bytes(flags: RanksConfig, source: str) -> int:
+def _hidden_bytes(flags: RanksConfig, trace: str) -> int:
+    """--hidden-bytes, else the shape's of a synthetic:NAME --trace."""
     from moestream.sim.synthetic import SYNTHETIC_PREFIX, shape_of
 
-    if flags.hidden_bytes or not source.startswith(SYNTHETIC_PREFIX):
+    if flags.hidden_bytes or not trace.startswith(SYNTHETIC_PREFIX):
         return flags.hidden_bytes
-    return shape_of(source.partition("(")[0]).hidden_bytes
+    return shape_of(trace).hidden_bytes
 
 
 def _document(args, flags: RanksConfig, config, trace, results: dict) -> dict:
@@ -89,7 +90,6 @@ def _document(args, flags: RanksConfig, config, trace, results: dict) -> dict:
         "host_ratio": config.host_cache_ratio,
         "placement": flags.placement,
         "network": flags.network,
-        "hidden_bytes": _hidden_bytes(flags, str(trace.source)),
         "policies": {name: {f"{ratio:g}": {str(world): figures for world, figures in by_ranks.items()}
                             for ratio, by_ranks in by_ratio.items()} for name, by_ratio in results.items()},
     }

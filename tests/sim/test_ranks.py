@@ -12,6 +12,7 @@ from moestream.policies import POLICIES
 from moestream.sim import SimConfig, get_cost_model, simulate
 from moestream.sim.network import NETWORKS, NetworkLink, get_network
 from moestream.sim.ranks import RankSetup, simulate_ranks
+from moestream.sim.synthetic import shape_of
 from moestream.topology import Topology
 from moestream.trace.format import save_trace
 from tests.sim import tiny
@@ -155,3 +156,12 @@ def test_bad_rank_flags_are_one_line_and_exit_2(flags, message, trace_file, caps
     err = capsys.readouterr().err
     assert rc == 2 and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_deepseek_v3_shape_and_an_unknown_synthetic_shape(capsys):
+    topology = shape_of("synthetic:deepseek-v3").topology
+    assert (topology.num_layers, topology.num_experts, topology.top_k) == (58, 256, 8)
+    assert topology.expert_bytes == 3 * 7168 * 2048  # FP8, as the checkpoint ships
+    assert main(["sim", "--trace", "synthetic:nope", "--policy", "lru", "--cache-ratio", "0.25"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown synthetic model shape 'nope'" in err and err.count("\n") == 1
