@@ -94,7 +94,7 @@ def run(args) -> int:
     configs = [_config(args, ratio) for ratio in ratios]
     ranks = from_args(RanksConfig, args)
     if ranks.ranks is not None:
-        from moestream.cli.sim_ranks import check_flags
+        from moestream.sim.scaling import check_flags
 
         check_flags(ranks, args)
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -107,7 +107,7 @@ def run(args) -> int:
     train = _load(args.train, args.train_tokens, args.seed + 1) if args.train is not None else None
     policies = {name: _prepared(name, trace, train, args) for name in names}  # every refusal before any run
     if ranks.ranks is not None:
-        from moestream.cli.sim_ranks import run_ranks
+        from moestream.sim.scaling import run_ranks
 
         return run_ranks(args, ranks, trace, train, policies, configs)
     results = {name: _run_policy(name, policy, trace, configs, args) for name, policy in policies.items()}

@@ -1,8 +1,8 @@
-"""`moestream sim --ranks 1,2,4,8`: the scaling of expert parallelism in the simulator.
+"""The scaling report of `moestream sim --ranks 1,2,4,8`: expert parallelism in the simulator.
 
 Each policy is replayed at every --cache-ratio on every number of ranks, with the experts placed by
 --placement and the ranks joined by --network (moestream.sim.ranks); prints a table of TPOT, stall,
-network time and each rank's hit rate; --json and --plot write the results.
+network time and each rank's hit rate; --json and --plot write the results. Knows no policy by name.
 """
 
 from __future__ import annotations
