@@ -24,6 +24,8 @@ TORCH_FREE = (
     "moestream.policies.default",
     "moestream.sim",
     "moestream.sim.compare",
+    "moestream.sim.ranks",
+    "moestream.parallel.placement",
     "moestream.eval.prediction",
     "moestream.trace.recorder",
 )

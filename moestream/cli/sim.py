@@ -18,7 +18,7 @@ from pathlib import Path
 from moestream.atomic import write_json
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
-from moestream.settings import add_arguments
+from moestream.settings import add_arguments, from_args
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,11 @@ def add_parser(commands) -> None:
     from moestream.sim import PRESETS, PROTOCOLS
     from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS
     from moestream.sim.cost import DEFAULT_COST_MODEL
+    from moestream.sim.ranks import RanksConfig
 
     parser = commands.add_parser("sim", help="replay a routing trace through policies in the simulator")
-    parser.add_argument("--trace", required=True, type=Path, help="trace to replay (.npz: ours or DeepSeek's)")
+    parser.add_argument("--trace", required=True, type=Path,
+                        help="trace to replay (.npz: ours or DeepSeek's), or synthetic:deepseek-v3")
     parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek --trace npz")
     parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="replay only the trace's first whole sequences holding N tokens (default: all)")
@@ -81,23 +83,33 @@ def add_parser(commands) -> None:
     cost.add_argument("--link-latency-ms", type=float, help="per-transfer latency of that link")
     cost.add_argument("--disk-gbps", type=float, help="disk -> host bandwidth (GB/s)")
     cost.add_argument("--disk-latency-ms", type=float, help="disk -> host per-transfer latency")
+    add_arguments(parser.add_argument_group("expert parallelism"), RanksConfig)
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    from moestream.trace.format import load_trace
+    from moestream.sim.ranks import RanksConfig
 
     names, ratios = _names(args.policy), _ratios(args.cache_ratio)
     configs = [_config(args, ratio) for ratio in ratios]
+    ranks = from_args(RanksConfig, args)
+    if ranks.ranks is not None:
+        from moestream.sim.scaling import check_flags
+
+        check_flags(ranks, args)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise SimArgumentError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    trace = load_trace(args.trace, args.tokens)
+    trace = _load(args.trace, args.tokens, args.seed)
     if args.max_tokens is not None:
         from moestream.sim.compare import head_tokens
 
         trace = head_tokens(trace, args.max_tokens)
-    train = load_trace(args.train, args.train_tokens) if args.train is not None else None
+    train = _load(args.train, args.train_tokens, args.seed + 1) if args.train is not None else None
     policies = {name: _prepared(name, trace, train, args) for name in names}  # every refusal before any run
+    if ranks.ranks is not None:
+        from moestream.sim.scaling import run_ranks
+
+        return run_ranks(args, ranks, trace, train, policies, configs)
     results = {name: _run_policy(name, policy, trace, configs, args) for name, policy in policies.items()}
     document = _document(args, configs[0], trace, results)
     if args.json is not None:
@@ -108,6 +120,16 @@ def run(args) -> int:
         plot_results(results, args.plot, f"{args.trace.name}: {args.protocol} protocol")
     _print_table(results, args.protocol)
     return 0
+
+
+def _load(path: Path, tokens: Path | None, seed: int):
+    """The trace at path, or the synthetic trace a `synthetic:NAME` path names (seeded by --seed)."""
+    from moestream.sim.synthetic import SYNTHETIC_PREFIX, synthetic_shape_trace
+    from moestream.trace.format import load_trace
+
+    if str(path).startswith(SYNTHETIC_PREFIX):
+        return synthetic_shape_trace(str(path), seed=seed)
+    return load_trace(path, tokens)
 
 
 def _names(text: str) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from moestream.errors import MoestreamError
 from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
+from moestream.topology import Topology
 
 MODES = ("decode", "prefill", "batched")
 PROTOCOL_EVICTIONS = ("lru", "policy")
@@ -31,6 +32,8 @@ class SimConfig:
     warmup_tokens: int = 10  # MoE-Beyond protocol: unscored tokens at the start of each prompt
     protocol_eviction: str = "lru"  # MoE-Beyond protocol: "lru" (the study's) or the policy's own
     expert_order: str = "ready"  # how a layer's experts compute beside their loads (EXPERT_ORDERS; sim.engine)
+    device_slots: int = 0  # device-tier slots if not cache_ratio of all experts (one rank of several); 0: the ratio's
+    host_slots: int = 0  # host-tier slots if not host_cache_ratio of all experts; 0: the ratio's
 
     def __post_init__(self):
         if not 0.0 < self.cache_ratio <= 1.0:
@@ -43,8 +46,8 @@ class SimConfig:
             raise SimConfigError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
         if self.batch_size < 1:
             raise SimConfigError(f"batch size must be >= 1, got {self.batch_size}")
-        if self.horizon_layers < 0 or self.warmup_tokens < 0:
-            raise SimConfigError("horizon_layers and warmup_tokens must be >= 0")
+        if min(self.horizon_layers, self.warmup_tokens, self.device_slots, self.host_slots) < 0:
+            raise SimConfigError("horizon_layers, warmup_tokens, device_slots and host_slots must be >= 0")
         if self.expert_order not in EXPERT_ORDERS:
             raise SimConfigError(f"unknown expert order {self.expert_order!r}; known: {', '.join(EXPERT_ORDERS)}")
         if self.protocol_eviction not in PROTOCOL_EVICTIONS:
@@ -56,3 +59,9 @@ class SimConfig:
     def has_host_tier(self) -> bool:
         """A host tier that must be simulated: it holds only part of the experts."""
         return self.cost.host_holds_all and self.host_cache_ratio < 1.0
+
+    def device_slots_of(self, topology: Topology) -> int:
+        return self.device_slots or topology.slots_for_ratio(self.cache_ratio)
+
+    def host_slots_of(self, topology: Topology) -> int:
+        return self.host_slots or topology.slots_for_ratio(self.host_cache_ratio)

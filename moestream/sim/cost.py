@@ -19,6 +19,14 @@ Presets
   50 GB/s effective for pinned copies (about 80 % of nominal, as on PCIe 4.0), 0.01 ms per copy.
   Compute, same derivation: 166 MB at ~1.6 TB/s effective = 0.10 ms, plus ~0.03 ms of launches:
   0.13 ms per layer; a further expert 0.011 ms; a further token 166 MFLOP at ~380 TFLOP/s: 0.0005 ms.
+``h100-deepseek-v3``: one H100 SXM (3.35 TB/s HBM3) on PCIe 5.0 x16 (50 GB/s effective, as above) with
+  an NVMe drive (6 GB/s), serving a DeepSeek-V3-shaped model (hidden 7168, 58 MoE layers of 256
+  experts of 3 x 7168 x 2048 params, top-8, one shared expert; FP8 weights, 1 byte per param).
+  Compute, same derivation: one decode token reads MLA attention (~187 M params) + the shared expert
+  (44 M) + 8 routed experts (352 M): 583 MB at ~2.7 TB/s effective = 0.216 ms, plus ~0.04 ms of
+  launches: 0.26 ms per layer; a routed expert for one token reads 44 MB: 0.016 ms (routed_expert_ms,
+  part of the layer's compute); a further distinct expert the same; a further token 1.17 GFLOP at
+  ~600 TFLOP/s effective FP8: 0.002 ms.
 ``local-disk``: this development machine, experts read from its disk into RAM (the "device" tier is
   RAM and the source is disk; no host tier). Measured 2026-11-20 on the project's 2-core VM:
   sequential O_DIRECT reads of a fresh 1 GiB file in /tmp with
@@ -124,6 +132,16 @@ PRESETS: dict[str, CostModel] = {
             host_to_device_gbps=50.0,
             disk_to_host_gbps=6.0,
             source="H100 PCIe on PCIe 5.0 x16 (64 GB/s nominal, 50 GB/s effective); compute derived",
+        ),
+        CostModel(
+            name="h100-deepseek-v3",
+            layer_compute_ms=0.26,
+            expert_compute_ms=0.016,
+            token_compute_ms=0.002,
+            routed_expert_ms=0.016,
+            host_to_device_gbps=50.0,
+            disk_to_host_gbps=6.0,
+            source="H100 SXM on PCIe 5.0 x16, NVMe; DeepSeek-V3-shaped layer in FP8, compute derived",
         ),
         CostModel(
             name="local-disk",

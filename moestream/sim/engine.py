@@ -38,7 +38,8 @@ This module knows the policy contract, not any policy by name.
 
 from __future__ import annotations
 
-from typing import Iterable
+import functools
+from typing import Callable, Iterable
 
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.errors import BudgetError
@@ -55,16 +56,17 @@ from moestream.transfer_core import HIT, LATE, TransferCore
 
 
 class StreamSimulator:
-    def __init__(self, policy: Policy, config: SimConfig):
+    def __init__(self, policy: Policy, config: SimConfig, compute_ms: Callable[[int, int], float] | None = None):
+        """compute_ms(num_tokens, num_experts): a layer's compute, if not the cost model's (moestream.sim.ranks)."""
         topo, cost = policy.topology, config.cost
         self.policy, self.config, self.cost, self.topology = policy, config, cost, topo
         nbytes = topo.expert_bytes
-        self.device = ExpertCache(topo.slots_for_ratio(config.cache_ratio), policy.make_eviction("device"))
+        self.device = ExpertCache(config.device_slots_of(topo), policy.make_eviction("device"))
         self.device_link = Link(cost.device_link, cost.transfer_ms(nbytes, cost.device_link), nbytes)
         self.host: ExpertCache | None = None
         self.lower_link: Link | None = None
         if config.has_host_tier:
-            self.host = ExpertCache(topo.slots_for_ratio(config.host_cache_ratio), policy.make_eviction("host"))
+            self.host = ExpertCache(config.host_slots_of(topo), policy.make_eviction("host"))
             self.lower_link = Link("disk_to_host", cost.transfer_ms(nbytes, "disk_to_host"), nbytes)
         self.links = [self.device_link] + ([self.lower_link] if self.lower_link else [])
         tiers = [self.device] + ([self.host] if self.host else [])
@@ -74,7 +76,7 @@ class StreamSimulator:
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.now = 0.0
-        self._compute_cache: dict[tuple[int, int], float] = {}
+        self._layer_ms = compute_ms or functools.cache(lambda tokens, experts: cost.compute_ms(tokens, experts, topo.top_k))
         self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], int] | None = None  # routed
         self.counters = StreamCounters(LayerCounts(topo.num_layers))
 
@@ -108,7 +110,7 @@ class StreamSimulator:
             self._layer = None
 
     def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int) -> None:
-        compute_ms = self._compute_ms(num_tokens, len(needed))
+        compute_ms = self._layer_ms(num_tokens, len(needed))
         ready_ms = self.now + self._stall_ms(needed, lands, num_tokens, compute_ms)
         counters = self.counters
         counters.resident_ms += compute_ms
@@ -120,13 +122,11 @@ class StreamSimulator:
         self.demanding = []
         self.now = end_ms
 
-    def _compute_ms(self, num_tokens: int, num_experts: int) -> float:
-        cached = self._compute_cache.get((num_tokens, num_experts))
-        if cached is None:
-            cached = self._compute_cache[num_tokens, num_experts] = self.cost.compute_ms(
-                num_tokens, num_experts, self.topology.top_k
-            )
-        return cached
+    def wait_until(self, until_ms: float) -> None:
+        """Idle until until_ms (other ranks or the network hold the step); the links keep moving."""
+        if until_ms > self.now:
+            self._advance(until_ms)
+            self.now = until_ms
 
     def _stall_ms(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int,
                   compute_ms: float) -> float:
@@ -135,8 +135,8 @@ class StreamSimulator:
         once it has landed: the wait is what that compute does not cover. "loaded", or no routed_expert_ms:
         until the last one lands."""
         now, order = self.now, self.config.expert_order
-        rows = num_tokens * self.topology.top_k / len(needed)
-        expert_ms = min(self.cost.routed_expert_ms * rows, compute_ms / len(needed))
+        rows = num_tokens * self.topology.top_k / max(len(needed), 1)  # a rank of several may need none
+        expert_ms = min(self.cost.routed_expert_ms * rows, compute_ms / max(len(needed), 1))
         if expert_ms == 0.0 or order == "loaded" or not lands:
             return max([now, *lands.values()]) - now
         if order == "ready":  # resident first, then as they land

@@ -1,4 +1,5 @@
-"""PNG figures of simulation results: hit rate against cache ratio, and hit rate per layer.
+"""PNG figures of simulation results: hit rate against cache ratio, and hit rate per layer; TPOT and
+each rank's hit rate against the number of ranks.
 
 Takes plain result dicts ({policy: {ratio: metrics}}); knows nothing of how they were made.
 Uses matplotlib's Agg backend, writes atomically.
@@ -64,3 +65,41 @@ def _save(figure, path: Path) -> Path:
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format="png", dpi=110)
     return path
+
+
+Scaling = dict[str, dict[float, dict[int, dict]]]  # policy -> cache ratio -> number of ranks -> figures
+
+
+def plot_scaling(results: Scaling, path: str | os.PathLike, title: str = "") -> Path:
+    """Two panels: TPOT (and all-resident TPOT) against the number of ranks; each rank's hit rate."""
+    figure, (tpot, hits) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axes in (tpot, hits):
+        axes.set_xscale("log", base=2)
+    for policy, by_ratio in results.items():
+        for ratio, by_ranks in by_ratio.items():
+            _scaling_lines(tpot, hits, by_ranks, f"{policy} @ {ratio:g}")
+    tpot.set(xlabel="ranks (one GPU each)", ylabel="TPOT (ms)", title="TPOT vs ranks", yscale="log")
+    hits.set(xlabel="ranks (one GPU each)", ylabel="hit rate (%)", title="hit rate of each rank", ylim=(0, 100))
+    for axes in (tpot, hits):
+        axes.minorticks_off()
+        axes.grid(alpha=0.3)
+        axes.legend()
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    try:
+        return _save(figure, Path(path))
+    finally:
+        plt.close(figure)
+
+
+def _scaling_lines(tpot, hits, by_ranks: dict[int, dict], label: str) -> None:
+    worlds = sorted(by_ranks)
+    line, = tpot.plot(worlds, [by_ranks[w]["tpot_ms"] for w in worlds], marker="o", label=label)
+    tpot.plot(worlds, [by_ranks[w]["resident_tpot_ms"] for w in worlds], linestyle="--", color=line.get_color(),
+              label=f"{label}, all resident")
+    points = [(w, 100 * rank["hit_rate"]) for w in worlds for rank in by_ranks[w]["ranks"]]
+    hits.scatter(*zip(*points), color=line.get_color(), s=12, label=label)
+    hits.plot(worlds, [100 * by_ranks[w]["hit_rate"] for w in worlds], color=line.get_color())
+    for axes in (tpot, hits):
+        axes.set_xticks(worlds, [str(w) for w in worlds])
