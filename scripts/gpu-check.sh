@@ -5,7 +5,9 @@
 #      (kept for a rerun on the same machine: an existing one with its manifest is reused);
 #   3. `bench engine --device cuda` (on-demand LRU, async LRU, `default`), cold, with routing replayed
 #      from a trace: at 25%, then 50%, then 10% (each call also runs all experts resident);
-#   4. a table of every run.
+#   4. int4 experts: `quantize --format int4` of that checkpoint, then `bench quant --device cuda` of
+#      the two at one byte budget (25% of the bf16 experts' bytes), `default` and on-demand LRU;
+#   5. a table of every run.
 # Each step runs under its own timeout (capped by what is left of GPU_CHECK_BUDGET_S), so one failure
 # or overrun loses only that step; a budget's figures come with its own call, so a late timeout loses
 # only the last budget. Everything goes to $OUT: <step>.log (env.log: machine and versions), steps.tsv (step,
@@ -29,6 +31,8 @@
 #   GPU_CHECK_PROMPTS   1             (demo prompts per run)
 #   GPU_CHECK_BUDGET_S  450           (all steps together; the table is written after it)
 #   GPU_CHECK_PYTHON    python3
+#   GPU_CHECK_STEPS     "tests bench-25 bench-50 bench-10 quant" (which optional steps run, in this
+#                       order; env, make-model, train-predictor and table always run)
 # Carry the folder .gpu-data (ignored by git): puffin_dev.npz (the trace), predictor-default
 # (train-predictor --kind default --trace puffin_dev.npz) and, where the machine's python3 has no
 # pytest, pylib (pip install --target .gpu-data/pylib pytest, on a machine with a network).
@@ -43,6 +47,7 @@ CKPT=${GPU_CHECK_CKPT:-/tmp/moestream-gpu-check/$PRESET}
 TOKENS=${GPU_CHECK_TOKENS:-6}
 PROMPTS=${GPU_CHECK_PROMPTS:-1}
 PY=${GPU_CHECK_PYTHON:-python3}
+STEPS=" ${GPU_CHECK_STEPS:-tests bench-25 bench-50 bench-10 quant} "
 DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-450}))
 CUDA_TESTS=(tests/store/test_store.py tests/store/test_pool.py tests/checkpoint/test_manifest.py
             tests/runtime/test_config.py tests/store/test_config.py tests/bench/engine/test_cuda.py)
@@ -118,17 +123,34 @@ bench() {  # bench LABEL BUDGETS
     --prompts "$PROMPTS" --max-new-tokens "$TOKENS" "${extra[@]}" --json "$OUT/bench-engine-$1.json"
 }
 
+quant() {  # an int4 copy of the checkpoint (kept for a rerun), then both at one byte budget
+  if [ ! -f "$CKPT-int4/moestream-manifest.json" ]; then
+    rm -rf "$CKPT-int4" && "$PY" -m moestream quantize --model "$CKPT" --format int4 --out "$CKPT-int4" --no-error \
+      --workers "$(nproc)" || return 1
+  fi
+  local extra=()
+  if [ -f "$TRACE" ]; then extra+=(--replay-routing "$TRACE"); fi
+  for dir in "$PREDICTOR" "$OUT/predictor-default"; do
+    if [ -d "$dir" ]; then extra+=(--predictor-dir "$dir"); break; fi
+  done
+  "$PY" -m moestream bench quant --models "$CKPT,$CKPT-int4" --device "$DEVICE" --budget 0.25 --prompts "$PROMPTS" \
+    --max-new-tokens "$TOKENS" "${extra[@]}" --json "$OUT/bench-quant.json"
+}
+
+wanted() { [[ $STEPS == *" $1 "* ]]; }
+
 export OUT DEVICE PRESET TRACE PREDICTOR CKPT TOKENS PROMPTS PY MAKE_ARGS
-export -f environment make_checkpoint train_predictor bench
+export -f environment make_checkpoint train_predictor bench quant
 step env 30 bash -c environment
 step make-model 200 bash -c make_checkpoint &
 WRITER=$!
-step tests 120 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/tests.xml" "${CUDA_TESTS[@]}"
+wanted tests && step tests 120 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/tests.xml" "${CUDA_TESTS[@]}"
 wait "$WRITER"
 step train-predictor 90 bash -c train_predictor
-step bench-25 320 bash -c "bench 25 0.25"  # a run of the 31 GB checkpoint takes 30-60 s; 180 s did not hold four
-step bench-50 150 bash -c "bench 50 0.5"
-step bench-10 150 bash -c "bench 10 0.1"
+wanted bench-25 && step bench-25 320 bash -c "bench 25 0.25"  # a run of the 31 GB checkpoint takes 30-60 s; 180 s did not hold four
+wanted bench-50 && step bench-50 150 bash -c "bench 50 0.5"
+wanted bench-10 && step bench-10 150 bash -c "bench 10 0.1"
+wanted quant && step quant 300 bash -c quant
 DEADLINE=$((SECONDS + 30))
 step table 20 "$PY" scripts/gpu_check_table.py "$OUT" --out "$OUT/table.md"
 echo "gpu-check: finished in $SECONDS s; results in $OUT"
