@@ -16,6 +16,7 @@ from moestream.budget import Budget
 from moestream.config import EngineConfig
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.memory_plan import AUTO
+from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args, read_flags
 
 PROMPT_ALLOWANCE = 2048  # prompt tokens a sequence may bring, in the KV that an auto budget leaves room for
@@ -30,6 +31,7 @@ def add_parser(commands) -> None:
                         help="prompts of --prompts-file generated together (default 1); figures are per batch")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     add_arguments(parser, EngineConfig)
+    add_arguments(parser, ParallelConfig)
     parser.add_argument("--json", type=Path,
                         help="write text, token ids and figures to this JSON file (a list with --prompts-file)")
     parser.add_argument("--record-trace", type=Path, help="save the run's routing as a trace file")
@@ -147,13 +149,14 @@ def read_prompts(path: Path) -> list[str]:
 def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     """Runs the prompts in batches: one JSON record per prompt, and the run's throughput (the trace
     saved if asked)."""
-    from moestream.runtime import Engine
+    from moestream.parallel.launch import expert_parallel_report, open_engine
 
     recording = args.record_trace is not None
     config = from_args(EngineConfig, args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
     many = args.prompts_file is not None
     records, rates = [], Throughput()
-    with Engine(args.model, config, progress=True) as engine:
+    read_flags(ParallelConfig, args)
+    with open_engine(args.model, config, args, progress=True, on_plan=_print_lines) as engine:
         if engine.replay is not None:  # the trace fits the model: label what follows
             from moestream.runtime.replay import REPLAY_LABEL
 
@@ -172,7 +175,12 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
                 records.append(report(result, row) | extra)
         if recorder is not None:
             _save_trace(recorder, args.record_trace)
-    return records, rates
+        parallel = expert_parallel_report(engine)  # every rank's figures, under torchrun
+    return [r | {"expert_parallel": parallel} if parallel else r for r in records], rates
+
+
+def _print_lines(lines: list[str]) -> None:
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _run_batch(engine, batch: list[str], max_new_tokens: int):
