@@ -130,13 +130,15 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
             engine.close()
 
 
-def follow_ranks(ranks: RankContext) -> int:
-    """A follower: opens its engine from rank 0's hello and runs rank 0's steps until it closes."""
+def follow_ranks(ranks: RankContext, observers=()) -> int:
+    """A follower: opens its engine from rank 0's hello (observers: beside its policy's) and runs rank 0's
+    steps until it closes."""
     from moestream.runtime import Engine
 
     hello = _send(ranks, None)
     shard = ExpertShard(hello.placement, ranks)
-    with _opened(ranks, lambda: Engine(hello.model, _follower_config(hello, ranks.rank), shard=shard)) as engine:
+    with _opened(ranks, lambda: Engine(hello.model, _follower_config(hello, ranks.rank), shard=shard,
+                                                observers=observers)) as engine:
         follow(engine, shard)
     return 0
 
