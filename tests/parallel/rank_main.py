@@ -6,6 +6,7 @@
 Every rank writes its pid to $PIDS_DIR/<rank> first (the tests check that none is left behind).
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -26,6 +27,16 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 MAX_TOKENS = [6, 3]  # the second row ends first and stays in the static batch
 
 
+class HiddenDigest(Observer):
+    """A digest of every MoE layer's input bits (each after the previous layer's combine)."""
+
+    def __init__(self):
+        self.digest = hashlib.sha256()
+
+    def observe(self, event) -> None:
+        self.digest.update(event.hidden.tobytes())
+
+
 def generated(engine: Engine) -> list[list[int]]:
     """A KV probe (a step no request sees), then a static batch whose rows end apart."""
     engine.kv_bytes_per_token()
@@ -38,6 +49,14 @@ def generated(engine: Engine) -> list[list[int]]:
     return [list(s.output_ids) for s in seqs]
 
 
+def run_digested(open_engine) -> dict:
+    """The tokens and the digest of every layer's input of a run on the engine that open_engine(observers) opens."""
+    digest = HiddenDigest()
+    with open_engine([digest]) as engine:
+        tokens = generated(engine)
+    return {"tokens": tokens, "hidden": digest.digest.hexdigest()}
+
+
 def same(ranks, out: str, runs: str) -> None:
     results = []
     for run in json.loads(Path(runs).read_text()):
@@ -46,8 +65,8 @@ def same(ranks, out: str, runs: str) -> None:
             follow_ranks(ranks)
             continue
         parallel = ParallelConfig(**run["parallel"])
-        with leading_engine(run["model"], config, parallel, ranks) as engine:
-            results.append(generated(engine))
+        results.append(run_digested(lambda observers: leading_engine(run["model"], config, parallel, ranks,
+                                                                     observers=observers)))
     if ranks.leads:
         Path(out).write_text(json.dumps(results))
 

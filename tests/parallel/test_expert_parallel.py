@@ -17,7 +17,7 @@ from moestream.checkpoint.index import build_index
 from moestream.config import EngineConfig
 from moestream.runtime import Engine
 from moestream.trace.format import save_trace
-from tests.parallel.rank_main import generated
+from tests.parallel.rank_main import run_digested
 from tests.synthetic import synthetic_trace
 
 SCRIPT = Path(__file__).with_name("rank_main.py")
@@ -60,12 +60,11 @@ def runs(tiny_checkpoint, tmp_path_factory):
         trace = save_trace(synthetic_trace(build_index(model).topology, num_sequences=4, tokens_per_sequence=16),
                            root / f"{family}.trace")
         for sync in (False, True):
-            config = {"expert_budget": 0.5, "sync": sync}
-            with Engine(model, EngineConfig(**config)) as engine:
-                tokens = generated(engine)
+            config = {"expert_budget": 0.5, "sync": sync, "publish_hidden": True}
+            alone = run_digested(lambda observers: Engine(model, EngineConfig(**config), observers=observers))
             for placement in ("round-robin", "balanced"):
                 parallel = {"expert_parallel_placement": placement, "expert_parallel_trace": str(trace)}
-                out.append({"model": str(model), "config": config, "parallel": parallel, "tokens": tokens})
+                out.append({"model": str(model), "config": config, "parallel": parallel} | alone)
     path = root / "runs.json"
     path.write_text(json.dumps(out))
     return path, out
@@ -78,8 +77,9 @@ def test_greedy_tokens_match_one_process(runs, world_size, tmp_path):
     done = torchrun(world_size, ["same", str(out), str(path)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
-    for run, tokens in zip(expected, got):
-        assert tokens == run["tokens"], (run["model"], run["config"], run["parallel"])
+    for run, result in zip(expected, got):
+        assert result["tokens"] == run["tokens"], (run["model"], run["config"], run["parallel"])
+        assert result["hidden"] == run["hidden"], (run["model"], run["config"], run["parallel"])  # bit for bit
     assert len(got) == len(expected) == 12
     assert not [pid for pid in map(int, (p.read_text() for p in tmp_path.iterdir() if p.name.isdigit())) if alive(pid)]
 
