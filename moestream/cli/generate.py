@@ -72,6 +72,7 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
     read_flags(EngineConfig, args)
+    from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
     require_checkpoint_dir(args.model)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
@@ -155,8 +156,7 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     config = from_args(EngineConfig, args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
     many = args.prompts_file is not None
     records, rates = [], Throughput()
-    read_flags(ParallelConfig, args)
-    with open_engine(args.model, config, args, progress=True, on_plan=_print_lines) as engine:
+    with open_engine(args.model, config, args, progress=True, on_plan=print_lines) as engine:
         if engine.replay is not None:  # the trace fits the model: label what follows
             from moestream.runtime.replay import REPLAY_LABEL
 
@@ -179,7 +179,7 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     return [r | {"expert_parallel": parallel} if parallel else r for r in records], rates
 
 
-def _print_lines(lines: list[str]) -> None:
+def print_lines(lines: list[str]) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -48,6 +49,7 @@ def run_ranks(args) -> int:
         if ranks.leads:
             args.ranks = ranks
             return int(args.handler(args) or 0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which drains, then stops the rest
         return follow_ranks(ranks)
     finally:
         leave_ranks()
@@ -123,11 +125,14 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
     leader.bind(engine)
     try:
         yield engine
-    finally:
-        try:
+    except BaseException:
+        with contextlib.suppress(RankFailure):  # the first error is the one to report
             leader.close()
-        finally:
-            engine.close()
+        raise
+    else:
+        leader.close()
+    finally:
+        engine.close()
 
 
 def follow_ranks(ranks: RankContext, observers=()) -> int:
