@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 import torch.distributed as dist
 
-from moestream.budget import Budget, format_bytes
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.parallel.config import ParallelConfig
-from moestream.parallel.placement import PLACEMENTS, ActivationStats, Placement, make_placement
+from moestream.parallel.placement import Placement
+from moestream.parallel.plan import placement_of, plan_lines, rank_config
 from moestream.parallel.ranks import RankContext, RankFailure, join_ranks, leave_ranks
 from moestream.parallel.shard import ExpertShard
 from moestream.parallel.steps import Leader, follow
@@ -66,44 +65,6 @@ def open_engine(model, config: EngineConfig, args, **engine_kwargs):
     return leading_engine(model, config, from_args(ParallelConfig, args), ranks, **engine_kwargs)
 
 
-def placement_of(parallel: ParallelConfig, config: EngineConfig, topology: Topology, world_size: int) -> Placement:
-    """The placement the settings name, from the routing trace it needs, if any."""
-    name, trace = parallel.expert_parallel_placement, parallel.expert_parallel_trace or config.replay_routing
-    stats = None
-    if PLACEMENTS.get(name).needs_stats:
-        if trace is None:
-            raise MoestreamError(f"--expert-parallel-placement {name} needs a routing trace: pass "
-                                 "--expert-parallel-trace (or --replay-routing)")
-        from moestream.runtime.replay import check_topology
-        from moestream.trace.format import load_trace
-
-        routing = load_trace(trace)
-        check_topology(routing, topology, trace)
-        stats = ActivationStats.from_routing(routing.experts, topology.num_experts)
-    return make_placement(name, topology, world_size, stats)
-
-
-def plan_lines(placement: Placement, topology: Topology) -> list[str]:
-    """One line per rank: the experts and bytes it owns."""
-    owners = np.asarray(placement.owners)  # [L, E]
-    lines = [f"expert parallelism: {placement.world_size} ranks, placement {placement.name}"]
-    for rank in range(placement.world_size):
-        count = int((owners == rank).sum())
-        lines.append(f"  rank {rank}: {count} experts ({count / owners.shape[0]:.1f} a layer), "
-                     f"{format_bytes(count * topology.expert_bytes)}")
-    return lines
-
-
-def rank_config(config: EngineConfig, placement: Placement, rank: int, topology: Topology) -> EngineConfig:
-    """The rank's settings: its budget ratios are of the bytes of the experts it owns."""
-    owned_bytes = int((np.asarray(placement.owners) == rank).sum()) * topology.expert_bytes
-
-    def own(budget: Budget) -> Budget:
-        return budget if budget.ratio is None else Budget(size_bytes=int(budget.ratio * owned_bytes))
-
-    return dataclasses.replace(config, expert_budget=own(config.expert_budget), host_budget=own(config.host_budget))
-
-
 @contextlib.contextmanager
 def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks: RankContext,
                    on_plan: Callable[[list[str]], None] | None = None, **engine_kwargs) -> Iterator:
@@ -112,11 +73,11 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
     from moestream.runtime import Engine
 
     topology = build_index(model).topology
-    placement = placement_of(parallel, config, topology, ranks.world_size)
+    placement, stats = placement_of(parallel, config.replay_routing, topology, ranks.world_size)
     if parallel.expert_parallel_plan:
         placement.save(parallel.expert_parallel_plan)
     if on_plan is not None:
-        on_plan(plan_lines(placement, topology))
+        on_plan(plan_lines(placement, topology, stats))
     _send(ranks, Hello(str(Path(model)), config, placement))
     shard = ExpertShard(placement, ranks)
     leader = Leader(shard)
