@@ -65,10 +65,10 @@ def _command_modules(argv: list[str] | None) -> list[str]:
 
 
 def _run(args) -> int:
-    """The command; under torchrun, a command that takes --expert-parallel-placement runs on every rank."""
+    """The command; under torchrun, a command that runs on ranks (generate, serve) runs on every rank."""
     from moestream.parallel.ranks import launched
 
-    if hasattr(args, "expert_parallel_placement") and launched():
+    if getattr(args, "runs_on_ranks", False) and launched():
         from moestream.parallel.launch import run_ranks
 
         return run_ranks(args)

@@ -37,7 +37,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--record-trace", type=Path, help="save the run's routing as a trace file")
     parser.add_argument("--record-hidden", action="store_true",
                         help="include router inputs and token embeddings in the trace")
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, runs_on_ranks=True)
 
 
 def require_checkpoint_dir(path: Path) -> None:
@@ -168,15 +168,15 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
                 print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
             result = _run_batch(engine, batch, args.max_new_tokens)
             rates.add(result)
+            parallel = expert_parallel_report(engine)  # every rank's figures of the batch, under torchrun
             for row, prompt in enumerate(batch):
                 if recorder is not None:
                     recorder.set_text(result.seq_ids[row], prompt)
                 extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
-                records.append(report(result, row) | extra)
+                records.append(report(result, row) | extra | ({"expert_parallel": parallel} if parallel else {}))
         if recorder is not None:
             _save_trace(recorder, args.record_trace)
-        parallel = expert_parallel_report(engine)  # every rank's figures, under torchrun
-    return [r | {"expert_parallel": parallel} if parallel else r for r in records], rates
+    return records, rates
 
 
 def print_lines(lines: list[str]) -> None:

@@ -32,7 +32,7 @@ def add_parser(commands) -> None:
     add_arguments(parser, WorkerConfig)
     add_arguments(parser, EngineConfig)
     add_arguments(parser, ParallelConfig)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, runs_on_ranks=True)
 
 
 def require_serve_extra() -> None:
