@@ -13,6 +13,7 @@ The followers know no batching rule, request or sampler: rank 0 alone chooses to
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -177,9 +178,8 @@ def _mirrored(seqs: dict[int, Sequence], update: SeqUpdate) -> Sequence:
 
 
 def _step(engine, message: StepMessage, seqs: list[Sequence], mirror: CacheMirror) -> None:
+    """The announced forward pass, over this rank's copy of the batch's cache (the logits are rank 0's to use)."""
     batch = ScheduledBatch(message.is_prefill, seqs, mirror.cache(message, [s.seq_id for s in seqs]))
-    if message.replay_paused and engine.replay is not None:
-        with engine.replay.paused():
-            engine.forward(batch)
-    else:
+    paused = message.replay_paused and engine.replay is not None
+    with engine.replay.paused() if paused else contextlib.nullcontext():
         engine.forward(batch)

@@ -1,5 +1,5 @@
 """Expert parallelism across gloo ranks on this machine: greedy tokens identical to one process for 1, 2
-and 4 ranks (three families, sync and async, both placements); a rank that dies or hangs stops every
+and 4 ranks (three families, sync, async and replayed routing, both placements); a rank that dies or hangs stops every
 other rank with one clear error; no process is left behind."""
 
 import json
@@ -52,15 +52,15 @@ def torchrun(world_size: int, args: list[str], pids: Path, timeout_s: float = 30
 
 @pytest.fixture(scope="module")
 def runs(tiny_checkpoint, tmp_path_factory):
-    """Every (family, sync, placement) run with its single-process tokens."""
+    """Every (family, sync or async or replayed routing, placement) run with its single-process tokens."""
     root = tmp_path_factory.mktemp("expert_parallel")
     out = []
     for family in FAMILIES:
         model = tiny_checkpoint(family)
         trace = save_trace(synthetic_trace(build_index(model).topology, num_sequences=4, tokens_per_sequence=16),
                            root / f"{family}.trace")
-        for sync in (False, True):
-            config = {"expert_budget": 0.5, "sync": sync, "publish_hidden": True}
+        for sync, replay in ((False, None), (True, None), (False, str(trace))):
+            config = {"expert_budget": 0.5, "sync": sync, "publish_hidden": True, "replay_routing": replay}
             alone = run_digested(lambda observers: Engine(model, EngineConfig(**config), observers=observers))
             for placement in ("round-robin", "balanced"):
                 parallel = {"expert_parallel_placement": placement, "expert_parallel_trace": str(trace)}
@@ -80,7 +80,7 @@ def test_greedy_tokens_match_one_process(runs, world_size, tmp_path):
     for run, result in zip(expected, got):
         assert result["tokens"] == run["tokens"], (run["model"], run["config"], run["parallel"])
         assert result["hidden"] == run["hidden"], (run["model"], run["config"], run["parallel"])  # bit for bit
-    assert len(got) == len(expected) == 12
+    assert len(got) == len(expected) == 18
     assert not [pid for pid in map(int, (p.read_text() for p in tmp_path.iterdir() if p.name.isdigit())) if alive(pid)]
 
 
