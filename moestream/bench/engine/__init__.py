@@ -58,7 +58,11 @@ def run(args) -> int:
     from moestream.atomic import write_json
     from moestream.bench.engine.plan import measure
     from moestream.bench.engine.report import print_report
+    from moestream.errors import MoestreamError
+    from moestream.parallel.ranks import launched
 
+    if launched():
+        raise MoestreamError("bench engine starts its ranks itself: run it without torchrun, with --expert-parallel N")
     if args.expert_parallel:
         return _expert_parallel(args)
     document = measure(args)
@@ -72,10 +76,9 @@ def _expert_parallel(args) -> int:
     from moestream.atomic import write_json
     from moestream.bench.engine.parallel import measure_parallel, print_parallel
     from moestream.errors import MoestreamError
-    from moestream.parallel.ranks import launched
 
-    if launched() or args.expert_parallel < 1:
-        raise MoestreamError("--expert-parallel takes N >= 1 and starts the N ranks itself (not under torchrun)")
+    if args.expert_parallel < 1:
+        raise MoestreamError(f"--expert-parallel takes N >= 1, got {args.expert_parallel}")
     document = measure_parallel(args)
     print_parallel(document)
     if args.json:
