@@ -81,7 +81,7 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
     _send(ranks, Hello(str(Path(model)), config, placement))
     shard = ExpertShard(placement, ranks)
     leader = Leader(shard)
-    engine = _opened(ranks, lambda: Engine(model, rank_config(config, placement, 0, topology), shard=shard,
+    engine = _opened(ranks, lambda: Engine(model, rank_config(config, placement, 0, topology, ranks.device), shard=shard,
                                            steps=leader, **engine_kwargs))
     leader.bind(engine)
     try:
@@ -103,16 +103,16 @@ def follow_ranks(ranks: RankContext, observers=()) -> int:
 
     hello = _send(ranks, None)
     shard = ExpertShard(hello.placement, ranks)
-    with _opened(ranks, lambda: Engine(hello.model, _follower_config(hello, ranks.rank), shard=shard,
+    with _opened(ranks, lambda: Engine(hello.model, _follower_config(hello, ranks), shard=shard,
                                                 observers=observers)) as engine:
         follow(engine, shard)
     return 0
 
 
-def _follower_config(hello: Hello, rank: int) -> EngineConfig:
+def _follower_config(hello: Hello, ranks: RankContext) -> EngineConfig:
     from moestream.checkpoint.index import build_index
 
-    return rank_config(hello.config, hello.placement, rank, build_index(hello.model).topology)
+    return rank_config(hello.config, hello.placement, ranks.rank, build_index(hello.model).topology, ranks.device)
 
 
 def expert_parallel_report(engine) -> dict | None:

@@ -56,11 +56,14 @@ def plan_lines(placement: Placement, topology: Topology, stats: ActivationStats 
     return lines
 
 
-def rank_config(config: EngineConfig, placement: Placement, rank: int, topology: Topology) -> EngineConfig:
-    """The rank's settings: its budget ratios are of the bytes of the experts it owns."""
+def rank_config(config: EngineConfig, placement: Placement, rank: int, topology: Topology,
+                device: str | None = None) -> EngineConfig:
+    """The rank's settings: its budget ratios are of the bytes of the experts it owns; on its device
+    (None: the configured one; one CUDA device per local rank, moestream.parallel.ranks)."""
     owned_bytes = int((np.asarray(placement.owners) == rank).sum()) * topology.expert_bytes
 
     def own(budget: Budget) -> Budget:
         return budget if budget.ratio is None else Budget(size_bytes=int(budget.ratio * owned_bytes))
 
-    return dataclasses.replace(config, expert_budget=own(config.expert_budget), host_budget=own(config.host_budget))
+    return dataclasses.replace(config, expert_budget=own(config.expert_budget), host_budget=own(config.host_budget),
+                               device=device or config.device)
