@@ -86,6 +86,8 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
     leader.bind(engine)
     try:
         yield engine
+    except RankFailure:
+        raise  # the others have failed too, or will when this rank's connections close
     except BaseException:
         with contextlib.suppress(RankFailure):  # the first error is the one to report
             leader.close()
