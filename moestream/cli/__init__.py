@@ -64,13 +64,24 @@ def _command_modules(argv: list[str] | None) -> list[str]:
     return [module] if module in names else names
 
 
+def _run(args) -> int:
+    """The command; under torchrun, a command that runs on ranks (generate, serve) runs on every rank."""
+    from moestream.parallel.ranks import launched
+
+    if getattr(args, "runs_on_ranks", False) and launched():
+        from moestream.parallel.launch import run_ranks
+
+        return run_ranks(args)
+    return int(args.handler(args) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     plain_foreign_bars()
     try:
-        return int(args.handler(args) or 0)
+        return _run(args)
     except MoestreamError as error:
         print(f"moestream: error: {error}", file=sys.stderr)
         return 2

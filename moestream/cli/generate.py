@@ -16,6 +16,7 @@ from moestream.budget import Budget
 from moestream.config import EngineConfig
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.memory_plan import AUTO
+from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args, read_flags
 
 PROMPT_ALLOWANCE = 2048  # prompt tokens a sequence may bring, in the KV that an auto budget leaves room for
@@ -30,12 +31,13 @@ def add_parser(commands) -> None:
                         help="prompts of --prompts-file generated together (default 1); figures are per batch")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     add_arguments(parser, EngineConfig)
+    add_arguments(parser, ParallelConfig)
     parser.add_argument("--json", type=Path,
                         help="write text, token ids and figures to this JSON file (a list with --prompts-file)")
     parser.add_argument("--record-trace", type=Path, help="save the run's routing as a trace file")
     parser.add_argument("--record-hidden", action="store_true",
                         help="include router inputs and token embeddings in the trace")
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, runs_on_ranks=True)
 
 
 def require_checkpoint_dir(path: Path) -> None:
@@ -70,6 +72,7 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
     read_flags(EngineConfig, args)
+    from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
     require_checkpoint_dir(args.model)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
@@ -147,13 +150,13 @@ def read_prompts(path: Path) -> list[str]:
 def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     """Runs the prompts in batches: one JSON record per prompt, and the run's throughput (the trace
     saved if asked)."""
-    from moestream.runtime import Engine
+    from moestream.parallel.launch import expert_parallel_report, open_engine
 
     recording = args.record_trace is not None
     config = from_args(EngineConfig, args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
     many = args.prompts_file is not None
     records, rates = [], Throughput()
-    with Engine(args.model, config, progress=True) as engine:
+    with open_engine(args.model, config, args, progress=True, on_plan=print_lines) as engine:
         if engine.replay is not None:  # the trace fits the model: label what follows
             from moestream.runtime.replay import REPLAY_LABEL
 
@@ -165,14 +168,19 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
                 print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
             result = _run_batch(engine, batch, args.max_new_tokens)
             rates.add(result)
+            parallel = expert_parallel_report(engine)  # every rank's figures of the batch, under torchrun
             for row, prompt in enumerate(batch):
                 if recorder is not None:
                     recorder.set_text(result.seq_ids[row], prompt)
                 extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
-                records.append(report(result, row) | extra)
+                records.append(report(result, row) | extra | ({"expert_parallel": parallel} if parallel else {}))
         if recorder is not None:
             _save_trace(recorder, args.record_trace)
     return records, rates
+
+
+def print_lines(lines: list[str]) -> None:
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _run_batch(engine, batch: list[str], max_new_tokens: int):

@@ -3,7 +3,8 @@
 Prints the memory available (the cgroup's headroom or MemAvailable; on CUDA the device's free memory),
 what the floor, the dense part, the KV and a margin take, the budgets `--expert-budget auto` and
 `--host-budget auto` would choose, and the bytes a token may read from disk. The rule is in
-moestream.memory_plan.
+moestream.memory_plan. With --expert-parallel N, also the experts and bytes each of N ranks would own
+under the placement (moestream.parallel.plan).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 from moestream.cli.generate import PROMPT_ALLOWANCE, require_checkpoint_dir
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
-from moestream.settings import add_arguments
+from moestream.parallel.config import ParallelConfig
+from moestream.settings import add_arguments, from_args
 
 
 def add_parser(commands) -> None:
@@ -22,12 +24,18 @@ def add_parser(commands) -> None:
     add_arguments(parser, EngineConfig, only=("device",))
     parser.add_argument("--kv-tokens", type=int, default=PROMPT_ALLOWANCE,
                         help=f"tokens of KV to leave room for (default {PROMPT_ALLOWANCE})")
+    parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
+                        help="also show what each of N ranks would own (default 0: one process)")
+    add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
     if args.kv_tokens < 0:
         raise MoestreamError(f"--kv-tokens must be >= 0, got {args.kv_tokens}")
+    if args.expert_parallel < 0:
+        raise MoestreamError(f"--expert-parallel must be >= 0, got {args.expert_parallel}")
+    parallel = from_args(ParallelConfig, args)
     require_checkpoint_dir(args.model)
     from moestream.memory_plan import model_sizes, plan_memory
 
@@ -38,4 +46,15 @@ def run(args) -> int:
         print(line)
     print(f"(--expert-budget auto would use {plan.expert_budget_bytes}B"
           + (f", --host-budget auto {plan.host_budget_bytes}B)" if args.device.startswith("cuda") else ")"))
+    if args.expert_parallel:
+        _print_ranks(args.model, parallel, args.expert_parallel)
     return 0
+
+
+def _print_ranks(model: Path, parallel: ParallelConfig, world_size: int) -> None:
+    from moestream.checkpoint.index import build_index
+    from moestream.parallel.plan import placement_of, plan_lines
+
+    topology = build_index(model).topology
+    placement, stats = placement_of(parallel, None, topology, world_size)
+    print("\n".join(plan_lines(placement, topology, stats)))

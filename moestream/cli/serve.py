@@ -16,6 +16,7 @@ from pathlib import Path
 from moestream.cli.generate import require_checkpoint_dir, resolve_auto_budgets
 from moestream.config import EngineConfig, WorkerConfig
 from moestream.errors import MoestreamError
+from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args, read_flags
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
     add_arguments(parser, WorkerConfig)
     add_arguments(parser, EngineConfig)
-    parser.set_defaults(handler=run)
+    add_arguments(parser, ParallelConfig)
+    parser.set_defaults(handler=run, runs_on_ranks=True)
 
 
 def require_serve_extra() -> None:
@@ -48,15 +50,18 @@ def run(args) -> int:
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port must lie in [0, 65536), got {args.port}")
     read_flags(EngineConfig, args)
+    from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
     require_checkpoint_dir(args.model)
     workers = from_args(WorkerConfig, args)
     require_serve_extra()
-    from moestream.runtime import Engine
+    from moestream.cli.generate import print_lines
+    from moestream.parallel.launch import open_engine
     from moestream.serving import logs
     from moestream.serving.server import Server, bind
     resolve_auto_budgets(args, args.model, kv_bytes=workers.batching.kv_budget_bytes)
     sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
-    with sock, Engine(args.model, from_args(EngineConfig, args), progress=True) as engine:
+    with sock, open_engine(args.model, from_args(EngineConfig, args), args, progress=True,
+                           on_plan=print_lines) as engine:
         if engine.replay is not None:
             from moestream.runtime.replay import REPLAY_LABEL
 

@@ -9,6 +9,9 @@ then appends the tokens and ends sequences. `generate` (greedy batches), the `LL
 server all add sequences to a scheduler and loop on `step`. The policy is taken by registry name;
 the engine knows no policy, no family and no request.
 
+Under expert parallelism the engine is one rank's (runtime/sharding.py): its `Shard`'s experts only, and
+on the scheduling rank a `StepAnnouncer` hears of each forward pass and ended sequence first.
+
 On the CPU, the engine bounds oneDNN's per-shape caches (`moestream.runtime.onednn`; process-wide,
 before the first matmul, unless the user set them). While an engine is open, numpy's BLAS runs one
 thread (threadpoolctl; process-wide, restored by close): the policy's numpy work runs between torch's
@@ -41,7 +44,7 @@ from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
-from moestream.runtime.loader import compute_dtype, load_model
+from moestream.runtime.loader import expert_decoder, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.onednn import bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher
@@ -50,11 +53,12 @@ from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import (NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan,
                                       TokenSampler)
 from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches
+from moestream.runtime.sharding import ALONE, Shard, StepAnnouncer
 from moestream.timeline import Timeline
+from moestream.topology import ExpertKey
 from moestream.store.config import StoreConfig
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
-from moestream.quant.decoder import ExpertDecoder
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +85,12 @@ class Engine:
     beside the policy's own; close() (or a with block) releases the store's files and threads."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
-                 observers: Seq[Observer] = (), progress: bool = False, policy: Policy | None = None):
-        """policy: an already built (e.g. fitted) policy instead of config.policy by name."""
+                 observers: Seq[Observer] = (), progress: bool = False, policy: Policy | None = None,
+                 shard: Shard | None = None, steps: StepAnnouncer | None = None):
+        """policy: an already built (e.g. fitted) policy instead of config.policy by name; shard: the
+        experts this rank owns (None: all); steps: told of every forward pass (the scheduling rank)."""
         self.config = config or EngineConfig()
+        self.shard, self.steps = shard, steps or ALONE
         if self.config.device == "cpu":
             bound_shape_caches()
         self.checkpoint: CheckpointIndex = build_index(model_dir)
@@ -95,8 +102,8 @@ class Engine:
                                              evictions["device"], evictions["host"], load_manifest(self.checkpoint))
         self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
-        self.prefetcher = Prefetcher(self.driver, self.store)
-        self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder,
+        self.prefetcher = Prefetcher(self.driver, self.store, shard)
+        self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
                                         decode=expert_decoder(self.checkpoint, self.config.device))
         self._hooks: list = []
         self.runner: ModelRunner | None = None
@@ -110,7 +117,7 @@ class Engine:
             self.runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
                                          self.pad_id, self.config.device)
             self.replay = self._replay()
-            if self.store.device_slots >= self.checkpoint.topology.total_experts:
+            if self.store.device_slots >= len(self.owned_keys()):
                 self.preload(progress)
         except BaseException:
             self.close()
@@ -155,7 +162,7 @@ class Engine:
     def preload(self, progress: bool = False) -> int:
         """Fills the device tier with experts in layer order (all of them when the budget allows; done
         at start-up when it does), a layer at a time. Returns how many were brought in."""
-        keys = list(self.checkpoint.topology.keys())[: self.store.device_slots]
+        keys = self.owned_keys()[: self.store.device_slots]
         brought = 0
         with progress_bar(total=len(keys), desc="loading experts", unit="expert", disable=not progress) as bar:
             for _, group in itertools.groupby(keys, key=lambda key: key.layer):
@@ -164,6 +171,16 @@ class Engine:
                 self.store.wait_idle()
                 bar.update(len(group))
         return brought
+
+    def owned_keys(self) -> list[ExpertKey]:
+        """The experts this engine computes, in layer order: all of them, or its shard's."""
+        keys = list(self.checkpoint.topology.keys())
+        return keys if self.shard is None else [key for key in keys if self.shard.owns(key)]
+
+    def reset_stats(self) -> None:
+        """Zeroes the store's hits, misses and bytes read (on every rank)."""
+        self.store.reset_stats()
+        self.steps.reset_stats()
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         """Record the expert MLPs, policy decisions, waits and transfers into timeline (None: stop)."""
@@ -191,7 +208,7 @@ class Engine:
         scheduler = self.scheduler(StaticBatches(len(seqs)))
         for seq in seqs:
             scheduler.add(seq)
-        self.store.reset_stats()
+        self.reset_stats()
         clock = StepClock()
         while (out := self.step(scheduler)) is not None:
             if on_tokens is not None:
@@ -277,10 +294,16 @@ class Engine:
     def end_sequence(self, seq_id: int) -> None:
         """Ends a sequence's per-sequence state in the policy and observers."""
         self.publisher.end_sequence(seq_id)
+        self.steps.ended(seq_id)
 
     # -- steps -----------------------------------------------------------------------------------
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The batch's forward pass, announced to the other ranks first."""
+        self.steps.announce(batch, self.replay is not None and self.replay.is_paused)
+        return self.forward(batch)
+
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's forward pass: next-token logits [B, V]; its cache holds its past after it."""
         step, seqs = next(self._step_counter), batch.seqs
         with torch.inference_mode():
@@ -349,13 +372,6 @@ def eos_ids(generation_config: GenerationConfig) -> set[int]:
     """The token ids that end a sequence."""
     eos = generation_config.eos_token_id
     return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-
-
-def expert_decoder(checkpoint: CheckpointIndex, device: str) -> ExpertDecoder | None:
-    """The decoder of a quantized checkpoint's experts (scratch on the compute device), None if unquantized."""
-    if checkpoint.codec is None:
-        return None
-    return ExpertDecoder(checkpoint.codec, checkpoint.experts.layout, compute_dtype(checkpoint.config), device)
 
 
 def _make_policy(config: EngineConfig, topology) -> Policy:

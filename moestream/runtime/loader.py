@@ -24,6 +24,7 @@ from moestream.checkpoint.index import CheckpointIndex
 from moestream.checkpoint.shards import TensorInfo
 from moestream.errors import CheckpointError
 from moestream.progress import progress_bar
+from moestream.quant.decoder import ExpertDecoder
 
 log = logging.getLogger(__name__)
 
@@ -164,3 +165,10 @@ def load_model(checkpoint: CheckpointIndex, device: str, progress: bool = False)
         load_dense(model, checkpoint, device, progress)
         materialize_buffers(model, device)
     return model
+
+
+def expert_decoder(checkpoint: CheckpointIndex, device: str) -> ExpertDecoder | None:
+    """The decoder of a quantized checkpoint's experts (scratch on the compute device), None if unquantized."""
+    if checkpoint.codec is None:
+        return None
+    return ExpertDecoder(checkpoint.codec, checkpoint.experts.layout, compute_dtype(checkpoint.config), device)

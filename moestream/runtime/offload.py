@@ -16,6 +16,11 @@ its slot, and the weighted rows land in their own places of a [T * K, H] buffer,
 over k as transformers does. No expert's result depends on another's or on the order of arrival, so
 outputs are bit-identical whatever the order. When a layer's experts exceed the device tier, they
 run in groups that fit it. This module knows no policy or family by name.
+
+Under expert parallelism a `Shard` (moestream.parallel) says which experts this process owns: a
+layer computes only the rows of those (the others stay zero), the shard combines the [T * K, H] rows
+of every process before the sum over k, and the prefetcher drops requests for experts owned
+elsewhere. Without a shard every expert is this process's.
 """
 
 from __future__ import annotations
@@ -34,20 +39,25 @@ from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import check_finite
 from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows, default_kernel
 from moestream.runtime.publisher import Publisher, Routing
+from moestream.runtime.sharding import Shard
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
 class Prefetcher:
-    """After a layer's routing: the driver's transfer requests for the layers ahead, into the device tier."""
+    """After a layer's routing: the driver's transfer requests for the layers ahead, into the device tier
+    (those of experts this process owns, under a shard)."""
 
-    def __init__(self, driver: PolicyDriver, store):
+    def __init__(self, driver: PolicyDriver, store, shard: Shard | None = None):
         self.driver = driver
         self.store = store
+        self.shard = shard
         self.timeline: Timeline | None = None  # records each decision when set
 
     def after(self, layer_now: int) -> None:
         began = time.perf_counter()
         requests = self.driver.decide(layer_now, self._view)
+        if self.shard is not None:
+            requests = [request for request in requests if self.shard.owns(request.key)]
         if self.timeline is not None:  # the decision only: what prefetch waits for, the store records
             label = f"after layer {layer_now}: {len(requests)} requests"
             self.timeline.add("policy", label, began, time.perf_counter())
@@ -116,10 +126,12 @@ class OffloadedExperts:
     """The mechanism behind every bound experts module of a model."""
 
     def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None, reorder: bool = True,
-                 kernel: str | None = None, decode: Callable[[Weights], Weights] | None = None):
+                 kernel: str | None = None, decode: Callable[[Weights], Weights] | None = None,
+                 shard: Shard | None = None):
         """decode: a quantized slot's views -> the dense weights of its MLP (into scratch), None: unquantized."""
         self.store = store
         self.decode = decode
+        self.shard = shard  # None: every expert is computed here
         self.publisher = publisher
         self.prefetcher = prefetcher
         self.reorder = reorder
@@ -144,6 +156,8 @@ class OffloadedExperts:
         num_tokens, top_k = top_k_index.shape
         ids = top_k_index.reshape(-1).cpu().numpy()  # [S = T * K]
         used = np.repeat(active, top_k)  # [S]
+        if self.shard is not None:
+            used &= self.shard.owned_rows(layer, ids)  # the other rows are other processes'
         groups = self.store.streaming_groups([ExpertKey(layer, int(e)) for e in np.unique(ids[used])])
         chosen = [key for group in groups for key in group]
         first = self.store.fetch(groups[0], chosen) if groups else None  # 2. this layer's misses first
@@ -155,6 +169,8 @@ class OffloadedExperts:
         finally:
             if first is not None:
                 first.release()
+        if self.shard is not None:
+            out = self.shard.combine(layer, out)  # [S, H], each row from the one process that owns its expert
         return self._combined(layer, out.view(num_tokens, top_k, -1), hidden.dtype)
 
     def _combined(self, layer: int, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

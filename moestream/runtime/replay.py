@@ -85,6 +85,10 @@ class RoutingReplay(Observer):
         finally:
             self._paused = False
 
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
     def begin_iteration(self, ctx: IterationContext) -> None:
         if self._paused:
             return

@@ -21,6 +21,7 @@ import argparse
 from pathlib import Path
 
 from moestream.config import EngineConfig
+from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments
 
 BUDGETS = "0.1,0.25,0.5"
@@ -46,6 +47,9 @@ def add_parser(kinds) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers + accelerate disk offload")
     add_arguments(parser, EngineConfig, only=("device", "replay_routing", "direct_io"))
+    parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
+                        help="instead: N ranks (torchrun) against one process at the same and at 1/N of the memory")
+    add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
@@ -54,9 +58,29 @@ def run(args) -> int:
     from moestream.atomic import write_json
     from moestream.bench.engine.plan import measure
     from moestream.bench.engine.report import print_report
+    from moestream.errors import MoestreamError
+    from moestream.parallel.ranks import launched
 
+    if launched():
+        raise MoestreamError("bench engine starts its ranks itself: run it without torchrun, with --expert-parallel N")
+    if args.expert_parallel:
+        return _expert_parallel(args)
     document = measure(args)
     print_report(document, args)
+    if args.json:
+        write_json(document, args.json)
+    return 0
+
+
+def _expert_parallel(args) -> int:
+    from moestream.atomic import write_json
+    from moestream.bench.engine.parallel import measure_parallel, print_parallel
+    from moestream.errors import MoestreamError
+
+    if args.expert_parallel < 1:
+        raise MoestreamError(f"--expert-parallel takes N >= 1, got {args.expert_parallel}")
+    document = measure_parallel(args)
+    print_parallel(document)
     if args.json:
         write_json(document, args.json)
     return 0

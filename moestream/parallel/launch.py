@@ -1,0 +1,151 @@
+"""Expert parallelism from the command line: the ranks that torchrun started, each with its engine.
+
+`run_ranks(args)` joins the ranks (moestream.parallel.ranks). Rank 0 runs the command as one process
+would, opening its engine through `open_engine`, which places the experts (rank 0 reads the trace of a
+placement that needs one), sends every rank the checkpoint, the engine's settings and the placement,
+and leads each step (moestream.parallel.steps). The other ranks open their engine over the experts
+they own (`follower_engine`) and follow until rank 0 closes. Each rank's tier budgets are its own: a
+size as given, a ratio of the bytes of the experts it owns (so N ranks at 0.25 hold what one process
+at 0.25 holds). Rank 0 alone prints and writes. Knows no particular command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch.distributed as dist
+
+from moestream.config import EngineConfig
+from moestream.errors import MoestreamError
+from moestream.parallel.config import ParallelConfig
+from moestream.parallel.placement import Placement
+from moestream.parallel.plan import placement_of, plan_lines, rank_config
+from moestream.parallel.ranks import RankContext, RankFailure, join_ranks, leave_ranks
+from moestream.parallel.shard import ExpertShard
+from moestream.parallel.steps import Leader, follow
+from moestream.settings import from_args
+from moestream.topology import Topology
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What rank 0 tells every rank before the engines open."""
+
+    model: str
+    config: EngineConfig
+    placement: Placement
+
+
+def run_ranks(args) -> int:
+    """The command on rank 0 (args.ranks set), the follower's loop on the others."""
+    ranks = join_ranks(args.device, args.transfer_timeout_s)
+    try:
+        if ranks.leads:
+            args.ranks = ranks
+            return int(args.handler(args) or 0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which drains, then stops the rest
+        return follow_ranks(ranks)
+    finally:
+        leave_ranks()
+
+
+def open_engine(model, config: EngineConfig, args, **engine_kwargs):
+    """The command's engine (a context manager): one process's, or rank 0's among the ranks."""
+    from moestream.runtime import Engine
+
+    ranks = getattr(args, "ranks", None)
+    if ranks is None:
+        engine_kwargs.pop("on_plan", None)
+        return Engine(model, config, **engine_kwargs)
+    return leading_engine(model, config, from_args(ParallelConfig, args), ranks, **engine_kwargs)
+
+
+@contextlib.contextmanager
+def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks: RankContext,
+                   on_plan: Callable[[list[str]], None] | None = None, **engine_kwargs) -> Iterator:
+    """Rank 0's engine; the other ranks follow its steps until the block ends."""
+    from moestream.checkpoint.index import build_index
+    from moestream.runtime import Engine
+
+    topology = build_index(model).topology
+    placement, stats = placement_of(parallel, config.replay_routing, topology, ranks.world_size)
+    if parallel.expert_parallel_plan:
+        placement.save(parallel.expert_parallel_plan)
+    if on_plan is not None:
+        on_plan(plan_lines(placement, topology, stats))
+    _send(ranks, Hello(str(Path(model)), config, placement))
+    shard = ExpertShard(placement, ranks)
+    leader = Leader(shard)
+    engine = _opened(ranks, lambda: Engine(model, rank_config(config, placement, 0, topology, ranks.device), shard=shard,
+                                           steps=leader, **engine_kwargs))
+    leader.bind(engine)
+    try:
+        yield engine
+    except RankFailure:
+        raise  # the others have failed too, or will when this rank's connections close
+    except BaseException:
+        with contextlib.suppress(RankFailure):  # the first error is the one to report
+            leader.close()
+        raise
+    else:
+        leader.close()
+    finally:
+        engine.close()
+
+
+def follow_ranks(ranks: RankContext, observers=()) -> int:
+    """A follower: opens its engine from rank 0's hello (observers: beside its policy's) and runs rank 0's
+    steps until it closes."""
+    from moestream.runtime import Engine
+
+    hello = _send(ranks, None)
+    shard = ExpertShard(hello.placement, ranks)
+    with _opened(ranks, lambda: Engine(hello.model, _follower_config(hello, ranks), shard=shard,
+                                                observers=observers)) as engine:
+        follow(engine, shard)
+    return 0
+
+
+def _follower_config(hello: Hello, ranks: RankContext) -> EngineConfig:
+    from moestream.checkpoint.index import build_index
+
+    return rank_config(hello.config, hello.placement, ranks.rank, build_index(hello.model).topology, ranks.device)
+
+
+def expert_parallel_report(engine) -> dict | None:
+    """The `expert_parallel` record of a run's JSON (None on one process): every rank's figures."""
+    if not isinstance(engine.steps, Leader):
+        return None
+    stats = engine.steps.rank_stats()
+    return {"world_size": len(stats), "placement": engine.steps.shard.placement.name,
+            "ranks": [dataclasses.asdict(s) for s in stats]}
+
+
+def _send(ranks: RankContext, hello: Hello | None) -> Hello:
+    box = [hello]
+    with ranks.collective("the start of the run"):
+        dist.broadcast_object_list(box, src=0, group=ranks.control)
+    return box[0]
+
+
+def _opened(ranks: RankContext, build: Callable):
+    """Every rank's engine built, or one error on every rank naming the rank that could not build it."""
+    engine, failure = None, None
+    try:
+        engine = build()
+    except MoestreamError as error:
+        failure = f"rank {ranks.rank} could not open its engine: {error}"
+    failures = [None] * ranks.world_size
+    with ranks.collective("the opening of the engines"):
+        dist.all_gather_object(failures, failure, group=ranks.control)
+    first = next((f for f in failures if f is not None), None)
+    if first is not None:
+        if engine is not None:
+            engine.close()
+        raise RankFailure(first)
+    return engine

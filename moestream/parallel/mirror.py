@@ -1,0 +1,65 @@
+"""A follower rank's copies of the KV caches that rank 0's batching rule holds.
+
+Rank 0 numbers each batch cache the first time it runs one (`StepMessage.cache_id`). A follower keeps
+the cache of each number it has seen with the sequences in it. A step over a known number runs over
+that cache (a static batch, or a continuous batch that decodes again); a new prefill starts an empty
+cache, as rank 0's rule did; a new decode batch is merged from its sequences' own caches
+(`runtime/kv.py`, as serving's continuous rule merges them), each cut out of the cache that held it
+when first needed. Cutting a cache later rather than when rank 0 cut it gives the same tensors: a
+cache is not written between its last step and its cut. A cache whose sequences have all ended is
+dropped. Knows no scheduler, rule or model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moestream.runtime import kv
+from moestream.runtime.runner import BatchCache
+
+
+@dataclass
+class Held:
+    seq_ids: tuple[int, ...]  # its rows
+    cache: BatchCache
+    alive: set[int]  # its sequences not ended
+
+
+class CacheMirror:
+    def __init__(self, device: str):
+        self.device = device
+        self.held: dict[int, Held] = {}  # by rank 0's number
+        self.own: dict[int, kv.SeqCache] = {}  # by seq id: cut out of a held cache
+
+    def cache(self, message, seq_ids: list[int]) -> BatchCache:
+        """The cache the announced step runs over."""
+        held = self.held.get(message.cache_id)
+        if held is None:
+            held = Held(tuple(seq_ids), self._new(message, seq_ids), set(seq_ids))
+            self.held[message.cache_id] = held
+        return held.cache
+
+    def ended(self, seq_id: int) -> None:
+        self.own.pop(seq_id, None)
+        for number, held in list(self.held.items()):
+            held.alive.discard(seq_id)
+            if not held.alive:
+                del self.held[number]
+
+    def _new(self, message, seq_ids: list[int]) -> BatchCache:
+        if message.is_prefill:
+            return BatchCache(kv.empty_cache() if message.empty_kv else None)
+        for seq_id in seq_ids:
+            if seq_id not in self.own:
+                self._cut(seq_id)
+        cache, mask = kv.merge([self.own.pop(seq_id) for seq_id in seq_ids])
+        return BatchCache(cache, mask.to(self.device))
+
+    def _cut(self, seq_id: int) -> None:
+        """Cuts the cache holding the sequence into its live sequences' own caches."""
+        number = next(n for n, h in self.held.items() if seq_id in h.seq_ids)
+        held = self.held.pop(number)
+        lengths = held.cache.mask.sum(-1).tolist()
+        for row_id, cut in zip(held.seq_ids, kv.split(held.cache.kv, lengths)):
+            if row_id in held.alive:
+                self.own[row_id] = cut

@@ -1,0 +1,92 @@
+"""The ranks of one run: this process's place among those that `torchrun` started, and the two process
+groups every collective of expert parallelism goes through.
+
+`join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR),
+opens the default group (NCCL for a CUDA device, else gloo) whose collectives time out after the
+transfer timeout, and a gloo group for the scheduling rank's announcements, which may wait as long as
+the server is idle. A collective that fails (a rank died, or hung past the timeout) becomes one
+`RankFailure` naming this rank and what it waited for. The state lives in the `RankContext` handed
+around; this module knows no engine, placement or model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+from moestream.errors import MoestreamError
+
+IDLE_TIMEOUT = timedelta(days=7)  # how long a rank waits for the scheduling rank's next step
+
+
+class RankFailure(MoestreamError):
+    """Another rank died or hung: this one cannot go on."""
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or torch.distributed.run)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    device: str  # this rank's compute device
+    timeout_s: float  # a step's collectives fail after this long
+    steps: Any  # the default process group: each layer's combine
+    control: Any  # gloo: announcements from rank 0, statistics
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank schedules (and alone prints and writes)."""
+        return self.rank == 0
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Turns a failed collective into one RankFailure that says what this rank waited for."""
+        try:
+            yield
+        except RuntimeError as error:
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RankFailure(f"expert parallelism: rank {self.rank} of {self.world_size} lost the other ranks "
+                              f"during {what} (a rank died, or hung past --transfer-timeout-s "
+                              f"{self.timeout_s:g} s): {cause}") from None
+
+
+def rank_device(device: str) -> str:
+    """A CUDA device per local rank (cuda: LOCAL_RANK modulo the devices), else the device as given."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return f"cuda:{local % max(torch.cuda.device_count(), 1)}"
+
+
+def join_ranks(device: str, timeout_s: float) -> RankContext:
+    """Joins the process group that torchrun set up (see the module doc)."""
+    import torch
+    import torch.distributed as dist
+
+    device = rank_device(device)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    except (RuntimeError, ValueError) as error:
+        raise RankFailure(f"expert parallelism: cannot join the ranks: {error}") from None
+    return RankContext(dist.get_rank(), dist.get_world_size(), device, timeout_s, dist.group.WORLD, control)
+
+
+def leave_ranks() -> None:
+    """Closes the process groups (after a failure too)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
