@@ -44,7 +44,7 @@ from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.onednn import bound_shape_caches
-from moestream.runtime.offload import OffloadedExperts, Prefetcher
+from moestream.runtime.offload import OffloadedExperts, Prefetcher, modelled_link
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import (NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan,
@@ -95,6 +95,8 @@ class Engine:
         self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
         self.prefetcher = Prefetcher(self.driver, self.store)
+        if self.config.link_gbps > 0 and self.config.layer_ms > 0:  # fixed figures: the model reads no clock
+            self.store.model_link(modelled_link(self.config, self.checkpoint.topology))
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder)
         self._hooks: list = []
         self.runner: ModelRunner | None = None

@@ -42,6 +42,7 @@ from typing import Iterable
 
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.errors import BudgetError
+from moestream.link_model import ModelledLink
 from moestream.policies.contracts import CacheView, Policy, Prediction
 from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
@@ -70,7 +71,9 @@ class StreamSimulator:
         tiers = [self.device] + ([self.host] if self.host else [])
         self.driver = PolicyDriver(policy, [tier.policy for tier in tiers], horizon_layers=config.horizon_layers)
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
-        self.core: TransferCore[Transfer] = TransferCore(self.device)  # what is queued or moving to the device tier
+        tail_ms = cost.layer_compute_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, cost.layer_compute_ms) or cost.layer_compute_ms
+        model = ModelledLink(nbytes / self.device_link.transfer_ms, cost.layer_compute_ms, nbytes, topo.num_layers, tail_ms)
+        self.core: TransferCore[Transfer] = TransferCore(self.device, model)  # what is queued or moving to the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.now = 0.0
@@ -123,9 +126,8 @@ class StreamSimulator:
     def _compute_ms(self, num_tokens: int, num_experts: int) -> float:
         cached = self._compute_cache.get((num_tokens, num_experts))
         if cached is None:
-            cached = self._compute_cache[num_tokens, num_experts] = self.cost.compute_ms(
-                num_tokens, num_experts, self.topology.top_k
-            )
+            cached = self._compute_cache[num_tokens, num_experts] = self.cost.compute_ms(num_tokens, num_experts,
+                                                                                         self.topology.top_k)
         return cached
 
     def _stall_ms(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int,
@@ -240,7 +242,7 @@ class StreamSimulator:
             return
         in_flight = frozenset(self.core.moving).union(self.demanding)  # as the engine's store shows them
         view = CacheView(ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now,
-                         self.topology.num_layers)
+                         self.topology.num_layers, self.core.link_state(layer_now))
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(self.core.admit_prefetches([r.key for r in requests]))
         for link in self.links:
@@ -368,9 +370,8 @@ class StreamSimulator:
         try:
             self.core.admit_demand(key)
         except CacheFullError:
-            raise BudgetError(
-                f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"
-            ) from None
+            raise BudgetError(f"device tier of {self.device.capacity} slots has no expert to evict; "
+                              "raise the cache ratio") from None
 
     def _admit_host(self, transfer: Transfer, demand: bool) -> bool:
         try:
