@@ -48,6 +48,7 @@ class ModelledLink:
         for read in self.reads:
             if read.key == key and not read.demand and read.left == self.expert_bytes:
                 self.reads.remove(read)
+                read.demand = True
                 self._insert_demand(read)
                 return
 
