@@ -4,8 +4,9 @@ the engine's stores (`moestream.store`) and the simulator (`moestream.sim.engine
 It answers a layer's lookups (in place: a hit, and a prefetch hit when a landed prefetch is used for
 the first time; on its way: late; else a miss), admits experts to the tier (the tier's eviction
 policy picks the victim; a landed prefetch evicted unused is wasted), keeps which experts are on
-their way (`moving`, each with its driver's own record of the transfer) and lands them. The
-engine's link workers and the simulator's links differ in who moves the bytes and when (threads in
+their way (`moving`, each with its driver's own record of the transfer) and lands them. With a
+`ModelledLink` (`moestream.link_model`) it tells the model each lookup and admission, and reports the
+model's state for the planner's view (`link_state`). The engine's link workers and the simulator's links differ in who moves the bytes and when (threads in
 real time, a cost model in virtual time), not in these rules. Clock-free and device-free: it knows
 no time, no bytes, no thread (a caller holds its own lock), and no policy by name.
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from moestream.cache import CacheFullError, ExpertCache
+from moestream.link_model import ModelledLink
+from moestream.policies.contracts import LinkState
 from moestream.topology import ExpertKey
 
 HIT, LATE, MISS = "hit", "late", "miss"
@@ -32,8 +35,9 @@ class TransferCounts:
 
 
 class TransferCore(Generic[Record]):
-    def __init__(self, device: ExpertCache):
+    def __init__(self, device: ExpertCache, link: ModelledLink | None = None):
         self.device = device
+        self.link = link  # the modelled link for the planner's view (None: the view has none)
         self.moving: dict[ExpertKey, Record] = {}  # on their way into the tier (admitted or planned)
         self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
         self.waited: set[ExpertKey] = set()  # moving experts a layer looked up (late): no unused prefetch
@@ -46,9 +50,11 @@ class TransferCore(Generic[Record]):
         if key in self.moving:
             self.device.access(key)
             self.waited.add(key)
+            self._needed(key)
             return LATE
         if self.device.access(key) is None:
             return MISS
+        self._needed(key)
         self.counts.hits += 1
         if key in self.unused:
             self.unused.discard(key)
@@ -71,6 +77,8 @@ class TransferCore(Generic[Record]):
         if key not in self.device:
             self.admit(key)
             self.device.access(key)
+            if self.link is not None:
+                self.link.demand(key)
 
     def admit_prefetches(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
         """The one prefetch admission rule, applied when a plan is made: in the plan's order (best first),
@@ -90,7 +98,18 @@ class TransferCore(Generic[Record]):
             device.pin((key,))
             brought.append(key)
         device.unpin(kept)
+        if self.link is not None:
+            self.link.speculate(brought)
         return brought
+
+    def link_state(self, layer_now: int) -> LinkState | None:
+        """The modelled link as a plan after layer_now sees it (None without a model)."""
+        return None if self.link is None else self.link.state(layer_now)
+
+    def _needed(self, key: ExpertKey) -> None:
+        """A lookup found key in the tier or on its way (the same for both, whatever the clock says)."""
+        if self.link is not None:
+            self.link.need(key)
 
     def track(self, key: ExpertKey, record: Record) -> None:
         """key is on its way into the tier (queued or moving); record is the driver's transfer."""

@@ -119,6 +119,34 @@ class TransferRequest(NamedTuple):
 
 
 @dataclass(frozen=True)
+class LinkState:
+    """The link that fills the tier, as a clock-free model sees it when a plan is made: its bandwidth and
+    one MoE layer's compute (both fixed for a run), and the modelled backlog ahead of this plan's reads
+    (bytes admitted and not yet moved: the routed layer's demand loads, transfers under way).
+    `moestream.link_model.ModelledLink` computes it from admissions alone, never from a clock."""
+
+    bytes_per_ms: float  # the link's bandwidth
+    layer_ms: float  # one MoE layer's compute, its experts resident
+    expert_bytes: int  # one expert's bytes
+    backlog_bytes: float  # queued ahead of this plan's reads
+    next_need_ms: float  # until the next layer needs its experts (the routed layer computes, behind its demand loads)
+
+    @property
+    def read_ms(self) -> float:
+        """One expert's read."""
+        return self.expert_bytes / self.bytes_per_ms
+
+    @property
+    def busy_ms(self) -> float:
+        """Until the link has moved its backlog: when this plan's first read can start."""
+        return self.backlog_bytes / self.bytes_per_ms
+
+    def need_ms(self, layers_ahead: int) -> float:
+        """Until the layer layers_ahead (>= 1) after the routed one needs its experts."""
+        return self.next_need_ms + (layers_ahead - 1) * self.layer_ms
+
+
+@dataclass(frozen=True)
 class CacheView:
     """What a planner may know of the target tier when it plans."""
 
@@ -127,6 +155,7 @@ class CacheView:
     capacity: int  # slots in the tier
     layer_now: int
     num_layers: int
+    link: LinkState | None = None  # the link's model, where the mechanism keeps one (else the planner plans blind)
 
 
 class PrefetchPlanner(ABC):

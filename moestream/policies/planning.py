@@ -1,10 +1,12 @@
-"""The score planners: predicted experts by score discounted with distance."""
+"""The score planners: predicted experts by score discounted with distance; and the bandwidth-aware
+one, which keeps of them only the reads the link can afford (`BandwidthAwarePlanner`)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Callable, Sequence
 
-from moestream.policies.contracts import PLANNERS, CacheView, Prediction, PrefetchPlanner, TransferRequest
+from moestream.policies.contracts import PLANNERS, CacheView, LinkState, Prediction, PrefetchPlanner, TransferRequest
 from moestream.topology import ExpertKey
 
 
@@ -56,3 +58,86 @@ class IdleAwarePlanner(ScorePlanner):
 
     def threshold(self, view: CacheView) -> float:
         return self.min_score if view.in_flight else self.idle_score
+
+
+Candidate = tuple[ExpertKey, float, float, int]  # key, priority (score / layers ahead), score, layers ahead
+VictimWaits = Callable[[int, int], list[float]]  # (capacity, count) -> the waits of the next count victims
+
+
+class BandwidthAwarePlanner(IdleAwarePlanner):
+    """IdleAwarePlanner where the view has no link; where it has one (`CacheView.link`), every predicted
+    expert by score / layers ahead, keeping only the reads the link can afford, in that order:
+
+    - each read starts when the link has moved its backlog and the reads kept before it; one that would
+      start after the next layer needs its experts is left to the next plan (which replaces this one);
+    - one that cannot land before its layer needs it is dropped (it would not save a read, only delay);
+    - one that runs past the next layer's start delays that layer's demand loads, if it has any (their
+      probability: 1 - exp(-expected misses), from the predictions of that layer): kept only if what it
+      saves (score x one read) exceeds that expected delay;
+    - with `victim_waits` (the eviction's expected waits, in the same units as `wait(key)`), one whose
+      own expected wait is longer than its victim's is dropped: evicting the victim would cost a read to
+      bring it back before the prefetch is used, if ever.
+    No threshold is tuned: the score is the predictor's probability, the rest are the link's figures.
+    """
+
+    def __init__(self, min_score: float, idle_score: float, wait: Callable[[ExpertKey], float] | None = None,
+                 victim_waits: VictimWaits | None = None):
+        super().__init__(min_score, idle_score)
+        self.wait, self.victim_waits = wait, victim_waits
+
+    def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
+        if view.link is None:
+            return super().plan(predictions, view)
+        candidates = self.candidates(predictions, view)
+        return self.affordable(candidates, view.link, expected_misses(predictions, view), view.capacity)
+
+    def candidates(self, predictions: Sequence[Prediction], view: CacheView) -> list[Candidate]:
+        """The predicted experts not resident nor in flight, best priority first (then by key)."""
+        best: dict[tuple, Candidate] = {}
+        resident, in_flight, layer_now, num_layers = view.resident, view.in_flight, view.layer_now, view.num_layers
+        for layer, expert, score, tokens_ahead in predictions:
+            key = (layer, expert)
+            if score <= 0.0 or key in resident or key in in_flight:
+                continue
+            ahead = max(1, layer - layer_now + tokens_ahead * num_layers)
+            if key not in best or score / ahead > best[key][1]:
+                best[key] = (ExpertKey._make(key), score / ahead, score, ahead)
+        return sorted(best.values(), key=lambda c: (-c[1], c[0]))[: view.capacity]
+
+    def affordable(self, candidates: list[Candidate], link: LinkState, misses: float,
+                   capacity: int) -> list[TransferRequest]:
+        """The candidates the link can afford (the class docstring), in order."""
+        start, read_ms, next_ms = link.busy_ms, link.read_ms, link.next_need_ms
+        victims = self.victim_waits(capacity, len(candidates)) if self.victim_waits and self.wait else None
+        kept: list[TransferRequest] = []
+        for key, priority, score, ahead in candidates:
+            if start >= next_ms:
+                break  # starts after the next plan replaces this one
+            finish = start + read_ms
+            if finish > link.need_ms(ahead):
+                continue  # cannot land in time
+            if score * read_ms <= (1.0 - math.exp(-misses)) * max(0.0, finish - next_ms):
+                continue  # saves less than it delays the next layer's demand loads
+            if victims is not None and self.wait(key) >= victims[len(kept)]:
+                continue  # its victim is expected back sooner than it is needed
+            kept.append(TransferRequest(key, priority))
+            start = finish
+            misses -= score if ahead == 1 else 0.0
+        return kept
+
+
+def expected_misses(predictions: Sequence[Prediction], view: CacheView) -> float:
+    """Expected demand loads of the layer after the routed one: its predicted experts neither resident nor
+    in flight, by probability, plus the probability mass its predictions leave out (experts predicted
+    nowhere are taken as missing)."""
+    layer_now, num_layers = view.layer_now, view.num_layers
+    missing = total = 0.0
+    count = 0
+    for layer, expert, score, tokens_ahead in predictions:
+        if layer - layer_now + tokens_ahead * num_layers != 1:
+            continue
+        count += 1
+        total += score
+        if (layer, expert) not in view.resident and (layer, expert) not in view.in_flight:
+            missing += score
+    return missing + max(0.0, count - total)

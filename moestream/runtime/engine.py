@@ -47,7 +47,7 @@ from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import expert_decoder, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.onednn import bound_shape_caches
-from moestream.runtime.offload import OffloadedExperts, Prefetcher
+from moestream.runtime.offload import OffloadedExperts, Prefetcher, modelled_link
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import (NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan,
@@ -103,6 +103,7 @@ class Engine:
         self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
         self.prefetcher = Prefetcher(self.driver, self.store, shard)
+        self.store.model_link(modelled_link(self.config, self.checkpoint.topology))
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
                                         decode=expert_decoder(self.checkpoint, self.config.device))
         self._hooks: list = []
@@ -363,8 +364,7 @@ class Engine:
     def pad_id(self) -> int:
         """The token that left-pads shorter prompts of a batch."""
         pad = self.model.generation_config.pad_token_id
-        if pad is None:
-            pad = self.model.config.get_text_config().pad_token_id
+        pad = self.model.config.get_text_config().pad_token_id if pad is None else pad
         return int(pad) if pad is not None else min(self._eos_ids(), default=0)
 
 

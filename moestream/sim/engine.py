@@ -4,11 +4,10 @@ The policy is called through a `PolicyDriver` (moestream.policies.driver), which
 order; this module is the `LayerMechanism` it calls at each layer. Per MoE layer, once every
 observer has seen the routing (predictor first, then the tiers' eviction policies): the layer's
 experts are pinned; a ready expert is a hit (accessed); one already moving is waited for (a late
-prefetch if a plan sent it); any other is loaded on demand ahead of every prefetch, and a prefetch
-still queued for it is promoted to that demand load. Then the predictions after the layer and the
-planner's requests replace the queued prefetches; transfers in flight continue. The layer computes
-once its experts are ready (the wait is the stall) while the links keep moving; then its pins are
-released.
+prefetch if a plan sent it); any other is loaded on demand ahead of every prefetch, and a prefetch still
+queued for it is promoted to that demand load. Then the predictions after the layer and the planner's
+requests replace the queued prefetches; transfers in flight continue. The layer computes once its experts
+are ready (the wait is the stall) while the links keep moving; then its pins are released.
 
 Mechanism rules (documented choices):
 - One transfer at a time per link, never pre-empted; demand loads are committed when issued (their
@@ -26,14 +25,14 @@ Mechanism rules (documented choices):
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
 - A missed expert is accessed when its demand load admits it, one found on its way when looked up
   (`TransferCore.admit_demand`, `TransferCore.lookup`), as in the engine's store.
-- Caches start empty. Hits and accesses count distinct experts per layer and iteration.
 - A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing
   one by one (through a host tier, each is committed on its own, with no batch cost). With
   cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once landed
   ("ready": resident first, then as they land, the engine's cache-aware reordering; "given": in id
   order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
 - A layer looks its experts up in ascending id order, as the engine does (docs/measurements/fidelity.md).
-This module knows the policy contract, not any policy by name.
+This module knows the policy contract, not any policy by name. Caches start empty. Hits and accesses count
+distinct experts per layer and iteration.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from typing import Callable, Iterable
 
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.errors import BudgetError
+from moestream.link_model import ModelledLink
 from moestream.policies.contracts import CacheView, Policy, Prediction
 from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
@@ -72,7 +72,10 @@ class StreamSimulator:
         tiers = [self.device] + ([self.host] if self.host else [])
         self.driver = PolicyDriver(policy, [tier.policy for tier in tiers], horizon_layers=config.horizon_layers)
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
-        self.core: TransferCore[Transfer] = TransferCore(self.device)  # what is queued or moving to the device tier
+        layer_ms = cost.layer_compute_ms
+        tail_ms = layer_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, layer_ms) or layer_ms
+        model = ModelledLink(nbytes / self.device_link.transfer_ms, layer_ms, nbytes, topo.num_layers, tail_ms)
+        self.core: TransferCore[Transfer] = TransferCore(self.device, model)  # what is queued or moving to the device tier
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.now = 0.0
@@ -240,7 +243,7 @@ class StreamSimulator:
             return
         in_flight = frozenset(self.core.moving).union(self.demanding)  # as the engine's store shows them
         view = CacheView(ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now,
-                         self.topology.num_layers)
+                         self.topology.num_layers, self.core.link_state(layer_now))
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
         self._queue(self.core.admit_prefetches([r.key for r in requests]))
         for link in self.links:
@@ -368,9 +371,8 @@ class StreamSimulator:
         try:
             self.core.admit_demand(key)
         except CacheFullError:
-            raise BudgetError(
-                f"device tier of {self.device.capacity} slots has no expert to evict; raise the cache ratio"
-            ) from None
+            raise BudgetError(f"device tier of {self.device.capacity} slots has no expert to evict; "
+                              "raise the cache ratio") from None
 
     def _admit_host(self, transfer: Transfer, demand: bool) -> bool:
         try:

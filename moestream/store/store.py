@@ -33,7 +33,8 @@ import torch
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
-from moestream.policies.contracts import EvictionPolicy, TransferRequest
+from moestream.link_model import ModelledLink
+from moestream.policies.contracts import EvictionPolicy, LinkState, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.fetch import Fetch
@@ -170,6 +171,16 @@ class ExpertStore(ABC):
         return self._core.admit_prefetches([_key(r.key) for r in sorted(requests, key=lambda r: -r.priority)])
 
     # -- views of the state --------------------------------------------------------------------
+
+    def model_link(self, link: ModelledLink | None) -> None:
+        """The transfer core keeps this model of the disk link for the planner's view (`link_state`)."""
+        with self._lock:
+            self._core.link = link
+
+    def link_state(self, layer_now: int) -> LinkState | None:
+        """The modelled link as a plan after layer_now sees it; None without a model."""
+        with self._lock:
+            return self._core.link_state(layer_now)
 
     def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
         with self._lock:

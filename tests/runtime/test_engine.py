@@ -221,3 +221,39 @@ def test_an_engine_on_the_cpu_bounds_onednn_s_shape_caches_unless_the_user_did(c
     with _engine(checkpoint("olmoe")):
         assert os.environ["LRU_CACHE_CAPACITY"] == str(CACHE_ENTRIES)
         assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
+
+
+def test_the_planner_sees_the_modelled_link_of_the_runs_fixed_figures(checkpoint):
+    """--link-gbps and --layer-ms give the planner's view a modelled link (none without them)."""
+    from moestream.policies.contracts import Policy, Prediction, PrefetchPlanner, Predictor
+
+    class NextLayer(Predictor):
+        def predict(self, layer_now, horizon_layers):
+            num_layers = self.topology.num_layers
+            return [Prediction((layer_now + 1) % num_layers, 0, 0.9, int(layer_now + 1 >= num_layers))]
+
+    class Recording(PrefetchPlanner):
+        def __init__(self):
+            self.links = []
+
+        def plan(self, predictions, view):
+            self.links.append(view.link)
+            return []
+
+    class Watched(Policy):
+        def make_predictor(self):
+            return NextLayer(self.topology)
+
+        def make_planner(self):
+            return Recording()
+
+    path = checkpoint("qwen3_moe")
+    seen = {}
+    for figures in ({}, {"link_gbps": 2.0, "layer_ms": 4.0}):
+        policy = Watched(build_index(path).topology)
+        with _engine(path, "0.5", policy=policy, **figures) as engine:
+            engine.generate(["A first prompt"], max_new_tokens=2)
+            seen[bool(figures)] = policy.planner.links
+    assert seen[False] and all(link is None for link in seen[False])
+    link = seen[True][-1]
+    assert (link.bytes_per_ms, link.layer_ms) == (2.0e6, 4.0) and link.next_need_ms >= 4.0

@@ -6,6 +6,7 @@ import pytest
 from moestream.errors import BudgetError
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Predictor
+from moestream.policies.planning import BandwidthAwarePlanner, ScorePlanner
 from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows
@@ -230,3 +231,25 @@ def test_bounds_order_on_real_routing(deepseek_dev_path):
     assert m["belady"]["hit_rate"] > m["lru"]["hit_rate"]
     assert m["oracle"]["stall_ms_per_token"] < m["lru"]["stall_ms_per_token"]
     assert m["lru"]["tpot_ratio_vs_resident"] > 1.0
+
+
+def test_on_a_saturated_link_speculation_that_cannot_land_in_time_is_dropped_and_delays_no_demand():
+    """Every layer misses and its 1 ms demand load leaves 0.5 ms of compute: a prefetch of the next layer
+    cannot land in time. Planned blind, each (wrong) one starts and the next layer's demand load waits
+    behind it; the bandwidth-aware planner drops them, and no demand load waits for speculation."""
+    topo = tiny.topology(num_layers=3)
+    trace = tiny.trace([[[[0], [1], [2]], [[3], [2], [1]]]], topo)
+    wrong = {1: [3], 2: [0]}  # never the expert the layer routes to
+
+    def policy(planner):
+        made = tiny.scripted(topo, wrong)
+        made.planner = planner
+        return made
+
+    cost = tiny.cost(compute_ms=0.5)
+    blind = run(policy(ScorePlanner()), trace, cache_ratio=0.5, cost=cost, horizon_layers=1)
+    aware = run(policy(BandwidthAwarePlanner(0.0, 0.0)), trace, cache_ratio=0.5, cost=cost, horizon_layers=1)
+    assert blind["prefetches"] > 0 and aware["prefetches"] == 0
+    assert aware["stall_ms"] == pytest.approx(6 * 1.0)  # six demand loads, none behind a prefetch
+    assert blind["stall_ms"] > aware["stall_ms"]
+    assert aware["hit_rate"] == blind["hit_rate"] == 0.0

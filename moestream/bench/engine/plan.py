@@ -55,6 +55,8 @@ def measure(args) -> dict:
     dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
     context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
                "cap": _cap(args)}
+    base = dataclasses.replace(base, link_gbps=disk["bandwidth"] / 1e9,  # the planner's link: calibrated here
+                               layer_ms=resident["tpot_ms"] / topology.num_layers)
     results, skipped = [], _hf_on_cuda(args, budgets)
     for budget in budgets:
         results += _budget_runs(base, budget, _run_list(args), context, skipped)

@@ -34,6 +34,8 @@ class RunSpec:
     threads: int = 1
     direct_io: bool = True
     scratch_dir: str = ""  # where hf-accelerate writes its offload folder
+    link_gbps: float = 0.0  # the planner's modelled link (EngineConfig.link_gbps, layer_ms): the bench's calibration
+    layer_ms: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

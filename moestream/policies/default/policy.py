@@ -3,8 +3,10 @@
 - Prediction: state.IterationState runs the model (model.pre_activation, model.head), at each
   token's start for every layer and at each routed layer c for c+1, c+2 and the next token's layer
   c. Scores are probabilities.
-- Prefetch: moestream's IdleAwarePlanner (probability > min_prefetch_probability, or >
-  idle_prefetch_probability while nothing moves to the tier), in order of probability / layers ahead.
+- Prefetch: moestream's BandwidthAwarePlanner, in order of probability / layers ahead: where the view
+  has the link's model, the reads the link can afford (in time, worth the delay they impose, and
+  worth their victim by DefaultEviction's expected waits); without one, IdleAwarePlanner's rule
+  (probability > min_prefetch_probability, or > idle_prefetch_probability while nothing moves).
 - Eviction (DefaultEviction): the resident expert with the longest expected wait to its next use, in
   layers: (layers until it) + (1 - p) x L / q for a layer still ahead in this token, with p its
   probability now and q the next token's; (layers until the next token reaches it) + L x (1/q - 1)
@@ -44,7 +46,7 @@ from moestream.policies.default.model import (
 )
 from moestream.policies.default.state import IterationState, warm_up
 from moestream.policies.default.storage import load_directory, save_directory
-from moestream.policies.planning import IdleAwarePlanner
+from moestream.policies.planning import BandwidthAwarePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
@@ -210,6 +212,21 @@ class DefaultEviction(EvictionPolicy):
         self._flat = self._masked.ravel()  # [L * E] the same memory by flat index (_masked changes in place)
         self._seen: tuple = (None, 0, 0)  # the state, its epoch and layer that _masked reflects
 
+    def wait(self, key: ExpertKey) -> float:
+        """key's expected next use, as the eviction ranks residents (the larger, the later)."""
+        self._sync()
+        return float(self._table[key])
+
+    def victim_waits(self, capacity: int, count: int) -> list[float]:
+        """What the next count admissions would evict, largest first: +inf for each free slot of capacity,
+        then the residents' expected next uses (pins not known here: a few may be kept, not evicted)."""
+        self._sync()
+        resident = self._flat[self._flat > -np.inf]
+        free = min(count, max(0, capacity - resident.size))
+        taken = min(count - free, resident.size)
+        largest = -np.partition(-resident, taken - 1)[:taken] if taken else resident[:0]
+        return [np.inf] * free + np.sort(largest)[::-1].tolist() + [-np.inf] * (count - free - taken)
+
     def on_insert(self, key: ExpertKey) -> None:
         self._masked[key] = self._table[key]
 
@@ -271,15 +288,28 @@ class Default(TrainedPolicy):
     """moestream's lean default: a sparse linear routing model for prefetch and Belady-like eviction."""
 
     config_class = DefaultConfig
+    _device_eviction: DefaultEviction | None = None  # the device tier's, once made
 
     def make_predictor(self) -> DefaultPredictor:
         return DefaultPredictor(self.topology, self.config, self.train_config)
 
     def make_planner(self) -> PrefetchPlanner:
-        return IdleAwarePlanner(self.config.min_prefetch_probability, self.config.idle_prefetch_probability)
+        return BandwidthAwarePlanner(self.config.min_prefetch_probability, self.config.idle_prefetch_probability,
+                                     self._wait, self._victim_waits)
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
-        return DefaultEviction(self.predictor)
+        eviction = DefaultEviction(self.predictor)
+        if tier == "device":
+            self._device_eviction = eviction  # the planner weighs each prefetch against its victim
+        return eviction
+
+    def _wait(self, key: ExpertKey) -> float:
+        eviction = self._device_eviction
+        return -np.inf if eviction is None else eviction.wait(key)
+
+    def _victim_waits(self, capacity: int, count: int) -> list[float]:
+        eviction = self._device_eviction  # none yet: no victim to weigh
+        return [np.inf] * count if eviction is None else eviction.victim_waits(capacity, count)
 
     def prepare(self, trace: "Trace") -> None:
         self.predictor.require_trained()
