@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moestream.policies.contracts import CacheView, Observer
+from moestream.policies.contracts import Observer
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import check_finite
@@ -46,25 +46,14 @@ class Prefetcher:
 
     def after(self, layer_now: int) -> None:
         began = time.perf_counter()
-        requests = self.driver.decide(layer_now, self._view)
+        requests = self.driver.decide(layer_now, self.store.plan_view)
         if self.timeline is not None:  # the decision only: what prefetch waits for, the store records
             label = f"after layer {layer_now}: {len(requests)} requests"
             self.timeline.add("policy", label, began, time.perf_counter())
         if requests:
             self.store.prefetch(requests)
-        elif layer_now >= 0:  # an empty plan replaces the last one too (before the first layer it stands)
-            self.store.drop_plan()
-
-    def _view(self, layer_now: int) -> CacheView:
-        """The tier as the planner sees it, once the previous plan's unstarted prefetches are dropped."""
-        self.store.drop_plan()
-        return CacheView(
-            resident=self.store.resident(),
-            in_flight=self.store.in_flight(),
-            capacity=self.store.device_slots,
-            layer_now=layer_now,
-            num_layers=self.store.topology.num_layers,
-        )
+        elif layer_now >= 0:  # an empty plan ends the last one too (before the first layer it stands)
+            self.store.end_plan()
 
 
 def _observes(observer) -> bool:
