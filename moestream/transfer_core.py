@@ -38,6 +38,7 @@ class TransferCounts:
     hits: int = 0  # lookups whose expert was in the tier, landed or late
     late: int = 0  # hits whose expert was still moving (its wait is stall)
     misses: int = 0  # lookups whose expert was not in the tier (a demand load)
+    prefetched: int = 0  # experts a plan admitted
     prefetch_hits: int = 0  # first lookups of a prefetched expert that had landed (never a late one)
     wasted: int = 0  # prefetched experts evicted before any lookup
     evictions: int = 0  # experts evicted from the tier
@@ -139,6 +140,7 @@ class TransferCore(Generic[Record]):
             device.pin((key,))
             brought.append(key)
             self.unused.add(key)
+            self.counts.prefetched += 1
         device.unpin(kept)
         self.plan = list(brought)  # a copy: the caller may forget some of brought while it walks it
         return brought

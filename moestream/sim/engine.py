@@ -82,6 +82,7 @@ class StreamSimulator:
             self.counters.num_iterations += 1
         counters, counts = self.counters, self.core.counts
         counters.prefetch_hits, counters.wasted_prefetches = counts.prefetch_hits, counts.wasted
+        counters.prefetches_admitted = counts.prefetched
         counters.sim_ms = self.now
         counters.bytes_by_link = {link.name: link.bytes_moved for link in self.links}
         return counters
