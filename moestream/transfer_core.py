@@ -21,7 +21,7 @@ driver's records of what moves (`track`, `landed`, `forget`). It knows no time, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -51,6 +51,7 @@ class TransferCore(Generic[Record]):
         self.displaced = displaced
         self.moving: dict[ExpertKey, Record] = {}  # the driver's transfers not yet landed
         self.plan: list[ExpertKey] = []  # the current plan's admissions, best first, pinned until the next
+        self.last: set[ExpertKey] = set()  # the previous plan's admissions no lookup had used when it ended
         self.unused: set[ExpertKey] = set()  # prefetched experts no lookup has used yet
         self.demanded: set[ExpertKey] = set()  # the looked-up layer's misses
         self.counts = TransferCounts()
@@ -116,25 +117,29 @@ class TransferCore(Generic[Record]):
         return CacheView(self.device.resident() - in_flight, in_flight, self.device.capacity, layer_now, num_layers)
 
     def end_plan(self) -> None:
-        """The previous plan's pins are released; its experts keep their slots until evicted."""
+        """The previous plan's pins are released; its experts keep their slots until evicted (the next plan
+        evicts none that no lookup has used yet)."""
         self.device.unpin(self.plan)
+        self.last = self.unused.intersection(self.plan)
         self.plan = []
         self.demanded = set()
 
     def admit_prefetches(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
         """The one prefetch admission rule, applied when a plan is made (after `plan_view` or `end_plan`):
         in the plan's order (best first), each expert not in the tier takes a slot, pinned until the next
-        plan, evicting by policy any unpinned expert but those the plan asked for earlier; stops at the
-        first that finds no victim. Returns the experts admitted, in order."""
+        plan, evicting by policy any unpinned expert but those the plan asked for earlier and those the
+        previous plan brought that no lookup has used yet; stops at the first that finds no victim.
+        Returns the experts admitted, in order."""
         device, kept, brought = self.device, [], []
-        device.unpin(self.plan)  # a plan made without a view (a preload) replaces the last one too
+        if self.plan:  # a plan made without a view (a preload) ends the last one too
+            self.end_plan()
         for key in keys:
             if key in device:
                 device.pin((key,))
                 kept.append(key)
                 continue
             try:
-                self.admit(key)
+                self.admit(key, protect=self.last)
             except CacheFullError:
                 break
             device.pin((key,))
@@ -147,10 +152,11 @@ class TransferCore(Generic[Record]):
 
     # -- admission and eviction ------------------------------------------------------------------------
 
-    def admit(self, key: ExpertKey) -> None:
-        """A slot for key in the tier, evicting by policy (never a pinned expert); raises CacheFullError
-        when no victim is allowed. A victim still moving is displaced (its driver's to make safe)."""
-        _, evicted = self.device.admit(key)
+    def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> None:
+        """A slot for key in the tier, evicting by policy (never a pinned or protected expert); raises
+        CacheFullError when no victim is allowed. A victim still moving is displaced (its driver's to
+        make safe)."""
+        _, evicted = self.device.admit(key, protect)
         if evicted is None:
             return
         self.counts.evictions += 1

@@ -124,3 +124,13 @@ def test_a_demand_releases_the_plans_pins_lowest_priority_first():
     late, missed = c.fetch_layer([K(0, 0)])
     assert missed == [K(0, 0)] and K(1, 2) not in c.device  # the lowest-priority request gave way
     assert c.plan == [K(1, 0), K(1, 1)] and c.device.pinned() == {K(0, 0), K(1, 0), K(1, 1)}
+
+
+def test_a_plan_evicts_none_of_the_last_plans_experts_that_no_lookup_has_used():
+    c = core(slots=3)
+    prefetched(c, K(1, 0), K(1, 1), land=False)
+    c.lookup(K(1, 0))  # used: now any plan may evict it
+    c.fetch_layer([K(0, 0)])  # pinned by its layer
+    c.plan_view(layer_now=0, num_layers=2)
+    assert c.admit_prefetches([K(2, 0), K(2, 1)]) == [K(2, 0)]  # K(2, 0) evicts K(1, 0); K(1, 1) is kept
+    assert K(1, 1) in c.device and K(2, 0) in c.device and c.counts.evictions == 1
