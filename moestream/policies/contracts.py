@@ -139,9 +139,10 @@ class PrefetchPlanner(ABC):
       an expert in the tier (landed, or still moving: a late hit, whose wait is stall and whose
       transfer becomes demand) or misses it (admitted at once and loaded on demand).
     - A plan's requests are admitted when it is made, best first, each taking a slot (evicting by
-      policy, never an expert the plan asked for earlier) until no victim is allowed, and pinned
-      until the next plan. The next plan (even an empty one) releases those pins: the previous plan's
-      experts keep their slots and their transfers go on until the eviction policy picks them.
+      policy, never an expert the plan asked for earlier, nor one the previous plan brought that no
+      lookup has used yet) until no victim is allowed, and pinned until the next plan. The next plan
+      (even an empty one) releases those pins: the previous plan's experts keep their slots and their
+      transfers go on until the eviction policy picks them.
     - Pins come only from events: the layer being computed and the current plan. A demand miss that
       finds every slot pinned releases the plan's pins, lowest priority first.
     - Evicting an expert whose transfer still moves is the mechanism's to make safe (cancel it if
