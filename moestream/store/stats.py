@@ -13,7 +13,7 @@ from moestream.read_fit import ReadBatchFit
 
 @dataclass
 class StoreStats:
-    hits: int = 0  # acquire: experts whose bytes were in the device tier
+    hits: int = 0  # acquire: experts in the device tier (their bytes landed or still moving: late)
     misses: int = 0  # acquire: experts not in the device tier, fetched on demand
     host_hits: int = 0  # device fills served by the host tier
     host_misses: int = 0  # device fills served by disk
