@@ -6,7 +6,9 @@ layer's lookups (`need`: a queued prefetch it needs becomes demand), demand load
 every read that has not started) and a plan's prefetches (`speculate`: in plan order). Time passes only
 with the layers that the keys name: when a lookup or a plan names a layer other than the last one, the
 layers between have computed, the first of them once its demand loads were in and `tail_ms` more
-(what it computes after its last one lands; the link moves demand first after what is under way). Each plan replaces the reads the model has not started.
+(what it computes after its last one lands; the link moves demand first after what is under way).
+A read leaves the model when it is done or when its expert leaves the tier (`drop`), as the transfer
+core's rules say (a plan's prefetches keep their slots until evicted).
 
 So both drivers compute the same backlog from the same admissions: it reads no clock and no
 measurement, knows no policy, and is not what the real link does (its bandwidth and layer time are
@@ -61,11 +63,14 @@ class ModelledLink:
         """A plan's prefetches, admitted in its order."""
         self.reads += [_Read(key, float(self.expert_bytes), False) for key in keys]
 
+    def drop(self, key: ExpertKey) -> None:
+        """key left the tier (evicted or failed): a read of it not yet done is no more."""
+        self.reads = [read for read in self.reads if read.key != key]
+
     def state(self, layer_now: int) -> LinkState:
-        """What a plan after layer_now sees, once the previous plan's reads not started are dropped."""
+        """What a plan after layer_now sees."""
         if layer_now >= 0:
             self._at(layer_now)
-        self.reads = [read for read in self.reads if read.demand or read.left < self.expert_bytes]
         backlog = sum(read.left for read in self.reads)
         return LinkState(self.bytes_per_ms, self.layer_ms, self.expert_bytes, backlog, self._layer_end_ms())
 

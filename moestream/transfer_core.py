@@ -1,25 +1,35 @@
-"""The transfer core: the bookkeeping of experts on their way into the device tier, one object that
-the engine's stores (`moestream.store`) and the simulator (`moestream.sim.engine`) both drive.
+"""The transfer core: the bookkeeping of experts coming into the device tier, one clock-free object
+that the engine's stores (`moestream.store`) and the simulator (`moestream.sim.engine`) both drive.
 
-It answers a layer's lookups (in place: a hit, and a prefetch hit when a landed prefetch is used for
-the first time; on its way: late; else a miss), admits experts to the tier (the tier's eviction
-policy picks the victim; a landed prefetch evicted unused is wasted), keeps which experts are on
-their way (`moving`, each with its driver's own record of the transfer) and lands them. With a
-`ModelledLink` (`moestream.link_model`) it tells the model each lookup and admission, and reports the
-model's state for the planner's view (`link_state`). The engine's link workers and the simulator's links differ in who moves the bytes and when (threads in
-real time, a cost model in virtual time), not in these rules. Clock-free and device-free: it knows
-no time, no bytes, no thread (a caller holds its own lock), and no policy by name.
+Residency changes only at two kinds of event, never when bytes land:
+- a layer's lookups (`lookup`, `admit_demand`): an expert in the tier is a hit, landed or still
+  moving (then LATE: its wait is stall, and the mechanism makes its transfer demand); any other is
+  a miss, admitted at once, evicting by policy any expert not pinned;
+- a plan (`plan_view`, `admit_prefetches`, `end_plan`): the previous plan's pins are released (its
+  experts keep their slots, landed or not, until evicted), then the new plan's experts take slots
+  best first, each pinned until the next plan.
+Pins come only from events: the layer's own (its caller's `pin`/`unpin`) and the current plan's. A
+demand that finds every slot pinned releases the plan's pins, lowest priority first. An expert
+evicted while its transfer moves is handed to the driver (`displaced`), whose mechanism cancels it
+or lets it finish before the slot is reused. So engine and simulator keep the same residency on
+the same events whatever their clocks; the clock decides only whether a hit is late.
+
+It also builds the planner's view (`plan_view`, the one place a `CacheView` is made) and keeps the
+driver's records of what moves (`track`, `landed`, `forget`). With a `ModelledLink`
+(`moestream.link_model`) it tells the model each lookup and admission, and the view carries the
+model's state (`CacheView.link`). It knows no time, no bytes, no thread (a caller holds its own
+lock), and no policy by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.link_model import ModelledLink
-from moestream.policies.contracts import LinkState
+from moestream.policies.contracts import CacheView, LinkState
 from moestream.topology import ExpertKey
 
 HIT, LATE, MISS = "hit", "late", "miss"
@@ -28,111 +38,180 @@ Record = TypeVar("Record")  # a driver's record of one transfer (the core never 
 
 @dataclass
 class TransferCounts:
-    hits: int = 0  # lookups whose expert was in place
-    prefetch_hits: int = 0  # hits on a landed prefetch that nobody had used (never a late one)
-    wasted: int = 0  # landed prefetches evicted before any use
+    hits: int = 0  # lookups whose expert was in the tier, landed or late
+    late: int = 0  # hits whose expert was still moving (its wait is stall)
+    misses: int = 0  # lookups whose expert was not in the tier (a demand load)
+    prefetched: int = 0  # experts a plan admitted
+    prefetch_hits: int = 0  # first lookups of a prefetched expert that had landed (never a late one)
+    wasted: int = 0  # prefetched experts evicted before any lookup
     evictions: int = 0  # experts evicted from the tier
 
 
 class TransferCore(Generic[Record]):
-    def __init__(self, device: ExpertCache, link: ModelledLink | None = None):
+    def __init__(self, device: ExpertCache, displaced: Callable[[Record], None] = lambda record: None,
+                 link: ModelledLink | None = None):
+        """displaced: called with the record of a transfer whose expert left the tier while it moved;
+        link: the modelled link for the planner's view (None: the view has none)."""
         self.device = device
-        self.link = link  # the modelled link for the planner's view (None: the view has none)
-        self.moving: dict[ExpertKey, Record] = {}  # on their way into the tier (admitted or planned)
-        self.unused: set[ExpertKey] = set()  # landed prefetches nobody has used yet
-        self.waited: set[ExpertKey] = set()  # moving experts a layer looked up (late): no unused prefetch
+        self.displaced = displaced
+        self.link = link
+        self.moving: dict[ExpertKey, Record] = {}  # the driver's transfers not yet landed
+        self.plan: list[ExpertKey] = []  # the current plan's admissions, best first, pinned until the next
+        self.last: set[ExpertKey] = set()  # the previous plan's admissions no lookup had used when it ended
+        self.unused: set[ExpertKey] = set()  # prefetched experts no lookup has used yet
+        self.demanded: set[ExpertKey] = set()  # the looked-up layer's misses
         self.counts = TransferCounts()
+        self._layer = -1  # the layer of the last lookup
+
+    # -- a layer's lookups ---------------------------------------------------------------------------
 
     def lookup(self, key: ExpertKey) -> str:
-        """A layer needs key: HIT (in place: accessed and counted), LATE (on its way, `moving[key]`:
-        accessed, and whatever lands for it is no unused prefetch), or MISS (a demand load admits it:
-        no access)."""
-        if key in self.moving:
-            self.device.access(key)
-            self.waited.add(key)
-            self._needed(key)
-            return LATE
+        """A layer needs key: HIT (in the tier and landed), LATE (in the tier, still moving: the
+        mechanism makes it demand and waits), both accessed and counted as hits; or MISS (not in the
+        tier: `admit_demand` next)."""
+        if key.layer != self._layer:
+            self._layer, self.demanded = key.layer, set()
         if self.device.access(key) is None:
+            self.counts.misses += 1
             return MISS
-        self._needed(key)
-        self.counts.hits += 1
+        late, counts = key in self.moving, self.counts
+        if self.link is not None:
+            self.link.need(key)
+        counts.hits += 1
+        counts.late += late
         if key in self.unused:
             self.unused.discard(key)
-            self.counts.prefetch_hits += 1
-        return HIT
+            counts.prefetch_hits += not late
+        return LATE if late else HIT
 
-    def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> None:
-        """A slot for key in the tier, evicting by policy (never a pinned or protected expert);
-        raises CacheFullError when no victim is allowed."""
-        _, evicted = self.device.admit(key, protect)
-        if evicted is not None:
-            self.counts.evictions += 1
-            if evicted in self.unused:
-                self.unused.discard(evicted)
-                self.counts.wasted += 1
+    def fetch_layer(self, keys: Sequence[ExpertKey]) -> tuple[list[ExpertKey], list[ExpertKey]]:
+        """A layer's lookups, in the given order: every key is pinned (the caller unpins them once the
+        layer has computed), each looked up, then each miss admitted. Returns (late, missed): the keys
+        still moving, whose transfers become demand, and those just admitted, to be loaded. On
+        CacheFullError the misses admitted leave the tier again and the pins are released."""
+        self.device.pin(keys)
+        found = [self.lookup(key) for key in keys]
+        missed = [key for key, f in zip(keys, found) if f == MISS]
+        admitted = []
+        try:
+            for key in missed:
+                self.admit_demand(key)
+                admitted.append(key)
+        except CacheFullError:
+            for key in admitted:
+                self.forget(key)
+            self.device.unpin(keys)
+            raise
+        return [key for key, f in zip(keys, found) if f == LATE], missed
 
     def admit_demand(self, key: ExpertKey) -> None:
-        """A missed expert's slot (evicting by policy any unpinned expert); the miss is a use: accessed.
-        Nothing to do for one in the tier already (on its way: its lookup accessed it)."""
-        if key not in self.device:
-            self.admit(key)
-            self.device.access(key)
-            if self.link is not None:
-                self.link.demand(key)
+        """A missed expert's slot, evicting by policy any unpinned expert (releasing the plan's pins,
+        lowest priority first, while none is); the miss is a use: accessed. Raises CacheFullError
+        when the layer's own pins fill the tier."""
+        while len(self.device) >= self.device.capacity and not self.device.has_evictable() and self.plan:
+            self.device.unpin((self.plan.pop(),))
+        self.admit(key)
+        self.device.access(key)
+        self.demanded.add(key)
+        if self.link is not None:
+            self.link.demand(key)
+
+    # -- a plan ----------------------------------------------------------------------------------
+
+    def plan_view(self, layer_now: int, num_layers: int) -> CacheView:
+        """Ends the previous plan and returns the tier as the next planner sees it: in flight, the
+        previous plan's admissions no lookup has used and the layer's demand loads; resident, the rest
+        of the tier (both by events, not by landings)."""
+        in_flight = frozenset(self.unused.intersection(self.plan)) | self.demanded
+        self.end_plan()
+        return CacheView(self.device.resident() - in_flight, in_flight, self.device.capacity, layer_now, num_layers,
+                         self.link_state(layer_now))
+
+    def link_state(self, layer_now: int) -> LinkState | None:
+        """The modelled link as a plan after layer_now sees it (None without a model)."""
+        return None if self.link is None else self.link.state(layer_now)
+
+    def end_plan(self) -> None:
+        """The previous plan's pins are released; its experts keep their slots until evicted (the next plan
+        evicts none that no lookup has used yet)."""
+        self.device.unpin(self.plan)
+        self.last = self.unused.intersection(self.plan)
+        self.plan = []
+        self.demanded = set()
 
     def admit_prefetches(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
-        """The one prefetch admission rule, applied when a plan is made: in the plan's order (best first),
-        each expert not in the tier takes a slot, pinned for its transfer until it lands or is forgotten,
-        evicting by policy any unpinned expert but those the plan asked for earlier; stops at the first
-        that finds no victim. Returns the experts admitted, in order."""
+        """The one prefetch admission rule, applied when a plan is made (after `plan_view` or `end_plan`):
+        in the plan's order (best first), each expert not in the tier takes a slot, pinned until the next
+        plan, evicting by policy any unpinned expert but those the plan asked for earlier and those the
+        previous plan brought that no lookup has used yet; stops at the first that finds no victim.
+        Returns the experts admitted, in order."""
         device, kept, brought = self.device, [], []
+        if self.plan:  # a plan made without a view (a preload) ends the last one too
+            self.end_plan()
         for key in keys:
             if key in device:
                 device.pin((key,))
                 kept.append(key)
                 continue
             try:
-                self.admit(key)
+                self.admit(key, protect=self.last)
             except CacheFullError:
                 break
             device.pin((key,))
             brought.append(key)
+            self.unused.add(key)
+            self.counts.prefetched += 1
         device.unpin(kept)
         if self.link is not None:
             self.link.speculate(brought)
+        self.plan = list(brought)  # a copy: the caller may forget some of brought while it walks it
         return brought
 
-    def link_state(self, layer_now: int) -> LinkState | None:
-        """The modelled link as a plan after layer_now sees it (None without a model)."""
-        return None if self.link is None else self.link.state(layer_now)
+    # -- admission and eviction ------------------------------------------------------------------------
 
-    def _needed(self, key: ExpertKey) -> None:
-        """A lookup found key in the tier or on its way (the same for both, whatever the clock says)."""
-        if self.link is not None:
-            self.link.need(key)
+    def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> None:
+        """A slot for key in the tier, evicting by policy (never a pinned or protected expert); raises
+        CacheFullError when no victim is allowed. A victim still moving is displaced (its driver's to
+        make safe)."""
+        _, evicted = self.device.admit(key, protect)
+        if evicted is None:
+            return
+        self.counts.evictions += 1
+        if evicted in self.unused:
+            self.unused.discard(evicted)
+            self.counts.wasted += 1
+        record = self.moving.pop(evicted, None)
+        if record is not None:
+            self.displaced(record)
+            if self.link is not None:
+                self.link.drop(evicted)
+
+    # -- the driver's transfers ------------------------------------------------------------------------
 
     def track(self, key: ExpertKey, record: Record) -> None:
-        """key is on its way into the tier (queued or moving); record is the driver's transfer."""
+        """key, in the tier, is on its way (queued or moving); record is the driver's transfer."""
         self.moving[key] = record
 
-    def landed(self, key: ExpertKey, prefetch: bool) -> Record | None:
-        """key's bytes are in place; a prefetch nobody waited for is unused until a hit uses it."""
-        record = self.moving.pop(key, None)
-        if prefetch and key not in self.waited:
-            self.unused.add(key)
-        self.waited.discard(key)
-        return record
+    def landed(self, key: ExpertKey, record: Record) -> bool:
+        """record's bytes are in place; False when it no longer stands for key (displaced or forgotten).
+        Residency does not change."""
+        if self.moving.get(key) is not record:
+            return False
+        del self.moving[key]
+        return True
 
     def untrack(self, key: ExpertKey) -> None:
-        """key's queued transfer is replaced by a load the caller does not track: no longer moving, but
-        still in the tier."""
+        """key's transfer is replaced by a load its driver does not track; key stays in the tier."""
         self.moving.pop(key, None)
-        self.waited.discard(key)
 
     def forget(self, key: ExpertKey) -> None:
-        """key will not land (dropped, cancelled or failed): it leaves the tier if admitted."""
-        self.untrack(key)
+        """key's bytes will not arrive (a failed transfer, a closed store): it leaves the tier."""
+        self.moving.pop(key, None)
         self.unused.discard(key)
+        if self.link is not None:
+            self.link.drop(key)
+        if key in self.plan:
+            self.plan.remove(key)
         if key in self.device:
             self.device.remove(key)
 

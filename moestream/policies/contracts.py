@@ -161,15 +161,25 @@ class CacheView:
 class PrefetchPlanner(ABC):
     """Turns predictions into prioritised transfer requests for one tier.
 
-    Each plan replaces the previous plan's requests that have not started: the mechanism drops them
-    before it builds the view the planner sees, so `in_flight` there holds only transfers under way
-    (and the routed layer's demand loads); those continue. After a layer with no prediction the plan
-    is empty (it still replaces); before an iteration's first layer, no prediction leaves the last
-    plan standing. The requests are admitted when the plan is made, best first, each taking a slot
-    (evicting by policy, never an expert the plan asked for earlier) until no victim is allowed
-    (`TransferCore.admit_prefetches`). The engine's stores (`drop_plan`, then `prefetch`) and the
-    simulator both do this.
-    On-demand misses never go through a planner: the mechanism serves them first.
+    The rules every mechanism keeps, clock-free (`moestream.transfer_core.TransferCore`, which the
+    engine's stores and the simulator both drive), so that the engine and the simulator keep the same
+    experts on the same trace:
+    - Residency changes only at a layer's lookups and at plans, never when bytes land. A lookup finds
+      an expert in the tier (landed, or still moving: a late hit, whose wait is stall and whose
+      transfer becomes demand) or misses it (admitted at once and loaded on demand).
+    - A plan's requests are admitted when it is made, best first, each taking a slot (evicting by
+      policy, never an expert the plan asked for earlier, nor one the previous plan brought that no
+      lookup has used yet) until no victim is allowed, and pinned until the next plan. The next plan
+      (even an empty one) releases those pins: the previous plan's experts keep their slots and their
+      transfers go on until the eviction policy picks them.
+    - Pins come only from events: the layer being computed and the current plan. A demand miss that
+      finds every slot pinned releases the plan's pins, lowest priority first.
+    - Evicting an expert whose transfer still moves is the mechanism's to make safe (cancel it if
+      queued, else let it end before the slot is written again).
+    The view: `in_flight` holds the previous plan's admissions no lookup has used yet and the routed
+    layer's demand loads; `resident` the rest of the tier (both by events). After a layer with no
+    prediction the plan is empty (it still ends the last one); before an iteration's first layer, no
+    prediction leaves the last plan standing. On-demand misses never go through a planner.
     """
 
     @abstractmethod

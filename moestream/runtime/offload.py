@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from moestream.link_model import ModelledLink
-from moestream.policies.contracts import CacheView, Observer
+from moestream.policies.contracts import Observer
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import check_finite
@@ -56,7 +56,7 @@ class Prefetcher:
 
     def after(self, layer_now: int) -> None:
         began = time.perf_counter()
-        requests = self.driver.decide(layer_now, self._view)
+        requests = self.driver.decide(layer_now, self.store.plan_view)
         if self.shard is not None:
             requests = [request for request in requests if self.shard.owns(request.key)]
         if self.timeline is not None:  # the decision only: what prefetch waits for, the store records
@@ -64,20 +64,8 @@ class Prefetcher:
             self.timeline.add("policy", label, began, time.perf_counter())
         if requests:
             self.store.prefetch(requests)
-        elif layer_now >= 0:  # an empty plan replaces the last one too (before the first layer it stands)
-            self.store.drop_plan()
-
-    def _view(self, layer_now: int) -> CacheView:
-        """The tier as the planner sees it, once the previous plan's unstarted prefetches are dropped."""
-        self.store.drop_plan()
-        return CacheView(
-            resident=self.store.resident(),
-            in_flight=self.store.in_flight(),
-            capacity=self.store.device_slots,
-            layer_now=layer_now,
-            num_layers=self.store.topology.num_layers,
-            link=self.store.link_state(layer_now),
-        )
+        elif layer_now >= 0:  # an empty plan ends the last one too (before the first layer it stands)
+            self.store.end_plan()
 
 
 def modelled_link(config, topology) -> ModelledLink | None:

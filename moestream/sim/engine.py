@@ -2,29 +2,29 @@
 
 The policy is called through a `PolicyDriver` (moestream.policies.driver), which owns the call
 order; this module is the `LayerMechanism` it calls at each layer. Per MoE layer, once every
-observer has seen the routing (predictor first, then the tiers' eviction policies): the layer's
-experts are pinned; a ready expert is a hit (accessed); one already moving is waited for (a late
-prefetch if a plan sent it); any other is loaded on demand ahead of every prefetch, and a prefetch still
-queued for it is promoted to that demand load. Then the predictions after the layer and the planner's
-requests replace the queued prefetches; transfers in flight continue. The layer computes once its experts
-are ready (the wait is the stall) while the links keep moving; then its pins are released.
+observer has seen the routing (predictor first, then the tiers' eviction policies): the transfer
+core looks the layer's experts up (`TransferCore.fetch_layer`, as the engine's store): one in the
+tier is a hit, ready or still moving (late: waited for, and a prefetch still queued for it is
+promoted to a demand load); any other is admitted and loaded on demand ahead of every prefetch.
+Then the predictions after the layer go to the planner, whose requests the core admits
+(`TransferCore.plan_view`, `admit_prefetches`); transfers queued or in flight continue. The layer
+computes once its experts are ready (the wait is the stall) while the links keep moving; then its
+pins are released. Residency is the core's alone, so the engine and the simulator keep the same
+experts on the same trace; this module only times the transfers (a cost model).
 
 Mechanism rules (documented choices):
-- One transfer at a time per link, never pre-empted; demand loads are committed when issued (their
-  slot is reserved then). A plan's prefetches take their slots when the plan is made, by the
-  transfer core's one admission rule (`TransferCore.admit_prefetches`, as the engine's store), and
-  hold them pinned until they land or the next plan drops them unstarted (they leave the tier).
-  Demand loads may evict any unpinned expert.
-- The planner's view shows as in flight what moves to the device tier and the routed layer's demand
-  loads, and as resident only what has landed, as the engine's store does. Each plan replaces the
-  queued prefetches before the planner looks, as the engine's store does (`PrefetchPlanner`).
+- One transfer at a time per link, never pre-empted; demand loads are committed when issued. A
+  plan's prefetches wait on their link by priority (a later plan may re-rank them), as the engine's
+  transfer queue orders them. One whose expert the core evicts is dropped if it has not started
+  (`_displaced`); one moving lands before its link's next transfer, which may fill the slot.
 - The planner is consulted only when the predictor predicts something; an empty prediction list
-  is an empty plan (the queue is cleared), except before the first layer (`predict(-1)`), where
+  is an empty plan (it ends the last one), except before the first layer (`predict(-1)`), where
   it leaves the plan made at the previous iteration's last layer in place.
 - With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
   disk -> host first; the device link then idles until it arrives (a conservative simplification).
-- A missed expert is accessed when its demand load admits it, one found on its way when looked up
-  (`TransferCore.admit_demand`, `TransferCore.lookup`), as in the engine's store.
+  A prefetch whose host copy was evicted before it started is read again; host-tier residency is
+  this module's own (the engine's CPU runs have no host tier).
+- Caches start empty. Hits and accesses count distinct experts per layer and iteration.
 - A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing
   one by one (through a host tier, each is committed on its own, with no batch cost). With
   cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once landed
@@ -43,16 +43,16 @@ from typing import Callable, Iterable
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.errors import BudgetError
 from moestream.link_model import ModelledLink
-from moestream.policies.contracts import CacheView, Policy, Prediction
+from moestream.policies.contracts import Policy, Prediction
 from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
 from moestream.sim.metrics import LayerCounts, StreamCounters
 from moestream.sim.protocols import PROTOCOLS, REPLAYS, Protocol
-from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Link, ReadyKeys, Transfer
+from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Link, Transfer
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
-from moestream.transfer_core import HIT, LATE, TransferCore
+from moestream.transfer_core import TransferCore
 
 
 class StreamSimulator:
@@ -75,9 +75,8 @@ class StreamSimulator:
         layer_ms = cost.layer_compute_ms
         tail_ms = layer_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, layer_ms) or layer_ms
         model = ModelledLink(nbytes / self.device_link.transfer_ms, layer_ms, nbytes, topo.num_layers, tail_ms)
-        self.core: TransferCore[Transfer] = TransferCore(self.device, model)  # what is queued or moving to the device tier
+        self.core: TransferCore[Transfer] = TransferCore(self.device, self._displaced, model)  # the tier's residency
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
-        self.demanding: list[ExpertKey] = []  # the routed layer's demand loads, in flight until it computes
         self.now = 0.0
         self._layer_ms = compute_ms or functools.cache(lambda tokens, experts: cost.compute_ms(tokens, experts, topo.top_k))
         self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], int] | None = None  # routed
@@ -90,6 +89,7 @@ class StreamSimulator:
             self.counters.num_iterations += 1
         counters, counts = self.counters, self.core.counts
         counters.prefetch_hits, counters.wasted_prefetches = counts.prefetch_hits, counts.wasted
+        counters.prefetches_admitted = counts.prefetched
         counters.sim_ms = self.now
         counters.bytes_by_link = {link.name: link.bytes_moved for link in self.links}
         return counters
@@ -102,7 +102,6 @@ class StreamSimulator:
         if len(needed) > self.device.capacity:
             raise BudgetError(f"layer {layer} needs {len(needed)} experts at once but the device tier has "
                               f"{self.device.capacity} slots; raise the cache ratio")
-        self.device.pin(needed)
         self._layer = needed, self._gather(layer, needed), num_tokens
 
     def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
@@ -122,7 +121,6 @@ class StreamSimulator:
         end_ms = ready_ms + compute_ms
         self._advance(end_ms)
         self.device.unpin(needed)
-        self.demanding = []
         self.now = end_ms
 
     def wait_until(self, until_ms: float) -> None:
@@ -155,27 +153,23 @@ class StreamSimulator:
         return waited
 
     def _gather(self, layer: int, needed: list[ExpertKey]) -> dict[ExpertKey, float]:
-        """Count hits, start demand loads; when each missed expert lands."""
-        lands, demands, hits = {}, [], 0
-        lookup, moving = self.core.lookup, self.core.moving
-        for key in needed:
-            found = lookup(key)
-            if found == HIT:
-                hits += 1
+        """The core's lookups (pinning the layer's experts); start demand loads; when each expert not in
+        place lands."""
+        late, missed = self.core.fetch_layer(needed)
+        lands, demands = {}, set(missed)
+        for key in late:
+            transfer = self.core.moving[key]
+            if transfer.stage != QUEUED:
+                lands[key] = self._wait(transfer)
                 continue
-            if found == LATE:
-                transfer = moving[key]
-                if transfer.stage != QUEUED:
-                    lands[key] = self._wait(transfer)
-                    continue
-                self.core.untrack(key)  # a prefetch still queued: the demand load replaces it (in its slot)
-                transfer.stage = DROPPED
-                self._release(transfer)
-            demands.append(key)
+            self.core.untrack(key)  # a prefetch still queued: the demand load replaces it (in its slot)
+            transfer.stage = DROPPED
+            self._release(transfer)
+            demands.add(key)
         if demands:
-            landing = self._load_on_demand(demands)
-            lands.update(zip(demands, landing))
-        self.counters.layers.hits[layer] += hits
+            keys = [key for key in needed if key in demands]
+            lands.update(zip(keys, self._load_on_demand(keys)))
+        self.counters.layers.hits[layer] += len(needed) - len(missed)
         self.counters.layers.accesses[layer] += len(needed)
         return lands
 
@@ -189,17 +183,12 @@ class StreamSimulator:
         if self.cost.host_holds_all:
             counters.host_accesses += len(keys)
             counters.host_hits += len(keys)
-        for key in keys:
-            self._admit_device(key)
-        lands = self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before it computes
-        self.demanding = list(keys)
-        return lands
+        return self.device_link.commit_many(len(keys), self.now, self.cost.demand_batch_ms)  # before it computes
 
     def _demand(self, transfer: Transfer) -> float:
         """A demand load through the host tier; when it lands."""
         self.core.track(transfer.key, transfer)
         earliest = self._through_host(transfer)
-        self._admit_device(transfer.key)
         transfer.stage = MOVING
         return self.device_link.commit(transfer, earliest)
 
@@ -226,37 +215,35 @@ class StreamSimulator:
             return transfer.end_ms
         if transfer.stage == WAITING:
             self.device_link.waiting.remove(transfer)
-        self._admit_device(transfer.key)
         transfer.stage = MOVING
         return self.device_link.commit(transfer, max(self.now, transfer.lower_end_ms))
 
     def _plan(self, layer_now: int, predictions: list[Prediction]) -> None:
-        """Replace the queued prefetches with the planner's requests for what is predicted now."""
+        """The planner's requests for what is predicted now, admitted by the core and queued by priority."""
         if layer_now < 0 and not predictions:
             return  # nothing new before the first layer: the last layer's plan stands
-        for link in self.links:
-            if link.planned:
-                for transfer in link.drop_planned():
-                    self._release(transfer)
-                    self.core.forget(transfer.key)
         if not predictions:
+            self.core.end_plan()
             return
-        in_flight = frozenset(self.core.moving).union(self.demanding)  # as the engine's store shows them
-        view = CacheView(ReadyKeys(self.device, in_flight), in_flight, self.device.capacity, layer_now,
-                         self.topology.num_layers, self.core.link_state(layer_now))
+        view = self.core.plan_view(layer_now, self.topology.num_layers)
         requests = sorted(self.driver.plan(predictions, view), key=lambda r: -r.priority)
-        self._queue(self.core.admit_prefetches([r.key for r in requests]))
+        priorities = {r.key: r.priority for r in requests}
+        brought = self.core.admit_prefetches([r.key for r in requests])
+        for key in priorities.keys() - set(brought):  # queued already: its rank follows the new plan
+            transfer = self.core.moving.get(key)
+            if transfer is not None and transfer.stage == QUEUED and transfer.priority != priorities[key]:
+                transfer.priority = priorities[key]
+                self._link_for(key).plan(transfer, again=True)
+        for key in brought:
+            transfer = Transfer(key, True, priorities[key])
+            self.core.track(key, transfer)
+            self._link_for(key).plan(transfer)
         for link in self.links:
             link.wake(self.now)
 
-    def _queue(self, keys: list[ExpertKey]) -> None:
-        """Queue the transfers of prefetches just admitted (each pinned in the device tier)."""
-        for key in keys:
-            transfer = Transfer(key, True)
-            transfer.device_pinned = True
-            self.core.track(key, transfer)
-            link = self.device_link if self.host is None or self._host_ready(key) else self.lower_link
-            link.planned.append(transfer)
+    def _link_for(self, key: ExpertKey) -> Link:
+        """Where a prefetch waits: the device link, or the lower one while its host copy is missing."""
+        return self.device_link if self.host is None or self._host_ready(key) else self.lower_link
 
     def _advance(self, until_ms: float) -> None:
         """Run the links up to until_ms: land what ends by then, start queued prefetches."""
@@ -280,7 +267,7 @@ class StreamSimulator:
         link, key = self.device_link, transfer.key
         arrived = transfer.stage == WAITING
         if not arrived and self.host is not None and not self._host_ready(key):
-            self._drop(transfer)  # its host copy was evicted after the plan
+            self.lower_link.plan(transfer)  # its host copy was evicted after the plan: read it again
             return
         if self.host is not None and not transfer.host_pinned:
             self._pin_host(transfer)
@@ -298,81 +285,44 @@ class StreamSimulator:
                 if transfer.stage == LOWER:
                     transfer.stage = WAITING
                     self.device_link.waiting.append(transfer)
+                else:  # displaced on its way: the host keeps the copy
+                    self._release(transfer)
             if link.free_ms > until_ms:
                 return
             transfer = link.next_planned()
             if transfer is None:
                 return
             if not self._admit_host(transfer, demand=False):
-                self._drop(transfer)
-                continue
+                link.plan(transfer, again=True)  # every host slot is in use: it waits
+                return
             self._pin_host(transfer)
             self.counters.prefetches_started += 1
             transfer.stage = LOWER
             transfer.lower_end_ms = link.commit(transfer, link.free_ms)
 
     def _land(self, done: list[Transfer]) -> None:
-        counters, unpins = self.counters, []
         for transfer in done:
-            key = transfer.key
-            self.core.landed(key, transfer.prefetch)
-            if transfer.device_pinned:
-                unpins.append(key)
-            if transfer.host_pinned:
-                self.host.unpin((key,))
-            if transfer.prefetch:
-                counters.prefetches_landed += 1
-        if unpins:
-            self.device.unpin(unpins)
+            if self.core.landed(transfer.key, transfer) and transfer.prefetch:
+                self.counters.prefetches_landed += 1
+            self._release(transfer)
 
-    def _drop(self, transfer: Transfer) -> None:
-        """A prefetch given up before it started: it leaves the device tier."""
-        self.counters.prefetches_dropped += 1
-        self._release(transfer)
-        self.core.forget(transfer.key)
-        transfer.stage = DROPPED
-
-    def _drop_worst(self) -> bool:
-        """Drop the lowest-priority queued prefetch; False when none is queued."""
-        for link in reversed(self.links):
-            while link.planned:
-                transfer = link.planned.pop()
-                if transfer.stage == QUEUED:
-                    self._drop(transfer)
-                    return True
-        return False
-
-    def _wait_landing(self) -> None:
-        """Every slot is pinned and nothing is queued: wait (a stall) until the next transfer lands."""
-        ends = [link.running[0][0] for link in self.links if link.running]
-        if not ends:
-            raise BudgetError(f"device tier of {self.device.capacity} slots has no expert to evict; "
-                              "raise the cache ratio")
-        until = max(self.now, min(ends))
-        self.counters.stall_ms += until - self.now
-        self._advance(until)
-        self.now = until
+    def _displaced(self, transfer: Transfer) -> None:
+        """The core evicted the transfer's expert: dropped if it has not started; one on the lower link
+        ends there (the host keeps it); one moving up lands before the link's next transfer."""
+        if transfer.stage == QUEUED:
+            self.counters.prefetches_dropped += 1
+        elif transfer.stage == WAITING:
+            self.device_link.waiting.remove(transfer)
+        if transfer.stage != MOVING:
+            if transfer.stage != LOWER:
+                self._release(transfer)
+            transfer.stage = DROPPED
 
     def _release(self, transfer: Transfer) -> None:
-        """The pins a transfer holds, given back."""
-        if transfer.device_pinned:
-            self.device.unpin((transfer.key,))
-            transfer.device_pinned = False
+        """The host pin a transfer holds, given back."""
         if transfer.host_pinned:
             self.host.unpin((transfer.key,))
             transfer.host_pinned = False
-
-    def _admit_device(self, key: ExpertKey) -> None:
-        """A demand load's slot (evicting any unpinned expert), as the engine's store makes room: queued
-        prefetches are dropped, lowest priority first, then the next landing is waited for."""
-        while key not in self.device and len(self.device) >= self.device.capacity and not self.device.has_evictable():
-            if not self._drop_worst():
-                self._wait_landing()
-        try:
-            self.core.admit_demand(key)
-        except CacheFullError:
-            raise BudgetError(f"device tier of {self.device.capacity} slots has no expert to evict; "
-                              "raise the cache ratio") from None
 
     def _admit_host(self, transfer: Transfer, demand: bool) -> bool:
         try:

@@ -1,10 +1,11 @@
 """What a simulation measured: counters filled by the protocols and the figures derived from them.
 
 An access is one distinct expert needed by one MoE layer in one iteration (in decode, one of a
-token's top-k experts); it is a hit when the expert is resident and ready when the gate routes.
+token's top-k experts); it is a hit when the expert is in the device tier when the gate routes,
+its bytes landed or still moving (the transfer core's rule: the wait of a late one is stall).
 A prefetch is a transfer the planner asked for; it is *late* when its expert was needed while it
-was still moving, *wasted* when it landed and was evicted before any use. Prefetches that the
-mechanism promoted to demand loads before they started count as demand loads, not prefetches.
+was still moving, *wasted* when it was evicted before any use. Prefetches that the mechanism
+promoted to demand loads before they started count as demand loads, not prefetches.
 This module knows nothing of policies or of how the counters are filled.
 """
 
@@ -57,9 +58,10 @@ class StreamCounters:
     host_hits: int = 0  # device misses whose expert was ready in the host tier
     host_accesses: int = 0  # device misses (each looks the host tier up)
     demand_fetches: int = 0
+    prefetches_admitted: int = 0  # a plan's experts given a slot (each starts, is promoted or is dropped)
     prefetches_started: int = 0
     prefetches_landed: int = 0
-    prefetches_dropped: int = 0  # no slot could be freed without evicting a sooner-needed expert
+    prefetches_dropped: int = 0  # evicted by the core before their transfer started
     prefetch_hits: int = 0  # hits on an expert a prefetch brought in and nobody used yet
     late_prefetches: int = 0
     wasted_prefetches: int = 0
@@ -74,7 +76,7 @@ class StreamCounters:
             "resident_tpot_ms": _ratio(self.resident_ms, self.num_iterations),
             "tpot_ratio_vs_resident": _ratio(self.sim_ms, self.resident_ms),
             "bytes_per_token": _ratio(self.bytes_by_link.get(device_link, 0), tokens),
-            "wasted_prefetch_ratio": _ratio(self.wasted_prefetches, self.prefetches_landed),
+            "wasted_prefetch_ratio": _ratio(self.wasted_prefetches, self.prefetches_admitted),
             "late_prefetch_ratio": _ratio(self.late_prefetches, self.prefetches_started),
             "per_layer_hit_rate": self.layers.per_layer(),
             "tier_hit_rate": {"device": self.layers.hit_rate(), "host": _ratio(self.host_hits, self.host_accesses)},

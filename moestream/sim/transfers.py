@@ -1,18 +1,17 @@
-"""Links in virtual time: one transfer at a time, demand loads first, then planned prefetches; and the
-view of the device tier that planning reads (`ReadyKeys`).
+"""Links in virtual time: one transfer at a time, demand loads first, then planned prefetches.
 
 A link keeps the transfers it has committed (start and end known, in order), the prefetches it
-was asked for and has not started (in plan order, replaced by every new plan) and the in-flight
-transfers that arrived from a lower link and wait for it. It knows no cache and no policy.
+was asked for and has not started (best first, by priority then by when they were asked for, as
+the engine's transfer queue ranks them; a later plan may re-rank one) and the in-flight transfers
+that arrived from a lower link and wait for it. It knows no cache and no policy.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
-from collections.abc import Set
-from typing import Iterable
 
-from moestream.cache import ExpertCache
 from moestream.topology import ExpertKey
 
 # stages of a transfer towards the device tier; DROPPED: given up before it started
@@ -22,16 +21,17 @@ DROPPED, QUEUED, LOWER, WAITING, MOVING = range(5)
 class Transfer:
     """One expert on its way to the device tier (through the host tier when it must)."""
 
-    __slots__ = ("key", "prefetch", "stage", "end_ms", "lower_end_ms", "waited", "device_pinned", "host_pinned")
+    __slots__ = ("key", "prefetch", "priority", "order", "stage", "end_ms", "lower_end_ms", "waited", "host_pinned")
 
-    def __init__(self, key: ExpertKey, prefetch: bool):
+    def __init__(self, key: ExpertKey, prefetch: bool, priority: float = 0.0):
         self.key = key
         self.prefetch = prefetch  # asked for by a plan (else a demand load)
+        self.priority = priority  # a prefetch's rank on its link, higher first
+        self.order = 0  # then first asked, first served
         self.stage = QUEUED
         self.end_ms = 0.0  # when it lands in the device tier (once committed there)
         self.lower_end_ms = 0.0  # when it lands in the host tier (once committed on the lower link)
         self.waited = False  # a layer needed it before it landed (a late prefetch)
-        self.device_pinned = False  # holds a pin in the device tier while it moves
         self.host_pinned = False  # holds a pin in the host tier until it lands in the device tier
 
 
@@ -44,7 +44,8 @@ class Link:
         self.nbytes = nbytes
         self.free_ms = 0.0  # when the last committed transfer ends (or the link went idle)
         self.running: deque[tuple[float, Transfer]] = deque()  # (end, transfer) committed, in order
-        self.planned: deque[Transfer] = deque()  # prefetches not started, best first
+        self.planned: list[tuple[float, int, int, Transfer]] = []  # heap of prefetches not started (stale entries skipped)
+        self._orders = itertools.count()
         self.waiting: list[Transfer] = []  # in flight, arrived from the lower link
         self.bytes_moved = 0
 
@@ -79,38 +80,18 @@ class Link:
         if self.free_ms < now_ms:
             self.free_ms = now_ms
 
+    def plan(self, transfer: Transfer, again: bool = False) -> None:
+        """Queue a prefetch at its priority (again: re-ranked by a later plan, it keeps its order)."""
+        if not again:
+            transfer.order = next(self._orders)
+        heapq.heappush(self.planned, (-transfer.priority, transfer.order, next(self._orders), transfer))
+
     def next_planned(self) -> Transfer | None:
         """The best in-flight waiter, else the best planned prefetch still queued."""
         if self.waiting:
             return self.waiting.pop(0)
         while self.planned:
-            transfer = self.planned.popleft()
-            if transfer.stage == QUEUED:
+            rank, _, _, transfer = heapq.heappop(self.planned)
+            if transfer.stage == QUEUED and rank == -transfer.priority:
                 return transfer
         return None
-
-    def drop_planned(self) -> list[Transfer]:
-        """Forget the queued prefetches (a new plan replaces them); those still queued."""
-        dropped = [t for t in self.planned if t.stage == QUEUED]
-        self.planned.clear()
-        return dropped
-
-
-class ReadyKeys(Set):
-    """The device tier's landed experts, as a read-only set that stays valid while a planner runs."""
-
-    def __init__(self, cache: ExpertCache, moving: Set):
-        self._cache, self._moving = cache, moving
-
-    @classmethod
-    def _from_iterable(cls, keys: Iterable) -> frozenset:
-        return frozenset(keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._cache and key not in self._moving
-
-    def __iter__(self):
-        return (key for key in self._cache.resident() if key not in self._moving)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)

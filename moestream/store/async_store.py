@@ -9,14 +9,14 @@ stream and the device are never synchronised) before the next chunk reuses the s
 `TieredAsyncStore` (`moestream.store.tiered`) extends it to a host tier with a second link's
 worker; `open_store` (`moestream.store.factory`) picks the store for a configuration.
 
-Life of an expert: admitted to a slot and pinned by its transfer (in flight: `in_flight()`), then
-landed (unpinned, resident), or cancelled while queued (slot freed), or failed (slot freed, the
-error kept for the thread that waits on it). `fetch` is the early preemption: the layer's misses go
-to the head of the queue in the order asked, its in-flight experts become demand, and the queued
-speculative transfers of its layers that the gate did not choose are dropped. `drop_plan` drops the
-queued prefetches that have not started (a new plan replaces them). A demand miss that
-finds every slot pinned cancels queued speculative transfers, lowest priority first, then waits for
-an in-flight one to land. Every wait has a timeout (`StoreConfig.transfer_timeout_s`).
+Residency is the transfer core's (`moestream.transfer_core`): an expert is in the device tier from
+its admission, whether its bytes have landed or not; this store only moves them. Life of a transfer:
+queued (in flight: `in_flight()`), then landed, or failed (the expert leaves the tier, the error
+kept for the thread that waits on it). `fetch` is the early preemption: the layer's misses go to
+the head of the queue in the order asked, its in-flight experts become demand, and the queued
+speculative transfers of its layers that the gate did not choose go to the back. A transfer whose
+expert the core evicts (`_displaced`) is cancelled if queued, else waited for before its slot is
+reused. Every wait has a timeout (`StoreConfig.transfer_timeout_s`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from moestream.store.store import ExpertStore, _key
 from moestream.store.transfer import DiskWorker, LinkReports, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
-from moestream.transfer_core import HIT, LATE
 
 STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its chunk
 
@@ -54,7 +53,8 @@ class AsyncExpertStore(ExpertStore):
         self._queue = TransferQueue(self.device_slots)
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
-        reports = LinkReports(landed=self._landed, failed=self._failed, busy=self._link_read)
+        reports = LinkReports(landed=self._landed, failed=self._failed, busy=self._link_read,
+                              released=self._given_back)
         self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, reports, config.chunks_in_flight)
 
     # -- compute thread --------------------------------------------------------------------------
@@ -65,15 +65,21 @@ class AsyncExpertStore(ExpertStore):
         with self._lock:
             self._check_open()
             self._check_fits(wanted)
-            self._preempt(wanted, {_key(k) for k in chosen} | set(wanted))
-            pinned: list[ExpertKey] = []
+            self._defer(wanted, {_key(k) for k in chosen} | set(wanted))
+            late, missed = self._core.fetch_layer(wanted)  # pinned until release
+            for key in late:  # on its way: promoted to demand (unless it failed meanwhile: next_ready raises)
+                transfer = self._core.moving.get(key)
+                if transfer is not None:
+                    self._queue_of(transfer).reprioritise(transfer, demand=True)
+            queued = 0
             try:
-                for key in wanted:
-                    self._demand(key)
-                    self._device.pin([key])
-                    pinned.append(key)
+                for key in missed:
+                    self._enqueue(key, 0.0, demand=True)
+                    queued += 1
             except BaseException:
-                self._device.unpin(pinned)
+                for key in missed[queued:]:
+                    self._core.forget(key)
+                self._device.unpin(wanted)
                 raise
         return Fetch(self, wanted)
 
@@ -112,19 +118,10 @@ class AsyncExpertStore(ExpertStore):
                 if key in self._core.moving:  # under way already: its rank follows the new plan
                     transfer = self._core.moving[key]
                     self._queue_of(transfer).reprioritise(transfer, priority=priorities[key])
-            # each keeps the pin admission gave it until it lands (or leaves the tier if refused)
             brought = [key for key in brought if self._enqueue(key, priorities[key], demand=False)]
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
-
-    def drop_plan(self) -> None:
-        """Cancels the queued prefetches that have not started: each plan replaces the previous plan's
-        (the `PrefetchPlanner` contract); transfers under way continue."""
-        with self._lock:
-            for transfer in self._speculative():
-                if not transfer.started:
-                    self._cancel(transfer)
 
     def wait_idle(self) -> None:
         """Blocks until no transfer is in flight (e.g. after a preload); raises the first failure."""
@@ -176,45 +173,13 @@ class AsyncExpertStore(ExpertStore):
         if self._closed:
             raise TransferError("the expert store is closed")
 
-    def _pinned(self) -> set[ExpertKey]:
-        """Experts pinned by callers; transfers' own pins do not count: they are cancelled or land."""
-        return set(self._device.pinned()) - self._core.moving.keys()
-
-    def _preempt(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
-        """Drops queued speculative transfers of the wanted experts' layers that the gate did not choose."""
+    def _defer(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
+        """Queued speculative transfers of the wanted experts' layers that the gate did not choose go
+        to the back of the queue (their experts keep their slots)."""
         layers = {k.layer for k in wanted}
         for transfer in self._speculative():
             if transfer.key.layer in layers and transfer.key not in chosen:
-                self._cancel(transfer)
-
-    def _demand(self, key: ExpertKey) -> None:
-        found = self._core.lookup(key)
-        if found == LATE:  # in flight: a miss, late, promoted to demand
-            self._late(key)
-            transfer = self._core.moving[key]
-            self._queue_of(transfer).reprioritise(transfer, demand=True)
-            return
-        if found == HIT:
-            return
-        self._stats.misses += 1
-        self._make_room()
-        self._admit(key)
-        self._device.pin([key])  # the transfer's pin
-        try:
-            self._enqueue(key, 0.0, demand=True)
-        except BaseException:
-            self._core.forget(key)
-            raise
-
-    def _make_room(self) -> None:
-        """A full tier with nothing evictable: cancel queued speculative transfers, then wait for landings."""
-        deadline = time.perf_counter() + self.config.transfer_timeout_s
-        speculative = self._speculative()
-        while len(self._device) >= self.device_slots and not self._device.has_evictable():
-            if speculative:
-                self._cancel(speculative.pop(0))
-            else:
-                self._wait(deadline, "a free device slot")
+                self._queue_of(transfer).reprioritise(transfer, priority=float("-inf"))
 
     def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
         """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier)."""
@@ -237,14 +202,24 @@ class AsyncExpertStore(ExpertStore):
     def _queue_of(self, transfer: Transfer) -> TransferQueue:
         return self._queue
 
-    def _cancel(self, transfer: Transfer) -> None:
+    def _displaced(self, transfer: Transfer) -> None:
+        """The core evicted the transfer's expert: cancelled if queued, else moved no further once its
+        worker's round ends. Its slot is safe to reuse at once: whatever is queued into it next goes
+        on the same link's worker, after that round."""
+        transfer.dropped = True
         if self._queue_of(transfer).cancel(transfer.key) is transfer:
             self._stats.cancelled += 1
-            self._forget(transfer)
+            self._given_back(transfer)
+        elif not transfer.held:  # between the stages of a tiered transfer: nothing holds it
+            self._given_back(transfer)
+
+    def _given_back(self, transfer: Transfer) -> None:
+        """What a transfer held besides its device slot, given back (nothing here)."""
 
     def _forget(self, transfer: Transfer) -> None:
         """The transfer's expert leaves the device tier (its bytes never arrived there)."""
         self._core.forget(transfer.key)
+        self._given_back(transfer)
 
     def _wait(self, deadline: float, what: str) -> None:
         self._check_open()
@@ -274,8 +249,7 @@ class AsyncExpertStore(ExpertStore):
     def _landed(self, transfer: Transfer) -> None:  # under the lock
         if not self._verified(transfer, self._device_pool, self._device):
             return
-        self._core.landed(transfer.key, prefetch=not transfer.demand)
-        self._device.unpin([transfer.key])
+        self._core.landed(transfer.key, transfer)
         self._stats.host_misses += 1
         self._cond.notify_all()
 
@@ -283,7 +257,7 @@ class AsyncExpertStore(ExpertStore):
         """Whether a landed transfer is still wanted and its bytes in tier's slot pass the integrity
         check (if not, the transfer has failed)."""
         if self._core.moving.get(transfer.key) is not transfer:
-            return False  # forgotten by close()
+            return False  # displaced, or forgotten by close()
         try:
             self._arrived([transfer.key], [self._slot_of(pool, tier, transfer.key)])
         except CheckpointError as error:

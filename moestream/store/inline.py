@@ -24,7 +24,6 @@ from moestream.store.pool import SlotPool
 from moestream.store.store import ExpertStore, _key
 from moestream.timeline import expert_names
 from moestream.topology import ExpertKey
-from moestream.transfer_core import HIT
 
 BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier when there is no host tier
 
@@ -39,18 +38,11 @@ class InlineStore(ExpertStore):
         wanted = list(dict.fromkeys(_key(k) for k in keys))
         with self._lock:
             self._check_fits(wanted)
-            pinned, misses = [], []  # experts pinned so far, and the misses among them
+            _, misses = self._core.fetch_layer(wanted)  # pinned; nothing moves between calls: none is late
             try:
-                for key in wanted:
-                    if self._core.lookup(key) != HIT:
-                        self._stats.misses += 1
-                        self._admit(key)
-                        misses.append(key)
-                    self._device.pin([key])
-                    pinned.append(key)
                 self._timed_load(misses)
             except BaseException:
-                self._device.unpin(pinned)
+                self._device.unpin(wanted)
                 self._discard(misses)
                 raise
             return {key: self._slot_of(self._device_pool, self._device, key) for key in wanted}
@@ -73,8 +65,7 @@ class InlineStore(ExpertStore):
     def _discard(self, keys: Iterable[ExpertKey]) -> None:
         """Forget admitted experts whose bytes did not arrive."""
         for key in keys:
-            if key in self._device:
-                self._device.remove(key)
+            self._core.forget(key)
 
 
     def _timed_load(self, keys: list[ExpertKey]) -> None:
@@ -170,9 +161,8 @@ class InlineStore(ExpertStore):
     def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
         """Bring requested experts into the device tier, highest priority first; returns those brought.
 
-        Requested experts already resident are kept: no later, lower-priority request of the same
-        call evicts them, nor those it brought. Stops when every slot holds a pinned or kept expert.
-        The experts brought are read from disk together.
+        The transfer core admits them (`TransferCore.admit_prefetches`); the experts brought are read
+        from disk together before prefetch returns.
         """
         with self._lock:
             brought = self._admit_prefetches(requests)
@@ -181,17 +171,9 @@ class InlineStore(ExpertStore):
             except BaseException:
                 self._discard(brought)
                 raise
-            finally:
-                self._device.unpin(brought)
-            for key in brought:
-                self._core.landed(key, prefetch=True)
             self._stats.prefetched += len(brought)
             self._stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
         return brought
-
-
-    def drop_plan(self) -> None:
-        """Drops the previous plan's prefetches that have not started (none here: prefetch runs them)."""
 
 
     def in_flight(self) -> frozenset[ExpertKey]:

@@ -13,8 +13,8 @@ from moestream.read_fit import ReadBatchFit
 
 @dataclass
 class StoreStats:
-    hits: int = 0  # acquire: experts whose bytes were in the device tier
-    misses: int = 0  # acquire: experts fetched on demand, or still in flight (late)
+    hits: int = 0  # acquire: experts in the device tier (their bytes landed or still moving: late)
+    misses: int = 0  # acquire: experts not in the device tier, fetched on demand
     host_hits: int = 0  # device fills served by the host tier
     host_misses: int = 0  # device fills served by disk
     bytes_read: dict[str, int] = field(default_factory=lambda: {"disk": 0, "host": 0})
@@ -29,7 +29,7 @@ class StoreStats:
     stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
     transfer_s: float = 0.0  # time the disk link was busy
     copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
-    late: int = 0  # fetched experts whose bytes were still in flight (counted in misses)
+    late: int = 0  # fetched experts whose bytes were still in flight (counted in hits: their wait is stall)
     cancelled: int = 0  # queued speculative transfers dropped before they ran
 
     @property

@@ -10,12 +10,12 @@ synchronous `InlineStore` (`moestream.store.inline`, `--sync`) moves them on the
 `AsyncExpertStore` (`moestream.store.async_store`) and `TieredAsyncStore` (`moestream.store.tiered`)
 on link workers beside compute; `open_store` (`moestream.store.factory`) picks one. Every kind:
 `fetch` pins a layer's experts and hands them out as their bytes are in place, `release` unpins,
-`prefetch` queues a plan's requests by priority (never evicting a pinned expert), `drop_plan` drops
-the previous plan's unstarted ones. Device victims are dropped, not written back. Public calls
-hold a lock. The store knows no model family and no policy.
+`plan_view` ends the previous plan and shows the tier to the next, `prefetch` admits a plan's
+requests by priority (never evicting a pinned expert) and moves them. Device victims are dropped,
+not written back. Public calls hold a lock. The store knows no model family and no policy.
 
 Counters (`StoreStats`): hits/misses count the device-tier lookups of fetch and acquire (an expert
-still in flight is a miss, and late); host_hits/host_misses count every device fill by where it
+still in flight is a hit, and late); host_hits/host_misses count every device fill by where it
 came from; bytes_read["disk"] is bytes read from the files, bytes_read["host"] bytes copied from
 host memory to the device; stall_s the time the caller's thread waited for expert bytes,
 transfer_s the time the disk link was busy, copy_s the time the asynchronous host -> device link
@@ -34,7 +34,7 @@ from moestream.cache import CacheFullError, ExpertCache
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
 from moestream.link_model import ModelledLink
-from moestream.policies.contracts import EvictionPolicy, LinkState, TransferRequest
+from moestream.policies.contracts import CacheView, EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.fetch import Fetch
@@ -73,7 +73,7 @@ class ExpertStore(ABC):
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
         self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
-        self._core: TransferCore = TransferCore(self._device)  # lookups, admissions, landings, counts
+        self._core: TransferCore = TransferCore(self._device, self._displaced)  # residency and its counts
         self._stats = StoreStats()
         self.timeline: Timeline | None = None  # records waits and transfers when set (record_timeline)
 
@@ -103,9 +103,6 @@ class ExpertStore(ABC):
     def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
         """Brings requested experts into the device tier, highest priority first; returns those admitted."""
 
-    @abstractmethod
-    def drop_plan(self) -> None:
-        """Drops the previous plan's prefetches that have not started (the `PrefetchPlanner` contract)."""
 
     @abstractmethod
     def in_flight(self) -> frozenset[ExpertKey]:
@@ -122,11 +119,6 @@ class ExpertStore(ABC):
         with self._lock:
             self._device.unpin(_key(k) for k in keys)
 
-    def _late(self, key: ExpertKey) -> None:
-        """key was asked for while its bytes were in flight: a miss, never a prefetch hit."""
-        self._stats.misses += 1
-        self._stats.late += 1
-
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)
         if len(wanted) + len(others) > self.device_slots:
@@ -136,13 +128,14 @@ class ExpertStore(ABC):
             )
 
     def _pinned(self) -> set[ExpertKey]:
-        return set(self._device.pinned())
+        """Experts pinned by callers (a plan's pins do not count: a demand releases them)."""
+        return set(self._device.pinned()).difference(self._core.plan)
+
+    def _displaced(self, transfer) -> None:
+        """An expert left the device tier while its transfer moved (a kind that moves bytes between
+        calls makes its slot safe to reuse)."""
 
     # -- filling device slots ------------------------------------------------------------------
-
-    def _admit(self, key: ExpertKey) -> None:
-        """A device slot for a missed key (the core's demand admission); its bytes come with _load."""
-        self._core.admit_demand(key)
 
     def _waited(self, began: float, keys: Sequence[ExpertKey]) -> float:
         """The compute thread waited for these experts' bytes from began until now; returns the seconds."""
@@ -164,10 +157,20 @@ class ExpertStore(ABC):
         """key's slot in tier, placed so that its disk reads land in place."""
         return pool.slot(tier.slot(key), self._residues[key])
 
-    # -- prefetch ------------------------------------------------------------------------------
+    # -- plans -------------------------------------------------------------------------------
+
+    def plan_view(self, layer_now: int) -> CacheView:
+        """Ends the previous plan (its experts keep their slots) and shows the tier to the next planner."""
+        with self._lock:
+            return self._core.plan_view(layer_now, self.topology.num_layers)
+
+    def end_plan(self) -> None:
+        """An empty plan: the previous plan's pins are released (its transfers go on)."""
+        with self._lock:
+            self._core.end_plan()
 
     def _admit_prefetches(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
-        """The core's prefetch admission, best first: the experts admitted (each pinned) to bring in."""
+        """The core's prefetch admission, best first: the experts admitted (pinned until the next plan)."""
         return self._core.admit_prefetches([_key(r.key) for r in sorted(requests, key=lambda r: -r.priority)])
 
     # -- views of the state --------------------------------------------------------------------
@@ -176,11 +179,6 @@ class ExpertStore(ABC):
         """The transfer core keeps this model of the disk link for the planner's view (`link_state`)."""
         with self._lock:
             self._core.link = link
-
-    def link_state(self, layer_now: int) -> LinkState | None:
-        """The modelled link as a plan after layer_now sees it; None without a model."""
-        with self._lock:
-            return self._core.link_state(layer_now)
 
     def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
         with self._lock:
@@ -206,7 +204,8 @@ class ExpertStore(ABC):
     def stats(self) -> StoreStats:
         with self._lock:
             stats, counts = self._stats.copy(), self._core.counts
-            stats.hits, stats.prefetch_hits, stats.prefetch_wasted = counts.hits, counts.prefetch_hits, counts.wasted
+            stats.hits, stats.misses, stats.late = counts.hits, counts.misses, counts.late
+            stats.prefetch_hits, stats.prefetch_wasted = counts.prefetch_hits, counts.wasted
             stats.evictions["device"] = counts.evictions
             return stats
 

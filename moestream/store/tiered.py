@@ -14,8 +14,8 @@ is in flight (`in_flight()`) from its admission to the device tier until its byt
 device slot; a demand reorders it in whichever queue holds it; a queued speculative transfer is
 cancelled in either queue (a cancelled read frees its host slot, a cancelled copy keeps the host
 copy); a failed read or copy surfaces to the thread that waits on the expert. A demand miss that
-finds every host slot pinned cancels queued speculative transfers, then waits for a copy to finish;
-a speculative one is refused instead. This store knows no policy and no device type: the `Link`
+finds every host slot pinned waits for a copy to finish; a speculative one is refused instead (it
+leaves the device tier: the one residency rule here that still depends on the clock). This store knows no policy and no device type: the `Link`
 decides how bytes move up (a plain copy on the CPU, a copy stream and its events on CUDA).
 """
 
@@ -42,7 +42,9 @@ class TieredAsyncStore(AsyncExpertStore):
             raise ValueError("the tiered asynchronous store needs a host tier of at least one expert")
         super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
         self._copies = TransferQueue(self.device_slots)
-        reports = LinkReports(landed=self._copied, failed=self._copy_failed, busy=self._link_copied)
+        reports = LinkReports(landed=self._copied, failed=self._copy_failed, busy=self._link_copied,
+                              released=self._given_back)
+        self._stale: set[ExpertKey] = set()  # host slots a dropped read still writes
         self._copier = CopyWorker(self._cond, self._copies, self._link, reports, config.chunks_in_flight)
 
     # -- under the lock --------------------------------------------------------------------------
@@ -50,7 +52,7 @@ class TieredAsyncStore(AsyncExpertStore):
     def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
         """A host hit goes to the copy queue; a miss takes a host slot and goes to the disk queue."""
         self._errors.pop(key, None)
-        if self._host.access(key) is not None:
+        if key not in self._stale and self._host.access(key) is not None:
             self._stats.host_hits += 1
             self._host.pin([key])  # the copy's pin
             self._queue_copy(key, priority, demand)
@@ -73,16 +75,12 @@ class TieredAsyncStore(AsyncExpertStore):
         self._cond.notify_all()
 
     def _host_room(self, demand: bool) -> bool:
-        """Whether the host tier can take one more expert; a demand cancels queued speculation, then waits."""
+        """Whether the host tier can take one more expert; a demand waits for a copy to free one."""
         deadline = time.perf_counter() + self.config.transfer_timeout_s
         while len(self._host) >= self.host_slots and not self._host.has_evictable():
             if not demand:
                 return False
-            speculative = self._speculative()
-            if speculative:
-                self._cancel(speculative[0])
-            else:
-                self._wait(deadline, "a free host slot")
+            self._wait(deadline, "a free host slot")
         return True
 
     def _speculative(self) -> list[Transfer]:
@@ -96,13 +94,23 @@ class TieredAsyncStore(AsyncExpertStore):
             return {key for key, t in self._core.moving.items() if t.link == DISK}
         return super()._arriving(tier)
 
-    def _forget(self, transfer: Transfer) -> None:
-        """As the one-tier store; a read's expert also leaves the host tier, a copy's stays there."""
-        super()._forget(transfer)
+    def _displaced(self, transfer: Transfer) -> None:
+        if transfer.link == DISK and transfer.held:
+            self._stale.add(transfer.key)  # not a host hit until the read lets go of its slot
+        super()._displaced(transfer)
+
+    def _given_back(self, transfer: Transfer) -> None:
+        """A dropped read's expert leaves the host tier (its bytes may not be whole) unless a new read
+        fills it again; a copy's stays there."""
+        key = transfer.key
         if transfer.link == H2D:
-            self._host.unpin([transfer.key])
-        elif transfer.key in self._host:
-            self._host.remove(transfer.key)
+            self._host.unpin([key])
+            return
+        self._stale.discard(key)
+        if key in self._core.moving:
+            self._host.unpin([key])
+        elif key in self._host:
+            self._host.remove(key)
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         super().record_timeline(timeline)
@@ -121,10 +129,8 @@ class TieredAsyncStore(AsyncExpertStore):
         self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
 
     def _copied(self, copy: Transfer) -> None:  # under the lock: the bytes are in the device slot
-        if self._core.moving.get(copy.key) is not copy:
-            return  # forgotten by close()
-        self._core.landed(copy.key, prefetch=not copy.demand)
-        self._device.unpin([copy.key])
+        if not self._core.landed(copy.key, copy):
+            return  # displaced, or forgotten by close()
         self._host.unpin([copy.key])
         self._stats.bytes_read["host"] += self.topology.expert_bytes
         self._cond.notify_all()

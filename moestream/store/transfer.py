@@ -62,6 +62,8 @@ class Transfer:
     next_chunk: int = 0
     continued: bool = False  # the second stage of a transfer that has started (a copy after its read)
     link: str = DISK  # which link moves it (its queue)
+    held: bool = False  # a worker is moving its chunks now (outside the lock)
+    dropped: bool = False  # its expert left the tier: no chunk of it is moved again
 
     @property
     def rank(self) -> tuple:
@@ -173,6 +175,7 @@ class LinkReports:
     landed: Callable[[Transfer], None]  # every chunk of the transfer has moved
     failed: Callable[[Transfer, BaseException], None]  # it cannot move; the error is for whoever waits on it
     busy: Callable[[float], None]  # seconds the link was busy for one round
+    released: Callable[[Transfer], None] = lambda transfer: None  # a dropped transfer it held, let go
 
 
 class LinkWorker(ABC):
@@ -213,9 +216,6 @@ class LinkWorker(ABC):
         held: list[tuple[Transfer, int]] = []
         while True:
             with self._cond:
-                for transfer, _ in held:  # back in the queue: whatever ranks ahead now goes first
-                    if not transfer.done:
-                        self._queue.push(transfer, new=False)
                 held = self._take()
                 if not held:
                     return
@@ -240,6 +240,7 @@ class LinkWorker(ABC):
                 left = len(head.chunks) - head.next_chunk
                 count = left if head.demand else min(room, left)
                 taken.append((head, count))
+                head.held = True
                 room -= count
                 rank = self._queue.head_rank()
                 if rank is None or (rank[0] != 0 and (head.demand or room <= 0)):
@@ -249,16 +250,23 @@ class LinkWorker(ABC):
         return []
 
     def _finish(self, began: float, held: list[tuple[Transfer, int]], errors: dict[Transfer, BaseException]) -> None:
-        """Under the lock: the round's busy time; each held transfer advanced, landed or failed."""
+        """Under the lock: the round's busy time; each held transfer advanced, landed or failed, or back
+        in the queue (whatever ranks ahead now goes first; a dropped one is moved no further)."""
         self._reports.busy(time.perf_counter() - began)
         for transfer, count in held:
-            if transfer in errors:
+            transfer.held = False
+            if transfer.dropped:  # its expert left the tier: moved no further
+                self._reports.released(transfer)
+            elif transfer in errors:
                 transfer.next_chunk = len(transfer.chunks)
                 self._reports.failed(transfer, errors[transfer])
-                continue
-            transfer.next_chunk += count
-            if transfer.done:
-                self._reports.landed(transfer)
+            else:
+                transfer.next_chunk += count
+                if transfer.done:
+                    self._reports.landed(transfer)
+                else:
+                    self._queue.push(transfer, new=False)
+        self._cond.notify_all()
 
 
 def _label(held: list[tuple[Transfer, int]]) -> str:

@@ -7,7 +7,7 @@ def test_stream_summary_derives_ratios():
     counters = StreamCounters(LayerCounts(2, hits=[3, 1], accesses=[4, 4]))
     counters.num_tokens, counters.num_iterations = 4, 4
     counters.sim_ms, counters.resident_ms, counters.stall_ms = 30.0, 20.0, 10.0
-    counters.prefetches_started, counters.prefetches_landed = 4, 2
+    counters.prefetches_admitted, counters.prefetches_started, counters.prefetches_landed = 2, 4, 2
     counters.late_prefetches, counters.wasted_prefetches = 1, 1
     counters.bytes_by_link = {"host_to_device": 400}
     m = counters.summary("host_to_device")

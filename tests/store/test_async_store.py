@@ -15,6 +15,7 @@ from moestream.store.transfer import TransferError, pieces
 from moestream.topology import ExpertKey
 from tests.store.links import LateLink
 from tests.store.test_store import assert_holds_expert
+from tests.store.test_transfer_rules import OrderedGates
 
 K = ExpertKey
 
@@ -119,20 +120,23 @@ def block_on_a_first_read(store, reader: GatedReader) -> None:
         time.sleep(0.001)
 
 
-def test_a_gate_decision_drops_stale_speculation_of_its_layer_and_goes_first(checkpoint):
-    gate = threading.Event()
-    with make_async(checkpoint, device_slots=6, reader=(reader := GatedReader(gate=gate))) as store:
-        block_on_a_first_read(store, reader)
+def test_a_gate_decision_sends_stale_speculation_of_its_layer_back_and_goes_first(checkpoint):
+    gates = OrderedGates(checkpoint.index)
+    with make_async(checkpoint, device_slots=7, reader=gates) as store:
+        store.prefetch([TransferRequest(K(0, 3), 0.9)])
+        gates.wait_reading(K(0, 3))  # under way, held until the gates open
         store.prefetch([TransferRequest(K(1, e), 0.5) for e in range(3)] + [TransferRequest(K(0, 2), 0.1)])
         fetch = store.fetch([K(1, 0), K(1, 3)])  # layer 1 chose experts 0 and 3
-        assert store.in_flight() == {K(0, 3), K(0, 2), K(1, 0), K(1, 3)}  # K(1, 1), K(1, 2) dropped
-        assert store.stats().cancelled == 2 and store.stats().late == 1
-        gate.set()
+        assert store.in_flight() == {K(0, 3), K(0, 2), K(1, 0), K(1, 1), K(1, 2), K(1, 3)}  # all keep their slots
+        assert store.stats().cancelled == 0 and store.stats().late == 1
+        gates.open(*checkpoint.index.topology.keys())
         order = [key for key, _ in fetch.ready()]
         fetch.release()
         store.wait_idle()
     assert sorted(order) == [K(1, 0), K(1, 3)]
-    assert store.stats().misses == 2  # K(1, 3) read on demand, K(1, 0) late (still in flight when asked)
+    assert gates.reads[1] == {K(1, 0), K(1, 3)}  # the demand round next, then K(0, 2) before the stale ones
+    assert K(0, 2) in gates.reads[2] and set().union(*gates.reads[2:]) == {K(0, 2), K(1, 1), K(1, 2)}
+    assert (store.stats().misses, store.stats().hits) == (1, 1)  # K(1, 3) read on demand, K(1, 0) a late hit
 
 
 def test_a_demand_miss_cancels_queued_speculation_when_every_slot_is_taken(checkpoint):
@@ -197,6 +201,7 @@ def test_random_delays_and_failures_keep_bytes_exact_and_leak_nothing(checkpoint
     with make_async(checkpoint, device_slots=4, chunk_bytes=64, reader=reader) as store:
         assert random_steps(store, checkpoint, rng, 60) > 0
         settle(store)
+        store.end_plan()  # the last plan's pins
         assert not store.pinned() and store.in_flight() == frozenset()
     assert threading.active_count() == threads
     assert len(os.listdir("/proc/self/fd")) == fds
@@ -241,7 +246,8 @@ def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_ex
         block_on_a_first_read(store, reader)
         store.prefetch([TransferRequest(K(1, 1), 0.5), TransferRequest(K(1, 2), 0.4)])
         fetch = store.fetch([K(1, 0)], chosen=[K(1, 0), K(1, 1)])
-        assert store.in_flight() == {K(0, 3), K(1, 0), K(1, 1)}  # K(1, 2) dropped, K(1, 1) kept
+        assert store.in_flight() == {K(0, 3), K(1, 0), K(1, 1), K(1, 2)}  # K(1, 2) sent back, K(1, 1) not
+        assert store.stats().cancelled == 0
         gate.set()
         list(fetch.ready())
         fetch.release()
