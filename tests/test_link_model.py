@@ -1,5 +1,6 @@
 """The modelled link: a backlog of admitted reads, demand first after what is under way, advanced one layer's
-compute per layer named, each plan dropping the reads not started (1 ms per read, layers of 2 ms)."""
+compute per layer named, a read leaving when done or when its expert leaves the tier (1 ms per read, layers
+of 2 ms)."""
 
 import pytest
 
@@ -11,14 +12,16 @@ def model(tail_ms: float = 1.0) -> ModelledLink:
     return ModelledLink(bytes_per_ms=100.0, layer_ms=2.0, expert_bytes=100, num_layers=4, tail_ms=tail_ms)
 
 
-def test_a_plans_reads_move_while_the_layer_computes_and_the_next_plan_drops_those_not_started():
+def test_a_plans_reads_move_while_the_layer_computes_and_stay_until_done_or_dropped():
     link = model()
     assert (link.state(0).backlog_bytes, link.state(0).next_need_ms) == (0.0, 2.0)
     link.speculate([ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(2, 0)])
     link.demand(ExpertKey(1, 3))  # layer 1 begins 2 ms later: two reads done, the third not started
     state = link.state(1)
-    assert state.backlog_bytes == 100.0  # the demand load; the unstarted read is dropped
+    assert state.backlog_bytes == 200.0  # the demand load, then the read not started: plans keep theirs
     assert state.next_need_ms == 2.0  # max(2 ms of compute, 1 ms to land + 1 ms after)
+    link.drop(ExpertKey(2, 0))  # its expert left the tier
+    assert link.state(1).backlog_bytes == 100.0
 
 
 def test_a_demand_load_goes_behind_the_read_under_way_and_ahead_of_those_not_started():
@@ -30,8 +33,8 @@ def test_a_demand_load_goes_behind_the_read_under_way_and_ahead_of_those_not_sta
     link.need(ExpertKey(2, 0))  # layer 2: (2, 2) and (3, 0) done; (3, 1) 1 ms...
     link.demand(ExpertKey(2, 3))
     state = link.state(2)
-    assert state.backlog_bytes == 100.0  # the demand load; (3, 1) not started, dropped
-    assert state.busy_ms == pytest.approx(1.0)
+    assert state.backlog_bytes == 200.0  # the demand load ahead of (3, 1), which has not started
+    assert state.busy_ms == pytest.approx(2.0)
 
 
 def test_a_needed_read_not_started_becomes_demand():
@@ -52,5 +55,5 @@ def test_layers_nobody_named_pass_at_one_layers_compute_each():
     link.speculate([ExpertKey(3, e) for e in range(4)])
     assert link.state(2).backlog_bytes == 0.0  # layers 0 and 1 computed: 4 ms moved all four
     link.speculate([ExpertKey(3, e) for e in range(8)])
-    link.demand(ExpertKey(0, 0))  # layers 2 and 3: 4 ms, then the next token's layer 0
-    assert link.state(0).backlog_bytes == 100.0
+    link.demand(ExpertKey(0, 0))  # layers 2 and 3: 4 ms moved four of the eight, then the next token's layer 0
+    assert link.state(0).backlog_bytes == 500.0  # the demand load ahead of the four not started
