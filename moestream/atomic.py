@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from moestream.errors import MoestreamError
 from moestream.procfs import status_field
@@ -50,6 +51,32 @@ def staging_dir(out: Path, label: str) -> Path:
         staging.rmdir()
         raise MoestreamError(f"cannot write beside {out}: {error.strerror or error}") from None
     return staging
+
+
+def check_empty_dir(out: Path, error: type[MoestreamError] = MoestreamError, name: str = "output") -> None:
+    """Refuses an `out` that exists and is not an empty directory (named `name` in the message)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise error(f"{name} {out} already exists and is not an empty directory")
+
+
+def publish_dir(out: Path, write: Callable[[Path], None], error: type[MoestreamError] = MoestreamError,
+                name: str = "output") -> Path:
+    """Fills a staging directory beside `out` with write(staging), then renames it to `out` (absent or
+    empty, checked before and after): `out` is whole or untouched, and nothing half-written is left."""
+    check_empty_dir(out, error, name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(out, "partial")
+    try:
+        write(staging)
+        make_readable(staging)
+        check_empty_dir(out, error, name)
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
 
 
 def make_readable(directory: Path) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +27,7 @@ import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from moestream.atomic import make_readable, staging_dir, write_json
+from moestream.atomic import publish_dir, write_json
 from moestream.checkpoint import writer
 from moestream.checkpoint.spec import ModelSpec, demo_spec
 from moestream.checkpoint.tokenizer import SpecialTokenIds, train_tokenizer
@@ -137,11 +136,6 @@ def _scales(config: PretrainedConfig) -> Callable[[TensorPlan, str], float]:
     return t5_scale
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"output {out} already exists and is not an empty directory")
-
-
 def _quant_layout(spec: ModelSpec):
     """The layout of spec.quant (checkpoint/quantized.py), or None for an unquantized checkpoint."""
     if spec.quant is None:
@@ -203,19 +197,6 @@ def default_workers() -> int:
 def make_model(spec: ModelSpec, out: str | Path, progress: bool = False, workers: int | None = None) -> Path:
     """Write the checkpoint `spec` describes to directory `out` (absent or empty); returns `out`.
     workers: threads filling tensors (default: the CPUs this process may use, at most 16)."""
-    out = Path(out)
-    _check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(out, "partial")
-    try:
-        _write(spec, tmp, progress, workers or default_workers())
-        make_readable(tmp)
-        _check_out(out)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out = publish_dir(Path(out), lambda tmp: _write(spec, tmp, progress, workers or default_workers()), CheckpointError)
     logger.info("wrote %s checkpoint to %s", spec.family, out)
     return out

@@ -12,7 +12,6 @@ through their adapter's parts.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -20,7 +19,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from moestream.atomic import make_readable, staging_dir, write_json
+from moestream.atomic import check_empty_dir, publish_dir, write_json
 from moestream.checkpoint import writer
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.writer import TensorPlan
@@ -116,8 +115,7 @@ def _copy_files(source: Path, directory: Path, scheme: IntScheme) -> None:
 
 
 def check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MoestreamError(f"--out {out} already exists and is not an empty directory")
+    check_empty_dir(out, name="--out")
 
 
 def quantize_checkpoint(source: str | Path, out: str | Path, scheme: IntScheme, workers: int = 2,
@@ -127,16 +125,4 @@ def quantize_checkpoint(source: str | Path, out: str | Path, scheme: IntScheme, 
     check_out(out)
     checkpoint = build_index(source)
     expert_weights(checkpoint, scheme)  # every input error before anything is written
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(out, "partial")
-    try:
-        _write(checkpoint, scheme, tmp, workers, on_bytes)
-        make_readable(tmp)
-        check_out(out)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return publish_dir(out, lambda tmp: _write(checkpoint, scheme, tmp, workers, on_bytes), name="--out")

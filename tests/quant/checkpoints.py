@@ -13,9 +13,12 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moestream.checkpoint.index import build_index
 from moestream.families import FAMILIES
+from moestream.runtime import Engine, EngineConfig
 from tests.quant import reference
 from tests.quant.test_compressed_tensors import packing_pack
+from tests.runtime.conftest import PROMPTS
 
 GPTQ_GROUP = 32
 
@@ -105,3 +108,14 @@ def reference_model(source: Path, quantized: Path) -> torch.nn.Module:
                 with torch.no_grad():
                     adapter.expert_tensor(module, expert, part.param).copy_(weight)
     return model
+
+
+def generate_tokens(path, budget: str, sync: bool, new_tokens: int):
+    """(prompt ids, result, pad id) of greedy generation from the checkpoint at path, its expert budget the
+    smallest that computes a layer ("min") or a ratio."""
+    if budget == "min":
+        topology = build_index(path).topology
+        budget = f"{topology.top_k * topology.expert_bytes}B"
+    with Engine(path, EngineConfig(expert_budget=budget, direct_io=False, sync=sync)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        return prompts, engine.generate(prompts, max_new_tokens=new_tokens), engine.pad_id

@@ -7,9 +7,8 @@ import pytest
 from moestream.checkpoint.index import build_index
 from moestream.checkpoint.quantize import quantize_checkpoint
 from moestream.quant.encode import IntScheme
-from moestream.runtime import Engine, EngineConfig
-from tests.quant.checkpoints import reference_model, write_gptq
-from tests.runtime.conftest import PROMPTS, reference_generate
+from tests.quant.checkpoints import generate_tokens, reference_model, write_gptq
+from tests.runtime.conftest import reference_generate
 
 NEW_TOKENS = 6
 SCHEMES = {"int4": IntScheme(4, 32), "int8": IntScheme(8, None)}
@@ -38,21 +37,12 @@ def quantized(tiny_checkpoint, tmp_path_factory):
     return get
 
 
-def _generate(path, budget, sync):
-    if budget == "min":
-        topology = build_index(path).topology
-        budget = f"{topology.top_k * topology.expert_bytes}B"
-    with Engine(path, EngineConfig(expert_budget=budget, direct_io=False, sync=sync)) as engine:
-        prompts = [engine.encode(p) for p in PROMPTS]
-        return prompts, engine.generate(prompts, max_new_tokens=NEW_TOKENS), engine.pad_id
-
-
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 @pytest.mark.parametrize("budget", ["min", "1.0"])
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_greedy_tokens_match_transformers_with_dequantized_experts(quantized, case, budget, sync):
     source, path, model = quantized(*case)
-    prompts, result, pad_id = _generate(path, budget, sync)
+    prompts, result, pad_id = generate_tokens(path, budget, sync, NEW_TOKENS)
     assert result.token_ids == reference_generate(model, prompts, NEW_TOKENS, pad_id)
     assert (result.metrics.expert_misses > 0) == (budget != "1.0")
 
@@ -61,6 +51,6 @@ def test_slots_and_links_carry_the_quantized_bytes(quantized):
     source, path, _ = quantized("mixtral", "int4", "fp32")
     dense, packed = build_index(source).topology.expert_bytes, build_index(path).topology.expert_bytes
     assert packed < dense / 5  # 4-bit weights and a fp32 scale per 32 of them, against fp32 weights
-    _, result, _ = _generate(path, "min", sync=False)
+    _, result, _ = generate_tokens(path, "min", False, NEW_TOKENS)
     moved = result.metrics.bytes_read["disk"]
     assert moved == result.metrics.expert_misses * packed

@@ -12,9 +12,8 @@ from transformers import Mxfp4Config
 
 from moestream.checkpoint.index import build_index
 from moestream.families import FAMILIES
-from moestream.runtime import Engine, EngineConfig
-from tests.quant.checkpoints import reference_model
-from tests.runtime.conftest import PROMPTS, reference_generate
+from tests.quant.checkpoints import generate_tokens, reference_model
+from tests.runtime.conftest import reference_generate
 
 NEW_TOKENS = 6
 CASES = [("gpt_oss", "mxfp4", "fp32"), ("gpt_oss", "mxfp4", "bf16"), ("deepseek_v3", "fp8", "bf16"),
@@ -44,21 +43,12 @@ def _reference(family: str, fmt: str, path, unquantized):
     return auto_class.from_pretrained(path, **LOAD_KWARGS.get(fmt, {})).eval()
 
 
-def _generate(path, budget: str, sync: bool):
-    if budget == "min":
-        topology = build_index(path).topology
-        budget = f"{topology.top_k * topology.expert_bytes}B"
-    with Engine(path, EngineConfig(expert_budget=budget, direct_io=False, sync=sync)) as engine:
-        prompts = [engine.encode(p) for p in PROMPTS]
-        return prompts, engine.generate(prompts, max_new_tokens=NEW_TOKENS), engine.pad_id
-
-
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 @pytest.mark.parametrize("budget", ["min", "1.0"])
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_greedy_tokens_match_transformers_on_the_same_checkpoint(published, case, budget, sync):
     path, model = published(*case)
-    prompts, result, pad_id = _generate(path, budget, sync)
+    prompts, result, pad_id = generate_tokens(path, budget, sync, NEW_TOKENS)
     assert result.token_ids == reference_generate(model, prompts, NEW_TOKENS, pad_id)
     assert (result.metrics.expert_misses > 0) == (budget != "1.0")
     assert result.metrics.bytes_read["disk"] == result.metrics.expert_misses * build_index(path).topology.expert_bytes
