@@ -1,9 +1,12 @@
 """Integer packing shared by the W4A16 layouts: values of `bits` bits packed into int32 words, the
-first value in the lowest bits (compressed-tensors' `pack_to_int32`, GPTQ's qweight and qzeros), and
-the grouped scale-and-shift that turns integers into weights. Knows no checkpoint, family or runtime.
+first value in the lowest bits (compressed-tensors' `pack_to_int32`, GPTQ's qweight and qzeros), the
+grouped scale-and-shift that turns integers into weights, and its 4-bit shortcut: a table lookup from
+the packed words straight into the compute dtype. Knows no checkpoint, family or runtime.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -51,7 +54,7 @@ def decode_nibbles(packed: torch.Tensor, table: torch.Tensor, out: torch.Tensor)
 
 
 def scaled_nibbles(packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, out: torch.Tensor,
-                   table_of) -> torch.Tensor:
+                   table_of: Callable[[torch.dtype, torch.device], torch.Tensor]) -> torch.Tensor:
     """compressed-tensors' int4 words [O, I / 8] -> out [O, I] = (q - 8 - zeros) * scale group by group along
     I (zeros, scale: [O, I / G]), bit for bit what scaled() gives for those integers: they land in the work
     dtype (scaled()'s) by table lookup (table_of(dtype, device) -> nibble_table(dtype, device)), exact small
