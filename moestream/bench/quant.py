@@ -4,7 +4,9 @@ TPOT with `default` (or --policy) and with on-demand LRU (`--sync`), each run a 
 `bench engine`; and each checkpoint's decode cost per expert beside that expert's MLP (one row, one
 torch thread, the expert of MoE layer 0 read from disk). The budget is a share of the FIRST
 checkpoint's expert bytes, the same bytes for every checkpoint: a quantized one holds more experts
-in it. Prints figures; asserts nothing.
+in it. `--device cuda[:N]` runs the engine and the decode/MLP timing on that GPU, `--threads` sets the
+torch threads of both. The MLP is the family's own `ExpertMath` (GPT-OSS stores its weights [in, out]).
+Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
+from moestream.settings import add_arguments
 
 REPEATS = 20
 
@@ -31,6 +35,9 @@ def add_parser(kinds) -> None:
     parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (measurement only)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--buffered-io", action="store_true", help="read through the page cache, not O_DIRECT")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run and of the timing "
+                                                               "(default 1)")
+    add_arguments(parser, EngineConfig, only=("device",))
     parser.set_defaults(handler=run)
 
 
@@ -39,50 +46,68 @@ def _models(args) -> list[Path]:
     for model in models:
         if not (model / "config.json").is_file():
             raise MoestreamError(f"--models: no checkpoint at {model}")
-    if not 0 < args.budget <= 1 or args.prompts < 1 or args.max_new_tokens < 2:
-        raise MoestreamError("--budget must be in (0, 1], --prompts >= 1 and --max-new-tokens >= 2")
+    if not 0 < args.budget <= 1 or args.prompts < 1 or args.max_new_tokens < 2 or args.threads < 1:
+        raise MoestreamError("--budget must be in (0, 1], --prompts >= 1, --max-new-tokens >= 2 and --threads >= 1")
+    try:
+        EngineConfig(device=args.device)  # refuses an unknown device, or CUDA where there is none
+    except MoestreamError as error:
+        raise MoestreamError(f"--device: {error}") from None
     if args.replay_routing is not None and not Path(args.replay_routing).is_file():
         raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
     return models
 
 
-def decode_cost(model: Path) -> tuple[float, float]:
-    """(decode ms, MLP ms) of one expert of MoE layer 0, one row, one torch thread; decode 0 unquantized."""
+def decode_cost(model: Path, device: str, threads: int) -> tuple[float, float]:
+    """(decode ms, MLP ms) of one expert of MoE layer 0 on `device`, one row, `threads` torch threads;
+    decode 0 unquantized."""
     import torch
-    import torch.nn.functional as F
 
     from moestream.checkpoint.index import build_index
     from moestream.eval.quant_error import read_expert
     from moestream.quant.decoder import ExpertDecoder
+    from moestream.runtime.layer_experts import expert_mlp
     from moestream.runtime.loader import compute_dtype
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         checkpoint = build_index(model)
         dtype = compute_dtype(checkpoint.config)
-        views = checkpoint.experts.views(read_expert(checkpoint.experts.locations[(0, 0)]))
-        decoder = None if checkpoint.codec is None else ExpertDecoder(checkpoint.codec, checkpoint.experts.layout, dtype)
+        views = checkpoint.experts.views(read_expert(checkpoint.experts.locations[(0, 0)]).to(device))
+        decoder = None if checkpoint.codec is None else ExpertDecoder(checkpoint.codec, checkpoint.experts.layout,
+                                                                      dtype, device)
         decode = (lambda: views) if decoder is None else (lambda: decoder(views))
-        weights = decode()
-        up, down = weights["gate_up_proj"], weights["down_proj"]  # [2I, H], [H, I]
-        x = torch.randn(1, up.shape[1], dtype=dtype)
-        inner = up.shape[0] // 2
-
-        def mlp():
-            gate_up = F.linear(x, up)
-            return F.linear(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down)
-
-        return (_timed(decode) if checkpoint.codec is not None else 0.0), _timed(mlp)
+        math, weights = expert_math(checkpoint), decode()
+        x = torch.randn(1, checkpoint.config.get_text_config().hidden_size, dtype=dtype, device=device)  # [1, H]
+        decode_ms = _timed(decode, device) if decoder is not None else 0.0
+        return decode_ms, _timed(lambda: expert_mlp(math, x, weights), device)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
-def _timed(call) -> float:
+def expert_math(checkpoint):
+    """The family's `ExpertMath` of MoE layer 0: its experts module built on meta (no weights), as the
+    engine binds it (the module itself through the experts registry, else its swap)."""
+    from moestream.runtime.expert_math import FusedExpertMath
+    from moestream.runtime.experts import EXPERT_SWAPS
+    from moestream.runtime.loader import build_skeleton
+
+    module = build_skeleton(checkpoint).get_submodule(checkpoint.blocks[0].experts_path)
+    if checkpoint.adapter.uses_experts_registry:
+        return FusedExpertMath(module)
+    return EXPERT_SWAPS.create(type(module).__name__, module, None)  # no binding: only its math is called
+
+
+def _timed(call, device: str) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     call()
+    sync()
     began = time.perf_counter()
     for _ in range(REPEATS):
         call()
+    sync()
     return (time.perf_counter() - began) / REPEATS * 1e3
 
 
@@ -97,14 +122,16 @@ def measure(args) -> list[dict]:
     rows = []
     for model in models:
         topology = build_index(model).topology
-        decode_ms, mlp_ms = decode_cost(model)
+        decode_ms, mlp_ms = decode_cost(model, args.device, args.threads)
         for policy, sync in ((args.policy, False), ("lru", True)):  # on-demand: --sync LRU
             spec = RunSpec(model=str(model), budget=budget, policy=policy, sync=sync, prompts=PROMPTS[: args.prompts],
                            max_new_tokens=args.max_new_tokens, replay_routing=args.replay_routing,
-                           predictor_dirs=tuple(args.predictor_dir), direct_io=not args.buffered_io)
+                           predictor_dirs=tuple(args.predictor_dir), direct_io=not args.buffered_io,
+                           device=args.device, threads=args.threads)
             result = run_isolated(spec)
             rows.append({"model": str(model), "expert_bytes": topology.expert_bytes, "policy": policy, "sync": sync,
-                         "budget": budget, "decode_ms": decode_ms, "mlp_ms": mlp_ms} | result)
+                         "budget": budget, "device": args.device, "threads": args.threads, "decode_ms": decode_ms,
+                         "mlp_ms": mlp_ms} | result)
             print(_line(rows[-1]), flush=True)
     return rows
 

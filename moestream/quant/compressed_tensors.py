@@ -48,6 +48,7 @@ class CompressedTensorsCodec:
         self.format, weights = weights_scheme(quantization_config)
         self.bits = int(weights.get("num_bits", 4))
         self.symmetric = bool(weights.get("symmetric", True))
+        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # int4 lookup tables
         if self.format == PACKED:
             packing.per_word(self.bits)
         if weights.get("actorder") not in (None, False) and weights.get("actorder") != "weight":
@@ -83,21 +84,30 @@ class CompressedTensorsCodec:
         return linears.decode_dense(tensors, dtype, self._shape, self._decode_linear)
 
     def _decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
-        q = parts[f"{prefix}.q"]
-        ints = self._ints(q)  # [O, I] signed
-        rows = ints.shape[0]
+        q, scale = parts[f"{prefix}.q"], parts[f"{prefix}.scale"]
+        rows = q.shape[0]
         zero = parts.get(f"{prefix}.zero")
-        if zero is not None:
-            ints = ints - self._zeros(zero, rows).repeat_interleave(ints.shape[1] // zero.shape[1], dim=1)
-        packing.scaled(ints, parts[f"{prefix}.scale"], target[:rows])
+        zeros = None if zero is None else self._zeros(zero, rows)  # [O, I/G] signed
+        if self.format == PACKED and self.bits == 4:
+            packing.scaled_nibbles(q, scale, zeros, target[:rows], self._table_of)
+            return rows
+        ints = self._ints(q)  # [O, I] signed
+        if zeros is not None:
+            ints = ints - zeros.repeat_interleave(ints.shape[1] // zeros.shape[1], dim=1)
+        packing.scaled(ints, scale, target[:rows])
         return rows
 
     def _ints(self, q: torch.Tensor) -> torch.Tensor:
         if self.format == INT:
             return q
-        if self.bits == 4:
-            return packing.unpack_nibbles(q)
         return packing.unpack(q, self.bits, dim=1) - (1 << (self.bits - 1))
+
+    def _table_of(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """nibble_table(dtype, device), built once per (dtype, device)."""
+        key = (dtype, device)
+        if key not in self._tables:
+            self._tables[key] = packing.nibble_table(*key)
+        return self._tables[key]
 
     def _zeros(self, zero: torch.Tensor, rows: int) -> torch.Tensor:
         if self.format == INT or zero.dtype != torch.int32:

@@ -1,9 +1,12 @@
 """Integer packing shared by the W4A16 layouts: values of `bits` bits packed into int32 words, the
-first value in the lowest bits (compressed-tensors' `pack_to_int32`, GPTQ's qweight and qzeros), and
-the grouped scale-and-shift that turns integers into weights. Knows no checkpoint, family or runtime.
+first value in the lowest bits (compressed-tensors' `pack_to_int32`, GPTQ's qweight and qzeros), the
+grouped scale-and-shift that turns integers into weights, and its 4-bit shortcut: a table lookup from
+the packed words straight into the compute dtype. Knows no checkpoint, family or runtime.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -27,15 +30,45 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(*moved.shape[:-1], moved.shape[-1] * count).movedim(-1, dim)
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 words of 4-bit values packed along the last dim -> int8 [..., 8 n] of those values - 8 (the
-    signed values of compressed-tensors' offset encoding). The same as unpack(packed, 4, -1) - 8, in
-    three passes over bytes instead of eight over int32 lanes: each byte of a little-endian word holds
-    two values, low first, spread into the two bytes of an int16."""
-    pairs = packed.view(torch.uint8).to(torch.int16)  # [..., 4 n], one byte each
-    low = pairs & 15
-    spread = pairs.bitwise_right_shift_(4).bitwise_left_shift_(8).bitwise_or_(low)  # bytes: low, high
-    return spread.view(torch.int8).sub_(8)  # [..., 8 n]
+def nibble_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """decode_nibbles' lookup table for a 2- or 4-byte float dtype: [2**K] int64, K = 32 / its bytes (16 for
+    bf16 and fp16, 8 for fp32). Entry k holds the K / 4 4-bit values of key k, lowest first, each minus 8
+    (compressed-tensors' offset) in `dtype`: their bit patterns side by side, 8 bytes in all."""
+    per_entry = 8 // dtype.itemsize
+    keys = torch.arange(1 << (4 * per_entry), device=device)  # [2**K]
+    shifts = torch.arange(0, 4 * per_entry, 4, device=device)  # [K / 4]
+    values = ((keys.unsqueeze(-1) >> shifts) & 15) - 8  # [2**K, K / 4], exact in any float dtype
+    return values.to(dtype).contiguous().view(torch.int64).view(-1)
+
+
+def decode_nibbles(packed: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """int32 words of 4-bit values packed along the last dim [O, n] -> out [O, 8 n] (contiguous, 2- or 4-byte
+    dtype, `table` = nibble_table(out.dtype)): each value - 8, as unpack(packed, 4, -1) - 8. One lookup per
+    K bits of a little-endian word (its lowest value first) writes K / 4 values at once."""
+    key_bits = 32 // out.element_size()  # K
+    keys = packed.reshape(-1).view(torch.int16 if key_bits == 16 else torch.uint8).int()  # [O n 32 / K]
+    if key_bits == 16:
+        keys.bitwise_and_(0xFFFF)  # int16 read as unsigned
+    torch.index_select(table, 0, keys, out=out.view(-1).view(torch.int64))
+    return out
+
+
+def scaled_nibbles(packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, out: torch.Tensor,
+                   table_of: Callable[[torch.dtype, torch.device], torch.Tensor]) -> torch.Tensor:
+    """compressed-tensors' int4 words [O, I / 8] -> out [O, I] = (q - 8 - zeros) * scale group by group along
+    I (zeros, scale: [O, I / G]), bit for bit what scaled() gives for those integers: they land in the work
+    dtype (scaled()'s) by table lookup (table_of(dtype, device) -> nibble_table(dtype, device)), exact small
+    integers; the zero points come off exactly there (|q - 8 - zero| <= 15); then one rounded product."""
+    rows, cols = out.shape
+    groups = scale.shape[-1]
+    work = out if scale.dtype == out.dtype else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    looked = work if work.element_size() in (2, 4) else torch.empty_like(work, dtype=torch.float32)
+    decode_nibbles(packed, table_of(looked.dtype, looked.device), looked)
+    grouped = (work if looked is work else work.copy_(looked)).view(rows, groups, cols // groups)  # [O, g, G]
+    if zeros is not None:
+        grouped.sub_(zeros.to(work.dtype).unsqueeze(-1))
+    grouped.mul_(scale.to(work.dtype).unsqueeze(-1))
+    return out if work is out else out.copy_(work)
 
 
 def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -40,3 +40,27 @@ def test_every_checkpoint_and_policy_runs_at_the_same_byte_budget(bench, capsys)
 def test_the_quantized_checkpoint_holds_more_experts_in_the_budget(bench):
     _, rows, _, _ = bench
     assert rows[2]["hit_rate"] > rows[0]["hit_rate"] and rows[3]["hit_rate"] > rows[1]["hit_rate"]
+
+
+def test_gpt_oss_experts_are_timed_with_the_familys_weight_layout(tiny_checkpoint, tmp_path):
+    """GPT-OSS stores expert weights [in, out]: the MLP beside the decode is the family's own math."""
+    model = tiny_checkpoint("gpt_oss", num_layers=2, quant="mxfp4")
+    out = tmp_path / "bench.json"
+    code = main(["bench", "quant", "--models", str(model), "--policy", "lru", "--max-new-tokens", "2",
+                 "--buffered-io", "--threads", "1", "--device", "cpu", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert code == 0 and len(rows) == 2
+    assert all(row["decode_ms"] > 0 and row["mlp_ms"] > 0 for row in rows)
+    assert {(row["device"], row["threads"]) for row in rows} == {("cpu", 1)}
+
+
+@pytest.mark.parametrize("flags", [["--device", "cuda"], ["--threads", "0"]])
+def test_a_device_without_cuda_or_no_threads_is_refused_in_one_line(tiny_checkpoint, capsys, flags):
+    import torch
+
+    if flags[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    model = tiny_checkpoint("mixtral", num_layers=2, dtype="bf16")
+    assert main(["bench", "quant", "--models", str(model), *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and flags[0] in error
