@@ -31,8 +31,8 @@
 #   GPU_CHECK_PROMPTS   1             (demo prompts per run)
 #   GPU_CHECK_BUDGET_S  450           (all steps together; the table is written after it)
 #   GPU_CHECK_PYTHON    python3
-#   GPU_CHECK_STEPS     "tests bench-25 bench-50 bench-10 quant" (which optional steps run, in this
-#                       order; env, make-model, train-predictor and table always run)
+#   GPU_CHECK_STEPS     "tests bench-25 bench-50 bench-10 quant" (which optional steps run, the benches
+#                       in this order; env, make-model, train-predictor and table always run)
 # Carry the folder .gpu-data (ignored by git): puffin_dev.npz (the trace), predictor-default
 # (train-predictor --kind default --trace puffin_dev.npz) and, where the machine's python3 has no
 # pytest, pylib (pip install --target .gpu-data/pylib pytest, on a machine with a network).
@@ -147,10 +147,16 @@ WRITER=$!
 wanted tests && step tests 120 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/tests.xml" "${CUDA_TESTS[@]}"
 wait "$WRITER"
 step train-predictor 90 bash -c train_predictor
-wanted bench-25 && step bench-25 320 bash -c "bench 25 0.25"  # a run of the 31 GB checkpoint takes 30-60 s; 180 s did not hold four
-wanted bench-50 && step bench-50 150 bash -c "bench 50 0.5"
-wanted bench-10 && step bench-10 150 bash -c "bench 10 0.1"
-wanted quant && step quant 300 bash -c quant
+for name in $STEPS; do
+  case $name in
+    tests) ;;  # run beside make-model, above
+    bench-25) step bench-25 320 bash -c "bench 25 0.25" ;;  # a run of the 31 GB checkpoint takes 30-60 s
+    bench-50) step bench-50 150 bash -c "bench 50 0.5" ;;
+    bench-10) step bench-10 150 bash -c "bench 10 0.1" ;;
+    quant) step quant 300 bash -c quant ;;
+    *) echo "gpu-check: unknown step '$name' in GPU_CHECK_STEPS" >&2 ;;
+  esac
+done
 DEADLINE=$((SECONDS + 30))
 step table 20 "$PY" scripts/gpu_check_table.py "$OUT" --out "$OUT/table.md"
 echo "gpu-check: finished in $SECONDS s; results in $OUT"
