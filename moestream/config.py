@@ -75,6 +75,9 @@ class EngineConfig:
     reorder: bool = setting(True, "compute a layer's experts in expert order instead of resident ones first",
                             flag="--no-reorder")
     transfer_timeout_s: float = setting(60.0, "longest wait for expert bytes before it fails", above=0)
+    background_predictor: bool = setting(True, "run a slow policy's predictor on the compute thread, not a worker "
+                                          "thread, so that its plans do not depend on the clock (bench fidelity)",
+                                          flag="--inline-predictor")
     link_gbps: float = setting(0.0, "the disk's read bandwidth (GB/s) for the planner's modelled link, with "
                                     "--layer-ms (default 0: the planner sees no link)", minimum=0)
     layer_ms: float = setting(0.0, "one MoE layer's compute (ms), its experts resident, for the planner's "

@@ -35,7 +35,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io"))
+    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "background_predictor"))
     parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
@@ -67,7 +67,8 @@ def compare(args) -> dict:
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync,
                    reorder=args.reorder, prompts=PROMPTS,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
-                   replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir))
+                   replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir),
+                   background_predictor=args.background_predictor)
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
     simulated = _simulate(args, spec, engine, topology, cost)

@@ -95,8 +95,8 @@ class Engine:
             bound_shape_caches()
         self.checkpoint: CheckpointIndex = build_index(model_dir)
         self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
-        # before observers() lists the predictor
-        self._background = offload_predictor(self.policy, timeout_s=self.config.transfer_timeout_s)
+        self._background = offload_predictor(self.policy, not self.config.background_predictor,  # before observers()
+                                             self.config.transfer_timeout_s)
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store: ExpertStore = open_store(self.checkpoint.experts, StoreConfig.of(self.config),
                                              evictions["device"], evictions["host"], load_manifest(self.checkpoint))

@@ -87,7 +87,8 @@ class EngineRun:
         drop_page_cache(shards(spec.model))
         config = EngineConfig(device=spec.device, expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
                               policy=spec.policy, replay_routing=spec.replay_routing, reorder=spec.reorder,
-                              link_gbps=spec.link_gbps, layer_ms=spec.layer_ms)
+                              link_gbps=spec.link_gbps, layer_ms=spec.layer_ms,
+                              background_predictor=spec.background_predictor)
         policy = make_policy(spec, build_index(spec.model).topology)
         with Engine(spec.model, config, policy=policy) as engine:
             if spec.preload:
