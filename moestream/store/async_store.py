@@ -32,7 +32,10 @@ from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
-from moestream.store.store import ExpertStore, _key
+from moestream.store.disk import DiskReader
+from moestream.store.pool import SlotPool
+from moestream.store.store import ExpertStore, Tier, _key, staging_slots
+from moestream.store.streams import Link
 from moestream.store.transfer import DiskWorker, LinkReports, Transfer, TransferError, TransferQueue, chunks_of
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
@@ -41,21 +44,21 @@ STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its ch
 
 
 class AsyncExpertStore(ExpertStore):
-    bounce_slots = 1  # the disk worker's staging slot where the device tier is not host memory
-    serves_host_tier = False  # TieredAsyncStore (moestream.store.tiered) serves one
-
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None):
-        super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
-        if self._host is not None and not self.serves_host_tier:
-            raise ValueError("the asynchronous store serves a device tier without a host tier")
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None,
+                 staging: int | None = None):
+        """As ExpertStore; staging: 1 for the disk worker's one staging slot (default: where `staging_slots`
+        wants any), 0 for none."""
+        staging = staging_slots(config, index.topology, 1) if staging is None else min(staging, 1)
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader, link, staging)
         self._cond = threading.Condition(self._lock)
         self._queue = TransferQueue(self.device_slots)
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
         reports = LinkReports(landed=self._landed, failed=self._failed, busy=self._link_read,
                               released=self._given_back)
-        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, reports, config.chunks_in_flight)
+        read = lambda batch: read_chunks(self.reader, batch, self._bounce, self._link)  # noqa: E731 (reader may be wrapped)
+        self._worker = DiskWorker(self._cond, self._queue, read, reports, config.chunks_in_flight)
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -79,7 +82,7 @@ class AsyncExpertStore(ExpertStore):
             except BaseException:
                 for key in missed[queued:]:
                     self._core.forget(key)
-                self._device.unpin(wanted)
+                self._device.cache.unpin(wanted)
                 raise
         return Fetch(self, wanted)
 
@@ -101,7 +104,7 @@ class AsyncExpertStore(ExpertStore):
                     if key in self._errors:
                         raise self._errors.pop(key)
                     if key not in self._core.moving:
-                        return key, self._slot_of(self._device_pool, self._device, key)
+                        return key, self._slot_of(self._device, key)
                 began = time.perf_counter()
                 try:
                     self._wait(deadline, f"experts {[tuple(k) for k in candidates]}")
@@ -184,7 +187,7 @@ class AsyncExpertStore(ExpertStore):
     def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
         """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier)."""
         self._errors.pop(key, None)
-        self._queue_read(key, self._slot_of(self._device_pool, self._device, key), priority, demand)
+        self._queue_read(key, self._slot_of(self._device, key), priority, demand)
         return True
 
     def _queue_read(self, key: ExpertKey, slot: torch.Tensor, priority: float, demand: bool) -> None:
@@ -230,36 +233,25 @@ class AsyncExpertStore(ExpertStore):
 
     # -- worker callbacks ------------------------------------------------------------------------
 
-    def _read_chunks(self, batch) -> int:
-        """The worker's read of chunks (outside the lock): into their slots together, or staged one by one."""
-        if not self._bounce.num_slots:
-            return self.reader.read_batch(batch)
-        got = 0
-        for segments, dst in batch:
-            staging = self._bounce.slot(0, segments[0].offset)[: dst.numel()]  # [chunk bytes], pinned, congruent
-            got += self.reader.read_batch([(segments, staging)])
-            self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
-        return got
-
     def _link_read(self, seconds: float) -> None:  # under the lock: one read of chunks in flight together
         self._stats.transfer_s += seconds
         self._stats.disk_read_s += seconds
         self._stats.disk_batches += 1
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock
-        if not self._verified(transfer, self._device_pool, self._device):
+        if not self._verified(transfer, self._device):
             return
         self._core.landed(transfer.key, transfer)
         self._stats.host_misses += 1
         self._cond.notify_all()
 
-    def _verified(self, transfer: Transfer, pool, tier) -> bool:  # under the lock
+    def _verified(self, transfer: Transfer, tier: Tier) -> bool:  # under the lock
         """Whether a landed transfer is still wanted and its bytes in tier's slot pass the integrity
         check (if not, the transfer has failed)."""
         if self._core.moving.get(transfer.key) is not transfer:
             return False  # displaced, or forgotten by close()
         try:
-            self._arrived([transfer.key], [self._slot_of(pool, tier, transfer.key)])
+            self._arrived([transfer.key], [self._slot_of(tier, transfer.key)])
         except CheckpointError as error:
             self._failed(transfer, error)
             return False
@@ -276,3 +268,16 @@ class AsyncExpertStore(ExpertStore):
             self._errors[transfer.key] = failure
             self._forget(transfer)
         self._cond.notify_all()
+
+
+def read_chunks(reader: DiskReader, batch, staging: SlotPool, link: Link) -> int:
+    """The disk link's copy function (on its worker, outside the lock): the chunks read into their slots
+    together, or, with a staging slot, one by one through it and up the link."""
+    if not staging.num_slots:
+        return reader.read_batch(batch)
+    got = 0
+    for segments, dst in batch:
+        slot = staging.slot(0, segments[0].offset)[: dst.numel()]  # [chunk bytes], pinned, congruent
+        got += reader.read_batch([(segments, slot)])
+        link.copy(dst, slot).synchronize()  # the copy stream's event, before the slot is reused
+    return got

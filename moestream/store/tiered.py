@@ -34,8 +34,6 @@ from moestream.topology import ExpertKey
 
 
 class TieredAsyncStore(AsyncExpertStore):
-    serves_host_tier = True
-
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                  host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None):
         if not config.host_slots(index.topology):
@@ -52,22 +50,22 @@ class TieredAsyncStore(AsyncExpertStore):
     def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
         """A host hit goes to the copy queue; a miss takes a host slot and goes to the disk queue."""
         self._errors.pop(key, None)
-        if key not in self._stale and self._host.access(key) is not None:
+        if key not in self._stale and self._host.cache.access(key) is not None:
             self._stats.host_hits += 1
-            self._host.pin([key])  # the copy's pin
+            self._host.cache.pin([key])  # the copy's pin
             self._queue_copy(key, priority, demand)
             return True
         if not self._host_room(demand):
             self._core.forget(key)
             return False
-        slot, victim = self._host.admit(key)
+        slot, victim = self._host.cache.admit(key)
         self._stats.evictions["host"] += victim is not None
-        self._host.pin([key])  # the read's pin, then the copy's
-        self._queue_read(key, self._host_pool.slot(slot, self._residues[key]), priority, demand)
+        self._host.cache.pin([key])  # the read's pin, then the copy's
+        self._queue_read(key, self._host.pool.slot(slot, self._residues[key]), priority, demand)
         return True
 
     def _queue_copy(self, key: ExpertKey, priority: float, demand: bool, continued: bool = False) -> None:
-        src, dst = self._slot_of(self._host_pool, self._host, key), self._slot_of(self._device_pool, self._device, key)
+        src, dst = self._slot_of(self._host, key), self._slot_of(self._device, key)
         chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
         copy = Transfer(key, chunks, priority=priority, demand=demand, continued=continued, link=H2D)
         self._copies.push(copy)
@@ -77,7 +75,7 @@ class TieredAsyncStore(AsyncExpertStore):
     def _host_room(self, demand: bool) -> bool:
         """Whether the host tier can take one more expert; a demand waits for a copy to free one."""
         deadline = time.perf_counter() + self.config.transfer_timeout_s
-        while len(self._host) >= self.host_slots and not self._host.has_evictable():
+        while len(self._host.cache) >= self.host_slots and not self._host.cache.has_evictable():
             if not demand:
                 return False
             self._wait(deadline, "a free host slot")
@@ -104,13 +102,13 @@ class TieredAsyncStore(AsyncExpertStore):
         fills it again; a copy's stays there."""
         key = transfer.key
         if transfer.link == H2D:
-            self._host.unpin([key])
+            self._host.cache.unpin([key])
             return
         self._stale.discard(key)
         if key in self._core.moving:
-            self._host.unpin([key])
-        elif key in self._host:
-            self._host.remove(key)
+            self._host.cache.unpin([key])
+        elif key in self._host.cache:
+            self._host.cache.remove(key)
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         super().record_timeline(timeline)
@@ -123,7 +121,7 @@ class TieredAsyncStore(AsyncExpertStore):
     # -- worker callbacks ------------------------------------------------------------------------
 
     def _landed(self, transfer: Transfer) -> None:  # under the lock: the bytes are in the host slot
-        if not self._verified(transfer, self._host_pool, self._host):
+        if not self._verified(transfer, self._host):
             return
         self._stats.host_misses += 1
         self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
@@ -131,7 +129,7 @@ class TieredAsyncStore(AsyncExpertStore):
     def _copied(self, copy: Transfer) -> None:  # under the lock: the bytes are in the device slot
         if not self._core.landed(copy.key, copy):
             return  # displaced, or forgotten by close()
-        self._host.unpin([copy.key])
+        self._host.cache.unpin([copy.key])
         self._stats.bytes_read["host"] += self.topology.expert_bytes
         self._cond.notify_all()
 
