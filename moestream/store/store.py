@@ -4,11 +4,11 @@ kind of store shares, and the calls each kind makes its own way.
 Residency of each tier is an `ExpertCache` whose eviction policy is passed in; lookups, admissions
 to the device tier, landings and their counts go through the transfer core
 (`moestream.transfer_core`), the bookkeeping the simulator drives too. `ExpertStore` holds the
-tiers, their slot pools, the disk reader and the host -> device `Link`, and answers the views
-(`resident`, `pinned`, `streaming_groups`, `stats`). How bytes move is each kind's own: the
-synchronous `InlineStore` (`moestream.store.inline`, `--sync`) moves them on the caller's thread;
-`AsyncExpertStore` (`moestream.store.async_store`) and `TieredAsyncStore` (`moestream.store.tiered`)
-on link workers beside compute; `open_store` (`moestream.store.factory`) picks one. Every kind:
+tiers (each a `Tier`: a cache and its slot pool), the disk reader and the host -> device `Link`,
+and answers the views (`resident`, `pinned`, `streaming_groups`, `stats`). How bytes move is each kind's own: the
+synchronous `InlineStore` (`moestream.store.inline`, `--sync`) moves them on the caller's thread,
+`AsyncExpertStore` (`moestream.store.async_store`) on link workers beside compute, a chain of links
+that follows its tiers; `open_store` (`moestream.store.factory`) picks one. Every kind:
 `fetch` pins a layer's experts and hands them out as their bytes are in place, `release` unpins,
 `plan_view` ends the previous plan and shows the tier to the next, `prefetch` admits a plan's
 requests by priority (never evicting a pinned expert) and moves them. Device victims are dropped,
@@ -213,7 +213,8 @@ class ExpertStore(ABC):
             room = self.device_slots - len(self._pinned() - set(wanted))
             if wanted and room < 1:
                 raise CacheFullError(f"all {self.device_slots} device slots hold experts in use")
-            ordered = [k for k in wanted if k in self._device.cache] + [k for k in wanted if k not in self._device.cache]
+            cache = self._device.cache
+            ordered = [k for k in wanted if k in cache] + [k for k in wanted if k not in cache]
         return [ordered[i : i + room] for i in range(0, len(ordered), room)]
 
     def stats(self) -> StoreStats:

@@ -329,7 +329,7 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(4 * eb, host_slots * eb, asynchronous=asynchronous)
     disk = DiskReader()
-    with store_kind(config, ckpt.index.topology)(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=disk) as store:
+    with store_kind(config)(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=disk) as store:
         for key in ckpt.index.locations:
             slot = store.acquire([key])[key]
             assert_holds_expert(ckpt, slot, key)
