@@ -1,22 +1,31 @@
 """The expert store with transfers beside compute: prefetch queues, fetch waits only for what it lacks.
 
 `AsyncExpertStore` keeps the residency, budgets and counters of `ExpertStore` and moves bytes on
-the disk link's worker (`moestream.store.transfer`) instead of the caller's thread. It serves a
-device tier with no host tier. On the CPU that is one tier, each expert held once, read straight
-from disk into its slot. On CUDA the worker reads each chunk into one pinned staging slot, copies
-it up on the link's copy stream and waits for that copy's event (on the worker thread: the compute
-stream and the device are never synchronised) before the next chunk reuses the staging slot.
-`TieredAsyncStore` (`moestream.store.tiered`) extends it to a host tier with a second link's
-worker; `open_store` (`moestream.store.factory`) picks the store for a configuration.
+link workers instead of the caller's thread; its links follow its tiers. A device tier alone has
+one link, disk -> device (`moestream.store.transfer`): on the CPU each expert is read straight into
+its slot; on CUDA the worker reads each chunk into one pinned staging slot, copies it up on the
+link's copy stream and waits for that copy's event (on the worker thread: the compute stream and
+the device are never synchronised) before the next chunk reuses the staging slot. With a host tier
+kept apart (CUDA: pinned host slots below GPU memory) a second link follows, host -> device
+(`moestream.store.copier`): a host hit goes straight to its queue; a miss is read into a host slot,
+checked there (integrity), then re-queued on it with its demand and priority, so that one expert's
+read overlaps another's copy up. The host tier keeps the copy and evicts by its own policy; a host
+slot stays pinned while the disk writes it and while the copy reads it. A demand miss that finds
+every host slot pinned waits for a copy; a speculative one is refused (it leaves the device tier:
+the one residency rule here that still depends on the clock). `open_store`
+(`moestream.store.factory`) picks the store for a configuration.
 
 Residency is the transfer core's (`moestream.transfer_core`): an expert is in the device tier from
 its admission, whether its bytes have landed or not; this store only moves them. Life of a transfer:
-queued (in flight: `in_flight()`), then landed, or failed (the expert leaves the tier, the error
-kept for the thread that waits on it). `fetch` is the early preemption: the layer's misses go to
-the head of the queue in the order asked, its in-flight experts become demand, and the queued
-speculative transfers of its layers that the gate did not choose go to the back. A transfer whose
-expert the core evicts (`_displaced`) is cancelled if queued, else waited for before its slot is
-reused. Every wait has a timeout (`StoreConfig.transfer_timeout_s`).
+queued (in flight: `in_flight()`, until its bytes are in the device slot), then landed, or failed
+(the expert leaves the tier, the error kept for the thread that waits on it). `fetch` is the early
+preemption: the layer's misses go to the head of the queue in the order asked, its in-flight
+experts become demand in whichever queue holds them, and the queued speculative transfers of its
+layers that the gate did not choose go to the back. A transfer whose expert the core evicts
+(`_displaced`) is cancelled if queued (a cancelled read frees its host slot, a cancelled copy keeps
+the host copy), else waited for before its slot is reused. Every wait has a timeout
+(`StoreConfig.transfer_timeout_s`). Knows no policy and no device type: the `Link` decides how
+bytes move up.
 """
 
 from __future__ import annotations
@@ -32,8 +41,13 @@ from moestream.errors import CheckpointError
 from moestream.policies.contracts import EvictionPolicy, TransferRequest
 from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
-from moestream.store.store import ExpertStore, _key
-from moestream.store.transfer import DiskWorker, LinkReports, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.store.disk import DiskReader
+from moestream.store.pool import SlotPool
+from moestream.store.store import ExpertStore, Tier, _key, staging_slots
+from moestream.store.streams import Link
+from moestream.store.copier import CopyWorker, copy_chunks
+from moestream.store.transfer import (DISK, H2D, DiskWorker, LinkReports, Transfer, TransferError, TransferQueue,
+                                      chunks_of)
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
@@ -41,21 +55,29 @@ STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its ch
 
 
 class AsyncExpertStore(ExpertStore):
-    bounce_slots = 1  # the disk worker's staging slot where the device tier is not host memory
-    serves_host_tier = False  # TieredAsyncStore (moestream.store.tiered) serves one
-
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
-                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None):
-        super().__init__(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
-        if self._host is not None and not self.serves_host_tier:
-            raise ValueError("the asynchronous store serves a device tier without a host tier")
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None,
+                 staging: int | None = None):
+        """As ExpertStore; staging: 1 for the disk worker's one staging slot (default: where `staging_slots`
+        wants any), 0 for none."""
+        staging = staging_slots(config, index.topology, 1) if staging is None else min(staging, 1)
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader, link, staging)
         self._cond = threading.Condition(self._lock)
         self._queue = TransferQueue(self.device_slots)
         self._errors: dict[ExpertKey, TransferError] = {}
         self._closed = False
+        self._copies = TransferQueue(self.device_slots)  # the host -> device link's, with a host tier
+        self._stale: set[ExpertKey] = set()  # host slots a dropped read still writes
         reports = LinkReports(landed=self._landed, failed=self._failed, busy=self._link_read,
                               released=self._given_back)
-        self._worker = DiskWorker(self._cond, self._queue, self._read_chunks, reports, config.chunks_in_flight)
+        def read(batch) -> int:  # self.reader, as callers may have wrapped it since
+            return read_chunks(self.reader, batch, self._bounce, self._link)
+
+        self._workers = [DiskWorker(self._cond, self._queue, read, reports, config.chunks_in_flight)]
+        if self._host is not None:  # disk -> host -> device: a second link after the first
+            reports = LinkReports(landed=self._copied, failed=self._copy_failed, busy=self._link_copied,
+                                  released=self._given_back)
+            self._workers.append(CopyWorker(self._cond, self._copies, self._link, reports, config.chunks_in_flight))
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -79,7 +101,7 @@ class AsyncExpertStore(ExpertStore):
             except BaseException:
                 for key in missed[queued:]:
                     self._core.forget(key)
-                self._device.unpin(wanted)
+                self._device.cache.unpin(wanted)
                 raise
         return Fetch(self, wanted)
 
@@ -101,7 +123,7 @@ class AsyncExpertStore(ExpertStore):
                     if key in self._errors:
                         raise self._errors.pop(key)
                     if key not in self._core.moving:
-                        return key, self._slot_of(self._device_pool, self._device, key)
+                        return key, self._slot_of(self._device, key)
                 began = time.perf_counter()
                 try:
                     self._wait(deadline, f"experts {[tuple(k) for k in candidates]}")
@@ -146,13 +168,15 @@ class AsyncExpertStore(ExpertStore):
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         super().record_timeline(timeline)
-        self._worker.timeline = timeline
+        for worker in self._workers:
+            worker.timeline = timeline
 
     def close(self) -> None:
         """Stops the worker after its current chunk, drops the queued transfers, closes the files."""
         with self._lock:
             self._closed = True
-        self._stop_workers()
+        for worker in reversed(self._workers):  # the host -> device link's first
+            worker.stop(STOP_TIMEOUT_S)
         with self._cond:
             for transfer in list(self._core.moving.values()):
                 self._forget(transfer)
@@ -160,13 +184,12 @@ class AsyncExpertStore(ExpertStore):
             self._cond.notify_all()
         super().close()
 
-    def _stop_workers(self) -> None:
-        self._worker.stop(STOP_TIMEOUT_S)
-
     # -- under the lock --------------------------------------------------------------------------
 
     def _arriving(self, tier: str) -> set[ExpertKey]:
         """Experts admitted to the tier whose bytes are still on their way there."""
+        if tier == "host":
+            return {key for key, t in self._core.moving.items() if t.link == DISK}
         return set(self._core.moving)
 
     def _check_open(self) -> None:
@@ -182,9 +205,24 @@ class AsyncExpertStore(ExpertStore):
                 self._queue_of(transfer).reprioritise(transfer, priority=float("-inf"))
 
     def _enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
-        """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier)."""
+        """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier).
+        With a host tier, a host hit goes to the copy queue; a miss takes a host slot and goes to the disk queue."""
         self._errors.pop(key, None)
-        self._queue_read(key, self._slot_of(self._device_pool, self._device, key), priority, demand)
+        if self._host is None:
+            self._queue_read(key, self._slot_of(self._device, key), priority, demand)
+            return True
+        if key not in self._stale and self._host.cache.access(key) is not None:
+            self._stats.host_hits += 1
+            self._host.cache.pin([key])  # the copy's pin
+            self._queue_copy(key, priority, demand)
+            return True
+        if not self._host_room(demand):
+            self._core.forget(key)
+            return False
+        slot, victim = self._host.cache.admit(key)
+        self._stats.evictions["host"] += victim is not None
+        self._host.cache.pin([key])  # the read's pin, then the copy's
+        self._queue_read(key, self._host.pool.slot(slot, self._residues[key]), priority, demand)
         return True
 
     def _queue_read(self, key: ExpertKey, slot: torch.Tensor, priority: float, demand: bool) -> None:
@@ -195,17 +233,36 @@ class AsyncExpertStore(ExpertStore):
         self._core.track(key, transfer)
         self._cond.notify_all()
 
+    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool, continued: bool = False) -> None:
+        src, dst = self._slot_of(self._host, key), self._slot_of(self._device, key)
+        chunks = copy_chunks(self.index.locations[key].segments, src, dst, self.config.chunk_bytes)
+        copy = Transfer(key, chunks, priority=priority, demand=demand, continued=continued, link=H2D)
+        self._copies.push(copy)
+        self._core.track(key, copy)
+        self._cond.notify_all()
+
+    def _host_room(self, demand: bool) -> bool:
+        """Whether the host tier can take one more expert; a demand waits for a copy to free one."""
+        deadline = time.perf_counter() + self.config.transfer_timeout_s
+        while len(self._host.cache) >= self.host_slots and not self._host.cache.has_evictable():
+            if not demand:
+                return False
+            self._wait(deadline, "a free host slot")
+        return True
+
     def _speculative(self) -> list[Transfer]:
         """Queued speculative transfers (not those a worker holds), lowest priority first."""
-        return self._queue.speculative()
+        return sorted(self._queue.speculative() + self._copies.speculative(), key=lambda t: t.priority)
 
     def _queue_of(self, transfer: Transfer) -> TransferQueue:
-        return self._queue
+        return self._copies if transfer.link == H2D else self._queue
 
     def _displaced(self, transfer: Transfer) -> None:
         """The core evicted the transfer's expert: cancelled if queued, else moved no further once its
         worker's round ends. Its slot is safe to reuse at once: whatever is queued into it next goes
         on the same link's worker, after that round."""
+        if transfer.link == DISK and transfer.held and self._host is not None:
+            self._stale.add(transfer.key)  # not a host hit until the read lets go of its slot
         transfer.dropped = True
         if self._queue_of(transfer).cancel(transfer.key) is transfer:
             self._stats.cancelled += 1
@@ -214,7 +271,20 @@ class AsyncExpertStore(ExpertStore):
             self._given_back(transfer)
 
     def _given_back(self, transfer: Transfer) -> None:
-        """What a transfer held besides its device slot, given back (nothing here)."""
+        """What a transfer held besides its device slot, given back: a copy's host pin (its host copy
+        stays); a dropped read's expert leaves the host tier (its bytes may not be whole) unless a new
+        read fills it again."""
+        key = transfer.key
+        if self._host is None:
+            return
+        if transfer.link == H2D:
+            self._host.cache.unpin([key])
+            return
+        self._stale.discard(key)
+        if key in self._core.moving:
+            self._host.cache.unpin([key])
+        elif key in self._host.cache:
+            self._host.cache.remove(key)
 
     def _forget(self, transfer: Transfer) -> None:
         """The transfer's expert leaves the device tier (its bytes never arrived there)."""
@@ -230,36 +300,41 @@ class AsyncExpertStore(ExpertStore):
 
     # -- worker callbacks ------------------------------------------------------------------------
 
-    def _read_chunks(self, batch) -> int:
-        """The worker's read of chunks (outside the lock): into their slots together, or staged one by one."""
-        if not self._bounce.num_slots:
-            return self.reader.read_batch(batch)
-        got = 0
-        for segments, dst in batch:
-            staging = self._bounce.slot(0, segments[0].offset)[: dst.numel()]  # [chunk bytes], pinned, congruent
-            got += self.reader.read_batch([(segments, staging)])
-            self._link.copy(dst, staging).synchronize()  # the copy stream's event, before staging is reused
-        return got
-
     def _link_read(self, seconds: float) -> None:  # under the lock: one read of chunks in flight together
         self._stats.transfer_s += seconds
         self._stats.disk_read_s += seconds
         self._stats.disk_batches += 1
 
-    def _landed(self, transfer: Transfer) -> None:  # under the lock
-        if not self._verified(transfer, self._device_pool, self._device):
+    def _landed(self, transfer: Transfer) -> None:  # under the lock: the bytes are in the read's slot
+        if not self._verified(transfer, self._host or self._device):
+            return
+        self._stats.host_misses += 1
+        if self._host is not None:  # on to the host -> device link, with its demand and priority
+            self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
             return
         self._core.landed(transfer.key, transfer)
-        self._stats.host_misses += 1
         self._cond.notify_all()
 
-    def _verified(self, transfer: Transfer, pool, tier) -> bool:  # under the lock
+    def _copied(self, copy: Transfer) -> None:  # under the lock: the bytes are in the device slot
+        if not self._core.landed(copy.key, copy):
+            return  # displaced, or forgotten by close()
+        self._host.cache.unpin([copy.key])
+        self._stats.bytes_read["host"] += self.topology.expert_bytes
+        self._cond.notify_all()
+
+    def _copy_failed(self, copy: Transfer, error: BaseException) -> None:  # under the lock
+        self._fail(copy, error, f"copying expert {tuple(copy.key)} from host to device failed")
+
+    def _link_copied(self, seconds: float) -> None:  # under the lock
+        self._stats.copy_s += seconds
+
+    def _verified(self, transfer: Transfer, tier: Tier) -> bool:  # under the lock
         """Whether a landed transfer is still wanted and its bytes in tier's slot pass the integrity
         check (if not, the transfer has failed)."""
         if self._core.moving.get(transfer.key) is not transfer:
             return False  # displaced, or forgotten by close()
         try:
-            self._arrived([transfer.key], [self._slot_of(pool, tier, transfer.key)])
+            self._arrived([transfer.key], [self._slot_of(tier, transfer.key)])
         except CheckpointError as error:
             self._failed(transfer, error)
             return False
@@ -276,3 +351,16 @@ class AsyncExpertStore(ExpertStore):
             self._errors[transfer.key] = failure
             self._forget(transfer)
         self._cond.notify_all()
+
+
+def read_chunks(reader: DiskReader, batch, staging: SlotPool, link: Link) -> int:
+    """The disk link's copy function (on its worker, outside the lock): the chunks read into their slots
+    together, or, with a staging slot, one by one through it and up the link."""
+    if not staging.num_slots:
+        return reader.read_batch(batch)
+    got = 0
+    for segments, dst in batch:
+        slot = staging.slot(0, segments[0].offset)[: dst.numel()]  # [chunk bytes], pinned, congruent
+        got += reader.read_batch([(segments, slot)])
+        link.copy(dst, slot).synchronize()  # the copy stream's event, before the slot is reused
+    return got

@@ -1,9 +1,9 @@
-"""Which expert store serves a configuration: synchronous, asynchronous with one tier, or with two.
+"""Which expert store serves a configuration: synchronous or asynchronous, with one tier or two.
 
 `open_store` makes it: the synchronous `InlineStore` unless the configuration asks for asynchronous
-transfers; then `AsyncExpertStore` for a device tier alone and `TieredAsyncStore` for a device tier
-with a host tier. On the CPU, host and device memory are the same: there the host budget joins the
-device tier (one tier, each expert held once, no second copy). This module knows no policy.
+transfers, then `AsyncExpertStore`, whose links follow its tiers (disk -> device, or disk -> host ->
+device where a host tier is kept apart). On the CPU, host and device memory are the same: there the
+host budget joins the device tier (one tier, each expert held once, no second copy). This module knows no policy.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from moestream.store.async_store import AsyncExpertStore
 from moestream.store.config import Budget, StoreConfig
 from moestream.store.inline import InlineStore
 from moestream.store.store import ExpertStore
-from moestream.store.tiered import TieredAsyncStore
 from moestream.topology import Topology
 
 
@@ -27,15 +26,13 @@ def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: Evictio
     ExpertStore takes them."""
     if config.asynchronous and not config.uses_cuda:
         config = one_tier(config, index.topology)
-    kind = store_kind(config, index.topology)
+    kind = store_kind(config)
     return kind(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
 
 
-def store_kind(config: StoreConfig, topology: Topology) -> type[ExpertStore]:
-    """The store class for config as given (tiers not merged)."""
-    if not config.asynchronous:
-        return InlineStore
-    return TieredAsyncStore if config.host_slots(topology) else AsyncExpertStore
+def store_kind(config: StoreConfig) -> type[ExpertStore]:
+    """The store class for config (its tiers as given: not merged)."""
+    return AsyncExpertStore if config.asynchronous else InlineStore
 
 
 def one_tier(config: StoreConfig, topology: Topology) -> StoreConfig:

@@ -18,10 +18,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-from moestream.policies.contracts import TransferRequest
+from moestream.checkpoint.layout import ExpertIndex, Integrity
+from moestream.policies.contracts import EvictionPolicy, TransferRequest
+from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
-from moestream.store.store import ExpertStore, _key
+from moestream.store.store import ExpertStore, _key, staging_slots
 from moestream.timeline import expert_names
 from moestream.topology import ExpertKey
 
@@ -29,7 +31,12 @@ BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier whe
 
 
 class InlineStore(ExpertStore):
-    bounce_slots = BOUNCE_SLOTS
+    def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
+                 host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None,
+                 staging: int | None = None):
+        """As ExpertStore; staging: bounce slots (default: BOUNCE_SLOTS where `staging_slots` wants any)."""
+        staging = staging_slots(config, index.topology, BOUNCE_SLOTS) if staging is None else staging
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader, link, staging)
 
     def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
         """Make keys resident in the device tier and pin them; returns their 1-D uint8 slots.
@@ -42,10 +49,10 @@ class InlineStore(ExpertStore):
             try:
                 self._timed_load(misses)
             except BaseException:
-                self._device.unpin(wanted)
+                self._device.cache.unpin(wanted)
                 self._discard(misses)
                 raise
-            return {key: self._slot_of(self._device_pool, self._device, key) for key in wanted}
+            return {key: self._slot_of(self._device, key) for key in wanted}
 
 
     def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> Fetch:
@@ -59,7 +66,7 @@ class InlineStore(ExpertStore):
         """One of the fetched candidates whose bytes are in place, with its slot (all are, here)."""
         key = candidates[0]
         with self._lock:
-            return key, self._slot_of(self._device_pool, self._device, key)
+            return key, self._slot_of(self._device, key)
 
 
     def _discard(self, keys: Iterable[ExpertKey]) -> None:
@@ -82,7 +89,7 @@ class InlineStore(ExpertStore):
         """Copy the bytes of keys, just admitted to the device tier, into their device slots."""
         if not keys:
             return
-        dsts = [self._slot_of(self._device_pool, self._device, key) for key in keys]
+        dsts = [self._slot_of(self._device, key) for key in keys]
         if self._host is not None:
             for i in range(0, len(keys), self.host_slots):  # a batch never evicts its own host copies
                 self._load_through_host(keys[i : i + self.host_slots], dsts[i : i + self.host_slots])
@@ -99,28 +106,28 @@ class InlineStore(ExpertStore):
         batch, slots, admitted = set(keys), [], []
         try:
             for key in keys:
-                slot = self._host.access(key)
+                slot = self._host.cache.access(key)
                 if slot is not None:
                     self._stats.host_hits += 1
                 else:
                     slot = self._admit_host(key, batch)
                     admitted.append(key)
                 slots.append(slot)
-            self._read_disk(admitted, [self._slot_of(self._host_pool, self._host, key) for key in admitted])
+            self._read_disk(admitted, [self._slot_of(self._host, key) for key in admitted])
         except BaseException:
             for key in admitted:
-                self._host.remove(key)
+                self._host.cache.remove(key)
             raise
         for key, dst, slot in zip(keys, dsts, slots):
-            self._copy_to_device(dst, self._host_pool, slot, self._residues[key])
+            self._copy_to_device(dst, self._host.pool, slot, self._residues[key])
 
 
     def _admit_host(self, key: ExpertKey, batch: set[ExpertKey]) -> int:
         self._stats.host_misses += 1
-        slot, victim = self._host.admit(key, protect=batch)
+        slot, victim = self._host.cache.admit(key, protect=batch)
         if victim is not None:
             self._stats.evictions["host"] += 1
-        self._host_pool.wait_reads(slot)
+        self._host.pool.wait_reads(slot)
         return slot
 
 

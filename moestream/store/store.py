@@ -4,11 +4,11 @@ kind of store shares, and the calls each kind makes its own way.
 Residency of each tier is an `ExpertCache` whose eviction policy is passed in; lookups, admissions
 to the device tier, landings and their counts go through the transfer core
 (`moestream.transfer_core`), the bookkeeping the simulator drives too. `ExpertStore` holds the
-tiers, their slot pools, the disk reader and the host -> device `Link`, and answers the views
-(`resident`, `pinned`, `streaming_groups`, `stats`). How bytes move is each kind's own: the
-synchronous `InlineStore` (`moestream.store.inline`, `--sync`) moves them on the caller's thread;
-`AsyncExpertStore` (`moestream.store.async_store`) and `TieredAsyncStore` (`moestream.store.tiered`)
-on link workers beside compute; `open_store` (`moestream.store.factory`) picks one. Every kind:
+tiers (each a `Tier`: a cache and its slot pool), the disk reader and the host -> device `Link`,
+and answers the views (`resident`, `pinned`, `streaming_groups`, `stats`). How bytes move is each kind's own: the
+synchronous `InlineStore` (`moestream.store.inline`, `--sync`) moves them on the caller's thread,
+`AsyncExpertStore` (`moestream.store.async_store`) on link workers beside compute, a chain of links
+that follows its tiers; `open_store` (`moestream.store.factory`) picks one. Every kind:
 `fetch` pins a layer's experts and hands them out as their bytes are in place, `release` unpins,
 `plan_view` ends the previous plan and shows the tier to the next, `prefetch` admits a plan's
 requests by priority (never evicting a pinned expert) and moves them. Device victims are dropped,
@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -48,14 +49,32 @@ from moestream.transfer_core import TransferCore
 TIERS = ("device", "host")
 
 
-class ExpertStore(ABC):
-    bounce_slots: int  # pinned staging slots when a CUDA device tier has no host tier (each kind its own)
+@dataclass
+class Tier:
+    """One tier of expert slots: which experts it holds (an `ExpertCache`, by its eviction policy) and
+    the slots their bytes are in (a `SlotPool`)."""
 
+    cache: ExpertCache
+    pool: SlotPool
+
+    def slot(self, key: ExpertKey, residue: int) -> torch.Tensor:
+        """The resident key's slot, starting residue bytes into its row (disk reads land in place)."""
+        return self.pool.slot(self.cache.slot(key), residue)
+
+
+def staging_slots(config: StoreConfig, topology: Topology, wanted: int) -> int:
+    """Pinned slots that disk reads are staged through: where a CUDA device tier has no host tier."""
+    pinned_device = config.uses_cuda and not config.host_slots(topology)
+    return min(wanted, config.device_slots(topology)) if pinned_device else 0
+
+
+class ExpertStore(ABC):
     def __init__(self, index: ExpertIndex, config: StoreConfig,
                  device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None,
-                 reader: DiskReader | None = None, link: Link | None = None):
+                 reader: DiskReader | None = None, link: Link | None = None, staging: int = 0):
         """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest); reader
-        and link replace the disk reader and the host -> device copy link (default: made for config)."""
+        and link replace the disk reader and the host -> device copy link (default: made for config);
+        staging: pinned slots disk reads pass through on their way up (see `staging_slots`)."""
         self.index = index
         self.integrity = integrity
         self.config = config
@@ -63,26 +82,22 @@ class ExpertStore(ABC):
         _check_index(index)
         self.device_slots = config.device_slots(self.topology)
         self.host_slots = config.host_slots(self.topology)
-        self._device = ExpertCache(self.device_slots, device_eviction)
-        self._host = ExpertCache(self.host_slots, host_eviction) if self.host_slots else None
         expert_bytes, pin = self.topology.expert_bytes, config.uses_cuda
-        self._device_pool = SlotPool(self.device_slots, expert_bytes, config.device)
-        self._host_pool = SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)
-        self._bounce = SlotPool(self._staging_slots(pin), expert_bytes, "cpu", pin_memory=pin)
+        self._device = Tier(ExpertCache(self.device_slots, device_eviction),
+                            SlotPool(self.device_slots, expert_bytes, config.device))
+        self._host = Tier(ExpertCache(self.host_slots, host_eviction),
+                          SlotPool(self.host_slots, expert_bytes, "cpu", pin_memory=pin)) if self.host_slots else None
+        self._bounce = SlotPool(staging, expert_bytes, "cpu", pin_memory=pin)
         self.reader = reader or DiskReader(direct_io=config.direct_io)  # public: callers may wrap it
         self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
         self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
-        self._core: TransferCore = TransferCore(self._device, self._displaced)  # residency and its counts
+        self._core: TransferCore = TransferCore(self._device.cache, self._displaced)  # residency and its counts
         self._stats = StoreStats()
         self.timeline: Timeline | None = None  # records waits and transfers when set (record_timeline)
 
     def record_timeline(self, timeline: Timeline | None) -> None:
         self.timeline = timeline
-
-    def _staging_slots(self, pinned: bool) -> int:
-        """Bounce slots: where the device tier is not host memory and no host tier is there instead."""
-        return min(self.bounce_slots, self.device_slots) if pinned and not self.host_slots else 0
 
     # -- the calls each kind makes its own way ---------------------------------------------------
 
@@ -117,7 +132,7 @@ class ExpertStore(ABC):
     def release(self, keys: Iterable[ExpertKey]) -> None:
         """Unpin experts returned by acquire (once per acquire)."""
         with self._lock:
-            self._device.unpin(_key(k) for k in keys)
+            self._device.cache.unpin(_key(k) for k in keys)
 
     def _check_fits(self, wanted: list[ExpertKey]) -> None:
         others = self._pinned() - set(wanted)
@@ -129,7 +144,7 @@ class ExpertStore(ABC):
 
     def _pinned(self) -> set[ExpertKey]:
         """Experts pinned by callers (a plan's pins do not count: a demand releases them)."""
-        return set(self._device.pinned()).difference(self._core.plan)
+        return set(self._device.cache.pinned()).difference(self._core.plan)
 
     def _displaced(self, transfer) -> None:
         """An expert left the device tier while its transfer moved (a kind that moves bytes between
@@ -153,9 +168,9 @@ class ExpertStore(ABC):
         if self.integrity is not None:
             self.integrity.check_batch(keys, slots)
 
-    def _slot_of(self, pool: SlotPool, tier: ExpertCache, key: ExpertKey) -> torch.Tensor:
+    def _slot_of(self, tier: Tier, key: ExpertKey) -> torch.Tensor:
         """key's slot in tier, placed so that its disk reads land in place."""
-        return pool.slot(tier.slot(key), self._residues[key])
+        return tier.slot(key, self._residues[key])
 
     # -- plans -------------------------------------------------------------------------------
 
@@ -198,7 +213,8 @@ class ExpertStore(ABC):
             room = self.device_slots - len(self._pinned() - set(wanted))
             if wanted and room < 1:
                 raise CacheFullError(f"all {self.device_slots} device slots hold experts in use")
-            ordered = [k for k in wanted if k in self._device] + [k for k in wanted if k not in self._device]
+            cache = self._device.cache
+            ordered = [k for k in wanted if k in cache] + [k for k in wanted if k not in cache]
         return [ordered[i : i + room] for i in range(0, len(ordered), room)]
 
     def stats(self) -> StoreStats:
@@ -228,7 +244,8 @@ class ExpertStore(ABC):
     def _cache(self, tier: str) -> ExpertCache | None:
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
-        return self._device if tier == "device" else self._host
+        found = self._device if tier == "device" else self._host
+        return found.cache if found is not None else None
 
 
 def _key(key: Sequence[int]) -> ExpertKey:

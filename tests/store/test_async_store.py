@@ -217,21 +217,16 @@ def test_close_stops_the_worker_and_refuses_later_calls(checkpoint):
         store.fetch([K(0, 0)])
 
 
-class StagedStore(AsyncExpertStore):
-    """The CUDA path's staging (read into the one staging slot, copy up through the link) on the CPU."""
-
-    def _staging_slots(self, pinned):
-        return 1
-
-
 @pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("chunk_bytes", [0, 40])
 def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_bytes, late):
-    """late: a link whose copies complete later (tests/store/links.py): the staging slot is reused only once
+    """The CUDA path's staging (read into the one staging slot, copy up through the link), on the CPU.
+    late: a link whose copies complete later (tests/store/links.py): the staging slot is reused only once
     the copy from it has run."""
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(3 * eb, "0", asynchronous=True, chunk_bytes=chunk_bytes)
-    with StagedStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), link=LateLink() if late else None) as store:
+    with AsyncExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), link=LateLink() if late else None,
+                          staging=1) as store:
         store._bounce.data.zero_()
         store.prefetch([TransferRequest(K(1, 2), 1.0)])
         for keys in ([K(0, 0), K(1, 3)], [K(1, 2), K(0, 1)]):

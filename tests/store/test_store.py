@@ -270,8 +270,8 @@ def test_cuda_store_uses_pinned_host_slots_and_device_slots(checkpoint, host_slo
                 assert slot.is_cuda
                 assert_holds_expert(checkpoint, slot, key)
             store.release(keys)
-        assert store._host_pool.pinned and (store._bounce.num_slots == 0) == (host_slots > 0)
-        assert store._device_pool.data.is_cuda
+        assert (store._host is None or store._host.pool.pinned) and (store._bounce.num_slots == 0) == (host_slots > 0)
+        assert store._device.pool.data.is_cuda and (store._host is None) == (host_slots == 0)
 
 
 @pytest.mark.parametrize("host_slots", [0, 2])
@@ -329,7 +329,7 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(4 * eb, host_slots * eb, asynchronous=asynchronous)
     disk = DiskReader()
-    with store_kind(config, ckpt.index.topology)(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=disk) as store:
+    with store_kind(config)(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=disk) as store:
         for key in ckpt.index.locations:
             slot = store.acquire([key])[key]
             assert_holds_expert(ckpt, slot, key)
@@ -338,24 +338,17 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
             assert disk.stats.direct_bytes >= 0.8 * disk.stats.bytes_read
 
 
-class StagingStore(InlineStore):
-    """The CUDA store without a host tier (disk -> bounce slot -> device slot), on the CPU: two bounce slots."""
-
-    def _staging_slots(self, pinned):
-        return 2
-
-
 @pytest.mark.parametrize("host_slots", [0, 2])
 def test_copies_that_complete_later_are_waited_for_before_compute_and_before_their_source_is_reused(
         make_checkpoint, host_slots):
     """On a link whose copies complete later (tests/store/links.py), as on CUDA: compute is made to wait for
-    each copy, and a disk read into a host or bounce slot waits for the copies from it."""
+    each copy, and a disk read into a host or bounce slot waits for the copies from it. Without a host tier:
+    the CUDA store's path (disk -> bounce slot -> device slot), on the CPU, through two bounce slots."""
     checkpoint = make_checkpoint(hidden=64, inter=48)  # experts over a block: slots overlap at any placement
     eb = checkpoint.index.topology.expert_bytes
-    kind = StagingStore if host_slots == 0 else InlineStore
     link = LateLink()
-    with kind(checkpoint.index, StoreConfig(4 * eb, host_slots * eb), LRUPolicy(), LRUPolicy(),
-              link=link) as store:
+    with InlineStore(checkpoint.index, StoreConfig(4 * eb, host_slots * eb), LRUPolicy(), LRUPolicy(),
+                     link=link, staging=2 if host_slots == 0 else 0) as store:
         assert (store._bounce.num_slots, store.host_slots) == ((2, 0) if host_slots == 0 else (0, 2))
         first = store.acquire([K(0, 0), K(0, 1)])  # their copies wait for compute
         second = store.acquire([K(1, 2), K(1, 3)])  # read into the same two host or bounce slots

@@ -14,7 +14,7 @@ from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
 from moestream.store.streams import CpuLink
-from moestream.store.tiered import TieredAsyncStore
+from moestream.store.async_store import AsyncExpertStore
 from moestream.store.transfer import TransferError
 from moestream.topology import ExpertKey
 from tests.store.links import LateLink
@@ -28,7 +28,7 @@ def make_tiered(ckpt, device_slots, host_slots, chunk_bytes=0, timeout_s=10.0, r
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(device_slots * eb, host_slots * eb, asynchronous=True, chunk_bytes=chunk_bytes,
                          transfer_timeout_s=timeout_s)
-    return TieredAsyncStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader, link=link)
+    return AsyncExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader, link=link)
 
 
 class SlowReader(GatedReader):
@@ -216,7 +216,7 @@ def test_a_damaged_expert_fails_in_its_host_slot_before_any_copy_up(checkpoint):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(2 * eb, 4 * eb, asynchronous=True)
     integrity = Damaged(K(1, 2))
-    with TieredAsyncStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+    with AsyncExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         with pytest.raises(CheckpointError, match=r"\(1, 2\) is damaged"):
             take(store, [K(1, 1), K(1, 2)])
         store.wait_idle()
@@ -263,6 +263,10 @@ def test_close_stops_both_workers_and_refuses_later_calls(checkpoint):
         store.fetch([K(0, 0)])
 
 
-def test_it_needs_a_host_tier(checkpoint):
-    with pytest.raises(ValueError, match="host tier"):
-        make_tiered(checkpoint, device_slots=2, host_slots=0)
+def test_without_a_host_tier_the_store_runs_one_link_from_disk_to_device(checkpoint):
+    threads = threading.active_count()
+    with make_tiered(checkpoint, device_slots=2, host_slots=0) as store:
+        assert threading.active_count() == threads + 1
+        for key, slot in take(store, [K(0, 0), K(1, 1)]):
+            assert_holds_expert(checkpoint, slot, key)
+        assert store.resident("host") == frozenset() and store.stats().host_hits == 0

@@ -12,7 +12,7 @@ from moestream.policies.eviction import LRUPolicy
 from moestream.store import StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.factory import open_store
-from moestream.store.tiered import TieredAsyncStore
+from moestream.store.async_store import AsyncExpertStore
 from moestream.topology import ExpertKey
 from tests.store.test_store import assert_holds_expert
 
@@ -54,7 +54,7 @@ def make(kind, ckpt, device_slots, reader, host_slots=4):
     host = host_slots * eb if kind == "tiered" else 0
     config = StoreConfig(device_slots * eb, host, asynchronous=kind != "sync", transfer_timeout_s=10.0)
     if kind == "tiered":  # on the CPU open_store merges the tiers: build the two-tier store itself
-        return TieredAsyncStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
+        return AsyncExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
     return open_store(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
 
 
