@@ -26,13 +26,7 @@ def plot_results(results: Results, path: str | os.PathLike, title: str = "") -> 
     figure, (by_ratio, by_layer) = plt.subplots(1, 2, figsize=(12, 4.5))
     _hit_rate_vs_ratio(by_ratio, results)
     _per_layer(by_layer, results)
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout()
-    try:
-        return _save(figure, Path(path))
-    finally:
-        plt.close(figure)
+    return _finish(figure, path, title)
 
 
 def _hit_rate_vs_ratio(axes, results: Results) -> None:
@@ -84,13 +78,7 @@ def plot_scaling(results: Scaling, path: str | os.PathLike, title: str = "") -> 
         axes.minorticks_off()
         axes.grid(alpha=0.3)
         axes.legend()
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout()
-    try:
-        return _save(figure, Path(path))
-    finally:
-        plt.close(figure)
+    return _finish(figure, path, title)
 
 
 def _scaling_lines(tpot, hits, by_ranks: dict[int, dict], label: str) -> None:
@@ -103,3 +91,14 @@ def _scaling_lines(tpot, hits, by_ranks: dict[int, dict], label: str) -> None:
     hits.plot(worlds, [100 * by_ranks[w]["hit_rate"] for w in worlds], color=line.get_color())
     for axes in (tpot, hits):
         axes.set_xticks(worlds, [str(w) for w in worlds])
+
+
+def _finish(figure, path, title: str | None) -> Path:
+    """Titles, lays out and writes the figure (atomically), then closes it."""
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    try:
+        return _save(figure, Path(path))
+    finally:
+        plt.close(figure)
