@@ -62,8 +62,9 @@ class RanksConfig:
               "as --cache-ratio/--host-ratio of all experts) and print the scaling", parse=parse_ranks,
         metavar="N[,N...]")
     network: str = setting(NO_NETWORK, f"the link of each rank pair: {', '.join([NO_NETWORK, *NETWORKS])}")
-    placement: str = setting("round-robin", "which rank owns each expert: round-robin, or balanced (from "
-                                             "--train's routing, else the replayed trace's)")
+    expert_parallel_placement: str = setting(
+        "round-robin", "which rank owns each expert: round-robin, or balanced (from --train's routing, else the "
+        "replayed trace's); the engine's setting of the same name", metavar="NAME")
     hidden_bytes: int = setting(0, "bytes of one token's hidden state on the network (2 x hidden size); 0: the "
                                    "synthetic:NAME shape's", minimum=0)
 

@@ -1,8 +1,9 @@
 """The scaling report of `moestream sim --ranks 1,2,4,8`: expert parallelism in the simulator.
 
 Each policy is replayed at every --cache-ratio on every number of ranks, with the experts placed by
---placement and the ranks joined by --network (moestream.sim.ranks); prints a table of TPOT, stall,
-network time and each rank's hit rate; --json and --plot write the results. Knows no policy by name.
+--expert-parallel-placement and the ranks joined by --network (moestream.sim.ranks); prints a table of
+TPOT, stall, network time and each rank's hit rate; --json and --plot write the results. Knows no
+policy by name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def check_flags(flags: RanksConfig, args) -> None:
     from moestream.sim.synthetic import SYNTHETIC_PREFIX
 
     get_network(flags.network)
-    PLACEMENTS.get(flags.placement)
+    PLACEMENTS.get(flags.expert_parallel_placement)
     if args.protocol != "stream":
         raise MoestreamError(f"--ranks needs --protocol stream, got {args.protocol!r}")
     several = max(flags.ranks) > 1 and flags.network != "none"
@@ -42,7 +43,8 @@ def run_ranks(args, flags: RanksConfig, trace, train, policies: dict, configs: l
     if args.plot is not None:
         from moestream.sim.plots import plot_scaling
 
-        plot_scaling(results, args.plot, f"{args.trace.name}: {flags.placement} placement, {flags.network} network")
+        title = f"{args.trace.name}: {flags.expert_parallel_placement} placement, {flags.network} network"
+        plot_scaling(results, args.plot, title)
     _print_table(results)
     return 0
 
@@ -50,7 +52,7 @@ def run_ranks(args, flags: RanksConfig, trace, train, policies: dict, configs: l
 def _stats(flags: RanksConfig, trace):
     from moestream.parallel.placement import PLACEMENTS, ActivationStats
 
-    if not PLACEMENTS.get(flags.placement).needs_stats:
+    if not PLACEMENTS.get(flags.expert_parallel_placement).needs_stats:
         return None
     return ActivationStats.from_routing(trace.experts, trace.topology.num_experts)
 
@@ -64,7 +66,7 @@ def _scaling(policy, trace, config, flags: RanksConfig, stats, hidden: int) -> d
     network = get_network(flags.network)
     by_ranks = {}
     for world in progress_bar(flags.ranks, desc=f"sim ratio {config.cache_ratio:g}", unit="world"):
-        placement = make_placement(flags.placement, trace.topology, world, stats)
+        placement = make_placement(flags.expert_parallel_placement, trace.topology, world, stats)
         setup = RankSetup(placement, network, hidden)
         by_ranks[world] = simulate_ranks(copy.deepcopy(policy), trace, config, setup)
     return by_ranks
@@ -88,7 +90,7 @@ def _document(args, flags: RanksConfig, config, trace, results: dict) -> dict:
         "mode": config.mode,
         "cost_model": asdict(config.cost),
         "host_ratio": config.host_cache_ratio,
-        "placement": flags.placement,
+        "placement": flags.expert_parallel_placement,
         "network": flags.network,
         "policies": {name: {f"{ratio:g}": {str(world): figures for world, figures in by_ranks.items()}
                             for ratio, by_ranks in by_ratio.items()} for name, by_ratio in results.items()},

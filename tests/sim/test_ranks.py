@@ -132,7 +132,7 @@ def trace_file(tmp_path_factory):
 def test_cli_prints_the_scaling_and_writes_json_and_plot(trace_file, tmp_path, capsys):
     out, plot = tmp_path / "ranks.json", tmp_path / "ranks.png"
     argv = ["sim", "--trace", str(trace_file), "--policy", "lru", "--cache-ratio", "0.25", "--ranks", "1,2,4",
-            "--network", "100gbe", "--placement", "balanced", "--hidden-bytes", "4096", "--json", str(out),
+            "--network", "100gbe", "--expert-parallel-placement", "balanced", "--hidden-bytes", "4096", "--json", str(out),
             "--plot", str(plot)]
     assert main(argv) == 0
     table = capsys.readouterr().out
@@ -147,7 +147,7 @@ def test_cli_prints_the_scaling_and_writes_json_and_plot(trace_file, tmp_path, c
     (["--ranks", "0"], "--ranks"),
     (["--ranks", "two"], "--ranks"),
     (["--ranks", "2", "--network", "10gbe"], "unknown network '10gbe'"),
-    (["--ranks", "2", "--placement", "striped"], "unknown placement 'striped'"),
+    (["--ranks", "2", "--expert-parallel-placement", "striped"], "unknown placement 'striped'"),
     (["--ranks", "2", "--network", "100gbe"], "--hidden-bytes"),
     (["--ranks", "2", "--protocol", "moe-beyond"], "--protocol stream"),
 ])
