@@ -180,11 +180,11 @@ class TransferCore(Generic[Record]):
         if evicted in self.unused:
             self.unused.discard(evicted)
             self.counts.wasted += 1
+        if self.link is not None:  # landed or not: the model must not depend on the clock
+            self.link.drop(evicted)
         record = self.moving.pop(evicted, None)
         if record is not None:
             self.displaced(record)
-            if self.link is not None:
-                self.link.drop(evicted)
 
     # -- the driver's transfers ------------------------------------------------------------------------
 

@@ -127,7 +127,7 @@ class PlainModel:
         import transformers
 
         from moestream.checkpoint.index import build_index
-        from moestream.runtime.engine import eos_ids
+        from moestream.runtime.scheduler import eos_ids
 
         self.checkpoint = build_index(model_dir)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)

@@ -26,5 +26,5 @@ class ParallelConfig:
 
         check(self)
         if self.expert_parallel_placement not in PLACEMENTS:
-            raise MoestreamError(f"expert_parallel_placement: unknown placement {self.expert_parallel_placement!r}; "
+            raise MoestreamError(f"--expert-parallel-placement: unknown placement {self.expert_parallel_placement!r}; "
                                  f"choose from {', '.join(PLACEMENTS.names())}")

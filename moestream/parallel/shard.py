@@ -36,7 +36,6 @@ class ExpertShard:
         self.placement = placement
         self.owned = np.asarray(placement.owners) == ranks.rank  # [L, E] bool
         self.combine_s = 0.0  # time in `combine`, this rank
-        self.combines = 0
 
     def owns(self, key: ExpertKey) -> bool:
         return bool(self.owned[key.layer, key.expert])
@@ -50,8 +49,7 @@ class ExpertShard:
         with self.ranks.collective(f"the combine of MoE layer {layer}"):
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.ranks.steps)
         self.combine_s += time.perf_counter() - began
-        self.combines += 1
         return out
 
     def reset(self) -> None:
-        self.combine_s, self.combines = 0.0, 0
+        self.combine_s = 0.0

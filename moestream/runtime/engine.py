@@ -52,7 +52,7 @@ from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import (NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan,
                                       TokenSampler)
-from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches
+from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches, eos_ids
 from moestream.runtime.sharding import ALONE, Shard, StepAnnouncer
 from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
@@ -366,12 +366,6 @@ class Engine:
         pad = self.model.generation_config.pad_token_id
         pad = self.model.config.get_text_config().pad_token_id if pad is None else pad
         return int(pad) if pad is not None else min(self._eos_ids(), default=0)
-
-
-def eos_ids(generation_config: GenerationConfig) -> set[int]:
-    """The token ids that end a sequence."""
-    eos = generation_config.eos_token_id
-    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
 def _make_policy(config: EngineConfig, topology) -> Policy:

@@ -146,3 +146,9 @@ class Scheduler:
         if reason is not None:
             self.finish(seq, reason)
         return token
+
+
+def eos_ids(generation_config) -> set[int]:
+    """The token ids that end a sequence."""
+    eos = generation_config.eos_token_id
+    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

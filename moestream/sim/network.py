@@ -56,5 +56,5 @@ def get_network(name: str) -> NetworkLink | None:
     if name == NO_NETWORK:
         return None
     if name not in NETWORKS:
-        raise MoestreamError(f"unknown network {name!r}; known: {', '.join([NO_NETWORK, *sorted(NETWORKS)])}")
+        raise MoestreamError(f"--network: unknown network {name!r}; known: {', '.join([NO_NETWORK, *sorted(NETWORKS)])}")
     return NETWORKS[name]
