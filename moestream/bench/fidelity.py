@@ -108,7 +108,7 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     policy = make_policy(spec, topology)
     order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
-                    expert_order=order)
+                    expert_order=order, modelled_link=spec.link_gbps > 0)  # the engine's planner saw no link
 
 
 def agreement(engine: dict, simulated: dict) -> dict:

@@ -34,6 +34,7 @@ class SimConfig:
     expert_order: str = "ready"  # how a layer's experts compute beside their loads (EXPERT_ORDERS; sim.engine)
     device_slots: int = 0  # device-tier slots if not cache_ratio of all experts (one rank of several); 0: the ratio's
     host_slots: int = 0  # host-tier slots if not host_cache_ratio of all experts; 0: the ratio's
+    modelled_link: bool = True  # the planner sees the cost model's link (off: an engine without --link-gbps)
 
     def __post_init__(self):
         if not 0.0 < self.cache_ratio <= 1.0:

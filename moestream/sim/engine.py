@@ -75,7 +75,8 @@ class StreamSimulator:
         layer_ms = cost.layer_compute_ms
         tail_ms = layer_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, layer_ms) or layer_ms
         model = ModelledLink(nbytes / self.device_link.transfer_ms, layer_ms, nbytes, topo.num_layers, tail_ms)
-        self.core: TransferCore[Transfer] = TransferCore(self.device, self._displaced, model)  # the tier's residency
+        self.core: TransferCore[Transfer] = TransferCore(  # the tier's residency
+            self.device, self._displaced, model if config.modelled_link else None)
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.now = 0.0
         self._layer_ms = compute_ms or functools.cache(lambda tokens, experts: cost.compute_ms(tokens, experts, topo.top_k))

@@ -253,3 +253,23 @@ def test_on_a_saturated_link_speculation_that_cannot_land_in_time_is_dropped_and
     assert aware["stall_ms"] == pytest.approx(6 * 1.0)  # six demand loads, none behind a prefetch
     assert blind["stall_ms"] > aware["stall_ms"]
     assert aware["hit_rate"] == blind["hit_rate"] == 0.0
+
+
+@pytest.mark.parametrize("modelled_link", [True, False])
+def test_the_planner_sees_the_modelled_link_only_where_the_config_asks(modelled_link):
+    class Recording(ScorePlanner):
+        def __init__(self):
+            super().__init__()
+            self.links = []
+
+        def plan(self, predictions, view):
+            self.links.append(view.link)
+            return super().plan(predictions, view)
+
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]], [[0], [1]]]], topo)
+    policy = tiny.scripted(topo, {1: [2]})
+    policy.planner = Recording()
+    run(policy, trace, cache_ratio=0.5, cost=tiny.cost(compute_ms=2.0), horizon_layers=1, modelled_link=modelled_link)
+    assert policy.planner.links  # the planner was asked
+    assert all((link is not None) == modelled_link for link in policy.planner.links)
