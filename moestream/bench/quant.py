@@ -64,9 +64,8 @@ def decode_cost(model: Path, device: str, threads: int) -> tuple[float, float]:
 
     from moestream.checkpoint.index import build_index
     from moestream.eval.quant_error import read_expert
-    from moestream.quant.decoder import ExpertDecoder
     from moestream.runtime.layer_experts import expert_mlp
-    from moestream.runtime.loader import compute_dtype
+    from moestream.runtime.loader import compute_dtype, expert_decoder
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -74,8 +73,7 @@ def decode_cost(model: Path, device: str, threads: int) -> tuple[float, float]:
         checkpoint = build_index(model)
         dtype = compute_dtype(checkpoint.config)
         views = checkpoint.experts.views(read_expert(checkpoint.experts.locations[(0, 0)]).to(device))
-        decoder = None if checkpoint.codec is None else ExpertDecoder(checkpoint.codec, checkpoint.experts.layout,
-                                                                      dtype, device)
+        decoder = expert_decoder(checkpoint, device)
         decode = (lambda: views) if decoder is None else (lambda: decoder(views))
         math, weights = expert_math(checkpoint), decode()
         x = torch.randn(1, checkpoint.config.get_text_config().hidden_size, dtype=dtype, device=device)  # [1, H]
