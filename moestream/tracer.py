@@ -1,0 +1,112 @@
+"""The one optional tracer: the engine's parts tell it what they did and when; counters and
+timelines are read from it.
+
+A part is handed the tracer once, at construction, and reports spans (lane, label, begin, end;
+`time.perf_counter` seconds) through `span()` or `add()`. Lanes used by the engine: "experts" (the
+compute thread's routed expert MLPs), "layer" (a layer's grouped or row-wise expert work besides
+them), "policy" (the observers' calls and the policy's decisions), "wait" (the compute thread
+waiting for expert bytes), "disk" (a round of disk reads on its link), "h2d" (a round of host ->
+device copies). The tracer always sums each lane (`totals()`: seconds and spans), so time counters
+such as a store's stall are derived from it; it keeps the spans themselves only when asked
+(`keep_spans`), for a timeline. Labels may be given as callables, built only when spans are kept.
+Recording is thread-safe. Knows no policy, no store and no model: it only keeps what it is told.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+LANES = ("experts", "layer", "policy", "wait", "disk", "h2d")  # h2d: the host -> device copy link
+
+Label = str | Callable[[], str]
+
+
+@dataclass(frozen=True)
+class Span:
+    lane: str
+    label: str
+    begin_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class LaneTotal:
+    seconds: float = 0.0
+    spans: int = 0
+
+    def __sub__(self, other: "LaneTotal") -> "LaneTotal":
+        return LaneTotal(self.seconds - other.seconds, self.spans - other.spans)
+
+
+class Tracer:
+    def __init__(self, keep_spans: int = 0):
+        """keep_spans: how many of the latest spans to keep for `window` (0: none, totals only)."""
+        self._spans: deque[Span] | None = deque(maxlen=keep_spans) if keep_spans else None
+        self._totals: dict[str, LaneTotal] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def keeps_spans(self) -> bool:
+        return self._spans is not None
+
+    @contextmanager
+    def span(self, lane: str, label: Label = "") -> Iterator[None]:
+        """Records the time the with-block takes (also when it raises)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(lane, label, began, time.perf_counter())
+
+    def add(self, lane: str, label: Label, begin_s: float, end_s: float) -> float:
+        """Records a span that has ended; returns its seconds."""
+        seconds = end_s - begin_s
+        with self._lock:
+            total = self._totals.get(lane, LaneTotal())
+            self._totals[lane] = LaneTotal(total.seconds + seconds, total.spans + 1)
+            if self._spans is not None:
+                self._spans.append(Span(lane, label() if callable(label) else label, begin_s, end_s))
+        return seconds
+
+    def totals(self) -> dict[str, LaneTotal]:
+        """Each lane's seconds and spans since the tracer was made (subtract an earlier copy for a window)."""
+        with self._lock:
+            return dict(self._totals)
+
+    def window(self, begin_s: float, end_s: float) -> list[Span]:
+        """The kept spans that overlap [begin_s, end_s), clipped to it, in order of their start."""
+        with self._lock:
+            spans = list(self._spans or ())
+        clipped = [Span(s.lane, s.label, max(s.begin_s, begin_s), min(s.end_s, end_s))
+                   for s in spans if s.end_s > begin_s and s.begin_s < end_s]
+        return sorted(clipped, key=lambda s: s.begin_s)
+
+
+def since(now: dict[str, LaneTotal], before: dict[str, LaneTotal], lane: str) -> LaneTotal:
+    """A lane's totals between two `Tracer.totals()` copies."""
+    return now.get(lane, LaneTotal()) - before.get(lane, LaneTotal())
+
+
+def expert_names(keys) -> str:
+    """A label of expert keys: layer/expert each."""
+    return " ".join(f"{k.layer}/{k.expert}" for k in keys)
+
+
+def busy_s(spans: list[Span]) -> float:
+    """The time covered by at least one of the spans (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for span in sorted(spans, key=lambda s: s.begin_s):
+        if span.end_s > reach:
+            total += span.end_s - max(span.begin_s, reach)
+            reach = span.end_s
+    return total
+
+
+def overlap_s(first: list[Span], second: list[Span]) -> float:
+    """The time covered by both sets of spans."""
+    return busy_s(first) + busy_s(second) - busy_s(first + second)
