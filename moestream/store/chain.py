@@ -59,18 +59,16 @@ class LinkChain:
 
     def make_links(self, read: Read, link: Link, tracer: Tracer) -> list[TransferLink]:
         """The chain of links that follows the tiers: disk -> device, or disk -> host -> device."""
-        reads = LinkReports(self._landed, self._read_failed, self._given_back, self.stats_read_batch)
+        reads = LinkReports(self._landed, self._read_failed, self._read_released,
+                            lambda experts, seconds: self.stats.read_fit.add(experts, seconds))
         disk = TransferLink(DISK, TransferQueue(self.device.cache.capacity), partial(read_round, read), reads, tracer)
         chain = [disk]
         if self.host is not None:
-            copies = LinkReports(self._copied, self._copy_failed, self._given_back)
+            copies = LinkReports(self._copied, self._copy_failed, self._copy_released)
             chain.append(TransferLink(H2D, TransferQueue(self.device.cache.capacity), partial(copy_round, link), copies,
                                       tracer))
         self.links = {link.lane: link for link in chain}
         return chain
-
-    def stats_read_batch(self, experts: int, seconds: float) -> None:
-        self.stats.read_fit.add(experts, seconds)
 
     def enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
         """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier).
@@ -93,15 +91,14 @@ class LinkChain:
         self._queue(key, DISK, self.host.pool.slot(slot, self._residues[key]), priority, demand)
         return True
 
-    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool, continued: bool = False) -> None:
-        self._queue(key, H2D, self.slot(self.device, key), priority, demand, continued,
-                    src=self.slot(self.host, key))
+    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
+        self._queue(key, H2D, self.slot(self.device, key), priority, demand, src=self.slot(self.host, key))
 
     def _queue(self, key: ExpertKey, lane: str, dst: torch.Tensor, priority: float, demand: bool,
-               continued: bool = False, src: torch.Tensor | None = None) -> None:
+               src: torch.Tensor | None = None) -> None:
         """Queues key's bytes on the lane's link into dst (1-D uint8), from src or the checkpoint."""
         parts = pieces(self.index.locations[key].segments, self.chunk_bytes)
-        transfer = Transfer(key, dst, parts, src, priority=priority, demand=demand, continued=continued, link=lane)
+        transfer = Transfer(key, dst, parts, src, priority=priority, demand=demand, link=lane)
         self.links[lane].queue.push(transfer)
         self.core.track(key, transfer)
         self._cond.notify_all()
@@ -133,7 +130,7 @@ class LinkChain:
             return
         self.stats.host_misses += 1
         if self.host is not None:  # on to the host -> device link, with its demand and priority
-            self._queue_copy(transfer.key, transfer.priority, transfer.demand, continued=True)
+            self._queue_copy(transfer.key, transfer.priority, transfer.demand)
             return
         self.core.landed(transfer.key, transfer)
         self._cond.notify_all()
@@ -188,14 +185,18 @@ class LinkChain:
             self._given_back(transfer)
 
     def _given_back(self, transfer: Transfer) -> None:
-        """What a transfer held besides its device slot, given back: a copy's host pin (its host copy
-        stays); a dropped read's expert leaves the host tier (its bytes may not be whole) unless a new
-        read fills it again."""
+        """What a transfer held besides its device slot, given back (its link's own release)."""
+        self.links[transfer.link].reports.released(transfer)
+
+    def _copy_released(self, copy: Transfer) -> None:
+        """A copy's host pin given back (its host copy stays)."""
+        self.host.cache.unpin([copy.key])
+
+    def _read_released(self, transfer: Transfer) -> None:
+        """A dropped read's expert leaves the host tier (its bytes may not be whole) unless a new read
+        fills it again."""
         key = transfer.key
         if self.host is None:
-            return
-        if transfer.link == H2D:
-            self.host.cache.unpin([key])
             return
         self._stale.discard(key)
         if key in self.core.moving:

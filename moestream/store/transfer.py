@@ -58,7 +58,6 @@ class Transfer:
     demand: bool = False  # the compute thread waits on it
     order: int = 0  # tie-break: first asked, first served
     next_chunk: int = 0
-    continued: bool = False  # the second stage of a transfer that has started (a copy after its read)
     link: str = DISK  # which link moves it (its queue)
     held: bool = False  # a round is moving its chunks now (outside the lock)
     dropped: bool = False  # its expert left the tier: no chunk of it is moved again
@@ -66,10 +65,6 @@ class Transfer:
     @property
     def rank(self) -> tuple:
         return (0, self.order) if self.demand else (1, -self.priority, self.order)
-
-    @property
-    def started(self) -> bool:
-        return self.continued or self.next_chunk > 0
 
     @property
     def done(self) -> bool:
@@ -160,11 +155,9 @@ class TransferQueue:
         """Queued speculative transfers, lowest priority first."""
         return sorted((t for t in self._queued.values() if not t.demand), key=lambda t: t.priority)
 
-    def drain(self) -> list[Transfer]:
-        queued = list(self._queued.values())
+    def drain(self) -> None:
         self._queued.clear()
         self._heap.clear()
-        return queued
 
 
 @dataclass(frozen=True)

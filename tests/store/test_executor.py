@@ -55,7 +55,7 @@ def test_times_come_from_the_tracers_lanes_since_the_last_reset(checkpoint, asyn
         assert tracer.totals() == lanes  # the tracer keeps its totals: the store counts from a copy
         store.release(store.acquire([K(1, 0)]))
         store.wait_idle()
-        assert store.stats().disk_batches == 1 and store.stats().transfer_s > 0
+        assert store.stats().disk_batches == store.stats().read_fit.batches == 1 and store.stats().transfer_s > 0
 
 
 def test_the_threaded_executor_runs_a_worker_per_link_and_its_caller_stalls_only_in_waits(checkpoint):
