@@ -11,6 +11,12 @@ within 0.03 and stall per token within 15%; printed as ok/missed, never asserted
 the on-demand path (the simulator's "loaded" expert order: a layer computes once its misses are
 read); the default compares the engine's asynchronous path with cache-aware reordering ("ready": a
 layer computes its resident experts while its misses load, and each miss once it lands).
+
+The engine gives the simulator what its policy saw (each iteration's token ids, strings and embeddings,
+`bench.engine.simulated.replayed`), and runs every predictor inline, on the compute thread, as the
+simulator does: a predictor on its worker thread (`runtime/background.py`) answers with the latest
+prediction it has finished, which depends on the clock by design. So the hit rates agree exactly for
+every deterministic policy; the background path's own figures are `bench engine`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "background_predictor"))
+    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io"))
     parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
@@ -68,7 +74,7 @@ def compare(args) -> dict:
                    reorder=args.reorder, prompts=PROMPTS,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir),
-                   background_predictor=args.background_predictor)
+                   background_predictor=False)  # inline, as the simulator: see the module doc
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
     simulated = _simulate(args, spec, engine, topology, cost)
@@ -104,7 +110,7 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     from moestream.trace.format import load_trace
 
     run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology,
-                   engine.get("iteration_token_ids"), engine.get("iteration_tokens"))
+                   engine.get("iteration_token_ids"), engine.get("iteration_tokens"), engine.get("iteration_embeddings"))
     policy = make_policy(spec, topology)
     order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,

@@ -5,10 +5,11 @@ the worker, in order. predict(layer_now, horizon) queues a request for that pred
 the latest one the worker has completed, rebased to the caller's position: a result computed at an
 earlier layer or iteration loses the layers the caller has already passed. flush() waits until the
 worker has caught up; after it, predict() at the same position returns exactly what the wrapped
-predictor returns on the synchronous path. With synchronous=True (the simulator, tests) every call
-runs inline. The queue is bounded (`max_pending`): a worker that falls behind makes the caller wait
-(no event may be dropped), and every wait, for room in the queue, flush() or close(), gives up after
-`timeout_s` with a `BackgroundTimeout` instead of hanging.
+predictor returns on the synchronous path. With synchronous=True every call runs inline: the
+simulator, tests, and `bench fidelity`'s engine (what the worker has finished depends on the clock).
+The queue is bounded (`max_pending`): a worker that falls behind makes the caller wait (no event may
+be dropped), and every wait, for room in the queue, flush() or close(), gives up after `timeout_s`
+with a `BackgroundTimeout` instead of hanging.
 
 `offload_predictor(policy)` is the engine's hook: it wraps the predictor of a policy whose class sets
 `Policy.predicts_in_background`, and leaves other policies alone. This module knows no policy by

@@ -63,6 +63,26 @@ def test_the_async_path_under_a_given_calibration(small_trace, tmp_path):
     assert record["agreement"]["hit_rate"] == "ok"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fmoe", "promoe-routing"])
+def test_predicting_designs_get_the_same_hit_rate_on_both_sides(policy, small_trace, tmp_path):
+    """The engine hands the simulator what its policy saw (fmoe matches the embeddings) and runs the predictor
+    inline as the simulator does (both designs predict on a worker thread elsewhere): the same decisions, so
+    the same hit rate to the last digit, whatever the clocks and the cost model."""
+    flags = ["--policy", policy, "--cost-model", "pcie4-consumer"]
+    if policy == "promoe-routing":
+        trained = tmp_path / "predictor"
+        assert main(["train-predictor", "--kind", policy, "--trace", str(small_trace), "--out", str(trained),
+                     "--epochs", "1", "--no-progress"]) == 0
+        flags += ["--predictor-dir", str(trained)]
+    record = fidelity(small_trace, tmp_path / "fidelity.json", *flags)
+    engine, sim = record["engine"], record["simulator"]
+    assert engine["decode_tokens"] == sim["decode_tokens"] > 0
+    assert 0 < engine["hit_rate"] < 1
+    assert sim["hit_rate"] == engine["hit_rate"]
+    assert record["agreement"]["hit_rate_gap"] == 0
+
+
 def numbers(cost_model: dict) -> dict:
     return {k: v for k, v in cost_model.items() if not isinstance(v, str)}  # its name says where it came from
 

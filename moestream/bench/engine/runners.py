@@ -24,7 +24,8 @@ def shards(model: str | Path) -> list[Path]:
 
 class DecodeMeter(Observer):
     """Snapshots the store's counters and the experts' compute timing when a generation's first decode
-    step begins; keeps each iteration's token ids and strings (what the policy saw, for the simulator)."""
+    step begins; keeps each iteration's token ids, strings and embeddings where the engine gave them (what the
+    policy saw, for the simulator)."""
 
     def __init__(self, store, experts):
         self.store, self.experts = store, experts
@@ -34,6 +35,7 @@ class DecodeMeter(Observer):
         self.timing_at_decode = None  # ComputeTiming then
         self.token_ids: list[list[int]] = []  # per iteration of every generation
         self.tokens: list[list[str]] = []  # their strings (empty where the engine has no tokenizer)
+        self.embeddings: list[list[list[float]]] = []  # [T, H] each (empty where no observer asked for them)
 
     def start(self) -> None:
         self.steps, self.decode_tokens, self.at_decode = 0, 0, None
@@ -42,6 +44,7 @@ class DecodeMeter(Observer):
         self.steps += 1
         self.token_ids.append(ctx.token_ids.tolist())
         self.tokens.append(list(ctx.tokens or ()))
+        self.embeddings.append([] if ctx.embeddings is None else ctx.embeddings.tolist())
         if self.steps == 2:
             self.at_decode, self.timing_at_decode = self.store.stats(), self.experts.timing.copy()
         if self.steps >= 2:
@@ -121,6 +124,7 @@ class EngineRun:
             "iterations": [rows.tolist() for rows in replay.iterations] if replay else [],
             "iteration_token_ids": meter.token_ids,
             "iteration_tokens": meter.tokens,
+            "iteration_embeddings": meter.embeddings,
             "prefill": prefill,
             "token_ids": token_ids,
             "device_slots": engine.store.device_slots,

@@ -31,10 +31,12 @@ class Replayed:
 
 
 def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool], model: Topology,
-             token_ids: list[list[int]] | None = None, tokens: list[list[str]] | None = None) -> Replayed:
+             token_ids: list[list[int]] | None = None, tokens: list[list[str]] | None = None,
+             embeddings: list[list[list[float]]] | None = None) -> Replayed:
     """The sub-trace of the rows fed to each iteration (repeated rows, after a wrap, are new rows), with
     the replaying model's topology: its expert size, not the recorded model's, sets the bytes moved.
-    token_ids / tokens: the engine's own per iteration (what its policy saw), in place of the trace's."""
+    token_ids / tokens / embeddings ([T, H] each): the engine's own per iteration (what its policy saw), in
+    place of the trace's."""
     rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in iterations])  # [N]
     sizes = [len(r) for r in iterations]
     prompt = np.repeat(np.cumsum(prefill) - 1, sizes)  # [N] the prompt of each row
@@ -45,6 +47,7 @@ def replayed(trace: Trace, iterations: list[list[int]], prefill: list[bool], mod
                 positions=positions.astype(np.int32), is_prefill=is_prefill,
                 gate_weights=None if trace.gate_weights is None else trace.gate_weights[rows],
                 token_ids=_flat(token_ids, sizes, np.int32), tokens=_flat(tokens, sizes, list),
+                embeddings=_flat(embeddings, sizes, np.float32),
                 source=f"replayed rows of {trace.source}")
     return Replayed(sub, sizes, list(prefill))
 

@@ -36,7 +36,7 @@ class RunSpec:
     scratch_dir: str = ""  # where hf-accelerate writes its offload folder
     link_gbps: float = 0.0  # the planner's modelled link (EngineConfig.link_gbps, layer_ms): the bench's calibration
     layer_ms: float = 0.0
-    background_predictor: bool = True  # EngineConfig.background_predictor (bench fidelity: --inline-predictor)
+    background_predictor: bool = True  # EngineConfig.background_predictor (bench fidelity: False)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

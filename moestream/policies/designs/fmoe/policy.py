@@ -27,7 +27,8 @@ routing trajectory.
 - Prefetch priority p / (l - l_now) (the ScorePlanner); eviction evicts the smallest p * freq, p the
   expert's probability in the latest matched map, freq how often the expert has been routed to.
 - Matching is incremental: per-layer dot products accumulate, so a layer costs one [S, E] x [E, C]
-  product. The engine runs it on a worker thread (`predicts_in_background`); the simulator inline.
+  product. The engine runs it on a worker thread (`predicts_in_background`); the simulator (and
+  `bench fidelity`'s engine) inline.
 
 This module knows nothing of time, bytes, the engine or the simulator.
 """
