@@ -17,9 +17,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 LANES = ("experts", "layer", "policy", "wait", "disk", "h2d")  # h2d: the host -> device copy link
 
@@ -47,28 +46,24 @@ class Tracer:
     def __init__(self, keep_spans: int = 0):
         """keep_spans: how many of the latest spans to keep for `window` (0: none, totals only)."""
         self._spans: deque[Span] | None = deque(maxlen=keep_spans) if keep_spans else None
-        self._totals: dict[str, LaneTotal] = {}
+        self._totals: dict[str, list] = {}  # lane -> [seconds, spans]
         self._lock = threading.Lock()
 
     @property
     def keeps_spans(self) -> bool:
         return self._spans is not None
 
-    @contextmanager
-    def span(self, lane: str, label: Label = "") -> Iterator[None]:
-        """Records the time the with-block takes (also when it raises)."""
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(lane, label, began, time.perf_counter())
+    def span(self, lane: str, label: Label = "") -> "_Timed":
+        """A context manager that records the time its with-block takes (also when it raises)."""
+        return _Timed(self, lane, label)
 
     def add(self, lane: str, label: Label, begin_s: float, end_s: float) -> float:
         """Records a span that has ended; returns its seconds."""
         seconds = end_s - begin_s
         with self._lock:
-            total = self._totals.get(lane, LaneTotal())
-            self._totals[lane] = LaneTotal(total.seconds + seconds, total.spans + 1)
+            total = self._totals.setdefault(lane, [0.0, 0])
+            total[0] += seconds
+            total[1] += 1
             if self._spans is not None:
                 self._spans.append(Span(lane, label() if callable(label) else label, begin_s, end_s))
         return seconds
@@ -76,7 +71,7 @@ class Tracer:
     def totals(self) -> dict[str, LaneTotal]:
         """Each lane's seconds and spans since the tracer was made (subtract an earlier copy for a window)."""
         with self._lock:
-            return dict(self._totals)
+            return {lane: LaneTotal(seconds, spans) for lane, (seconds, spans) in self._totals.items()}
 
     def window(self, begin_s: float, end_s: float) -> list[Span]:
         """The kept spans that overlap [begin_s, end_s), clipped to it, in order of their start."""
@@ -85,6 +80,22 @@ class Tracer:
         clipped = [Span(s.lane, s.label, max(s.begin_s, begin_s), min(s.end_s, end_s))
                    for s in spans if s.end_s > begin_s and s.begin_s < end_s]
         return sorted(clipped, key=lambda s: s.begin_s)
+
+
+class _Timed:
+    """One span being timed (a class rather than a generator: the clock is read right around the block)."""
+
+    __slots__ = ("_tracer", "_lane", "_label", "_began")
+
+    def __init__(self, tracer: Tracer, lane: str, label: Label):
+        self._tracer, self._lane, self._label = tracer, lane, label
+
+    def __enter__(self) -> None:
+        self._began = time.perf_counter()
+
+    def __exit__(self, *raised) -> None:
+        ended = time.perf_counter()
+        self._tracer.add(self._lane, self._label, self._began, ended)
 
 
 def since(now: dict[str, LaneTotal], before: dict[str, LaneTotal], lane: str) -> LaneTotal:

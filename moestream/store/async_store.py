@@ -48,7 +48,6 @@ from moestream.store.streams import Link
 from moestream.store.copier import CopyWorker, copy_chunks
 from moestream.store.transfer import (DISK, H2D, DiskWorker, LinkReports, Transfer, TransferError, TransferQueue,
                                       chunks_of)
-from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
 
 STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its chunk
@@ -57,11 +56,11 @@ STOP_TIMEOUT_S = 30.0  # close() waits this long for the worker to finish its ch
 class AsyncExpertStore(ExpertStore):
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                  host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None,
-                 staging: int | None = None):
+                 staging: int | None = None, tracer=None):
         """As ExpertStore; staging: 1 for the disk worker's one staging slot (default: where `staging_slots`
         wants any), 0 for none."""
         staging = staging_slots(config, index.topology, 1) if staging is None else min(staging, 1)
-        super().__init__(index, config, device_eviction, host_eviction, integrity, reader, link, staging)
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader, link, staging, tracer)
         self._cond = threading.Condition(self._lock)
         self._queue = TransferQueue(self.device_slots)
         self._errors: dict[ExpertKey, TransferError] = {}
@@ -78,6 +77,8 @@ class AsyncExpertStore(ExpertStore):
             reports = LinkReports(landed=self._copied, failed=self._copy_failed, busy=self._link_copied,
                                   released=self._given_back)
             self._workers.append(CopyWorker(self._cond, self._copies, self._link, reports, config.chunks_in_flight))
+        for worker in self._workers:
+            worker.timeline = tracer
 
     # -- compute thread --------------------------------------------------------------------------
 
@@ -165,11 +166,6 @@ class AsyncExpertStore(ExpertStore):
         """Experts whose bytes are in place in the tier (those still arriving there excluded)."""
         with self._lock:
             return super().resident(tier) - self._arriving(tier)
-
-    def record_timeline(self, timeline: Timeline | None) -> None:
-        super().record_timeline(timeline)
-        for worker in self._workers:
-            worker.timeline = timeline
 
     def close(self) -> None:
         """Stops the worker after its current chunk, drops the queued transfers, closes the files."""

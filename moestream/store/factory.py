@@ -17,17 +17,18 @@ from moestream.store.config import Budget, StoreConfig
 from moestream.store.inline import InlineStore
 from moestream.store.store import ExpertStore
 from moestream.topology import Topology
+from moestream.tracer import Tracer
 
 
 def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                host_eviction: EvictionPolicy, integrity: Integrity | None = None,
-               reader=None, link=None) -> ExpertStore:
-    """The store for config (see the module doc), with its tiers' eviction policies; reader, link: as
-    ExpertStore takes them."""
+               reader=None, link=None, tracer: Tracer | None = None) -> ExpertStore:
+    """The store for config (see the module doc), with its tiers' eviction policies; reader, link, tracer:
+    as ExpertStore takes them."""
     if config.asynchronous and not config.uses_cuda:
         config = one_tier(config, index.topology)
     kind = store_kind(config)
-    return kind(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link)
+    return kind(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link, tracer=tracer)
 
 
 def store_kind(config: StoreConfig) -> type[ExpertStore]:

@@ -24,7 +24,7 @@ from moestream.store.config import StoreConfig
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
 from moestream.store.store import ExpertStore, _key, staging_slots
-from moestream.timeline import expert_names
+from moestream.tracer import expert_names
 from moestream.topology import ExpertKey
 
 BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier when there is no host tier
@@ -33,10 +33,10 @@ BOUNCE_SLOTS = 8  # pinned staging slots between disk and a CUDA device tier whe
 class InlineStore(ExpertStore):
     def __init__(self, index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                  host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader=None, link=None,
-                 staging: int | None = None):
+                 staging: int | None = None, tracer=None):
         """As ExpertStore; staging: bounce slots (default: BOUNCE_SLOTS where `staging_slots` wants any)."""
         staging = staging_slots(config, index.topology, BOUNCE_SLOTS) if staging is None else staging
-        super().__init__(index, config, device_eviction, host_eviction, integrity, reader, link, staging)
+        super().__init__(index, config, device_eviction, host_eviction, integrity, reader, link, staging, tracer)
 
     def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
         """Make keys resident in the device tier and pin them; returns their 1-D uint8 slots.
@@ -151,7 +151,7 @@ class InlineStore(ExpertStore):
         self.reader.read_batch(batch)
         seconds, stats = time.perf_counter() - began, self._stats
         if self.timeline is not None:
-            self.timeline.add("disk", "read " + expert_names(keys), began, began + seconds)
+            self.timeline.add("disk", lambda: "read " + expert_names(keys), began, began + seconds)
         stats.disk_read_s += seconds
         stats.disk_batches += 1
         stats.read_fit.add(len(keys), seconds)

@@ -42,7 +42,7 @@ from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
 from moestream.store.stats import StoreStats
 from moestream.store.streams import Link, make_link
-from moestream.timeline import Timeline, expert_names
+from moestream.tracer import Tracer, expert_names
 from moestream.topology import ExpertKey, Topology
 from moestream.transfer_core import TransferCore
 
@@ -71,7 +71,8 @@ def staging_slots(config: StoreConfig, topology: Topology, wanted: int) -> int:
 class ExpertStore(ABC):
     def __init__(self, index: ExpertIndex, config: StoreConfig,
                  device_eviction: EvictionPolicy, host_eviction: EvictionPolicy, integrity: Integrity | None = None,
-                 reader: DiskReader | None = None, link: Link | None = None, staging: int = 0):
+                 reader: DiskReader | None = None, link: Link | None = None, staging: int = 0,
+                 tracer: Tracer | None = None):
         """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest); reader
         and link replace the disk reader and the host -> device copy link (default: made for config);
         staging: pinned slots disk reads pass through on their way up (see `staging_slots`)."""
@@ -94,10 +95,7 @@ class ExpertStore(ABC):
         self._lock = threading.RLock()
         self._core: TransferCore = TransferCore(self._device.cache, self._displaced)  # residency and its counts
         self._stats = StoreStats()
-        self.timeline: Timeline | None = None  # records waits and transfers when set (record_timeline)
-
-    def record_timeline(self, timeline: Timeline | None) -> None:
-        self.timeline = timeline
+        self.timeline: Tracer | None = tracer  # records waits and transfers when given
 
     # -- the calls each kind makes its own way ---------------------------------------------------
 
@@ -157,7 +155,7 @@ class ExpertStore(ABC):
         ended = time.perf_counter()
         self._stats.stall_s += ended - began
         if self.timeline is not None:
-            self.timeline.add("wait", expert_names(keys), began, ended)
+            self.timeline.add("wait", lambda: expert_names(keys), began, ended)
         return ended - began
 
     def _arrived(self, keys: Sequence[ExpertKey], slots: Sequence[torch.Tensor]) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import MoestreamError
-from moestream.timeline import Timeline, expert_names
+from moestream.tracer import Tracer, expert_names
 from moestream.topology import ExpertKey
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class LinkWorker(ABC):
         self._cond, self._queue, self._reports = cond, queue, reports
         self.max_chunks = max_chunks
         self._stopping = False
-        self.timeline: Timeline | None = None  # records each round when set
+        self.timeline: Tracer | None = None  # records each round when set
         self._thread = threading.Thread(target=self._run, name=f"moestream-{self.name}-link", daemon=True)
 
     def start(self) -> None:
@@ -222,7 +222,7 @@ class LinkWorker(ABC):
             began, timeline = time.perf_counter(), self.timeline  # read once: the compute thread may reset it
             self._step(held)
             if timeline is not None:
-                timeline.add(self.name, _label(held), began, time.perf_counter())
+                timeline.add(self.name, lambda: _label(held), began, time.perf_counter())
 
     def _take(self) -> list[tuple[Transfer, int]]:
         """What to move next, as (transfer, number of its next chunks); empty: stop.

@@ -170,8 +170,8 @@ def tiered(monkeypatch):
     monkeypatch.setattr(engine_module, "open_store", _open_tiers_apart)
 
 
-def _open_tiers_apart(index, config, *args):
-    return store_kind(config)(index, config, *args)
+def _open_tiers_apart(index, config, *args, **kwargs):
+    return store_kind(config)(index, config, *args, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["lru", "cooccur"])
