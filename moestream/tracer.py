@@ -2,7 +2,7 @@
 timelines are read from it.
 
 A part is handed the tracer once, at construction, and reports spans (lane, label, begin, end;
-`time.perf_counter` seconds) through `span()` or `add()`. Lanes used by the engine: "experts" (the
+`time.perf_counter` seconds) through `span()`, `call()` or `add()`. Lanes used by the engine: "experts" (the
 compute thread's routed expert MLPs), "layer" (a layer's grouped or row-wise expert work besides
 them), "policy" (the observers' calls and the policy's decisions), "wait" (the compute thread
 waiting for expert bytes), "disk" (a round of disk reads on its link), "h2d" (a round of host ->
@@ -23,6 +23,7 @@ from typing import Callable
 LANES = ("experts", "layer", "policy", "wait", "disk", "h2d")  # h2d: the host -> device copy link
 
 Label = str | Callable[[], str]
+_clock = time.perf_counter  # bound once: a span's own cost inside its measured time stays small
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,16 @@ class Tracer:
     def span(self, lane: str, label: Label = "") -> "_Timed":
         """A context manager that records the time its with-block takes (also when it raises)."""
         return _Timed(self, lane, label)
+
+    def call(self, lane: str, label: Label, function: Callable, argument):
+        """function(argument), its time recorded as a span (also when it raises); returns what it returns.
+        Cheaper than `span` inside the span (e.g. for a cache's hooks): only the call itself."""
+        began = _clock()
+        try:
+            return function(argument)
+        finally:
+            ended = _clock()
+            self.add(lane, label, began, ended)
 
     def add(self, lane: str, label: Label, begin_s: float, end_s: float) -> float:
         """Records a span that has ended; returns its seconds."""
@@ -91,10 +102,10 @@ class _Timed:
         self._tracer, self._lane, self._label = tracer, lane, label
 
     def __enter__(self) -> None:
-        self._began = time.perf_counter()
+        self._began = _clock()
 
-    def __exit__(self, *raised) -> None:
-        ended = time.perf_counter()
+    def __exit__(self, kind, error, trace) -> None:
+        ended = _clock()
         self._tracer.add(self._lane, self._label, self._began, ended)
 
 

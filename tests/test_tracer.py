@@ -74,3 +74,12 @@ def test_overlap_is_the_time_both_cover():
     second = [Span("wait", "", 1.5, 3.5)]
     assert overlap_s(first, second) == pytest.approx(1.0)
     assert overlap_s(first, []) == 0.0
+
+
+def test_a_call_returns_its_result_and_is_recorded_even_when_it_raises():
+    tracer = Tracer(keep_spans=4)
+    assert tracer.call("policy", "double", lambda x: 2 * x, 21) == 42
+    with pytest.raises(ZeroDivisionError):
+        tracer.call("policy", "divide", lambda x: 1 / x, 0)
+    assert [s.label for s in tracer.window(float("-inf"), float("inf"))] == ["double", "divide"]
+    assert tracer.totals()["policy"].spans == 2

@@ -121,17 +121,13 @@ class TimedEviction(EvictionPolicy):
         self.inner, self.tracer = inner, tracer
 
     def on_insert(self, key: ExpertKey) -> None:
-        with self.tracer.span("policy", "on_insert"):
-            self.inner.on_insert(key)
+        self.tracer.call("policy", "on_insert", self.inner.on_insert, key)
 
     def on_access(self, key: ExpertKey) -> None:
-        with self.tracer.span("policy", "on_access"):
-            self.inner.on_access(key)
+        self.tracer.call("policy", "on_access", self.inner.on_access, key)
 
     def on_remove(self, key: ExpertKey) -> None:
-        with self.tracer.span("policy", "on_remove"):
-            self.inner.on_remove(key)
+        self.tracer.call("policy", "on_remove", self.inner.on_remove, key)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        with self.tracer.span("policy", "victim"):
-            return self.inner.victim(candidates)
+        return self.tracer.call("policy", "victim", self.inner.victim, candidates)

@@ -4,7 +4,7 @@
 A decision per layer is everything the policy does on the compute thread for that layer: observe
 the routing, predict the next `--horizon-layers`, plan the prefetch, and the eviction hooks of the
 device tier's accesses and admissions (victim choices included); begin_iteration is charged to the
-token's first layer. The time is wall time (a tracer's spans, as `bench policies` takes it): this
+token's first layer. The time is wall time (perf_counter, as `bench policies` takes it): this
 thread's CPU time would keep other processes out, but reading it costs about 0.75 µs here, and a
 layer times some twenty hooks; the median keeps what other processes add out instead. The tokens
 of --trace replay as one decode stream through a cache of --cache-ratio of the experts. Prints the
@@ -15,6 +15,7 @@ layer decision allocates (tracemalloc peak).
 from __future__ import annotations
 
 import argparse
+import time
 import tracemalloc
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from moestream.policies.driver import TimedEviction
 from moestream.topology import ExpertKey
 from moestream.trace.format import load_trace
 from moestream.trace.replay import decode_stream
-from moestream.tracer import Tracer
+from moestream.tracer import Tracer, since
 
 
 @dataclass
@@ -41,30 +42,31 @@ class Figures:
 
 def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens: int) -> Figures:
     topology, predictor = policy.topology, policy.predictor
-    tracer = Tracer()  # the policy's calls and the eviction hooks, lane "policy"
+    hooks = Tracer()  # the eviction hooks' time (lane "policy")
     cache = ExpertCache(max(1, int(topology.total_experts * cache_ratio)),
-                        TimedEviction(policy.make_eviction("device"), tracer))
+                        TimedEviction(policy.make_eviction("device"), hooks))
     keys = [[ExpertKey(layer, e) for e in range(topology.num_experts)] for layer in range(topology.num_layers)]
-    micros, allocs, counted = [], [], 0.0
+    micros, allocs, clock = [], [], time.perf_counter
     for tokens, it in enumerate(decode_stream(trace)):
         if tokens == max_tokens:
             break
-        with tracer.span("policy", "begin iteration"):  # charged to the token's first layer
-            predictor.begin_iteration(it.ctx)
+        start = clock()
+        predictor.begin_iteration(it.ctx)
+        carried = clock() - start
         for event in it.events:
             view = CacheView(cache.resident(), frozenset(), cache.capacity, event.layer, topology.num_layers)
             tracing = tokens == max_tokens // 2 and event.layer == topology.num_layers // 2
             if tracing:
                 tracemalloc.start()
-            with tracer.span("policy", "decision"):
-                predictor.observe(event)
-                policy.planner.plan(predictor.predict(event.layer, horizon), view)
+            start = clock()
+            predictor.observe(event)
+            policy.planner.plan(predictor.predict(event.layer, horizon), view)
+            decided, before = clock() - start, hooks.totals()
             for expert in event.expert_ids.ravel().tolist():  # the mechanism's work, whose hooks alone count
                 if cache.access(keys[event.layer][expert]) is None:
                     cache.admit(keys[event.layer][expert])
-            spent = tracer.totals()["policy"].seconds
-            micros.append((spent - counted) * 1e6)
-            counted = spent
+            micros.append((decided + since(hooks.totals(), before, "policy").seconds + carried) * 1e6)
+            carried = 0.0
             if tracing:
                 allocs.append(tracemalloc.get_traced_memory()[1])
                 tracemalloc.stop()
