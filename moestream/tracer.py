@@ -9,7 +9,7 @@ waiting for expert bytes), "disk" (a round of disk reads on its link), "h2d" (a 
 device copies). The tracer always sums each lane (`totals()`: seconds and spans), so time counters
 such as a store's stall are derived from it; it keeps the spans themselves only when asked
 (`keep_spans`), for a timeline. Labels may be given as callables, built only when spans are kept.
-Recording is thread-safe. Knows no policy, no store and no model: it only keeps what it is told.
+Recording is thread-safe (each thread sums into its own totals, without a lock). Knows no policy, no store and no model: it only keeps what it is told.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class Tracer:
     def __init__(self, keep_spans: int = 0):
         """keep_spans: how many of the latest spans to keep for `window` (0: none, totals only)."""
         self._spans: deque[Span] | None = deque(maxlen=keep_spans) if keep_spans else None
-        self._totals: dict[str, list] = {}  # lane -> [seconds, spans]
+        self._local = threading.local()  # .totals: this thread's lane -> (seconds, spans), written by it alone
+        self._threads: list[dict[str, tuple[float, int]]] = []  # every thread's totals
         self._lock = threading.Lock()
 
     @property
@@ -71,18 +72,33 @@ class Tracer:
     def add(self, lane: str, label: Label, begin_s: float, end_s: float) -> float:
         """Records a span that has ended; returns its seconds."""
         seconds = end_s - begin_s
-        with self._lock:
-            total = self._totals.setdefault(lane, [0.0, 0])
-            total[0] += seconds
-            total[1] += 1
-            if self._spans is not None:
-                self._spans.append(Span(lane, label() if callable(label) else label, begin_s, end_s))
+        totals = self._thread_totals()
+        before = totals.get(lane)
+        totals[lane] = (seconds, 1) if before is None else (before[0] + seconds, before[1] + 1)  # one atomic store
+        if self._spans is not None:
+            span = Span(lane, label() if callable(label) else label, begin_s, end_s)
+            with self._lock:
+                self._spans.append(span)
         return seconds
 
     def totals(self) -> dict[str, LaneTotal]:
         """Each lane's seconds and spans since the tracer was made (subtract an earlier copy for a window)."""
+        summed: dict[str, LaneTotal] = {}
         with self._lock:
-            return {lane: LaneTotal(seconds, spans) for lane, (seconds, spans) in self._totals.items()}
+            threads = [list(totals.items()) for totals in self._threads]
+        for lane, (seconds, spans) in (item for items in threads for item in items):
+            before = summed.get(lane, LaneTotal())
+            summed[lane] = LaneTotal(before.seconds + seconds, before.spans + spans)
+        return summed
+
+    def _thread_totals(self) -> dict[str, tuple[float, int]]:
+        """The calling thread's totals (no lock on the way: each thread writes its own)."""
+        totals = getattr(self._local, "totals", None)
+        if totals is None:
+            totals = self._local.totals = {}
+            with self._lock:
+                self._threads.append(totals)
+        return totals
 
     def window(self, begin_s: float, end_s: float) -> list[Span]:
         """The kept spans that overlap [begin_s, end_s), clipped to it, in order of their start."""
