@@ -2,8 +2,9 @@
 
 from moestream.store.config import Budget, StoreConfig
 from moestream.store.disk import DiskReader
+from moestream.store.executor import InlineExecutor, ThreadedExecutor
 from moestream.store.pool import SlotPool
-from moestream.store.inline import InlineStore
 from moestream.store.store import ExpertStore, StoreStats
 
-__all__ = ["Budget", "DiskReader", "ExpertStore", "InlineStore", "SlotPool", "StoreConfig", "StoreStats"]
+__all__ = ["Budget", "DiskReader", "ExpertStore", "InlineExecutor", "SlotPool", "StoreConfig", "StoreStats",
+           "ThreadedExecutor"]

@@ -1,9 +1,10 @@
-"""Which expert store serves a configuration: synchronous or asynchronous, with one tier or two.
+"""Which expert store serves a configuration: its tiers, and where its transfers run.
 
-`open_store` makes it: the synchronous `InlineStore` unless the configuration asks for asynchronous
-transfers, then `AsyncExpertStore`, whose links follow its tiers (disk -> device, or disk -> host ->
-device where a host tier is kept apart). On the CPU, host and device memory are the same: there the
-host budget joins the device tier (one tier, each expert held once, no second copy). This module knows no policy.
+`open_store` makes the one `ExpertStore` with the executor that `executor_for` picks: inline on the
+caller's thread unless the configuration asks for asynchronous transfers, then on link workers. Its
+links follow its tiers (disk -> device, or disk -> host -> device where a host tier is kept apart).
+On the CPU, host and device memory are the same: there an asynchronous store's host budget joins the
+device tier (one tier, each expert held once, no second copy). This module knows no policy.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import dataclasses
 
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.policies.contracts import EvictionPolicy
-from moestream.store.async_store import AsyncExpertStore
 from moestream.store.config import Budget, StoreConfig
-from moestream.store.inline import InlineStore
+from moestream.store.executor import executor_for
 from moestream.store.store import ExpertStore
 from moestream.topology import Topology
 from moestream.tracer import Tracer
@@ -23,17 +23,12 @@ from moestream.tracer import Tracer
 def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: EvictionPolicy,
                host_eviction: EvictionPolicy, integrity: Integrity | None = None,
                reader=None, link=None, tracer: Tracer | None = None) -> ExpertStore:
-    """The store for config (see the module doc), with its tiers' eviction policies; reader, link, tracer:
-    as ExpertStore takes them."""
+    """The store for config (see the module doc), with its tiers' eviction policies; reader, link and
+    tracer: as ExpertStore takes them."""
     if config.asynchronous and not config.uses_cuda:
         config = one_tier(config, index.topology)
-    kind = store_kind(config)
-    return kind(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link, tracer=tracer)
-
-
-def store_kind(config: StoreConfig) -> type[ExpertStore]:
-    """The store class for config (its tiers as given: not merged)."""
-    return AsyncExpertStore if config.asynchronous else InlineStore
+    return ExpertStore(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link,
+                       executor=executor_for(config), tracer=tracer)
 
 
 def one_tier(config: StoreConfig, topology: Topology) -> StoreConfig:

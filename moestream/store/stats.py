@@ -1,7 +1,8 @@
-"""The expert store's counters: what each kind of store counts, as one plain dataclass (a copy per call).
+"""The expert store's counters, as one plain dataclass (a copy per call).
 
-hits, prefetch_hits, prefetch_wasted and the device tier's evictions come from the transfer
-core's counts (`moestream.transfer_core`); the rest the store counts itself. Knows no store."""
+hits, prefetch_hits, prefetch_wasted and the device tier's evictions come from the transfer core's
+counts (`moestream.transfer_core`); the times from the tracer's lanes (`moestream.tracer`); the rest
+the store counts itself. Knows no store."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ class StoreStats:
     prefetch_wasted: int = 0  # prefetched experts evicted before any acquire used them
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     disk_read_s: float = 0.0  # wall time of the disk reads (a batch's requests in flight together count once)
-    disk_batches: int = 0  # batches of disk reads (each in flight together)
-    read_fit: ReadBatchFit = field(default_factory=ReadBatchFit)  # the synchronous store's read batches
-    stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes
+    disk_batches: int = 0  # rounds of disk reads (each in flight together)
+    read_fit: ReadBatchFit = field(default_factory=ReadBatchFit)  # the disk link's rounds: experts, seconds
+    stall_s: float = 0.0  # time the calling (compute) thread waited for expert bytes (or moved them, inline)
     transfer_s: float = 0.0  # time the disk link was busy
-    copy_s: float = 0.0  # time the host -> device link's worker was busy (asynchronous store with a host tier)
+    copy_s: float = 0.0  # time the host -> device link was busy (a host tier kept apart)
     late: int = 0  # fetched experts whose bytes were still in flight (counted in hits: their wait is stall)
     cancelled: int = 0  # queued speculative transfers dropped before they ran
 

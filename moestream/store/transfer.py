@@ -1,20 +1,22 @@
-"""Asynchronous expert transfers: a re-prioritisable, cancellable queue and the I/O worker of the disk link.
+"""Transfers and links: what moves an expert's bytes, in which order, and how a round of them moves.
 
-A `Transfer` moves one expert's bytes from the checkpoint's files into its slot, chunk by chunk
-(one chunk per weight matrix, or pieces of at most `chunk_bytes`). The `TransferQueue` orders
-transfers: demand transfers (the compute thread waits on them) first, in the order asked, then
-speculative ones by priority. Requests are re-prioritised and cancelled by key, and the queue never
-holds more transfers than it was sized for. The `DiskWorker` thread reads every queued demand
-transfer whole, all at once; otherwise it reads up to `max_chunks` chunks from the head of the
-queue together (each its own request in flight, so that the disk is kept busy), then puts the
-unfinished transfers back and looks at the queue again: a demand miss waits at most for one round
-of chunks in flight behind speculative work.
+A `Transfer` moves one expert's bytes into its slot, chunk by chunk (one chunk per weight matrix,
+or pieces of at most `chunk_bytes`): from the checkpoint's files (the `DISK` link) or from its host
+slot (the `H2D` link). A `TransferQueue` orders a link's transfers: demand transfers (the compute
+thread waits on them) first, in the order asked, then speculative ones by priority; they are
+re-prioritised and cancelled by key, and the queue never holds more than it was sized for.
 
-Queue and worker share the store's condition: every change of the queue happens under its lock, and
-the worker reads outside it. The worker reports each finished or failed transfer through the two
-callbacks it is given; it knows no eviction, no policy and no tier. `LinkWorker` is what every
-link's thread shares (start, stop, the callbacks); the host -> device link's is in
-`moestream.store.copier`.
+A `TransferLink` is a queue, a copy function and the round between them: `take` (under the store's
+lock) takes every queued demand transfer whole, else up to `max_chunks` chunks from the head of the
+queue (all of them when None); `move` (outside the lock) moves them with the copy function, traced
+as one span on the link's lane; `finish` (under the lock) puts the unfinished transfers back, so
+that whatever ranks ahead now goes first (a demand waits at most one round behind speculative
+work), and reports each landed, failed or dropped transfer through `LinkReports`. The two copy
+functions: `read_round` (disk reads, all in flight together, through pinned staging slots and up a
+`Link` where there are any) and `copy_round` (host -> device copies on a `Link`, waiting for the
+round's last event on the thread that moves them). Where rounds run (the caller's thread, or a
+worker) is the executor's business (`moestream.store.executor`); a link knows no eviction, no
+policy and no tier.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import threading
-import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,37 +31,35 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import MoestreamError
-from moestream.tracer import Tracer, expert_names
+from moestream.store.pool import SlotPool
+from moestream.store.streams import Link
+from moestream.tracer import Tracer, expert_names, since
 from moestream.topology import ExpertKey
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.5  # how long the idle worker sleeps before it checks for stop again
-MAX_CHUNKS_IN_FLIGHT = 8  # speculative chunks read together (each its own request in flight)
-DISK, H2D = "disk", "h2d"  # the links a transfer moves on: disk -> slot, host slot -> device slot
+DISK, H2D = "disk", "h2d"  # the links (and their tracer lanes): disk -> slot, host slot -> device slot
+
+Held = list[tuple["Transfer", int]]  # a round: each transfer taken, with how many of its next chunks
+Errors = dict["Transfer", BaseException]
 
 
 class TransferError(MoestreamError):
     """An expert's bytes could not be brought in: a failed read, a timeout, or a closed store."""
 
 
-@dataclass(frozen=True)
-class Chunk:
-    segments: tuple[Segment, ...]
-    dst: torch.Tensor  # [nbytes] uint8 view of the expert's slot
-
-
 @dataclass(eq=False)
 class Transfer:
     key: ExpertKey
-    chunks: list[Chunk]
+    dst: torch.Tensor  # [expert bytes] uint8: the slot its bytes go to
+    parts: list[tuple[Segment, int]]  # its chunks: a piece of the checkpoint and where it lies in the slot
+    src: torch.Tensor | None = None  # [expert bytes] uint8: the host slot an H2D copy reads
     priority: float = 0.0  # speculative ranking, higher first
     demand: bool = False  # the compute thread waits on it
     order: int = 0  # tie-break: first asked, first served
     next_chunk: int = 0
-    continued: bool = False  # the second stage of a transfer that has started (a copy after its read)
     link: str = DISK  # which link moves it (its queue)
-    held: bool = False  # a worker is moving its chunks now (outside the lock)
+    held: bool = False  # a round is moving its chunks now (outside the lock)
     dropped: bool = False  # its expert left the tier: no chunk of it is moved again
 
     @property
@@ -70,12 +67,14 @@ class Transfer:
         return (0, self.order) if self.demand else (1, -self.priority, self.order)
 
     @property
-    def started(self) -> bool:
-        return self.continued or self.next_chunk > 0
-
-    @property
     def done(self) -> bool:
-        return self.next_chunk >= len(self.chunks)
+        return self.next_chunk >= len(self.parts)
+
+    def piece(self, count: int) -> tuple[tuple[Segment, ...], slice]:
+        """The next count chunks: their pieces of the checkpoint, and the part of the slot they fill."""
+        parts = self.parts[self.next_chunk : self.next_chunk + count]
+        end = parts[-1][1] + parts[-1][0].nbytes
+        return tuple(segment for segment, _ in parts), slice(parts[0][1], end)
 
 
 def pieces(segments: Sequence[Segment], chunk_bytes: int) -> list[tuple[Segment, int]]:
@@ -91,17 +90,12 @@ def pieces(segments: Sequence[Segment], chunk_bytes: int) -> list[tuple[Segment,
     return out
 
 
-def chunks_of(segments: Sequence[Segment], slot: torch.Tensor, chunk_bytes: int) -> list[Chunk]:
-    """The disk reads that fill the slot, chunk by chunk (`pieces`)."""
-    return [Chunk((part,), slot[at : at + part.nbytes]) for part, at in pieces(segments, chunk_bytes)]
-
-
 @dataclass
 class TransferQueue:
     """Pending transfers by rank, with lazy deletion; at most `capacity` of them (and a bounded heap)."""
 
     capacity: int
-    _heap: list = field(default_factory=list)  # [(rank, transfer)]; stale entries skipped on pop
+    _heap: list = field(default_factory=list)  # [(rank, order, transfer)]; stale entries skipped on pop
     _queued: dict[ExpertKey, Transfer] = field(default_factory=dict)
     _orders: itertools.count = field(default_factory=itertools.count)
 
@@ -154,148 +148,133 @@ class TransferQueue:
             heapq.heapify(self._heap)
 
     def cancel(self, key: ExpertKey) -> Transfer | None:
-        """Removes a queued transfer (not the one the worker is reading); returns it."""
+        """Removes a queued transfer (not one a round is moving); returns it."""
         return self._queued.pop(key, None)
 
     def speculative(self) -> list[Transfer]:
         """Queued speculative transfers, lowest priority first."""
         return sorted((t for t in self._queued.values() if not t.demand), key=lambda t: t.priority)
 
-    def drain(self) -> list[Transfer]:
-        queued = list(self._queued.values())
+    def drain(self) -> None:
         self._queued.clear()
         self._heap.clear()
-        return queued
 
 
 @dataclass(frozen=True)
 class LinkReports:
-    """What a link's worker tells its store, each under the store's lock."""
+    """What a link tells its store, each under the store's lock."""
 
     landed: Callable[[Transfer], None]  # every chunk of the transfer has moved
     failed: Callable[[Transfer, BaseException], None]  # it cannot move; the error is for whoever waits on it
-    busy: Callable[[float], None]  # seconds the link was busy for one round
-    released: Callable[[Transfer], None] = lambda transfer: None  # a dropped transfer it held, let go
+    released: Callable[[Transfer], None] = lambda transfer: None  # a dropped transfer a round held, let go
+    rounds: Callable[[int, float], None] = lambda experts, seconds: None  # a round of experts, its seconds
 
 
-class LinkWorker(ABC):
-    """One link's I/O thread over a queue it shares with the store (the condition's lock guards both).
+class TransferLink:
+    """One link: its queue, its copy function and its rounds (see the module doc)."""
 
-    Each round it takes chunks from the head of the queue (`_take`), moves them outside the lock
-    (`_step`, the link's own), and puts the unfinished transfers back, so that whatever ranks ahead
-    now goes first: a demand waits at most for one round behind speculative work. It reports each
-    finished or failed transfer and the time it was busy through its `LinkReports`, all called under
-    the lock."""
+    def __init__(self, lane: str, queue: TransferQueue, move: Callable[[Held], Errors], reports: LinkReports,
+                 tracer: Tracer):
+        self.lane, self.queue, self.reports, self.tracer = lane, queue, reports, tracer
+        self._move = move
+        self._seconds = 0.0  # the last round's
 
-    name = "link"
+    def take(self, max_chunks: int | None) -> Held:
+        """Under the lock: the next round (empty: nothing queued). Demand transfers are taken whole, all
+        those queued together; speculative ones give up to max_chunks chunks (None: all) from the head."""
+        taken, room, head = [], float("inf") if max_chunks is None else max_chunks, self.queue.pop()
+        while head is not None:
+            left = len(head.parts) - head.next_chunk
+            count = left if head.demand else int(min(room, left))
+            taken.append((head, count))
+            head.held, room = True, room - count
+            rank = self.queue.head_rank()
+            if rank is None or (rank[0] != 0 and (head.demand or room <= 0)):
+                break
+            head = self.queue.pop()
+        return taken
 
-    def __init__(self, cond: threading.Condition, queue: TransferQueue, reports: LinkReports,
-                 max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        self._cond, self._queue, self._reports = cond, queue, reports
-        self.max_chunks = max_chunks
-        self._stopping = False
-        self.timeline: Tracer | None = None  # records each round when set
-        self._thread = threading.Thread(target=self._run, name=f"moestream-{self.name}-link", daemon=True)
+    def move(self, held: Held) -> Errors:
+        """Outside the lock: moves the round's chunks, traced on the link's lane; the transfers that failed."""
+        before, self._seconds = self.tracer.totals(), 0.0
+        with self.tracer.span(self.lane, lambda: _label(held)):
+            errors = self._move(held)
+        self._seconds = since(self.tracer.totals(), before, self.lane).seconds  # the lane's one writer: this round
+        return errors
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TransferError(f"the {self.name} worker did not stop within {timeout_s:g} s")
-
-    @abstractmethod
-    def _step(self, held: list[tuple[Transfer, int]]) -> None:
-        """Moves the held chunks (outside the lock); reports the transfers that finished or failed."""
-
-    def _run(self) -> None:
-        held: list[tuple[Transfer, int]] = []
-        while True:
-            with self._cond:
-                held = self._take()
-                if not held:
-                    return
-            began, timeline = time.perf_counter(), self.timeline  # read once: the compute thread may reset it
-            self._step(held)
-            if timeline is not None:
-                timeline.add(self.name, lambda: _label(held), began, time.perf_counter())
-
-    def _take(self) -> list[tuple[Transfer, int]]:
-        """What to move next, as (transfer, number of its next chunks); empty: stop.
-
-        Demand transfers are moved whole, all those queued together. Speculative ones give up to
-        max_chunks chunks from the head of the queue, moved together, after which the queue is
-        consulted again."""
-        while not self._stopping:
-            head = self._queue.pop()
-            if head is None:
-                self._cond.wait(IDLE_WAIT_S)
-                continue
-            taken, room = [], self.max_chunks
-            while head is not None:
-                left = len(head.chunks) - head.next_chunk
-                count = left if head.demand else min(room, left)
-                taken.append((head, count))
-                head.held = True
-                room -= count
-                rank = self._queue.head_rank()
-                if rank is None or (rank[0] != 0 and (head.demand or room <= 0)):
-                    break
-                head = self._queue.pop()
-            return taken
-        return []
-
-    def _finish(self, began: float, held: list[tuple[Transfer, int]], errors: dict[Transfer, BaseException]) -> None:
-        """Under the lock: the round's busy time; each held transfer advanced, landed or failed, or back
-        in the queue (whatever ranks ahead now goes first; a dropped one is moved no further)."""
-        self._reports.busy(time.perf_counter() - began)
+    def finish(self, held: Held, errors: Errors) -> None:
+        """Under the lock: each held transfer advanced, landed or failed, or back in the queue (whatever
+        ranks ahead now goes first; a dropped one is moved no further)."""
+        self.reports.rounds(len(held), self._seconds)
         for transfer, count in held:
             transfer.held = False
             if transfer.dropped:  # its expert left the tier: moved no further
-                self._reports.released(transfer)
+                self.reports.released(transfer)
             elif transfer in errors:
-                transfer.next_chunk = len(transfer.chunks)
-                self._reports.failed(transfer, errors[transfer])
+                transfer.next_chunk = len(transfer.parts)
+                self.reports.failed(transfer, errors[transfer])
             else:
                 transfer.next_chunk += count
                 if transfer.done:
-                    self._reports.landed(transfer)
+                    self.reports.landed(transfer)
                 else:
-                    self._queue.push(transfer, new=False)
-        self._cond.notify_all()
+                    self.queue.push(transfer, new=False)
 
 
-def _label(held: list[tuple[Transfer, int]]) -> str:
+def _label(held: Held) -> str:
     demand = any(transfer.demand for transfer, _ in held)
-    experts = expert_names(t.key for t, _ in held)
-    return f"{'demand' if demand else 'speculative'} {experts}"
+    return f"{'demand' if demand else 'speculative'} {expert_names(t.key for t, _ in held)}"
 
 
-class DiskWorker(LinkWorker):
-    """The disk link's one I/O thread (see the module doc)."""
+Read = Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int]
 
-    name = DISK
 
-    def __init__(self, cond: threading.Condition, queue: TransferQueue,
-                 read: Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int], reports: LinkReports,
-                 max_chunks: int = MAX_CHUNKS_IN_FLIGHT):
-        super().__init__(cond, queue, reports, max_chunks)
-        self._read = read
-        self.start()
+def read_round(read: Read, held: Held) -> Errors:
+    """The disk link's copy function: the round's chunks read together, one request per transfer (one
+    failed read fails them all)."""
+    batch = []
+    for transfer, count in held:
+        segments, part = transfer.piece(count)
+        batch.append((segments, transfer.dst[part]))
+    try:
+        read(batch)
+    except Exception as error:  # handed to the thread that waits on these experts
+        log.debug("a disk read of %d experts failed: %s", len(batch), error)
+        return {transfer: error for transfer, _ in held}
+    return {}
 
-    def _step(self, held: list[tuple[Transfer, int]]) -> None:
-        """Reads the held chunks together (one failed read fails them all)."""
-        batch = [(chunk.segments, chunk.dst) for transfer, count in held
-                 for chunk in transfer.chunks[transfer.next_chunk : transfer.next_chunk + count]]
-        began, errors = time.perf_counter(), {}
+
+def read_through(read: Read, batch, staging: SlotPool, link: Link) -> int:
+    """Reads a batch straight into its slots, or, with staging slots (pinned; CUDA without a host tier),
+    as many requests at a time into them, copied up the link and waited for before they are reused."""
+    if not staging.num_slots:
+        return read(batch)
+    got = 0
+    for i in range(0, len(batch), staging.num_slots):
+        group = batch[i : i + staging.num_slots]
+        slots = [staging.slot(j, segments[0].offset)[: dst.numel()] for j, (segments, dst) in enumerate(group)]
+        got += read([(segments, slot) for (segments, _), slot in zip(group, slots)])  # congruent: in place
+        events = [link.copy(dst, slot) for (_, dst), slot in zip(group, slots)]
+        events[-1].synchronize()  # the copy stream's order: every copy from a staging slot is done
+    return got
+
+
+def copy_round(link: Link, held: Held) -> Errors:
+    """The host -> device link's copy function: issues the round's copies, then waits for the last one
+    (the link runs them in order); a failed copy fails its expert, a failed wait every one."""
+    errors, last = {}, None
+    for copy, count in held:
+        _, part = copy.piece(count)
         try:
-            self._read(batch)
-        except BaseException as error:  # handed to the thread that waits on these experts
-            log.debug("a disk read of %d chunks failed: %s", len(batch), error)
-            errors = {transfer: error for transfer, _ in held}
-        with self._cond:
-            self._finish(began, held, errors)
+            last = link.copy(copy.dst[part], copy.src[part])
+        except Exception as error:  # handed to the thread that waits on this expert
+            log.debug("a host -> device copy of expert %s failed: %s", tuple(copy.key), error)
+            errors[copy] = error
+    try:
+        if last is not None:
+            last.synchronize()
+    except Exception as error:
+        log.debug("waiting for %d host -> device copies failed: %s", len(held), error)
+        return {copy: error for copy, _ in held}
+    return errors
+

@@ -16,8 +16,7 @@ from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.runtime import Engine, EngineConfig
 import moestream.runtime.engine as engine_module
-from moestream.store.async_store import AsyncExpertStore
-from moestream.store.factory import store_kind
+from moestream.store import ExpertStore, ThreadedExecutor
 from moestream.store.transfer import TransferError
 from moestream.trace.recorder import TraceRecorder
 from tests.runtime.conftest import PROMPTS
@@ -89,7 +88,7 @@ def test_logits_are_bit_identical_whatever_the_order_of_arrival(mixtral):
 
 def test_async_mode_uses_the_asynchronous_store(mixtral):
     with _engine(mixtral) as engine:
-        assert isinstance(engine.store, AsyncExpertStore)
+        assert isinstance(engine.store.executor, ThreadedExecutor)
         result = engine.generate(["A prompt"], max_new_tokens=3)
     assert result.metrics.expert_misses > 0 and result.metrics.transfer_ms > 0
 
@@ -171,7 +170,7 @@ def tiered(monkeypatch):
 
 
 def _open_tiers_apart(index, config, *args, **kwargs):
-    return store_kind(config)(index, config, *args, **kwargs)
+    return ExpertStore(index, config, *args, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["lru", "cooccur"])
@@ -181,7 +180,7 @@ def test_the_two_tier_store_generates_the_same_as_sync(mixtral, trace, tiered, n
     expected = _generate(mixtral, _policy(name, trace), prompts, sync=True, **host)
     for config in (dict(), dict(chunk_bytes=512, reorder=False)):
         with _engine(mixtral, _policy(name, trace), **host, **config) as engine:
-            assert isinstance(engine.store, AsyncExpertStore) and engine.store.host_slots > 0
+            assert isinstance(engine.store.executor, ThreadedExecutor) and engine.store.host_slots > 0
             got = [engine.generate(prompts, max_new_tokens=5).token_ids for _ in range(2)]
             stats = engine.store.stats()
         assert got == expected, config

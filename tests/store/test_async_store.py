@@ -7,8 +7,7 @@ import pytest
 
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
-from moestream.store import StoreConfig
-from moestream.store.async_store import AsyncExpertStore
+from moestream.store import ExpertStore, StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.factory import open_store
 from moestream.store.transfer import TransferError, pieces
@@ -225,14 +224,15 @@ def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_by
     the copy from it has run."""
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(3 * eb, "0", asynchronous=True, chunk_bytes=chunk_bytes)
-    with AsyncExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), link=LateLink() if late else None,
-                          staging=1) as store:
-        store._bounce.data.zero_()
+    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), link=LateLink() if late else None,
+                     staging=1) as store:
+        staging = store.slot_pools()["staging"]
+        staging.data.zero_()
         store.prefetch([TransferRequest(K(1, 2), 1.0)])
         for keys in ([K(0, 0), K(1, 3)], [K(1, 2), K(0, 1)]):
             for key, slot in take(store, keys):
                 assert_holds_expert(checkpoint, slot, key)
-        assert store._bounce.data.any()  # the bytes came through the staging slot
+        assert staging.data.any()  # the bytes came through the staging slot
 
 
 def test_fetching_one_group_keeps_the_speculation_for_the_layers_other_chosen_experts(checkpoint):
@@ -291,14 +291,14 @@ def test_without_reordering_experts_are_handed_out_in_the_order_asked(checkpoint
 
 
 class RoundLog(DiskReader):
-    """The disk reader, recording how many chunks each read batch (one worker round) holds."""
+    """The disk reader, recording how many chunks each read batch (one worker round) holds (its segments)."""
 
     def __init__(self):
         super().__init__()
         self.rounds = []
 
     def read_batch(self, batch):
-        self.rounds.append(len(batch))
+        self.rounds.append(sum(len(segments) for segments, _ in batch))
         return super().read_batch(batch)
 
 

@@ -7,9 +7,8 @@ from moestream.checkpoint.layout import ExpertIndex, ExpertLocation
 from moestream.errors import BudgetError, CheckpointError
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
-from moestream.store import InlineStore, StoreConfig
+from moestream.store import ExpertStore, StoreConfig
 from moestream.store.disk import DiskReader
-from moestream.store.factory import store_kind
 from moestream.topology import ExpertKey
 from tests.store.links import LateLink
 
@@ -19,7 +18,7 @@ K = ExpertKey
 def make_store(ckpt, device_slots, host_slots=0, device="cpu", direct_io=True, reader=None):
     expert_bytes = ckpt.index.topology.expert_bytes
     config = StoreConfig(device_slots * expert_bytes, host_slots * expert_bytes, device, direct_io)
-    return InlineStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
+    return ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
 
 
 def use(store, *keys):
@@ -248,11 +247,11 @@ def test_store_refuses_a_too_small_budget_and_a_bad_index(checkpoint):
         make_store(checkpoint, device_slots=index.topology.top_k - 1)
     missing = ExpertIndex(index.topology, {k: v for k, v in index.locations.items() if k != K(1, 1)}, index.layout)
     with pytest.raises(CheckpointError, match="no location"):
-        InlineStore(missing, StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+        ExpertStore(missing, StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
     short = dict(index.locations)
     short[K(0, 0)] = ExpertLocation(K(0, 0), index.locations[K(0, 0)].segments[:2])
     with pytest.raises(CheckpointError, match="bytes on disk"):
-        InlineStore(ExpertIndex(index.topology, short, index.layout), StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
+        ExpertStore(ExpertIndex(index.topology, short, index.layout), StoreConfig("1.0", "0"), LRUPolicy(), LRUPolicy())
 
 
 def test_unknown_tier_is_refused(checkpoint):
@@ -270,8 +269,9 @@ def test_cuda_store_uses_pinned_host_slots_and_device_slots(checkpoint, host_slo
                 assert slot.is_cuda
                 assert_holds_expert(checkpoint, slot, key)
             store.release(keys)
-        assert (store._host is None or store._host.pool.pinned) and (store._bounce.num_slots == 0) == (host_slots > 0)
-        assert store._device.pool.data.is_cuda and (store._host is None) == (host_slots == 0)
+        pools = store.slot_pools()
+        assert ("host" not in pools or pools["host"].pinned) and (pools["staging"].num_slots == 0) == (host_slots > 0)
+        assert pools["device"].data.is_cuda and ("host" not in pools) == (host_slots == 0)
 
 
 @pytest.mark.parametrize("host_slots", [0, 2])
@@ -308,7 +308,7 @@ def test_an_expert_that_fails_its_check_is_never_kept(checkpoint, host_slots):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(3 * eb, host_slots * eb, "cpu", True)
     integrity = RefuseOne(K(1, 2))
-    with InlineStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         use(store, K(0, 0))
         with pytest.raises(CheckpointError, match="damaged"):
             store.acquire([K(0, 1), K(1, 2)])
@@ -329,7 +329,7 @@ def test_reads_land_in_place_in_slots_placed_by_file_offset(make_checkpoint, asy
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(4 * eb, host_slots * eb, asynchronous=asynchronous)
     disk = DiskReader()
-    with store_kind(config)(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=disk) as store:
+    with ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=disk) as store:
         for key in ckpt.index.locations:
             slot = store.acquire([key])[key]
             assert_holds_expert(ckpt, slot, key)
@@ -347,9 +347,10 @@ def test_copies_that_complete_later_are_waited_for_before_compute_and_before_the
     checkpoint = make_checkpoint(hidden=64, inter=48)  # experts over a block: slots overlap at any placement
     eb = checkpoint.index.topology.expert_bytes
     link = LateLink()
-    with InlineStore(checkpoint.index, StoreConfig(4 * eb, host_slots * eb), LRUPolicy(), LRUPolicy(),
+    with ExpertStore(checkpoint.index, StoreConfig(4 * eb, host_slots * eb), LRUPolicy(), LRUPolicy(),
                      link=link, staging=2 if host_slots == 0 else 0) as store:
-        assert (store._bounce.num_slots, store.host_slots) == ((2, 0) if host_slots == 0 else (0, 2))
+        staging = store.slot_pools()["staging"].num_slots
+        assert (staging, store.host_slots) == ((2, 0) if host_slots == 0 else (0, 2))
         first = store.acquire([K(0, 0), K(0, 1)])  # their copies wait for compute
         second = store.acquire([K(1, 2), K(1, 3)])  # read into the same two host or bounce slots
         link.compute()

@@ -12,9 +12,8 @@ import torch
 from moestream.errors import CheckpointError
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
-from moestream.store import StoreConfig
+from moestream.store import ExpertStore, StoreConfig
 from moestream.store.streams import CpuLink
-from moestream.store.async_store import AsyncExpertStore
 from moestream.store.transfer import TransferError
 from moestream.topology import ExpertKey
 from tests.store.links import LateLink
@@ -28,7 +27,7 @@ def make_tiered(ckpt, device_slots, host_slots, chunk_bytes=0, timeout_s=10.0, r
     eb = ckpt.index.topology.expert_bytes
     config = StoreConfig(device_slots * eb, host_slots * eb, asynchronous=True, chunk_bytes=chunk_bytes,
                          transfer_timeout_s=timeout_s)
-    return AsyncExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader, link=link)
+    return ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader, link=link)
 
 
 class SlowReader(GatedReader):
@@ -216,7 +215,7 @@ def test_a_damaged_expert_fails_in_its_host_slot_before_any_copy_up(checkpoint):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(2 * eb, 4 * eb, asynchronous=True)
     integrity = Damaged(K(1, 2))
-    with AsyncExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         with pytest.raises(CheckpointError, match=r"\(1, 2\) is damaged"):
             take(store, [K(1, 1), K(1, 2)])
         store.wait_idle()

@@ -1,19 +1,36 @@
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
 
 from moestream.checkpoint.layout import Segment
-from moestream.store.transfer import DiskWorker, LinkReports, Transfer, TransferError, TransferQueue, chunks_of
+from moestream.store.executor import ThreadedExecutor
+from moestream.store.transfer import (DISK, LinkReports, Transfer, TransferError, TransferLink, TransferQueue, pieces,
+                                      read_round)
 from moestream.topology import ExpertKey
+from moestream.tracer import Tracer
 
 K = ExpertKey
 
 
 def transfer(key, num_chunks=1, at=0, **kwargs):
     slot = torch.zeros(num_chunks, dtype=torch.uint8)
-    return Transfer(key, chunks_of([Segment("f", at + 100 * i, 1) for i in range(num_chunks)], slot, 0), **kwargs)
+    return Transfer(key, slot, pieces([Segment("f", at + 100 * i, 1) for i in range(num_chunks)], 0), **kwargs)
+
+
+def start_link(cond, queue, read, reports, max_chunks, lane=DISK, move=read_round):
+    """The link's rounds on a worker thread, as the asynchronous store runs them; returns (executor, tracer)."""
+    tracer = Tracer()
+    executor = ThreadedExecutor(max_chunks, timeout_s=5.0)
+    executor.start(cond, [TransferLink(lane, queue, partial(move, read), reports, tracer)], tracer)
+    return executor, tracer
+
+
+def offsets(batch):
+    """The file offsets a read batch asks for, chunk by chunk."""
+    return [segment.offset for segments, _ in batch for segment in segments]
 
 
 def test_demand_comes_first_in_order_asked_then_speculative_by_priority():
@@ -60,12 +77,14 @@ def test_repeated_reprioritising_keeps_the_heap_bounded_and_the_order_right():
 def test_chunks_cover_the_slot_by_matrix_or_by_size():
     slot = torch.arange(10, dtype=torch.uint8)
     segments = [Segment("a", 0, 6), Segment("b", 50, 4)]
-    by_matrix = chunks_of(segments, slot, 0)
-    assert [c.segments[0].nbytes for c in by_matrix] == [6, 4]
-    by_size = chunks_of(segments, slot, 4)
-    assert [(c.segments[0].file, c.segments[0].offset, c.segments[0].nbytes) for c in by_size] == [
-        ("a", 0, 4), ("a", 4, 2), ("b", 50, 4)]
-    assert torch.equal(torch.cat([c.dst for c in by_size]), slot)
+    by_matrix = pieces(segments, 0)
+    assert [segment.nbytes for segment, _ in by_matrix] == [6, 4]
+    by_size = pieces(segments, 4)
+    assert [(s.file, s.offset, s.nbytes, at) for s, at in by_size] == [("a", 0, 4, 0), ("a", 4, 2, 4), ("b", 50, 4, 6)]
+    moving = Transfer(K(0, 0), slot, by_size)
+    assert moving.piece(3) == (tuple(s for s, _ in by_size), slice(0, 10))  # the chunks tile the slot
+    moving.next_chunk = 1
+    assert moving.piece(2) == ((Segment("a", 4, 2), Segment("b", 50, 4)), slice(4, 10))
 
 
 def test_a_demand_waits_at_most_one_chunk_behind_speculative_work():
@@ -73,13 +92,13 @@ def test_a_demand_waits_at_most_one_chunk_behind_speculative_work():
     started = threading.Event()
 
     def read(batch):
-        reads.extend(segments[0].offset for segments, _ in batch)
+        reads.extend(offsets(batch))
         started.set()
         time.sleep(0.01)
         return 1
 
-    reports = LinkReports(lambda t: landed.append(t.key), lambda t, e: None, lambda s: None)
-    worker = DiskWorker(cond, queue, read, reports, max_chunks=1)
+    reports = LinkReports(landed=lambda t: landed.append(t.key), failed=lambda t, e: None)
+    executor, _ = start_link(cond, queue, read, reports, max_chunks=1)
     speculative = transfer(K(0, 0), num_chunks=6, priority=1.0)
     with cond:
         queue.push(speculative)
@@ -91,7 +110,7 @@ def test_a_demand_waits_at_most_one_chunk_behind_speculative_work():
     deadline = time.time() + 5
     while len(landed) < 2 and time.time() < deadline:
         time.sleep(0.01)
-    worker.stop(5)
+    executor.stop()
     assert landed == [K(1, 0), K(0, 0)]
     assert reads.index(7) - before <= 1  # the demand's chunk came at most one chunk later
     assert sorted(reads) == [0, 7, 100, 200, 300, 400, 500]
@@ -105,9 +124,9 @@ def test_a_failed_read_is_reported_and_the_worker_goes_on():
             raise OSError("injected")
         return 1
 
-    reports = LinkReports(lambda t: landed.append(t.key), lambda t, e: failed.append((t.key, e)), lambda s: None)
-    worker = DiskWorker(cond, queue, read, reports, max_chunks=1)
-    bad = Transfer(K(0, 0), chunks_of([Segment("bad", 0, 1)], torch.zeros(1, dtype=torch.uint8), 0))
+    reports = LinkReports(landed=lambda t: landed.append(t.key), failed=lambda t, e: failed.append((t.key, e)))
+    executor, _ = start_link(cond, queue, read, reports, max_chunks=1)
+    bad = Transfer(K(0, 0), torch.zeros(1, dtype=torch.uint8), pieces([Segment("bad", 0, 1)], 0))
     with cond:
         queue.push(bad)
         queue.push(transfer(K(0, 1)))
@@ -115,17 +134,17 @@ def test_a_failed_read_is_reported_and_the_worker_goes_on():
     deadline = time.time() + 5
     while len(landed) + len(failed) < 2 and time.time() < deadline:
         time.sleep(0.01)
-    worker.stop(5)
+    executor.stop()
     assert landed == [K(0, 1)] and failed[0][0] == K(0, 0) and "injected" in str(failed[0][1])
 
 
 def test_demand_transfers_are_read_whole_together_and_speculation_in_rounds():
-    cond, queue, batches, busy = threading.Condition(threading.RLock()), TransferQueue(8), [], []
+    cond, queue, batches = threading.Condition(threading.RLock()), TransferQueue(8), []
     gate = threading.Event()
 
     def read(batch):
         gate.wait(5)
-        batches.append(sorted(segments[0].offset for segments, _ in batch))
+        batches.append(sorted(offsets(batch)))
         return 1
 
     with cond:
@@ -134,12 +153,12 @@ def test_demand_transfers_are_read_whole_together_and_speculation_in_rounds():
         queue.push(transfer(K(1, 0), num_chunks=2, at=5000, demand=True))
         queue.push(transfer(K(1, 1), num_chunks=2, at=7000, demand=True))
     landed = []
-    reports = LinkReports(lambda t: landed.append(t.key), lambda t, e: None, busy.append)
-    worker = DiskWorker(cond, queue, read, reports, max_chunks=4)
+    reports = LinkReports(landed=lambda t: landed.append(t.key), failed=lambda t, e: None)
+    executor, tracer = start_link(cond, queue, read, reports, max_chunks=4)
     gate.set()
     deadline = time.time() + 5
     while len(landed) < 4 and time.time() < deadline:
         time.sleep(0.01)
-    worker.stop(5)
+    executor.stop()
     assert batches == [[5000, 5100, 7000, 7100], [0, 1000, 1100, 1200], [100, 200]]
-    assert landed == [K(1, 0), K(1, 1), K(0, 1), K(0, 0)] and len(busy) == 3
+    assert landed == [K(1, 0), K(1, 1), K(0, 1), K(0, 0)] and tracer.totals()[DISK].spans == 3  # rounds

@@ -9,10 +9,9 @@ import pytest
 
 from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
-from moestream.store import StoreConfig
+from moestream.store import ExpertStore, StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.store.factory import open_store
-from moestream.store.async_store import AsyncExpertStore
 from moestream.topology import ExpertKey
 from tests.store.test_store import assert_holds_expert
 
@@ -54,7 +53,7 @@ def make(kind, ckpt, device_slots, reader, host_slots=4):
     host = host_slots * eb if kind == "tiered" else 0
     config = StoreConfig(device_slots * eb, host, asynchronous=kind != "sync", transfer_timeout_s=10.0)
     if kind == "tiered":  # on the CPU open_store merges the tiers: build the two-tier store itself
-        return AsyncExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
+        return ExpertStore(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
     return open_store(ckpt.index, config, LRUPolicy(), LRUPolicy(), reader=reader)
 
 

@@ -49,10 +49,13 @@ class DefaultConfig:
     min_token_count: int = 3  # rarer training tokens map to the unknown token (index 0)
     min_prefetch_probability: float = 0.5
     idle_prefetch_probability: float = 0.1  # the bar while nothing moves to the tier
+    duel_window_tokens: int = 16  # tokens of lookups over which the model duels recency (duel.py); 0: no duel
 
     def __post_init__(self):
         if self.window_tokens < 1 or self.token_rank < 1 or self.min_token_count < 1:
             raise ConfigError("window_tokens, token_rank and min_token_count must be >= 1")
+        if self.duel_window_tokens < 0:
+            raise ConfigError("duel_window_tokens must be >= 0")
         if self.hidden_units < 0:
             raise ConfigError("hidden_units must be >= 0")
         if self.recall_beta < 0:

@@ -28,6 +28,7 @@ from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.contracts import (
     POLICIES,
     EvictionPolicy,
+    Observer,
     Prediction,
     PrefetchPlanner,
 )
@@ -44,6 +45,7 @@ from moestream.policies.default.model import (
     sigmoid,
     weight_index,
 )
+from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
 from moestream.policies.default.state import IterationState, warm_up
 from moestream.policies.default.storage import load_directory, save_directory
 from moestream.policies.planning import BandwidthAwarePlanner
@@ -289,19 +291,39 @@ class Default(TrainedPolicy):
 
     config_class = DefaultConfig
     _device_eviction: DefaultEviction | None = None  # the device tier's, once made
+    _duel: Duel | None = None  # the model against recency (duel.py), once made
 
     def make_predictor(self) -> DefaultPredictor:
         return DefaultPredictor(self.topology, self.config, self.train_config)
 
     def make_planner(self) -> PrefetchPlanner:
-        return BandwidthAwarePlanner(self.config.min_prefetch_probability, self.config.idle_prefetch_probability,
-                                     self._wait, self._victim_waits)
+        planner = BandwidthAwarePlanner(self.config.min_prefetch_probability, self.config.idle_prefetch_probability,
+                                        self._wait, self._victim_waits)
+        return DuelPlanner(planner, self.duel) if self.config.duel_window_tokens else planner
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
         eviction = DefaultEviction(self.predictor)
-        if tier == "device":
-            self._device_eviction = eviction  # the planner weighs each prefetch against its victim
-        return eviction
+        if tier != "device":
+            return eviction
+        self._device_eviction = eviction  # the planner weighs each prefetch against its victim
+        return DuelEviction(eviction, self.duel) if self.config.duel_window_tokens else eviction
+
+    def observers(self) -> list[Observer]:
+        return [self.predictor, self.duel] if self.config.duel_window_tokens else [self.predictor]
+
+    @property
+    def duel(self) -> Duel:
+        if self._duel is None:
+            self._duel = Duel(self.topology, self._next_use, self._ahead, self.config.duel_window_tokens)
+        return self._duel
+
+    def _ahead(self, layer: int) -> np.ndarray | None:
+        state = self.predictor.state
+        return None if state is None or not state.active else state.scores(layer, layer + 1)
+
+    def _next_use(self) -> np.ndarray | None:
+        state = self.predictor.state
+        return None if state is None else state.next_use
 
     def _wait(self, key: ExpertKey) -> float:
         eviction = self._device_eviction

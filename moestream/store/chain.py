@@ -1,0 +1,216 @@
+"""The chain of links that follows the store's tiers, and the one place a transfer is queued, lands,
+fails or is displaced.
+
+Links follow the tiers (`moestream.store.transfer`): disk -> device for one tier; disk -> host ->
+device where a host tier is kept apart (CUDA: pinned host slots below GPU memory). There a host hit
+goes straight to the copy queue; a miss takes a host slot, is read into it, checked there
+(integrity), then re-queued on the copy link with its demand and priority, so that one expert's read
+overlaps another's copy up. The host tier keeps the copy and evicts by its own policy; a host slot
+stays pinned while the disk writes it and while the copy reads it. A demand miss that finds every
+host slot pinned waits for a copy; a speculative one is refused unless the wait can move the copy
+itself (the inline executor): the one residency rule that may depend on the clock.
+
+Residency is the transfer core's (`moestream.transfer_core`), which the chain drives: an expert is in
+the device tier from its admission, whether its bytes have landed or not. Life of a transfer: queued
+(in flight, until its bytes are in the device slot), then landed, or failed (the expert leaves the
+tier, the error kept in `errors` for the thread that waits on it). A transfer whose expert the core
+evicts (`_displaced`) is cancelled if queued (a cancelled read frees its host slot, a cancelled copy
+keeps the host copy), else moved no further once its round ends. Everything here runs under the
+store's lock; it knows no thread, no policy and no device type.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import Callable
+
+import torch
+
+from moestream.checkpoint.layout import ExpertIndex, Integrity
+from moestream.errors import CheckpointError
+from moestream.store.disk import BLOCK_BYTES
+from moestream.store.stats import StoreStats
+from moestream.store.streams import Link
+from moestream.store.tiers import Tier
+from moestream.store.transfer import (DISK, H2D, LinkReports, Read, Transfer, TransferError, TransferLink,
+                                      TransferQueue, copy_round, pieces, read_round)
+from moestream.topology import ExpertKey
+from moestream.tracer import Tracer
+from moestream.transfer_core import TransferCore
+
+Wait = Callable[[Callable[[], bool], str, bool], bool]  # the store's wait: (ready, what, patient) -> ready
+
+
+class LinkChain:
+    def __init__(self, index: ExpertIndex, tiers: tuple[Tier, Tier | None], chunk_bytes: int,
+                 integrity: Integrity | None, cond: threading.Condition, wait: Wait):
+        """tiers: the device tier and the host tier (None: none); chunk_bytes: the largest chunk of a
+        transfer (0: one per weight matrix); cond: the store's; wait: how the store waits for a host slot."""
+        self.index, self.chunk_bytes, self.integrity = index, chunk_bytes, integrity
+        self.device, self.host = tiers
+        self.core: TransferCore[Transfer] = TransferCore(self.device.cache, self._displaced)
+        self.stats = StoreStats()  # the counters the chain keeps (the store adds the core's and the times)
+        self.errors: dict[ExpertKey, BaseException] = {}  # failures kept for the thread that waits on them
+        self.links: dict[str, TransferLink] = {}
+        self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
+        self._stale: set[ExpertKey] = set()  # host slots a dropped read still writes
+        self._cond, self._wait = cond, wait
+
+    def make_links(self, read: Read, link: Link, tracer: Tracer) -> list[TransferLink]:
+        """The chain of links that follows the tiers: disk -> device, or disk -> host -> device."""
+        reads = LinkReports(self._landed, self._read_failed, self._read_released,
+                            lambda experts, seconds: self.stats.read_fit.add(experts, seconds))
+        disk = TransferLink(DISK, TransferQueue(self.device.cache.capacity), partial(read_round, read), reads, tracer)
+        chain = [disk]
+        if self.host is not None:
+            copies = LinkReports(self._copied, self._copy_failed, self._copy_released)
+            chain.append(TransferLink(H2D, TransferQueue(self.device.cache.capacity), partial(copy_round, link), copies,
+                                      tracer))
+        self.links = {link.lane: link for link in chain}
+        return chain
+
+    def enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
+        """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier).
+        With a host tier, a host hit goes to the copy queue; a miss takes a host slot and goes to the disk queue."""
+        self.errors.pop(key, None)
+        if self.host is None:
+            self._queue(key, DISK, self.slot(self.device, key), priority, demand)
+            return True
+        if key not in self._stale and self.host.cache.access(key) is not None:
+            self.stats.host_hits += 1
+            self.host.cache.pin([key])  # the copy's pin
+            self._queue_copy(key, priority, demand)
+            return True
+        if not self._host_room(demand):
+            self.core.forget(key)
+            return False
+        slot, victim = self.host.cache.admit(key)
+        self.stats.evictions["host"] += victim is not None
+        self.host.cache.pin([key])  # the read's pin, then the copy's
+        self._queue(key, DISK, self.host.pool.slot(slot, self._residues[key]), priority, demand)
+        return True
+
+    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
+        self._queue(key, H2D, self.slot(self.device, key), priority, demand, src=self.slot(self.host, key))
+
+    def _queue(self, key: ExpertKey, lane: str, dst: torch.Tensor, priority: float, demand: bool,
+               src: torch.Tensor | None = None) -> None:
+        """Queues key's bytes on the lane's link into dst (1-D uint8), from src or the checkpoint."""
+        parts = pieces(self.index.locations[key].segments, self.chunk_bytes)
+        transfer = Transfer(key, dst, parts, src, priority=priority, demand=demand, link=lane)
+        self.links[lane].queue.push(transfer)
+        self.core.track(key, transfer)
+        self._cond.notify_all()
+
+    def _host_room(self, demand: bool) -> bool:
+        """Whether the host tier can take one more expert: a demand waits for a copy to free one."""
+        full = lambda: len(self.host.cache) >= self.host.cache.capacity and not self.host.cache.has_evictable()
+        return self._wait(lambda: not full(), "a free host slot", demand)
+
+    def defer(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
+        """Queued speculative transfers of the wanted experts' layers that the gate did not choose go
+        to the back of their queue (their experts keep their slots)."""
+        layers = {k.layer for k in wanted}
+        for link in self.links.values():
+            for transfer in link.queue.speculative():
+                if transfer.key.layer in layers and transfer.key not in chosen:
+                    link.queue.reprioritise(transfer, priority=float("-inf"))
+
+    def reprioritise(self, key: ExpertKey, priority: float | None = None, demand: bool = False) -> None:
+        transfer = self.core.moving.get(key)
+        if transfer is not None:
+            self.links[transfer.link].queue.reprioritise(transfer, priority, demand)
+
+    # -- the links' reports: landing, failing, displacing --------------------------------------------
+
+    def _landed(self, transfer: Transfer) -> None:
+        """A read's bytes are in its slot: checked, then on to the copy link or in place."""
+        if not self._verified(transfer, self.host or self.device):
+            return
+        self.stats.host_misses += 1
+        if self.host is not None:  # on to the host -> device link, with its demand and priority
+            self._queue_copy(transfer.key, transfer.priority, transfer.demand)
+            return
+        self.core.landed(transfer.key, transfer)
+        self._cond.notify_all()
+
+    def _copied(self, copy: Transfer) -> None:
+        if not self.core.landed(copy.key, copy):
+            return  # displaced, or forgotten by close()
+        self.host.cache.unpin([copy.key])
+        self.stats.bytes_read["host"] += self.index.topology.expert_bytes
+        self._cond.notify_all()
+
+    def _verified(self, transfer: Transfer, tier: Tier) -> bool:
+        """Whether a landed read is still wanted and its bytes in tier's slot pass the integrity check (if
+        not, the transfer has failed). A damaged expert fails here, before any slot holding it is used."""
+        if self.core.moving.get(transfer.key) is not transfer:
+            return False  # displaced, or forgotten by close()
+        self.stats.bytes_read["disk"] += self.index.topology.expert_bytes
+        try:
+            if self.integrity is not None:
+                self.integrity.check_batch([transfer.key], [self.slot(tier, transfer.key)])
+        except CheckpointError as error:
+            self._read_failed(transfer, error)
+            return False
+        return True
+
+    def _read_failed(self, transfer: Transfer, error: BaseException) -> None:
+        self._fail(transfer, error, f"reading expert {tuple(transfer.key)} from disk failed")
+
+    def _copy_failed(self, copy: Transfer, error: BaseException) -> None:
+        self._fail(copy, error, f"copying expert {tuple(copy.key)} from host to device failed")
+
+    def _fail(self, transfer: Transfer, error: BaseException, what: str) -> None:
+        """The error kept for the thread that waits on the transfer's expert, which leaves the tier."""
+        if self.core.moving.get(transfer.key) is transfer:
+            failure = error if isinstance(error, CheckpointError) else TransferError(f"{what}: {error}")
+            failure.__cause__ = None if failure is error else error
+            self.errors[transfer.key] = failure
+            self.forget(transfer)
+        self._cond.notify_all()
+
+    def _displaced(self, transfer: Transfer) -> None:
+        """The core evicted the transfer's expert: cancelled if queued, else moved no further once its
+        round ends. Its slot is safe to reuse at once: whatever is queued into it next goes on the same
+        link, after that round."""
+        if transfer.link == DISK and transfer.held and self.host is not None:
+            self._stale.add(transfer.key)  # not a host hit until the read lets go of its slot
+        transfer.dropped = True
+        if self.links[transfer.link].queue.cancel(transfer.key) is transfer:
+            self.stats.cancelled += 1
+            self._given_back(transfer)
+        elif not transfer.held:  # between the stages of a tiered transfer: nothing holds it
+            self._given_back(transfer)
+
+    def _given_back(self, transfer: Transfer) -> None:
+        """What a transfer held besides its device slot, given back (its link's own release)."""
+        self.links[transfer.link].reports.released(transfer)
+
+    def _copy_released(self, copy: Transfer) -> None:
+        """A copy's host pin given back (its host copy stays)."""
+        self.host.cache.unpin([copy.key])
+
+    def _read_released(self, transfer: Transfer) -> None:
+        """A dropped read's expert leaves the host tier (its bytes may not be whole) unless a new read
+        fills it again."""
+        key = transfer.key
+        if self.host is None:
+            return
+        self._stale.discard(key)
+        if key in self.core.moving:
+            self.host.cache.unpin([key])
+        elif key in self.host.cache:
+            self.host.cache.remove(key)
+
+    def forget(self, transfer: Transfer) -> None:
+        """The transfer's expert leaves the device tier (its bytes never arrived there)."""
+        self.core.forget(transfer.key)
+        self._given_back(transfer)
+
+    # -- under the lock: helpers ------------------------------------------------------------------
+
+    def slot(self, tier: Tier, key: ExpertKey) -> torch.Tensor:
+        """key's slot in tier, placed so that its disk reads land in place."""
+        return tier.slot(key, self._residues[key])
