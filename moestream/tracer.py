@@ -2,14 +2,14 @@
 timelines are read from it.
 
 A part is handed the tracer once, at construction, and reports spans (lane, label, begin, end;
-`time.perf_counter` seconds) through `span()` or `add()`. Lanes used by the engine: "experts" (the
+`time.perf_counter` seconds) through `span()`, `call()` or `add()`. Lanes used by the engine: "experts" (the
 compute thread's routed expert MLPs), "layer" (a layer's grouped or row-wise expert work besides
 them), "policy" (the observers' calls and the policy's decisions), "wait" (the compute thread
 waiting for expert bytes), "disk" (a round of disk reads on its link), "h2d" (a round of host ->
 device copies). The tracer always sums each lane (`totals()`: seconds and spans), so time counters
 such as a store's stall are derived from it; it keeps the spans themselves only when asked
 (`keep_spans`), for a timeline. Labels may be given as callables, built only when spans are kept.
-Recording is thread-safe. Knows no policy, no store and no model: it only keeps what it is told.
+Recording is thread-safe (each thread sums into its own totals, without a lock). Knows no policy, no store and no model: it only keeps what it is told.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 LANES = ("experts", "layer", "policy", "wait", "disk", "h2d")  # h2d: the host -> device copy link
 
 Label = str | Callable[[], str]
+_clock = time.perf_counter  # bound once: a span's own cost inside its measured time stays small
 
 
 @dataclass(frozen=True)
@@ -47,36 +47,58 @@ class Tracer:
     def __init__(self, keep_spans: int = 0):
         """keep_spans: how many of the latest spans to keep for `window` (0: none, totals only)."""
         self._spans: deque[Span] | None = deque(maxlen=keep_spans) if keep_spans else None
-        self._totals: dict[str, LaneTotal] = {}
+        self._local = threading.local()  # .totals: this thread's lane -> (seconds, spans), written by it alone
+        self._threads: list[dict[str, tuple[float, int]]] = []  # every thread's totals
         self._lock = threading.Lock()
 
     @property
     def keeps_spans(self) -> bool:
         return self._spans is not None
 
-    @contextmanager
-    def span(self, lane: str, label: Label = "") -> Iterator[None]:
-        """Records the time the with-block takes (also when it raises)."""
-        began = time.perf_counter()
+    def span(self, lane: str, label: Label = "") -> "_Timed":
+        """A context manager that records the time its with-block takes (also when it raises)."""
+        return _Timed(self, lane, label)
+
+    def call(self, lane: str, label: Label, function: Callable, argument):
+        """function(argument), its time recorded as a span (also when it raises); returns what it returns.
+        Cheaper than `span` inside the span (e.g. for a cache's hooks): only the call itself."""
+        began = _clock()
         try:
-            yield
+            return function(argument)
         finally:
-            self.add(lane, label, began, time.perf_counter())
+            ended = _clock()
+            self.add(lane, label, began, ended)
 
     def add(self, lane: str, label: Label, begin_s: float, end_s: float) -> float:
         """Records a span that has ended; returns its seconds."""
         seconds = end_s - begin_s
-        with self._lock:
-            total = self._totals.get(lane, LaneTotal())
-            self._totals[lane] = LaneTotal(total.seconds + seconds, total.spans + 1)
-            if self._spans is not None:
-                self._spans.append(Span(lane, label() if callable(label) else label, begin_s, end_s))
+        totals = self._thread_totals()
+        before = totals.get(lane)
+        totals[lane] = (seconds, 1) if before is None else (before[0] + seconds, before[1] + 1)  # one atomic store
+        if self._spans is not None:
+            span = Span(lane, label() if callable(label) else label, begin_s, end_s)
+            with self._lock:
+                self._spans.append(span)
         return seconds
 
     def totals(self) -> dict[str, LaneTotal]:
         """Each lane's seconds and spans since the tracer was made (subtract an earlier copy for a window)."""
+        summed: dict[str, LaneTotal] = {}
         with self._lock:
-            return dict(self._totals)
+            threads = [list(totals.items()) for totals in self._threads]
+        for lane, (seconds, spans) in (item for items in threads for item in items):
+            before = summed.get(lane, LaneTotal())
+            summed[lane] = LaneTotal(before.seconds + seconds, before.spans + spans)
+        return summed
+
+    def _thread_totals(self) -> dict[str, tuple[float, int]]:
+        """The calling thread's totals (no lock on the way: each thread writes its own)."""
+        totals = getattr(self._local, "totals", None)
+        if totals is None:
+            totals = self._local.totals = {}
+            with self._lock:
+                self._threads.append(totals)
+        return totals
 
     def window(self, begin_s: float, end_s: float) -> list[Span]:
         """The kept spans that overlap [begin_s, end_s), clipped to it, in order of their start."""
@@ -85,6 +107,22 @@ class Tracer:
         clipped = [Span(s.lane, s.label, max(s.begin_s, begin_s), min(s.end_s, end_s))
                    for s in spans if s.end_s > begin_s and s.begin_s < end_s]
         return sorted(clipped, key=lambda s: s.begin_s)
+
+
+class _Timed:
+    """One span being timed (a class rather than a generator: the clock is read right around the block)."""
+
+    __slots__ = ("_tracer", "_lane", "_label", "_began")
+
+    def __init__(self, tracer: Tracer, lane: str, label: Label):
+        self._tracer, self._lane, self._label = tracer, lane, label
+
+    def __enter__(self) -> None:
+        self._began = _clock()
+
+    def __exit__(self, kind, error, trace) -> None:
+        ended = _clock()
+        self._tracer.add(self._lane, self._label, self._began, ended)
 
 
 def since(now: dict[str, LaneTotal], before: dict[str, LaneTotal], lane: str) -> LaneTotal:

@@ -1,6 +1,8 @@
 """The tracer: it sums every lane, keeps spans only when asked, builds lazy labels only then; a window
 clips and orders spans; busy time counts overlaps once."""
 
+import threading
+
 import pytest
 
 from moestream.tracer import LaneTotal, Span, Tracer, busy_s, overlap_s, since
@@ -74,3 +76,28 @@ def test_overlap_is_the_time_both_cover():
     second = [Span("wait", "", 1.5, 3.5)]
     assert overlap_s(first, second) == pytest.approx(1.0)
     assert overlap_s(first, []) == 0.0
+
+
+def test_a_call_returns_its_result_and_is_recorded_even_when_it_raises():
+    tracer = Tracer(keep_spans=4)
+    assert tracer.call("policy", "double", lambda x: 2 * x, 21) == 42
+    with pytest.raises(ZeroDivisionError):
+        tracer.call("policy", "divide", lambda x: 1 / x, 0)
+    assert [s.label for s in tracer.window(float("-inf"), float("inf"))] == ["double", "divide"]
+    assert tracer.totals()["policy"].spans == 2
+
+
+def test_spans_from_several_threads_all_count():
+    tracer = Tracer()
+
+    def record():
+        for _ in range(5000):
+            tracer.add("disk", "", 0.0, 0.5)
+
+    threads = [threading.Thread(target=record) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    record()
+    for thread in threads:
+        thread.join()
+    assert tracer.totals() == {"disk": LaneTotal(12500.0, 25000)}

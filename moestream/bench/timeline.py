@@ -1,10 +1,11 @@
 """`moestream bench timeline`: where one decode token's time goes, lane by lane.
 
 One prompt runs through the engine (experts on disk, page cache dropped first; routing replayed when
---replay-routing is given) with a `Timeline` attached. For one decode step (--token K: from step K's
+--replay-routing is given), built with a `Tracer` that keeps its spans. For one decode step (--token K: from step K's
 start to the next one's; by default the one before the last, since the last one's end also holds
 building the result) it prints the step's wall time and, per lane, the time busy and the number of
-spans: the compute thread's routed expert MLPs, policy decisions and waits for expert bytes, what
+spans: the compute thread's routed expert MLPs, the layers' other expert work (grouped flushes,
+weighting and scatter), policy decisions and waits for expert bytes, what
 remains of the compute thread (the dense part, prefetch calls, sampling, Python), and each link's
 transfers with the share that ran while the compute thread computed rather than waited. --json
 writes the step's spans (ms from its start), --plot draws them one row per lane. Figures only:
@@ -21,10 +22,11 @@ from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
 from moestream.settings import add_arguments
-from moestream.timeline import LANES, Span, Timeline, busy_s, overlap_s
+from moestream.tracer import LANES, Span, Tracer, busy_s, overlap_s
 
 TRANSFER_LANES = ("disk", "h2d")
-THREAD_LANES = ("experts", "policy", "wait")  # the compute thread's own spans
+THREAD_LANES = ("experts", "layer", "policy", "wait")  # the compute thread's own spans
+KEPT_SPANS = 200_000  # the latest spans the tracer keeps
 
 
 def add_parser(kinds) -> None:
@@ -62,11 +64,11 @@ def run(args) -> int:
     from moestream.atomic import write_json
 
     token = _check(args)
-    timeline, steps = _record(args)
+    tracer, steps = _record(args)
     if token + 1 >= len(steps.starts):
         raise MoestreamError(f"the generation ended after {len(steps.starts) - 2} decode steps (end of sequence), "
                              f"before step {token}: pass a smaller --token")
-    document = figures(timeline, steps.starts, token) | {
+    document = figures(tracer, steps.starts, token) | {
         "compute_thread_cpu_ms": (steps.cpu_s[token + 1] - steps.cpu_s[token]) * 1e3}
     _print(document)
     if args.json:
@@ -85,7 +87,7 @@ def _check(args) -> int:
     return token
 
 
-def _record(args) -> tuple[Timeline, StepStarts]:
+def _record(args) -> tuple[Tracer, StepStarts]:
     import torch
 
     from moestream.bench.engine.plan import checkpoint_line
@@ -103,22 +105,21 @@ def _record(args) -> tuple[Timeline, StepStarts]:
                           policy=args.policy, replay_routing=args.replay_routing)
     spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))
     policy = make_policy(spec, build_index(model).topology)
-    timeline, steps = Timeline(), StepStarts()
-    with Engine(model, config, observers=[steps], policy=policy) as engine:
+    tracer, steps = Tracer(keep_spans=KEPT_SPANS), StepStarts()
+    with Engine(model, config, observers=[steps], policy=policy, tracer=tracer) as engine:
         drop_page_cache(shards(model))
-        engine.record_timeline(timeline)
         engine.generate([PROMPTS[0]], args.max_new_tokens)
         steps.mark()  # the end of the last step
-    return timeline, steps
+    return tracer, steps
 
 
-def figures(timeline: Timeline, starts: list[float], token: int) -> dict:
+def figures(tracer: Tracer, starts: list[float], token: int) -> dict:
     """The figures and spans of decode step `token` (step 0 is the prefill): from its start to the next's."""
     begin, end = starts[token], starts[token + 1]
-    spans = timeline.window(begin, end)
+    spans = tracer.window(begin, end)
     lanes = {lane: [s for s in spans if s.lane == lane] for lane in LANES}
     thread = [s for lane in THREAD_LANES for s in lanes[lane]]
-    computing = lanes["experts"] + lanes["policy"]
+    computing = lanes["experts"] + lanes["layer"] + lanes["policy"]
     token_s = end - begin
     return {
         "token": token,

@@ -14,15 +14,15 @@ The order, for each iteration (see `moestream.policies.contracts`):
 
 `run_iteration` walks a replayed `Iteration` in that order and calls a `LayerMechanism` at the two
 points where the mechanism acts; the engine, which is driven by the model's forward pass instead,
-calls the same steps one by one. The driver times every call it makes into the policy
-(`decision_seconds`), so every policy's cost per layer decision is measured the same way;
-`TimedEviction` does the same for the eviction hooks a cache calls.
+calls the same steps one by one. The driver reports every call it makes into the policy to its
+tracer (lane "policy", one span per call; the engine's `decide` is one span), so every policy's cost
+per layer decision is measured the same way; `TimedEviction` does the same for the eviction hooks a
+cache calls.
 This module knows the contract, not any policy, cache, link or clock of the mechanism.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Iterable, Protocol, Sequence
 
 from moestream.events import IterationContext, RoutingEvent
@@ -36,6 +36,7 @@ from moestream.policies.contracts import (
 )
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
+from moestream.tracer import Tracer
 
 
 class LayerMechanism(Protocol):
@@ -50,53 +51,51 @@ class LayerMechanism(Protocol):
 
 class PolicyDriver:
     def __init__(self, policy: Policy, evictions: Sequence[EvictionPolicy] = (),
-                 observers: Sequence[Observer] = (), horizon_layers: int = 2):
+                 observers: Sequence[Observer] = (), horizon_layers: int = 2, tracer: Tracer | None = None):
+        """tracer: where each call into the policy is reported, lane "policy" (None: a totals-only one)."""
         self.policy = policy
         self.horizon_layers = horizon_layers
         self.observers: list[Observer] = [*policy.observers(), *evictions, *observers]
-        self.decision_seconds = 0.0  # wall time spent in the policy's calls made through this driver
+        self.tracer = tracer if tracer is not None else Tracer()
 
     def add_observer(self, observer: Observer) -> None:
         self.observers.append(observer)
 
     def begin_iteration(self, ctx: IterationContext) -> None:
-        start = time.perf_counter()
-        for observer in self.observers:
-            observer.begin_iteration(ctx)
-        self.decision_seconds += time.perf_counter() - start
+        with self.tracer.span("policy", "begin iteration"):
+            for observer in self.observers:
+                observer.begin_iteration(ctx)
 
     def observe(self, event: RoutingEvent) -> None:
-        start = time.perf_counter()
-        for observer in self.observers:
-            observer.observe(event)
-        self.decision_seconds += time.perf_counter() - start
+        with self.tracer.span("policy", lambda: f"observe layer {event.layer}"):
+            for observer in self.observers:
+                observer.observe(event)
 
     def end_sequence(self, seq_id: int) -> None:
-        start = time.perf_counter()
-        for observer in self.observers:
-            observer.end_sequence(seq_id)
-        self.decision_seconds += time.perf_counter() - start
+        with self.tracer.span("policy", lambda: f"end sequence {seq_id}"):
+            for observer in self.observers:
+                observer.end_sequence(seq_id)
 
     def predict(self, layer_now: int) -> list[Prediction]:
         """The predictor's predictions for the horizon after layer_now (none with horizon 0)."""
         if not self.horizon_layers:
             return []
-        start = time.perf_counter()
-        predictions = self.policy.predictor.predict(layer_now, self.horizon_layers)
-        self.decision_seconds += time.perf_counter() - start
-        return predictions
+        with self.tracer.span("policy", lambda: f"predict after layer {layer_now}"):
+            return self.policy.predictor.predict(layer_now, self.horizon_layers)
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        start = time.perf_counter()
-        requests = self.policy.planner.plan(predictions, view)
-        self.decision_seconds += time.perf_counter() - start
-        return requests
+        with self.tracer.span("policy", lambda: f"plan after layer {view.layer_now}"):
+            return self.policy.planner.plan(predictions, view)
 
     def decide(self, layer_now: int, view: Callable[[int], CacheView]) -> list[TransferRequest]:
-        """The engine's per-layer entry point: predict(layer_now), then the planner's requests against
-        view(layer_now), the tier as it is then (nothing predicted: no request, no view built)."""
-        predictions = self.predict(layer_now)
-        return self.plan(predictions, view(layer_now)) if predictions else []
+        """The engine's per-layer entry point, one span: predict(layer_now), then the planner's requests
+        against view(layer_now), the tier as it is then (nothing predicted: no request, no view built)."""
+        requests: list[TransferRequest] = []
+        with self.tracer.span("policy", lambda: f"after layer {layer_now}: {len(requests)} requests"):
+            predictions = self.policy.predictor.predict(layer_now, self.horizon_layers) if self.horizon_layers else []
+            if predictions:
+                requests = self.policy.planner.plan(predictions, view(layer_now))
+        return requests
 
     def run_iteration(self, it: Iteration, mechanism: LayerMechanism) -> None:
         """One replayed iteration in the contract's order, the mechanism acting between the steps."""
@@ -115,28 +114,20 @@ class PolicyDriver:
 
 
 class TimedEviction(EvictionPolicy):
-    """Forwards the cache's hooks to an eviction policy and adds up the time they take on `clock`
-    (wall time by default; `time.thread_time` counts only this thread's CPU)."""
+    """Forwards the cache's hooks to an eviction policy and reports the time each takes to the tracer,
+    lane "policy"."""
 
-    def __init__(self, inner: EvictionPolicy, clock: Callable[[], float] = time.perf_counter):
-        self.inner, self.clock = inner, clock
-        self.seconds = 0.0
+    def __init__(self, inner: EvictionPolicy, tracer: Tracer):
+        self.inner, self.tracer = inner, tracer
 
     def on_insert(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_insert, key)
+        self.tracer.call("policy", "on_insert", self.inner.on_insert, key)
 
     def on_access(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_access, key)
+        self.tracer.call("policy", "on_access", self.inner.on_access, key)
 
     def on_remove(self, key: ExpertKey) -> None:
-        self._timed(self.inner.on_remove, key)
+        self.tracer.call("policy", "on_remove", self.inner.on_remove, key)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        return self._timed(self.inner.victim, candidates)
-
-    def _timed(self, hook, argument):
-        start = self.clock()
-        try:
-            return hook(argument)
-        finally:
-            self.seconds += self.clock() - start
+        return self.tracer.call("policy", "victim", self.inner.victim, candidates)

@@ -54,8 +54,8 @@ from moestream.runtime.runner import (NO_TOKEN_LIMIT, RUNNERS, BatchCache, Model
                                       TokenSampler)
 from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches, eos_ids
 from moestream.runtime.sharding import ALONE, Shard, StepAnnouncer
-from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
+from moestream.tracer import Tracer
 from moestream.store.config import StoreConfig
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
@@ -86,10 +86,12 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
                  observers: Seq[Observer] = (), progress: bool = False, policy: Policy | None = None,
-                 shard: Shard | None = None, steps: StepAnnouncer | None = None):
+                 shard: Shard | None = None, steps: StepAnnouncer | None = None, tracer: Tracer | None = None):
         """policy: an already built (e.g. fitted) policy instead of config.policy by name; shard: the
-        experts this rank owns (None: all); steps: told of every forward pass (the scheduling rank)."""
+        experts this rank owns (None: all); steps: told of every forward pass (the scheduling rank);
+        tracer: what the engine's parts report their work to (None: a totals-only one)."""
         self.config = config or EngineConfig()
+        self.tracer = tracer if tracer is not None else Tracer()
         self.shard, self.steps = shard, steps or ALONE
         if self.config.device == "cpu":
             bound_shape_caches()
@@ -99,13 +101,15 @@ class Engine:
                                              self.config.transfer_timeout_s)
         evictions = {tier: self.policy.make_eviction(tier) for tier in TIERS}
         self.store: ExpertStore = open_store(self.checkpoint.experts, StoreConfig.of(self.config),
-                                             evictions["device"], evictions["host"], load_manifest(self.checkpoint))
-        self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers)
+                                             evictions["device"], evictions["host"], load_manifest(self.checkpoint),
+                                             tracer=self.tracer)
+        self.driver = PolicyDriver(self.policy, list(evictions.values()), observers, self.config.horizon_layers,
+                                   self.tracer)
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
         self.prefetcher = Prefetcher(self.driver, self.store, shard)
         self.store.model_link(modelled_link(self.config, self.checkpoint.topology))
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
-                                        decode=expert_decoder(self.checkpoint, self.config.device))
+                                        decode=expert_decoder(self.checkpoint, self.config.device), tracer=self.tracer)
         self._hooks: list = []
         self.runner: ModelRunner | None = None
         self._tokenizer = None
@@ -182,11 +186,6 @@ class Engine:
         """Zeroes the store's hits, misses and bytes read (on every rank)."""
         self.store.reset_stats()
         self.steps.reset_stats()
-
-    def record_timeline(self, timeline: Timeline | None) -> None:
-        """Record the expert MLPs, policy decisions, waits and transfers into timeline (None: stop)."""
-        self.experts.timeline = self.prefetcher.timeline = self.publisher.timeline = timeline
-        self.store.record_timeline(timeline)
 
     def add_observer(self, observer: Observer) -> None:
         self.driver.add_observer(observer)

@@ -25,9 +25,7 @@ elsewhere. Without a shard every expert is this process's.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -41,8 +39,8 @@ from moestream.runtime.finite import check_finite
 from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows, default_kernel
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.runtime.sharding import Shard
-from moestream.timeline import Timeline
 from moestream.topology import ExpertKey
+from moestream.tracer import LaneTotal, Tracer, since
 
 class Prefetcher:
     """After a layer's routing: the driver's transfer requests for the layers ahead, into the device tier
@@ -52,16 +50,11 @@ class Prefetcher:
         self.driver = driver
         self.store = store
         self.shard = shard
-        self.timeline: Timeline | None = None  # records each decision when set
 
     def after(self, layer_now: int) -> None:
-        began = time.perf_counter()
-        requests = self.driver.decide(layer_now, self.store.plan_view)
+        requests = self.driver.decide(layer_now, self.store.plan_view)  # the driver reports its time
         if self.shard is not None:
             requests = [request for request in requests if self.shard.owns(request.key)]
-        if self.timeline is not None:  # the decision only: what prefetch waits for, the store records
-            label = f"after layer {layer_now}: {len(requests)} requests"
-            self.timeline.add("policy", label, began, time.perf_counter())
         if requests:
             self.store.prefetch(requests)
         elif layer_now >= 0:  # an empty plan ends the last one too (before the first layer it stands)
@@ -110,16 +103,12 @@ class RowPlan:
         return self._spans[expert]
 
 
-@dataclass
-class ComputeTiming:
-    """Wall time of the routed experts' MLPs on the compute thread (on CUDA: their launches), for
-    calibrating the simulator (`bench fidelity`)."""
-
-    experts: int = 0  # expert MLPs run
-    seconds: float = 0.0
-
-    def copy(self) -> "ComputeTiming":
-        return ComputeTiming(self.experts, self.seconds)
+def expert_compute(now: dict[str, LaneTotal], before: dict[str, LaneTotal]) -> tuple[int, float]:
+    """The routed expert MLPs run between two `Tracer.totals()` copies, and the compute thread's seconds
+    in the layers' expert work (theirs, lane "experts", and the grouped or row-wise rest, lane "layer"),
+    for calibrating the simulator (`bench fidelity`; on CUDA: their launches)."""
+    experts = since(now, before, "experts")
+    return experts.spans, experts.seconds + since(now, before, "layer").seconds
 
 
 class OffloadedExperts:
@@ -127,8 +116,10 @@ class OffloadedExperts:
 
     def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None, reorder: bool = True,
                  kernel: str | None = None, decode: Callable[[Weights], Weights] | None = None,
-                 shard: Shard | None = None):
-        """decode: a quantized slot's views -> the dense weights of its MLP (into scratch), None: unquantized."""
+                 shard: Shard | None = None, tracer: Tracer | None = None):
+        """decode: a quantized slot's views -> the dense weights of its MLP (into scratch), None: unquantized;
+        tracer: where each expert MLP (lane "experts") and the layer's other expert work ("layer") are
+        reported (None: a totals-only one)."""
         self.store = store
         self.decode = decode
         self.shard = shard  # None: every expert is computed here
@@ -136,8 +127,7 @@ class OffloadedExperts:
         self.prefetcher = prefetcher
         self.reorder = reorder
         self.kernel = kernel  # a LAYER_KERNELS name; None: the device's default
-        self.timing = ComputeTiming()
-        self.timeline: Timeline | None = None  # records each expert MLP when set
+        self.tracer = tracer if tracer is not None else Tracer()
         self._router_logits: dict[int, torch.Tensor] = {}
         self._views: OrderedDict[int, Weights] = OrderedDict()  # slot address -> typed views, least recent first
         self._max_views = 2 * max(store.device_slots, 1)  # a slot's address moves with its expert's file offset
@@ -191,27 +181,14 @@ class OffloadedExperts:
             fetch = first if number == 0 else self.store.fetch(group, [key for g in groups for key in g])
             try:
                 for key, slot in fetch.ready(self.reorder):
-                    began = time.perf_counter()
-                    layer.add(self._slot_views(slot), *plan.span(key.expert))
-                    self._timed(began, key)
-                began = time.perf_counter()
-                layer.flush()
-                self._timed(began, label=f"layer {group[0].layer}: flush of {len(group)} experts")
+                    with self.tracer.span("experts", lambda: f"layer {key.layer} expert {key.expert}"):
+                        layer.add(self._slot_views(slot), *plan.span(key.expert))
+                with self.tracer.span("layer", lambda: f"layer {group[0].layer}: flush of {len(group)} experts"):
+                    layer.flush()
             finally:
                 fetch.release()
-        began = time.perf_counter()
-        out = layer.result()  # [S, H]
-        self._timed(began, label="the layer's weighting and scatter")
-        return out
-
-    def _timed(self, began: float, key: ExpertKey | None = None, label: str = "") -> None:
-        """An expert added (key), or the layer's grouped or row-wise work (label), on the compute thread."""
-        ended = time.perf_counter()
-        self.timing.seconds += ended - began
-        self.timing.experts += int(key is not None)
-        if self.timeline is not None:
-            label = f"layer {key.layer} expert {key.expert}" if key is not None else label
-            self.timeline.add("experts", label, began, ended)
+        with self.tracer.span("layer", "the layer's weighting and scatter"):
+            return layer.result()  # [S, H]
 
     def _slot_views(self, slot: torch.Tensor) -> Weights:
         """Typed views of a slot, kept for the slot addresses used most recently (an address serves

@@ -4,12 +4,11 @@ The engine tells the publisher which sequence and position each row of the next 
 belongs to (a `RowContext`); the experts forward hands it each layer's routing, and it turns that
 into a `RoutingEvent` of the rows that really run (padding, finished and dropped tokens excluded).
 It knows no policy: it hands each event to a `PolicyDriver` (moestream.policies.driver), which calls
-the policy's observers and any others in the contract's order.
+the policy's observers and any others in the contract's order, and reports the time they take.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,7 +18,6 @@ import torch
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.contracts import Observer
 from moestream.policies.driver import PolicyDriver
-from moestream.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,6 @@ class Publisher:
     def __init__(self, driver: PolicyDriver | None = None, always_hidden: bool = False):
         self.driver = driver  # None: nobody observes (a forward outside the engine)
         self.always_hidden = always_hidden
-        self.timeline: Timeline | None = None  # records each begin and observe call when set
         self._rows: RowContext | None = None
 
     @property
@@ -84,7 +81,7 @@ class Publisher:
 
     def begin_iteration(self, ctx: IterationContext) -> None:
         if self.driver is not None:
-            self._timed("begin iteration", self.driver.begin_iteration, ctx)
+            self.driver.begin_iteration(ctx)
 
     def end_sequence(self, seq_id: int) -> None:
         if self.driver is not None:
@@ -105,18 +102,8 @@ class Publisher:
             hidden=_numpy(hidden[routing.rows]) if self.needs_hidden else None,
         )
         if self.driver is not None:
-            self._timed(f"observe layer {layer}", self.driver.observe, event)
+            self.driver.observe(event)
         return event
-
-    def _timed(self, label: str, call, argument) -> None:
-        """call(argument), recorded in the timeline's policy lane when there is one (observers: the policy's
-        predictor and eviction, and any others)."""
-        if self.timeline is None:
-            call(argument)
-            return
-        began = time.perf_counter()
-        call(argument)
-        self.timeline.add("policy", label, began, time.perf_counter())
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

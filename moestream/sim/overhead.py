@@ -2,7 +2,8 @@
 
 A decision is everything the policy does for one layer on the compute thread: its observer hooks,
 predict and plan (timed by the driver), and the eviction hooks the device tier calls as the layer's
-experts are served and the plan's prefetches are admitted (`TimedEviction`, around each hook). An
+experts are served and the plan's prefetches are admitted (`TimedEviction`, around each hook); both
+report to one tracer, whose "policy" lane the layer's time is read from. An
 iteration's begin and sequence ends count in the layer that follows them. A policy whose predictor
 runs on a worker in the engine runs inline here, so the worker's work is counted too. Knows the
 contracts and the cache, not any policy.
@@ -20,6 +21,7 @@ from moestream.policies.driver import PolicyDriver, TimedEviction
 from moestream.topology import ExpertKey
 from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
+from moestream.tracer import LaneTotal, Tracer
 
 
 def overhead_us_per_layer(policy: Policy, sample: Trace, horizon_layers: int, cache_ratio: float = 0.1) -> float:
@@ -27,10 +29,11 @@ def overhead_us_per_layer(policy: Policy, sample: Trace, horizon_layers: int, ca
     policy = copy.deepcopy(policy)
     policy.prepare(sample)
     eviction = policy.make_eviction("device")
-    driver = PolicyDriver(policy, [eviction], horizon_layers=horizon_layers)
+    tracer = Tracer()
+    driver = PolicyDriver(policy, [eviction], horizon_layers=horizon_layers, tracer=tracer)
     topology = sample.topology
     capacity = max(topology.top_k, int(topology.total_experts * cache_ratio))
-    timer = LayerTimer(driver, ExpertCache(capacity, TimedEviction(eviction)), topology.num_layers)
+    timer = LayerTimer(driver, ExpertCache(capacity, TimedEviction(eviction, tracer)), topology.num_layers)
     driver.run(decode_stream(sample), timer)
     return 1e6 * float(np.median(timer.seconds)) if timer.seconds else 0.0
 
@@ -60,6 +63,6 @@ class LayerTimer:
                 except CacheFullError:
                     break
         if layer_now >= 0:
-            spent = self.driver.decision_seconds + self.cache.policy.seconds
+            spent = self.driver.tracer.totals().get("policy", LaneTotal()).seconds  # the driver's and the hooks'
             self.seconds.append(spent - self._counted)
             self._counted = spent

@@ -47,7 +47,7 @@ from moestream.store.streams import Link, make_link
 from moestream.store.tiers import TIERS, Tier, as_key, check_index, make_tiers, staging_slots
 from moestream.store.transfer import DISK, H2D, TransferError, read_through
 from moestream.topology import ExpertKey, Topology
-from moestream.tracer import Label, LaneTotal, Tracer, expert_names, since
+from moestream.tracer import Tracer, expert_names, since
 
 __all__ = ["TIERS", "ExpertStore", "StoreStats"]
 
@@ -76,16 +76,11 @@ class ExpertStore:
         self._chain = LinkChain(index, (self._device, self._host), config.chunk_bytes, integrity, self._cond, self._wait)
         self._core = self._chain.core
         self.tracer = tracer or Tracer()
-        self._trace = TimelineTee(self.tracer)  # temporary: see record_timeline
-        self._since = self._trace.totals()
+        self._since = self.tracer.totals()
         self._closed = False
-        links = self._chain.make_links(self._read, self._link, self._trace)
+        links = self._chain.make_links(self._read, self._link, self.tracer)
         self.executor = executor or executor_for(config)
-        self.executor.start(self._cond, links, self._trace)
-
-    def record_timeline(self, timeline) -> None:
-        """Temporary, until the engine hands the store its tracer: the store's spans also go to timeline."""
-        self._trace.timeline = timeline
+        self.executor.start(self._cond, links, self.tracer)
 
     # -- the caller's calls ------------------------------------------------------------------------
 
@@ -117,7 +112,7 @@ class ExpertStore:
         """The first fetched candidate whose bytes are in place (waiting for one to land), with its slot."""
         with self._lock:
             if self._first_ready(candidates) is None:
-                with self._trace.span("wait", lambda: expert_names(candidates)):
+                with self.tracer.span("wait", lambda: expert_names(candidates)):
                     self._wait(lambda: self._first_ready(candidates) is not None,
                                f"experts {[tuple(k) for k in candidates]}")
             key = self._first_ready(candidates)
@@ -234,7 +229,7 @@ class ExpertStore:
             stats.hits, stats.misses, stats.late = counts.hits, counts.misses, counts.late
             stats.prefetch_hits, stats.prefetch_wasted = counts.prefetch_hits, counts.wasted
             stats.evictions["device"] = counts.evictions
-            window = partial(since, self._trace.totals(), self._since)
+            window = partial(since, self.tracer.totals(), self._since)
             stats.stall_s = self.executor.stall_s(window)
             stats.transfer_s = stats.disk_read_s = window(DISK).seconds
             stats.disk_batches, stats.copy_s = window(DISK).spans, window(H2D).seconds
@@ -242,7 +237,7 @@ class ExpertStore:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self._chain.stats, self._since = StoreStats(), self._trace.totals()
+            self._chain.stats, self._since = StoreStats(), self.tracer.totals()
             self._core.reset_counts()
 
     # -- under the lock ---------------------------------------------------------------------------
@@ -301,22 +296,3 @@ class ExpertStore:
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
         return self._device if tier == "device" else self._host
-
-
-class TimelineTee:
-    """Temporary, until the engine hands the store its tracer (then it goes, with `record_timeline`): the
-    tracer, each span also added to a `moestream.timeline.Timeline` when one is set."""
-
-    span = Tracer.span
-
-    def __init__(self, tracer: Tracer):
-        self.tracer, self.timeline = tracer, None
-
-    def add(self, lane: str, label: Label, begin_s: float, end_s: float) -> float:
-        timeline = self.timeline  # read once: the compute thread may reset it
-        if timeline is not None:
-            timeline.add(lane, label() if callable(label) else label, begin_s, end_s)
-        return self.tracer.add(lane, label, begin_s, end_s)
-
-    def totals(self) -> dict[str, LaneTotal]:
-        return self.tracer.totals()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from moestream.cli import main
-from moestream.timeline import LANES
+from moestream.tracer import LANES
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -20,8 +20,9 @@ def test_a_token_s_lanes_add_up_and_its_spans_lie_inside_it(tmp_path, monkeypatc
     assert set(record["lanes"]) == set(LANES)
     lanes = record["lanes"]
     assert lanes["experts"]["spans"] > 0 and lanes["policy"]["spans"] > 0  # every MoE layer computes and decides
+    assert lanes["layer"]["spans"] > 0  # and weights and scatters its experts' rows
     assert lanes["disk"]["spans"] > 0 and lanes["h2d"]["spans"] == 0  # a quarter of the experts: misses; one tier
-    thread = sum(lanes[lane]["busy_ms"] for lane in ("experts", "policy", "wait"))
+    thread = sum(lanes[lane]["busy_ms"] for lane in ("experts", "layer", "policy", "wait"))
     assert thread + record["rest_of_compute_thread_ms"] == pytest.approx(record["token_ms"])
     assert all(0 <= s["begin_ms"] <= s["end_ms"] <= record["token_ms"] for s in record["spans"])
     assert 0 < record["compute_thread_cpu_ms"] <= record["token_ms"] * 1.05  # thread_time ticks coarser

@@ -5,7 +5,8 @@ import numpy as np
 
 from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
-from moestream.runtime.offload import RowPlan
+from moestream.runtime.offload import RowPlan, expert_compute
+from moestream.tracer import Tracer, since
 
 
 def test_rows_are_sorted_by_the_given_expert_order_and_spans_cover_them():
@@ -48,11 +49,16 @@ def test_routing_events_are_built_only_when_an_observer_reads_them(checkpoint):
     assert built == reader.layers == list(range(num_layers)) * 2
 
 
-def test_the_compute_timing_counts_every_routed_expert_mlp(checkpoint):
-    with Engine(checkpoint("mixtral"), EngineConfig(expert_budget="0.5", direct_io=False, policy="lru")) as engine:
+def test_the_tracer_counts_every_routed_expert_mlp(checkpoint):
+    tracer = Tracer()
+    with Engine(checkpoint("mixtral"), EngineConfig(expert_budget="0.5", direct_io=False, policy="lru"),
+                tracer=tracer) as engine:
         reader = LayerReader()
         engine.add_observer(reader)
+        before = tracer.totals()
         engine.generate([[5, 6, 7]], max_new_tokens=2)
-        timing = engine.experts.timing
+        experts, seconds = expert_compute(tracer.totals(), before)
     expected = sum(len(set(ids)) for ids in reader.experts)  # each layer runs each expert it routes to once
-    assert timing.experts == expected > 0 and timing.seconds > 0
+    assert experts == expected > 0 and seconds > 0
+    layers = engine.checkpoint.topology.num_layers * 2  # two forward passes: each layer's weighting and scatter
+    assert since(tracer.totals(), before, "layer").spans >= layers

@@ -23,16 +23,16 @@ def shards(model: str | Path) -> list[Path]:
 
 
 class DecodeMeter(Observer):
-    """Snapshots the store's counters and the experts' compute timing when a generation's first decode
-    step begins; keeps each iteration's token ids, strings and embeddings where the engine gave them (what the
-    policy saw, for the simulator)."""
+    """Snapshots the store's counters and the engine tracer's totals when a generation's first decode
+    step begins; keeps each iteration's token ids, strings and embeddings where the engine gave them
+    (what the policy saw, for the simulator)."""
 
-    def __init__(self, store, experts):
-        self.store, self.experts = store, experts
+    def __init__(self, store, tracer):
+        self.store, self.tracer = store, tracer
         self.steps = 0
         self.decode_tokens = 0
         self.at_decode = None  # StoreStats at the start of the first decode step
-        self.timing_at_decode = None  # ComputeTiming then
+        self.totals_at_decode = None  # the tracer's totals then
         self.token_ids: list[list[int]] = []  # per iteration of every generation
         self.tokens: list[list[str]] = []  # their strings (empty where the engine has no tokenizer)
         self.embeddings: list[list[list[float]]] = []  # [T, H] each (empty where no observer asked for them)
@@ -46,7 +46,7 @@ class DecodeMeter(Observer):
         self.tokens.append(list(ctx.tokens or ()))
         self.embeddings.append([] if ctx.embeddings is None else ctx.embeddings.tolist())
         if self.steps == 2:
-            self.at_decode, self.timing_at_decode = self.store.stats(), self.experts.timing.copy()
+            self.at_decode, self.totals_at_decode = self.store.stats(), self.tracer.totals()
         if self.steps >= 2:
             self.decode_tokens += ctx.num_tokens
 
@@ -54,6 +54,8 @@ class DecodeMeter(Observer):
         """Adds the decode steps' counters (the store's at the end minus at the first decode step)."""
         if self.at_decode is None:
             return
+        from moestream.runtime.offload import expert_compute
+
         start = self.at_decode
         counters.hits += end.hits - start.hits
         counters.misses += end.misses - start.misses
@@ -61,8 +63,9 @@ class DecodeMeter(Observer):
         counters.read_ms += (end.disk_read_s - start.disk_read_s) * 1e3
         counters.read_batches += end.disk_batches - start.disk_batches
         counters.read_fit = counters.read_fit.plus(end.read_fit.since(start.read_fit))
-        counters.experts_computed += self.experts.timing.experts - self.timing_at_decode.experts
-        counters.expert_compute_ms += (self.experts.timing.seconds - self.timing_at_decode.seconds) * 1e3
+        experts, seconds = expert_compute(self.tracer.totals(), self.totals_at_decode)
+        counters.experts_computed += experts
+        counters.expert_compute_ms += seconds * 1e3
         counters.decode_tokens += self.decode_tokens
 
 
@@ -100,7 +103,7 @@ class EngineRun:
             return self._generate(engine, spec)
 
     def _generate(self, engine, spec: RunSpec) -> dict:
-        meter, counters = DecodeMeter(engine.store, engine.experts), Counters()
+        meter, counters = DecodeMeter(engine.store, engine.tracer), Counters()
         engine.add_observer(meter)
         stall_ms, prefill, token_ids = 0.0, [], []
         for prompt in spec.inputs:

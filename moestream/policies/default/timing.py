@@ -29,6 +29,7 @@ from moestream.policies.driver import TimedEviction
 from moestream.topology import ExpertKey
 from moestream.trace.format import load_trace
 from moestream.trace.replay import decode_stream
+from moestream.tracer import Tracer, since
 
 
 @dataclass
@@ -41,8 +42,9 @@ class Figures:
 
 def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens: int) -> Figures:
     topology, predictor = policy.topology, policy.predictor
-    eviction = TimedEviction(policy.make_eviction("device"))
-    cache = ExpertCache(max(1, int(topology.total_experts * cache_ratio)), eviction)
+    hooks = Tracer()  # the eviction hooks' time (lane "policy")
+    cache = ExpertCache(max(1, int(topology.total_experts * cache_ratio)),
+                        TimedEviction(policy.make_eviction("device"), hooks))
     keys = [[ExpertKey(layer, e) for e in range(topology.num_experts)] for layer in range(topology.num_layers)]
     micros, allocs, clock = [], [], time.perf_counter
     for tokens, it in enumerate(decode_stream(trace)):
@@ -59,11 +61,11 @@ def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens
             start = clock()
             predictor.observe(event)
             policy.planner.plan(predictor.predict(event.layer, horizon), view)
-            decided, eviction.seconds = clock() - start, 0.0
+            decided, before = clock() - start, hooks.totals()
             for expert in event.expert_ids.ravel().tolist():  # the mechanism's work, whose hooks alone count
                 if cache.access(keys[event.layer][expert]) is None:
                     cache.admit(keys[event.layer][expert])
-            micros.append((decided + eviction.seconds + carried) * 1e6)
+            micros.append((decided + since(hooks.totals(), before, "policy").seconds + carried) * 1e6)
             carried = 0.0
             if tracing:
                 allocs.append(tracemalloc.get_traced_memory()[1])
