@@ -69,13 +69,15 @@ def _child_cgroup(group: MemoryCgroup, limit_bytes: int | None):
         path.rmdir()
 
 
-def run_isolated(spec: RunSpec, limit_bytes: int | None = None) -> dict:
-    """The run's figures from a fresh process (in a cgroup limited to limit_bytes when given)."""
+def run_isolated(spec: RunSpec, limit_bytes: int | None = None, env: dict[str, str | None] | None = None) -> dict:
+    """The run's figures from a fresh process (in a cgroup limited to limit_bytes when given; env: variables
+    set in its environment, None removes one)."""
     with tempfile.TemporaryDirectory(prefix="moestream-bench-") as scratch:
         spec_path, out_path = Path(scratch) / "spec.json", Path(scratch) / "out.json"
         spec_path.write_text(RunSpec(**{**spec.__dict__, "scratch_dir": scratch}).to_json())
         command = [sys.executable, "-m", "moestream.bench.engine.child", str(spec_path), str(out_path)]
-        env = os.environ | {"PYTHONPATH": str(Path(moestream.__file__).parents[1])}
+        env = {name: value for name, value in (os.environ | {"PYTHONPATH": str(Path(moestream.__file__).parents[1])}
+                                               | (env or {})).items() if value is not None}
         if limit_bytes is None:
             _call(command, env)
             return json.loads(out_path.read_text())

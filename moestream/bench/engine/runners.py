@@ -77,11 +77,13 @@ def make_policy(spec: RunSpec, topology):
 
 @RUNS.register("engine")
 class EngineRun:
-    """Our engine on the spec's prompts, one generation per prompt."""
+    """Our engine on the spec's prompts, one generation per prompt; on ranks (ranks given: this is rank 0
+    of a run under torchrun, ranked.py), rank 0's engine, with every rank's figures (`expert_parallel`)."""
 
-    def run(self, spec: RunSpec) -> dict:
+    def run(self, spec: RunSpec, ranks=None) -> dict:
         from moestream.checkpoint.index import build_index
-        from moestream.runtime import Engine, EngineConfig
+        from moestream.parallel.launch import expert_parallel_report
+        from moestream.runtime import EngineConfig
         from moestream.store.bandwidth import drop_page_cache
 
         drop_page_cache(shards(spec.model))
@@ -90,11 +92,12 @@ class EngineRun:
                               link_gbps=spec.link_gbps, layer_ms=spec.layer_ms,
                               background_predictor=spec.background_predictor)
         policy = make_policy(spec, build_index(spec.model).topology)
-        with Engine(spec.model, config, policy=policy) as engine:
+        with _engine(spec, config, policy, ranks) as engine:
             if spec.preload:
                 engine.preload()
             drop_page_cache(shards(spec.model))
-            return self._generate(engine, spec)
+            result = self._generate(engine, spec)
+            return result if ranks is None else result | {"expert_parallel": expert_parallel_report(engine)}
 
     def _generate(self, engine, spec: RunSpec) -> dict:
         meter, counters = DecodeMeter(engine.store, engine.experts), Counters()
@@ -127,6 +130,18 @@ class EngineRun:
         }
 
 
+def _engine(spec: RunSpec, config, policy, ranks):
+    from moestream.parallel.config import ParallelConfig
+    from moestream.parallel.launch import leading_engine
+    from moestream.runtime import Engine
+
+    if ranks is None:
+        return Engine(spec.model, config, policy=policy)
+    parallel = ParallelConfig(expert_parallel_placement=spec.expert_parallel_placement,
+                              expert_parallel_trace=spec.expert_parallel_trace)
+    return leading_engine(spec.model, config, parallel, ranks, policy=policy)
+
+
 def _decode_stall_ms(metrics, spec: RunSpec, end, meter: DecodeMeter, counters: Counters) -> float:
     """This generation's decode stall. An engine without stall accounting (or --sync) reads every
     expert on the compute thread: the stall is the reader's busy time. Otherwise the engine's
@@ -147,7 +162,7 @@ class HfAccelerateRun:
     replay without patching transformers); offloaded modules hold a whole layer's experts, so the bytes
     read do not depend on routing."""
 
-    def run(self, spec: RunSpec) -> dict:
+    def run(self, spec: RunSpec, ranks=None) -> dict:
         import transformers
 
         from moestream.checkpoint.index import build_index
