@@ -18,6 +18,7 @@ is written with `--json` for `moestream sim --cost-model measured:PATH`.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from moestream.config import EngineConfig
@@ -105,7 +106,7 @@ def _expert_parallel(args) -> int:
 
     if args.expert_parallel < 1:
         raise MoestreamError(f"--expert-parallel takes N >= 1, got {args.expert_parallel}")
-    document = measure_parallel(args)
+    document = measure_parallel(args, lambda line: print(line, file=sys.stderr, flush=True))
     print_parallel(document)
     if args.json:
         write_json(document, args.json)
