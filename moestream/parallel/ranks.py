@@ -3,8 +3,10 @@ groups every collective of expert parallelism goes through.
 
 `join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR),
 opens the default group (NCCL for a CUDA device, else gloo) whose collectives time out after the
-transfer timeout, and a gloo group for the scheduling rank's announcements, which may wait as long as
-the server is idle. A collective that fails (a rank died, or hung past the timeout) becomes one
+transfer timeout, a gloo group for the scheduling rank's step announcements, which time out after the
+transfer timeout too (an idle rank 0 sends heartbeats well within it, moestream.parallel.steps), and a
+gloo group for what may wait as long as it takes (the start of the run, opening the engines, the runs
+of a bench). A collective that fails (a rank died, or hung past the timeout) becomes one
 `RankFailure` naming this rank and what it waited for. The state lives in the `RankContext` handed
 around; this module knows no engine, placement or model.
 """
@@ -19,7 +21,7 @@ from typing import Any, Iterator
 
 from moestream.errors import MoestreamError
 
-IDLE_TIMEOUT = timedelta(days=7)  # how long a rank waits for the scheduling rank's next step
+UNBOUNDED = timedelta(days=7)  # the control group's timeout: start-up, a bench's runs
 
 
 class RankFailure(MoestreamError):
@@ -38,7 +40,8 @@ class RankContext:
     device: str  # this rank's compute device
     timeout_s: float  # a step's collectives fail after this long
     steps: Any  # the default process group: each layer's combine
-    control: Any  # gloo: announcements from rank 0, statistics
+    control: Any  # gloo, no timeout to speak of: the start of a run, opening the engines, a bench's runs
+    announce: Any  # gloo, the transfer timeout: rank 0's step announcements and heartbeats, statistics
 
     @property
     def leads(self) -> bool:
@@ -78,10 +81,11 @@ def join_ranks(device: str, timeout_s: float) -> RankContext:
         torch.cuda.set_device(torch.device(device))
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=UNBOUNDED)
+        announce = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as error:
         raise RankFailure(f"expert parallelism: cannot join the ranks: {error}") from None
-    return RankContext(dist.get_rank(), dist.get_world_size(), device, timeout_s, dist.group.WORLD, control)
+    return RankContext(dist.get_rank(), dist.get_world_size(), device, timeout_s, dist.group.WORLD, control, announce)
 
 
 def leave_ranks() -> None:
