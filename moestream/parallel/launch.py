@@ -126,7 +126,8 @@ def expert_parallel_report(engine) -> dict | None:
     if not isinstance(engine.steps, Leader):
         return None
     stats = engine.steps.rank_stats()
-    return {"world_size": len(stats), "placement": engine.steps.shard.placement.name,
+    shard = engine.steps.shard
+    return {"world_size": len(stats), "placement": shard.placement.name, "backend": dist.get_backend(shard.ranks.steps),
             "ranks": [dataclasses.asdict(s) | {"hit_rate": s.hits / max(s.hits + s.misses, 1)} for s in stats]}
 
 

@@ -2,7 +2,7 @@
 groups every collective of expert parallelism goes through.
 
 `join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR),
-opens the default group (NCCL for a CUDA device, else gloo) whose collectives time out after the
+opens the default group (NCCL where each rank has a GPU of its own, else gloo: `step_backend`) whose collectives time out after the
 transfer timeout, a gloo group for the scheduling rank's step announcements, which time out after the
 transfer timeout too (an idle rank 0 sends heartbeats well within it, moestream.parallel.steps), and a
 gloo group for what may wait as long as it takes (the start of the run, opening the engines, the runs
@@ -70,14 +70,25 @@ def rank_device(device: str) -> str:
     return f"cuda:{local % max(torch.cuda.device_count(), 1)}"
 
 
+def step_backend(device: str) -> str:
+    """NCCL where each rank of this node has a GPU of its own; gloo on CPUs, and where ranks share a GPU
+    (NCCL refuses two ranks of one communicator on one device; gloo's all-reduce of CUDA tensors goes
+    through host memory)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return "gloo"
+    return "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
+
+
 def join_ranks(device: str, timeout_s: float) -> RankContext:
     """Joins the process group that torchrun set up (see the module doc)."""
     import torch
     import torch.distributed as dist
 
     device = rank_device(device)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
+    backend = step_backend(device)
+    if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
