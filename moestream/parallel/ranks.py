@@ -1,14 +1,14 @@
-"""The ranks of one run: this process's place among those that `torchrun` started, and the two process
+"""The ranks of one run: this process's place among those that `torchrun` started, and the three process
 groups every collective of expert parallelism goes through.
 
-`join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR),
-opens the default group (NCCL where each rank has a GPU of its own, else gloo: `step_backend`) whose collectives time out after the
-transfer timeout, a gloo group for the scheduling rank's step announcements, which time out after the
-transfer timeout too (an idle rank 0 sends heartbeats well within it, moestream.parallel.steps), and a
-gloo group for what may wait as long as it takes (the start of the run, opening the engines, the runs
-of a bench). A collective that fails (a rank died, or hung past the timeout) becomes one
-`RankFailure` naming this rank and what it waited for. The state lives in the `RankContext` handed
-around; this module knows no engine, placement or model.
+`join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR) and
+opens: the default group (NCCL where each rank has a GPU of its own, else gloo: `step_backend`) for each
+layer's combine; a gloo group for the scheduling rank's step announcements (an idle rank 0 sends
+heartbeats, moestream.parallel.steps), both timing out after the transfer timeout; and a gloo group for
+what may wait as long as it takes (the start of the run, opening the engines, the runs of a bench). A
+collective that fails (a rank died, or hung past the timeout) becomes one `RankFailure` naming this rank
+and what it waited for. The state lives in the `RankContext` handed around; this module knows no engine,
+placement or model.
 """
 
 from __future__ import annotations
@@ -58,6 +58,15 @@ class RankContext:
             raise RankFailure(f"expert parallelism: rank {self.rank} of {self.world_size} lost the other ranks "
                               f"during {what} (a rank died, or hung past --transfer-timeout-s "
                               f"{self.timeout_s:g} s): {cause}") from None
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's store)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def rank_device(device: str) -> str:

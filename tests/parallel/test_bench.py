@@ -25,7 +25,8 @@ def test_bench_engine_on_two_ranks(tmp_path):
     for run in runs.values():
         ranks = run["expert_parallel"]["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1] and all(r["owned_experts"] == 16 for r in ranks)
-        assert all(r["hits"] + r["misses"] > 0 and r["hit_rate"] == r["hits"] / (r["hits"] + r["misses"]) for r in ranks)
+        assert all(r["hits"] + r["misses"] > 0 for r in ranks)
+        assert all(r["hit_rate"] == r["hits"] / (r["hits"] + r["misses"]) for r in ranks)
     assert all(r["hit_rate"] == 1.0 for r in runs["lru", "async", 1.0]["expert_parallel"]["ranks"])
     assert all(r["bytes_read"]["disk"] > 0 for r in runs["lru", "sync", 0.5]["expert_parallel"]["ranks"])
     reasons = {s["policy"]: s["reason"] for s in document["skipped"]}

@@ -99,7 +99,8 @@ def rank_cgroups(limits: list[int]) -> Iterator[tuple[str, list[Path]]]:
     group = own_cgroup()
     prefix = f"moestream-ranks-{os.getpid()}-{next(_names)}-"
     with ExitStack() as stack:
-        paths = [stack.enter_context(_child_cgroup(group, limit, f"{prefix}{rank}")) for rank, limit in enumerate(limits)]
+        paths = [stack.enter_context(_child_cgroup(group, limit, f"{prefix}{rank}"))
+                 for rank, limit in enumerate(limits)]
         yield str(group.path / prefix), paths
 
 

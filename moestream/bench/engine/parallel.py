@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from moestream.errors import MoestreamError
+from moestream.parallel.ranks import free_port
 
 MIB = 2**20
 GENERATE_SLACK_MIB = 192  # the memory cap: floor + dense part + budget + this (generate's tokenizer, buffers, KV)
@@ -67,7 +68,8 @@ def memory_caps(args, model: Path) -> dict:
     topology = build_index(model).topology
     dense = (sum(p.stat().st_size for p in model.glob("*.safetensors")) - topology.total_expert_bytes) / MIB
     requested = args.memory_cap or "auto"
-    return {"applied": True, "reason": cap_method(), "requested": requested, "experts_mib": topology.total_expert_bytes / MIB,
+    return {"applied": True, "reason": cap_method(), "requested": requested,
+            "experts_mib": topology.total_expert_bytes / MIB,
             "floor_mib": process_floor_mib(model) if requested == "auto" else None, "dense_mib": dense}
 
 
@@ -105,7 +107,7 @@ def _command(args, model: Path, prompts: Path, ranks: int, budget: float, out: P
     launcher = [sys.executable, *moestream]
     if ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(_free_port()), *moestream]
+                    "--master-port", str(free_port()), *moestream]
     command = launcher + ["generate", "--model", str(model), "--prompts-file", str(prompts), "--max-new-tokens",
                           str(args.max_new_tokens), "--expert-budget", f"{budget:g}", "--device", args.device,
                           "--json", str(out), "--expert-parallel-placement", args.expert_parallel_placement]
@@ -135,9 +137,9 @@ def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: 
 
 
 def summary(records: list[dict]) -> dict:
-    """TPOT (mean over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
+    """TPOT (median over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
     tokens = sum(len(r["token_ids"]) for r in records)
-    tpot = sum(r["tpot_ms"] for r in records) / len(records)
+    tpot = statistics.median(r["tpot_ms"] for r in records)
     parallel = [r["expert_parallel"] for r in records if r.get("expert_parallel")]
     if not parallel:  # one process: one "rank"
         hits, misses = sum(r["expert_hits"] for r in records), sum(r["expert_misses"] for r in records)
@@ -178,9 +180,3 @@ def cap_line(caps: dict) -> str:
             if caps["requested"] == "auto" else f"{caps['requested']} MiB")
     return (f"memory caps ({caps['reason']}): one process at B: {made}; one at B/N and each of the N ranks: "
             "the same less (1 - 1/N) B")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -13,21 +13,20 @@ figure of a run.
 from __future__ import annotations
 
 import contextlib
-import socket
 from typing import Callable
 
 import torch.distributed as dist
 
 from moestream.bench.engine.isolation import RunFailed, run_isolated
 from moestream.bench.engine.spec import RunSpec
-from moestream.parallel.ranks import RankContext
+from moestream.parallel.ranks import RankContext, free_port
 
 
 def ranked_runner(ranks: RankContext) -> Callable[..., dict]:
     """Rank 0's `run_isolated`: the run on every rank, rank 0's figures."""
 
     def run(spec: RunSpec, limit_bytes: int | None = None) -> dict:
-        port = _free_port()
+        port = free_port()
         _announce(ranks, (spec.to_json(), limit_bytes, port))
         return run_isolated(spec, limit_bytes, rank_env(ranks, port))
 
@@ -87,9 +86,3 @@ def _announce(ranks: RankContext, job: tuple | None) -> tuple | None:
     with ranks.collective("the announcement of a bench run"):
         dist.broadcast_object_list(box, src=0, group=ranks.control)
     return box[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

@@ -111,8 +111,9 @@ def rank_lines(document: dict) -> list[str]:
     lines = [f"expert parallelism: {parallel['world_size']} ranks, placement {parallel['placement']}; the table's "
              "hit rate and bytes are rank 0's (its experts, decode steps); each rank's, whole run (prefill too):"]
     for run in document["runs"]:
-        ranks = "; ".join(f"rank {r['rank']} {100 * r['hit_rate']:.1f}% hits, {r['bytes_read'].get('disk', 0) / 1024:.0f} "
-                          f"KiB read, combine {r['combine_s'] * 1e3:.1f} ms" for r in run["expert_parallel"]["ranks"])
+        ranks = "; ".join(f"rank {r['rank']} {100 * r['hit_rate']:.1f}% hits, "
+                          f"{r['bytes_read'].get('disk', 0) / 1024:.0f} KiB read, combine {r['combine_s'] * 1e3:.1f} ms"
+                          for r in run["expert_parallel"]["ranks"])
         lines.append(f"  {run['policy']} {run['mode']} at {run['budget']:g}: {ranks}")
     return lines
 

@@ -53,7 +53,8 @@ def test_where_no_cgroup_can_be_made_the_runs_go_uncapped_and_say_why(monkeypatc
     monkeypatch.setattr(isolation, "cap_support", lambda: "no memory cgroup (v2 or v1) under /x")
     caps = parallel.memory_caps(argparse.Namespace(memory_cap=None), tmp_path)
     assert caps == {"applied": False, "reason": "no memory cgroup (v2 or v1) under /x"}
-    assert parallel.cap_line(caps) == "memory caps NOT applied (no memory cgroup (v2 or v1) under /x): every run uncapped"
+    assert parallel.cap_line(caps) == ("memory caps NOT applied (no memory cgroup (v2 or v1) under /x): "
+                                       "every run uncapped")
 
 
 def test_each_rank_enters_its_own_cgroup(tmp_path):
@@ -63,7 +64,8 @@ def test_each_rank_enters_its_own_cgroup(tmp_path):
     with isolation.rank_cgroups([256 << 20, 128 << 20]) as (prefix, paths):
         for rank, path in enumerate(paths):
             done = subprocess.run([sys.executable, "-m", "moestream.bench.engine.rank_cgroup", prefix, *show],
-                                  env=os.environ | {"LOCAL_RANK": str(rank)}, capture_output=True, text=True, check=True)
+                                  env=os.environ | {"LOCAL_RANK": str(rank)}, capture_output=True, text=True,
+                                  check=True)
             memory = next(line for line in done.stdout.splitlines() if ":memory:" in line or line.startswith("0::"))
             assert memory.endswith(path.name)
             assert isolation.cgroup_peak_mib(path) > 0
@@ -76,7 +78,8 @@ def test_bench_engine_expert_parallel_caps_every_process(tmp_path):
     out = tmp_path / "ep.json"
     done = subprocess.run([sys.executable, "-m", "moestream", "bench", "engine", "--small", "--expert-parallel", "2",
                            "--budgets", "0.5", "--prompts", "1", "--max-new-tokens", "2", "--buffered-io", "--json",
-                           str(out)], capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+                           str(out)], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     document = json.loads(out.read_text())
     rows = {row["run"]: row for row in document["rows"]}
