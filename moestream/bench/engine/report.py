@@ -105,6 +105,8 @@ def print_report(document: dict, args) -> None:
 
 def rank_lines(document: dict) -> list[str]:
     """Under torchrun: what the table shows (rank 0's store), and each run's figures on every rank."""
+    from moestream.budget import format_bytes
+
     parallel = document.get("expert_parallel")
     if parallel is None:
         return []
@@ -112,7 +114,7 @@ def rank_lines(document: dict) -> list[str]:
              "hit rate and bytes are rank 0's (its experts, decode steps); each rank's, whole run (prefill too):"]
     for run in document["runs"]:
         ranks = "; ".join(f"rank {r['rank']} {100 * r['hit_rate']:.1f}% hits, "
-                          f"{r['bytes_read'].get('disk', 0) / 1024:.0f} KiB read, combine {r['combine_s'] * 1e3:.1f} ms"
+                          f"{format_bytes(r['bytes_read'].get('disk', 0))} read, combine {r['combine_s'] * 1e3:.0f} ms"
                           for r in run["expert_parallel"]["ranks"])
         lines.append(f"  {run['policy']} {run['mode']} at {run['budget']:g}: {ranks}")
     return lines

@@ -78,11 +78,11 @@ def make_policy(spec: RunSpec, topology):
 @RUNS.register("engine")
 class EngineRun:
     """Our engine on the spec's prompts, one generation per prompt; on ranks (ranks given: this is rank 0
-    of a run under torchrun, ranked.py), rank 0's engine, with every rank's figures (`expert_parallel`)."""
+    of a run under torchrun, ranked.py), rank 0's engine, with every rank's figures summed over the
+    generations (`expert_parallel`)."""
 
     def run(self, spec: RunSpec, ranks=None) -> dict:
         from moestream.checkpoint.index import build_index
-        from moestream.parallel.launch import expert_parallel_report
         from moestream.runtime import EngineConfig
         from moestream.store.bandwidth import drop_page_cache
 
@@ -96,13 +96,14 @@ class EngineRun:
             if spec.preload:
                 engine.preload()
             drop_page_cache(shards(spec.model))
-            result = self._generate(engine, spec)
-            return result if ranks is None else result | {"expert_parallel": expert_parallel_report(engine)}
+            return self._generate(engine, spec)
 
     def _generate(self, engine, spec: RunSpec) -> dict:
+        from moestream.parallel.launch import expert_parallel_report
+
         meter, counters = DecodeMeter(engine.store, engine.experts), Counters()
         engine.add_observer(meter)
-        stall_ms, prefill, token_ids = 0.0, [], []
+        stall_ms, prefill, token_ids, parallel = 0.0, [], [], []
         for prompt in spec.inputs:
             meter.start()
             result = engine.generate([prompt], spec.max_new_tokens)
@@ -115,6 +116,7 @@ class EngineRun:
             stall_ms += _decode_stall_ms(metrics, spec, engine.store.stats(), meter, counters)
             prefill += [True] + [False] * (meter.steps - 1)
             token_ids.append(result.token_ids[0])
+            parallel.append(expert_parallel_report(engine))  # None on one process
         replay = engine.replay
         if replay is not None and not replay.recorded_all:
             raise MoestreamError("bench engine: the run took more iterations than the routing replay records")
@@ -127,7 +129,19 @@ class EngineRun:
             "prefill": prefill,
             "token_ids": token_ids,
             "device_slots": engine.store.device_slots,
-        }
+        } | ({} if parallel[0] is None else {"expert_parallel": summed_report(parallel)})
+
+
+def summed_report(reports: list[dict]) -> dict:
+    """Every rank's figures (moestream.parallel.launch.expert_parallel_report) summed over generations."""
+    ranks = []
+    for per_rank in zip(*(report["ranks"] for report in reports)):
+        hits, misses = sum(r["hits"] for r in per_rank), sum(r["misses"] for r in per_rank)
+        read = {tier: sum(r["bytes_read"].get(tier, 0) for r in per_rank) for tier in per_rank[0]["bytes_read"]}
+        ranks.append(per_rank[0] | {"hits": hits, "misses": misses, "bytes_read": read,
+                                    "hit_rate": hits / max(hits + misses, 1),
+                                    "combine_s": sum(r["combine_s"] for r in per_rank)})
+    return reports[0] | {"ranks": ranks}
 
 
 def _engine(spec: RunSpec, config, policy, ranks):

@@ -11,6 +11,7 @@ import pytest
 
 from moestream.bench.engine import isolation, parallel
 from moestream.bench.engine.parallel import summary
+from moestream.bench.engine.runners import summed_report
 
 
 def record(tokens: int, tpot_ms: float, ranks: list[tuple[int, int, int, float]] | None = None) -> dict:
@@ -94,3 +95,15 @@ def test_bench_engine_expert_parallel_caps_every_process(tmp_path):
     assert len(ranks["cgroup_peak_mib"]) == 2
     assert all(0 < peak <= row["memory_cap_mib"] for row in rows.values() for peak in row["cgroup_peak_mib"])
     assert "cap MiB" in done.stdout
+
+
+def test_under_torchrun_each_rank_is_summed_over_the_generations_of_a_run():
+    def report(rank_figures):
+        return {"world_size": 2, "placement": "balanced", "backend": "gloo", "ranks": [
+            {"rank": r, "hits": h, "misses": m, "bytes_read": {"disk": d, "host": 0}, "combine_s": 0.5,
+             "owned_experts": 4, "hit_rate": h / (h + m)} for r, (h, m, d) in enumerate(rank_figures)]}
+
+    got = summed_report([report([(1, 3, 100), (2, 2, 50)]), report([(3, 1, 10), (0, 4, 60)])])
+    assert (got["world_size"], got["placement"]) == (2, "balanced")
+    assert [(r["rank"], r["hits"], r["misses"], r["hit_rate"], r["bytes_read"]["disk"], r["combine_s"])
+            for r in got["ranks"]] == [(0, 4, 4, 0.5, 110, 1.0), (1, 2, 6, 0.25, 110, 1.0)]
