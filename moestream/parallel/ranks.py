@@ -69,6 +69,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_all(ranks: RankContext, what: str) -> None:
+    """Waits until every rank is here, without the transfer timeout (the control group)."""
+    import torch.distributed as dist
+
+    with ranks.collective(what):
+        dist.barrier(group=ranks.control)
+
+
 def rank_device(device: str) -> str:
     """A CUDA device per local rank (cuda: LOCAL_RANK modulo the devices), else the device as given."""
     import torch

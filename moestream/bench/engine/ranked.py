@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moestream.bench.engine.isolation import RunFailed, run_isolated
 from moestream.bench.engine.spec import RunSpec
-from moestream.parallel.ranks import RankContext, free_port
+from moestream.parallel.ranks import RankContext, free_port, wait_for_all
 
 
 def ranked_runner(ranks: RankContext) -> Callable[..., dict]:
@@ -65,13 +65,13 @@ def run_in_child(spec: RunSpec, run_spec: Callable[..., dict]) -> dict:
     try:
         if ranks.leads:
             return run_spec(spec, ranks)
-        follow_ranks(ranks, prepare=lambda engine: _prepare(engine, spec))
+        follow_ranks(ranks, prepare=lambda engine: _prepare(engine, spec, ranks))
         return {"rank": ranks.rank}
     finally:
         leave_ranks()
 
 
-def _prepare(engine, spec: RunSpec) -> None:
+def _prepare(engine, spec: RunSpec, ranks: RankContext) -> None:
     """What rank 0's run does between opening its engine and generating, on a follower's own experts."""
     from moestream.bench.engine.runners import shards
     from moestream.store.bandwidth import drop_page_cache
@@ -79,6 +79,7 @@ def _prepare(engine, spec: RunSpec) -> None:
     if spec.preload:
         engine.preload()
     drop_page_cache(shards(spec.model))
+    wait_for_all(ranks, "the preloading of the experts")  # as rank 0's run does
 
 
 def _announce(ranks: RankContext, job: tuple | None) -> tuple | None:

@@ -82,6 +82,7 @@ class EngineRun:
     generations (`expert_parallel`)."""
 
     def run(self, spec: RunSpec, ranks=None) -> dict:
+        from moestream.parallel.ranks import wait_for_all
         from moestream.checkpoint.index import build_index
         from moestream.runtime import EngineConfig
         from moestream.store.bandwidth import drop_page_cache
@@ -96,6 +97,8 @@ class EngineRun:
             if spec.preload:
                 engine.preload()
             drop_page_cache(shards(spec.model))
+            if ranks is not None:  # a rank done preloading first would time out waiting for the first step
+                wait_for_all(ranks, "the preloading of the experts")
             return self._generate(engine, spec)
 
     def _generate(self, engine, spec: RunSpec) -> dict:
