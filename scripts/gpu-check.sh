@@ -7,7 +7,10 @@
 #      from a trace: at 25%, then 50%, then 10% (each call also runs all experts resident);
 #   4. int4 experts: `quantize --format int4` of that checkpoint, then `bench quant --device cuda` of
 #      the two at one byte budget (25% of the bf16 experts' bytes), `default` and on-demand LRU;
-#   5. a table of every run.
+#   5. (optional step `ep`, not in the default steps) expert parallelism on CUDA: generate under torchrun
+#      with one rank (NCCL) and two ranks sharing the GPU (gloo), tokens against one process
+#      (tests/parallel/test_nccl.py, about a minute; $OUT/ep.log, ep.xml);
+#   6. a table of every run.
 # Each step runs under its own timeout (capped by what is left of GPU_CHECK_BUDGET_S), so one failure
 # or overrun loses only that step; a budget's figures come with its own call, so a late timeout loses
 # only the last budget. Everything goes to $OUT: <step>.log (env.log: machine and versions), steps.tsv (step,
@@ -32,7 +35,8 @@
 #   GPU_CHECK_BUDGET_S  450           (all steps together; the table is written after it)
 #   GPU_CHECK_PYTHON    python3
 #   GPU_CHECK_STEPS     "tests bench-25 bench-50 bench-10 quant" (which optional steps run, the benches
-#                       in this order; env, make-model, train-predictor and table always run)
+#                       in this order; also `ep`; env and table always run, make-model and train-predictor
+#                       where a bench or quant step is wanted: GPU_CHECK_STEPS=ep runs only the ep check)
 # Carry the folder .gpu-data (ignored by git): puffin_dev.npz (the trace), predictor-default
 # (train-predictor --kind default --trace puffin_dev.npz) and, where the machine's python3 has no
 # pytest, pylib (pip install --target .gpu-data/pylib pytest, on a machine with a network).
@@ -138,18 +142,23 @@ quant() {  # an int4 copy of the checkpoint (kept for a rerun), then both at one
 }
 
 wanted() { [[ $STEPS == *" $1 "* ]]; }
+needs_checkpoint() { wanted bench-25 || wanted bench-50 || wanted bench-10 || wanted quant; }
 
 export OUT DEVICE PRESET TRACE PREDICTOR CKPT TOKENS PROMPTS PY MAKE_ARGS
 export -f environment make_checkpoint train_predictor bench quant
 step env 30 bash -c environment
-step make-model 200 bash -c make_checkpoint &
-WRITER=$!
+WRITER=
+if needs_checkpoint; then
+  step make-model 200 bash -c make_checkpoint &
+  WRITER=$!
+fi
 wanted tests && step tests 120 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/tests.xml" "${CUDA_TESTS[@]}"
-wait "$WRITER"
-step train-predictor 90 bash -c train_predictor
+wanted ep && step ep 150 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/ep.xml" tests/parallel/test_nccl.py
+[ -n "$WRITER" ] && wait "$WRITER"
+needs_checkpoint && step train-predictor 90 bash -c train_predictor
 for name in $STEPS; do
   case $name in
-    tests) ;;  # run beside make-model, above
+    tests|ep) ;;  # run beside make-model, above
     bench-25) step bench-25 320 bash -c "bench 25 0.25" ;;  # a run of the 31 GB checkpoint takes 30-60 s
     bench-50) step bench-50 150 bash -c "bench 50 0.5" ;;
     bench-10) step bench-10 150 bash -c "bench 10 0.1" ;;

@@ -42,14 +42,16 @@ class Hello:
 
 
 def run_ranks(args) -> int:
-    """The command on rank 0 (args.ranks set), the follower's loop on the others."""
-    ranks = join_ranks(args.device, args.transfer_timeout_s)
+    """The command on rank 0 (args.ranks set), the follower's loop on the others (the command's own
+    `rank_follower`, default `follow_ranks`; `ranks_device` overrides the device the ranks join on)."""
+    ranks = join_ranks(getattr(args, "ranks_device", None) or args.device,
+                       getattr(args, "transfer_timeout_s", EngineConfig.transfer_timeout_s))
     try:
         if ranks.leads:
             args.ranks = ranks
             return int(args.handler(args) or 0)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which drains, then stops the rest
-        return follow_ranks(ranks)
+        return getattr(args, "rank_follower", follow_ranks)(ranks)
     finally:
         leave_ranks()
 
@@ -98,15 +100,17 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
         engine.close()
 
 
-def follow_ranks(ranks: RankContext, observers=()) -> int:
-    """A follower: opens its engine from rank 0's hello (observers: beside its policy's) and runs rank 0's
-    steps until it closes."""
+def follow_ranks(ranks: RankContext, observers=(), prepare: Callable | None = None) -> int:
+    """A follower: opens its engine from rank 0's hello (observers: beside its policy's), passes it to
+    prepare (if given) and runs rank 0's steps until it closes."""
     from moestream.runtime import Engine
 
     hello = _send(ranks, None)
     shard = ExpertShard(hello.placement, ranks)
     with _opened(ranks, lambda: Engine(hello.model, _follower_config(hello, ranks), shard=shard,
                                                 observers=observers)) as engine:
+        if prepare is not None:
+            prepare(engine)
         follow(engine, shard)
     return 0
 
@@ -122,8 +126,9 @@ def expert_parallel_report(engine) -> dict | None:
     if not isinstance(engine.steps, Leader):
         return None
     stats = engine.steps.rank_stats()
-    return {"world_size": len(stats), "placement": engine.steps.shard.placement.name,
-            "ranks": [dataclasses.asdict(s) for s in stats]}
+    shard = engine.steps.shard
+    return {"world_size": len(stats), "placement": shard.placement.name, "backend": dist.get_backend(shard.ranks.steps),
+            "ranks": [dataclasses.asdict(s) | {"hit_rate": s.hits / max(s.hits + s.misses, 1)} for s in stats]}
 
 
 def _send(ranks: RankContext, hello: Hello | None) -> Hello:

@@ -1,12 +1,14 @@
-"""The ranks of one run: this process's place among those that `torchrun` started, and the two process
+"""The ranks of one run: this process's place among those that `torchrun` started, and the three process
 groups every collective of expert parallelism goes through.
 
-`join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR),
-opens the default group (NCCL for a CUDA device, else gloo) whose collectives time out after the
-transfer timeout, and a gloo group for the scheduling rank's announcements, which may wait as long as
-the server is idle. A collective that fails (a rank died, or hung past the timeout) becomes one
-`RankFailure` naming this rank and what it waited for. The state lives in the `RankContext` handed
-around; this module knows no engine, placement or model.
+`join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR) and
+opens: the default group (NCCL where each rank has a GPU of its own, else gloo: `step_backend`) for each
+layer's combine; a gloo group for the scheduling rank's step announcements (an idle rank 0 sends
+heartbeats, moestream.parallel.steps), both timing out after the transfer timeout; and a gloo group for
+what may wait as long as it takes (the start of the run, opening the engines, the runs of a bench). A
+collective that fails (a rank died, or hung past the timeout) becomes one `RankFailure` naming this rank
+and what it waited for. The state lives in the `RankContext` handed around; this module knows no engine,
+placement or model.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Iterator
 
 from moestream.errors import MoestreamError
 
-IDLE_TIMEOUT = timedelta(days=7)  # how long a rank waits for the scheduling rank's next step
+UNBOUNDED = timedelta(days=7)  # the control group's timeout: start-up, a bench's runs
 
 
 class RankFailure(MoestreamError):
@@ -38,7 +40,8 @@ class RankContext:
     device: str  # this rank's compute device
     timeout_s: float  # a step's collectives fail after this long
     steps: Any  # the default process group: each layer's combine
-    control: Any  # gloo: announcements from rank 0, statistics
+    control: Any  # gloo, no timeout to speak of: the start of a run, opening the engines, a bench's runs
+    announce: Any  # gloo, the transfer timeout: rank 0's step announcements and heartbeats, statistics
 
     @property
     def leads(self) -> bool:
@@ -57,6 +60,23 @@ class RankContext:
                               f"{self.timeout_s:g} s): {cause}") from None
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's store)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_all(ranks: RankContext, what: str) -> None:
+    """Waits until every rank is here, without the transfer timeout (the control group)."""
+    import torch.distributed as dist
+
+    with ranks.collective(what):
+        dist.barrier(group=ranks.control)
+
+
 def rank_device(device: str) -> str:
     """A CUDA device per local rank (cuda: LOCAL_RANK modulo the devices), else the device as given."""
     import torch
@@ -67,21 +87,33 @@ def rank_device(device: str) -> str:
     return f"cuda:{local % max(torch.cuda.device_count(), 1)}"
 
 
+def step_backend(device: str) -> str:
+    """NCCL where each rank of this node has a GPU of its own; gloo on CPUs, and where ranks share a GPU
+    (NCCL refuses two ranks of one communicator on one device; gloo's all-reduce of CUDA tensors goes
+    through host memory)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return "gloo"
+    return "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
+
+
 def join_ranks(device: str, timeout_s: float) -> RankContext:
     """Joins the process group that torchrun set up (see the module doc)."""
     import torch
     import torch.distributed as dist
 
     device = rank_device(device)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
+    backend = step_backend(device)
+    if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=UNBOUNDED)
+        announce = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as error:
         raise RankFailure(f"expert parallelism: cannot join the ranks: {error}") from None
-    return RankContext(dist.get_rank(), dist.get_world_size(), device, timeout_s, dist.group.WORLD, control)
+    return RankContext(dist.get_rank(), dist.get_world_size(), device, timeout_s, dist.group.WORLD, control, announce)
 
 
 def leave_ranks() -> None:

@@ -2,7 +2,11 @@
 
 Rank 0's engine calls its `Leader` (the engine's `StepAnnouncer`) before every forward pass; the
 Leader broadcasts a `StepMessage` (plain records: each row's sequence, the tokens it gained since the
-last message, which sequences ended, whether the rank-0 cache is new) on the control group. Every
+last message, which sequences ended, whether the rank-0 cache is new) on the announcement group, whose
+collectives time out after the transfer timeout. While rank 0 is idle (a server without requests calls
+`idle`), the Leader sends a heartbeat when it has sent nothing for a quarter of that timeout: an empty
+message that every rank answers (a barrier), so that a follower times out on a rank 0 that hangs or
+died, and rank 0 on a follower, idle or busy. Every
 other rank runs `follow`: it mirrors the sequences, runs the same forward pass over its own copy of
 the batch's KV cache (`CacheMirror`), and joins each MoE layer's combine. Ended sequences end in the
 followers' policies before the next step, as on rank 0. `Leader.close` sends the last message; a
@@ -14,6 +18,7 @@ The followers know no batching rule, request or sampler: rank 0 alone chooses to
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -25,7 +30,8 @@ from moestream.parallel.shard import ExpertShard
 from moestream.runtime.runner import Sequence
 from moestream.runtime.scheduler import ScheduledBatch
 
-STEP, STATS, STOP = "step", "stats", "stop"
+STEP, STATS, STOP, HEARTBEAT = "step", "stats", "stop", "heartbeat"
+HEARTBEATS_PER_TIMEOUT = 4  # an idle rank 0 sends something at least this often per transfer timeout
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class SeqUpdate:
 
 @dataclass(frozen=True)
 class StepMessage:
-    kind: str  # STEP, STATS or STOP
+    kind: str  # STEP, STATS, STOP or HEARTBEAT
     ended: list[int] = field(default_factory=list)  # sequences ended since the last message
     reset_stats: bool = False
     is_prefill: bool = False
@@ -61,8 +67,13 @@ class RankStats:
 def _broadcast(ranks: RankContext, message: StepMessage | None, what: str) -> StepMessage:
     box = [message]
     with ranks.collective(what):
-        dist.broadcast_object_list(box, src=0, group=ranks.control)
+        dist.broadcast_object_list(box, src=0, group=ranks.announce)
     return box[0]
+
+
+def _answer_heartbeat(ranks: RankContext) -> None:
+    with ranks.collective("a heartbeat"):
+        dist.barrier(group=ranks.announce)
 
 
 def rank_stats(engine, shard: ExpertShard) -> RankStats:
@@ -75,7 +86,7 @@ def _gather(engine, shard: ExpertShard) -> list[RankStats] | None:
     ranks = shard.ranks
     out = [None] * ranks.world_size if ranks.leads else None
     with ranks.collective("the gathering of statistics"):
-        dist.gather_object(rank_stats(engine, shard), out, dst=0, group=ranks.control)
+        dist.gather_object(rank_stats(engine, shard), out, dst=0, group=ranks.announce)
     return out
 
 
@@ -90,6 +101,8 @@ class Leader:
         self._sent: dict[int, int] = {}  # seq id -> output tokens announced
         self._cache_ids: dict[int, tuple[weakref.ref, int]] = {}  # id(cache) -> (the cache, its number)
         self._next_cache = 1
+        self._heartbeat_s = shard.ranks.timeout_s / HEARTBEATS_PER_TIMEOUT
+        self._last_sent = time.monotonic()
 
     def bind(self, engine) -> None:
         self.engine = engine
@@ -99,7 +112,13 @@ class Leader:
         message = StepMessage(STEP, self._take_ended(), self._take_reset(), batch.is_prefill,
                               [self._update(s) for s in batch.seqs], cache_id,
                               new and batch.cache.kv is not None, replay_paused)
-        _broadcast(self.shard.ranks, message, "the announcement of a step")
+        self._send(message, "the announcement of a step")
+
+    def idle(self) -> None:
+        """Rank 0 has no step to run now: a heartbeat, every rank answering, if one is due."""
+        if time.monotonic() - self._last_sent >= self._heartbeat_s:
+            self._send(StepMessage(HEARTBEAT, self._take_ended(), self._take_reset()), "a heartbeat")
+            _answer_heartbeat(self.shard.ranks)
 
     def ended(self, seq_id: int) -> None:
         self._ended.append(seq_id)
@@ -111,13 +130,16 @@ class Leader:
 
     def rank_stats(self) -> list[RankStats]:
         """Every rank's figures, in rank order."""
-        _broadcast(self.shard.ranks, StepMessage(STATS, self._take_ended(), self._take_reset()),
-                   "the request for statistics")
+        self._send(StepMessage(STATS, self._take_ended(), self._take_reset()), "the request for statistics")
         return _gather(self.engine, self.shard)
 
     def close(self) -> None:
         """Tells the other ranks to return."""
-        _broadcast(self.shard.ranks, StepMessage(STOP), "the end of the run")
+        self._send(StepMessage(STOP), "the end of the run")
+
+    def _send(self, message: StepMessage, what: str) -> None:
+        _broadcast(self.shard.ranks, message, what)
+        self._last_sent = time.monotonic()
 
     def _update(self, seq: Sequence) -> SeqUpdate:
         """What a follower needs of the row (a finished row of a static batch: all of it, every time)."""
@@ -161,6 +183,8 @@ def follow(engine, shard: ExpertShard) -> None:
             shard.reset()
         if message.kind == STATS:
             _gather(engine, shard)
+        elif message.kind == HEARTBEAT:
+            _answer_heartbeat(shard.ranks)
         else:
             _step(engine, message, [_mirrored(seqs, update) for update in message.seqs], mirror)
 

@@ -40,6 +40,9 @@ class StepAnnouncer(Protocol):
     def reset_stats(self) -> None:
         """The store's figures start again from zero."""
 
+    def idle(self) -> None:
+        """No step is running now (a server without requests calls this often)."""
+
 
 class Alone:
     """The announcer of an engine that runs on one rank: there is no one to tell."""
@@ -51,6 +54,9 @@ class Alone:
         pass
 
     def reset_stats(self) -> None:
+        pass
+
+    def idle(self) -> None:
         pass
 
 

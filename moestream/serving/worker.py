@@ -3,10 +3,13 @@
 Its loop admits waiting requests into the batcher (serving/batching.py) while the running set has
 room (max_num_seqs and the KV budget; when idle, the first request waits up to max_wait_ms for
 company so that their prompts prefill together), fails requests that waited longer than
-max_queue_wait_ms, and runs one engine step. A request's first event, through its `emit` callable (called on the
+max_queue_wait_ms, and runs one engine step; idle, it tells the engine's step announcer (expert
+parallelism's heartbeat). A request's first event, through its `emit` callable (called on the
 engine thread), says whether it got in: `Admitted`, or the exception that refused it (too big for
 the KV budget, waited too long, server shutting down); each step's text follows. The worker knows no
-HTTP; a full queue raises `Overloaded`.
+HTTP; a full queue raises `Overloaded`. An engine that fails (MoestreamError: e.g. a rank of expert
+parallelism was lost) stops the thread: its requests end, new ones are refused, `failure` holds the
+error and `on_failure` (if set) is called, on the engine thread.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class EngineWorker:
         self._periodic, self._num_finished = logs.Periodic(), 0
         self._draining = threading.Event()
         self._drain_deadline = 0.0
-        self._thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="moestream-engine", daemon=True)
+        self.failure: MoestreamError | None = None
+        self.on_failure: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -85,6 +90,17 @@ class EngineWorker:
     def num_running(self) -> int:
         return len(self.batcher.requests)
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except MoestreamError as error:
+            self.failure = error
+            self._draining.set()  # new requests are refused
+            self.batcher.close()
+            self._fail_waiting()
+            if self.on_failure is not None:
+                self.on_failure()
+
     def _loop(self) -> None:
         self.engine.store.reset_stats()  # the metrics count from here
         while not self._stop.is_set():
@@ -99,6 +115,8 @@ class EngineWorker:
                 self.metrics.observe_store(self.engine.store.stats())
                 for listener in self.step_listeners:
                     listener()
+            else:
+                self.engine.steps.idle()
             self._periodic.maybe_log(len(self.batcher.requests), self._queue.qsize(), self.engine.store.stats)
 
     def _drained(self) -> bool:

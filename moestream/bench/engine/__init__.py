@@ -18,6 +18,7 @@ is written with `--json` for `moestream sim --cost-model measured:PATH`.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from moestream.config import EngineConfig
@@ -51,25 +52,51 @@ def add_parser(kinds) -> None:
                         help="instead: N ranks (torchrun) against one process at the same and at 1/N of the memory")
     add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, runs_on_ranks=True, rank_follower=_follow, ranks_device="cpu")
 
 
 def run(args) -> int:
+    """The bench; under torchrun (args.ranks: rank 0), every run on every rank (ranked.py)."""
     from moestream.atomic import write_json
-    from moestream.bench.engine.plan import measure
     from moestream.bench.engine.report import print_report
     from moestream.errors import MoestreamError
-    from moestream.parallel.ranks import launched
 
-    if launched():
-        raise MoestreamError("bench engine starts its ranks itself: run it without torchrun, with --expert-parallel N")
+    ranks = getattr(args, "ranks", None)
     if args.expert_parallel:
+        if ranks is not None:
+            raise MoestreamError("--expert-parallel: bench engine starts its ranks itself: run it without torchrun")
         return _expert_parallel(args)
-    document = measure(args)
+    document = _measure(args, ranks)
     print_report(document, args)
     if args.json:
         write_json(document, args.json)
     return 0
+
+
+def _measure(args, ranks) -> dict:
+    import contextlib
+
+    from moestream.bench.engine.plan import measure
+    from moestream.bench.engine.ranked import ranked_runner, stop_runs
+    from moestream.parallel.ranks import RankFailure
+
+    if ranks is None:
+        return measure(args)
+    try:
+        document = measure(args, ranked_runner(ranks), ranks.world_size)
+    except BaseException:
+        with contextlib.suppress(RankFailure):  # the first error is the one to report
+            stop_runs(ranks)
+        raise
+    stop_runs(ranks)
+    return document | {"expert_parallel": {"world_size": ranks.world_size,
+                                           "placement": args.expert_parallel_placement}}
+
+
+def _follow(ranks) -> int:
+    from moestream.bench.engine.ranked import follow_runs
+
+    return follow_runs(ranks)
 
 
 def _expert_parallel(args) -> int:
@@ -79,7 +106,7 @@ def _expert_parallel(args) -> int:
 
     if args.expert_parallel < 1:
         raise MoestreamError(f"--expert-parallel takes N >= 1, got {args.expert_parallel}")
-    document = measure_parallel(args)
+    document = measure_parallel(args, lambda line: print(line, file=sys.stderr, flush=True))
     print_parallel(document)
     if args.json:
         write_json(document, args.json)

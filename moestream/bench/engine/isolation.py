@@ -17,8 +17,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import moestream
 from moestream.bench.engine.spec import RunSpec
@@ -55,8 +56,8 @@ def cap_method() -> str:
 
 
 @contextmanager
-def _child_cgroup(group: MemoryCgroup, limit_bytes: int | None):
-    path = group.path / f"moestream-bench-{os.getpid()}-{next(_names)}"
+def _child_cgroup(group: MemoryCgroup, limit_bytes: int | None, name: str | None = None):
+    path = group.path / (name or f"moestream-bench-{os.getpid()}-{next(_names)}")
     path.mkdir()
     try:
         if limit_bytes is not None:
@@ -69,13 +70,15 @@ def _child_cgroup(group: MemoryCgroup, limit_bytes: int | None):
         path.rmdir()
 
 
-def run_isolated(spec: RunSpec, limit_bytes: int | None = None) -> dict:
-    """The run's figures from a fresh process (in a cgroup limited to limit_bytes when given)."""
+def run_isolated(spec: RunSpec, limit_bytes: int | None = None, env: dict[str, str | None] | None = None) -> dict:
+    """The run's figures from a fresh process (in a cgroup limited to limit_bytes when given; env: variables
+    set in its environment, None removes one)."""
     with tempfile.TemporaryDirectory(prefix="moestream-bench-") as scratch:
         spec_path, out_path = Path(scratch) / "spec.json", Path(scratch) / "out.json"
         spec_path.write_text(RunSpec(**{**spec.__dict__, "scratch_dir": scratch}).to_json())
         command = [sys.executable, "-m", "moestream.bench.engine.child", str(spec_path), str(out_path)]
-        env = os.environ | {"PYTHONPATH": str(Path(moestream.__file__).parents[1])}
+        env = {name: value for name, value in (os.environ | {"PYTHONPATH": str(Path(moestream.__file__).parents[1])}
+                                               | (env or {})).items() if value is not None}
         if limit_bytes is None:
             _call(command, env)
             return json.loads(out_path.read_text())
@@ -86,13 +89,39 @@ def run_isolated(spec: RunSpec, limit_bytes: int | None = None) -> dict:
         return json.loads(out_path.read_text()) | {"cgroup_peak_mib": peak and peak / MIB}
 
 
-def _call(command: list[str], env: dict, procs: Path | None = None) -> None:
+@contextmanager
+def rank_cgroups(limits: list[int]) -> Iterator[tuple[str, list[Path]]]:
+    """One memory-limited child cgroup per rank (limits[rank] bytes): (the prefix to which a rank appends its
+    local rank, for rank_cgroup.py; the cgroups), all removed afterwards."""
+    if not limits:
+        yield "", []
+        return
+    group = own_cgroup()
+    prefix = f"moestream-ranks-{os.getpid()}-{next(_names)}-"
+    with ExitStack() as stack:
+        paths = [stack.enter_context(_child_cgroup(group, limit, f"{prefix}{rank}"))
+                 for rank, limit in enumerate(limits)]
+        yield str(group.path / prefix), paths
+
+
+def cgroup_peak_mib(path: Path) -> float | None:
+    """The memory charged to a cgroup at its peak (MiB), None where the kernel has no such file."""
+    peak = _read_int(path / own_cgroup().peak_file)
+    return peak and peak / MIB
+
+
+def call(command: list[str], env: dict, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """Runs a command to its end; RunFailed (its last line of stderr) if it fails."""
+    _call(command, env, timeout_s=timeout_s)
+
+
+def _call(command: list[str], env: dict, procs: Path | None = None, timeout_s: float = RUN_TIMEOUT_S) -> None:
     enter = None if procs is None else (lambda: procs.write_text(str(os.getpid())))
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s,
                               preexec_fn=enter)
     except subprocess.TimeoutExpired:
-        raise RunFailed(f"no result within {RUN_TIMEOUT_S} s") from None
+        raise RunFailed(f"no result within {timeout_s:g} s") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         killed = " (killed: out of memory under the cap?)" if done.returncode < 0 else ""

@@ -6,38 +6,91 @@ at B (the same total memory), one process at B / N (what one of the N small mach
 N ranks started by torchrun (torch.distributed.run, gloo), each with its tiers sized B of the experts
 it owns, i.e. B / N of the model: the whole holds what the one process at B holds. Figures: TPOT, and
 per rank the expert hit rate, bytes read from disk per generated token and seconds in the combine per
-generated token (the whole run, prefill included). The per-rank memory is held by each rank's budget,
-not by a cgroup. Knows no engine internals: it reads generate's --json.
+generated token (the whole run, prefill included).
+
+Where the machine allows memory cgroups (isolation.py), every process runs under its own memory limit:
+one process at B under C = floor + dense part + B + slack (`--memory-cap auto`, the default here; or C
+given in MiB), and each rank, as the one process at B / N, under C less the (N - 1) / N of B it does not
+hold: the experts' memory sums to the one process's, while the floor (Python, torch) and the dense part
+are each rank's own. Each rank enters its cgroup as torchrun starts it (rank_cgroup.py); the peak charged
+to each cgroup is reported. Elsewhere one line says why, and the runs go uncapped. Knows no engine
+internals: it reads generate's --json.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from moestream.errors import MoestreamError
+from moestream.parallel.ranks import free_port
+
+MIB = 2**20
+GENERATE_SLACK_MIB = 192  # the memory cap: floor + dense part + budget + this (generate's tokenizer, buffers, KV)
 
 
-def measure_parallel(args) -> dict:
+def measure_parallel(args, say) -> dict:
+    """The runs' figures; say(line) tells, at once, why the runs go uncapped where they must."""
     from moestream.cli.demo import PROMPTS, demo_checkpoint
 
     model = args.model or demo_checkpoint(args.small)
     budgets = [float(b) for b in args.budgets.split(",")]
+    caps = memory_caps(args, Path(model))
+    if not caps["applied"]:
+        say(f"bench engine --expert-parallel: runs uncapped: {caps['reason']}")
     with tempfile.TemporaryDirectory() as scratch:
         prompts = Path(scratch) / "prompts.txt"
         prompts.write_text("\n".join(PROMPTS[: args.prompts]) + "\n")
         rows = []
         for budget in budgets:
             for label, ranks, run_budget in _runs(budget, args.expert_parallel):
-                record = _generate(args, model, prompts, ranks, run_budget, Path(scratch) / "out.json")
-                rows.append({"budget": budget, "run": label, "ranks": ranks, "run_budget": run_budget} | record)
+                cap = run_cap_mib(caps, budget, run_budget / ranks)  # each process's share of the experts
+                record = _generate(args, model, prompts, ranks, run_budget, Path(scratch) / "out.json", cap)
+                rows.append({"budget": budget, "run": label, "ranks": ranks, "run_budget": run_budget,
+                             "memory_cap_mib": cap} | record)
     return {"model": str(model), "world_size": args.expert_parallel, "placement": args.expert_parallel_placement,
-            "replay_routing": args.replay_routing, "rows": rows}
+            "replay_routing": args.replay_routing, "memory_cap": caps, "rows": rows}
+
+
+def memory_caps(args, model: Path) -> dict:
+    """Whether runs are capped (and why not), and what the caps are made of (MiB)."""
+    from moestream.bench.engine.isolation import cap_method, cap_support
+    from moestream.checkpoint.index import build_index
+
+    reason = cap_support()
+    if reason is not None:
+        return {"applied": False, "reason": reason}
+    topology = build_index(model).topology
+    dense = (sum(p.stat().st_size for p in model.glob("*.safetensors")) - topology.total_expert_bytes) / MIB
+    requested = args.memory_cap or "auto"
+    return {"applied": True, "reason": cap_method(), "requested": requested,
+            "experts_mib": topology.total_expert_bytes / MIB,
+            "floor_mib": process_floor_mib(model) if requested == "auto" else None, "dense_mib": dense}
+
+
+def run_cap_mib(caps: dict, budget: float, share: float) -> float | None:
+    """The cap of a process holding share of the experts (one of N ranks at budget: budget / N): the one
+    process's cap at budget less the expert bytes it does not hold."""
+    if not caps["applied"]:
+        return None
+    full = (caps["floor_mib"] + caps["dense_mib"] + budget * caps["experts_mib"] + GENERATE_SLACK_MIB
+            if caps["requested"] == "auto" else float(caps["requested"]))
+    return full - (budget - share) * caps["experts_mib"]
+
+
+def process_floor_mib(model: Path) -> float:
+    """Peak RSS of a process that has imported what `moestream generate` imports, before it loads anything."""
+    code = ("import sys; from pathlib import Path; import moestream.cli.generate; "
+            "from moestream.bench.engine.child import import_model_code; "
+            "from moestream.bench.engine.spec import peak_rss_mib; "
+            "import_model_code(Path(sys.argv[1])); print(peak_rss_mib())")
+    done = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
 
 
 def _runs(budget: float, world_size: int) -> list[tuple[str, int, float]]:
@@ -45,11 +98,16 @@ def _runs(budget: float, world_size: int) -> list[tuple[str, int, float]]:
             (f"{world_size} ranks at {budget:g} in all", world_size, budget)]
 
 
-def _command(args, model: Path, prompts: Path, ranks: int, budget: float, out: Path) -> list[str]:
-    launcher = [sys.executable, "-m", "moestream"]
+def _command(args, model: Path, prompts: Path, ranks: int, budget: float, out: Path,
+             cgroups: str | None = None) -> list[str]:
+    """The run's command line (cgroups: the prefix of its processes' memory cgroups, isolation.rank_cgroups)."""
+    moestream = ["-m", "moestream"]
+    if cgroups is not None:
+        moestream = ["-m", "moestream.bench.engine.rank_cgroup", cgroups, sys.executable, *moestream]
+    launcher = [sys.executable, *moestream]
     if ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(_free_port()), "-m", "moestream"]
+                    "--master-port", str(free_port()), *moestream]
     command = launcher + ["generate", "--model", str(model), "--prompts-file", str(prompts), "--max-new-tokens",
                           str(args.max_new_tokens), "--expert-budget", f"{budget:g}", "--device", args.device,
                           "--json", str(out), "--expert-parallel-placement", args.expert_parallel_placement]
@@ -59,23 +117,29 @@ def _command(args, model: Path, prompts: Path, ranks: int, budget: float, out: P
     return command + ([] if args.direct_io else ["--buffered-io"])
 
 
-def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: Path) -> dict:
-    """One run's figures from generate's --json (every prompt's record)."""
+def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: Path, cap_mib: float | None) -> dict:
+    """One run's figures from generate's --json (every prompt's record), and each process's cgroup peak."""
+    from moestream.bench.engine.isolation import RunFailed, call, cgroup_peak_mib, rank_cgroups
     from moestream.store.bandwidth import drop_page_cache
 
     drop_page_cache(sorted(Path(model).glob("*.safetensors")))
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(_command(args, model, prompts, ranks, budget, out), env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise MoestreamError(f"bench engine --expert-parallel: a run of {ranks} rank(s) at {budget:g} failed: "
-                             f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-    return summary(json.loads(out.read_text()))
+    limits = [] if cap_mib is None else [int(cap_mib * MIB)] * ranks
+    try:
+        with rank_cgroups(limits) as (prefix, paths):
+            call(_command(args, model, prompts, ranks, budget, out, prefix if limits else None), env)
+            peaks = [cgroup_peak_mib(path) for path in paths]
+    except RunFailed as error:
+        capped = f" under a {cap_mib:.0f} MiB cap each" if cap_mib else ""
+        raise MoestreamError(f"bench engine --expert-parallel: a run of {ranks} rank(s) at {budget:g}{capped} "
+                             f"failed: {error}") from None
+    return summary(json.loads(out.read_text())) | {"cgroup_peak_mib": peaks}
 
 
 def summary(records: list[dict]) -> dict:
-    """TPOT (mean over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
+    """TPOT (median over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
     tokens = sum(len(r["token_ids"]) for r in records)
-    tpot = sum(r["tpot_ms"] for r in records) / len(records)
+    tpot = statistics.median(r["tpot_ms"] for r in records)
     parallel = [r["expert_parallel"] for r in records if r.get("expert_parallel")]
     if not parallel:  # one process: one "rank"
         hits, misses = sum(r["expert_hits"] for r in records), sum(r["expert_misses"] for r in records)
@@ -97,14 +161,22 @@ def print_parallel(document: dict) -> None:
 
     print(f"checkpoint {document['model']}: expert parallelism, placement {document['placement']}"
           + (f", replayed routing from {document['replay_routing']}" if document["replay_routing"] else ""))
-    print(f"{'budget':>7}  {'run':<28} {'TPOT ms':>8}  per rank: hit rate, disk bytes/token, combine ms/token")
+    print(cap_line(document["memory_cap"]))
+    print(f"{'budget':>7}  {'run':<28} {'TPOT ms':>8} {'cap MiB':>8}  per rank: hit rate, disk bytes/token, "
+          "combine ms/token, cgroup peak MiB")
     for row in document["rows"]:
+        peaks = row.get("cgroup_peak_mib") or [None] * len(row["per_rank"])
         ranks = "; ".join(f"{100 * r['hit_rate']:.1f}%, {format_bytes(r['disk_bytes_per_token'])}, "
-                          f"{r['combine_ms_per_token']:.2f}" for r in row["per_rank"])
-        print(f"{row['budget']:>7g}  {row['run']:<28} {row['tpot_ms']:>8.1f}  {ranks}")
+                          f"{r['combine_ms_per_token']:.2f}, {'-' if peak is None else f'{peak:.0f}'}"
+                          for r, peak in zip(row["per_rank"], peaks))
+        cap = "-" if row.get("memory_cap_mib") is None else f"{row['memory_cap_mib']:.0f}"
+        print(f"{row['budget']:>7g}  {row['run']:<28} {row['tpot_ms']:>8.1f} {cap:>8}  {ranks}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def cap_line(caps: dict) -> str:
+    if not caps["applied"]:
+        return f"memory caps NOT applied ({caps['reason']}): every run uncapped"
+    made = (f"floor {caps['floor_mib']:.0f} + dense {caps['dense_mib']:.0f} + B + {GENERATE_SLACK_MIB} MiB"
+            if caps["requested"] == "auto" else f"{caps['requested']} MiB")
+    return (f"memory caps ({caps['reason']}): one process at B: {made}; one at B/N and each of the N ranks: "
+            "the same less (1 - 1/N) B")

@@ -37,7 +37,9 @@ def jobs(designs: str) -> list[Job]:
     return [Job("lru", True), Job("lru", False), *(Job(name, False) for name in names), Job("default", False)]
 
 
-def measure(args) -> dict:
+def measure(args, run=run_isolated, world_size: int = 1) -> dict:
+    """The bench's document; each run through `run` (spec, memory cap) -> figures: one fresh process, or
+    one on each of world_size ranks (ranked.py; each rank's cap is for its 1/world_size of the budget)."""
     from moestream.bench.integrity import report_integrity
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS, demo_checkpoint
@@ -50,16 +52,16 @@ def measure(args) -> dict:
                    threads=args.threads, direct_io=args.direct_io, replay_routing=args.replay_routing,
                    predictor_dirs=tuple(args.predictor_dir))
     disk = disk_figures(Path(model), args.direct_io)
-    resident = run_isolated(dataclasses.replace(base, preload=True))
+    resident = run(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)
     dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
     context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
-               "cap": _cap(args)}
+               "cap": _cap(args), "run": run, "world_size": world_size}
     base = dataclasses.replace(base, link_gbps=disk["bandwidth"] / 1e9,  # the planner's link: calibrated here
                                layer_ms=resident["tpot_ms"] / topology.num_layers)
-    results, skipped = [], _hf_on_cuda(args, budgets)
+    results, skipped = [], _hf_skipped(args, budgets, world_size)
     for budget in budgets:
-        results += _budget_runs(base, budget, _run_list(args), context, skipped)
+        results += _budget_runs(base, budget, _run_list(args, world_size), context, skipped)
     cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]},
                      disk["bandwidth"])
     limits, oracle = _limits(budgets, _replayed(args, resident, topology), cost, context)
@@ -77,20 +79,25 @@ def measure(args) -> dict:
             "oracle_bytes_per_token": oracle}
 
 
-def _run_list(args) -> list[Job]:
-    return jobs(args.designs) + ([] if args.no_hf or _on_cuda(args) else [Job(HF, True, HF)])
+def _run_list(args, world_size: int = 1) -> list[Job]:
+    return jobs(args.designs) + ([] if args.no_hf or _hf_reason(args, world_size) else [Job(HF, True, HF)])
 
 
-def _on_cuda(args) -> bool:
-    return args.device.startswith("cuda")
+def _hf_reason(args, world_size: int) -> str | None:
+    """Why transformers + accelerate's disk offload (a one-process CPU baseline) is not run, if it is not."""
+    if args.device.startswith("cuda"):
+        return "not run with --device cuda: accelerate's disk offload is the CPU baseline"
+    if world_size > 1:
+        return "not run under torchrun: accelerate's disk offload is a one-process baseline"
+    return None
 
 
-def _hf_on_cuda(args, budgets: list[str]) -> list[dict]:
-    """The note that transformers + accelerate's disk offload (a CPU baseline) is not run on CUDA."""
-    if args.no_hf or not _on_cuda(args):
+def _hf_skipped(args, budgets: list[str], world_size: int) -> list[dict]:
+    """The note that transformers + accelerate's disk offload is not run, where it is not."""
+    reason = _hf_reason(args, world_size)
+    if args.no_hf or reason is None:
         return []
-    return [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None,
-             "reason": "not run with --device cuda: accelerate's disk offload is the CPU baseline"}
+    return [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None, "reason": reason}
             for budget in budgets]
 
 
@@ -195,7 +202,7 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
         for cap in caps:
             label = f"{job.policy} {job.mode}" + (f" capped at {cap / MIB:.0f} MiB" if cap else "")
             try:
-                done.append((job, budget, run_isolated(spec, cap) | {"memory_cap_mib": cap and cap / MIB}))
+                done.append((job, budget, context["run"](spec, cap) | {"memory_cap_mib": cap and cap / MIB}))
                 progress(label, budget, done[-1][2])
             except (RunFailed, OSError) as error:
                 progress(label, budget, None, str(error))
@@ -221,7 +228,7 @@ def _cap_bytes(context: dict, budget_mib: float) -> int:
     if cap["requested"] != "auto":
         return int(cap["requested"]) * MIB
     floor = context["resident"]["floor_rss_mib"]
-    return int((floor + context["dense_mib"] + budget_mib + CAP_SLACK_MIB) * MIB)
+    return int((floor + context["dense_mib"] + budget_mib / context["world_size"] + CAP_SLACK_MIB) * MIB)
 
 
 def _limits(budgets: list[str], run, cost, context: dict) -> tuple[dict[str, float], dict[str, float]]:
@@ -266,4 +273,4 @@ def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> 
         "memory_cap_mib": result.get("memory_cap_mib"),  # the run's cgroup memory limit (None: uncapped)
         "cgroup_peak_mib": result.get("cgroup_peak_mib"),  # the memory charged to that cgroup at its peak
         "floor_rss_mib": result["floor_rss_mib"],  # popped into the document's median floor
-    }
+    } | ({"expert_parallel": result["expert_parallel"]} if "expert_parallel" in result else {})

@@ -89,6 +89,8 @@ def print_report(document: dict, args) -> None:
                   f"{document['dense_mib']:.0f} MiB, cold O_DIRECT sequential read {document['disk_bw_gbps']:.2f} GB/s")
     for budget, moved in document.get("oracle_bytes_per_token", {}).items():
         console.print(_bytes_line(budget, moved, document["runs"]))
+    for line in rank_lines(document):
+        console.print(line)
     cap = document["memory_cap"]
     if cap["requested"] is not None:
         console.print(f"memory cap {cap['requested']}: {'applied' if cap['applied'] else 'NOT applied'} "
@@ -99,6 +101,23 @@ def print_report(document: dict, args) -> None:
                       f"{skipped['reason']}")
     for name, verdict in targets(document).items():
         console.print(f"target at 25%: {name}: {verdict}")
+
+
+def rank_lines(document: dict) -> list[str]:
+    """Under torchrun: what the table shows (rank 0's store), and each run's figures on every rank."""
+    from moestream.budget import format_bytes
+
+    parallel = document.get("expert_parallel")
+    if parallel is None:
+        return []
+    lines = [f"expert parallelism: {parallel['world_size']} ranks, placement {parallel['placement']}; the table's "
+             "hit rate and bytes are rank 0's (its experts, decode steps); each rank's, whole run (prefill too):"]
+    for run in document["runs"]:
+        ranks = "; ".join(f"rank {r['rank']} {100 * r['hit_rate']:.1f}% hits, "
+                          f"{format_bytes(r['bytes_read'].get('disk', 0))} read, combine {r['combine_s'] * 1e3:.0f} ms"
+                          for r in run["expert_parallel"]["ranks"])
+        lines.append(f"  {run['policy']} {run['mode']} at {run['budget']:g}: {ranks}")
+    return lines
 
 
 def _table(document: dict, args):

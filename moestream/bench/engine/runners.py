@@ -83,11 +83,14 @@ def make_policy(spec: RunSpec, topology):
 
 @RUNS.register("engine")
 class EngineRun:
-    """Our engine on the spec's prompts, one generation per prompt."""
+    """Our engine on the spec's prompts, one generation per prompt; on ranks (ranks given: this is rank 0
+    of a run under torchrun, ranked.py), rank 0's engine, with every rank's figures summed over the
+    generations (`expert_parallel`)."""
 
-    def run(self, spec: RunSpec) -> dict:
+    def run(self, spec: RunSpec, ranks=None) -> dict:
+        from moestream.parallel.ranks import wait_for_all
         from moestream.checkpoint.index import build_index
-        from moestream.runtime import Engine, EngineConfig
+        from moestream.runtime import EngineConfig
         from moestream.store.bandwidth import drop_page_cache
 
         drop_page_cache(shards(spec.model))
@@ -96,16 +99,20 @@ class EngineRun:
                               link_gbps=spec.link_gbps, layer_ms=spec.layer_ms,
                               background_predictor=spec.background_predictor)
         policy = make_policy(spec, build_index(spec.model).topology)
-        with Engine(spec.model, config, policy=policy) as engine:
+        with _engine(spec, config, policy, ranks) as engine:
             if spec.preload:
                 engine.preload()
             drop_page_cache(shards(spec.model))
+            if ranks is not None:  # a rank done preloading first would time out waiting for the first step
+                wait_for_all(ranks, "the preloading of the experts")
             return self._generate(engine, spec)
 
     def _generate(self, engine, spec: RunSpec) -> dict:
+        from moestream.parallel.launch import expert_parallel_report
+
         meter, counters = DecodeMeter(engine.store, engine.tracer), Counters()
         engine.add_observer(meter)
-        stall_ms, prefill, token_ids = 0.0, [], []
+        stall_ms, prefill, token_ids, parallel = 0.0, [], [], []
         for prompt in spec.inputs:
             meter.start()
             result = engine.generate([prompt], spec.max_new_tokens)
@@ -118,6 +125,7 @@ class EngineRun:
             stall_ms += _decode_stall_ms(metrics, spec, engine.store.stats(), meter, counters)
             prefill += [True] + [False] * (meter.steps - 1)
             token_ids.append(result.token_ids[0])
+            parallel.append(expert_parallel_report(engine))  # None on one process
         replay = engine.replay
         if replay is not None and not replay.recorded_all:
             raise MoestreamError("bench engine: the run took more iterations than the routing replay records")
@@ -131,7 +139,31 @@ class EngineRun:
             "prefill": prefill,
             "token_ids": token_ids,
             "device_slots": engine.store.device_slots,
-        }
+        } | ({} if parallel[0] is None else {"expert_parallel": summed_report(parallel)})
+
+
+def summed_report(reports: list[dict]) -> dict:
+    """Every rank's figures (moestream.parallel.launch.expert_parallel_report) summed over generations."""
+    ranks = []
+    for per_rank in zip(*(report["ranks"] for report in reports)):
+        hits, misses = sum(r["hits"] for r in per_rank), sum(r["misses"] for r in per_rank)
+        read = {tier: sum(r["bytes_read"].get(tier, 0) for r in per_rank) for tier in per_rank[0]["bytes_read"]}
+        ranks.append(per_rank[0] | {"hits": hits, "misses": misses, "bytes_read": read,
+                                    "hit_rate": hits / max(hits + misses, 1),
+                                    "combine_s": sum(r["combine_s"] for r in per_rank)})
+    return reports[0] | {"ranks": ranks}
+
+
+def _engine(spec: RunSpec, config, policy, ranks):
+    from moestream.parallel.config import ParallelConfig
+    from moestream.parallel.launch import leading_engine
+    from moestream.runtime import Engine
+
+    if ranks is None:
+        return Engine(spec.model, config, policy=policy)
+    parallel = ParallelConfig(expert_parallel_placement=spec.expert_parallel_placement,
+                              expert_parallel_trace=spec.expert_parallel_trace)
+    return leading_engine(spec.model, config, parallel, ranks, policy=policy)
 
 
 def _decode_stall_ms(metrics, spec: RunSpec, end, meter: DecodeMeter, counters: Counters) -> float:
@@ -154,7 +186,7 @@ class HfAccelerateRun:
     replay without patching transformers); offloaded modules hold a whole layer's experts, so the bytes
     read do not depend on routing."""
 
-    def run(self, spec: RunSpec) -> dict:
+    def run(self, spec: RunSpec, ranks=None) -> dict:
         import transformers
 
         from moestream.checkpoint.index import build_index
