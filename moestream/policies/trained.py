@@ -187,10 +187,14 @@ def load_matching(policy: Policy, directories: Sequence[str | Path]) -> Path | N
     Ablations share their design's kind, so one directory serves them all. Returns the directory
     loaded, or None (an untrained policy, or no directory of its kind).
     """
+    directory = matching_directory(policy, directories)
+    if directory is not None:
+        policy.load(directory)
+    return directory
+
+
+def matching_directory(policy: Policy, directories: Sequence[str | Path]) -> Path | None:
+    """The first directory that holds a trained policy's predictor kind (None: none, or not trained)."""
     if not isinstance(policy, TrainedPolicy):
         return None
-    for directory in map(Path, directories):
-        if read_meta(directory).get("kind") == policy.predictor.kind:
-            policy.load(directory)
-            return directory
-    return None
+    return next((d for d in map(Path, directories) if read_meta(d).get("kind") == policy.predictor.kind), None)

@@ -88,17 +88,19 @@ class EngineRun:
     generations (`expert_parallel`)."""
 
     def run(self, spec: RunSpec, ranks=None) -> dict:
-        from moestream.parallel.ranks import wait_for_all
         from moestream.checkpoint.index import build_index
+        from moestream.parallel.ranks import wait_for_all
+        from moestream.policies.trained import matching_directory
         from moestream.runtime import EngineConfig
         from moestream.store.bandwidth import drop_page_cache
 
         drop_page_cache(shards(spec.model))
-        config = EngineConfig(device=spec.device, expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
-                              policy=spec.policy, replay_routing=spec.replay_routing, reorder=spec.reorder,
-                              link_gbps=spec.link_gbps, layer_ms=spec.layer_ms,
-                              background_predictor=spec.background_predictor)
         policy = make_policy(spec, build_index(spec.model).topology)
+        trained = matching_directory(policy, spec.predictor_dirs)  # for the other ranks, which make their own
+        config = EngineConfig(device=spec.device, expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
+                              policy=spec.policy, predictor_dir=None if trained is None else str(trained),
+                              replay_routing=spec.replay_routing, reorder=spec.reorder, link_gbps=spec.link_gbps,
+                              layer_ms=spec.layer_ms, background_predictor=spec.background_predictor)
         with _engine(spec, config, policy, ranks) as engine:
             if spec.preload:
                 engine.preload()

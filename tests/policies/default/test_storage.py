@@ -83,3 +83,16 @@ def test_a_truncated_weights_file_is_named(policy, tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(PredictorFileError, match="weights.safetensors"):
         POLICIES.create("default", TOPOLOGY, predictor_dir=directory)
+
+
+def test_the_first_directory_of_the_policys_kind_is_the_one_that_matches(policy, tmp_path):
+    from moestream.policies.trained import load_matching, matching_directory
+
+    policy.save(tmp_path / "lean")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "predictor.json").write_text('{"kind": "fmoe"}')
+    directories = [tmp_path / "other", tmp_path / "lean"]
+    assert matching_directory(policy, directories) == tmp_path / "lean"
+    assert matching_directory(POLICIES.create("lru", TOPOLOGY), directories) is None
+    fresh = POLICIES.create("default", TOPOLOGY)
+    assert load_matching(fresh, directories) == tmp_path / "lean" and fresh.predictor.is_trained
