@@ -90,7 +90,7 @@ def test_the_first_directory_of_the_policys_kind_is_the_one_that_matches(policy,
 
     policy.save(tmp_path / "lean")
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "predictor.json").write_text('{"kind": "fmoe"}')
+    (tmp_path / "other" / "predictor.json").write_text('{"format_version": 1, "kind": "fmoe"}')
     directories = [tmp_path / "other", tmp_path / "lean"]
     assert matching_directory(policy, directories) == tmp_path / "lean"
     assert matching_directory(POLICIES.create("lru", TOPOLOGY), directories) is None
