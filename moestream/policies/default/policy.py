@@ -11,6 +11,9 @@
   layers: (layers until it) + (1 - p) x L / q for a layer still ahead in this token, with p its
   probability now and q the next token's; (layers until the next token reaches it) + L x (1/q - 1)
   for a layer passed.
+- The duel (duel.py): ghost caches of the device tier replay the routing, one ranked and prefetched by
+  the model, one LRU; while LRU's hits more over the last `duel_window_tokens` tokens (the model fits
+  another model's routing badly), default evicts LRU and plans no speculation.
 Without a trained model it refuses to run (UntrainedPolicyError): it never silently acts as LRU.
 Saved as safetensors (numpy) + JSON; loading and running import no torch.
 Knows the policy contract, not the mechanism, time or bytes.
