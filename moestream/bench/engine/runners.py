@@ -115,7 +115,7 @@ class EngineRun:
         meter, counters = DecodeMeter(engine.store, engine.tracer), Counters()
         engine.add_observer(meter)
         stall_ms, prefill, token_ids, parallel = 0.0, [], [], []
-        for prompt in spec.inputs:
+        for prompt in spec.prompts:
             meter.start()
             result = engine.generate([prompt], spec.max_new_tokens)
             metrics = result.metrics
@@ -206,16 +206,10 @@ class HfAccelerateRun:
         os.sync()  # the offload folder was just written: dirty pages cannot be dropped
         drop_page_cache([*shards(spec.model), *folder.glob("*")])
         counters = Counters()
-        for prompt in spec.inputs:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"] if isinstance(prompt, str) else _ids(prompt)
+        for prompt in spec.prompts:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]  # [1, S]
             _generate_timed(model, ids, spec.max_new_tokens, counters)
         return summarize(counters, 0.0, 0.0) | {"replayed": False, "stall_ms_per_token": None, "hit_rate": None}
-
-
-def _ids(prompt: list[int]):
-    import torch
-
-    return torch.tensor([prompt], dtype=torch.long)  # [1, S]
 
 
 def _generate_timed(model, ids, max_new_tokens: int, counters: Counters) -> None:

@@ -75,13 +75,12 @@ def sim_ratio(device_slots: int, topology: Topology) -> float:
 
 
 def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
-             horizon_layers: int = 2, expert_order: str = "ready", modelled_link: bool = True) -> dict:
+             expert_order: str = "ready", modelled_link: bool = True) -> dict:
     """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
     hit rate, stall and bytes per token, TPOT. expert_order, modelled_link: SimConfig's ("loaded" for a
     --sync engine; no modelled link where the engine ran without one)."""
-    config = SimConfig(cache_ratio=ratio, cost=cost, horizon_layers=horizon_layers, expert_order=expert_order,
-                       modelled_link=modelled_link)
-    sim = StreamSimulator(policy, config)
+    sim = StreamSimulator(policy, SimConfig(cache_ratio=ratio, cost=cost, expert_order=expert_order,
+                                            modelled_link=modelled_link))
     decode = {"hits": 0, "accesses": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
     for it in iterations:
         before = _snapshot(sim)

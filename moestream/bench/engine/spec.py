@@ -13,9 +13,6 @@ from dataclasses import asdict, dataclass, field
 from moestream.procfs import status_mib
 from moestream.read_fit import ReadBatchFit
 
-KINDS = ("engine", "hf-accelerate")
-
-
 @dataclass(frozen=True)
 class RunSpec:
     model: str
@@ -28,8 +25,7 @@ class RunSpec:
     preload: bool = False  # fill the device tier before timing (the all-resident run)
     replay_routing: str | None = None
     predictor_dirs: tuple[str, ...] = ()
-    prompts: tuple[str, ...] = ()  # text prompts
-    prompt_ids: tuple[tuple[int, ...], ...] = ()  # or token-id prompts
+    prompts: tuple[str, ...] = ()
     max_new_tokens: int = 16
     threads: int = 1
     direct_io: bool = True
@@ -46,14 +42,7 @@ class RunSpec:
     @classmethod
     def from_json(cls, text: str) -> "RunSpec":
         data = json.loads(text)
-        data["predictor_dirs"] = tuple(data["predictor_dirs"])
-        data["prompts"] = tuple(data["prompts"])
-        data["prompt_ids"] = tuple(tuple(p) for p in data["prompt_ids"])
-        return cls(**data)
-
-    @property
-    def inputs(self) -> list:
-        return list(self.prompts) or [list(p) for p in self.prompt_ids]
+        return cls(**data | {"predictor_dirs": tuple(data["predictor_dirs"]), "prompts": tuple(data["prompts"])})
 
 
 @dataclass
