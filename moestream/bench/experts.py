@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from moestream.bench import split_names, torch_threads, write_figures
+
 READ_MIB = 256  # the reduced tensor: well past the last-level cache
 POOL_MIB = 320  # slots the calls rotate through
 TOP_K = 6  # experts per layer call (DeepSeek-V2-Lite's top-k)
@@ -43,13 +45,9 @@ def add_parser(kinds) -> None:
 
 
 def run(args) -> int:
-    from moestream.atomic import write_json
-
-    cases = _cases(args)
-    figures = measure(cases, args.repeats, args.pool_mib, args.clock)
+    figures = measure(_cases(args), args.repeats, args.pool_mib, args.clock)
     print(table(figures))
-    if args.json:
-        write_json(figures, args.json)
+    write_figures(figures, args.json)
     return 0
 
 
@@ -70,7 +68,7 @@ def _cases(args) -> list[tuple[str, str, int]]:
 def _names(text: str, known, flag: str) -> list[str]:
     from moestream.errors import MoestreamError
 
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = split_names(text)
     unknown = [name for name in names if name not in known]
     if unknown or not names:
         raise MoestreamError(f"{flag}: unknown {', '.join(unknown) or 'empty list'}; known: {', '.join(known)}")
@@ -79,15 +77,9 @@ def _names(text: str, known, flag: str) -> list[str]:
 
 def measure(cases: list[tuple[str, str, int]], repeats: int, pool_mib: int = POOL_MIB, clock: str = "cpu") -> dict:
     """The read bandwidth and every case's figures, on one torch thread, timed by `clock` (a CLOCKS name)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         read = read_bandwidth(repeats, CLOCKS[clock])
         rows = [case_figures(shape, dtype, tokens, repeats, pool_mib, CLOCKS[clock]) for shape, dtype, tokens in cases]
-    finally:
-        torch.set_num_threads(previous)
     for row in rows:
         row["read_fraction"] = {k: bw / read for k, bw in row["bytes_per_s"].items()}
     return {"threads": 1, "clock": clock, "read_bytes_per_s": read, "top_k": TOP_K, "cases": rows}

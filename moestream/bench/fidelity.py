@@ -21,10 +21,10 @@ every deterministic policy; the background path's own figures are `bench engine`
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 
+from moestream.bench import add_model_flags, model_dir, write_figures
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments
 
@@ -35,7 +35,7 @@ STALL_TOLERANCE = 0.15  # relative to the engine's stall
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("fidelity", help="engine vs simulator on the same replayed routing")
     parser.add_argument("--replay-routing", required=True, metavar="TRACE", help="trace whose routing both follow")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    add_model_flags(parser)
     parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
@@ -43,17 +43,13 @@ def add_parser(kinds) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io"))
     parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
-    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    from moestream.atomic import write_json
-
     document = compare(args)
     _print(document)
-    if args.json:
-        write_json(document, args.json)
+    write_figures(document, args.json)
     return 0
 
 
@@ -62,12 +58,12 @@ def compare(args) -> dict:
     from moestream.bench.engine.isolation import run_isolated
     from moestream.bench.engine.plan import checkpoint_line
     from moestream.checkpoint.index import build_index
-    from moestream.cli.demo import PROMPTS, demo_checkpoint
+    from moestream.cli.demo import PROMPTS
     from moestream.errors import MoestreamError
 
     if args.max_new_tokens < 2 or args.threads < 1:
         raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
-    model = args.model or demo_checkpoint(args.small)
+    model = model_dir(args)
     topology = build_index(model).topology
     print(checkpoint_line(model), flush=True)
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync,

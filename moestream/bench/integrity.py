@@ -10,11 +10,11 @@ asserts nothing. `moestream bench engine` prints the same figures.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
+from moestream.bench import add_model_flags, model_dir
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments
 
@@ -25,19 +25,17 @@ FINITE_REPEATS = 200  # decode steps timed for the finite check
 
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("integrity", help="cost of the expert digest check and of the finite check")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    add_model_flags(parser)
     add_arguments(parser, EngineConfig, only=("device", "direct_io"))
-    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    from moestream.cli.demo import demo_checkpoint
     from moestream.cli.generate import require_checkpoint_dir
 
     if args.model is not None:
         require_checkpoint_dir(args.model)
-    report_integrity(args.model or demo_checkpoint(args.small), args.device, args.direct_io)
+    report_integrity(model_dir(args), args.device, args.direct_io)
     return 0
 
 

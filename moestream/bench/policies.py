@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from moestream.atomic import write_json
+from moestream.bench import split_names, write_figures
 from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
@@ -67,8 +67,7 @@ def run(args) -> int:
     _print(result, config, (train.num_tokens, test.num_tokens), reuse)
     if args.plot_dir:
         _plot(result, args.plot_dir)
-    if args.json:
-        write_json(_document(result, config, train, test) | {"reuse": asdict(reuse)}, args.json)
+    write_figures(_document(result, config, train, test) | {"reuse": asdict(reuse)}, args.json)
     return 0
 
 
@@ -96,7 +95,7 @@ def _dev_trace() -> Path:
 
 
 def _names(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = split_names(text)
     if not names:
         raise MoestreamError(f"expected a comma-separated list, got {text!r}")
     return names

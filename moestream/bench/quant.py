@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from moestream.bench import torch_threads, write_figures
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.settings import add_arguments
@@ -67,9 +68,7 @@ def decode_cost(model: Path, device: str, threads: int) -> tuple[float, float]:
     from moestream.runtime.layer_experts import expert_mlp
     from moestream.runtime.loader import compute_dtype, expert_decoder
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         checkpoint = build_index(model)
         dtype = compute_dtype(checkpoint.config)
         views = checkpoint.experts.views(read_expert(checkpoint.experts.locations[(0, 0)]).to(device))
@@ -79,8 +78,6 @@ def decode_cost(model: Path, device: str, threads: int) -> tuple[float, float]:
         x = torch.randn(1, checkpoint.config.get_text_config().hidden_size, dtype=dtype, device=device)  # [1, H]
         decode_ms = _timed(decode, device) if decoder is not None else 0.0
         return decode_ms, _timed(lambda: expert_mlp(math, x, weights), device)
-    finally:
-        torch.set_num_threads(before)
 
 
 def expert_math(checkpoint):
@@ -153,10 +150,7 @@ def print_ratios(rows: list[dict]) -> None:
 
 
 def run(args) -> int:
-    from moestream.atomic import write_json
-
     rows = measure(args)
     print_ratios(rows)
-    if args.json:
-        write_json(rows, args.json)
+    write_figures(rows, args.json)
     return 0

@@ -14,11 +14,11 @@ Figures only: nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from pathlib import Path
 
+from moestream.bench import add_model_flags, model_dir, write_figures
 from moestream.bench.engine.spec import peak_rss_mib
 from moestream.budget import Budget
 from moestream.config import BatchingConfig, EngineConfig
@@ -30,7 +30,7 @@ from moestream.settings import add_arguments, from_args, read_flags
 
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("serving", help="highest request rate per policy behind the server")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    add_model_flags(parser)
     parser.add_argument("--policies", default="default,lru:sync",
                         help="comma-separated policy names, NAME:sync for on demand (default default,lru:sync)")
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
@@ -47,7 +47,6 @@ def add_parser(kinds) -> None:
     parser.add_argument("--all-rates", action="store_true", help="run every rate, also after one is not sustained")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--plot-dir", type=Path, help="write each run's latency CDF plot (PNG) in this directory")
-    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
 
@@ -89,12 +88,10 @@ def run(args) -> int:
     if args.min_requests < 1:
         raise MoestreamError(f"--min-requests must be >= 1, got {args.min_requests}")
     require_serve_extra()
-    from moestream.atomic import write_json
     from moestream.bench.engine.plan import checkpoint_line
-    from moestream.cli.demo import demo_checkpoint
     from moestream.serving import workload
 
-    model = args.model or demo_checkpoint(args.small)
+    model = model_dir(args)
     print(checkpoint_line(model), flush=True)
     data = resolve_data_dir(args.data_dir)
     print(data.describe(), file=sys.stderr)
@@ -119,9 +116,8 @@ def run(args) -> int:
         print(f"{policy}: highest rate sustained {rate:g} req/s")
     if len(best) > 1:
         print(_ratio_line(*list(best.items())[0], *list(best.items())[-1]))
-    if args.json:
-        write_json({"model": str(model), "trace": args.trace, "tpot_limit_ms": limit_ms, "best_rps": best,
-                    "runs": runs}, args.json)
+    write_figures({"model": str(model), "trace": args.trace, "tpot_limit_ms": limit_ms, "best_rps": best,
+                   "runs": runs}, args.json)
     return 0
 
 

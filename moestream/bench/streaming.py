@@ -23,12 +23,12 @@ is also reported in process CPU time, which other processes of a shared machine 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from moestream.bench import add_model_flags, model_dir, split_names, torch_threads, write_figures
 from moestream.budget import Budget, format_bytes
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
@@ -44,7 +44,7 @@ PREFILL_COPIES = 4  # the bundled prompts, repeated this often, make the serving
 
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("streaming", help="resident latency vs transformers and disk streaming bandwidth")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    add_model_flags(parser)
     parser.add_argument("--budgets", default=BUDGETS,
                         help=f"offloaded expert budgets, comma separated (default {BUDGETS})")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
@@ -53,31 +53,22 @@ def add_parser(kinds) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every run (default 1)")
     add_arguments(parser, EngineConfig, only=("device", "direct_io"))
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
-    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    import torch
-
-    from moestream.atomic import write_json
-    from moestream.cli.demo import PROMPTS, demo_checkpoint
+    from moestream.cli.demo import PROMPTS
 
     _check_args(args)
     budgets = _budgets(args.budgets)
-    model = args.model or demo_checkpoint(args.small)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    model = model_dir(args)
+    with torch_threads(args.threads):
         rows = compare_resident(model, PROMPTS, args)
         offloaded, disk, prefills = compare_streaming(model, PROMPTS, budgets, args)
-    finally:
-        torch.set_num_threads(threads)
     rows += offloaded
     summary = summarize(rows, disk, prefills)
     print_report(rows, summary, model, args)
-    if args.json:
-        write_json({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
+    write_figures({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
                    "runs": rows, **summary}, args.json)
     return 0
 
@@ -89,7 +80,7 @@ def _check_args(args) -> None:
 
 
 def _budgets(text: str) -> list[str]:
-    budgets = [part.strip() for part in text.split(",") if part.strip()]
+    budgets = split_names(text)
     for budget in budgets:
         Budget.parse(budget)
     return budgets

@@ -14,10 +14,10 @@ nothing is asserted. Knows no policy by name.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
+from moestream.bench import add_model_flags, model_dir, write_figures
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
@@ -31,7 +31,7 @@ KEPT_SPANS = 200_000  # the latest spans the tracer keeps
 
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("timeline", help="one decode token's compute, transfers and waits")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    add_model_flags(parser)
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
     parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated (default 16)")
@@ -41,7 +41,6 @@ def add_parser(kinds) -> None:
     add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io"))
     parser.add_argument("--json", type=Path, help="write the token's spans and figures here")
     parser.add_argument("--plot", type=Path, help="draw the token's spans here (PNG)")
-    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run)
 
 
@@ -61,8 +60,6 @@ class StepStarts(Observer):
 
 
 def run(args) -> int:
-    from moestream.atomic import write_json
-
     token = _check(args)
     tracer, steps = _record(args)
     if token + 1 >= len(steps.starts):
@@ -71,8 +68,7 @@ def run(args) -> int:
     document = figures(tracer, steps.starts, token) | {
         "compute_thread_cpu_ms": (steps.cpu_s[token + 1] - steps.cpu_s[token]) * 1e3}
     _print(document)
-    if args.json:
-        write_json(document, args.json)
+    write_figures(document, args.json)
     if args.plot:
         print(f"timeline plot: {plot(document, args.plot)}")
     return 0
@@ -94,12 +90,12 @@ def _record(args) -> tuple[Tracer, StepStarts]:
     from moestream.bench.engine.runners import make_policy, shards
     from moestream.bench.engine.spec import RunSpec
     from moestream.checkpoint.index import build_index
-    from moestream.cli.demo import PROMPTS, demo_checkpoint
+    from moestream.cli.demo import PROMPTS
     from moestream.runtime import Engine, EngineConfig
     from moestream.store.bandwidth import drop_page_cache
 
     torch.set_num_threads(args.threads)
-    model = str(args.model or demo_checkpoint(args.small))
+    model = str(model_dir(args))
     print(checkpoint_line(model), flush=True)
     config = EngineConfig(expert_budget=args.budget, direct_io=args.direct_io, sync=args.sync,
                           policy=args.policy, replay_routing=args.replay_routing)

@@ -10,11 +10,11 @@ sequence, so a sequence's routing path no longer predicts its next token's (see 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
+from moestream.bench import add_model_flags, model_dir, write_figures
 from moestream.bench.serving import memory_figures, memory_text, rss_mib
 from moestream.data_dir import resolve_data_dir
 from moestream.config import BatchingConfig, EngineConfig
@@ -24,14 +24,13 @@ from moestream.settings import add_arguments, from_args, read_flags
 
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("token-scheduler", help="activated experts, hit rate and throughput per token scheduler")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    add_model_flags(parser)
     parser.add_argument("--schedulers", default="fifo,expertflow", help="token schedulers to compare (default fifo,expertflow)")
     parser.add_argument("--num-seqs", type=int, default=32, help="sequences running together (default 32)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per sequence (default 32)")
     parser.add_argument("--prompt-words", type=int, default=48, help="words kept of each prompt (default 48)")
     parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.data_dir)")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     add_arguments(parser, EngineConfig, skip=("direct_io",))  # buffered reads
     add_arguments(parser, BatchingConfig, skip=("max_num_seqs", "kv_budget_bytes", "token_scheduler"))
     parser.set_defaults(handler=run)
@@ -42,8 +41,6 @@ def run(args) -> int:
         raise MoestreamError("--num-seqs, --max-tokens and --prompt-words must be >= 1")
     read_flags(EngineConfig, args)
     from_args(BatchingConfig, args)  # refuses bad batching flags before the model loads
-    from moestream.atomic import write_json
-    from moestream.cli.demo import demo_checkpoint
     from moestream.serving import workload
     from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
 
@@ -51,7 +48,7 @@ def run(args) -> int:
     unknown = [s for s in schedulers if s not in TOKEN_SCHEDULERS]
     if unknown or not schedulers:
         raise MoestreamError(f"unknown token scheduler(s) {unknown}; choose from {', '.join(TOKEN_SCHEDULERS.names())}")
-    model = args.model or demo_checkpoint(args.small)
+    model = model_dir(args)
     data = resolve_data_dir(args.data_dir)
     print(data.describe(), file=sys.stderr)
     texts = workload.prompt_texts(data.path)
@@ -65,9 +62,8 @@ def run(args) -> int:
     if args.replay_routing:
         print("routing replayed: iterations take the trace's next rows whatever the sequence, so a sequence's "
               "last path predicts its next one only as well as any row predicts the next")
-    if args.json:
-        write_json({"model": str(model), "args": {k: str(v) for k, v in vars(args).items() if k != "handler"},
-                    "runs": rows}, args.json)
+    write_figures({"model": str(model), "args": {k: str(v) for k, v in vars(args).items() if k != "handler"},
+                   "runs": rows}, args.json)
     return 0
 
 

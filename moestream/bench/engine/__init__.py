@@ -17,10 +17,10 @@ is written with `--json` for `moestream sim --cost-model measured:PATH`.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from moestream.bench import add_model_flags, write_figures
 from moestream.config import EngineConfig
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments
@@ -33,7 +33,7 @@ DESIGNS = "moe-infinity,expertflow,fmoe,promoe"  # each design's own policy (the
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("engine", help="TPOT, stalls, hit rate and peak RSS per policy, cold, against "
                                              "the physical limit")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the demo checkpoint)")
+    add_model_flags(parser)
     parser.add_argument("--prompts", type=int, default=DEMO_PROMPTS, metavar="N",
                         help=f"the first N of the {DEMO_PROMPTS} demo prompts (default all)")
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
@@ -51,13 +51,11 @@ def add_parser(kinds) -> None:
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
                         help="instead: N ranks (torchrun) against one process at the same and at 1/N of the memory")
     add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))
-    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the small demo model, for tests
     parser.set_defaults(handler=run, runs_on_ranks=True, rank_follower=_follow, ranks_device="cpu")
 
 
 def run(args) -> int:
     """The bench; under torchrun (args.ranks: rank 0), every run on every rank (ranked.py)."""
-    from moestream.atomic import write_json
     from moestream.bench.engine.report import print_report
     from moestream.errors import MoestreamError
 
@@ -68,8 +66,7 @@ def run(args) -> int:
         return _expert_parallel(args)
     document = _measure(args, ranks)
     print_report(document, args)
-    if args.json:
-        write_json(document, args.json)
+    write_figures(document, args.json)
     return 0
 
 
@@ -100,7 +97,6 @@ def _follow(ranks) -> int:
 
 
 def _expert_parallel(args) -> int:
-    from moestream.atomic import write_json
     from moestream.bench.engine.parallel import measure_parallel, print_parallel
     from moestream.errors import MoestreamError
 
@@ -108,6 +104,5 @@ def _expert_parallel(args) -> int:
         raise MoestreamError(f"--expert-parallel takes N >= 1, got {args.expert_parallel}")
     document = measure_parallel(args, lambda line: print(line, file=sys.stderr, flush=True))
     print_parallel(document)
-    if args.json:
-        write_json(document, args.json)
+    write_figures(document, args.json)
     return 0

@@ -36,9 +36,10 @@ GENERATE_SLACK_MIB = 192  # the memory cap: floor + dense part + budget + this (
 
 def measure_parallel(args, say) -> dict:
     """The runs' figures; say(line) tells, at once, why the runs go uncapped where they must."""
-    from moestream.cli.demo import PROMPTS, demo_checkpoint
+    from moestream.bench import model_dir
+    from moestream.cli.demo import PROMPTS
 
-    model = args.model or demo_checkpoint(args.small)
+    model = model_dir(args)
     budgets = [float(b) for b in args.budgets.split(",")]
     caps = memory_caps(args, Path(model))
     if not caps["applied"]:

@@ -9,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from moestream.bench import split_names
 from moestream.bench.engine.spec import RunSpec
 from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
@@ -33,8 +34,8 @@ class Job:
 
 def jobs(designs: str) -> list[Job]:
     """Per budget: on-demand LRU, async LRU, each design, default, transformers + accelerate."""
-    names = [name.strip() for name in designs.split(",") if name.strip()]
-    return [Job("lru", True), Job("lru", False), *(Job(name, False) for name in names), Job("default", False)]
+    return [Job("lru", True), Job("lru", False), *(Job(name, False) for name in split_names(designs)),
+            Job("default", False)]
 
 
 def measure(args, run=run_isolated, world_size: int = 1) -> dict:
@@ -42,10 +43,11 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     one on each of world_size ranks (ranked.py; each rank's cap is for its 1/world_size of the budget)."""
     from moestream.bench.integrity import report_integrity
     from moestream.checkpoint.index import build_index
-    from moestream.cli.demo import PROMPTS, demo_checkpoint
+    from moestream.bench import model_dir
+    from moestream.cli.demo import PROMPTS
 
     budgets = _check(args)
-    model = args.model or demo_checkpoint(args.small)
+    model = model_dir(args)
     topology = build_index(model).topology
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
                    max_new_tokens=args.max_new_tokens,
@@ -129,7 +131,7 @@ def _check(args) -> list[str]:
         raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
     if args.replay_routing is not None and not Path(args.replay_routing).is_file():
         raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
-    budgets = [part.strip() for part in args.budgets.split(",") if part.strip()]
+    budgets = split_names(args.budgets)
     for budget in budgets:
         Budget.parse(budget)
     return budgets
