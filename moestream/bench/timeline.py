@@ -87,8 +87,8 @@ def _record(args) -> tuple[Tracer, StepStarts]:
     import torch
 
     from moestream.bench.engine.plan import checkpoint_line
-    from moestream.bench.engine.runners import make_policy, shards
-    from moestream.bench.engine.spec import RunSpec
+    from moestream.bench.engine.runners import make_policy
+    from moestream.bench.engine.spec import RunSpec, shards
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS
     from moestream.runtime import Engine, EngineConfig

@@ -80,13 +80,13 @@ def run_isolated(spec: RunSpec, limit_bytes: int | None = None, env: dict[str, s
         env = {name: value for name, value in (os.environ | {"PYTHONPATH": str(Path(moestream.__file__).parents[1])}
                                                | (env or {})).items() if value is not None}
         if limit_bytes is None:
-            _call(command, env)
+            call(command, env)
             return json.loads(out_path.read_text())
         group = own_cgroup()
         with _child_cgroup(group, limit_bytes) as path:
-            _call(command, env, path / "cgroup.procs")
-            peak = _read_int(path / group.peak_file)
-        return json.loads(out_path.read_text()) | {"cgroup_peak_mib": peak and peak / MIB}
+            call(command, env, path / "cgroup.procs")
+            peak = cgroup_peak_mib(path)
+        return json.loads(out_path.read_text()) | {"cgroup_peak_mib": peak}
 
 
 @contextmanager
@@ -110,12 +110,9 @@ def cgroup_peak_mib(path: Path) -> float | None:
     return peak and peak / MIB
 
 
-def call(command: list[str], env: dict, timeout_s: float = RUN_TIMEOUT_S) -> None:
-    """Runs a command to its end; RunFailed (its last line of stderr) if it fails."""
-    _call(command, env, timeout_s=timeout_s)
-
-
-def _call(command: list[str], env: dict, procs: Path | None = None, timeout_s: float = RUN_TIMEOUT_S) -> None:
+def call(command: list[str], env: dict, procs: Path | None = None, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """Runs a command to its end (in the cgroup whose cgroup.procs file is `procs`, if given); RunFailed (its
+    last line of stderr) if it fails."""
     enter = None if procs is None else (lambda: procs.write_text(str(os.getpid())))
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s,

@@ -61,17 +61,17 @@ def measure_parallel(args, say) -> dict:
 def memory_caps(args, model: Path) -> dict:
     """Whether runs are capped (and why not), and what the caps are made of (MiB)."""
     from moestream.bench.engine.isolation import cap_method, cap_support
+    from moestream.bench.engine.spec import dense_bytes
     from moestream.checkpoint.index import build_index
 
     reason = cap_support()
     if reason is not None:
         return {"applied": False, "reason": reason}
     topology = build_index(model).topology
-    dense = (sum(p.stat().st_size for p in model.glob("*.safetensors")) - topology.total_expert_bytes) / MIB
     requested = args.memory_cap or "auto"
     return {"applied": True, "reason": cap_method(), "requested": requested,
             "experts_mib": topology.total_expert_bytes / MIB,
-            "floor_mib": process_floor_mib(model) if requested == "auto" else None, "dense_mib": dense}
+            "floor_mib": process_floor_mib(model) if requested == "auto" else None, "dense_mib": dense_bytes(model, topology) / MIB}
 
 
 def run_cap_mib(caps: dict, budget: float, share: float) -> float | None:
@@ -121,9 +121,10 @@ def _command(args, model: Path, prompts: Path, ranks: int, budget: float, out: P
 def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: Path, cap_mib: float | None) -> dict:
     """One run's figures from generate's --json (every prompt's record), and each process's cgroup peak."""
     from moestream.bench.engine.isolation import RunFailed, call, cgroup_peak_mib, rank_cgroups
+    from moestream.bench.engine.spec import shards
     from moestream.store.bandwidth import drop_page_cache
 
-    drop_page_cache(sorted(Path(model).glob("*.safetensors")))
+    drop_page_cache(shards(model))
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
     limits = [] if cap_mib is None else [int(cap_mib * MIB)] * ranks
     try:

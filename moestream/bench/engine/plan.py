@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from moestream.bench import split_names
-from moestream.bench.engine.spec import RunSpec
+from moestream.bench.engine.spec import RunSpec, dense_bytes
 from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
 
@@ -56,7 +56,7 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     disk = disk_figures(Path(model), args.direct_io)
     resident = run(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)
-    dense_mib = (sum(p.stat().st_size for p in Path(model).glob("*.safetensors")) - topology.total_expert_bytes) / MIB
+    dense_mib = dense_bytes(model, topology) / MIB
     context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
                "cap": _cap(args), "run": run, "world_size": world_size}
     base = dataclasses.replace(base, link_gbps=disk["bandwidth"] / 1e9,  # the planner's link: calibrated here

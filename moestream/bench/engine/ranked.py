@@ -73,7 +73,7 @@ def run_in_child(spec: RunSpec, run_spec: Callable[..., dict]) -> dict:
 
 def _prepare(engine, spec: RunSpec, ranks: RankContext) -> None:
     """What rank 0's run does between opening its engine and generating, on a follower's own experts."""
-    from moestream.bench.engine.runners import shards
+    from moestream.bench.engine.spec import shards
     from moestream.store.bandwidth import drop_page_cache
 
     if spec.preload:

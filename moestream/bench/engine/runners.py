@@ -10,16 +10,12 @@ import os
 import time
 from pathlib import Path
 
-from moestream.bench.engine.spec import Counters, RunSpec, summarize
+from moestream.bench.engine.spec import Counters, RunSpec, dense_bytes, shards, summarize
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
 from moestream.registry import Registry
 
 RUNS: Registry = Registry("bench engine run kind")
-
-
-def shards(model: str | Path) -> list[Path]:
-    return sorted(Path(model).glob("*.safetensors"))
 
 
 class DecodeMeter(Observer):
@@ -196,11 +192,10 @@ class HfAccelerateRun:
         from moestream.store.config import Budget
 
         topology = build_index(spec.model).topology
-        dense_bytes = sum(p.stat().st_size for p in shards(spec.model)) - topology.total_expert_bytes
         budget = Budget.parse(spec.budget).resolve(topology.total_expert_bytes)
         folder = Path(spec.scratch_dir) / "offload"
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            spec.model, device_map="auto", max_memory={"cpu": dense_bytes + budget}, offload_folder=str(folder),
+            spec.model, device_map="auto", max_memory={"cpu": dense_bytes(spec.model, topology) + budget}, offload_folder=str(folder),
             dtype="auto").eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(spec.model)
         os.sync()  # the offload folder was just written: dirty pages cannot be dropped

@@ -9,6 +9,7 @@ import json
 import resource
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from moestream.procfs import status_mib
 from moestream.read_fit import ReadBatchFit
@@ -61,6 +62,15 @@ class Counters:
     prompt_tokens: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
+
+
+def shards(model: str | Path) -> list[Path]:
+    return sorted(Path(model).glob("*.safetensors"))
+
+
+def dense_bytes(model: str | Path, topology) -> int:
+    """The checkpoint's bytes that are not routed experts."""
+    return sum(p.stat().st_size for p in shards(model)) - topology.total_expert_bytes
 
 
 def peak_rss_mib() -> float:

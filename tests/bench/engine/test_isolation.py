@@ -33,7 +33,7 @@ def test_a_process_over_its_cap_is_killed_and_the_cap_holds(real_cgroup):
     grow = [sys.executable, "-c", "import sys; block = b'x' * (int(sys.argv[1]) << 20)"]
     with isolation._child_cgroup(real_cgroup, 96 << 20) as path:
         with pytest.raises(isolation.RunFailed, match="killed"):
-            isolation._call(grow + ["256"], {}, path / "cgroup.procs")
+            isolation.call(grow + ["256"], {}, path / "cgroup.procs")
         peak = isolation._read_int(path / real_cgroup.peak_file)  # None: a kernel without the file (v2 before 5.19)
         assert peak is None or peak <= 96 << 20
     assert not path.exists()  # removed after the run
@@ -42,6 +42,6 @@ def test_a_process_over_its_cap_is_killed_and_the_cap_holds(real_cgroup):
 def test_a_process_within_its_cap_runs_and_its_peak_is_charged(real_cgroup):
     grow = [sys.executable, "-c", "import sys; block = b'x' * (int(sys.argv[1]) << 20)"]
     with isolation._child_cgroup(real_cgroup, 256 << 20) as path:
-        isolation._call(grow + ["64"], {}, path / "cgroup.procs")
+        isolation.call(grow + ["64"], {}, path / "cgroup.procs")
         peak = isolation._read_int(path / real_cgroup.peak_file)
         assert peak is None or 64 << 20 <= peak <= 256 << 20
