@@ -26,6 +26,16 @@ def split_names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def budget_list(text: str) -> list[str]:
+    """The comma-separated expert budgets, each checked (BudgetError names a bad one)."""
+    from moestream.budget import Budget
+
+    budgets = split_names(text)
+    for budget in budgets:
+        Budget.parse(budget)
+    return budgets
+
+
 def write_figures(document, path: Path | None) -> None:
     """Writes the document (JSON, atomically) where --json says, if it says."""
     from moestream.atomic import write_json

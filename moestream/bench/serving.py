@@ -15,6 +15,7 @@ Figures only: nothing is asserted.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from pathlib import Path
 
@@ -78,6 +79,32 @@ def _policies(text: str, predictor_dir) -> list[str]:
 
 
 def run(args) -> int:
+    rates, policies, batching = _check(args)
+    from moestream.bench.engine.plan import checkpoint_line
+    from moestream.serving import workload
+
+    model = model_dir(args)
+    print(checkpoint_line(model), flush=True)
+    data = resolve_data_dir(args.data_dir)
+    print(data.describe(), file=sys.stderr)
+    trace = workload.read_trace(workload.trace_path(args.trace, data.path))
+    serve = functools.partial(_serve_and_replay, model, trace=trace, prompts=workload.prompt_texts(data.path),
+                              args=args, batching=batching)
+    runs = [serve(Budget(ratio=1.0), "lru", rates[0]) | {"policy": "all-resident"}]
+    limit_ms = args.tpot_factor * runs[0]["tpot_ms"]["p50"]
+    print(f"all-resident TPOT p50 {runs[0]['tpot_ms']['p50']:.1f} ms: limit p99 TPOT {limit_ms:.1f} ms", flush=True)
+    best = {policy: _highest_rate(serve, policy, rates, limit_ms, args, runs) for policy in policies}
+    for policy, rate in best.items():
+        print(f"{policy}: highest rate sustained {rate:g} req/s")
+    if len(best) > 1:
+        print(_ratio_line(*list(best.items())[0], *list(best.items())[-1]))
+    write_figures({"model": str(model), "trace": args.trace, "tpot_limit_ms": limit_ms, "best_rps": best,
+                   "runs": runs}, args.json)
+    return 0
+
+
+def _check(args) -> tuple[list[float], list[str], BatchingConfig]:
+    """--rates, --policies and the batching flags; MoestreamError naming a bad flag."""
     from moestream.cli.serve import require_serve_extra
 
     read_flags(EngineConfig, args)
@@ -88,37 +115,21 @@ def run(args) -> int:
     if args.min_requests < 1:
         raise MoestreamError(f"--min-requests must be >= 1, got {args.min_requests}")
     require_serve_extra()
-    from moestream.bench.engine.plan import checkpoint_line
-    from moestream.serving import workload
+    return rates, policies, batching
 
-    model = model_dir(args)
-    print(checkpoint_line(model), flush=True)
-    data = resolve_data_dir(args.data_dir)
-    print(data.describe(), file=sys.stderr)
-    trace = workload.read_trace(workload.trace_path(args.trace, data.path))
-    prompts = workload.prompt_texts(data.path)
-    resident = _serve_and_replay(model, Budget(ratio=1.0), "lru", rates[0], trace, prompts, args, batching)
-    runs = [resident | {"policy": "all-resident"}]
-    limit_ms = args.tpot_factor * runs[0]["tpot_ms"]["p50"]
-    print(f"all-resident TPOT p50 {runs[0]['tpot_ms']['p50']:.1f} ms: limit p99 TPOT {limit_ms:.1f} ms", flush=True)
-    best = {}
-    for policy in policies:
-        best[policy] = 0.0
-        for rate in rates:
-            figures = _serve_and_replay(model, args.expert_budget, policy, rate, trace, prompts, args, batching)
-            runs.append(figures | {"policy": policy})
-            if not _sustained(figures, limit_ms):
-                if args.all_rates:
-                    continue
-                break
-            best[policy] = max(best[policy], rate)
-    for policy, rate in best.items():
-        print(f"{policy}: highest rate sustained {rate:g} req/s")
-    if len(best) > 1:
-        print(_ratio_line(*list(best.items())[0], *list(best.items())[-1]))
-    write_figures({"model": str(model), "trace": args.trace, "tpot_limit_ms": limit_ms, "best_rps": best,
-                   "runs": runs}, args.json)
-    return 0
+
+def _highest_rate(serve, policy: str, rates: list[float], limit_ms: float, args, runs: list[dict]) -> float:
+    """The highest rate the policy sustains (0 if none), trying rates in turn until one is not sustained
+    (--all-rates: every one); each run's figures are appended to runs."""
+    best = 0.0
+    for rate in rates:
+        figures = serve(args.expert_budget, policy, rate)
+        runs.append(figures | {"policy": policy})
+        if _sustained(figures, limit_ms):
+            best = max(best, rate)
+        elif not args.all_rates:
+            break
+    return best
 
 
 def _ratio_line(first: str, rate: float, last: str, base: float) -> str:

@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, split_names, torch_threads, write_figures
+from moestream.bench import add_model_flags, budget_list, model_dir, torch_threads, write_figures
 from moestream.budget import Budget, format_bytes
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
@@ -60,7 +60,7 @@ def run(args) -> int:
     from moestream.cli.demo import PROMPTS
 
     _check_args(args)
-    budgets = _budgets(args.budgets)
+    budgets = budget_list(args.budgets)
     model = model_dir(args)
     with torch_threads(args.threads):
         rows = compare_resident(model, PROMPTS, args)
@@ -77,13 +77,6 @@ def _check_args(args) -> None:
     for flag in ("max_new_tokens", "repeats", "threads"):
         if getattr(args, flag) < 1:
             raise MoestreamError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-
-
-def _budgets(text: str) -> list[str]:
-    budgets = split_names(text)
-    for budget in budgets:
-        Budget.parse(budget)
-    return budgets
 
 
 def _median(values) -> float:

@@ -9,13 +9,14 @@ import statistics
 import sys
 from pathlib import Path
 
-from moestream.bench import split_names
+from moestream.bench import budget_list, split_names
 from moestream.bench.engine.spec import RunSpec, dense_bytes
 from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
 
 HF = "hf-accelerate"
 CAP_SLACK_MIB = 64  # the memory cap: floor + dense part + budget + this
+ROW_FIGURES = ("tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token", "overlap", "bytes_per_token", "peak_rss_mib")
 PROGRESS_FIGURES = {"TTFT": ("ttft_ms", 1, "{:.1f} ms"), "TPOT": ("tpot_ms", 1, "{:.1f} ms"),  # name: (key, scale, form)
                     "stall": ("stall_ms_per_token", 1, "{:.1f} ms/token"), "hit rate": ("hit_rate", 1, "{:.3f}"),
                     "read": ("bytes_per_token", 1e6, "{:.1f} MB/token")}
@@ -117,8 +118,6 @@ def checkpoint_summary(topology) -> str:
 
 
 def _check(args) -> list[str]:
-    from moestream.store.config import Budget
-
     from moestream.cli.demo import PROMPTS
     from moestream.config import EngineConfig
 
@@ -131,10 +130,7 @@ def _check(args) -> list[str]:
         raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
     if args.replay_routing is not None and not Path(args.replay_routing).is_file():
         raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
-    budgets = split_names(args.budgets)
-    for budget in budgets:
-        Budget.parse(budget)
-    return budgets
+    return budget_list(args.budgets)
 
 
 def disk_figures(model: Path, direct_io: bool) -> dict:
@@ -258,21 +254,10 @@ def _fraction(budget: str, topology) -> float:
 
 
 def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> dict:
-    return {
-        "policy": job.policy,
-        "budget": _fraction(budget, topology),
-        "budget_mib": _fraction(budget, topology) * topology.total_expert_bytes / MIB,
-        "mode": job.mode,
-        "tpot_ms": result["tpot_ms"],
-        "ttft_ms": result["ttft_ms"],
-        "hit_rate": result["hit_rate"],
-        "stall_ms_per_token": result["stall_ms_per_token"],
-        "overlap": result["overlap"],
-        "bytes_per_token": result["bytes_per_token"],
-        "peak_rss_mib": result["peak_rss_mib"],
-        "limit_tpot_ms": limit,
-        "routed_expert_ms": result.get("routed_expert_ms"),  # one routed expert MLP's wall time, mean
-        "memory_cap_mib": result.get("memory_cap_mib"),  # the run's cgroup memory limit (None: uncapped)
-        "cgroup_peak_mib": result.get("cgroup_peak_mib"),  # the memory charged to that cgroup at its peak
-        "floor_rss_mib": result["floor_rss_mib"],  # popped into the document's median floor
-    } | ({"expert_parallel": result["expert_parallel"]} if "expert_parallel" in result else {})
+    """A run's row; routed_expert_ms (mean), memory_cap_mib (None: uncapped) and cgroup_peak_mib where the
+    run has them; floor_rss_mib is popped into the document's median floor."""
+    fraction = _fraction(budget, topology)
+    return ({"policy": job.policy, "budget": fraction, "budget_mib": fraction * topology.total_expert_bytes / MIB,
+             "mode": job.mode} | {key: result[key] for key in ROW_FIGURES} | {"limit_tpot_ms": limit}
+            | {key: result.get(key) for key in ("routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib")}
+            | {key: result[key] for key in ("floor_rss_mib", "expert_parallel") if key in result})
