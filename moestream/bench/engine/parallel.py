@@ -141,21 +141,20 @@ def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: 
 def summary(records: list[dict]) -> dict:
     """TPOT (median over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
     tokens = sum(len(r["token_ids"]) for r in records)
-    tpot = statistics.median(r["tpot_ms"] for r in records)
     parallel = [r["expert_parallel"] for r in records if r.get("expert_parallel")]
-    if not parallel:  # one process: one "rank"
-        hits, misses = sum(r["expert_hits"] for r in records), sum(r["expert_misses"] for r in records)
-        disk = sum(r["bytes_read"].get("disk", 0) for r in records)
-        return {"tpot_ms": tpot, "per_rank": [_rank(hits, misses, disk, 0.0, tokens)]}
-    per_rank = zip(*(p["ranks"] for p in parallel))  # each rank's records, one a prompt
-    return {"tpot_ms": tpot, "per_rank": [_rank(sum(r["hits"] for r in rank), sum(r["misses"] for r in rank),
-                                                sum(r["bytes_read"].get("disk", 0) for r in rank),
-                                                sum(r["combine_s"] for r in rank), tokens) for rank in per_rank]}
+    per_rank = zip(*(p["ranks"] for p in parallel)) if parallel else [  # one process: one "rank"
+        [{"hits": r["expert_hits"], "misses": r["expert_misses"], "bytes_read": r["bytes_read"], "combine_s": 0.0}
+         for r in records]]
+    return {"tpot_ms": statistics.median(r["tpot_ms"] for r in records),
+            "per_rank": [_rank(rank, tokens) for rank in per_rank]}
 
 
-def _rank(hits: int, misses: int, disk: int, combine_s: float, tokens: int) -> dict:
-    return {"hit_rate": hits / (hits + misses) if hits + misses else 0.0, "disk_bytes_per_token": disk / max(tokens, 1),
-            "combine_ms_per_token": combine_s * 1e3 / max(tokens, 1)}
+def _rank(records, tokens: int) -> dict:
+    """One rank's figures from its records, one a prompt."""
+    hits, misses = sum(r["hits"] for r in records), sum(r["misses"] for r in records)
+    return {"hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "disk_bytes_per_token": sum(r["bytes_read"].get("disk", 0) for r in records) / max(tokens, 1),
+            "combine_ms_per_token": sum(r["combine_s"] for r in records) * 1e3 / max(tokens, 1)}
 
 
 def print_parallel(document: dict) -> None:
