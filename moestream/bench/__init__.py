@@ -14,11 +14,27 @@ def add_model_flags(parser) -> None:
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)
 
 
-def model_dir(args) -> Path:
-    """--model, else the demo checkpoint."""
+def model_dir(args, announce: bool = False) -> Path:
+    """--model, else the demo checkpoint; announce: print its checkpoint_line first."""
     from moestream.cli.demo import demo_checkpoint
 
-    return args.model or demo_checkpoint(args.small)
+    model = args.model or demo_checkpoint(args.small)
+    if announce:
+        print(checkpoint_line(model), flush=True)
+    return model
+
+
+def checkpoint_line(model) -> str:
+    """`checkpoint PATH: its shape`, the line a bench prints first."""
+    from moestream.checkpoint.index import build_index
+
+    return f"checkpoint {model}: {checkpoint_summary(build_index(model).topology)}"
+
+
+def checkpoint_summary(topology) -> str:
+    """What a bench ran on, in one line: its MoE shape and expert size."""
+    return (f"{topology.num_layers} MoE layers x {topology.num_experts} experts (top-{topology.top_k}), "
+            f"{topology.expert_bytes / 1e6:.2f} MB per expert, {topology.total_expert_bytes / 1e9:.2f} GB of experts")
 
 
 def split_names(text: str) -> list[str]:

@@ -56,19 +56,16 @@ def run(args) -> int:
 def compare(args) -> dict:
     from moestream.bench.engine.spec import RunSpec
     from moestream.bench.engine.isolation import run_isolated
-    from moestream.bench.engine.plan import checkpoint_line
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS
     from moestream.errors import MoestreamError
 
     if args.max_new_tokens < 2 or args.threads < 1:
         raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
-    model = model_dir(args)
+    model = model_dir(args, announce=True)
     topology = build_index(model).topology
-    print(checkpoint_line(model), flush=True)
-    spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync,
-                   reorder=args.reorder, prompts=PROMPTS,
-                   max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
+    spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, reorder=args.reorder,
+                   prompts=PROMPTS, max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir),
                    background_predictor=False)  # inline, as the simulator: see the module doc
     engine = run_isolated(spec)

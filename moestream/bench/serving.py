@@ -80,11 +80,9 @@ def _policies(text: str, predictor_dir) -> list[str]:
 
 def run(args) -> int:
     rates, policies, batching = _check(args)
-    from moestream.bench.engine.plan import checkpoint_line
     from moestream.serving import workload
 
-    model = model_dir(args)
-    print(checkpoint_line(model), flush=True)
+    model = model_dir(args, announce=True)
     data = resolve_data_dir(args.data_dir)
     print(data.describe(), file=sys.stderr)
     trace = workload.read_trace(workload.trace_path(args.trace, data.path))

@@ -86,7 +86,6 @@ def _check(args) -> int:
 def _record(args) -> tuple[Tracer, StepStarts]:
     import torch
 
-    from moestream.bench.engine.plan import checkpoint_line
     from moestream.bench.engine.runners import make_policy
     from moestream.bench.engine.spec import RunSpec, shards
     from moestream.checkpoint.index import build_index
@@ -95,8 +94,7 @@ def _record(args) -> tuple[Tracer, StepStarts]:
     from moestream.store.bandwidth import drop_page_cache
 
     torch.set_num_threads(args.threads)
-    model = str(model_dir(args))
-    print(checkpoint_line(model), flush=True)
+    model = str(model_dir(args, announce=True))
     config = EngineConfig(expert_budget=args.budget, direct_io=args.direct_io, sync=args.sync,
                           policy=args.policy, replay_routing=args.replay_routing)
     spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))

@@ -9,7 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from moestream.bench import budget_list, split_names
+from moestream.bench import budget_list, checkpoint_summary, model_dir, split_names
 from moestream.bench.engine.spec import RunSpec, dense_bytes
 from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
@@ -44,16 +44,14 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     one on each of world_size ranks (ranked.py; each rank's cap is for its 1/world_size of the budget)."""
     from moestream.bench.integrity import report_integrity
     from moestream.checkpoint.index import build_index
-    from moestream.bench import model_dir
     from moestream.cli.demo import PROMPTS
 
     budgets = _check(args)
     model = model_dir(args)
     topology = build_index(model).topology
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
-                   max_new_tokens=args.max_new_tokens,
-                   threads=args.threads, direct_io=args.direct_io, replay_routing=args.replay_routing,
-                   predictor_dirs=tuple(args.predictor_dir))
+                   max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
+                   replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir))
     disk = disk_figures(Path(model), args.direct_io)
     resident = run(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)
@@ -102,19 +100,6 @@ def _hf_skipped(args, budgets: list[str], world_size: int) -> list[dict]:
         return []
     return [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None, "reason": reason}
             for budget in budgets]
-
-
-def checkpoint_line(model) -> str:
-    """`checkpoint PATH: its shape`, the line each bench prints first."""
-    from moestream.checkpoint.index import build_index
-
-    return f"checkpoint {model}: {checkpoint_summary(build_index(model).topology)}"
-
-
-def checkpoint_summary(topology) -> str:
-    """What a bench ran on, in one line: its MoE shape and expert size."""
-    return (f"{topology.num_layers} MoE layers x {topology.num_experts} experts (top-{topology.top_k}), "
-            f"{topology.expert_bytes / 1e6:.2f} MB per expert, {topology.total_expert_bytes / 1e9:.2f} GB of experts")
 
 
 def _check(args) -> list[str]:
