@@ -1,15 +1,14 @@
 """`moestream bench timeline`: where one decode token's time goes, lane by lane.
 
 One prompt runs through the engine (experts on disk, page cache dropped first; routing replayed when
---replay-routing is given), built with a `Tracer` that keeps its spans. For one decode step (--token K: from step K's
-start to the next one's; by default the one before the last, since the last one's end also holds
-building the result) it prints the step's wall time and, per lane, the time busy and the number of
-spans: the compute thread's routed expert MLPs, the layers' other expert work (grouped flushes,
-weighting and scatter), policy decisions and waits for expert bytes, what
-remains of the compute thread (the dense part, prefetch calls, sampling, Python), and each link's
-transfers with the share that ran while the compute thread computed rather than waited. --json
-writes the step's spans (ms from its start), --plot draws them one row per lane. Figures only:
-nothing is asserted. Knows no policy by name.
+--replay-routing is given), built with a `Tracer` that keeps its spans. For one decode step (--token K:
+from step K's start to the next one's; by default the one before the last, since the last one's end
+also holds building the result) it prints the step's wall time and, per lane, the time busy and the
+number of spans: the compute thread's routed expert MLPs, the layers' other expert work (grouped
+flushes, weighting and scatter), policy decisions and waits for expert bytes, what remains of the
+compute thread (the dense part, prefetch calls, sampling, Python), and each link's transfers with the
+share that ran while the compute thread computed rather than waited. Figures only: nothing is
+asserted. Knows no policy by name.
 """
 
 from __future__ import annotations

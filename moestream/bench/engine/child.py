@@ -2,10 +2,10 @@
 
 `python -m moestream.bench.engine.child SPEC OUT` reads a `RunSpec` (JSON), measures the process
 floor (Python + torch + transformers imported, with the family's modeling module, before anything is
-loaded), drops the checkpoint from
-the page cache, loads, drops it again (the dense part shares files with experts), generates each
-prompt in turn and writes the figures (JSON) to OUT. `run_spec` is the same run in this process. Started
-with a rank's environment (bench engine under torchrun), it is one rank of the run (ranked.py).
+loaded), drops the checkpoint from the page cache, loads, drops it again (the dense part shares files
+with experts), generates each prompt in turn and writes the figures (JSON) to OUT. `run_spec` is the
+same run in this process. Started with a rank's environment (bench engine under torchrun), it is one
+rank of the run (ranked.py).
 
 Figures per token are over the decode steps (what TPOT times): an observer snapshots the store's
 counters when each prompt's first decode step begins. Stall: on the synchronous path every expert
