@@ -10,9 +10,9 @@ import argparse
 import os
 from pathlib import Path
 
+from moestream.cli import at_least
 from moestream.cli.generate import PROMPT_ALLOWANCE, Throughput, require_checkpoint_dir, resolve_auto_budgets
 from moestream.config import EngineConfig
-from moestream.errors import MoestreamError
 from moestream.settings import add_arguments, from_args, read_flags
 
 PROMPTS = (
@@ -65,8 +65,7 @@ def demo_checkpoint(small: bool = False) -> Path:
 def run(args) -> int:
     from moestream.atomic import write_json
 
-    if args.max_new_tokens < 1:
-        raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    at_least(1, {"--max-new-tokens": args.max_new_tokens})
     read_flags(EngineConfig, args)
     if args.model is not None:
         require_checkpoint_dir(args.model)

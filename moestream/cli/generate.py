@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from moestream.budget import Budget
+from moestream.cli import at_least
 from moestream.config import EngineConfig
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.memory_plan import AUTO
@@ -67,10 +68,7 @@ def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 
 
 
 def run(args) -> int:
-    if args.max_new_tokens < 1:
-        raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.batch_size < 1:
-        raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
+    at_least(1, {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size})
     read_flags(EngineConfig, args)
     from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
     require_checkpoint_dir(args.model)
@@ -175,7 +173,9 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
                 extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
                 records.append(report(result, row) | extra | ({"expert_parallel": parallel} if parallel else {}))
         if recorder is not None:
-            _save_trace(recorder, args.record_trace)
+            from moestream.trace.format import save_trace
+
+            save_trace(recorder.to_trace(), args.record_trace)
     return records, rates
 
 
@@ -235,24 +235,8 @@ def _recorder(engine, args):
         family = engine.checkpoint.adapter.model_type
         raise MoestreamError(f"--record-trace needs a decoder-only model; {family} routes its encoder "
                              "and decoder tokens apart")
-    kind = _inputs_recorder_class() if args.record_hidden else TraceRecorder
+    # with --record-hidden, a recorder that also asks the engine for each token's input embedding
+    kind = type("InputsRecorder", (TraceRecorder,), {"needs_embeddings": True}) if args.record_hidden else TraceRecorder
     recorder = kind(engine.checkpoint.topology, source=f"moestream generate {args.model}")
     engine.add_observer(recorder)
     return recorder
-
-
-def _save_trace(recorder, path: Path) -> None:
-    from moestream.trace.format import save_trace
-
-    save_trace(recorder.to_trace(), path)
-
-
-def _inputs_recorder_class():
-    from moestream.trace.recorder import TraceRecorder
-
-    class InputsRecorder(TraceRecorder):
-        """A recorder that also asks the engine for each token's input embedding."""
-
-        needs_embeddings = True
-
-    return InputsRecorder

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moestream.cli import at_least
 from moestream.cli.generate import PROMPT_ALLOWANCE, require_checkpoint_dir
 from moestream.config import EngineConfig
-from moestream.errors import MoestreamError
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args
 
@@ -31,10 +31,7 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    if args.kv_tokens < 0:
-        raise MoestreamError(f"--kv-tokens must be >= 0, got {args.kv_tokens}")
-    if args.expert_parallel < 0:
-        raise MoestreamError(f"--expert-parallel must be >= 0, got {args.expert_parallel}")
+    at_least(0, {"--kv-tokens": args.kv_tokens, "--expert-parallel": args.expert_parallel})
     parallel = from_args(ParallelConfig, args)
     require_checkpoint_dir(args.model)
     from moestream.memory_plan import model_sizes, plan_memory
