@@ -57,8 +57,7 @@ class Frontend:
         engine = worker.engine
         self.worker, self.model_name = worker, model_name
         self.tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint.path)  # the event loop's own
-        text_config = engine.model.config.get_text_config()
-        self.vocab_size = text_config.vocab_size
+        self.vocab_size = engine.model.config.get_text_config().vocab_size
         self.context_len = engine.context_len
         self.info = moestream_info(engine.replay is not None)  # beside usage, and in /v1/models, /health
 
@@ -118,10 +117,7 @@ class Frontend:
         pieces, checked = [], time.monotonic()
         try:
             while True:
-                try:
-                    delta = _raise_failure(await asyncio.wait_for(events.get(), DISCONNECT_POLL_S))
-                except asyncio.TimeoutError:
-                    delta = None
+                delta = _raise_failure(await _next_event(events))
                 if time.monotonic() - checked >= DISCONNECT_POLL_S:
                     checked = time.monotonic()
                     if await http.is_disconnected():
@@ -160,28 +156,32 @@ async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest, 
     thread that has stopped (503), which would never answer."""
     admitted = False
     try:
-        while True:
-            try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return False
-                if not worker.alive:
-                    raise ApiError(503, "the engine is not running", code="server_error")
-                continue
-            _raise_failure(event)  # else it is Admitted: the worker's first event says one or the other
-            admitted = True
-            return True
+        while (event := await _next_event(events)) is None:
+            if await http.is_disconnected():
+                return False
+            if not worker.alive:
+                raise ApiError(503, "the engine is not running", code="server_error")
+        _raise_failure(event)  # else it is Admitted: the worker's first event says one or the other
+        admitted = True
+        return True
     finally:
         if not admitted:
             request.cancel()
+
+
+async def _next_event(events: asyncio.Queue):
+    """The queue's next event, or None if none came within DISCONNECT_POLL_S."""
+    try:
+        return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+    except asyncio.TimeoutError:
+        return None
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _raise_failure(event: Admitted | TextDelta | Exception) -> Admitted | TextDelta:
+def _raise_failure(event: Admitted | TextDelta | Exception | None) -> Admitted | TextDelta | None:
     if isinstance(event, KvBudgetError):
         raise ApiError(400, str(event), "max_tokens", "kv_budget_exceeded")
     if isinstance(event, Overloaded):
@@ -205,10 +205,10 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         await asyncio.to_thread(worker.close)
         app.state.live.detach()
 
-    app = FastAPI(title="moestream", lifespan=lifespan)
+    handlers = {ApiError: _api_error, RequestValidationError: _invalid_body, MoestreamError: _user_error}
+    app = FastAPI(title="moestream", lifespan=lifespan, exception_handlers=handlers)
     app.state.frontend = Frontend(worker, model_name)
     app.state.live = LiveStats(worker)
-    _add_error_handlers(app)
     authorized = [Depends(_bearer(api_key))] if api_key else []
     app.add_api_route("/v1/completions", _completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"], dependencies=authorized)
@@ -258,18 +258,16 @@ def _bearer(api_key: str):
     return check
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_, error: ApiError):
-        kind = "authentication_error" if error.status == 401 else "invalid_request_error"
-        kind = "server_error" if error.status >= 500 else kind
-        return JSONResponse(error_json(str(error), kind, error.param, error.code), status_code=error.status)
+async def _api_error(_, error: ApiError):
+    kind = "authentication_error" if error.status == 401 else "invalid_request_error"
+    kind = "server_error" if error.status >= 500 else kind
+    return JSONResponse(error_json(str(error), kind, error.param, error.code), status_code=error.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_, error: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
-        return JSONResponse(error_json(f"invalid request: {problems}"), status_code=400)
 
-    @app.exception_handler(MoestreamError)
-    async def user_error(_, error: MoestreamError):
-        return JSONResponse(error_json(str(error)), status_code=400)
+async def _invalid_body(_, error: RequestValidationError):
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
+    return JSONResponse(error_json(f"invalid request: {problems}"), status_code=400)
+
+
+async def _user_error(_, error: MoestreamError):
+    return JSONResponse(error_json(str(error)), status_code=400)
