@@ -148,11 +148,10 @@ def read_prompts(path: Path) -> list[str]:
 def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     """Runs the prompts in batches: one JSON record per prompt, and the run's throughput (the trace
     saved if asked)."""
-    from moestream.parallel.launch import expert_parallel_report, open_engine
+    from moestream.parallel.launch import open_engine
 
     recording = args.record_trace is not None
     config = from_args(EngineConfig, args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
-    many = args.prompts_file is not None
     records, rates = [], Throughput()
     with open_engine(args.model, config, args, progress=True, on_plan=print_lines) as engine:
         if engine.replay is not None:  # the trace fits the model: label what follows
@@ -161,22 +160,31 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
             print(f"[{REPLAY_LABEL} from {args.replay_routing}: the text below is for measurement only]", flush=True)
         recorder = _recorder(engine, args) if recording else None
         for start in range(0, len(prompts), args.batch_size):
-            batch = prompts[start: start + args.batch_size]
-            if many:
-                print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
-            result = _run_batch(engine, batch, args.max_new_tokens)
-            rates.add(result)
-            parallel = expert_parallel_report(engine)  # every rank's figures of the batch, under torchrun
-            for row, prompt in enumerate(batch):
-                if recorder is not None:
-                    recorder.set_text(result.seq_ids[row], prompt)
-                extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
-                records.append(report(result, row) | extra | ({"expert_parallel": parallel} if parallel else {}))
+            records += _batch(engine, args, prompts, start, rates, recorder)
         if recorder is not None:
             from moestream.trace.format import save_trace
 
             save_trace(recorder.to_trace(), args.record_trace)
     return records, rates
+
+
+def _batch(engine, args, prompts: list[str], start: int, rates: "Throughput", recorder) -> list[dict]:
+    """Generates the batch of prompts from `start`: one JSON record per prompt (its text to the recorder)."""
+    from moestream.parallel.launch import expert_parallel_report
+
+    batch, many = prompts[start: start + args.batch_size], args.prompts_file is not None
+    if many:
+        print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
+    result = _run_batch(engine, batch, args.max_new_tokens)
+    rates.add(result)
+    parallel = expert_parallel_report(engine)  # every rank's figures of the batch, under torchrun
+    records = []
+    for row, prompt in enumerate(batch):
+        if recorder is not None:
+            recorder.set_text(result.seq_ids[row], prompt)
+        extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
+        records.append(report(result, row) | extra | ({"expert_parallel": parallel} if parallel else {}))
+    return records
 
 
 def print_lines(lines: list[str]) -> None:

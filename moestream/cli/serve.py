@@ -56,26 +56,34 @@ def run(args) -> int:
     require_serve_extra()
     from moestream.cli.generate import print_lines
     from moestream.parallel.launch import open_engine
-    from moestream.serving import logs
-    from moestream.serving.server import Server, bind
+    from moestream.serving.server import bind
+
     resolve_auto_budgets(args, args.model, kv_bytes=workers.batching.kv_budget_bytes)
     sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
     with sock, open_engine(args.model, from_args(EngineConfig, args), args, progress=True,
                            on_plan=print_lines) as engine:
-        if engine.replay is not None:
-            from moestream.runtime.replay import REPLAY_LABEL
-
-            log.warning("moestream: %s from %s: the answers are for measurement only (marked "
-                        '"moestream": {"replayed": true})', REPLAY_LABEL, args.replay_routing)
-        server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
-                        args.api_key, workers)
-        logging.getLogger("moestream.serve").setLevel(logging.INFO)  # vLLM's lines: start-up, requests, periodic
-        logs.startup(engine)
-        host, port = sock.getsockname()[:2]
-        print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
-        try:
-            server.run(sock)
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
-            pass
+        _serve(engine, sock, args, workers)
     print("moestream: stopped: new requests refused, running ones finished or ended", file=sys.stderr)
     return 0
+
+
+def _serve(engine, sock, args, workers: WorkerConfig) -> None:
+    """Serves until Ctrl-C or SIGTERM (uvicorn re-raises the Ctrl-C it handled, once it has shut down)."""
+    from moestream.serving import logs
+    from moestream.serving.server import Server
+
+    if engine.replay is not None:
+        from moestream.runtime.replay import REPLAY_LABEL
+
+        log.warning("moestream: %s from %s: the answers are for measurement only (marked "
+                    '"moestream": {"replayed": true})', REPLAY_LABEL, args.replay_routing)
+    server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
+                    args.api_key, workers)
+    logging.getLogger("moestream.serve").setLevel(logging.INFO)  # vLLM's lines: start-up, requests, periodic
+    logs.startup(engine)
+    host, port = sock.getsockname()[:2]
+    print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
+    try:
+        server.run(sock)
+    except KeyboardInterrupt:
+        pass

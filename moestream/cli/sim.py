@@ -96,27 +96,31 @@ def run(args) -> int:
 
         check_flags(ranks, args)
     at_least(1, {"--max-tokens": args.max_tokens})
-    trace = _load(args.trace, args.tokens, args.seed)
-    if args.max_tokens is not None:
-        from moestream.sim.compare import head_tokens
-
-        trace = head_tokens(trace, args.max_tokens)
-    train = _load(args.train, args.train_tokens, args.seed + 1) if args.train is not None else None
+    trace, train = _traces(args)
     policies = {name: _prepared(name, trace, train, args) for name in names}  # every refusal before any run
     if ranks.ranks is not None:
         from moestream.sim.scaling import run_ranks
 
         return run_ranks(args, ranks, trace, train, policies, configs)
     results = {name: _run_policy(name, policy, trace, configs, args) for name, policy in policies.items()}
-    document = _document(args, configs[0], trace, results)
     if args.json is not None:
-        write_json(document, args.json)
+        write_json(_document(args, configs[0], trace, results), args.json)
     if args.plot is not None:
         from moestream.sim.plots import plot_results
 
         plot_results(results, args.plot, f"{args.trace.name}: {args.protocol} protocol")
     _print_table(results, args.protocol)
     return 0
+
+
+def _traces(args):
+    """The trace to replay (its first --max-tokens) and the one to fit on (None without --train)."""
+    trace = _load(args.trace, args.tokens, args.seed)
+    if args.max_tokens is not None:
+        from moestream.sim.compare import head_tokens
+
+        trace = head_tokens(trace, args.max_tokens)
+    return trace, _load(args.train, args.train_tokens, args.seed + 1) if args.train is not None else None
 
 
 def _load(path: Path, tokens: Path | None, seed: int):

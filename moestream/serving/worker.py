@@ -158,41 +158,40 @@ class EngineWorker:
 
     def _drop_expired(self) -> None:
         """Fails the oldest waiting requests while they are cancelled or waited too long."""
-        while True:
-            if self._head is None:
-                try:
-                    self._head = self._queue.get_nowait()
-                except queue.Empty:
-                    return
-            head = self._head
-            if not head.cancelled and _waited_ms(head) <= self.config.max_queue_wait_ms:
-                return
+        while (head := self._peek(0.0)) is not None and (head.cancelled or self._expired(head)):
             self._head = None
             self._admissible(head)  # fails it
 
     def _room(self) -> bool:
         return len(self.batcher.requests) < self.batcher.config.num_seqs
 
-    def _take(self, block_s: float) -> Request | None:
-        """The head request if the batcher can take it now (else it stays the head), or None."""
+    def _peek(self, block_s: float) -> Request | None:
+        """The head request, taken from the queue (waiting up to block_s) if there is none yet."""
         if self._head is None:
             try:
                 self._head = self._queue.get(timeout=block_s) if block_s > 0 else self._queue.get_nowait()
             except queue.Empty:
-                return None
-        head = self._head
-        if head.cancelled or self.batcher.can_admit(head) or not self.batcher.fits(head) \
-                or _waited_ms(head) > self.config.max_queue_wait_ms:
-            self._head = None
-            return head
-        return None
+                pass
+        return self._head
+
+    def _take(self, block_s: float) -> Request | None:
+        """The head request if the batcher can take it now (else it stays the head), or None."""
+        head = self._peek(block_s)
+        if head is None or not (head.cancelled or self.batcher.can_admit(head) or not self.batcher.fits(head)
+                                or self._expired(head)):
+            return None
+        self._head = None
+        return head
+
+    def _expired(self, request: Request) -> bool:
+        return (time.perf_counter() - request.arrived) * 1e3 > self.config.max_queue_wait_ms
 
     def _admissible(self, request: Request) -> bool:
         """Admits the request into the batcher, or fails it (cancelled, waited too long, too big)."""
         if request.cancelled:
             self.metrics.requests.labels("abort").inc()
             return False
-        if _waited_ms(request) > self.config.max_queue_wait_ms:
+        if self._expired(request):
             self.metrics.rejected.inc()
             request.emit(Overloaded(f"the request waited over {self.config.max_queue_wait_ms:g} ms for room"))
             return False
@@ -231,7 +230,3 @@ def _emptied(waiting: queue.Queue) -> list[Request]:
             taken.append(waiting.get_nowait())
         except queue.Empty:
             return taken
-
-
-def _waited_ms(request: Request) -> float:
-    return (time.perf_counter() - request.arrived) * 1e3
