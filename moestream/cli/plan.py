@@ -1,10 +1,6 @@
-"""`moestream plan`: what fits where for a checkpoint on this machine, before anything is loaded.
-
-Prints the memory available (the cgroup's headroom or MemAvailable; on CUDA the device's free memory),
-what the floor, the dense part, the KV and a margin take, the budgets `--expert-budget auto` and
-`--host-budget auto` would choose, and the bytes a token may read from disk. The rule is in
-moestream.memory_plan. With --expert-parallel N, also the experts and bytes each of N ranks would own
-under the placement (moestream.parallel.plan).
+"""`moestream plan`: what fits where for a checkpoint on this machine, before anything is loaded: the
+memory available, what each part takes, the budgets `auto` would choose (the rule is in
+moestream.memory_plan) and, with --expert-parallel N, what each rank would own (moestream.parallel.plan).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) for one checkpoint.
-
-Binds 127.0.0.1 unless --host says otherwise; with --api-key every /v1 request needs the bearer
-key. Under --replay-routing a start-up line and every answer say that routing is replayed. Requests
-join the running batch between steps (continuous batching, up to --max-num-seqs sequences and
---kv-budget of KV cache); beyond --max-queue waiting requests the server answers 429, and one that
-waits over --max-queue-wait-ms 503. Arguments are checked before the heavy imports.
+"""`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) for one checkpoint, with
+continuous batching (docs/design.md, Scheduling). Binds 127.0.0.1 unless --host says otherwise; under
+--replay-routing a start-up line and every answer say so. Arguments are checked before the heavy imports.
 """
 
 from __future__ import annotations

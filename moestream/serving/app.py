@@ -1,13 +1,12 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (streamed as
-server-sent events or whole), /v1/models, /health, /metrics, the live figures (/v1/moestream/stats, serving/live.py) and the page
-that draws them (/dashboard, public; it asks for the key when the server has one), in front of one `EngineWorker`.
+server-sent events or whole), /v1/models, /health, /metrics, the live figures (/v1/moestream/stats)
+and the page that draws them (/dashboard, public), in front of one `EngineWorker`.
 
 Requests are checked here (parameters, model name, context length, API key) and refused with
-OpenAI-style error JSON; so are those the worker refuses (over the KV budget, too long in its queue),
-streamed or not, since an answer begins only once the worker has admitted its request. A request
-whose client goes away is cancelled. Answers, the last streamed chunk, /v1/models and /health carry
-`"moestream": {"replayed": ...}`: true when the engine follows a recorded trace's routing. It never
-runs the engine itself: generation happens on the worker's thread.
+OpenAI-style error JSON; so are those the worker refuses, streamed or not, since an answer begins
+only once the worker has admitted its request. A request whose client goes away is cancelled.
+Answers, the last streamed chunk, /v1/models and /health carry `"moestream": {"replayed": ...}`. It
+never runs the engine itself: generation happens on the worker's thread.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""The engine thread: the one thread that runs the engine, fed by a bounded queue of requests.
+"""The engine thread: the one thread that runs the engine, fed by a bounded queue of requests
+(docs/design.md, Scheduling).
 
-Its loop admits waiting requests into the batcher (serving/batching.py) while the running set has
-room (max_num_seqs and the KV budget; when idle, the first request waits up to max_wait_ms for
-company so that their prompts prefill together), fails requests that waited longer than
-max_queue_wait_ms, and runs one engine step; idle, it tells the engine's step announcer (expert
-parallelism's heartbeat). A request's first event, through its `emit` callable (called on the
-engine thread), says whether it got in: `Admitted`, or the exception that refused it (too big for
-the KV budget, waited too long, server shutting down); each step's text follows. The worker knows no
-HTTP; a full queue raises `Overloaded`. An engine that fails (MoestreamError: e.g. a rank of expert
-parallelism was lost) stops the thread: its requests end, new ones are refused, `failure` holds the
-error and `on_failure` (if set) is called, on the engine thread.
+Its loop admits waiting requests into the batcher while it has room (when idle, the first request
+waits up to max_wait_ms for company), fails those that waited over max_queue_wait_ms, and runs one
+engine step. A request's first event (its `emit`, on the engine thread) is `Admitted` or the
+exception that refused it; each step's text follows. The worker knows no HTTP; a full queue raises
+`Overloaded`. An engine that fails (MoestreamError) stops the thread: its requests end, new ones are
+refused, `failure` holds the error and `on_failure` (if set) is called.
 """
 
 from __future__ import annotations
