@@ -41,14 +41,6 @@ class ApiError(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The prompt of chat messages ({"role", "content"}): the checkpoint's chat template when its
-    tokenizer has one, else one 'role: content' line each and 'assistant:'."""
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
 class Frontend:
     """Turns checked HTTP bodies into worker requests and worker deltas into OpenAI JSON."""
 
@@ -70,7 +62,12 @@ class Frontend:
         return list(body.prompt)
 
     def chat_prompt(self, body: ChatBody) -> str:
-        return chat_prompt(self.tokenizer, [m.model_dump() for m in body.messages])
+        """The checkpoint's chat template when its tokenizer has one, else one 'role: content' line each
+        and 'assistant:'."""
+        if self.tokenizer.chat_template:
+            messages = [m.model_dump() for m in body.messages]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "".join(f"{m.role}: {m.content}\n" for m in body.messages) + "assistant:"
 
     def check(self, body: CompletionBody | ChatBody, prompt_ids: list[int]) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
