@@ -72,7 +72,7 @@ def run(args) -> int:
     model = args.model or demo_checkpoint(args.small)
     resolve_auto_budgets(args, model, kv_tokens=args.max_new_tokens + PROMPT_ALLOWANCE)
     runs = [("offloaded", from_args(EngineConfig, args)), ("all resident", from_args(EngineConfig, args, expert_budget=1.0))]
-    rows = [measure(label, model, config, PROMPTS, args.max_new_tokens) for label, config in runs]
+    rows = [measure(label, model, config, args.max_new_tokens) for label, config in runs]
     print_table(rows, model)
     same = rows[0]["token_ids"] == rows[1]["token_ids"]
     print(f"identical tokens in both runs: {'yes' if same else 'NO'}")
@@ -85,7 +85,7 @@ def run(args) -> int:
     return 0
 
 
-def measure(label: str, model: Path, config, prompts, max_new_tokens: int) -> dict:
+def measure(label: str, model: Path, config, max_new_tokens: int) -> dict:
     """Generates for each prompt alone; with a full budget, every expert is loaded before timing."""
     from moestream.progress import progress_bar
     from moestream.runtime import Engine
@@ -93,7 +93,7 @@ def measure(label: str, model: Path, config, prompts, max_new_tokens: int) -> di
     with Engine(model, config, progress=True) as engine:
         if config.expert_budget.ratio == 1.0:
             engine.preload()
-        results = [engine.generate([p], max_new_tokens) for p in progress_bar(prompts, desc=label, unit="prompt")]
+        results = [engine.generate([p], max_new_tokens) for p in progress_bar(PROMPTS, desc=label, unit="prompt")]
         total = engine.checkpoint.topology.total_expert_bytes
     metrics, rates = [r.metrics for r in results], Throughput()
     for result in results:

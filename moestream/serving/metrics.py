@@ -32,8 +32,7 @@ class ServerMetrics:
         self.prefetch_precision = Gauge("moestream_prefetch_precision", "Prefetched experts later used / prefetched", registry=r)
         self.prefetch_recall = Gauge("moestream_prefetch_recall",
                                      "Needed experts that prefetch brought in / needed experts not resident before", registry=r)
-        queue = Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r)
-        queue.set_function(queue_depth)
+        Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r).set_function(queue_depth)
         Gauge("moestream_running_sequences", "Sequences admitted and not ended", registry=r).set_function(running)
         Gauge("moestream_kv_reserved_bytes", "KV cache bytes reserved by the running sequences",
               registry=r).set_function(kv_reserved_bytes)

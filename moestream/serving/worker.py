@@ -200,7 +200,7 @@ class EngineWorker:
         request.emit(Admitted())
         return True
 
-    def update(self, request: Request, delta: TextDelta, new_token: bool = True) -> None:
+    def update(self, request: Request, delta: TextDelta, new_token: bool) -> None:
         """Records the request's latencies and hands it its new text (new_token: False when a
         sequence ends without one, e.g. cancelled between steps)."""
         now = time.perf_counter()
