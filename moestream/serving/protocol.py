@@ -1,6 +1,7 @@
 """The OpenAI-compatible request bodies (pydantic) and the JSON the server answers with: errors in
 OpenAI's shape, completion and chat responses and their streamed chunks, and moestream's own object
-beside them (whether routing was replayed). No engine, no routes."""
+beside them (whether routing was replayed). Unknown body fields are ignored (pydantic's default).
+No engine, no routes."""
 
 from __future__ import annotations
 
@@ -8,18 +9,16 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from moestream.serving.sampling import SamplingParams
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -59,7 +58,6 @@ class CompletionBody(_Body):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 

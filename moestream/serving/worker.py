@@ -11,7 +11,6 @@ refused, `failure` holds the error and `on_failure` (if set) is called.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -24,7 +23,6 @@ from moestream.serving.batching import Batcher, KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.metrics import ServerMetrics
 
-log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
