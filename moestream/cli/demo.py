@@ -40,25 +40,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream")
 
 
-def small_spec():
-    """The demo's topology shrunk to 3 layers (2 MoE) of 16 experts, for tests."""
+def demo_checkpoint(small: bool = False) -> Path:
+    """The demo checkpoint in the cache directory, written on first use (small: its topology shrunk
+    to 3 layers (2 MoE) of 16 experts, for tests)."""
     from dataclasses import replace
 
-    from moestream.checkpoint.spec import demo_spec
-
-    return replace(demo_spec(), num_layers=3, num_experts=16, hidden_size=64, intermediate_size=64,
-                   vocab_size=512, max_shard_bytes=None)
-
-
-def demo_checkpoint(small: bool = False) -> Path:
-    """The demo checkpoint in the cache directory, written on first use."""
     from moestream.checkpoint.make_model import make_model
     from moestream.checkpoint.spec import demo_spec
 
-    path = cache_dir() / (SMALL_NAME if small else DEMO_NAME)
+    path, spec = cache_dir() / (SMALL_NAME if small else DEMO_NAME), demo_spec()
+    if small:
+        spec = replace(spec, num_layers=3, num_experts=16, hidden_size=64, intermediate_size=64, vocab_size=512,
+                       max_shard_bytes=None)
     if not (path / "config.json").is_file():
         print(f"creating the demo checkpoint in {path} (first use only)")
-        make_model(small_spec() if small else demo_spec(), path, progress=True)
+        make_model(spec, path, progress=True)
     return path
 
 

@@ -51,6 +51,13 @@ def require_checkpoint_dir(path: Path) -> None:
         raise CheckpointError(f"no config.json in checkpoint directory {path}")
 
 
+def check_engine_flags(args) -> None:
+    """Refuses a bad engine flag, placement name or --model before the heavy imports."""
+    read_flags(EngineConfig, args)
+    from_args(ParallelConfig, args)
+    require_checkpoint_dir(args.model)
+
+
 def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:
     """Replaces an `auto` budget by the bytes that `moestream.memory_plan` finds free, and says so."""
     if AUTO not in (args.expert_budget, args.host_budget):
@@ -69,9 +76,7 @@ def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 
 
 def run(args) -> int:
     at_least(1, {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size})
-    read_flags(EngineConfig, args)
-    from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
-    require_checkpoint_dir(args.model)
+    check_engine_flags(args)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
 

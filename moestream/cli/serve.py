@@ -9,11 +9,11 @@ import logging
 import sys
 from pathlib import Path
 
-from moestream.cli.generate import require_checkpoint_dir, resolve_auto_budgets
+from moestream.cli.generate import check_engine_flags, resolve_auto_budgets
 from moestream.config import EngineConfig, WorkerConfig
 from moestream.errors import MoestreamError
 from moestream.parallel.config import ParallelConfig
-from moestream.settings import add_arguments, from_args, read_flags
+from moestream.settings import add_arguments, from_args
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,7 @@ def require_serve_extra() -> None:
 def run(args) -> int:
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port must lie in [0, 65536), got {args.port}")
-    read_flags(EngineConfig, args)
-    from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
-    require_checkpoint_dir(args.model)
+    check_engine_flags(args)
     workers = from_args(WorkerConfig, args)
     require_serve_extra()
     from moestream.cli.generate import print_lines
