@@ -7,8 +7,8 @@ max_queue_wait_ms, and runs one engine step; idle, it tells the engine's step an
 parallelism's heartbeat). A request's first event, through its `emit` callable (called on the
 engine thread), says whether it got in: `Admitted`, or the exception that refused it (too big for
 the KV budget, waited too long, server shutting down); each step's text follows. The worker knows no
-HTTP; a full queue raises `Overloaded`. An engine that fails (MoestreamError: e.g. a rank of expert
-parallelism was lost) stops the thread: its requests end, new ones are refused, `failure` holds the
+HTTP; a full queue raises `Overloaded`. An engine that fails (e.g. a rank of expert parallelism was
+lost, or torch ran out of memory) stops the thread: its requests end, new ones are refused, `failure` holds the
 error and `on_failure` (if set) is called, on the engine thread.
 """
 
@@ -51,7 +51,7 @@ class EngineWorker:
         self._draining = threading.Event()
         self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="moestream-engine", daemon=True)
-        self.failure: MoestreamError | None = None
+        self.failure: Exception | None = None
         self.on_failure: Callable[[], None] | None = None
 
     def start(self) -> None:
@@ -93,7 +93,7 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             self._loop()
-        except MoestreamError as error:
+        except Exception as error:  # a MoestreamError (a lost rank) or any other: the server must not go on
             self.failure = error
             self._draining.set()  # new requests are refused
             self.batcher.close()
