@@ -3,10 +3,11 @@
 
 Its loop admits waiting requests into the batcher while it has room (when idle, the first request
 waits up to max_wait_ms for company), fails those that waited over max_queue_wait_ms, and runs one
-engine step. A request's first event (its `emit`, on the engine thread) is `Admitted` or the
-exception that refused it; each step's text follows. The worker knows no HTTP; a full queue raises
-`Overloaded`. An engine that fails (MoestreamError) stops the thread: its requests end, new ones are
-refused, `failure` holds the error and `on_failure` (if set) is called.
+engine step; idle, it tells the engine's step announcer (expert parallelism's heartbeat). A request's
+first event (its `emit`, on the engine thread) is `Admitted` or the exception that refused it; each
+step's text follows. The worker knows no HTTP; a full queue raises `Overloaded`. An engine that fails
+(a lost rank, torch out of memory, ...) stops the thread: its requests end, new ones are refused,
+`failure` holds the error and `on_failure` (if set) is called.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class EngineWorker:
         self._draining = threading.Event()
         self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="moestream-engine", daemon=True)
-        self.failure: MoestreamError | None = None
+        self.failure: Exception | None = None
         self.on_failure: Callable[[], None] | None = None
 
     def start(self) -> None:
@@ -88,7 +89,7 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             self._loop()
-        except MoestreamError as error:
+        except Exception as error:  # a MoestreamError (a lost rank) or any other: the server must not go on
             self.failure = error
             self._draining.set()  # new requests are refused
             self.batcher.close()
