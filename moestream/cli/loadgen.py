@@ -1,9 +1,6 @@
-"""`moestream loadgen`: replays a real arrival trace against a server on this machine and prints
-throughput, TTFT/TPOT percentiles and SLO attainment (optionally JSON and a latency CDF plot).
-
-Traces are read where the user keeps them (a file path, or a named trace under the data directory:
---data-dir, else as `moestream.data_dir` finds it, said on stderr);
-nothing of them is copied. Sending stops at --duration, waiting stops --drain-timeout later.
+"""`moestream loadgen`: replays a real arrival trace against a server on this machine and prints its
+figures (README). Traces are read where the user keeps them (a path, or a named trace under the data
+directory); nothing of them is copied.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""`moestream top`: the live figures of a server on this machine in the terminal (rich), refreshed every
-second: the device hit rate per layer over recent steps as colored cells, tier occupancy, transfers,
-prediction precision and recall, bytes per token from each tier, TTFT/TPOT percentiles and requests.
+"""`moestream top`: a local server's live figures in the terminal (rich), refreshed every second (README:
+the hit rate per layer over recent steps, tiers, transfers, prediction, bytes, latency, requests).
 
-It reads GET /v1/moestream/stats (moestream/serving/live.py) and knows nothing of the engine. An
-unreachable server or a refused key is one line on stderr and exit 2; Ctrl-C ends it with 0.
+It reads GET /v1/moestream/stats (moestream/serving/live.py) and knows nothing of the engine.
 """
 
 from __future__ import annotations
