@@ -67,7 +67,7 @@ def compare(args) -> dict:
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, reorder=args.reorder,
                    prompts=PROMPTS, max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir),
-                   background_predictor=False)  # inline, as the simulator: see the module doc
+                   background_predictor=False, keep_embeddings=True)  # inline, as the simulator: the module doc
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
     simulated = _simulate(args, spec, engine, topology, cost)

@@ -1,8 +1,9 @@
 """The `moestream` command. Each module in this package adds one subcommand through add_parser().
 
 Only the module of the command being run is imported (all of them for help or an unknown command),
-so that errors in arguments come back before the heavy imports of other commands. Every subcommand's handler is `args.handler(args) -> int`. User errors (MoestreamError) become one
-line on stderr and exit code 2, never a traceback.
+so that errors in arguments come back before the heavy imports of other commands. Every subcommand's
+handler is `args.handler(args) -> int`. User errors (MoestreamError) become one line on stderr and exit
+code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line naming the flag (argparse's own messages do), not the whole usage."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def at_least(least, values: dict, strict: bool = False) -> None:
+    """Refuses a flag (key) whose value is below `least` (strict: not above it); None is not given."""
+    for flag, value in values.items():
+        if value is not None and not (value > least if strict else value >= least):
+            raise MoestreamError(f"{flag} must be {'>' if strict else '>='} {least}, got {value}")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

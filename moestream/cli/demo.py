@@ -10,9 +10,9 @@ import argparse
 import os
 from pathlib import Path
 
+from moestream.cli import at_least
 from moestream.cli.generate import PROMPT_ALLOWANCE, Throughput, require_checkpoint_dir, resolve_auto_budgets
 from moestream.config import EngineConfig
-from moestream.errors import MoestreamError
 from moestream.settings import add_arguments, from_args, read_flags
 
 PROMPTS = (
@@ -40,40 +40,35 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream")
 
 
-def small_spec():
-    """The demo's topology shrunk to 3 layers (2 MoE) of 16 experts, for tests."""
+def demo_checkpoint(small: bool = False) -> Path:
+    """The demo checkpoint in the cache directory, written on first use (small: its topology shrunk
+    to 3 layers (2 MoE) of 16 experts, for tests)."""
     from dataclasses import replace
 
-    from moestream.checkpoint.spec import demo_spec
-
-    return replace(demo_spec(), num_layers=3, num_experts=16, hidden_size=64, intermediate_size=64,
-                   vocab_size=512, max_shard_bytes=None)
-
-
-def demo_checkpoint(small: bool = False) -> Path:
-    """The demo checkpoint in the cache directory, written on first use."""
     from moestream.checkpoint.make_model import make_model
     from moestream.checkpoint.spec import demo_spec
 
-    path = cache_dir() / (SMALL_NAME if small else DEMO_NAME)
+    path, spec = cache_dir() / (SMALL_NAME if small else DEMO_NAME), demo_spec()
+    if small:
+        spec = replace(spec, num_layers=3, num_experts=16, hidden_size=64, intermediate_size=64, vocab_size=512,
+                       max_shard_bytes=None)
     if not (path / "config.json").is_file():
         print(f"creating the demo checkpoint in {path} (first use only)")
-        make_model(small_spec() if small else demo_spec(), path, progress=True)
+        make_model(spec, path, progress=True)
     return path
 
 
 def run(args) -> int:
     from moestream.atomic import write_json
 
-    if args.max_new_tokens < 1:
-        raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    at_least(1, {"--max-new-tokens": args.max_new_tokens})
     read_flags(EngineConfig, args)
     if args.model is not None:
         require_checkpoint_dir(args.model)
     model = args.model or demo_checkpoint(args.small)
     resolve_auto_budgets(args, model, kv_tokens=args.max_new_tokens + PROMPT_ALLOWANCE)
     runs = [("offloaded", from_args(EngineConfig, args)), ("all resident", from_args(EngineConfig, args, expert_budget=1.0))]
-    rows = [measure(label, model, config, PROMPTS, args.max_new_tokens) for label, config in runs]
+    rows = [measure(label, model, config, args.max_new_tokens) for label, config in runs]
     print_table(rows, model)
     same = rows[0]["token_ids"] == rows[1]["token_ids"]
     print(f"identical tokens in both runs: {'yes' if same else 'NO'}")
@@ -86,7 +81,7 @@ def run(args) -> int:
     return 0
 
 
-def measure(label: str, model: Path, config, prompts, max_new_tokens: int) -> dict:
+def measure(label: str, model: Path, config, max_new_tokens: int) -> dict:
     """Generates for each prompt alone; with a full budget, every expert is loaded before timing."""
     from moestream.progress import progress_bar
     from moestream.runtime import Engine
@@ -94,7 +89,7 @@ def measure(label: str, model: Path, config, prompts, max_new_tokens: int) -> di
     with Engine(model, config, progress=True) as engine:
         if config.expert_budget.ratio == 1.0:
             engine.preload()
-        results = [engine.generate([p], max_new_tokens) for p in progress_bar(prompts, desc=label, unit="prompt")]
+        results = [engine.generate([p], max_new_tokens) for p in progress_bar(PROMPTS, desc=label, unit="prompt")]
         total = engine.checkpoint.topology.total_expert_bytes
     metrics, rates = [r.metrics for r in results], Throughput()
     for result in results:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from moestream.budget import Budget
+from moestream.cli import at_least
 from moestream.config import EngineConfig
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.memory_plan import AUTO
@@ -50,6 +51,13 @@ def require_checkpoint_dir(path: Path) -> None:
         raise CheckpointError(f"no config.json in checkpoint directory {path}")
 
 
+def check_engine_flags(args) -> None:
+    """Refuses a bad engine flag, placement name or --model before the heavy imports."""
+    read_flags(EngineConfig, args)
+    from_args(ParallelConfig, args)
+    require_checkpoint_dir(args.model)
+
+
 def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:
     """Replaces an `auto` budget by the bytes that `moestream.memory_plan` finds free, and says so."""
     if AUTO not in (args.expert_budget, args.host_budget):
@@ -67,13 +75,8 @@ def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 
 
 
 def run(args) -> int:
-    if args.max_new_tokens < 1:
-        raise MoestreamError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.batch_size < 1:
-        raise MoestreamError(f"--batch-size must be >= 1, got {args.batch_size}")
-    read_flags(EngineConfig, args)
-    from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
-    require_checkpoint_dir(args.model)
+    at_least(1, {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size})
+    check_engine_flags(args)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
     from moestream.atomic import write_json
 
@@ -150,11 +153,10 @@ def read_prompts(path: Path) -> list[str]:
 def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     """Runs the prompts in batches: one JSON record per prompt, and the run's throughput (the trace
     saved if asked)."""
-    from moestream.parallel.launch import expert_parallel_report, open_engine
+    from moestream.parallel.launch import open_engine
 
     recording = args.record_trace is not None
     config = from_args(EngineConfig, args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
-    many = args.prompts_file is not None
     records, rates = [], Throughput()
     with open_engine(args.model, config, args, progress=True, on_plan=print_lines) as engine:
         if engine.replay is not None:  # the trace fits the model: label what follows
@@ -163,20 +165,31 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
             print(f"[{REPLAY_LABEL} from {args.replay_routing}: the text below is for measurement only]", flush=True)
         recorder = _recorder(engine, args) if recording else None
         for start in range(0, len(prompts), args.batch_size):
-            batch = prompts[start: start + args.batch_size]
-            if many:
-                print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
-            result = _run_batch(engine, batch, args.max_new_tokens)
-            rates.add(result)
-            parallel = expert_parallel_report(engine)  # every rank's figures of the batch, under torchrun
-            for row, prompt in enumerate(batch):
-                if recorder is not None:
-                    recorder.set_text(result.seq_ids[row], prompt)
-                extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
-                records.append(report(result, row) | extra | ({"expert_parallel": parallel} if parallel else {}))
+            records += _batch(engine, args, prompts, start, rates, recorder)
         if recorder is not None:
-            _save_trace(recorder, args.record_trace)
+            from moestream.trace.format import save_trace
+
+            save_trace(recorder.to_trace(), args.record_trace)
     return records, rates
+
+
+def _batch(engine, args, prompts: list[str], start: int, rates: "Throughput", recorder) -> list[dict]:
+    """Generates the batch of prompts from `start`: one JSON record per prompt (its text to the recorder)."""
+    from moestream.parallel.launch import expert_parallel_report
+
+    batch, many = prompts[start: start + args.batch_size], args.prompts_file is not None
+    if many:
+        print(f"--- prompt {start + 1}/{len(prompts)} ---", flush=True)
+    result = _run_batch(engine, batch, args.max_new_tokens)
+    rates.add(result)
+    parallel = expert_parallel_report(engine)  # every rank's figures of the batch, under torchrun
+    records = []
+    for row, prompt in enumerate(batch):
+        if recorder is not None:
+            recorder.set_text(result.seq_ids[row], prompt)
+        extra = {"prompt": prompt, "batch": start // args.batch_size} if many else {}
+        records.append(report(result, row) | extra | ({"expert_parallel": parallel} if parallel else {}))
+    return records
 
 
 def print_lines(lines: list[str]) -> None:
@@ -235,24 +248,8 @@ def _recorder(engine, args):
         family = engine.checkpoint.adapter.model_type
         raise MoestreamError(f"--record-trace needs a decoder-only model; {family} routes its encoder "
                              "and decoder tokens apart")
-    kind = _inputs_recorder_class() if args.record_hidden else TraceRecorder
+    # with --record-hidden, a recorder that also asks the engine for each token's input embedding
+    kind = type("InputsRecorder", (TraceRecorder,), {"needs_embeddings": True}) if args.record_hidden else TraceRecorder
     recorder = kind(engine.checkpoint.topology, source=f"moestream generate {args.model}")
     engine.add_observer(recorder)
     return recorder
-
-
-def _save_trace(recorder, path: Path) -> None:
-    from moestream.trace.format import save_trace
-
-    save_trace(recorder.to_trace(), path)
-
-
-def _inputs_recorder_class():
-    from moestream.trace.recorder import TraceRecorder
-
-    class InputsRecorder(TraceRecorder):
-        """A recorder that also asks the engine for each token's input embedding."""
-
-        needs_embeddings = True
-
-    return InputsRecorder

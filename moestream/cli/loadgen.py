@@ -1,9 +1,6 @@
-"""`moestream loadgen`: replays a real arrival trace against a server on this machine and prints
-throughput, TTFT/TPOT percentiles and SLO attainment (optionally JSON and a latency CDF plot).
-
-Traces are read where the user keeps them (a file path, or a named trace under the data directory:
---data-dir, else as `moestream.data_dir` finds it, said on stderr);
-nothing of them is copied. Sending stops at --duration, waiting stops --drain-timeout later.
+"""`moestream loadgen`: replays a real arrival trace against a server on this machine and prints its
+figures (README). Traces are read where the user keeps them (a path, or a named trace under the data
+directory); nothing of them is copied.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ import sys
 from pathlib import Path
 
 from moestream.cli.serve import require_serve_extra
-from moestream.errors import MoestreamError
+from moestream.cli import at_least
 
 
 def add_parser(commands) -> None:
@@ -37,17 +34,10 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
-def _check(args) -> None:
-    positive = {"--rps": args.rps, "--duration": args.duration, "--scale-lengths": args.scale_lengths,
-                "--max-requests": args.max_requests, "--drain-timeout": args.drain_timeout,
-                "--slo-ttft-ms": args.slo_ttft_ms, "--slo-tpot-ms": args.slo_tpot_ms}
-    for flag, value in positive.items():
-        if not value > 0:
-            raise MoestreamError(f"{flag} must be > 0, got {value}")
-
-
 def run(args) -> int:
-    _check(args)
+    at_least(0, {"--rps": args.rps, "--duration": args.duration, "--scale-lengths": args.scale_lengths,
+                 "--max-requests": args.max_requests, "--drain-timeout": args.drain_timeout,
+                 "--slo-ttft-ms": args.slo_ttft_ms, "--slo-tpot-ms": args.slo_tpot_ms}, strict=True)
     require_serve_extra()
     import asyncio
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moestream.checkpoint.spec import PRESETS, QUANT_FAMILIES, ModelSpec
+from moestream.cli import at_least
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES
 
@@ -67,8 +68,7 @@ def spec_from_args(args) -> ModelSpec:
 
 
 def run(args) -> int:
-    if args.workers is not None and args.workers < 1:
-        raise CheckpointError(f"--workers must be >= 1, got {args.workers}")
+    at_least(1, {"--workers": args.workers})
     spec = spec_from_args(args)
     from moestream.checkpoint.index import build_index  # heavy (torch, transformers): only when run
     from moestream.checkpoint.make_model import make_model

@@ -1,19 +1,15 @@
-"""`moestream plan`: what fits where for a checkpoint on this machine, before anything is loaded.
-
-Prints the memory available (the cgroup's headroom or MemAvailable; on CUDA the device's free memory),
-what the floor, the dense part, the KV and a margin take, the budgets `--expert-budget auto` and
-`--host-budget auto` would choose, and the bytes a token may read from disk. The rule is in
-moestream.memory_plan. With --expert-parallel N, also the experts and bytes each of N ranks would own
-under the placement (moestream.parallel.plan).
+"""`moestream plan`: what fits where for a checkpoint on this machine, before anything is loaded: the
+memory available, what each part takes, the budgets `auto` would choose (the rule is in
+moestream.memory_plan) and, with --expert-parallel N, what each rank would own (moestream.parallel.plan).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from moestream.cli import at_least
 from moestream.cli.generate import PROMPT_ALLOWANCE, require_checkpoint_dir
 from moestream.config import EngineConfig
-from moestream.errors import MoestreamError
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args
 
@@ -31,10 +27,7 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    if args.kv_tokens < 0:
-        raise MoestreamError(f"--kv-tokens must be >= 0, got {args.kv_tokens}")
-    if args.expert_parallel < 0:
-        raise MoestreamError(f"--expert-parallel must be >= 0, got {args.expert_parallel}")
+    at_least(0, {"--kv-tokens": args.kv_tokens, "--expert-parallel": args.expert_parallel})
     parallel = from_args(ParallelConfig, args)
     require_checkpoint_dir(args.model)
     from moestream.memory_plan import model_sizes, plan_memory

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from moestream.cli import at_least
 from moestream.cli.generate import require_checkpoint_dir
 from moestream.errors import MoestreamError
 
@@ -33,8 +34,7 @@ def _scheme(args, checkpoint):
     from moestream.quant.encode import IntScheme
 
     bits = BITS[args.format]
-    if args.group_size is not None and args.group_size < 1:
-        raise MoestreamError(f"--group-size must be >= 1, got {args.group_size}")
+    at_least(1, {"--group-size": args.group_size})
     scheme = IntScheme(bits, args.group_size)
     if args.group_size is None and bits < 8:
         widths = {checkpoint.tensors[name].shape[-1] for name in expert_weights(checkpoint, IntScheme(bits, None))}

@@ -1,10 +1,6 @@
-"""`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) for one checkpoint.
-
-Binds 127.0.0.1 unless --host says otherwise; with --api-key every /v1 request needs the bearer
-key. Under --replay-routing a start-up line and every answer say that routing is replayed. Requests
-join the running batch between steps (continuous batching, up to --max-num-seqs sequences and
---kv-budget of KV cache); beyond --max-queue waiting requests the server answers 429, and one that
-waits over --max-queue-wait-ms 503. Arguments are checked before the heavy imports.
+"""`moestream serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) for one checkpoint, with
+continuous batching (docs/design.md, Scheduling). Binds 127.0.0.1 unless --host says otherwise; under
+--replay-routing a start-up line and every answer say so. Arguments are checked before the heavy imports.
 """
 
 from __future__ import annotations
@@ -13,11 +9,11 @@ import logging
 import sys
 from pathlib import Path
 
-from moestream.cli.generate import require_checkpoint_dir, resolve_auto_budgets
+from moestream.cli.generate import check_engine_flags, resolve_auto_budgets
 from moestream.config import EngineConfig, WorkerConfig
 from moestream.errors import MoestreamError
 from moestream.parallel.config import ParallelConfig
-from moestream.settings import add_arguments, from_args, read_flags
+from moestream.settings import add_arguments, from_args
 
 log = logging.getLogger(__name__)
 
@@ -49,33 +45,39 @@ def require_serve_extra() -> None:
 def run(args) -> int:
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port must lie in [0, 65536), got {args.port}")
-    read_flags(EngineConfig, args)
-    from_args(ParallelConfig, args)  # a bad placement name refused before the heavy imports
-    require_checkpoint_dir(args.model)
+    check_engine_flags(args)
     workers = from_args(WorkerConfig, args)
     require_serve_extra()
     from moestream.cli.generate import print_lines
     from moestream.parallel.launch import open_engine
-    from moestream.serving import logs
-    from moestream.serving.server import Server, bind
+    from moestream.serving.server import bind
+
     resolve_auto_budgets(args, args.model, kv_bytes=workers.batching.kv_budget_bytes)
     sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
     with sock, open_engine(args.model, from_args(EngineConfig, args), args, progress=True,
                            on_plan=print_lines) as engine:
-        if engine.replay is not None:
-            from moestream.runtime.replay import REPLAY_LABEL
-
-            log.warning("moestream: %s from %s: the answers are for measurement only (marked "
-                        '"moestream": {"replayed": true})', REPLAY_LABEL, args.replay_routing)
-        server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
-                        args.api_key, workers)
-        logging.getLogger("moestream.serve").setLevel(logging.INFO)  # vLLM's lines: start-up, requests, periodic
-        logs.startup(engine)
-        host, port = sock.getsockname()[:2]
-        print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
-        try:
-            server.run(sock)
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
-            pass
+        _serve(engine, sock, args, workers)
     print("moestream: stopped: new requests refused, running ones finished or ended", file=sys.stderr)
     return 0
+
+
+def _serve(engine, sock, args, workers: WorkerConfig) -> None:
+    """Serves until Ctrl-C or SIGTERM (uvicorn re-raises the Ctrl-C it handled, once it has shut down)."""
+    from moestream.serving import logs
+    from moestream.serving.server import Server
+
+    if engine.replay is not None:
+        from moestream.runtime.replay import REPLAY_LABEL
+
+        log.warning("moestream: %s from %s: the answers are for measurement only (marked "
+                    '"moestream": {"replayed": true})', REPLAY_LABEL, args.replay_routing)
+    server = Server(engine, args.served_model_name or args.model.resolve().name, args.host, args.port,
+                    args.api_key, workers)
+    logging.getLogger("moestream.serve").setLevel(logging.INFO)  # vLLM's lines: start-up, requests, periodic
+    logs.startup(engine)
+    host, port = sock.getsockname()[:2]
+    print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
+    try:
+        server.run(sock)
+    except KeyboardInterrupt:
+        pass

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from moestream.atomic import write_json
+from moestream.cli import at_least
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.settings import add_arguments, from_args
@@ -23,16 +24,19 @@ from moestream.settings import add_arguments, from_args
 log = logging.getLogger(__name__)
 
 REPORT_WIDTH = 140  # columns of the table when printing to a file or pipe
-COST_FLAGS = {  # flag dest -> CostModel field (None: the link that fills the device tier)
-    "layer_compute_ms": "layer_compute_ms",
-    "expert_compute_ms": "expert_compute_ms",
-    "token_compute_ms": "token_compute_ms",
-    "routed_expert_ms": "routed_expert_ms",
-    "disk_gbps": "disk_to_host_gbps",
-    "disk_latency_ms": "disk_to_host_latency_ms",
-    "link_gbps": None,
-    "link_latency_ms": None,
+COST_FLAGS = {  # flag dest -> (CostModel field (None: the link that fills the device tier), help)
+    "layer_compute_ms": ("layer_compute_ms", "compute of one MoE layer, one decode token"),
+    "expert_compute_ms": ("expert_compute_ms", "compute of each further distinct expert"),
+    "token_compute_ms": ("token_compute_ms", "compute of each further token"),
+    "routed_expert_ms": ("routed_expert_ms", "one routed expert's compute for one token"),
+    "link_gbps": (None, "bandwidth of the link that fills the device tier (GB/s)"),
+    "link_latency_ms": (None, "per-transfer latency of that link"),
+    "disk_gbps": ("disk_to_host_gbps", "disk -> host bandwidth (GB/s)"),
+    "disk_latency_ms": ("disk_to_host_latency_ms", "disk -> host per-transfer latency"),
 }
+SIM_FLAGS = {"mode": "mode", "batch_size": "batch_size", "horizon_layers": "horizon_layers",  # SimConfig field -> dest
+             "host_cache_ratio": "host_ratio", "seed": "seed", "warmup_tokens": "warmup_tokens",
+             "protocol_eviction": "protocol_eviction", "expert_order": "expert_order"}
 
 
 class SimArgumentError(MoestreamError):
@@ -75,14 +79,8 @@ def add_parser(commands) -> None:
                         help="how a layer's experts compute beside their loads (with --routed-expert-ms): ready "
                              "(the engine's reordering), given (--no-reorder), loaded (--sync)")
     cost = parser.add_argument_group("cost-model overrides")
-    cost.add_argument("--layer-compute-ms", type=float, help="compute of one MoE layer, one decode token")
-    cost.add_argument("--expert-compute-ms", type=float, help="compute of each further distinct expert")
-    cost.add_argument("--token-compute-ms", type=float, help="compute of each further token")
-    cost.add_argument("--routed-expert-ms", type=float, help="one routed expert's compute for one token")
-    cost.add_argument("--link-gbps", type=float, help="bandwidth of the link that fills the device tier (GB/s)")
-    cost.add_argument("--link-latency-ms", type=float, help="per-transfer latency of that link")
-    cost.add_argument("--disk-gbps", type=float, help="disk -> host bandwidth (GB/s)")
-    cost.add_argument("--disk-latency-ms", type=float, help="disk -> host per-transfer latency")
+    for dest, (_, text) in COST_FLAGS.items():
+        cost.add_argument("--" + dest.replace("_", "-"), type=float, help=text)
     add_arguments(parser.add_argument_group("expert parallelism"), RanksConfig)
     parser.set_defaults(handler=run)
 
@@ -97,29 +95,32 @@ def run(args) -> int:
         from moestream.sim.scaling import check_flags
 
         check_flags(ranks, args)
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise SimArgumentError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    trace = _load(args.trace, args.tokens, args.seed)
-    if args.max_tokens is not None:
-        from moestream.sim.compare import head_tokens
-
-        trace = head_tokens(trace, args.max_tokens)
-    train = _load(args.train, args.train_tokens, args.seed + 1) if args.train is not None else None
+    at_least(1, {"--max-tokens": args.max_tokens})
+    trace, train = _traces(args)
     policies = {name: _prepared(name, trace, train, args) for name in names}  # every refusal before any run
     if ranks.ranks is not None:
         from moestream.sim.scaling import run_ranks
 
         return run_ranks(args, ranks, trace, train, policies, configs)
     results = {name: _run_policy(name, policy, trace, configs, args) for name, policy in policies.items()}
-    document = _document(args, configs[0], trace, results)
     if args.json is not None:
-        write_json(document, args.json)
+        write_json(_document(args, configs[0], trace, results), args.json)
     if args.plot is not None:
         from moestream.sim.plots import plot_results
 
         plot_results(results, args.plot, f"{args.trace.name}: {args.protocol} protocol")
     _print_table(results, args.protocol)
     return 0
+
+
+def _traces(args):
+    """The trace to replay (its first --max-tokens) and the one to fit on (None without --train)."""
+    trace = _load(args.trace, args.tokens, args.seed)
+    if args.max_tokens is not None:
+        from moestream.sim.compare import head_tokens
+
+        trace = head_tokens(trace, args.max_tokens)
+    return trace, _load(args.train, args.train_tokens, args.seed + 1) if args.train is not None else None
 
 
 def _load(path: Path, tokens: Path | None, seed: int):
@@ -161,22 +162,10 @@ def _config(args, ratio: float):
     from moestream.sim import SimConfig, get_cost_model
 
     cost = get_cost_model(args.cost_model)
-    given = {field: getattr(args, flag) for flag, field in COST_FLAGS.items() if field is not None}
-    cost = cost.with_overrides(**given)
+    cost = cost.with_overrides(**{field: getattr(args, dest) for dest, (field, _) in COST_FLAGS.items() if field})
     link = {"link_gbps": f"{cost.device_link}_gbps", "link_latency_ms": f"{cost.device_link}_latency_ms"}
     cost = cost.with_overrides(**{field: getattr(args, flag) for flag, field in link.items()})
-    return SimConfig(
-        cache_ratio=ratio,
-        cost=cost,
-        mode=args.mode,
-        batch_size=args.batch_size,
-        horizon_layers=args.horizon_layers,
-        host_cache_ratio=args.host_ratio,
-        seed=args.seed,
-        warmup_tokens=args.warmup_tokens,
-        protocol_eviction=args.protocol_eviction,
-        expert_order=args.expert_order,
-    )
+    return SimConfig(cache_ratio=ratio, cost=cost, **{field: getattr(args, dest) for field, dest in SIM_FLAGS.items()})
 
 
 def _prepared(name: str, trace, train, args):

@@ -1,9 +1,7 @@
-"""`moestream top`: the live figures of a server on this machine in the terminal (rich), refreshed every
-second: the device hit rate per layer over recent steps as colored cells, tier occupancy, transfers,
-prediction precision and recall, bytes per token from each tier, TTFT/TPOT percentiles and requests.
+"""`moestream top`: a local server's live figures in the terminal (rich), refreshed every second (README:
+the hit rate per layer over recent steps, tiers, transfers, prediction, bytes, latency, requests).
 
-It reads GET /v1/moestream/stats (moestream/serving/live.py) and knows nothing of the engine. An
-unreachable server or a refused key is one line on stderr and exit 2; Ctrl-C ends it with 0.
+It reads GET /v1/moestream/stats (moestream/serving/live.py) and knows nothing of the engine.
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ def frame(stats: dict):
     from rich.console import Group
     from rich.panel import Panel
 
-    tables = [_tiers(stats), _cache(stats), _prediction(stats), _bytes(stats), _latency(stats), _requests(stats)]
+    tables = [_tiers(stats)] + [_table(title, rows) for title, rows in _figures(stats)]
     title = f"moestream top: {stats['tokens']} tokens, hit rate {_pct(stats['hit_rate'])}"
     return Group(Panel(_heatmap(stats), title=title, title_align="left"), Columns(tables, padding=(0, 2)))
 
@@ -98,53 +96,35 @@ def _color(rate: float | None) -> str:
     return f"rgb({red},{green},70)"
 
 
-def _table(title: str, rows: list[tuple[str, str]]):
+def _table(title: str, rows: list[tuple]):
     from rich.table import Table
 
     table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
-    table.add_column(style="dim")
-    table.add_column(justify="right")
-    for name, value in rows:
-        table.add_row(name, value)
+    if rows and len(rows[0]) == 2:  # a name and its value
+        table.add_column(style="dim")
+        table.add_column(justify="right")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
 def _tiers(stats: dict):
     from rich.progress_bar import ProgressBar
-    from rich.table import Table
 
-    table = Table(title="tiers", title_justify="left", show_header=False, box=None, pad_edge=False)
-    for tier, slots in stats["tiers"].items():
-        bar = ProgressBar(total=max(slots["total"], 1), completed=slots["used"], width=20)
-        table.add_row(tier, bar, f"{slots['used']}/{slots['total']}")
-    return table
+    return _table("tiers", [(tier, ProgressBar(total=max(slots["total"], 1), completed=slots["used"], width=20),
+                             f"{slots['used']}/{slots['total']}") for tier, slots in stats["tiers"].items()])
 
 
-def _cache(stats: dict):
-    transfers = stats["transfers"]
-    return _table("transfers", [("in flight", str(transfers["in_flight"])), ("late", str(transfers["late"])),
-                                ("cancelled", str(transfers["cancelled"]))])
-
-
-def _prediction(stats: dict):
-    p = stats["prediction"]
-    return _table("prediction", [("precision", _pct(p["precision"])), ("recall", _pct(p["recall"])),
-                                 ("prefetched", str(p["prefetched"])), ("wasted", str(p["wasted"]))])
-
-
-def _bytes(stats: dict):
-    return _table("bytes/token", [(f"from {tier}", _bytes_text(n)) for tier, n in stats["bytes_per_token"].items()])
-
-
-def _latency(stats: dict):
-    latency = stats["latency_s"]
-    return _table("latency (s)", [(f"{name.upper()} {q}", _num(latency[name][q]))
-                                  for q in ("p50", "p90", "p99") for name in ("ttft", "tpot")])
-
-
-def _requests(stats: dict):
-    requests = stats["requests"]
-    return _table("requests", [("running", str(requests["running"])), ("waiting", str(requests["waiting"]))])
+def _figures(stats: dict) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(title, rows of a name and its value) of each small table."""
+    transfers, p, latency, requests = stats["transfers"], stats["prediction"], stats["latency_s"], stats["requests"]
+    return [("transfers", [(name.replace("_", " "), str(transfers[name])) for name in ("in_flight", "late", "cancelled")]),
+            ("prediction", [("precision", _pct(p["precision"])), ("recall", _pct(p["recall"])),
+                            ("prefetched", str(p["prefetched"])), ("wasted", str(p["wasted"]))]),
+            ("bytes/token", [(f"from {tier}", _bytes_text(n)) for tier, n in stats["bytes_per_token"].items()]),
+            ("latency (s)", [(f"{name.upper()} {q}", _num(latency[name][q]))
+                             for q in ("p50", "p90", "p99") for name in ("ttft", "tpot")]),
+            ("requests", [(name, str(requests[name])) for name in ("running", "waiting")])]
 
 
 def _pct(x: float | None) -> str:

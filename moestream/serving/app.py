@@ -1,13 +1,12 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (streamed as
-server-sent events or whole), /v1/models, /health, /metrics, the live figures (/v1/moestream/stats, serving/live.py) and the page
-that draws them (/dashboard, public; it asks for the key when the server has one), in front of one `EngineWorker`.
+server-sent events or whole), /v1/models, /health, /metrics, the live figures (/v1/moestream/stats)
+and the page that draws them (/dashboard, public), in front of one `EngineWorker`.
 
 Requests are checked here (parameters, model name, context length, API key) and refused with
-OpenAI-style error JSON; so are those the worker refuses (over the KV budget, too long in its queue),
-streamed or not, since an answer begins only once the worker has admitted its request. A request
-whose client goes away is cancelled. Answers, the last streamed chunk, /v1/models and /health carry
-`"moestream": {"replayed": ...}`: true when the engine follows a recorded trace's routing. It never
-runs the engine itself: generation happens on the worker's thread.
+OpenAI-style error JSON; so are those the worker refuses, streamed or not, since an answer begins
+only once the worker has admitted its request. A request whose client goes away is cancelled.
+Answers, the last streamed chunk, /v1/models and /health carry `"moestream": {"replayed": ...}`. It
+never runs the engine itself: generation happens on the worker's thread.
 """
 
 from __future__ import annotations
@@ -42,14 +41,6 @@ class ApiError(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The prompt of chat messages ({"role", "content"}): the checkpoint's chat template when its
-    tokenizer has one, else one 'role: content' line each and 'assistant:'."""
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-
 class Frontend:
     """Turns checked HTTP bodies into worker requests and worker deltas into OpenAI JSON."""
 
@@ -57,8 +48,7 @@ class Frontend:
         engine = worker.engine
         self.worker, self.model_name = worker, model_name
         self.tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint.path)  # the event loop's own
-        text_config = engine.model.config.get_text_config()
-        self.vocab_size = text_config.vocab_size
+        self.vocab_size = engine.model.config.get_text_config().vocab_size
         self.context_len = engine.context_len
         self.info = moestream_info(engine.replay is not None)  # beside usage, and in /v1/models, /health
 
@@ -72,7 +62,12 @@ class Frontend:
         return list(body.prompt)
 
     def chat_prompt(self, body: ChatBody) -> str:
-        return chat_prompt(self.tokenizer, [m.model_dump() for m in body.messages])
+        """The checkpoint's chat template when its tokenizer has one, else one 'role: content' line each
+        and 'assistant:'."""
+        if self.tokenizer.chat_template:
+            messages = [m.model_dump() for m in body.messages]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "".join(f"{m.role}: {m.content}\n" for m in body.messages) + "assistant:"
 
     def check(self, body: CompletionBody | ChatBody, prompt_ids: list[int]) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
@@ -118,10 +113,7 @@ class Frontend:
         pieces, checked = [], time.monotonic()
         try:
             while True:
-                try:
-                    delta = _raise_failure(await asyncio.wait_for(events.get(), DISCONNECT_POLL_S))
-                except asyncio.TimeoutError:
-                    delta = None
+                delta = _raise_failure(await _next_event(events))
                 if time.monotonic() - checked >= DISCONNECT_POLL_S:
                     checked = time.monotonic()
                     if await http.is_disconnected():
@@ -160,28 +152,32 @@ async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest, 
     thread that has stopped (503), which would never answer."""
     admitted = False
     try:
-        while True:
-            try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return False
-                if not worker.alive:
-                    raise ApiError(503, "the engine is not running", code="server_error")
-                continue
-            _raise_failure(event)  # else it is Admitted: the worker's first event says one or the other
-            admitted = True
-            return True
+        while (event := await _next_event(events)) is None:
+            if await http.is_disconnected():
+                return False
+            if not worker.alive:
+                raise ApiError(503, "the engine is not running", code="server_error")
+        _raise_failure(event)  # else it is Admitted: the worker's first event says one or the other
+        admitted = True
+        return True
     finally:
         if not admitted:
             request.cancel()
+
+
+async def _next_event(events: asyncio.Queue):
+    """The queue's next event, or None if none came within DISCONNECT_POLL_S."""
+    try:
+        return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+    except asyncio.TimeoutError:
+        return None
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _raise_failure(event: Admitted | TextDelta | Exception) -> Admitted | TextDelta:
+def _raise_failure(event: Admitted | TextDelta | Exception | None) -> Admitted | TextDelta | None:
     if isinstance(event, KvBudgetError):
         raise ApiError(400, str(event), "max_tokens", "kv_budget_exceeded")
     if isinstance(event, Overloaded):
@@ -205,10 +201,10 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         await asyncio.to_thread(worker.close)
         app.state.live.detach()
 
-    app = FastAPI(title="moestream", lifespan=lifespan)
+    handlers = {ApiError: _api_error, RequestValidationError: _invalid_body, MoestreamError: _user_error}
+    app = FastAPI(title="moestream", lifespan=lifespan, exception_handlers=handlers)
     app.state.frontend = Frontend(worker, model_name)
     app.state.live = LiveStats(worker)
-    _add_error_handlers(app)
     authorized = [Depends(_bearer(api_key))] if api_key else []
     app.add_api_route("/v1/completions", _completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"], dependencies=authorized)
@@ -258,18 +254,16 @@ def _bearer(api_key: str):
     return check
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_, error: ApiError):
-        kind = "authentication_error" if error.status == 401 else "invalid_request_error"
-        kind = "server_error" if error.status >= 500 else kind
-        return JSONResponse(error_json(str(error), kind, error.param, error.code), status_code=error.status)
+async def _api_error(_, error: ApiError):
+    kind = "authentication_error" if error.status == 401 else "invalid_request_error"
+    kind = "server_error" if error.status >= 500 else kind
+    return JSONResponse(error_json(str(error), kind, error.param, error.code), status_code=error.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_, error: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
-        return JSONResponse(error_json(f"invalid request: {problems}"), status_code=400)
 
-    @app.exception_handler(MoestreamError)
-    async def user_error(_, error: MoestreamError):
-        return JSONResponse(error_json(str(error)), status_code=400)
+async def _invalid_body(_, error: RequestValidationError):
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
+    return JSONResponse(error_json(f"invalid request: {problems}"), status_code=400)
+
+
+async def _user_error(_, error: MoestreamError):
+    return JSONResponse(error_json(str(error)), status_code=400)

@@ -1,15 +1,12 @@
-"""Serving's batcher: requests in, text deltas out, over the engine's step loop.
+"""Serving's batcher: requests in, text deltas out, over the engine's step loop (docs/design.md,
+Scheduling).
 
 `admit` turns a request into an engine sequence with its own sampler and adds it to the engine's
-scheduler, while the running set stays within max_num_seqs and its reserved KV bytes (prompt +
-max_tokens per sequence) within kv_budget_bytes; the KV bytes of a token are measured at
-construction (`Engine.kv_bytes_per_token`), so the budget holds from the first request on. Each
-`step` is one `Engine.step`, after which every request with a new token gets its new text (and its
-end). The scheduler batches by continuous batching (serving/continuous.py) where the model's runner
-keeps per-sequence caches, and else by static batches (an encoder-decoder: Switch), each batch
-running from its prefill to its last sequence's end while later requests wait for the next; there
-is no KV budget to respect then: a batch's cache lives only while it runs. Sequences that end leave
-their state in the policy (the scheduler ends it). The batcher knows no HTTP and no queue.
+scheduler while the running set stays within max_num_seqs and its reserved KV bytes (prompt +
+max_tokens per sequence) within kv_budget_bytes; each `step` is one `Engine.step`, after which every
+request with a new token gets its new text (and its end). Continuous batching where the model's
+runner keeps per-sequence caches, else static batches (an encoder-decoder: no KV budget). The
+batcher knows no HTTP and no queue.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Continuous batching, as a batching rule of the engine's scheduler (runtime/scheduler.py):
-sequences join and leave the running set between steps.
+sequences join and leave the running set between steps (docs/design.md, Scheduling).
 
-Each step is either one prefill (the waiting prompts, up to prefill_token_budget tokens) or one
-decode of a batch of running sequences; a prefill never runs twice in a row while sequences decode,
-so decode latency stays bounded by one prefill while prompts arrive. With offloaded experts a
-prefill reads most of every layer's experts, so each one that lands between decode steps costs the
-running sequences about a sweep of the experts: with max_prefill_delay_ms, prompts that arrive while
-sequences decode wait (up to that long since they arrived, or until the running sequences finish)
-and then prefill together, one sweep for all of them, trading time to first token for time per
-output token. When more sequences run than max_batch_size, the token scheduler splits them into
-batches that decode in turn. Each sequence keeps its own KV cache (runtime/kv.py), merged into a
-decode batch's cache when the batch first runs; that merged cache is held while the same sequences
-decode together (no copy per step) and split back into the sequences' own caches only when one of
-them leaves or is regrouped. The rule knows no request, no model and no HTTP.
+Each step is one prefill of waiting prompts or the decode of one batch of running sequences, which
+the token scheduler groups; each sequence keeps its own KV cache, merged into a decode batch's cache
+that is held while the same sequences decode together and split back when one leaves or is
+regrouped. The rule knows no request, no model and no HTTP.
 """
 
 from __future__ import annotations

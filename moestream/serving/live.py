@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from moestream.policies.contracts import Observer
+from moestream.serving.metrics import gained
 
 PERCENTILES = (50, 90, 99)
 
@@ -75,7 +76,7 @@ class LiveStats(Observer):
     def _settle(self) -> None:
         """Gives the lookups since the last count to the layer routed last."""
         now = self._counts()
-        hits, misses = (_gained(n, b) for n, b in zip(now, self._seen))
+        hits, misses = (gained(n, b) for n, b in zip(now, self._seen))
         self._seen = now
         with self._lock:
             if self._row is not None and self._layer is not None:
@@ -157,7 +158,3 @@ def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
 
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole else None
-
-
-def _gained(now: int, before: int) -> int:
-    return now - before if now >= before else now  # a count that went down was reset in between

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics, in a registry of its own (no process-global state): request
-latencies (TTFT, TPOT), queue depth, running sequences and their reserved KV bytes, batch sizes, the expert store's hits per tier, bytes moved and
-prefetch precision/recall. It reads store statistics and knows no HTTP route or policy."""
+latencies (TTFT, TPOT), queue depth, running sequences and their reserved KV bytes, batch sizes, the
+expert store's hits per tier, bytes moved and prefetch precision/recall. It reads store statistics
+and knows no HTTP route or policy."""
 
 from __future__ import annotations
 
@@ -31,8 +32,7 @@ class ServerMetrics:
         self.prefetch_precision = Gauge("moestream_prefetch_precision", "Prefetched experts later used / prefetched", registry=r)
         self.prefetch_recall = Gauge("moestream_prefetch_recall",
                                      "Needed experts that prefetch brought in / needed experts not resident before", registry=r)
-        queue = Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r)
-        queue.set_function(queue_depth)
+        Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r).set_function(queue_depth)
         Gauge("moestream_running_sequences", "Sequences admitted and not ended", registry=r).set_function(running)
         Gauge("moestream_kv_reserved_bytes", "KV cache bytes reserved by the running sequences",
               registry=r).set_function(kv_reserved_bytes)
@@ -42,16 +42,13 @@ class ServerMetrics:
         """Adds what the store's cumulative statistics (a StoreStats) gained since the last call (all
         of a count that went down: the statistics were reset in between, as a static batch's run does)."""
         before, self._last = self._last, stats.copy()
-        gained = {name: _gained(getattr(stats, name), getattr(before, name) if before else 0)
-                  for name in ("hits", "misses", "host_hits", "host_misses", "prefetched", "prefetch_hits")}
-        self.lookups.labels("device", "hit").inc(gained["hits"])
-        self.lookups.labels("device", "miss").inc(gained["misses"])
-        self.lookups.labels("host", "hit").inc(gained["host_hits"])
-        self.lookups.labels("host", "miss").inc(gained["host_misses"])
+        counters = {"hits": self.lookups.labels("device", "hit"), "misses": self.lookups.labels("device", "miss"),
+                    "host_hits": self.lookups.labels("host", "hit"), "host_misses": self.lookups.labels("host", "miss"),
+                    "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits}
+        for name, counter in counters.items():
+            counter.inc(gained(getattr(stats, name), getattr(before, name) if before else 0))
         for source, count in stats.bytes_read.items():
-            self.bytes_moved.labels(source).inc(_gained(count, before.bytes_read.get(source, 0) if before else 0))
-        self.prefetched.inc(gained["prefetched"])
-        self.prefetch_hits.inc(gained["prefetch_hits"])
+            self.bytes_moved.labels(source).inc(gained(count, before.bytes_read.get(source, 0) if before else 0))
         prefetched, used, misses = stats.prefetched, stats.prefetch_hits, stats.misses
         self.prefetch_precision.set(used / prefetched if prefetched else 0.0)
         self.prefetch_recall.set(used / (used + misses) if used + misses else 0.0)
@@ -60,5 +57,5 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _gained(now: int, before: int) -> int:
-    return now - before if now >= before else now
+def gained(now: int, before: int) -> int:
+    return now - before if now >= before else now  # a count that went down was reset in between

@@ -1,6 +1,7 @@
 """The OpenAI-compatible request bodies (pydantic) and the JSON the server answers with: errors in
 OpenAI's shape, completion and chat responses and their streamed chunks, and moestream's own object
-beside them (whether routing was replayed). No engine, no routes."""
+beside them (whether routing was replayed). Unknown body fields are ignored (pydantic's default).
+No engine, no routes."""
 
 from __future__ import annotations
 
@@ -8,18 +9,16 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from moestream.serving.sampling import SamplingParams
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -59,7 +58,6 @@ class CompletionBody(_Body):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -84,40 +82,36 @@ def request_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def _envelope(rid: str, model: str, obj: str, choice: dict) -> dict:
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+def _envelope(rid: str, model: str, obj: str, choices: list[dict]) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+
+
+def _choice(content: dict, finish_reason: str | None) -> dict:
+    return {"index": 0} | content | {"logprobs": None, "finish_reason": finish_reason}
+
+
+def _usage(num_prompt_tokens: int, num_tokens: int) -> dict:
+    return {"usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
+                      "total_tokens": num_prompt_tokens + num_tokens}}
 
 
 def chunk(rid: str, model: str, chat: bool, text: str, finish_reason: str | None, first: bool) -> dict:
     """One streamed chunk in OpenAI's format."""
-    if chat:
-        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return _envelope(rid, model, "chat.completion.chunk", choice)
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return _envelope(rid, model, "text_completion", choice)
-
-
-def usage(num_prompt_tokens: int, num_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
-            "total_tokens": num_prompt_tokens + num_tokens}
+    if not chat:
+        return _envelope(rid, model, "text_completion", [_choice({"text": text}, finish_reason)])
+    delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+    return _envelope(rid, model, "chat.completion.chunk", [_choice({"delta": delta}, finish_reason)])
 
 
 def usage_chunk(rid: str, model: str, chat: bool, num_prompt_tokens: int, num_tokens: int) -> dict:
     """The last streamed chunk when stream_options.include_usage: no choices, the request's usage."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(num_prompt_tokens, num_tokens)}
+    return _envelope(rid, model, obj, []) | _usage(num_prompt_tokens, num_tokens)
 
 
 def response(rid: str, model: str, chat: bool, text: str, finish_reason: str,
              num_prompt_tokens: int, num_tokens: int) -> dict:
     """The whole answer of a non-streamed request, with its token usage."""
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        body = _envelope(rid, model, "chat.completion", choice)
-    else:
-        body = _envelope(rid, model, "text_completion",
-                         {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
-    return body | {"usage": usage(num_prompt_tokens, num_tokens)}
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    obj = "chat.completion" if chat else "text_completion"
+    return _envelope(rid, model, obj, [_choice(content, finish_reason)]) | _usage(num_prompt_tokens, num_tokens)

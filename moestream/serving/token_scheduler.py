@@ -1,13 +1,10 @@
 """Token schedulers: how the running sequences are split into the batches that take turns to decode.
 
-When more sequences run than one batch holds, the batches run alternately. `fifo` keeps arrival
-order; `expertflow` (ExpertFlow's token scheduler) regroups sequences by predicted routing
-similarity, so that each batch activates fewer distinct experts: sequences whose routing paths (one
-bit per (layer, expert), the experts their newest token chose at every MoE layer, which predict the
-next token's) lie close in Hamming distance share a batch, found by balanced k-means (every cluster
-at most batch_size). `RoutingPaths` keeps those paths from the engine's routing events, and counts
-the distinct experts each decode iteration activates (a running sum and count, so that a server's
-long life keeps no per-iteration record). Schedulers see only paths and sizes, no KV or model.
+`fifo` keeps arrival order; `expertflow` (ExpertFlow's) puts sequences whose routing paths (one bit
+per (layer, expert) their newest token chose) lie close in Hamming distance in one batch, by balanced
+k-means, so each batch activates fewer distinct experts. `RoutingPaths` keeps those paths from the
+engine's routing events and counts the distinct experts each decode iteration activates (a running
+sum, so a server's long life keeps no per-iteration record). Schedulers see only paths and sizes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""The engine thread: the one thread that runs the engine, fed by a bounded queue of requests.
+"""The engine thread: the one thread that runs the engine, fed by a bounded queue of requests
+(docs/design.md, Scheduling).
 
-Its loop admits waiting requests into the batcher (serving/batching.py) while the running set has
-room (max_num_seqs and the KV budget; when idle, the first request waits up to max_wait_ms for
-company so that their prompts prefill together), fails requests that waited longer than
-max_queue_wait_ms, and runs one engine step; idle, it tells the engine's step announcer (expert
-parallelism's heartbeat). A request's first event, through its `emit` callable (called on the
-engine thread), says whether it got in: `Admitted`, or the exception that refused it (too big for
-the KV budget, waited too long, server shutting down); each step's text follows. The worker knows no
-HTTP; a full queue raises `Overloaded`. An engine that fails (MoestreamError: e.g. a rank of expert
-parallelism was lost) stops the thread: its requests end, new ones are refused, `failure` holds the
-error and `on_failure` (if set) is called, on the engine thread.
+Its loop admits waiting requests into the batcher while it has room (when idle, the first request
+waits up to max_wait_ms for company), fails those that waited over max_queue_wait_ms, and runs one
+engine step; idle, it tells the engine's step announcer (expert parallelism's heartbeat). A request's
+first event (its `emit`, on the engine thread) is `Admitted` or the exception that refused it; each
+step's text follows. The worker knows no HTTP; a full queue raises `Overloaded`. An engine that fails
+(a lost rank, torch out of memory, ...) stops the thread: its requests end, new ones are refused,
+`failure` holds the error and `on_failure` (if set) is called.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -27,7 +24,6 @@ from moestream.serving.batching import Batcher, KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.metrics import ServerMetrics
 
-log = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
@@ -51,7 +47,7 @@ class EngineWorker:
         self._draining = threading.Event()
         self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="moestream-engine", daemon=True)
-        self.failure: MoestreamError | None = None
+        self.failure: Exception | None = None
         self.on_failure: Callable[[], None] | None = None
 
     def start(self) -> None:
@@ -93,7 +89,7 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             self._loop()
-        except MoestreamError as error:
+        except Exception as error:  # a MoestreamError (a lost rank) or any other: the server must not go on
             self.failure = error
             self._draining.set()  # new requests are refused
             self.batcher.close()
@@ -158,41 +154,40 @@ class EngineWorker:
 
     def _drop_expired(self) -> None:
         """Fails the oldest waiting requests while they are cancelled or waited too long."""
-        while True:
-            if self._head is None:
-                try:
-                    self._head = self._queue.get_nowait()
-                except queue.Empty:
-                    return
-            head = self._head
-            if not head.cancelled and _waited_ms(head) <= self.config.max_queue_wait_ms:
-                return
+        while (head := self._peek(0.0)) is not None and (head.cancelled or self._expired(head)):
             self._head = None
             self._admissible(head)  # fails it
 
     def _room(self) -> bool:
         return len(self.batcher.requests) < self.batcher.config.num_seqs
 
-    def _take(self, block_s: float) -> Request | None:
-        """The head request if the batcher can take it now (else it stays the head), or None."""
+    def _peek(self, block_s: float) -> Request | None:
+        """The head request, taken from the queue (waiting up to block_s) if there is none yet."""
         if self._head is None:
             try:
                 self._head = self._queue.get(timeout=block_s) if block_s > 0 else self._queue.get_nowait()
             except queue.Empty:
-                return None
-        head = self._head
-        if head.cancelled or self.batcher.can_admit(head) or not self.batcher.fits(head) \
-                or _waited_ms(head) > self.config.max_queue_wait_ms:
-            self._head = None
-            return head
-        return None
+                pass
+        return self._head
+
+    def _take(self, block_s: float) -> Request | None:
+        """The head request if the batcher can take it now (else it stays the head), or None."""
+        head = self._peek(block_s)
+        if head is None or not (head.cancelled or self.batcher.can_admit(head) or not self.batcher.fits(head)
+                                or self._expired(head)):
+            return None
+        self._head = None
+        return head
+
+    def _expired(self, request: Request) -> bool:
+        return (time.perf_counter() - request.arrived) * 1e3 > self.config.max_queue_wait_ms
 
     def _admissible(self, request: Request) -> bool:
         """Admits the request into the batcher, or fails it (cancelled, waited too long, too big)."""
         if request.cancelled:
             self.metrics.requests.labels("abort").inc()
             return False
-        if _waited_ms(request) > self.config.max_queue_wait_ms:
+        if self._expired(request):
             self.metrics.rejected.inc()
             request.emit(Overloaded(f"the request waited over {self.config.max_queue_wait_ms:g} ms for room"))
             return False
@@ -204,7 +199,7 @@ class EngineWorker:
         request.emit(Admitted())
         return True
 
-    def update(self, request: Request, delta: TextDelta, new_token: bool = True) -> None:
+    def update(self, request: Request, delta: TextDelta, new_token: bool) -> None:
         """Records the request's latencies and hands it its new text (new_token: False when a
         sequence ends without one, e.g. cancelled between steps)."""
         now = time.perf_counter()
@@ -231,7 +226,3 @@ def _emptied(waiting: queue.Queue) -> list[Request]:
             taken.append(waiting.get_nowait())
         except queue.Empty:
             return taken
-
-
-def _waited_ms(request: Request) -> float:
-    return (time.perf_counter() - request.arrived) * 1e3

@@ -13,7 +13,8 @@ in-flight experts demand wherever they are queued, and sends the queued speculat
 that the gate did not choose to the back; the `Fetch` hands the experts out as their bytes land.
 `prefetch` admits a plan's requests by priority (never evicting a pinned expert) and queues them;
 `plan_view` ends the previous plan. Device victims are dropped, not written back. Every wait has a
-timeout (`StoreConfig.transfer_timeout_s`). Public calls hold a lock.
+timeout (`StoreConfig.transfer_timeout_s`) where a worker moves the bytes; inline, the caller moves
+them itself and a read that hangs hangs the call. Public calls hold a lock.
 
 Counters (`StoreStats`): hits/misses count the device-tier lookups of fetch and acquire (an expert
 still in flight is a hit, and late); host_hits/host_misses count every device fill by where it came
@@ -132,7 +133,7 @@ class ExpertStore:
             brought = self._core.admit_prefetches([as_key(r.key) for r in sorted(requests, key=lambda r: -r.priority)])
             for key in priorities.keys() - set(brought):  # under way already: its rank follows the new plan
                 self._chain.reprioritise(key, priority=priorities[key])
-            brought = [key for key in brought if self._chain.enqueue(key, priorities[key], demand=False)]
+            brought = self._enqueue_prefetches(brought, priorities)
             self._chain.stats.prefetched += len(brought)
             self._chain.stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
             self.executor.queued(lambda: "prefetch " + expert_names(brought))
@@ -260,6 +261,21 @@ class ExpertStore:
                 self._core.forget(key)
             self._device.cache.unpin(wanted)
             raise
+
+    def _enqueue_prefetches(self, admitted: list[ExpertKey], priorities: dict[ExpertKey, float]) -> list[ExpertKey]:
+        """Queues the admitted prefetches; returns those queued (one the chain refuses has left the tier).
+        On failure (e.g. Ctrl-C in an inline round) the ones not yet queued leave the tier."""
+        brought, done = [], 0
+        try:
+            for key in admitted:
+                if self._chain.enqueue(key, priorities[key], demand=False):
+                    brought.append(key)
+                done += 1
+        except BaseException:
+            for key in admitted[done:]:
+                self._core.forget(key)
+            raise
+        return brought
 
     # -- under the lock: helpers ------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -33,7 +34,7 @@ from moestream.checkpoint.layout import Segment
 from moestream.errors import MoestreamError
 from moestream.store.pool import SlotPool
 from moestream.store.streams import Link
-from moestream.tracer import Tracer, expert_names, since
+from moestream.tracer import Tracer, expert_names
 from moestream.topology import ExpertKey
 
 log = logging.getLogger(__name__)
@@ -196,11 +197,11 @@ class TransferLink:
 
     def move(self, held: Held) -> Errors:
         """Outside the lock: moves the round's chunks, traced on the link's lane; the transfers that failed."""
-        before, self._seconds = self.tracer.totals(), 0.0
-        with self.tracer.span(self.lane, lambda: _label(held)):
-            errors = self._move(held)
-        self._seconds = since(self.tracer.totals(), before, self.lane).seconds  # the lane's one writer: this round
-        return errors
+        began = time.perf_counter()
+        try:
+            return self._move(held)
+        finally:
+            self._seconds = self.tracer.add(self.lane, lambda: _label(held), began, time.perf_counter())
 
     def finish(self, held: Held, errors: Errors) -> None:
         """Under the lock: each held transfer advanced, landed or failed, or back in the queue (whatever

@@ -134,3 +134,25 @@ def test_draining_refuses_new_requests_and_ends_running_ones_after_the_grace(mak
     last = running_seen[-1]
     assert isinstance(last, TextDelta) and last.finished and last.finish_reason == "abort"
     assert 1 < len(running_seen) < 1000  # it ran during the grace, and was ended before its max_tokens
+
+
+def test_an_engine_that_fails_with_any_error_stops_the_thread_and_keeps_the_error(make_worker):
+    worker = make_worker(max_wait_ms=0)
+    stopped, seen = [], []
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory")
+
+    worker.on_failure = lambda: stopped.append(True)
+    worker.step_listeners.append(out_of_memory)  # runs on the engine thread after its first step
+    worker.submit(Request([1, 2, 3], SamplingParams(max_tokens=1000), seen.append))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while worker.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not worker.alive and stopped == [True]
+    assert isinstance(worker.failure, RuntimeError) and "out of memory" in str(worker.failure)
+    with pytest.raises(Overloaded):
+        worker.submit(_request())
+    last = seen[-1]
+    assert isinstance(last, TextDelta) and last.finished  # the running request was ended, not left waiting

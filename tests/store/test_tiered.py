@@ -234,7 +234,7 @@ def test_a_stuck_copy_times_out(checkpoint):
 
 @pytest.mark.parametrize("late", [False, True])
 def test_random_delays_and_failures_in_both_links_keep_bytes_exact_and_leak_nothing(checkpoint, late):
-    """late: the copies complete later, when the copier waits for them (tests/store/links.py)."""
+    """late: the copies complete later, when the copy link waits for them (tests/store/links.py)."""
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     rng = random.Random(0)
     reader = GatedReader(delay_s=lambda: rng.random() * 0.002, fail=lambda batch: rng.random() < 0.04)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -67,7 +69,17 @@ def _child_cgroup(group: MemoryCgroup, limit_bytes: int | None, name: str | None
                     (path / name).write_text(value)
         yield path
     finally:
-        path.rmdir()
+        _remove(path)
+
+
+def _remove(path: Path, tries: int = 50) -> None:
+    """Removes a child cgroup once the processes killed in it are gone (busy until then)."""
+    for _ in range(tries - 1):
+        try:
+            return path.rmdir()
+        except OSError:
+            time.sleep(0.1)
+    path.rmdir()
 
 
 def run_isolated(spec: RunSpec, limit_bytes: int | None = None, env: dict[str, str | None] | None = None) -> dict:
@@ -111,18 +123,24 @@ def cgroup_peak_mib(path: Path) -> float | None:
 
 
 def call(command: list[str], env: dict, procs: Path | None = None, timeout_s: float = RUN_TIMEOUT_S) -> None:
-    """Runs a command to its end (in the cgroup whose cgroup.procs file is `procs`, if given); RunFailed (its
-    last line of stderr) if it fails."""
+    """Runs a command to its end (in the cgroup whose cgroup.procs file is `procs`, if given), in a session of
+    its own, so that a timeout or Ctrl-C here ends all it started (torchrun's ranks too, whose cgroups can
+    then go); RunFailed (its last line of stderr) if it fails."""
     enter = None if procs is None else (lambda: procs.write_text(str(os.getpid())))
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s,
-                              preexec_fn=enter)
-    except subprocess.TimeoutExpired:
-        raise RunFailed(f"no result within {timeout_s:g} s") from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        killed = " (killed: out of memory under the cap?)" if done.returncode < 0 else ""
-        raise RunFailed(f"exit status {done.returncode}{killed}: {last}")
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=enter, start_new_session=True) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=timeout_s)
+        except BaseException as error:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise RunFailed(f"no result within {timeout_s:g} s") from None
+            raise
+    if proc.returncode != 0:
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
+        killed = " (killed: out of memory under the cap?)" if proc.returncode < 0 else ""
+        raise RunFailed(f"exit status {proc.returncode}{killed}: {last}")
 
 
 def _read_int(path: Path) -> int | None:

@@ -131,7 +131,7 @@ def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: 
         with rank_cgroups(limits) as (prefix, paths):
             call(_command(args, model, prompts, ranks, budget, out, prefix if limits else None), env)
             peaks = [cgroup_peak_mib(path) for path in paths]
-    except RunFailed as error:
+    except (RunFailed, OSError) as error:  # OSError: a cgroup that could not be made or removed
         capped = f" under a {cap_mib:.0f} MiB cap each" if cap_mib else ""
         raise MoestreamError(f"bench engine --expert-parallel: a run of {ranks} rank(s) at {budget:g}{capped} "
                              f"failed: {error}") from None

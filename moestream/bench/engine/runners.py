@@ -20,11 +20,11 @@ RUNS: Registry = Registry("bench engine run kind")
 
 class DecodeMeter(Observer):
     """Snapshots the store's counters and the engine tracer's totals when a generation's first decode
-    step begins; keeps each iteration's token ids, strings and embeddings where the engine gave them
-    (what the policy saw, for the simulator)."""
+    step begins; keeps each iteration's token ids, strings and, if asked (keep_embeddings), embeddings
+    where the engine gave them (what the policy saw, for the simulator)."""
 
-    def __init__(self, store, tracer):
-        self.store, self.tracer = store, tracer
+    def __init__(self, store, tracer, keep_embeddings: bool = False):
+        self.store, self.tracer, self.keep_embeddings = store, tracer, keep_embeddings
         self.steps = 0
         self.decode_tokens = 0
         self.at_decode = None  # StoreStats at the start of the first decode step
@@ -40,7 +40,8 @@ class DecodeMeter(Observer):
         self.steps += 1
         self.token_ids.append(ctx.token_ids.tolist())
         self.tokens.append(list(ctx.tokens or ()))
-        self.embeddings.append([] if ctx.embeddings is None else ctx.embeddings.tolist())
+        if self.keep_embeddings:
+            self.embeddings.append([] if ctx.embeddings is None else ctx.embeddings.tolist())
         if self.steps == 2:
             self.at_decode, self.totals_at_decode = self.store.stats(), self.tracer.totals()
         if self.steps >= 2:
@@ -108,7 +109,7 @@ class EngineRun:
     def _generate(self, engine, spec: RunSpec) -> dict:
         from moestream.parallel.launch import expert_parallel_report
 
-        meter, counters = DecodeMeter(engine.store, engine.tracer), Counters()
+        meter, counters = DecodeMeter(engine.store, engine.tracer, spec.keep_embeddings), Counters()
         engine.add_observer(meter)
         stall_ms, prefill, token_ids, parallel = 0.0, [], [], []
         for prompt in spec.prompts:
@@ -133,11 +134,11 @@ class EngineRun:
             "iterations": [rows.tolist() for rows in replay.iterations] if replay else [],
             "iteration_token_ids": meter.token_ids,
             "iteration_tokens": meter.tokens,
-            "iteration_embeddings": meter.embeddings,
             "prefill": prefill,
             "token_ids": token_ids,
             "device_slots": engine.store.device_slots,
-        } | ({} if parallel[0] is None else {"expert_parallel": summed_report(parallel)})
+        } | ({"iteration_embeddings": meter.embeddings} if spec.keep_embeddings else {}) | (
+            {} if parallel[0] is None else {"expert_parallel": summed_report(parallel)})
 
 
 def summed_report(reports: list[dict]) -> dict:

@@ -34,6 +34,7 @@ class RunSpec:
     link_gbps: float = 0.0  # the planner's modelled link (EngineConfig.link_gbps, layer_ms): the bench's calibration
     layer_ms: float = 0.0
     background_predictor: bool = True  # EngineConfig.background_predictor (bench fidelity: False)
+    keep_embeddings: bool = False  # keep each iteration's embeddings a policy saw (bench fidelity replays them)
     expert_parallel_placement: str = "round-robin"  # under torchrun (ranked.py): ParallelConfig's settings
     expert_parallel_trace: str | None = None
 

@@ -40,7 +40,7 @@ class Duel(Observer):
         self._model = np.zeros((topology.num_layers, topology.num_experts), bool)  # [L, E] the model ghost's residents
         self._model_size = 0
         self._outcomes: deque[tuple[bool, bool]] = deque(maxlen=window)  # (model hit, lru hit) per lookup
-        self._hits = np.zeros(2, np.int64)  # model, lru: over the window
+        self._model_hits = self._lru_hits = 0  # over the window
         self.recency = False  # whether recency leads now
 
     def see_capacity(self, capacity: int) -> None:
@@ -50,19 +50,23 @@ class Duel(Observer):
         if self.capacity < 1:
             return
         layer, experts = event.layer, event.experts().tolist()
-        protected = np.zeros(self.topology.num_experts, bool)
-        protected[experts] = True
+        table = self.next_use()
+        table = np.zeros(self._model.shape) if table is None else table
+        waits = np.where(self._model, table, -np.inf)  # [L, E] the model ghost's candidate victims
+        waits[layer, experts] = -np.inf  # never one of the layer's own experts
         for expert in experts:
-            outcome = (self._look_model(layer, expert, protected), self._look_lru(ExpertKey(layer, expert)))
-            self._count(outcome)
-        self._prefetch_model(layer, protected)
-        self.recency = len(self._outcomes) == self._outcomes.maxlen and self._hits[1] > self._hits[0]
+            hit = self._take_model(layer, expert, waits, -np.inf)
+            self._count((hit, self._look_lru(ExpertKey(layer, expert))))
+        for expert in self._expected(layer):
+            self._take_model(layer + 1, expert, waits, table[layer + 1, expert])
+        self.recency = len(self._outcomes) == self._outcomes.maxlen and self._lru_hits > self._model_hits
 
     def _count(self, outcome: tuple[bool, bool]) -> None:
         if len(self._outcomes) == self._outcomes.maxlen:
-            self._hits -= self._outcomes[0]
+            model, lru = self._outcomes[0]
+            self._model_hits, self._lru_hits = self._model_hits - model, self._lru_hits - lru
         self._outcomes.append(outcome)
-        self._hits += outcome
+        self._model_hits, self._lru_hits = self._model_hits + outcome[0], self._lru_hits + outcome[1]
 
     def _look_lru(self, key: ExpertKey) -> bool:
         hit = key in self._lru
@@ -72,38 +76,25 @@ class Duel(Observer):
             self._lru.popitem(last=False)
         return hit
 
-    def _look_model(self, layer: int, expert: int, protected: np.ndarray) -> bool:
+    def _take_model(self, layer: int, expert: int, waits: np.ndarray, wait: float) -> bool:
+        """Whether the model ghost held the expert; it holds it now (wait: its rank as a victim), evicting the
+        candidate with the latest next use (the smaller key on a tie), unless no candidate is left."""
         if self._model[layer, expert]:
             return True
         if self._model_size >= self.capacity:
-            self._evict_model(layer, protected)
-        if self._model_size < self.capacity:
-            self._model[layer, expert] = True
-            self._model_size += 1
+            index = int(waits.argmax())
+            if waits.flat[index] == -np.inf:
+                return False
+            self._model.flat[index], waits.flat[index] = False, -np.inf
+            self._model_size -= 1
+        self._model[layer, expert], waits[layer, expert] = True, wait
+        self._model_size += 1
         return False
 
-    def _prefetch_model(self, layer: int, protected: np.ndarray) -> None:
-        """The model ghost takes the top_k experts the model expects at the next layer."""
-        probs = self.ahead(layer)
-        if probs is None or layer + 1 >= self.topology.num_layers:
-            return
-        for expert in np.argsort(-probs, kind="stable")[: self.topology.top_k].tolist():
-            if not self._model[layer + 1, expert]:
-                if self._model_size >= self.capacity:
-                    self._evict_model(layer, protected)
-                if self._model_size < self.capacity:
-                    self._model[layer + 1, expert] = True
-                    self._model_size += 1
-
-    def _evict_model(self, layer: int, protected: np.ndarray) -> None:
-        """The model ghost's victim: the resident with the latest next use (the smaller key on a tie)."""
-        table = self.next_use()
-        wait = np.where(self._model, 0.0 if table is None else table, -np.inf)  # [L, E]
-        wait[layer, protected] = -np.inf
-        index = int(wait.argmax())
-        if wait.flat[index] > -np.inf:
-            self._model.flat[index] = False
-            self._model_size -= 1
+    def _expected(self, layer: int) -> list[int]:
+        """The top_k experts the model expects at the next layer (none past the last)."""
+        probs = self.ahead(layer) if layer + 1 < self.topology.num_layers else None
+        return [] if probs is None else np.argsort(-probs, kind="stable")[: self.topology.top_k].tolist()
 
 
 class DuelEviction(EvictionPolicy):
@@ -129,6 +120,9 @@ class DuelEviction(EvictionPolicy):
 
     def observe(self, event: RoutingEvent) -> None:
         self.model.observe(event)
+
+    def end_sequence(self, seq_id: int) -> None:
+        self.model.end_sequence(seq_id)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
         return (self.lru if self.duel.recency else self.model).victim(candidates)

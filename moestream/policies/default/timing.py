@@ -41,7 +41,7 @@ class Figures:
 
 
 def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens: int) -> Figures:
-    topology, predictor = policy.topology, policy.predictor
+    topology, predictor, observers = policy.topology, policy.predictor, policy.observers()
     hooks = Tracer()  # the eviction hooks' time (lane "policy")
     cache = ExpertCache(max(1, int(topology.total_experts * cache_ratio)),
                         TimedEviction(policy.make_eviction("device"), hooks))
@@ -51,7 +51,8 @@ def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens
         if tokens == max_tokens:
             break
         start = clock()
-        predictor.begin_iteration(it.ctx)
+        for observer in observers:
+            observer.begin_iteration(it.ctx)
         carried = clock() - start
         for event in it.events:
             view = CacheView(cache.resident(), frozenset(), cache.capacity, event.layer, topology.num_layers)
@@ -59,7 +60,8 @@ def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens
             if tracing:
                 tracemalloc.start()
             start = clock()
-            predictor.observe(event)
+            for observer in observers:  # the predictor, and the duel's ghosts
+                observer.observe(event)
             policy.planner.plan(predictor.predict(event.layer, horizon), view)
             decided, before = clock() - start, hooks.totals()
             for expert in event.expert_ids.ravel().tolist():  # the mechanism's work, whose hooks alone count

@@ -45,3 +45,34 @@ def test_a_process_within_its_cap_runs_and_its_peak_is_charged(real_cgroup):
         isolation.call(grow + ["64"], {}, path / "cgroup.procs")
         peak = isolation._read_int(path / real_cgroup.peak_file)
         assert peak is None or 64 << 20 <= peak <= 256 << 20
+
+
+GRANDPARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+
+def test_a_run_past_its_timeout_fails_in_one_line_and_ends_what_it_started(tmp_path):
+    import os
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    with pytest.raises(isolation.RunFailed, match="no result within 2 s"):
+        isolation.call([sys.executable, "-c", GRANDPARENT, str(pid_file)], dict(os.environ), timeout_s=2)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, killed and waiting for init to reap it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

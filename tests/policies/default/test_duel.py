@@ -4,10 +4,9 @@ the eviction and the planner follow the leader, and the default policy wires it 
 import numpy as np
 
 from moestream.events import RoutingEvent
-from moestream.policies.contracts import CacheView, Prediction, PrefetchPlanner, TransferRequest
+from moestream.policies.contracts import CacheView, EvictionPolicy, Prediction, PrefetchPlanner, TransferRequest
 from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
 from moestream.policies.default.model import DefaultConfig
-from moestream.policies.eviction import LRUPolicy
 from moestream.topology import ExpertKey, Topology
 from tests.policies.default.common import fitted_policy, split_traces
 
@@ -88,22 +87,29 @@ class Everything(PrefetchPlanner):
         return [TransferRequest(p.key, p.score) for p in predictions]
 
 
+class SmallestKey(EvictionPolicy):
+    """Stands for the model: evicts the smallest candidate, whatever was used when."""
+
+    def victim(self, candidates):
+        return min(candidates)
+
+
 def test_the_eviction_and_the_planner_follow_the_leader():
     duel = Duel(TOPOLOGY, lambda: None, lambda layer: None, window_tokens=1)
     keys = [ExpertKey(0, e) for e in range(3)]
-    model = LRUPolicy()  # stands for the model: it evicts the least recently *inserted* here
-    eviction = DuelEviction(model, duel)
+    eviction = DuelEviction(SmallestKey(), duel)
     for key in keys:
         eviction.on_insert(key)
-    eviction.on_access(keys[0])  # LRU order now: 1, 2, 0
+    eviction.on_access(keys[0])  # least recently used first: 1, 2, 0
     planner = DuelPlanner(Everything(), duel)
     view = CacheView(frozenset(keys), frozenset(), capacity=5, layer_now=0, num_layers=L)
     predictions = [Prediction(1, 4, 0.9)]
     assert [r.key for r in planner.plan(predictions, view)] == [ExpertKey(1, 4)]
+    assert eviction.victim(keys) == keys[0]  # the model's choice while it leads
     assert duel.capacity == 5
     duel.recency = True
     assert planner.plan(predictions, view) == []
-    assert eviction.victim(keys) == keys[1]
+    assert eviction.victim(keys) == keys[1]  # LRU's
     eviction.on_remove(keys[1])
     assert eviction.victim([keys[0], keys[2]]) == keys[2]
 
