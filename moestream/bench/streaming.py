@@ -236,27 +236,22 @@ def cold_run(model_dir: Path, budget: str, prompts, max_new_tokens: int, args) -
 
 
 def _latency_row(label: str, runs: list[Sample]) -> dict:
-    return {
-        "run": label,
-        "ttft_ms": _median(s.ttft_ms for s in runs),
-        "tpot_ms": _median(s.tpot_ms for s in runs),
-        "cpu_tpot_ms": _median(s.cpu_tpot_ms for s in runs),
-        "num_samples": len(runs),
-    }
+    medians = {key: _median(getattr(s, key) for s in runs) for key in ("ttft_ms", "tpot_ms", "cpu_tpot_ms")}
+    return {"run": label, **medians, "num_samples": len(runs)}
 
 
 def _engine_row(label: str, runs: list[Sample], per_repeat: int, budget: str) -> dict:
     """Latency medians; expert counts of one repetition (each repetition routes the same tokens from
     the same state); streaming bandwidth: the median over repetitions."""
     repeats = [runs[i : i + per_repeat] for i in range(0, len(runs), per_repeat)]
-    hits, misses = sum(s.hits for s in repeats[0]), sum(s.misses for s in repeats[0])
-    batches = sum(s.disk_batches for s in repeats[0])
+    hits, misses, batches, disk, host = (sum(getattr(s, key) for s in repeats[0])
+                                         for key in ("hits", "misses", "disk_batches", "disk_bytes", "host_bytes"))
     return _latency_row(label, runs) | {
         "expert_budget": budget,
         "expert_hits": hits,
         "expert_misses": misses,
         "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "bytes_read": {"disk": sum(s.disk_bytes for s in repeats[0]), "host": sum(s.host_bytes for s in repeats[0])},
+        "bytes_read": {"disk": disk, "host": host},
         "stream_bytes_per_s": _median(_stream_rate(r) for r in repeats) if misses else None,
         "experts_per_read_batch": misses / batches if batches else None,
     }
