@@ -4,7 +4,6 @@ the flags and steps several of them share."""
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -58,16 +57,3 @@ def write_figures(document, path: Path | None) -> None:
 
     if path:
         write_json(document, path)
-
-
-@contextmanager
-def torch_threads(threads: int):
-    """torch's thread count set to `threads` within, restored after."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

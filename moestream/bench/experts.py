@@ -18,7 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
-from moestream.bench import split_names, torch_threads, write_figures
+from moestream.bench import split_names, write_figures
+from moestream.threads import torch_threads
 
 READ_MIB = 256  # the reduced tensor: well past the last-level cache
 POOL_MIB = 320  # slots the calls rotate through

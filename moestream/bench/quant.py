@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moestream.bench import torch_threads, write_figures
+from moestream.bench import write_figures
+from moestream.threads import torch_threads
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.settings import add_arguments

@@ -28,7 +28,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.bench import add_model_flags, budget_list, model_dir, torch_threads, write_figures
+from moestream.bench import add_model_flags, budget_list, model_dir, write_figures
+from moestream.threads import torch_threads
 from moestream.budget import Budget, format_bytes
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError

@@ -17,7 +17,8 @@ from torch import nn
 
 from moestream.errors import TraceError
 from moestream.predictors.configs import RoutingPathConfig, TrainConfig
-from moestream.predictors.training import multi_hot, seeded, torch_threads, train_loop
+from moestream.predictors.training import multi_hot, seeded, train_loop
+from moestream.threads import torch_threads
 from moestream.trace.schema import Trace
 
 PAD, UNK = 0, 1  # reserved vocabulary indices

@@ -14,6 +14,7 @@ import torch
 from moestream.progress import progress_bar
 
 from moestream.predictors.configs import TrainConfig
+from moestream.threads import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +25,6 @@ def seeded(seed: int, num_threads: int = 1) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]), torch_threads(num_threads):
         torch.manual_seed(seed)
         yield
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int) -> Iterator[None]:
-    """Torch's intra-op thread count inside the block, restored after. Small models run fastest, and
-    do not stall on a shared machine, with one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def train_loop(

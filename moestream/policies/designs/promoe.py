@@ -109,7 +109,7 @@ class PromoePredictor(TrainablePredictor):
         """[T, I] inputs of source_layer -> [T, E] probabilities for layer source_layer + distance."""
         import torch
 
-        from moestream.predictors.training import torch_threads
+        from moestream.threads import torch_threads
 
         with torch.inference_mode(), torch_threads(1):
             return torch.sigmoid(self._trained().logits(torch.tensor(inputs), source_layer, distance)).numpy()
