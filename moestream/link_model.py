@@ -17,10 +17,25 @@ fixed figures of the run: a cost model's, or the engine's calibration at start).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 from moestream.policies.contracts import LinkState
-from moestream.topology import ExpertKey
+from moestream.topology import ExpertKey, Topology
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    """A run's fixed figures of the disk link, as the engine is given them (`EngineConfig.link_gbps`,
+    `layer_ms`, `reorder`): one link model from them for the engine and for a simulator that must match it."""
+
+    gbps: float
+    layer_ms: float
+    reorder: bool = True  # a layer computes its missed experts as they land: one expert's share after the last
+
+    def model(self, topology: Topology) -> "ModelledLink":
+        tail_ms = self.layer_ms / topology.top_k if self.reorder else self.layer_ms
+        return ModelledLink(self.gbps * 1e6, self.layer_ms, topology.expert_bytes, topology.num_layers, tail_ms)
 
 
 class _Read:

@@ -41,7 +41,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io"))
+    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "link_gbps", "layer_ms"))
     parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
     parser.set_defaults(handler=run)
 
@@ -67,6 +67,7 @@ def compare(args) -> dict:
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, reorder=args.reorder,
                    prompts=PROMPTS, max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir),
+                   link_gbps=args.link_gbps, layer_ms=args.layer_ms,  # the planner's link: the same on both sides
                    background_predictor=False, keep_embeddings=True)  # inline, as the simulator: the module doc
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
@@ -100,14 +101,16 @@ def _cost_model(args, spec, engine: dict, topology):
 def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     from moestream.bench.engine.runners import make_policy
     from moestream.bench.engine.simulated import engine_iterations, replayed, sim_ratio, simulate
+    from moestream.link_model import LinkFigures
     from moestream.trace.format import load_trace
 
     run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology,
                    engine.get("iteration_token_ids"), engine.get("iteration_tokens"), engine.get("iteration_embeddings"))
     policy = make_policy(spec, topology)
     order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
+    figures = LinkFigures(spec.link_gbps, spec.layer_ms, spec.reorder) if spec.link_gbps > 0 else None
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
-                    expert_order=order, modelled_link=spec.link_gbps > 0)  # the engine's planner saw no link
+                    expert_order=order, modelled_link=figures is not None, link_figures=figures)  # the engine's
 
 
 def agreement(engine: dict, simulated: dict) -> dict:

@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from moestream.link_model import ModelledLink
+from moestream.link_model import LinkFigures, ModelledLink
 from moestream.policies.contracts import Observer
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
@@ -63,12 +63,10 @@ class Prefetcher:
 
 def modelled_link(config, topology) -> ModelledLink | None:
     """The planner's model of the disk link from a run's fixed figures (EngineConfig.link_gbps, layer_ms;
-    None without both): a layer computes its missed experts as they land (reorder: one expert's share after
-    the last). Fixed figures: the model reads no clock."""
+    None without both; `LinkFigures`). Fixed figures: the model reads no clock."""
     if config.link_gbps <= 0 or config.layer_ms <= 0:
         return None
-    tail_ms = config.layer_ms / topology.top_k if config.reorder else config.layer_ms
-    return ModelledLink(config.link_gbps * 1e6, config.layer_ms, topology.expert_bytes, topology.num_layers, tail_ms)
+    return LinkFigures(config.link_gbps, config.layer_ms, config.reorder).model(topology)
 
 
 def _observes(observer) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moestream.errors import MoestreamError
+from moestream.link_model import LinkFigures
 from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
 from moestream.topology import Topology
 
@@ -35,6 +36,7 @@ class SimConfig:
     device_slots: int = 0  # device-tier slots if not cache_ratio of all experts (one rank of several); 0: the ratio's
     host_slots: int = 0  # host-tier slots if not host_cache_ratio of all experts; 0: the ratio's
     modelled_link: bool = True  # the planner sees the cost model's link (off: an engine without --link-gbps)
+    link_figures: LinkFigures | None = None  # instead, the link an engine was given (its --link-gbps, --layer-ms)
 
     def __post_init__(self):
         if not 0.0 < self.cache_ratio <= 1.0:

@@ -75,6 +75,7 @@ class StreamSimulator:
         layer_ms = cost.layer_compute_ms
         tail_ms = layer_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, layer_ms) or layer_ms
         model = ModelledLink(nbytes / self.device_link.transfer_ms, layer_ms, nbytes, topo.num_layers, tail_ms)
+        model = config.link_figures.model(topo) if config.link_figures is not None else model
         self.core: TransferCore[Transfer] = TransferCore(  # the tier's residency
             self.device, self._displaced, model if config.modelled_link else None)
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier

@@ -273,3 +273,30 @@ def test_the_planner_sees_the_modelled_link_only_where_the_config_asks(modelled_
     run(policy, trace, cache_ratio=0.5, cost=tiny.cost(compute_ms=2.0), horizon_layers=1, modelled_link=modelled_link)
     assert policy.planner.links  # the planner was asked
     assert all((link is not None) == modelled_link for link in policy.planner.links)
+
+
+def test_the_planner_sees_the_engines_link_figures_where_given():
+    """bench fidelity's engine ran with --link-gbps and --layer-ms: the simulator's planner sees that link,
+    not the cost model's."""
+    from moestream.link_model import LinkFigures
+
+    class Recording(ScorePlanner):
+        def __init__(self):
+            super().__init__()
+            self.links = []
+
+        def plan(self, predictions, view):
+            self.links.append(view.link)
+            return super().plan(predictions, view)
+
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]], [[0], [1]]]], topo)
+    seen = {}
+    for figures in (None, LinkFigures(gbps=3.0, layer_ms=4.0)):
+        policy = tiny.scripted(topo, {1: [2]})
+        policy.planner = Recording()
+        run(policy, trace, cache_ratio=0.5, cost=tiny.cost(compute_ms=2.0), horizon_layers=1, link_figures=figures)
+        seen[figures] = policy.planner.links[-1]
+    assert (seen[None].bytes_per_ms, seen[None].layer_ms) != (3.0e6, 4.0)
+    given = seen[LinkFigures(gbps=3.0, layer_ms=4.0)]
+    assert (given.bytes_per_ms, given.layer_ms) == (3.0e6, 4.0)

@@ -75,12 +75,13 @@ def sim_ratio(device_slots: int, topology: Topology) -> float:
 
 
 def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
-             expert_order: str = "ready", modelled_link: bool = True) -> dict:
+             expert_order: str = "ready", modelled_link: bool = True, link_figures=None) -> dict:
     """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
-    hit rate, stall and bytes per token, TPOT. expert_order, modelled_link: SimConfig's ("loaded" for a
-    --sync engine; no modelled link where the engine ran without one)."""
+    hit rate, stall and bytes per token, TPOT. expert_order, modelled_link, link_figures: SimConfig's
+    ("loaded" for a --sync engine; no modelled link where the engine ran without one, the engine's own
+    figures where it ran with them)."""
     sim = StreamSimulator(policy, SimConfig(cache_ratio=ratio, cost=cost, expert_order=expert_order,
-                                            modelled_link=modelled_link))
+                                            modelled_link=modelled_link, link_figures=link_figures))
     decode = {"hits": 0, "accesses": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
     for it in iterations:
         before = _snapshot(sim)
