@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -132,7 +132,8 @@ def call(command: list[str], env: dict, procs: Path | None = None, timeout_s: fl
         try:
             _, stderr = proc.communicate(timeout=timeout_s)
         except BaseException as error:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with suppress(ProcessLookupError):  # its session may have ended meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             if isinstance(error, subprocess.TimeoutExpired):
                 raise RunFailed(f"no result within {timeout_s:g} s") from None
