@@ -255,17 +255,20 @@ def test_on_a_saturated_link_speculation_that_cannot_land_in_time_is_dropped_and
     assert aware["hit_rate"] == blind["hit_rate"] == 0.0
 
 
+class Recording(ScorePlanner):
+    """Plans as ScorePlanner does and keeps the link each view showed."""
+
+    def __init__(self):
+        super().__init__()
+        self.links = []
+
+    def plan(self, predictions, view):
+        self.links.append(view.link)
+        return super().plan(predictions, view)
+
+
 @pytest.mark.parametrize("modelled_link", [True, False])
 def test_the_planner_sees_the_modelled_link_only_where_the_config_asks(modelled_link):
-    class Recording(ScorePlanner):
-        def __init__(self):
-            super().__init__()
-            self.links = []
-
-        def plan(self, predictions, view):
-            self.links.append(view.link)
-            return super().plan(predictions, view)
-
     topo = tiny.topology()
     trace = tiny.trace([[[[0], [1]], [[0], [1]]]], topo)
     policy = tiny.scripted(topo, {1: [2]})
@@ -279,15 +282,6 @@ def test_the_planner_sees_the_engines_link_figures_where_given():
     """bench fidelity's engine ran with --link-gbps and --layer-ms: the simulator's planner sees that link,
     not the cost model's."""
     from moestream.link_model import LinkFigures
-
-    class Recording(ScorePlanner):
-        def __init__(self):
-            super().__init__()
-            self.links = []
-
-        def plan(self, predictions, view):
-            self.links.append(view.link)
-            return super().plan(predictions, view)
 
     topo = tiny.topology()
     trace = tiny.trace([[[[0], [1]], [[0], [1]]]], topo)
