@@ -40,7 +40,8 @@ class LRUPolicy(EvictionPolicy):
 
 
 class NarrowingEviction(EvictionPolicy):
-    """Passes every hook to an inner policy; a subclass narrows the candidates the inner one chooses from."""
+    """Passes every hook to an inner policy; a subclass changes one decision (e.g. narrows the candidates the
+    inner one chooses from, or which policy chooses)."""
 
     def __init__(self, inner: EvictionPolicy):
         self.inner = inner

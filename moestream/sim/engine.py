@@ -72,17 +72,22 @@ class StreamSimulator:
         tiers = [self.device] + ([self.host] if self.host else [])
         self.driver = PolicyDriver(policy, [tier.policy for tier in tiers], horizon_layers=config.horizon_layers)
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
-        layer_ms = cost.layer_compute_ms
-        tail_ms = layer_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, layer_ms) or layer_ms
-        model = ModelledLink(nbytes / self.device_link.transfer_ms, layer_ms, nbytes, topo.num_layers, tail_ms)
-        model = config.link_figures.model(topo) if config.link_figures is not None else model
         self.core: TransferCore[Transfer] = TransferCore(  # the tier's residency
-            self.device, self._displaced, model if config.modelled_link else None)
+            self.device, self._displaced, self._link_model(config, topo) if config.modelled_link else None)
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.now = 0.0
         self._layer_ms = compute_ms or functools.cache(lambda tokens, experts: cost.compute_ms(tokens, experts, topo.top_k))
         self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], int] | None = None  # routed
         self.counters = StreamCounters(LayerCounts(topo.num_layers))
+
+    def _link_model(self, config: SimConfig, topo) -> ModelledLink:
+        """The planner's link: the engine's own figures where given, else the cost model's device link."""
+        if config.link_figures is not None:
+            return config.link_figures.model(topo)
+        cost, nbytes = config.cost, topo.expert_bytes
+        layer_ms = cost.layer_compute_ms
+        tail_ms = layer_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, layer_ms) or layer_ms
+        return ModelledLink(nbytes / self.device_link.transfer_ms, layer_ms, nbytes, topo.num_layers, tail_ms)
 
     def run(self, iterations: Iterable[Iteration]) -> StreamCounters:
         for it in iterations:

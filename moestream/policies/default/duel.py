@@ -21,10 +21,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from moestream.events import IterationContext, RoutingEvent
+from moestream.events import RoutingEvent
 from moestream.policies.contracts import CacheView, EvictionPolicy, Observer, Prediction, PrefetchPlanner, \
     TransferRequest
-from moestream.policies.eviction import LRUPolicy
+from moestream.policies.eviction import LRUPolicy, NarrowingEviction
 from moestream.topology import ExpertKey, Topology
 
 NextUse = Callable[[], np.ndarray | None]  # [L, E] the model's next use of each expert (larger: later), or None
@@ -97,35 +97,28 @@ class Duel(Observer):
         return [] if probs is None else np.argsort(-probs, kind="stable")[: self.topology.top_k].tolist()
 
 
-class DuelEviction(EvictionPolicy):
-    """The model's eviction while the model leads the duel, LRU's while recency does (both see every hook)."""
+class DuelEviction(NarrowingEviction):
+    """The model's eviction (the inner one, which sees every hook) while the model leads the duel, LRU's
+    while recency does (it sees the residency hooks too)."""
 
     def __init__(self, model: EvictionPolicy, duel: Duel):
-        self.model, self.lru, self.duel = model, LRUPolicy(), duel
+        super().__init__(model)
+        self.lru, self.duel = LRUPolicy(), duel
 
     def on_insert(self, key: ExpertKey) -> None:
-        self.model.on_insert(key)
+        super().on_insert(key)
         self.lru.on_insert(key)
 
     def on_access(self, key: ExpertKey) -> None:
-        self.model.on_access(key)
+        super().on_access(key)
         self.lru.on_access(key)
 
     def on_remove(self, key: ExpertKey) -> None:
-        self.model.on_remove(key)
+        super().on_remove(key)
         self.lru.on_remove(key)
 
-    def begin_iteration(self, ctx: IterationContext) -> None:
-        self.model.begin_iteration(ctx)
-
-    def observe(self, event: RoutingEvent) -> None:
-        self.model.observe(event)
-
-    def end_sequence(self, seq_id: int) -> None:
-        self.model.end_sequence(seq_id)
-
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        return (self.lru if self.duel.recency else self.model).victim(candidates)
+        return (self.lru if self.duel.recency else self.inner).victim(candidates)
 
 
 class DuelPlanner(PrefetchPlanner):
