@@ -133,3 +133,19 @@ def test_loading_the_dense_part_reads_no_expert_bytes(tiny_checkpoint):
     dense = total - checkpoint.topology.total_expert_bytes
     assert read <= dense + 2 * 4096 * sum(len(names) for names in checkpoint.dense.values())
     assert read < dense + checkpoint.topology.expert_bytes
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "mixtral"])
+def test_the_output_head_gets_its_input_with_standard_strides(checkpoint, family):
+    """At prefill the head reads the hidden states' last row, a [B, 1, H] view whose batch stride is T * H:
+    torch's CPU bf16 linear copies the whole weight for such a view (seconds at a real vocabulary)."""
+    from moestream.runtime import Engine, EngineConfig
+
+    seen = []
+    with Engine(checkpoint(family), EngineConfig(expert_budget=1.0)) as engine:
+        head = engine.model.get_output_embeddings()
+        head.register_forward_pre_hook(lambda module, args: seen.append((args[0].shape, args[0].stride())))
+        engine.generate([[5, 6, 7, 8, 9, 10]], max_new_tokens=2)
+    assert len(seen) == 2  # the prefill and one decode step
+    for shape, stride in seen:
+        assert stride == torch.empty(shape).stride(), (shape, stride)
