@@ -9,7 +9,8 @@ GEMM over the pool's evenly spaced slots ("grouped"), in alternation. Every call
 top_k slots of a pool larger than the last-level cache, so weights come from memory as they do at
 decode. An expert's effective bandwidth is its bytes over its share of the call's median time.
 Times are the process's CPU time by default, so that what other processes on a shared machine take
-is not counted (--clock wall: elapsed time). Prints a table (and --json); asserts nothing.
+is not counted (--clock wall: elapsed time). With --native-gemv, single-row cases run with oneDNN off, as
+the engine's `native_gemv` decode steps do. Prints a table (and --json); asserts nothing.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ def add_parser(kinds) -> None:
                         "(keep it past the last-level cache)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu: the process's CPU time (what "
                         "other processes on a shared machine take is not counted); wall: elapsed time")
+    parser.add_argument("--native-gemv", action="store_true", help="single-row cases without oneDNN (the engine's "
+                        "--native-gemv)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    figures = measure(_cases(args), args.repeats, args.pool_mib, args.clock)
+    figures = measure(_cases(args), args.repeats, args.pool_mib, args.clock, args.native_gemv)
     print(table(figures))
     write_figures(figures, args.json)
     return 0
@@ -76,14 +79,21 @@ def _names(text: str, known, flag: str) -> list[str]:
     return names
 
 
-def measure(cases: list[tuple[str, str, int]], repeats: int, pool_mib: int = POOL_MIB, clock: str = "cpu") -> dict:
+def measure(cases: list[tuple[str, str, int]], repeats: int, pool_mib: int = POOL_MIB, clock: str = "cpu",
+            native_gemv: bool = False) -> dict:
     """The read bandwidth and every case's figures, on one torch thread, timed by `clock` (a CLOCKS name)."""
+    from moestream.runtime.onednn import native_single_row
+
+    rows = []
     with torch_threads(1):
         read = read_bandwidth(repeats, CLOCKS[clock])
-        rows = [case_figures(shape, dtype, tokens, repeats, pool_mib, CLOCKS[clock]) for shape, dtype, tokens in cases]
+        for shape, dtype, tokens in cases:
+            with native_single_row(native_gemv, tokens, "cpu"):
+                rows.append(case_figures(shape, dtype, tokens, repeats, pool_mib, CLOCKS[clock]))
     for row in rows:
         row["read_fraction"] = {k: bw / read for k, bw in row["bytes_per_s"].items()}
-    return {"threads": 1, "clock": clock, "read_bytes_per_s": read, "top_k": TOP_K, "cases": rows}
+    return {"threads": 1, "clock": clock, "native_gemv": native_gemv, "read_bytes_per_s": read, "top_k": TOP_K,
+            "cases": rows}
 
 
 def read_bandwidth(repeats: int, clock=time.process_time) -> float:

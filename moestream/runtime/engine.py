@@ -46,7 +46,7 @@ from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import expert_decoder, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
-from moestream.runtime.onednn import bound_shape_caches
+from moestream.runtime.onednn import bound_shape_caches, native_single_row
 from moestream.runtime.offload import OffloadedExperts, Prefetcher, modelled_link
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
@@ -309,7 +309,8 @@ class Engine:
         with torch.inference_mode():
             plan = self.runner.prefill(step, seqs) if batch.is_prefill else self.runner.decode(step, seqs, batch.cache)
             self._begin(plan)
-            return self.runner.run(plan, batch.cache)
+            with native_single_row(self.config.native_gemv, plan.input_ids.numel(), self.config.device):
+                return self.runner.run(plan, batch.cache)
 
     def _begin(self, plan: StepPlan) -> None:
         """Announces the iteration to observers and lets the policy predict before the first layer."""

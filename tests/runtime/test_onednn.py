@@ -48,3 +48,56 @@ def test_a_bound_stops_the_heap_growing_with_every_new_shape():
     if unbounded < 8 * 1024:
         pytest.skip(f"bf16 matmuls here grow no per-shape cache ({unbounded} KiB over 78 shapes): no oneDNN bf16 path")
     assert heap_growth_kib(True) < unbounded / 4
+
+
+@pytest.mark.parametrize("enabled, rows, device, off", [(True, 1, "cpu", True), (True, 2, "cpu", False),
+                                                       (False, 1, "cpu", False), (True, 1, "meta", False)])
+def test_native_single_row_turns_onednn_off_only_for_one_row_on_the_cpu(enabled, rows, device, off):
+    import torch
+
+    from moestream.runtime.onednn import native_single_row
+
+    with pytest.raises(KeyError):
+        with native_single_row(enabled, rows, device):
+            assert torch.backends.mkldnn.enabled is not off
+            raise KeyError  # restored on the way out of an error too
+    assert torch.backends.mkldnn.enabled
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_native_gemv_runs_decode_steps_of_one_sequence_without_onednn(tiny_checkpoint, native):
+    """Prefill (several rows) keeps oneDNN; a decode step of one sequence runs without it when asked, and its
+    tokens equal transformers' greedy steps run the same way."""
+    import torch
+
+    from moestream.runtime import Engine, EngineConfig
+    from tests.runtime.conftest import auto_class
+
+    path, prompt = tiny_checkpoint("mixtral", dtype="bf16"), [5, 6, 7, 8, 9]
+    seen = []
+    with Engine(path, EngineConfig(expert_budget=1.0, native_gemv=native)) as engine:
+        engine.model.register_forward_pre_hook(lambda module, args: seen.append(torch.backends.mkldnn.enabled))
+        tokens = engine.generate([prompt], max_new_tokens=4).token_ids[0]
+    assert seen == [True] + [not native] * 3
+    assert tokens == _greedy(auto_class("mixtral").from_pretrained(path), prompt, 4, native)
+
+
+def _greedy(model, prompt: list[int], num_tokens: int, native: bool) -> list[int]:
+    """transformers' model, greedy, the prompt with oneDNN and (native) each later step without it."""
+    import inspect
+
+    import torch
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5.x
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(num_tokens - 1):
+            torch.backends.mkldnn.enabled = not native
+            try:
+                past = out[name] if name in out else out["past_key_values"]
+                out = model(input_ids=torch.tensor([tokens[-1:]]), use_cache=True, **{name: past})
+            finally:
+                torch.backends.mkldnn.enabled = True
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens

@@ -45,7 +45,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--designs", default=DESIGNS, help=f"design policies to run (default {DESIGNS}; '' none)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers + accelerate disk offload")
-    add_arguments(parser, EngineConfig, only=("device", "replay_routing", "direct_io"))
+    add_arguments(parser, EngineConfig, only=("device", "replay_routing", "direct_io", "native_gemv"))
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
                         help="instead: N ranks (torchrun) against one process at the same and at 1/N of the memory")
     add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))

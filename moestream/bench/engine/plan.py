@@ -51,7 +51,8 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     topology = build_index(model).topology
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
-                   replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir))
+                   native_gemv=args.native_gemv, replay_routing=args.replay_routing,
+                   predictor_dirs=tuple(args.predictor_dir))
     disk = disk_figures(Path(model), args.direct_io)
     resident = run(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)

@@ -97,7 +97,8 @@ class EngineRun:
         config = EngineConfig(device=spec.device, expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
                               policy=spec.policy, predictor_dir=None if trained is None else str(trained),
                               replay_routing=spec.replay_routing, reorder=spec.reorder, link_gbps=spec.link_gbps,
-                              layer_ms=spec.layer_ms, background_predictor=spec.background_predictor)
+                              layer_ms=spec.layer_ms, background_predictor=spec.background_predictor,
+                              native_gemv=spec.native_gemv)
         with _engine(spec, config, policy, ranks) as engine:
             if spec.preload:
                 engine.preload()

@@ -30,6 +30,7 @@ class RunSpec:
     max_new_tokens: int = 16
     threads: int = 1
     direct_io: bool = True
+    native_gemv: bool = False  # EngineConfig.native_gemv
     scratch_dir: str = ""  # where hf-accelerate writes its offload folder
     link_gbps: float = 0.0  # the planner's modelled link (EngineConfig.link_gbps, layer_ms): the bench's calibration
     layer_ms: float = 0.0
