@@ -91,8 +91,7 @@ class Batcher:
         if not self.fits(request):
             raise KvBudgetError(f"the request needs {need} bytes of KV cache, over the budget of "
                                 f"{self.config.kv_budget_bytes}")
-        sampler = SequenceSampler(request.params, self.decode)
-        request.attach(sampler)
+        sampler = SequenceSampler(request.params, self.decode, request.stopped)
         seq = self.engine.new_sequence(request.prompt_ids, request.params.max_tokens, sampler, request.params.ignore_eos)
         seq.arrived = request.arrived
         self.requests.append(Generating(request, seq, TextStream(request.params.stop), need))
