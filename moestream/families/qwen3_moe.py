@@ -14,4 +14,5 @@ class Qwen3MoeAdapter(FamilyAdapter):
 
     def tiny_config_kwargs(self, num_layers, num_experts, top_k, hidden_size, intermediate_size, vocab_size):
         return super().tiny_config_kwargs(num_layers, num_experts, top_k, hidden_size, 2 * intermediate_size,
-                                          vocab_size) | dict(moe_intermediate_size=intermediate_size, norm_topk_prob=True)
+                                          vocab_size) | dict(moe_intermediate_size=intermediate_size,
+                                                             norm_topk_prob=True)

@@ -27,7 +27,6 @@ from moestream.parallel.ranks import RankContext, RankFailure, join_ranks, leave
 from moestream.parallel.shard import ExpertShard
 from moestream.parallel.steps import Leader, follow
 from moestream.settings import from_args
-from moestream.topology import Topology
 
 
 @dataclass(frozen=True)
