@@ -1,18 +1,13 @@
 """Offline accuracy of a predictor: precision, recall, F1 and GOODPRED of predicting each
 (token, layer)'s experts D layers ahead, on a test trace replayed as one decode stream.
 
-Rule for horizon D >= 1: the prediction for token t's layer l is the one available once layers
-<= l-D of token t have routed, i.e. from `predict(layer_now=l-D, horizon_layers=D)`. When l-D is
--1 that is the call before token t's first layer (its token id is known). When l-D < -1 it is
-the call at layer L+l-D of the previous token of the same sequence (tokens_ahead=1); a
-sequence's first token, which has no previous one, uses its own layer_now=-1 call. D = 0 means
-at the gate: the call before layer l routes (layer_now=l-1), after a predictor that reads gate
-inputs (GateInputObserver) has seen layer l's router input; never layer l's routing.
-The predicted set is the top_k experts by score (ties to the lower id) among scores > 0.
-Predictors with `score_rows` (TraceScorer) are scored a whole trace at a time with the same rule;
-others go through the generic event loop. GOODPRED (ProMoE) = precision x fetch_rate, with
-fetch_rate = min(1, floor(D * layer_compute_ms / transfer_ms) / top_k): the share of a top_k
-prediction whose transfers finish within D layers of compute (0 at the gate).
+Horizon D >= 1: token t's layer l gets `predict(layer_now=l-D, horizon_layers=D)`, the call before
+t's first layer when l-D = -1, and when l-D < -1 the call at layer L+l-D of the sequence's previous
+token (tokens_ahead=1; a first token uses its own layer_now=-1 call). D = 0 (at the gate): the call
+before l routes, after a GateInputObserver saw l's router input. The predicted set is the top_k
+experts by score > 0 (ties to the lower id); a TraceScorer is scored a whole trace at a time by the same
+rule. GOODPRED (ProMoE) = precision x fetch_rate, the share of a top_k prediction whose transfers finish
+within D layers of compute: min(1, floor(D * layer_compute_ms / transfer_ms) / top_k), 0 at the gate.
 """
 
 from __future__ import annotations

@@ -89,8 +89,10 @@ class FamilyAdapter:
 
     def tiny_config_kwargs(self, num_layers: int, num_experts: int, top_k: int, hidden_size: int,
                            intermediate_size: int, vocab_size: int) -> dict:
-        """Config fields for `moestream make-model` (passed to AutoConfig.for_model)."""
-        raise NotImplementedError
+        """Config fields for `moestream make-model` (passed to AutoConfig.for_model); by default a small
+        decoder (`decoder_kwargs`) with experts intermediate_size wide."""
+        return decoder_kwargs(num_layers, hidden_size, vocab_size) | {
+            "intermediate_size": intermediate_size, self.num_experts_attr: num_experts, self.top_k_attr: top_k}
 
 
 def decoder_kwargs(num_layers: int, hidden_size: int, vocab_size: int) -> dict:

@@ -2,7 +2,7 @@
 interleaved gate/up columns, [E, I, H] down_proj, and per-expert biases); a `router` with a bias.
 """
 
-from moestream.families.base import FAMILIES, ExpertPart, FamilyAdapter, decoder_kwargs
+from moestream.families.base import FAMILIES, ExpertPart, FamilyAdapter
 
 
 @FAMILIES.register("gpt_oss")
@@ -17,11 +17,8 @@ class GptOssAdapter(FamilyAdapter):
     num_experts_attr = "num_local_experts"
     noise_init = ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "mlp.router.bias")
 
-    def tiny_config_kwargs(self, num_layers, num_experts, top_k, hidden_size, intermediate_size, vocab_size):
-        return decoder_kwargs(num_layers, hidden_size, vocab_size) | dict(
-            intermediate_size=intermediate_size,
-            num_local_experts=num_experts,
-            num_experts_per_tok=top_k,
+    def tiny_config_kwargs(self, *sizes):
+        return super().tiny_config_kwargs(*sizes) | dict(
             head_dim=16,
             sliding_window=16,
             rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,

@@ -1,6 +1,6 @@
 """Qwen2-MoE: per-expert gate/up/down_proj on disk, plus a sigmoid-gated shared expert kept dense."""
 
-from moestream.families.base import FAMILIES, ExpertPart, FamilyAdapter, decoder_kwargs
+from moestream.families.base import FAMILIES, ExpertPart, FamilyAdapter
 
 QWEN_PARTS = (
     ExpertPart("gate_up_proj", ("experts.{expert}.gate_proj.weight", "experts.{expert}.up_proj.weight")),
@@ -30,10 +30,6 @@ class Qwen2MoeAdapter(FamilyAdapter):
         return sparse_layer_ids(config)
 
     def tiny_config_kwargs(self, num_layers, num_experts, top_k, hidden_size, intermediate_size, vocab_size):
-        return decoder_kwargs(num_layers, hidden_size, vocab_size) | dict(
-            intermediate_size=2 * intermediate_size,
-            moe_intermediate_size=intermediate_size,
-            shared_expert_intermediate_size=2 * intermediate_size,
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-        )
+        return super().tiny_config_kwargs(num_layers, num_experts, top_k, hidden_size, 2 * intermediate_size,
+                                          vocab_size) | dict(moe_intermediate_size=intermediate_size,
+                                                             shared_expert_intermediate_size=2 * intermediate_size)

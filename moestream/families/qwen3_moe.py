@@ -1,6 +1,6 @@
 """Qwen3-MoE: Qwen2-MoE's expert layout without a shared expert; top-k weights renormalized."""
 
-from moestream.families.base import FAMILIES, FamilyAdapter, decoder_kwargs
+from moestream.families.base import FAMILIES, FamilyAdapter
 from moestream.families.qwen2_moe import QWEN_PARTS, sparse_layer_ids
 
 
@@ -13,10 +13,6 @@ class Qwen3MoeAdapter(FamilyAdapter):
         return sparse_layer_ids(config)
 
     def tiny_config_kwargs(self, num_layers, num_experts, top_k, hidden_size, intermediate_size, vocab_size):
-        return decoder_kwargs(num_layers, hidden_size, vocab_size) | dict(
-            intermediate_size=2 * intermediate_size,
-            moe_intermediate_size=intermediate_size,
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            norm_topk_prob=True,
-        )
+        return super().tiny_config_kwargs(num_layers, num_experts, top_k, hidden_size, 2 * intermediate_size,
+                                          vocab_size) | dict(moe_intermediate_size=intermediate_size,
+                                                             norm_topk_prob=True)

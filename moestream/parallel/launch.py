@@ -1,12 +1,10 @@
 """Expert parallelism from the command line: the ranks that torchrun started, each with its engine.
 
-`run_ranks(args)` joins the ranks (moestream.parallel.ranks). Rank 0 runs the command as one process
-would, opening its engine through `open_engine`, which places the experts (rank 0 reads the trace of a
-placement that needs one), sends every rank the checkpoint, the engine's settings and the placement,
-and leads each step (moestream.parallel.steps). The other ranks open their engine over the experts
-they own (`follower_engine`) and follow until rank 0 closes. Each rank's tier budgets are its own: a
-size as given, a ratio of the bytes of the experts it owns (so N ranks at 0.25 hold what one process
-at 0.25 holds). Rank 0 alone prints and writes. Knows no particular command.
+`run_ranks(args)` joins the ranks. Rank 0 runs the command as one process would; its `open_engine`
+places the experts, sends every rank the checkpoint, the engine's settings and the placement, and
+leads each step (moestream.parallel.steps). The other ranks open their engine over the experts they
+own (`follow_ranks`) and follow until rank 0 closes; each rank's budgets are its own
+(moestream.parallel.plan). Rank 0 alone prints and writes. Knows no particular command.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from moestream.parallel.ranks import RankContext, RankFailure, join_ranks, leave
 from moestream.parallel.shard import ExpertShard
 from moestream.parallel.steps import Leader, follow
 from moestream.settings import from_args
-from moestream.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -103,22 +100,18 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
 def follow_ranks(ranks: RankContext, observers=(), prepare: Callable | None = None) -> int:
     """A follower: opens its engine from rank 0's hello (observers: beside its policy's), passes it to
     prepare (if given) and runs rank 0's steps until it closes."""
+    from moestream.checkpoint.index import build_index
     from moestream.runtime import Engine
 
     hello = _send(ranks, None)
     shard = ExpertShard(hello.placement, ranks)
-    with _opened(ranks, lambda: Engine(hello.model, _follower_config(hello, ranks), shard=shard,
-                                                observers=observers)) as engine:
+    with _opened(ranks, lambda: Engine(hello.model, rank_config(hello.config, hello.placement, ranks.rank,
+                                                                build_index(hello.model).topology, ranks.device),
+                                       shard=shard, observers=observers)) as engine:
         if prepare is not None:
             prepare(engine)
         follow(engine, shard)
     return 0
-
-
-def _follower_config(hello: Hello, ranks: RankContext) -> EngineConfig:
-    from moestream.checkpoint.index import build_index
-
-    return rank_config(hello.config, hello.placement, ranks.rank, build_index(hello.model).topology, ranks.device)
 
 
 def expert_parallel_report(engine) -> dict | None:

@@ -1,13 +1,10 @@
 """A follower rank's copies of the KV caches that rank 0's batching rule holds.
 
-Rank 0 numbers each batch cache the first time it runs one (`StepMessage.cache_id`). A follower keeps
-the cache of each number it has seen with the sequences in it. A step over a known number runs over
-that cache (a static batch, or a continuous batch that decodes again); a new prefill starts an empty
-cache, as rank 0's rule did; a new decode batch is merged from its sequences' own caches
-(`runtime/kv.py`, as serving's continuous rule merges them), each cut out of the cache that held it
-when first needed. Cutting a cache later rather than when rank 0 cut it gives the same tensors: a
-cache is not written between its last step and its cut. A cache whose sequences have all ended is
-dropped. Knows no scheduler, rule or model.
+Rank 0 numbers each batch cache on its first step (`StepMessage.cache_id`); a follower keeps the cache
+of each number with its sequences. A known number runs over its cache; a new prefill starts an empty one;
+a new decode batch is merged from its sequences' own caches, each cut out of the cache that held it when
+first needed (the same tensors as rank 0's earlier cut: a cache is not written between its last step and
+its cut). A cache whose sequences have all ended is dropped. Knows no scheduler, rule or model.
 """
 
 from __future__ import annotations

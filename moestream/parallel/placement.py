@@ -8,6 +8,7 @@ experts are loaded or timed, nor import torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,20 +76,9 @@ class Placement:
             loads[:, rank] = (counts * (owners == rank)).sum(axis=1)
         return loads
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "world_size": self.world_size, "owners": [list(row) for row in self.owners]}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Placement":
-        try:
-            owners = tuple(tuple(int(r) for r in row) for row in data["owners"])
-            return cls(name=str(data["name"]), world_size=int(data["world_size"]), owners=owners)
-        except (KeyError, TypeError, ValueError) as error:
-            raise MoestreamError(f"malformed placement: {error}") from None
-
     def save(self, path: str | Path) -> None:
         with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps(self.to_dict()) + "\n")
+            tmp.write_text(json.dumps(dataclasses.asdict(self)) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Placement":
@@ -96,7 +86,11 @@ class Placement:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as error:
             raise MoestreamError(f"cannot read placement {path}: {error}") from None
-        return cls.from_dict(data)
+        try:
+            owners = tuple(tuple(int(r) for r in row) for row in data["owners"])
+            return cls(name=str(data["name"]), world_size=int(data["world_size"]), owners=owners)
+        except (KeyError, TypeError, ValueError) as error:
+            raise MoestreamError(f"malformed placement: {error}") from None
 
 
 class Placer:

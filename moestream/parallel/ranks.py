@@ -1,14 +1,11 @@
 """The ranks of one run: this process's place among those that `torchrun` started, and the three process
 groups every collective of expert parallelism goes through.
 
-`join_ranks` reads what torchrun puts in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR) and
-opens: the default group (NCCL where each rank has a GPU of its own, else gloo: `step_backend`) for each
-layer's combine; a gloo group for the scheduling rank's step announcements (an idle rank 0 sends
-heartbeats, moestream.parallel.steps), both timing out after the transfer timeout; and a gloo group for
-what may wait as long as it takes (the start of the run, opening the engines, the runs of a bench). A
-collective that fails (a rank died, or hung past the timeout) becomes one `RankFailure` naming this rank
-and what it waited for. The state lives in the `RankContext` handed around; this module knows no engine,
-placement or model.
+`join_ranks` reads torchrun's environment and opens the default group (NCCL where each rank has a GPU of
+its own, else gloo) for each layer's combine and a gloo group for rank 0's step announcements, both
+timing out after the transfer timeout, and a gloo group for what may wait as long as it takes. A failed
+collective becomes one `RankFailure` naming this rank and what it waited for. The state lives in the
+`RankContext` handed around; this module knows no engine, placement or model.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """One rank's experts and the combine of a MoE layer's routed rows across ranks.
 
-Every rank runs the same dense part on the same tokens, so every rank holds the same routing
-[T, K] of a layer. The rank that owns an expert (the placement) computes all of that expert's
-(token, k) rows, exactly as one process computes them (the same rows through the same matrix
-products, `runtime/layer_experts.py`), into their own places of a [S = T * K, H] buffer; the rows of
-experts owned elsewhere stay zero. `combine` is an all-reduce SUM of those buffers.
-
-Why it is exact: each row is nonzero on exactly one rank, and every other rank adds exact zeros.
-x + 0 == x in IEEE arithmetic for every x (NaN and infinities included), whatever the order or tree
-in which the backend adds the ranks' buffers, so each summed row holds the owner's bits. (The one
-exception is the sign of a zero: -0 + 0 = +0; the sum over k and the residual add that follow give
-the same result for either zero unless all of them are zero.) The engine then sums the rows over k
-in its usual fixed order (`OffloadedExperts._combined`), on every rank alike, so every rank's layer
-output equals one process's bit for bit. This module knows no store, policy or scheduler.
+Every rank routes the same tokens alike; the owner of an expert computes its (token, k) rows exactly
+as one process does into their places of a [S = T * K, H] buffer, other rows zero, and `combine` is an
+all-reduce SUM. It is exact: each row is nonzero on one rank, and x + 0 == x in IEEE arithmetic (NaN
+and infinities too; only -0 + 0 = +0, which the sum over k and the residual add make alike) in any
+order of addition, so each row holds the owner's bits, and the rows' sum over k in the engine's fixed
+order equals one process's bit for bit. This module knows no store, policy or scheduler.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """One step across ranks: rank 0 schedules and announces each forward pass; the others run it too.
 
-Rank 0's engine calls its `Leader` (the engine's `StepAnnouncer`) before every forward pass; the
-Leader broadcasts a `StepMessage` (plain records: each row's sequence, the tokens it gained since the
-last message, which sequences ended, whether the rank-0 cache is new) on the announcement group, whose
-collectives time out after the transfer timeout. While rank 0 is idle (a server without requests calls
-`idle`), the Leader sends a heartbeat when it has sent nothing for a quarter of that timeout: an empty
-message that every rank answers (a barrier), so that a follower times out on a rank 0 that hangs or
-died, and rank 0 on a follower, idle or busy. Every
-other rank runs `follow`: it mirrors the sequences, runs the same forward pass over its own copy of
-the batch's KV cache (`CacheMirror`), and joins each MoE layer's combine. Ended sequences end in the
-followers' policies before the next step, as on rank 0. `Leader.close` sends the last message; a
-follower returns then. Statistics of every rank are gathered on request (`Leader.rank_stats`).
-
-The followers know no batching rule, request or sampler: rank 0 alone chooses tokens.
+Before every forward pass, rank 0's `Leader` (the engine's `StepAnnouncer`) broadcasts a `StepMessage`
+(each row's sequence and its new tokens, the sequences ended, whether the cache is new) on the
+announcement group, which times out after the transfer timeout; an idle rank 0 sends a heartbeat every
+quarter of it, which every rank answers, so a hung or dead rank is noticed by the others. The other ranks
+`follow`: they mirror the sequences, run the same pass over their copy of the batch's KV cache
+(`CacheMirror`) and join each MoE layer's combine, until `Leader.close`. Statistics of every rank are
+gathered on request. The followers know no batching rule, request or sampler: rank 0 alone chooses tokens.
 """
 
 from __future__ import annotations
@@ -76,17 +70,14 @@ def _answer_heartbeat(ranks: RankContext) -> None:
         dist.barrier(group=ranks.announce)
 
 
-def rank_stats(engine, shard: ExpertShard) -> RankStats:
-    stats = engine.store.stats()
-    return RankStats(shard.ranks.rank, stats.hits, stats.misses, dict(stats.bytes_read), shard.combine_s,
-                     int(shard.owned.sum()))
-
-
 def _gather(engine, shard: ExpertShard) -> list[RankStats] | None:
-    ranks = shard.ranks
+    """Every rank's figures, in rank order, on rank 0 (None on the others)."""
+    ranks, stats = shard.ranks, engine.store.stats()
+    mine = RankStats(ranks.rank, stats.hits, stats.misses, dict(stats.bytes_read), shard.combine_s,
+                     int(shard.owned.sum()))
     out = [None] * ranks.world_size if ranks.leads else None
     with ranks.collective("the gathering of statistics"):
-        dist.gather_object(rank_stats(engine, shard), out, dst=0, group=ranks.announce)
+        dist.gather_object(mine, out, dst=0, group=ranks.announce)
     return out
 
 
@@ -109,15 +100,14 @@ class Leader:
 
     def announce(self, batch: ScheduledBatch, replay_paused: bool) -> None:
         cache_id, new = self._cache_id(batch.cache)
-        message = StepMessage(STEP, self._take_ended(), self._take_reset(), batch.is_prefill,
-                              [self._update(s) for s in batch.seqs], cache_id,
-                              new and batch.cache.kv is not None, replay_paused)
-        self._send(message, "the announcement of a step")
+        self._send(STEP, "the announcement of a step", is_prefill=batch.is_prefill,
+                   seqs=[self._update(s) for s in batch.seqs], cache_id=cache_id,
+                   empty_kv=new and batch.cache.kv is not None, replay_paused=replay_paused)
 
     def idle(self) -> None:
         """Rank 0 has no step to run now: a heartbeat, every rank answering, if one is due."""
         if time.monotonic() - self._last_sent >= self._heartbeat_s:
-            self._send(StepMessage(HEARTBEAT, self._take_ended(), self._take_reset()), "a heartbeat")
+            self._send(HEARTBEAT, "a heartbeat")
             _answer_heartbeat(self.shard.ranks)
 
     def ended(self, seq_id: int) -> None:
@@ -130,14 +120,17 @@ class Leader:
 
     def rank_stats(self) -> list[RankStats]:
         """Every rank's figures, in rank order."""
-        self._send(StepMessage(STATS, self._take_ended(), self._take_reset()), "the request for statistics")
+        self._send(STATS, "the request for statistics")
         return _gather(self.engine, self.shard)
 
     def close(self) -> None:
         """Tells the other ranks to return."""
-        self._send(StepMessage(STOP), "the end of the run")
+        self._send(STOP, "the end of the run")
 
-    def _send(self, message: StepMessage, what: str) -> None:
+    def _send(self, kind: str, what: str, **fields) -> None:
+        """Broadcasts a message of this kind, with the sequences ended and the statistics reset since the last."""
+        message = StepMessage(kind, self._ended, self._reset, **fields)
+        self._ended, self._reset = [], False
         _broadcast(self.shard.ranks, message, what)
         self._last_sent = time.monotonic()
 
@@ -160,19 +153,14 @@ class Leader:
         self._cache_ids[id(cache)] = (weakref.ref(cache), number)
         return number, True
 
-    def _take_ended(self) -> list[int]:
-        ended, self._ended = self._ended, []
-        return ended
-
-    def _take_reset(self) -> bool:
-        reset, self._reset = self._reset, False
-        return reset
-
 
 def follow(engine, shard: ExpertShard) -> None:
     """Runs rank 0's steps on this rank until rank 0 closes (a failed collective raises RankFailure)."""
     seqs: dict[int, Sequence] = {}
     mirror = CacheMirror(engine.config.device)
+    handlers = {STATS: lambda message: _gather(engine, shard),
+                HEARTBEAT: lambda message: _answer_heartbeat(shard.ranks),
+                STEP: lambda message: _step(engine, message, [_mirrored(seqs, u) for u in message.seqs], mirror)}
     while (message := _broadcast(shard.ranks, None, "the wait for rank 0's next step")).kind != STOP:
         for seq_id in message.ended:
             engine.end_sequence(seq_id)
@@ -181,12 +169,7 @@ def follow(engine, shard: ExpertShard) -> None:
         if message.reset_stats:
             engine.store.reset_stats()
             shard.reset()
-        if message.kind == STATS:
-            _gather(engine, shard)
-        elif message.kind == HEARTBEAT:
-            _answer_heartbeat(shard.ranks)
-        else:
-            _step(engine, message, [_mirrored(seqs, update) for update in message.seqs], mirror)
+        handlers[message.kind](message)
 
 
 def _mirrored(seqs: dict[int, Sequence], update: SeqUpdate) -> Sequence:

@@ -2,11 +2,9 @@
 server-sent events or whole), /v1/models, /health, /metrics, the live figures (/v1/moestream/stats)
 and the page that draws them (/dashboard, public), in front of one `EngineWorker`.
 
-Requests are checked here (parameters, model name, context length, API key) and refused with
-OpenAI-style error JSON; so are those the worker refuses, streamed or not, since an answer begins
-only once the worker has admitted its request. A request whose client goes away is cancelled.
-Answers, the last streamed chunk, /v1/models and /health carry `"moestream": {"replayed": ...}`. It
-never runs the engine itself: generation happens on the worker's thread.
+Requests are checked here (parameters, model, context length, API key) and refused with OpenAI-style
+error JSON, as are those the worker refuses: an answer begins only once its request is admitted. A
+request whose client goes away is cancelled. It never runs the engine: the worker's thread does.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import json
 import secrets
 from importlib import resources
 import time
+import uuid
 
 from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -26,8 +25,7 @@ from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.live import LiveStats
-from moestream.serving.protocol import (ChatBody, CompletionBody, chunk, error_json, moestream_info, request_id,
-                                         response, usage_chunk)
+from moestream.serving.protocol import ChatBody, CompletionBody, chunk, error_json, response, usage_chunk
 from moestream.serving.sampling import SamplingError, SamplingParams
 from moestream.serving.worker import EngineWorker, Overloaded
 
@@ -50,7 +48,9 @@ class Frontend:
         self.tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint.path)  # the event loop's own
         self.vocab_size = engine.model.config.get_text_config().vocab_size
         self.context_len = engine.context_len
-        self.info = moestream_info(engine.replay is not None)  # beside usage, and in /v1/models, /health
+        # moestream's own object, beside usage (in a stream's last chunk), in /v1/models and /health: replayed
+        # when the routing came from a recorded trace (--replay-routing), for measurement only
+        self.info = {"moestream": {"replayed": engine.replay is not None}}
 
     def prompt_ids(self, body: CompletionBody | ChatBody) -> list[int]:
         if isinstance(body, ChatBody):
@@ -102,7 +102,7 @@ class Frontend:
             raise ApiError(429, str(error), code="overloaded") from None
         if not await _admitted(request, events, http, self.worker):
             return Response(status_code=499)  # nobody reads it
-        rid = request_id(chat)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             stream = self._stream(rid, chat, request, events, body.include_usage)
             return StreamingResponse(stream, media_type="text/event-stream")

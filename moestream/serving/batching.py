@@ -1,12 +1,10 @@
 """Serving's batcher: requests in, text deltas out, over the engine's step loop (docs/design.md,
 Scheduling).
 
-`admit` turns a request into an engine sequence with its own sampler and adds it to the engine's
-scheduler while the running set stays within max_num_seqs and its reserved KV bytes (prompt +
-max_tokens per sequence) within kv_budget_bytes; each `step` is one `Engine.step`, after which every
-request with a new token gets its new text (and its end). Continuous batching where the model's
-runner keeps per-sequence caches, else static batches (an encoder-decoder: no KV budget). The
-batcher knows no HTTP and no queue.
+`admit` adds a request's sequence (with its own sampler) to the engine's scheduler while at most
+max_num_seqs run and their reserved KV bytes (prompt + max_tokens each) stay within kv_budget_bytes;
+each `step` is one `Engine.step`, after which each request gets its new text. Continuous batching where
+the runner keeps per-sequence caches, else static batches (no KV budget). No HTTP and no queue.
 """
 
 from __future__ import annotations
@@ -93,8 +91,7 @@ class Batcher:
         if not self.fits(request):
             raise KvBudgetError(f"the request needs {need} bytes of KV cache, over the budget of "
                                 f"{self.config.kv_budget_bytes}")
-        sampler = SequenceSampler(request.params, self.decode)
-        request.attach(sampler)
+        sampler = SequenceSampler(request.params, self.decode, request.stopped)
         seq = self.engine.new_sequence(request.prompt_ids, request.params.max_tokens, sampler, request.params.ignore_eos)
         seq.arrived = request.arrived
         self.requests.append(Generating(request, seq, TextStream(request.params.stop), need))

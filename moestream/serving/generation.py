@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from moestream.serving.sampling import SamplingParams, SequenceSampler
+from moestream.serving.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -38,27 +38,15 @@ class Request:
     arrived: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     num_tokens: int = 0
-    _sampler: SequenceSampler | None = None
-    _cancelled: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    stopped: threading.Event = field(default_factory=threading.Event)  # its sequence's sampler shares it
 
     def cancel(self) -> None:
-        """Stops the request: dropped if still queued, ended before its next step if running."""
-        with self._lock:
-            self._cancelled = True
-            if self._sampler is not None:
-                self._sampler.cancel()
+        """Stops the request (from any thread): dropped if still queued, ended before its next step if running."""
+        self.stopped.set()
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled
-
-    def attach(self, sampler: SequenceSampler) -> None:
-        """The sampler of the request's sequence, which a cancellation ends."""
-        with self._lock:
-            self._sampler = sampler
-            if self._cancelled:
-                sampler.cancel()
+        return self.stopped.is_set()
 
 
 class TextStream:

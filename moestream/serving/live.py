@@ -1,16 +1,11 @@
 """Live figures of a serving engine, for the dashboard and `moestream top`: one plain JSON-ready dict.
 
-`LiveStats` watches a running `EngineWorker` through public seams only: it is an engine observer (each
-iteration's token count; each routing event marks the layer whose expert lookups follow), a step
-listener of the worker (the step's last layer is settled), the store's `stats()`, `resident()` and
-`in_flight()`, and the worker's Prometheus metrics (latency histograms, queue, running sequences).
-
-A layer's lookups are what the store's hit and miss counters gained between its routing event and the
-next event (or the step's end): the fetch of a layer happens right after its routing is published.
-The per-layer hit rate is kept as a ring of the last `history` iterations x layers (bounded memory);
-everything else is cumulative since the worker started. The observer's hooks run on the engine
-thread; `snapshot()` may be called from any thread (one lock guards the ring). It knows no HTTP route
-and no policy.
+`LiveStats` watches a running `EngineWorker` through public seams: as an engine observer and step
+listener, the store's `stats()`, `resident()`, `in_flight()` and the worker's Prometheus metrics. A
+layer's lookups are what the store's hit and miss counters gained between its routing event and the
+next event (or the step's end). Per-layer hit rates are a ring of the last `history` iterations; the
+rest is cumulative. Hooks run on the engine thread, `snapshot()` on any (one lock guards the ring).
+It knows no HTTP route and no policy.
 """
 
 from __future__ import annotations

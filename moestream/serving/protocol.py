@@ -1,12 +1,10 @@
 """The OpenAI-compatible request bodies (pydantic) and the JSON the server answers with: errors in
-OpenAI's shape, completion and chat responses and their streamed chunks, and moestream's own object
-beside them (whether routing was replayed). Unknown body fields are ignored (pydantic's default).
-No engine, no routes."""
+OpenAI's shape, completion and chat responses and their streamed chunks. Unknown body fields are
+ignored (pydantic's default). No engine, no routes."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -70,16 +68,6 @@ class ChatBody(_Body):
 def error_json(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def moestream_info(replayed: bool) -> dict:
-    """moestream's own object, beside usage in answers (and in a stream's last chunk): replayed is
-    true when the routing came from a recorded trace (--replay-routing), for measurement only."""
-    return {"moestream": {"replayed": replayed}}
-
-
-def request_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 def _envelope(rid: str, model: str, obj: str, choices: list[dict]) -> dict:

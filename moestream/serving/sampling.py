@@ -98,8 +98,8 @@ class SequenceSampler:
 
     params: SamplingParams
     decode: Callable[[list[int]], str]
+    stopped: threading.Event = field(default_factory=threading.Event)  # set: the sequence ends (its request's)
     generator: torch.Generator = field(init=False)
-    _cancelled: threading.Event = field(init=False, default_factory=threading.Event)
 
     def __post_init__(self):
         self.generator = _generator(self.params.seed)
@@ -117,11 +117,11 @@ class SequenceSampler:
 
     def cancel(self) -> None:
         """Ends the sequence before its next step (safe from any thread)."""
-        self._cancelled.set()
+        self.stopped.set()
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        return self.stopped.is_set()
 
     def text(self, output_ids: list[int]) -> str:
         """The sequence's text with everything from its first stop string on removed."""

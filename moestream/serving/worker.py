@@ -1,13 +1,11 @@
 """The engine thread: the one thread that runs the engine, fed by a bounded queue of requests
 (docs/design.md, Scheduling).
 
-Its loop admits waiting requests into the batcher while it has room (when idle, the first request
-waits up to max_wait_ms for company), fails those that waited over max_queue_wait_ms, and runs one
-engine step; idle, it tells the engine's step announcer (expert parallelism's heartbeat). A request's
-first event (its `emit`, on the engine thread) is `Admitted` or the exception that refused it; each
-step's text follows. The worker knows no HTTP; a full queue raises `Overloaded`. An engine that fails
-(a lost rank, torch out of memory, ...) stops the thread: its requests end, new ones are refused,
-`failure` holds the error and `on_failure` (if set) is called.
+Its loop admits waiting requests while the batcher has room (idle, the first waits up to max_wait_ms
+for company), fails those that waited over max_queue_wait_ms, and runs one engine step (idle, it tells
+the step announcer). A request's first event is `Admitted` or the exception that refused it; each
+step's text follows. A full queue raises `Overloaded`. An engine that fails stops the thread: its
+requests end, new ones are refused, `failure` holds the error and `on_failure` is called. No HTTP.
 """
 
 from __future__ import annotations
@@ -125,9 +123,8 @@ class EngineWorker:
         return True
 
     def _fail_waiting(self) -> None:
-        waiting = ([self._head] if self._head is not None else []) + _emptied(self._queue)
-        self._head = None
-        for request in waiting:
+        while (request := self._peek(0.0)) is not None:
+            self._head = None
             request.emit(Overloaded("the server is shutting down"))
 
     def admit(self) -> list[Request]:
@@ -218,11 +215,3 @@ class EngineWorker:
                 self.metrics.tpot.observe((now - request.first_token) / (request.num_tokens - 1))
         request.emit(delta)
 
-
-def _emptied(waiting: queue.Queue) -> list[Request]:
-    taken = []
-    while True:
-        try:
-            taken.append(waiting.get_nowait())
-        except queue.Empty:
-            return taken

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 from moestream.errors import MoestreamError
 from moestream.registry import Registry
@@ -41,35 +42,26 @@ class PlannedRequest:
     max_tokens: int
 
 
-class TraceReader:
-    def read(self, path: Path) -> list[TraceRequest]:
-        raise NotImplementedError
-
-
-TRACE_READERS: Registry[TraceReader] = Registry("trace format")
+TRACE_READERS: Registry[Callable[[Path], list[TraceRequest]]] = Registry("trace format")  # by file suffix
 
 
 @TRACE_READERS.register(".csv")
-class AzureCsvReader(TraceReader):
+def read_azure_csv(path: Path) -> list[TraceRequest]:
     """TIMESTAMP (e.g. 2023-11-16 18:15:46.6805900), ContextTokens, GeneratedTokens."""
-
-    def read(self, path: Path) -> list[TraceRequest]:
-        with path.open(newline="") as handle:
-            rows = [(_timestamp(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-                    for r in csv.DictReader(handle)]
-        start = min((t for t, _, _ in rows), default=0.0)
-        return [TraceRequest(t - start, i, o) for t, i, o in rows]
+    with path.open(newline="") as handle:
+        rows = [(_timestamp(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+                for r in csv.DictReader(handle)]
+    start = min((t for t, _, _ in rows), default=0.0)
+    return [TraceRequest(t - start, i, o) for t, i, o in rows]
 
 
 @TRACE_READERS.register(".jsonl")
-class MooncakeReader(TraceReader):
+def read_mooncake(path: Path) -> list[TraceRequest]:
     """One JSON object a line: timestamp (ms), input_length, output_length."""
-
-    def read(self, path: Path) -> list[TraceRequest]:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        start = min((r["timestamp"] for r in rows), default=0)
-        return [TraceRequest((r["timestamp"] - start) / 1e3, int(r["input_length"]), int(r["output_length"]))
-                for r in rows]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    start = min((r["timestamp"] for r in rows), default=0)
+    return [TraceRequest((r["timestamp"] - start) / 1e3, int(r["input_length"]), int(r["output_length"]))
+            for r in rows]
 
 
 def _timestamp(text: str) -> float:
@@ -88,7 +80,7 @@ def trace_path(trace: str, data_dir: Path) -> Path:
 
 def read_trace(path: Path) -> list[TraceRequest]:
     try:
-        requests = sorted(TRACE_READERS.create(path.suffix).read(path), key=lambda r: r.arrival_s)
+        requests = sorted(TRACE_READERS.get(path.suffix)(path), key=lambda r: r.arrival_s)
     except (KeyError, ValueError, OSError) as error:
         raise MoestreamError(f"cannot read trace {path}: {error}") from None
     if not requests:
