@@ -1,15 +1,10 @@
 """`moestream bench experts`: a routed expert MLP's effective bandwidth against the machine's read bandwidth.
 
-Read bandwidth: a large float32 tensor reduced (summed) on one torch thread, the best of the
-repeats. Expert MLP: DeepSeek-V2-style gated experts (gate_up_proj then down_proj in one contiguous
-slot, as the store lays them out) at the demo shape, the half-width DeepSeek-V2-Lite shape and the
-full shape; one MoE layer's call runs top_k experts, each over `tokens` rows, through the former
-per-expert path ("per-expert" kernel), the new one ("stream", the CPU default) and torch's grouped
-GEMM over the pool's evenly spaced slots ("grouped"), in alternation. Every call takes the next
-top_k slots of a pool larger than the last-level cache, so weights come from memory as they do at
-decode. An expert's effective bandwidth is its bytes over its share of the call's median time.
-Times are the process's CPU time by default, so that what other processes on a shared machine take
-is not counted (--clock wall: elapsed time). Prints a table (and --json); asserts nothing.
+Read bandwidth: a large float32 tensor summed on one torch thread (best of the repeats). Expert MLP:
+DeepSeek-V2-style gated experts at the demo, half and full shapes; one MoE layer's top_k experts run
+through each LAYER_KERNELS path in alternation, on slots of a pool larger than the last-level cache, so
+weights come from memory as at decode. Effective bandwidth: an expert's bytes over its share of the median
+call. Process CPU time by default (--clock wall: elapsed). Prints a table (and --json); asserts nothing.
 """
 
 from __future__ import annotations

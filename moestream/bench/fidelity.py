@@ -1,22 +1,11 @@
 """`moestream bench fidelity`: does the simulator predict the engine? The same replayed rows run in both.
 
-The engine runs once (a fresh process, cold, `--replay-routing TRACE`) and records which trace rows
-fed each iteration; the simulator replays exactly those iterations (each prompt's prefill as one,
-then one per decode token) with the same policy and as many device slots, under a cost model
-calibrated from this machine's engine (an on-demand LRU run at the same budget: decode compute = TPOT
-less stall; a routed expert's compute, timed around each expert MLP; a read batch's cost as the line,
-fixed part plus each expert, fitted to its batches) or given as `--cost-model measured:PATH` (from
-`bench engine --json` or an earlier `bench fidelity --json`). Decode-phase hit rate must agree
-within 0.03 and stall per token within 15%; printed as ok/missed, never asserted. `--sync` compares
-the on-demand path (the simulator's "loaded" expert order: a layer computes once its misses are
-read); the default compares the engine's asynchronous path with cache-aware reordering ("ready": a
-layer computes its resident experts while its misses load, and each miss once it lands).
-
-The engine gives the simulator what its policy saw (each iteration's token ids, strings and embeddings,
-`bench.engine.simulated.replayed`), and runs every predictor inline, on the compute thread, as the
-simulator does: a predictor on its worker thread (`runtime/background.py`) answers with the latest
-prediction it has finished, which depends on the clock by design. So the hit rates agree exactly for
-every deterministic policy; the background path's own figures are `bench engine`'s.
+The engine runs once (a fresh cold process, `--replay-routing TRACE`) and records each iteration's trace
+rows and what its policy saw; the simulator replays exactly those with the same policy, device slots
+and predictors run inline (as the simulator does), under a cost model calibrated from an on-demand LRU
+run at the same budget or given as `--cost-model measured:PATH`. Decode hit rate must agree within 0.03
+and stall per token within 15% (ok/missed, never asserted); `--sync` compares the on-demand path, the
+default the asynchronous one with cache-aware reordering.
 """
 
 from __future__ import annotations

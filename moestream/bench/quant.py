@@ -1,12 +1,8 @@
-"""`moestream bench quant --models A,B,...`: the same memory budget for checkpoints of one model whose
-experts are stored differently (bf16/fp32, int8, int4): bytes read per token, hit rate, stall and
-TPOT with `default` (or --policy) and with on-demand LRU (`--sync`), each run a fresh cold process as in
-`bench engine`; and each checkpoint's decode cost per expert beside that expert's MLP (one row, one
-torch thread, the expert of MoE layer 0 read from disk). The budget is a share of the FIRST
-checkpoint's expert bytes, the same bytes for every checkpoint: a quantized one holds more experts
-in it. `--device cuda[:N]` runs the engine and the decode/MLP timing on that GPU, `--threads` sets the
-torch threads of both. The MLP is the family's own `ExpertMath` (GPT-OSS stores its weights [in, out]).
-Prints figures; asserts nothing.
+"""`moestream bench quant --models A,B,...`: one budget (a share of the FIRST checkpoint's expert bytes)
+for checkpoints of one model stored differently (bf16/fp32, int8, int4): bytes read per token, hit rate,
+stall and TPOT with `default` (or --policy) and on-demand LRU, each a fresh cold process as in `bench
+engine`; and each checkpoint's decode cost per expert beside its MLP (the family's `ExpertMath`, one row,
+the expert of MoE layer 0), on --device with --threads. Prints figures; asserts nothing.
 """
 
 from __future__ import annotations

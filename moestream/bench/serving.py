@@ -1,14 +1,9 @@
 """`moestream bench serving`: the highest request rate each policy sustains behind the HTTP server.
 
-For each policy (at --expert-budget) the server is started on loopback and the trace is replayed at
-each rate of --rates in turn, for --duration seconds or as long as --min-requests take at that rate;
-a rate is sustained when every request completes and the p99 TPOT stays within --tpot-factor times
-the all-resident TPOT (every expert in the device tier, measured first at the lowest rate). A policy
-named NAME:sync runs on demand (`--sync`: every expert moves on the compute thread), the baseline the
-issue compares with. Prints one line per run and, per policy, the highest rate sustained, then how
-many times the first policy's rate is the last one's. Each run reports the process's peak RSS (one
-process runs them all, so they share one peak) and how much the resident set grew over the run;
-runs under --replay-routing are marked as replayed.
+Per policy (NAME:sync: on demand), the server on loopback replays the trace at each --rate for --duration
+seconds or --min-requests; a rate is sustained when every request completes and p99 TPOT stays within
+--tpot-factor times the all-resident TPOT (measured first). Prints each run (peak RSS of the one process,
+its RSS growth; replayed runs marked), each policy's highest rate and the first's over the last's.
 Figures only: nothing is asserted.
 """
 

@@ -1,24 +1,11 @@
 """`moestream bench streaming`: TTFT and TPOT of plain transformers, of our path with every expert resident
 and of our path streaming experts from a cold disk; disk bandwidth while streaming beside sequential reads.
 
-Targets (reported as ok/missed, never asserted): streaming while serving >= 80% of sequential
-bandwidth, on a cold prefill of the bundled prompts as one at the smallest budget of the run (each
-layer's missed experts are read as they are routed); with every expert resident, TPOT within 10% of
-plain transformers. The same prefill at the least device budget the store accepts (top_k experts,
-so each layer's experts stream through the device tier in groups within the layer) is reported
-beside it, for information: its reads are as small as one group.
-
-Built for stable figures on a busy machine: the same number of torch threads in every run;
-transformers and the all-resident engine loaded side by side and timed in interleaved order (ABBA
-per prompt, the order flipped every repetition); every offloaded run on a fresh engine (empty device
-tier), with cold disk samples between runs, on the shards in turn. Figures are medians over the
-repetitions. Streaming bandwidth is bytes read over the time the reader was busy (a batch's requests
-in flight together count once; compute between batches does not), in three patterns: the serving
-prefill (paired with the sequential reference of the disk samples just before and after it, as the
-disk's speed drifts), on demand in decode (1 to top_k experts per read batch) and a layer pass
-(every expert of a few layers, one read batch per layer). The sequential reference is the better of
-two ways of reading a shard front to back (16 MiB requests one at a time; the store's reader). TPOT
-is also reported in process CPU time, which other processes of a shared machine do not inflate.
+Targets (ok/missed, never asserted): a cold serving prefill (the bundled prompts as one, smallest budget;
+beside it, informational, the least budget the store accepts) streams >= 80% of sequential bandwidth;
+all-resident TPOT within 10% of transformers. For stable figures on a busy machine: fixed torch threads,
+ABBA-interleaved resident runs, a fresh cold engine per offloaded run, medians over repetitions, each
+prefill paired with the sequential reference around it; TPOT also in process CPU time.
 """
 
 from __future__ import annotations

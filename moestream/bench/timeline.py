@@ -1,14 +1,10 @@
 """`moestream bench timeline`: where one decode token's time goes, lane by lane.
 
-One prompt runs through the engine (experts on disk, page cache dropped first; routing replayed when
---replay-routing is given), built with a `Tracer` that keeps its spans. For one decode step (--token K:
-from step K's start to the next one's; by default the one before the last, since the last one's end
-also holds building the result) it prints the step's wall time and, per lane, the time busy and the
-number of spans: the compute thread's routed expert MLPs, the layers' other expert work (grouped
-flushes, weighting and scatter), policy decisions and waits for expert bytes, what remains of the
-compute thread (the dense part, prefetch calls, sampling, Python), and each link's transfers with the
-share that ran while the compute thread computed rather than waited. Figures only: nothing is
-asserted. Knows no policy by name.
+One prompt runs through the engine (cold, optional --replay-routing) with a `Tracer` keeping its spans.
+For decode step --token (default the one before the last) it prints the step's wall time and per lane
+the time busy and span count: routed expert MLPs, other layer expert work, policy decisions, waits, the
+rest of the compute thread, and each link's transfers with their share overlapping compute.
+Figures only: nothing is asserted. Knows no policy by name.
 """
 
 from __future__ import annotations

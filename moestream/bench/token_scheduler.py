@@ -1,11 +1,9 @@
 """`moestream bench token-scheduler`: the continuous batcher with each token scheduler in turn.
 
---num-seqs sequences (prompts from the real prompt sets) run together, split into decode batches of
---max-batch-size that take turns; per scheduler (a fresh engine each): the distinct experts each
-decode batch activates (mean), the device-tier hit rate, decode throughput, the process's peak RSS
-(shared by the runs of one process) and how much the resident set grew over each run. Figures only:
-nothing is asserted. Under --replay-routing each iteration takes the trace's next rows whatever the
-sequence, so a sequence's routing path no longer predicts its next token's (see the report line).
+--num-seqs sequences run together in decode batches of --max-batch-size; per scheduler (a fresh engine):
+distinct experts per decode batch (mean), hit rate, decode throughput, peak RSS and RSS growth. Under
+--replay-routing each iteration takes the trace's next rows whatever the sequence (see the report line).
+Figures only: nothing is asserted.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """`moestream bench engine`: the engine end to end on a checkpoint, cold, experts on disk.
 
-For each budget (10/25/50% by default): TTFT, TPOT, stall per token, overlap (transfer time hidden
-behind compute), hit rate, bytes read per token and peak RSS of `--sync` on-demand LRU, async `lru`,
-each design's policy, `default`, and transformers with accelerate's disk offload at the same memory;
-beside them all experts resident and the physical limit of the budget: max(resident TPOT, bytes the
-offline `oracle` moves per token on the same replayed rows in the simulator / cold O_DIRECT
-bandwidth). Every run is a fresh process (its own peak RSS and process floor) with the checkpoint
-dropped from the page cache. `--device cuda[:N]` puts every engine run's dense part and device tier on
-that GPU (accelerate's disk offload, a CPU baseline, is then skipped with a note). With `--memory-cap`,
-each offloaded run runs again in a memory cgroup of that size (isolation.py) beside its uncapped twin.
-Targets are printed as ok/missed, never asserted. `--json` also writes the calibrated cost model, for
-`moestream sim --cost-model measured:PATH`.
+Per budget: TTFT, TPOT, stall, overlap, hit rate, bytes per token and peak RSS of on-demand LRU
+(`--sync`), async `lru`, each design's policy, `default` and transformers' disk offload, beside the
+all-resident run and the budget's physical limit (oracle bytes per token / cold O_DIRECT bandwidth).
+Every run is a fresh process, cold; `--memory-cap` reruns each under a cgroup limit (isolation.py).
+Targets are ok/missed, never asserted; `--json` also writes the calibrated cost model for `moestream sim`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """`moestream bench engine --expert-parallel N`: the engine on N ranks against one process.
 
-For each budget B (a ratio of every routed expert's bytes), three runs of `moestream generate` over the
-demo prompts, each a fresh process (or N) with the checkpoint dropped from the page cache: one process
-at B (the same total memory), one process at B / N (what one of the N small machines does alone), and
-N ranks started by torchrun (torch.distributed.run, gloo), each with its tiers sized B of the experts
-it owns, i.e. B / N of the model: the whole holds what the one process at B holds. Figures: TPOT, and
-per rank the expert hit rate, bytes read from disk per generated token and seconds in the combine per
-generated token (the whole run, prefill included).
-
-Where the machine allows memory cgroups (isolation.py), every process runs under its own memory limit:
-one process at B under C = floor + dense part + B + slack (`--memory-cap auto`, the default here; or C
-given in MiB), and each rank, as the one process at B / N, under C less the (N - 1) / N of B it does not
-hold: the experts' memory sums to the one process's, while the floor (Python, torch) and the dense part
-are each rank's own. Each rank enters its cgroup as torchrun starts it (rank_cgroup.py); the peak charged
-to each cgroup is reported. Elsewhere one line says why, and the runs go uncapped. Knows no engine
+Per budget B, three fresh cold runs of `moestream generate` over the demo prompts: one process at B, one
+at B / N, and N torchrun ranks each holding B of its own experts. Figures: TPOT, and per rank the hit
+rate, disk bytes and combine seconds per generated token. Where memory cgroups allow (isolation.py),
+each process runs capped: floor + dense + B + slack (or --memory-cap MiB), each rank less the
+(N - 1) / N of B it does not hold (rank_cgroup.py); each cgroup's peak is reported. Knows no engine
 internals: it reads generate's --json.
 """
 

@@ -1,13 +1,10 @@
 """`bench engine` under torchrun: every run of the bench on every rank, each still a fresh process.
 
-The ranks that torchrun started are the bench's own: rank 0 measures as one process does, and before
-each run it tells every rank the run (its spec, its memory cap, a fresh port); each rank then starts its
-own child process for it (isolation.py, under its own cgroup when capped), and the N children join a
-process group of their own on that port (torch's env:// rendezvous at rank 0's address). In the child,
-rank 0 runs the bench's engine run over its leading engine (runners.py), the others follow it
-(moestream.parallel.launch); rank 0's figures carry every rank's (`expert_parallel`). A run that fails
-on one rank fails on all (their process group breaks); the bench goes on with the next. Knows no
-figure of a run.
+Rank 0 measures as one process does and before each run tells every rank its spec, memory cap and a
+fresh port; each rank starts its own child (isolation.py), and the children form a process group on that
+port. Rank 0's child runs the engine run over its leading engine (runners.py), the others follow it;
+its figures carry every rank's. A run failing on one rank fails on all; the bench goes on with the next.
+Knows no figure of a run.
 """
 
 from __future__ import annotations
