@@ -13,6 +13,24 @@ def add_model_flags(parser) -> None:
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)
 
 
+def add_run_flags(parser, max_new_tokens: int, json_help: str = "write the figures here", predictors=True) -> None:
+    """--max-new-tokens, --threads, --json and (predictors) the repeatable --predictor-dir."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per prompt")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
+    parser.add_argument("--json", type=Path, help=json_help)
+    if predictors:
+        parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
+                            help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
+
+
+def check_run_flags(args, least_tokens: int = 1) -> None:
+    """Refuses --max-new-tokens below least_tokens and --threads below 1, naming the flag."""
+    from moestream.cli import at_least
+
+    at_least(least_tokens, {"--max-new-tokens": args.max_new_tokens})
+    at_least(1, {"--threads": args.threads})
+
+
 def model_dir(args, announce: bool = False) -> Path:
     """--model, else the demo checkpoint; announce: print its checkpoint_line first."""
     from moestream.cli.demo import demo_checkpoint
@@ -39,6 +57,28 @@ def checkpoint_summary(topology) -> str:
 def split_names(text: str) -> list[str]:
     """The non-empty parts of a comma-separated list, stripped."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def comma_list(text: str, flag: str, kind=str, known=None) -> list:
+    """A flag's comma-separated values, each made by kind (and among known, if given); a MoestreamError
+    naming the flag on a bad value or an empty list."""
+    from moestream.errors import MoestreamError
+
+    names = split_names(text)
+    unknown = [name for name in names if known is not None and name not in known]
+    try:
+        values = [kind(name) for name in names]
+    except ValueError:
+        raise MoestreamError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if unknown or not values:
+        raise MoestreamError(f"{flag}: unknown {', '.join(unknown) or 'empty list'}"
+                             + (f"; known: {', '.join(known)}" if known is not None else ""))
+    return values
+
+
+def fmt(value, pattern: str) -> str:
+    """The value in pattern, "-" for None."""
+    return "-" if value is None else pattern.format(value)
 
 
 def budget_list(text: str) -> list[str]:

@@ -13,7 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
-from moestream.bench import split_names, write_figures
+from moestream.bench import comma_list, write_figures
 from moestream.threads import torch_threads
 
 READ_MIB = 256  # the reduced tensor: well past the last-level cache
@@ -49,26 +49,12 @@ def run(args) -> int:
 
 def _cases(args) -> list[tuple[str, str, int]]:
     """(shape, dtype, tokens) of every case; MoestreamError naming the flag on bad input."""
-    from moestream.errors import MoestreamError
+    from moestream.cli import at_least
 
-    shapes, dtypes = _names(args.shapes, SHAPES, "--shapes"), _names(args.dtypes, DTYPES, "--dtypes")
-    try:
-        tokens = [int(part) for part in args.tokens.split(",") if part.strip()]
-    except ValueError:
-        raise MoestreamError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-    if not tokens or min(tokens) < 1 or args.repeats < 1 or args.pool_mib < 1:
-        raise MoestreamError("--tokens, --repeats and --pool-mib must be >= 1")
+    shapes, dtypes = comma_list(args.shapes, "--shapes", known=SHAPES), comma_list(args.dtypes, "--dtypes", known=DTYPES)
+    tokens = comma_list(args.tokens, "--tokens", int)
+    at_least(1, {"--tokens": min(tokens), "--repeats": args.repeats, "--pool-mib": args.pool_mib})
     return [(shape, dtype, n) for shape in shapes for dtype in dtypes for n in tokens]
-
-
-def _names(text: str, known, flag: str) -> list[str]:
-    from moestream.errors import MoestreamError
-
-    names = split_names(text)
-    unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise MoestreamError(f"{flag}: unknown {', '.join(unknown) or 'empty list'}; known: {', '.join(known)}")
-    return names
 
 
 def measure(cases: list[tuple[str, str, int]], repeats: int, pool_mib: int = POOL_MIB, clock: str = "cpu") -> dict:

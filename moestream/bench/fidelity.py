@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
+from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments
 
@@ -25,13 +25,10 @@ def add_parser(kinds) -> None:
     parser = kinds.add_parser("fidelity", help="engine vs simulator on the same replayed routing")
     parser.add_argument("--replay-routing", required=True, metavar="TRACE", help="trace whose routing both follow")
     add_model_flags(parser)
-    parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
-    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
+    add_run_flags(parser, 32, "write the figures and the cost model here")
+    parser.add_argument("--budget", default="0.25", help="expert budget")
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "link_gbps", "layer_ms"))
-    parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
     parser.set_defaults(handler=run)
 
 
@@ -47,10 +44,8 @@ def compare(args) -> dict:
     from moestream.bench.engine.isolation import run_isolated
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS
-    from moestream.errors import MoestreamError
 
-    if args.max_new_tokens < 2 or args.threads < 1:
-        raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
+    check_run_flags(args, least_tokens=2)
     model = model_dir(args, announce=True)
     topology = build_index(model).topology
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, reorder=args.reorder,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from moestream.bench import split_names, write_figures
+from moestream.bench import comma_list, write_figures
 from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
@@ -54,11 +54,11 @@ def add_parser(kinds) -> None:
 def run(args) -> int:
     train, test = _traces(args)
     config = CompareConfig(
-        policies=tuple(_names(args.policies) if args.policies else POLICIES.names()),
-        cache_ratios=tuple(float(r) for r in _names(args.cache_ratios)),
-        cost_models=tuple(_names(args.cost_models)),
-        protocols=tuple(_names(args.protocols)),
-        horizons=tuple(int(h) for h in _names(args.horizons)),
+        policies=tuple(comma_list(args.policies, "--policies") if args.policies else POLICIES.names()),
+        cache_ratios=tuple(comma_list(args.cache_ratios, "--cache-ratios", float)),
+        cost_models=tuple(comma_list(args.cost_models, "--cost-models")),
+        protocols=tuple(comma_list(args.protocols, "--protocols")),
+        horizons=tuple(comma_list(args.horizons, "--horizons", int)),
         num_workers=args.workers,
         predictor_dirs=tuple(args.predictor_dir),
     )
@@ -92,13 +92,6 @@ def _dev_trace() -> Path:
     if not (data.path / DEV_TRACE).is_file():
         raise MoestreamError(f"no --trace given and no dev trace {DEV_TRACE} under the {data.describe()}")
     return data.path / DEV_TRACE
-
-
-def _names(text: str) -> list[str]:
-    names = split_names(text)
-    if not names:
-        raise MoestreamError(f"expected a comma-separated list, got {text!r}")
-    return names
 
 
 def _print(result: Comparison, config: CompareConfig, num_tokens: tuple[int, int], reuse: ReuseProfile) -> None:

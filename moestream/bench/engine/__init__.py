@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from moestream.bench import add_model_flags, write_figures
+from moestream.bench import add_model_flags, add_run_flags, write_figures
 from moestream.config import EngineConfig
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments
@@ -26,18 +26,14 @@ def add_parser(kinds) -> None:
     parser = kinds.add_parser("engine", help="TPOT, stalls, hit rate and peak RSS per policy, cold, against "
                                              "the physical limit")
     add_model_flags(parser)
+    add_run_flags(parser, 16, "write the figures (and the calibrated cost model) here")
     parser.add_argument("--prompts", type=int, default=DEMO_PROMPTS, metavar="N",
                         help=f"the first N of the {DEMO_PROMPTS} demo prompts (default all)")
-    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
-                        help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
     parser.add_argument("--memory-cap", metavar="auto|MiB",
                         help="run each offloaded run again under a cgroup memory limit (v2, or v1's memory "
                              "controller): auto (floor + dense + budget + 64 MiB) or MiB")
-    parser.add_argument("--json", type=Path, help="write the figures (and the calibrated cost model) here")
     parser.add_argument("--budgets", default=BUDGETS, help=f"expert budgets, comma separated (default {BUDGETS})")
     parser.add_argument("--designs", default=DESIGNS, help=f"design policies to run (default {DESIGNS}; '' none)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers + accelerate disk offload")
     add_arguments(parser, EngineConfig, only=("device", "replay_routing", "direct_io"))
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",

@@ -9,7 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from moestream.bench import budget_list, checkpoint_summary, model_dir, split_names
+from moestream.bench import budget_list, check_run_flags, checkpoint_summary, model_dir, split_names
 from moestream.bench.engine.spec import RunSpec, dense_bytes
 from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
@@ -106,8 +106,7 @@ def _check(args) -> list[str]:
     from moestream.cli.demo import PROMPTS
     from moestream.config import EngineConfig
 
-    if args.threads < 1 or args.max_new_tokens < 1:
-        raise MoestreamError("--threads and --max-new-tokens must be >= 1")
+    check_run_flags(args)
     if not 1 <= args.prompts <= len(PROMPTS):
         raise MoestreamError(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
     EngineConfig(device=args.device)  # refuses an unknown device, or CUDA where there is none
