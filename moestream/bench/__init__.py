@@ -24,11 +24,20 @@ def add_run_flags(parser, max_new_tokens: int, json_help: str = "write the figur
 
 
 def check_run_flags(args, least_tokens: int = 1) -> None:
-    """Refuses --max-new-tokens below least_tokens and --threads below 1, naming the flag."""
+    """Refuses, naming the flag, --max-new-tokens below least_tokens, --threads below 1 and, where the bench
+    takes them, an unknown --device (or CUDA where there is none) and a --replay-routing that is no file."""
     from moestream.cli import at_least
+    from moestream.config import EngineConfig
+    from moestream.errors import MoestreamError
 
     at_least(least_tokens, {"--max-new-tokens": args.max_new_tokens})
     at_least(1, {"--threads": args.threads})
+    try:
+        EngineConfig(device=getattr(args, "device", "cpu"))
+    except MoestreamError as error:
+        raise MoestreamError(f"--device: {error}") from None
+    if getattr(args, "replay_routing", None) is not None and not Path(args.replay_routing).is_file():
+        raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
 
 
 def model_dir(args, announce: bool = False) -> Path:
@@ -70,9 +79,10 @@ def comma_list(text: str, flag: str, kind=str, known=None) -> list:
         values = [kind(name) for name in names]
     except ValueError:
         raise MoestreamError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
-    if unknown or not values:
-        raise MoestreamError(f"{flag}: unknown {', '.join(unknown) or 'empty list'}"
-                             + (f"; known: {', '.join(known)}" if known is not None else ""))
+    if not values:
+        raise MoestreamError(f"{flag}: an empty list")
+    if unknown:
+        raise MoestreamError(f"{flag}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     return values
 
 

@@ -14,7 +14,7 @@ import functools
 import sys
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
+from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
 from moestream.bench.engine.spec import peak_rss_mib
 from moestream.budget import Budget
 from moestream.config import BatchingConfig, EngineConfig
@@ -47,11 +47,8 @@ def add_parser(kinds) -> None:
 
 
 def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise MoestreamError(f"--rates must be numbers separated by commas, got {text!r}") from None
-    if not rates or min(rates) <= 0 or rates != sorted(rates):
+    rates = comma_list(text, "--rates", float)
+    if min(rates) <= 0 or rates != sorted(rates):
         raise MoestreamError(f"--rates must be positive and ascending, got {text!r}")
     return rates
 
@@ -60,7 +57,7 @@ def _policies(text: str, predictor_dir) -> list[str]:
     from moestream.policies import POLICIES
     from moestream.policies.trained import TrainedPolicy
 
-    policies = [p.strip() for p in text.split(",") if p.strip()]
+    policies = comma_list(text, "--policies")
     for policy in policies:
         name, _, mode = policy.partition(":")
         if mode not in ("", "sync"):
@@ -68,8 +65,6 @@ def _policies(text: str, predictor_dir) -> list[str]:
         if issubclass(POLICIES.get(name), TrainedPolicy) and predictor_dir is None:
             raise MoestreamError(f"--policies: {name} needs a trained predictor: pass --predictor-dir DIR "
                                  "(from `moestream train-predictor`)")
-    if not policies:
-        raise MoestreamError("--policies names no policy")
     return policies
 
 

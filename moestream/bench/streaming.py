@@ -15,11 +15,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.bench import add_model_flags, budget_list, model_dir, write_figures
+from moestream.bench import add_model_flags, add_run_flags, budget_list, check_run_flags, model_dir, write_figures
+from moestream.cli import at_least
 from moestream.threads import torch_threads
 from moestream.budget import Budget, format_bytes
 from moestream.config import EngineConfig
-from moestream.errors import MoestreamError
 from moestream.settings import add_arguments
 
 BUDGETS = "0.1,0.25,0.5"
@@ -33,21 +33,18 @@ PREFILL_COPIES = 4  # the bundled prompts, repeated this often, make the serving
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("streaming", help="resident latency vs transformers and disk streaming bandwidth")
     add_model_flags(parser)
-    parser.add_argument("--budgets", default=BUDGETS,
-                        help=f"offloaded expert budgets, comma separated (default {BUDGETS})")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
-    parser.add_argument("--repeats", type=int, default=REPEATS,
-                        help=f"interleaved repetitions; figures are medians over them (default {REPEATS})")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for every run (default 1)")
+    parser.add_argument("--budgets", default=BUDGETS, help="offloaded expert budgets, comma separated")
+    add_run_flags(parser, 16, predictors=False)
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="interleaved repetitions; figures are medians")
     add_arguments(parser, EngineConfig, only=("device", "direct_io"))
-    parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
     from moestream.cli.demo import PROMPTS
 
-    _check_args(args)
+    check_run_flags(args)
+    at_least(1, {"--repeats": args.repeats})
     budgets = budget_list(args.budgets)
     model = model_dir(args)
     with torch_threads(args.threads):
@@ -59,12 +56,6 @@ def run(args) -> int:
     write_figures({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
                    "runs": rows, **summary}, args.json)
     return 0
-
-
-def _check_args(args) -> None:
-    for flag in ("max_new_tokens", "repeats", "threads"):
-        if getattr(args, flag) < 1:
-            raise MoestreamError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
 
 
 def _median(values) -> float:

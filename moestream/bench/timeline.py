@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
+from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
@@ -27,14 +27,11 @@ KEPT_SPANS = 200_000  # the latest spans the tracer keeps
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("timeline", help="one decode token's compute, transfers and waits")
     add_model_flags(parser)
-    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
-    parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated (default 16)")
+    add_run_flags(parser, 16, "write the token's spans and figures here")
+    parser.add_argument("--budget", default="0.25", help="expert budget")
     parser.add_argument("--token", type=int, help="which decode step, 1 to max-new-tokens - 1 (default the one "
                         "before the last)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io"))
-    parser.add_argument("--json", type=Path, help="write the token's spans and figures here")
     parser.add_argument("--plot", type=Path, help="draw the token's spans here (PNG)")
     parser.set_defaults(handler=run)
 
@@ -70,8 +67,7 @@ def run(args) -> int:
 
 
 def _check(args) -> int:
-    if args.max_new_tokens < 3 or args.threads < 1:
-        raise MoestreamError("--max-new-tokens must be >= 3 and --threads >= 1")
+    check_run_flags(args, least_tokens=3)
     token = args.max_new_tokens - 2 if args.token is None else args.token
     if not 1 <= token <= args.max_new_tokens - 1:
         raise MoestreamError(f"--token must be between 1 and {args.max_new_tokens - 1}, got {token}")

@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
+from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
+from moestream.cli import at_least
 from moestream.bench.serving import memory_figures, memory_text, rss_mib
 from moestream.data_dir import resolve_data_dir
 from moestream.config import BatchingConfig, EngineConfig
@@ -35,17 +36,13 @@ def add_parser(kinds) -> None:
 
 
 def run(args) -> int:
-    if min(args.num_seqs, args.max_tokens, args.prompt_words) < 1:
-        raise MoestreamError("--num-seqs, --max-tokens and --prompt-words must be >= 1")
+    at_least(1, {"--num-seqs": args.num_seqs, "--max-tokens": args.max_tokens, "--prompt-words": args.prompt_words})
     read_flags(EngineConfig, args)
     from_args(BatchingConfig, args)  # refuses bad batching flags before the model loads
     from moestream.serving import workload
     from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
 
-    schedulers = [s for s in args.schedulers.split(",") if s]
-    unknown = [s for s in schedulers if s not in TOKEN_SCHEDULERS]
-    if unknown or not schedulers:
-        raise MoestreamError(f"unknown token scheduler(s) {unknown}; choose from {', '.join(TOKEN_SCHEDULERS.names())}")
+    schedulers = comma_list(args.schedulers, "--schedulers", known=TOKEN_SCHEDULERS.names())
     model = model_dir(args)
     data = resolve_data_dir(args.data_dir)
     print(data.describe(), file=sys.stderr)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from moestream.atomic import write_json
+from moestream.bench import comma_list, fmt
 from moestream.cli import at_least
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
@@ -136,9 +137,7 @@ def _load(path: Path, tokens: Path | None, seed: int):
 def _names(text: str) -> list[str]:
     from moestream.policies import POLICIES
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise SimArgumentError("--policy names no policy")
+    names = comma_list(text, "--policy")
     for name in names:
         POLICIES.get(name)  # an unknown name fails before any trace is read
     return names
@@ -162,9 +161,8 @@ def _config(args, ratio: float):
     from moestream.sim import SimConfig, get_cost_model
 
     cost = get_cost_model(args.cost_model)
-    cost = cost.with_overrides(**{field: getattr(args, dest) for dest, (field, _) in COST_FLAGS.items() if field})
-    link = {"link_gbps": f"{cost.device_link}_gbps", "link_latency_ms": f"{cost.device_link}_latency_ms"}
-    cost = cost.with_overrides(**{field: getattr(args, flag) for flag, field in link.items()})
+    cost = cost.with_overrides(**{field or f"{cost.device_link}_{dest.removeprefix('link_')}": getattr(args, dest)
+                                  for dest, (field, _) in COST_FLAGS.items()})
     return SimConfig(cache_ratio=ratio, cost=cost, **{field: getattr(args, dest) for field, dest in SIM_FLAGS.items()})
 
 
@@ -246,15 +244,11 @@ def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
                 name,
                 f"{ratio:g}",
                 f"{100 * m['hit_rate']:.2f}%",
-                _fmt(m["stall_ms_per_token"], "{:.3f}"),
-                _fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"),
-                _fmt(None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6, "{:.1f}"),
-                _fmt(m["wasted_prefetch_ratio"], "{:.1%}"),
-                _fmt(m["late_prefetch_ratio"], "{:.1%}"),
+                fmt(m["stall_ms_per_token"], "{:.3f}"),
+                fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"),
+                fmt(None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6, "{:.1f}"),
+                fmt(m["wasted_prefetch_ratio"], "{:.1%}"),
+                fmt(m["late_prefetch_ratio"], "{:.1%}"),
                 f"{m['replay_seconds']:.1f}",
             )
     report_console(REPORT_WIDTH).print(table)
-
-
-def _fmt(value, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)

@@ -10,7 +10,6 @@ Targets are ok/missed, never asserted; `--json` also writes the calibrated cost 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from moestream.bench import add_model_flags, add_run_flags, write_figures
 from moestream.config import EngineConfig

@@ -104,16 +104,12 @@ def _hf_skipped(args, budgets: list[str], world_size: int) -> list[dict]:
 
 def _check(args) -> list[str]:
     from moestream.cli.demo import PROMPTS
-    from moestream.config import EngineConfig
 
     check_run_flags(args)
     if not 1 <= args.prompts <= len(PROMPTS):
         raise MoestreamError(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
-    EngineConfig(device=args.device)  # refuses an unknown device, or CUDA where there is none
     if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
         raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
-    if args.replay_routing is not None and not Path(args.replay_routing).is_file():
-        raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
     return budget_list(args.budgets)
 
 
