@@ -128,15 +128,10 @@ def _ratio_line(first: str, rate: float, last: str, base: float) -> str:
     return f"neither {first} nor {last} sustains any rate tried"
 
 
-def rss_mib() -> float | None:
-    """This process's resident set now (MiB; VmRSS), or None where /proc/self/status is absent."""
-    return status_mib("VmRSS")
-
-
 def memory_figures(rss_before_mib: float | None) -> dict:
     """peak_rss_mib: the process's peak resident set so far (runs in one process share it);
-    rss_growth_mib: how much the resident set grew since rss_before_mib (None where unknown)."""
-    now = rss_mib()
+    rss_growth_mib: how much the resident set (VmRSS) grew since rss_before_mib (None where unknown)."""
+    now = status_mib("VmRSS")
     growth = now - rss_before_mib if now is not None and rss_before_mib is not None else None
     return {"peak_rss_mib": peak_rss_mib(), "rss_growth_mib": growth}
 
@@ -172,7 +167,7 @@ def _serve_and_replay(model: Path, budget: Budget, policy: str, rate: float, tra
         if budget == Budget(ratio=1.0):
             engine.preload()
         with Server(engine, model.name, worker_config=WorkerConfig(batching=batching)) as server:
-            rss_before = rss_mib()  # after the engine opened and the server started: the growth is the run's
+            rss_before = status_mib("VmRSS")  # after the engine opened and the server started: the growth is the run's
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
         memory = memory_figures(rss_before)  # the engine still open
     figures = loadgen.report(measured, wall, loadgen.Slo()) | memory | {

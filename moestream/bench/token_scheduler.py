@@ -14,7 +14,8 @@ from pathlib import Path
 
 from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
 from moestream.cli import at_least
-from moestream.bench.serving import memory_figures, memory_text, rss_mib
+from moestream.bench.serving import memory_figures, memory_text
+from moestream.procfs import status_mib
 from moestream.data_dir import resolve_data_dir
 from moestream.config import BatchingConfig, EngineConfig
 from moestream.errors import MoestreamError
@@ -83,7 +84,7 @@ def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
         if batcher.paths is None:
             raise MoestreamError(f"continuous batching needs a decoder-only model; "
                                  f"{engine.checkpoint.adapter.model_type} is not one")
-        rss_before = rss_mib()  # after the engine opened: the growth is the run's
+        rss_before = status_mib("VmRSS")  # after the engine opened: the growth is the run's
         for prompt in prompts:
             batcher.admit(Request(engine.encode(prompt), params, lambda event: None))
         while batcher.scheduler.waiting:  # prefills are not what is compared

@@ -93,13 +93,20 @@ def summary(records: list[dict], rates: "Throughput") -> str:
     hit rate, bytes read."""
     from moestream.budget import format_bytes
 
-    tokens = sum(len(r["token_ids"]) for r in records)
-    hits, misses = sum(r["expert_hits"] for r in records), sum(r["expert_misses"] for r in records)
+    tokens, t = sum(len(r["token_ids"]) for r in records), totals(records)
+    hits, misses = t["expert_hits"], t["expert_misses"]
     rate = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
-    disk, host = (sum(r["bytes_read"].get(tier, 0) for r in records) for tier in ("disk", "host"))
-    return (f"{tokens} tokens, TTFT {_mean(r['ttft_ms'] for r in records):.1f} ms, "
-            f"TPOT {_mean(r['tpot_ms'] for r in records):.1f} ms, {rates}, expert hit rate {rate}, "
-            f"read {format_bytes(disk)} from disk, {format_bytes(host)} from host")
+    return (f"{tokens} tokens, TTFT {t['ttft_ms']:.1f} ms, TPOT {t['tpot_ms']:.1f} ms, {rates}, expert hit rate "
+            f"{rate}, read {format_bytes(t['bytes_read']['disk'])} from disk, {format_bytes(t['bytes_read']['host'])} "
+            "from host")
+
+
+def totals(records: list[dict]) -> dict:
+    """Over the records of prompts: mean TTFT and TPOT, expert hits and misses, bytes read per tier."""
+    return {"ttft_ms": _mean(r["ttft_ms"] for r in records), "tpot_ms": _mean(r["tpot_ms"] for r in records),
+            "expert_hits": sum(r["expert_hits"] for r in records),
+            "expert_misses": sum(r["expert_misses"] for r in records),
+            "bytes_read": {tier: sum(r["bytes_read"].get(tier, 0) for r in records) for tier in ("disk", "host")}}
 
 
 @dataclass

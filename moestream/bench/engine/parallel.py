@@ -131,21 +131,16 @@ def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: 
 
 def summary(records: list[dict]) -> dict:
     """TPOT (median over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
-    tokens = sum(len(r["token_ids"]) for r in records)
-    parallel = [r["expert_parallel"] for r in records if r.get("expert_parallel")]
-    per_rank = zip(*(p["ranks"] for p in parallel)) if parallel else [  # one process: one "rank"
-        [{"hits": r["expert_hits"], "misses": r["expert_misses"], "bytes_read": r["bytes_read"], "combine_s": 0.0}
-         for r in records]]
+    from moestream.bench.engine.runners import summed_report
+
+    tokens = max(sum(len(r["token_ids"]) for r in records), 1)
+    reports = [r["expert_parallel"] for r in records if r.get("expert_parallel")] or [  # one process: one "rank"
+        {"ranks": [{"hits": r["expert_hits"], "misses": r["expert_misses"], "bytes_read": r["bytes_read"],
+                    "combine_s": 0.0}]} for r in records]
     return {"tpot_ms": statistics.median(r["tpot_ms"] for r in records),
-            "per_rank": [_rank(rank, tokens) for rank in per_rank]}
-
-
-def _rank(records, tokens: int) -> dict:
-    """One rank's figures from its records, one a prompt."""
-    hits, misses = sum(r["hits"] for r in records), sum(r["misses"] for r in records)
-    return {"hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "disk_bytes_per_token": sum(r["bytes_read"].get("disk", 0) for r in records) / max(tokens, 1),
-            "combine_ms_per_token": sum(r["combine_s"] for r in records) * 1e3 / max(tokens, 1)}
+            "per_rank": [{"hit_rate": r["hit_rate"], "disk_bytes_per_token": r["bytes_read"].get("disk", 0) / tokens,
+                          "combine_ms_per_token": r["combine_s"] * 1e3 / tokens}
+                         for r in summed_report(reports)["ranks"]]}
 
 
 def print_parallel(document: dict) -> None:
