@@ -86,9 +86,24 @@ def comma_list(text: str, flag: str, kind=str, known=None) -> list:
     return values
 
 
-def fmt(value, pattern: str) -> str:
-    """The value in pattern, "-" for None."""
-    return "-" if value is None else pattern.format(value)
+def rich_table(title: str, columns, rows, left: tuple[str, ...] = (), **options):
+    """A rich Table of text rows: the columns named in left (else the first) left-justified, the others
+    right, none wrapped; options: the Table's (caption, ...)."""
+    from rich.table import Table
+
+    table = Table(title=title, **options)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if column in left or not (left or i) else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def fmt(value, pattern) -> str:
+    """The value in pattern (a format string, or a function of the value), "-" for None."""
+    if value is None:
+        return "-"
+    return pattern(value) if callable(pattern) else pattern.format(value)
 
 
 def budget_list(text: str) -> list[str]:

@@ -15,7 +15,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.bench import add_model_flags, add_run_flags, budget_list, check_run_flags, model_dir, write_figures
+from moestream.bench import (add_model_flags, add_run_flags, budget_list, check_run_flags, fmt, model_dir, rich_table,
+                             write_figures)
 from moestream.cli import at_least
 from moestream.threads import torch_threads
 from moestream.budget import Budget, format_bytes
@@ -339,18 +340,12 @@ def _prefill_line(prefill: dict, verdict: str) -> str:
 
 
 def _table(rows: list[dict], model: Path, args):
-    from rich.table import Table
-
-    table = Table(title=f"moestream bench streaming: {model}",
-                  caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
-                          "transformers: every weight in memory; all resident: our path, every expert in the "
-                          "device tier; offload R: budget R, cold disk, a fresh engine per repetition; prefill B: "
-                          "the bundled prompts as one at budget B, cold, a fresh engine")
-    for column in ("run", "TTFT ms", "TPOT ms", "TPOT CPU ms", "hit rate", "misses", "disk", "streaming"):
-        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
-    for row in rows:
-        disk = row.get("bytes_read", {}).get("disk")
-        table.add_row(row["run"], _ms(row["ttft_ms"]), _ms(row["tpot_ms"]), _ms(row["cpu_tpot_ms"]),
-                      f"{row['hit_rate']:.1%}" if "hit_rate" in row else "-", str(row.get("expert_misses", "-")),
-                      "-" if disk is None else format_bytes(disk), _rate(row.get("stream_bytes_per_s")))
-    return table
+    cells = [[row["run"], _ms(row["ttft_ms"]), _ms(row["tpot_ms"]), _ms(row["cpu_tpot_ms"]), fmt(row.get("hit_rate"),
+              "{:.1%}"), str(row.get("expert_misses", "-")), fmt(row.get("bytes_read", {}).get("disk"), format_bytes),
+              _rate(row.get("stream_bytes_per_s"))] for row in rows]
+    return rich_table(f"moestream bench streaming: {model}", ("run", "TTFT ms", "TPOT ms", "TPOT CPU ms", "hit rate",
+                      "misses", "disk", "streaming"), cells,
+                      caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
+                              "transformers: every weight in memory; all resident: our path, every expert in the "
+                              "device tier; offload R: budget R, cold disk, a fresh engine per repetition; prefill B: "
+                              "the bundled prompts as one at budget B, cold, a fresh engine")

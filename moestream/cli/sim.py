@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from moestream.atomic import write_json
-from moestream.bench import comma_list, fmt
+from moestream.bench import comma_list, fmt, rich_table
 from moestream.cli import at_least
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
@@ -230,25 +230,11 @@ def _document(args, config, trace, results: dict[str, dict[float, dict]]) -> dic
 
 
 def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
-    from rich.table import Table
-
     from moestream.report import report_console
 
-    table = Table(title=f"moestream sim ({protocol})")
     columns = ["policy", "ratio", "hit rate", "stall ms/tok", "TPOT / resident", "MB/tok", "wasted", "late", "seconds"]
-    for column in columns:
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    for name, by_ratio in results.items():
-        for ratio, m in by_ratio.items():
-            table.add_row(
-                name,
-                f"{ratio:g}",
-                f"{100 * m['hit_rate']:.2f}%",
-                fmt(m["stall_ms_per_token"], "{:.3f}"),
-                fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"),
-                fmt(None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6, "{:.1f}"),
-                fmt(m["wasted_prefetch_ratio"], "{:.1%}"),
-                fmt(m["late_prefetch_ratio"], "{:.1%}"),
-                f"{m['replay_seconds']:.1f}",
-            )
-    report_console(REPORT_WIDTH).print(table)
+    cells = [[name, f"{ratio:g}", f"{100 * m['hit_rate']:.2f}%", fmt(m["stall_ms_per_token"], "{:.3f}"),
+              fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"), fmt(m["bytes_per_token"], lambda b: f"{b / 1e6:.1f}"),
+              fmt(m["wasted_prefetch_ratio"], "{:.1%}"), fmt(m["late_prefetch_ratio"], "{:.1%}"),
+              f"{m['replay_seconds']:.1f}"] for name, by_ratio in results.items() for ratio, m in by_ratio.items()]
+    report_console(REPORT_WIDTH).print(rich_table(f"moestream sim ({protocol})", columns, cells))

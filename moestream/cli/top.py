@@ -124,7 +124,7 @@ def _figures(stats: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     return [("transfers", [(name.replace("_", " "), str(transfers[name])) for name in ("in_flight", "late", "cancelled")]),
             ("prediction", [("precision", fmt(p["precision"], PCT)), ("recall", fmt(p["recall"], PCT)),
                             ("prefetched", str(p["prefetched"])), ("wasted", str(p["wasted"]))]),
-            ("bytes/token", [(f"from {tier}", "-" if n is None else format_bytes(round(n)))
+            ("bytes/token", [(f"from {tier}", fmt(n, lambda x: format_bytes(round(x))))
                              for tier, n in stats["bytes_per_token"].items()]),
             ("latency (s)", [(f"{name.upper()} {q}", fmt(latency[name][q], "{:.3g}"))
                              for q in ("p50", "p90", "p99") for name in ("ttft", "tpot")]),
