@@ -70,6 +70,7 @@ def run(args) -> int:
 
 
 def _traces(args):
+    from moestream.cli.predict_eval import split_trace
     from moestream.sim.compare import head_tokens
 
     path = args.trace or _dev_trace()
@@ -77,9 +78,7 @@ def _traces(args):
     if args.train:
         train, test = load_trace(args.train), trace
     else:
-        if not 0.0 < args.test_fraction < 1.0:
-            raise MoestreamError(f"--test-fraction must lie in (0, 1), got {args.test_fraction}")
-        train, test = trace.split(args.test_fraction, seed=args.seed)
+        train, test = split_trace(trace, args.test_fraction, args.seed)
     if args.max_test_tokens:
         test = head_tokens(test, args.max_test_tokens)
     return train, test

@@ -93,15 +93,15 @@ def run(args) -> int:
 
 def _check(args) -> tuple[list[float], list[str], BatchingConfig]:
     """--rates, --policies and the batching flags; MoestreamError naming a bad flag."""
+    from moestream.cli import at_least
     from moestream.cli.serve import require_serve_extra
 
     read_flags(EngineConfig, args)
     batching = from_args(BatchingConfig, args)
     rates, policies = _rates(args.rates), _policies(args.policies, args.predictor_dir)
-    if not (args.duration > 0 and args.scale_lengths > 0 and args.tpot_factor > 0):
-        raise MoestreamError("--duration, --scale-lengths and --tpot-factor must be > 0")
-    if args.min_requests < 1:
-        raise MoestreamError(f"--min-requests must be >= 1, got {args.min_requests}")
+    at_least(0, {"--duration": args.duration, "--scale-lengths": args.scale_lengths,
+                 "--tpot-factor": args.tpot_factor}, strict=True)
+    at_least(1, {"--min-requests": args.min_requests})
     require_serve_extra()
     return rates, policies, batching
 

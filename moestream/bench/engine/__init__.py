@@ -85,10 +85,9 @@ def _follow(ranks) -> int:
 
 def _expert_parallel(args) -> int:
     from moestream.bench.engine.parallel import measure_parallel, print_parallel
-    from moestream.errors import MoestreamError
+    from moestream.cli import at_least
 
-    if args.expert_parallel < 1:
-        raise MoestreamError(f"--expert-parallel takes N >= 1, got {args.expert_parallel}")
+    at_least(1, {"--expert-parallel": args.expert_parallel})
     document = measure_parallel(args, lambda line: print(line, file=sys.stderr, flush=True))
     print_parallel(document)
     write_figures(document, args.json)
