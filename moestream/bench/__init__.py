@@ -41,9 +41,13 @@ def check_run_flags(args, least_tokens: int = 1) -> None:
 
 
 def model_dir(args, announce: bool = False) -> Path:
-    """--model, else the demo checkpoint; announce: print its checkpoint_line first."""
+    """--model (refused in one line unless a checkpoint directory), else the demo checkpoint; announce: print
+    its checkpoint_line first."""
     from moestream.cli.demo import demo_checkpoint
+    from moestream.cli.generate import require_checkpoint_dir
 
+    if args.model is not None:
+        require_checkpoint_dir(args.model)
     model = args.model or demo_checkpoint(args.small)
     if announce:
         print(checkpoint_line(model), flush=True)

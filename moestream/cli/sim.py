@@ -40,10 +40,6 @@ SIM_FLAGS = {"mode": "mode", "batch_size": "batch_size", "horizon_layers": "hori
              "protocol_eviction": "protocol_eviction", "expert_order": "expert_order"}
 
 
-class SimArgumentError(MoestreamError):
-    """A `moestream sim` flag with an unusable value."""
-
-
 def add_parser(commands) -> None:
     from moestream.sim import PRESETS, PROTOCOLS
     from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS
@@ -150,9 +146,9 @@ def _ratios(text: str) -> list[float]:
         try:
             ratio = float(part.strip().removesuffix("%")) / (100.0 if percent else 1.0)
         except ValueError:
-            raise SimArgumentError(f"--cache-ratio: {part.strip()!r} is not a ratio (0.25) or a percentage (25%)") from None
+            raise MoestreamError(f"--cache-ratio: {part.strip()!r} is not a ratio (0.25) or a percentage (25%)") from None
         if not 0.0 < ratio <= 1.0:
-            raise SimArgumentError(f"--cache-ratio must lie in (0, 1], got {ratio}")
+            raise MoestreamError(f"--cache-ratio must lie in (0, 1], got {ratio}")
         ratios.append(ratio)
     return ratios
 
@@ -180,7 +176,7 @@ def _prepared(name: str, trace, train, args):
         check_compatible(policy, train)
         policy.fit(train)
     elif isinstance(policy, TrainedPolicy):
-        raise SimArgumentError(f"{name} needs a trained predictor: pass --train TRACE (fits it here) or "
+        raise MoestreamError(f"{name} needs a trained predictor: pass --train TRACE (fits it here) or "
                                f"--predictor-dir DIR of its kind (from `moestream train-predictor`)")
     elif _learns(policy):
         print(f"moestream: note: policy {name!r} learns from a trace but no --train was given; it runs unfitted", file=sys.stderr)

@@ -60,9 +60,10 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
                "cap": _cap(args), "run": run, "world_size": world_size}
     base = dataclasses.replace(base, link_gbps=disk["bandwidth"] / 1e9,  # the planner's link: calibrated here
                                layer_ms=resident["tpot_ms"] / topology.num_layers)
-    results, skipped = [], _hf_skipped(args, budgets, world_size)
+    run_list, skipped = _run_list(args, budgets, world_size)
+    results = []
     for budget in budgets:
-        results += _budget_runs(base, budget, _run_list(args, world_size), context, skipped)
+        results += _budget_runs(base, budget, run_list, context, skipped)
     cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]},
                      disk["bandwidth"])
     limits, oracle = _limits(budgets, _replayed(args, resident, topology), cost, context)
@@ -80,26 +81,18 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
             "oracle_bytes_per_token": oracle}
 
 
-def _run_list(args, world_size: int = 1) -> list[Job]:
-    return jobs(args.designs) + ([] if args.no_hf or _hf_reason(args, world_size) else [Job(HF, True, HF)])
-
-
-def _hf_reason(args, world_size: int) -> str | None:
-    """Why transformers + accelerate's disk offload (a one-process CPU baseline) is not run, if it is not."""
-    if args.device.startswith("cuda"):
-        return "not run with --device cuda: accelerate's disk offload is the CPU baseline"
-    if world_size > 1:
-        return "not run under torchrun: accelerate's disk offload is a one-process baseline"
-    return None
-
-
-def _hf_skipped(args, budgets: list[str], world_size: int) -> list[dict]:
-    """The note that transformers + accelerate's disk offload is not run, where it is not."""
-    reason = _hf_reason(args, world_size)
-    if args.no_hf or reason is None:
-        return []
-    return [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None, "reason": reason}
-            for budget in budgets]
+def _run_list(args, budgets: list[str], world_size: int) -> tuple[list[Job], list[dict]]:
+    """The jobs of each budget, and the notes of those not run: transformers + accelerate's disk offload
+    (a one-process CPU baseline) is not run with --device cuda or under torchrun (nor with --no-hf)."""
+    reason = ("not run with --device cuda: accelerate's disk offload is the CPU baseline"
+              if args.device.startswith("cuda") else "not run under torchrun: accelerate's disk offload is a "
+              "one-process baseline" if world_size > 1 else None)
+    if args.no_hf:
+        return jobs(args.designs), []
+    if reason is None:
+        return jobs(args.designs) + [Job(HF, True, HF)], []
+    return jobs(args.designs), [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None,
+                                 "reason": reason} for budget in budgets]
 
 
 def _check(args) -> list[str]:
