@@ -27,11 +27,11 @@ GENERATE_SLACK_MIB = 192  # the memory cap: floor + dense part + budget + this (
 
 def measure_parallel(args, say) -> dict:
     """The runs' figures; say(line) tells, at once, why the runs go uncapped where they must."""
-    from moestream.bench import model_dir
+    from moestream.bench import comma_list, model_dir
     from moestream.cli.demo import PROMPTS
 
     model = model_dir(args)
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = comma_list(args.budgets, "--budgets", float)
     caps = memory_caps(args, Path(model))
     if not caps["applied"]:
         say(f"bench engine --expert-parallel: runs uncapped: {caps['reason']}")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from moestream.bench.engine.isolation import RunFailed, run_isolated
 from moestream.bench.engine.spec import RunSpec
-from moestream.parallel.ranks import RankContext, free_port, wait_for_all
+from moestream.parallel.ranks import RankContext, free_port
 
 
 def ranked_runner(ranks: RankContext) -> Callable[..., dict]:
@@ -54,6 +54,7 @@ def rank_env(ranks: RankContext, port: int) -> dict[str, str | None]:
 def run_in_child(spec: RunSpec, run_spec: Callable[..., dict]) -> dict:
     """In a run's child process under rank_env: rank 0's figures (run_spec(spec, ranks)), or {"rank": r}
     once a follower's engine has followed rank 0's to its end."""
+    from moestream.bench.engine.runners import prepare
     from moestream.config import EngineConfig
     from moestream.parallel.launch import follow_ranks
     from moestream.parallel.ranks import join_ranks, leave_ranks
@@ -62,21 +63,10 @@ def run_in_child(spec: RunSpec, run_spec: Callable[..., dict]) -> dict:
     try:
         if ranks.leads:
             return run_spec(spec, ranks)
-        follow_ranks(ranks, prepare=lambda engine: _prepare(engine, spec, ranks))
+        follow_ranks(ranks, prepare=lambda engine: prepare(engine, spec, ranks))  # as rank 0's run does
         return {"rank": ranks.rank}
     finally:
         leave_ranks()
-
-
-def _prepare(engine, spec: RunSpec, ranks: RankContext) -> None:
-    """What rank 0's run does between opening its engine and generating, on a follower's own experts."""
-    from moestream.bench.engine.spec import shards
-    from moestream.store.bandwidth import drop_page_cache
-
-    if spec.preload:
-        engine.preload()
-    drop_page_cache(shards(spec.model))
-    wait_for_all(ranks, "the preloading of the experts")  # as rank 0's run does
 
 
 def _announce(ranks: RankContext, job: tuple | None) -> tuple | None:
