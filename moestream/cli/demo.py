@@ -102,20 +102,21 @@ def measure(label: str, model: Path, config, max_new_tokens: int) -> dict:
 
 
 def print_table(rows: list[dict], model: Path) -> None:
-    from moestream.bench import rich_table
+    from rich.table import Table
+
     from moestream.budget import format_bytes
     from moestream.report import report_console
 
     host = any(row["bytes_read"]["host"] or row["host_budget"] != "0%" for row in rows)
-    columns = ("run", "budget", "TTFT ms", "TPOT ms", "prompt tok/s", "gen tok/s", "hits", "misses", "disk")
-    note = None if host else "no host tier (--host-budget 0): misses are read from disk straight into the device tier"
-    cells = [[row["run"], row["expert_budget"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}",
-              f"{row['prompt_tokens_per_s']:.1f}", _rate(row["generation_tokens_per_s"]),
-              str(row["expert_hits"]), str(row["expert_misses"]), format_bytes(row["bytes_read"]["disk"])]
-             + ([format_bytes(row["bytes_read"]["host"])] if host else []) for row in rows]
-    table = rich_table(f"moestream demo: {model}", columns + (("host",) if host else ()), cells, caption=note)
+    columns = ("run", "budget", "TTFT ms", "TPOT ms", "prompt tok/s", "gen tok/s", "hits", "misses", "disk") + (("host",) if host else ())
+    note = "" if host else "no host tier (--host-budget 0): misses are read from disk straight into the device tier"
+    table = Table(title=f"moestream demo: {model}", caption=note or None)
+    for column in columns:
+        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
+    for row in rows:
+        generation = row["generation_tokens_per_s"]
+        cells = [row["run"], row["expert_budget"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}",
+                 f"{row['prompt_tokens_per_s']:.1f}", "n/a" if generation is None else f"{generation:.2f}",
+                 str(row["expert_hits"]), str(row["expert_misses"]), format_bytes(row["bytes_read"]["disk"])]
+        table.add_row(*cells, *([format_bytes(row["bytes_read"]["host"])] if host else []))
     report_console(REPORT_WIDTH).print(table)
-
-
-def _rate(tokens_per_s: float | None) -> str:
-    return "n/a" if tokens_per_s is None else f"{tokens_per_s:.2f}"
