@@ -51,7 +51,8 @@ def _cases(args) -> list[tuple[str, str, int]]:
     """(shape, dtype, tokens) of every case; MoestreamError naming the flag on bad input."""
     from moestream.cli import at_least
 
-    shapes, dtypes = comma_list(args.shapes, "--shapes", known=SHAPES), comma_list(args.dtypes, "--dtypes", known=DTYPES)
+    shapes = comma_list(args.shapes, "--shapes", known=SHAPES)
+    dtypes = comma_list(args.dtypes, "--dtypes", known=DTYPES)
     tokens = comma_list(args.tokens, "--tokens", int)
     at_least(1, {"--tokens": min(tokens), "--repeats": args.repeats, "--pool-mib": args.pool_mib})
     return [(shape, dtype, n) for shape in shapes for dtype in dtypes for n in tokens]

@@ -146,7 +146,8 @@ def _ratios(text: str) -> list[float]:
         try:
             ratio = float(part.strip().removesuffix("%")) / (100.0 if percent else 1.0)
         except ValueError:
-            raise MoestreamError(f"--cache-ratio: {part.strip()!r} is not a ratio (0.25) or a percentage (25%)") from None
+            raise MoestreamError(f"--cache-ratio: {part.strip()!r} is not a ratio (0.25) or a percentage "
+                                 "(25%)") from None
         if not 0.0 < ratio <= 1.0:
             raise MoestreamError(f"--cache-ratio must lie in (0, 1], got {ratio}")
         ratios.append(ratio)
