@@ -35,14 +35,11 @@ COST_FLAGS = {  # flag dest -> (CostModel field (None: the link that fills the d
     "disk_gbps": ("disk_to_host_gbps", "disk -> host bandwidth (GB/s)"),
     "disk_latency_ms": ("disk_to_host_latency_ms", "disk -> host per-transfer latency"),
 }
-SIM_FLAGS = {"mode": "mode", "batch_size": "batch_size", "horizon_layers": "horizon_layers",  # SimConfig field -> dest
-             "host_cache_ratio": "host_ratio", "seed": "seed", "warmup_tokens": "warmup_tokens",
-             "protocol_eviction": "protocol_eviction", "expert_order": "expert_order"}
 
 
 def add_parser(commands) -> None:
     from moestream.sim import PRESETS, PROTOCOLS
-    from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS
+    from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS, SimConfig
     from moestream.sim.cost import DEFAULT_COST_MODEL
     from moestream.sim.ranks import RanksConfig
 
@@ -65,16 +62,20 @@ def add_parser(commands) -> None:
                         help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="hit rate vs ratio and per layer, as PNG")
-    parser.add_argument("--mode", default="decode", choices=MODES, help="workload of the stream protocol")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per iteration (--mode batched)")
     add_arguments(parser, EngineConfig, only=("horizon_layers",))
-    parser.add_argument("--host-ratio", type=float, default=1.0, help="host-tier share of experts (GPU presets)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the moe-beyond pool refills")
-    parser.add_argument("--warmup-tokens", type=int, default=10, help="unscored tokens per prompt (moe-beyond)")
-    parser.add_argument("--protocol-eviction", default="lru", choices=PROTOCOL_EVICTIONS, help="moe-beyond eviction")
-    parser.add_argument("--expert-order", default="ready", choices=EXPERT_ORDERS,
-                        help="how a layer's experts compute beside their loads (with --routed-expert-ms): ready "
-                             "(the engine's reordering), given (--no-reorder), loaded (--sync)")
+    flags = {  # SimConfig field -> (flag, choices, help); the default and its type are SimConfig's
+        "mode": ("--mode", MODES, "workload of the stream protocol"),
+        "batch_size": ("--batch-size", None, "sequences per iteration (--mode batched)"),
+        "host_cache_ratio": ("--host-ratio", None, "host-tier share of experts (GPU presets)"),
+        "seed": ("--seed", None, "seed of the moe-beyond pool refills"),
+        "warmup_tokens": ("--warmup-tokens", None, "unscored tokens per prompt (moe-beyond)"),
+        "protocol_eviction": ("--protocol-eviction", PROTOCOL_EVICTIONS, "moe-beyond eviction"),
+        "expert_order": ("--expert-order", EXPERT_ORDERS, "how a layer's experts compute beside their loads (with "
+                         "--routed-expert-ms): ready (the engine's reordering), given (--no-reorder), loaded (--sync)")}
+    for field, (flag, choices, text) in flags.items():
+        default = SimConfig.__dataclass_fields__[field].default
+        parser.add_argument(flag, dest=field, type=type(default), default=default, choices=choices, help=text,
+                            metavar=None if choices else flag[2:].upper().replace("-", "_"))
     cost = parser.add_argument_group("cost-model overrides")
     for dest, (_, text) in COST_FLAGS.items():
         cost.add_argument("--" + dest.replace("_", "-"), type=float, help=text)
@@ -155,12 +156,15 @@ def _ratios(text: str) -> list[float]:
 
 
 def _config(args, ratio: float):
+    from dataclasses import fields
+
     from moestream.sim import SimConfig, get_cost_model
 
     cost = get_cost_model(args.cost_model)
     cost = cost.with_overrides(**{field or f"{cost.device_link}_{dest.removeprefix('link_')}": getattr(args, dest)
                                   for dest, (field, _) in COST_FLAGS.items()})
-    return SimConfig(cache_ratio=ratio, cost=cost, **{field: getattr(args, dest) for field, dest in SIM_FLAGS.items()})
+    flags = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}  # add_parser's
+    return SimConfig(**flags | {"cache_ratio": ratio, "cost": cost})
 
 
 def _prepared(name: str, trace, train, args):
