@@ -13,10 +13,41 @@ def add_model_flags(parser) -> None:
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)
 
 
-def model_dir(args, announce: bool = False) -> Path:
-    """--model, else the demo checkpoint; announce: print its checkpoint_line first."""
-    from moestream.cli.demo import demo_checkpoint
+def add_run_flags(parser, max_new_tokens: int, json_help: str = "write the figures here", predictors=True) -> None:
+    """--max-new-tokens, --threads, --json and (predictors) the repeatable --predictor-dir."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per prompt")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run")
+    parser.add_argument("--json", type=Path, help=json_help)
+    if predictors:
+        parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
+                            help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
 
+
+def check_run_flags(args, least_tokens: int = 1) -> None:
+    """Refuses, naming the flag, --max-new-tokens below least_tokens, --threads below 1 and, where the bench
+    takes them, an unknown --device (or CUDA where there is none) and a --replay-routing that is no file."""
+    from moestream.cli import at_least
+    from moestream.config import EngineConfig
+    from moestream.errors import MoestreamError
+
+    at_least(least_tokens, {"--max-new-tokens": args.max_new_tokens})
+    at_least(1, {"--threads": args.threads})
+    try:
+        EngineConfig(device=getattr(args, "device", "cpu"))
+    except MoestreamError as error:
+        raise MoestreamError(f"--device: {error}") from None
+    if getattr(args, "replay_routing", None) is not None and not Path(args.replay_routing).is_file():
+        raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
+
+
+def model_dir(args, announce: bool = False) -> Path:
+    """--model (refused in one line unless a checkpoint directory), else the demo checkpoint; announce: print
+    its checkpoint_line first."""
+    from moestream.cli.demo import demo_checkpoint
+    from moestream.cli.generate import require_checkpoint_dir
+
+    if args.model is not None:
+        require_checkpoint_dir(args.model)
     model = args.model or demo_checkpoint(args.small)
     if announce:
         print(checkpoint_line(model), flush=True)
@@ -39,6 +70,44 @@ def checkpoint_summary(topology) -> str:
 def split_names(text: str) -> list[str]:
     """The non-empty parts of a comma-separated list, stripped."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def comma_list(text: str, flag: str, kind=str, known=None) -> list:
+    """A flag's comma-separated values, each made by kind (and among known, if given); a MoestreamError
+    naming the flag on a bad value or an empty list."""
+    from moestream.errors import MoestreamError
+
+    names = split_names(text)
+    unknown = [name for name in names if known is not None and name not in known]
+    try:
+        values = [kind(name) for name in names]
+    except ValueError:
+        raise MoestreamError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if not values:
+        raise MoestreamError(f"{flag}: an empty list")
+    if unknown:
+        raise MoestreamError(f"{flag}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    return values
+
+
+def rich_table(title: str, columns, rows, left: tuple[str, ...] = (), **options):
+    """A rich Table of text rows: the columns named in left (else the first) left-justified, the others
+    right, none wrapped; options: the Table's (caption, ...)."""
+    from rich.table import Table
+
+    table = Table(title=title, **options)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if column in left or not (left or i) else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def fmt(value, pattern) -> str:
+    """The value in pattern (a format string, or a function of the value), "-" for None."""
+    if value is None:
+        return "-"
+    return pattern(value) if callable(pattern) else pattern.format(value)
 
 
 def budget_list(text: str) -> list[str]:

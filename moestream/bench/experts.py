@@ -1,16 +1,11 @@
 """`moestream bench experts`: a routed expert MLP's effective bandwidth against the machine's read bandwidth.
 
-Read bandwidth: a large float32 tensor reduced (summed) on one torch thread, the best of the
-repeats. Expert MLP: DeepSeek-V2-style gated experts (gate_up_proj then down_proj in one contiguous
-slot, as the store lays them out) at the demo shape, the half-width DeepSeek-V2-Lite shape and the
-full shape; one MoE layer's call runs top_k experts, each over `tokens` rows, through the former
-per-expert path ("per-expert" kernel), the new one ("stream", the CPU default) and torch's grouped
-GEMM over the pool's evenly spaced slots ("grouped"), in alternation. Every call takes the next
-top_k slots of a pool larger than the last-level cache, so weights come from memory as they do at
-decode. An expert's effective bandwidth is its bytes over its share of the call's median time.
-Times are the process's CPU time by default, so that what other processes on a shared machine take
-is not counted (--clock wall: elapsed time). With --native-gemv, single-row cases run with oneDNN off, as
-the engine's `native_gemv` decode steps do. Prints a table (and --json); asserts nothing.
+Read bandwidth: a large float32 tensor summed on one torch thread (best of the repeats). Expert MLP:
+DeepSeek-V2-style gated experts at the demo, half and full shapes; one MoE layer's top_k experts run
+through each LAYER_KERNELS path in alternation, on slots of a pool larger than the last-level cache, so
+weights come from memory as at decode. Effective bandwidth: an expert's bytes over its share of the median
+call. Process CPU time by default (--clock wall: elapsed). --native-gemv: single-row cases without oneDNN, as the
+engine's `native_gemv` decode steps. Prints a table (and --json); asserts nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from moestream.bench import split_names, write_figures
+from moestream.bench import comma_list, write_figures
 from moestream.threads import torch_threads
 
 READ_MIB = 256  # the reduced tensor: well past the last-level cache
@@ -57,26 +52,13 @@ def run(args) -> int:
 
 def _cases(args) -> list[tuple[str, str, int]]:
     """(shape, dtype, tokens) of every case; MoestreamError naming the flag on bad input."""
-    from moestream.errors import MoestreamError
+    from moestream.cli import at_least
 
-    shapes, dtypes = _names(args.shapes, SHAPES, "--shapes"), _names(args.dtypes, DTYPES, "--dtypes")
-    try:
-        tokens = [int(part) for part in args.tokens.split(",") if part.strip()]
-    except ValueError:
-        raise MoestreamError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-    if not tokens or min(tokens) < 1 or args.repeats < 1 or args.pool_mib < 1:
-        raise MoestreamError("--tokens, --repeats and --pool-mib must be >= 1")
+    shapes = comma_list(args.shapes, "--shapes", known=SHAPES)
+    dtypes = comma_list(args.dtypes, "--dtypes", known=DTYPES)
+    tokens = comma_list(args.tokens, "--tokens", int)
+    at_least(1, {"--tokens": min(tokens), "--repeats": args.repeats, "--pool-mib": args.pool_mib})
     return [(shape, dtype, n) for shape in shapes for dtype in dtypes for n in tokens]
-
-
-def _names(text: str, known, flag: str) -> list[str]:
-    from moestream.errors import MoestreamError
-
-    names = split_names(text)
-    unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise MoestreamError(f"{flag}: unknown {', '.join(unknown) or 'empty list'}; known: {', '.join(known)}")
-    return names
 
 
 def measure(cases: list[tuple[str, str, int]], repeats: int, pool_mib: int = POOL_MIB, clock: str = "cpu",

@@ -1,22 +1,11 @@
 """`moestream bench fidelity`: does the simulator predict the engine? The same replayed rows run in both.
 
-The engine runs once (a fresh process, cold, `--replay-routing TRACE`) and records which trace rows
-fed each iteration; the simulator replays exactly those iterations (each prompt's prefill as one,
-then one per decode token) with the same policy and as many device slots, under a cost model
-calibrated from this machine's engine (an on-demand LRU run at the same budget: decode compute = TPOT
-less stall; a routed expert's compute, timed around each expert MLP; a read batch's cost as the line,
-fixed part plus each expert, fitted to its batches) or given as `--cost-model measured:PATH` (from
-`bench engine --json` or an earlier `bench fidelity --json`). Decode-phase hit rate must agree
-within 0.03 and stall per token within 15%; printed as ok/missed, never asserted. `--sync` compares
-the on-demand path (the simulator's "loaded" expert order: a layer computes once its misses are
-read); the default compares the engine's asynchronous path with cache-aware reordering ("ready": a
-layer computes its resident experts while its misses load, and each miss once it lands).
-
-The engine gives the simulator what its policy saw (each iteration's token ids, strings and embeddings,
-`bench.engine.simulated.replayed`), and runs every predictor inline, on the compute thread, as the
-simulator does: a predictor on its worker thread (`runtime/background.py`) answers with the latest
-prediction it has finished, which depends on the clock by design. So the hit rates agree exactly for
-every deterministic policy; the background path's own figures are `bench engine`'s.
+The engine runs once (a fresh cold process, `--replay-routing TRACE`) and records each iteration's trace
+rows and what its policy saw; the simulator replays exactly those with the same policy, device slots
+and predictors run inline (as the simulator does), under a cost model calibrated from an on-demand LRU
+run at the same budget or given as `--cost-model measured:PATH`. Decode hit rate must agree within 0.03
+and stall per token within 15% (ok/missed, never asserted); `--sync` compares the on-demand path, the
+default the asynchronous one with cache-aware reordering.
 """
 
 from __future__ import annotations
@@ -24,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
+from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments
 
@@ -36,13 +25,10 @@ def add_parser(kinds) -> None:
     parser = kinds.add_parser("fidelity", help="engine vs simulator on the same replayed routing")
     parser.add_argument("--replay-routing", required=True, metavar="TRACE", help="trace whose routing both follow")
     add_model_flags(parser)
-    parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
-    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
+    add_run_flags(parser, 32, "write the figures and the cost model here")
+    parser.add_argument("--budget", default="0.25", help="expert budget")
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "link_gbps", "layer_ms"))
-    parser.add_argument("--json", type=Path, help="write the figures and the cost model here")
     parser.set_defaults(handler=run)
 
 
@@ -58,10 +44,8 @@ def compare(args) -> dict:
     from moestream.bench.engine.isolation import run_isolated
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS
-    from moestream.errors import MoestreamError
 
-    if args.max_new_tokens < 2 or args.threads < 1:
-        raise MoestreamError("--max-new-tokens must be >= 2 and --threads >= 1")
+    check_run_flags(args, least_tokens=2)
     model = model_dir(args, announce=True)
     topology = build_index(model).topology
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, reorder=args.reorder,

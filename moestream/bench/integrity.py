@@ -1,11 +1,9 @@
 """`moestream bench integrity`: what the integrity checks cost beside the work they guard.
 
-Digest check: experts spread over the layers are read cold from disk by the store's reader (one
-read batch per layer, as a layer's misses are), then checked against their digests exactly as the
-engine checks them (`Manifest.check_batch`); the figure is check time over read time. Finite check:
-one decode step checks each MoE layer's expert output [1, H] and the logits [1, V]; the figure is
-the time of those checks per token, in the model's dtypes, on the compute device. Prints figures,
-asserts nothing. `moestream bench engine` prints the same figures.
+Digest check: experts read cold by the store's reader (a read batch per layer), checked as the engine
+checks them (`Manifest.check_batch`): check time over read time. Finite check: a decode step's checks of
+each MoE layer's output [1, H] and the logits [1, V], per token, on the compute device. Prints figures,
+asserts nothing; `bench engine` prints the same figures.
 """
 
 from __future__ import annotations
@@ -31,10 +29,6 @@ def add_parser(kinds) -> None:
 
 
 def run(args) -> int:
-    from moestream.cli.generate import require_checkpoint_dir
-
-    if args.model is not None:
-        require_checkpoint_dir(args.model)
     report_integrity(model_dir(args), args.device, args.direct_io)
     return 0
 

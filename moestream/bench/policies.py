@@ -13,9 +13,7 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from rich.table import Table
-
-from moestream.bench import split_names, write_figures
+from moestream.bench import comma_list, rich_table, write_figures
 from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
@@ -54,11 +52,11 @@ def add_parser(kinds) -> None:
 def run(args) -> int:
     train, test = _traces(args)
     config = CompareConfig(
-        policies=tuple(_names(args.policies) if args.policies else POLICIES.names()),
-        cache_ratios=tuple(float(r) for r in _names(args.cache_ratios)),
-        cost_models=tuple(_names(args.cost_models)),
-        protocols=tuple(_names(args.protocols)),
-        horizons=tuple(int(h) for h in _names(args.horizons)),
+        policies=tuple(comma_list(args.policies, "--policies") if args.policies else POLICIES.names()),
+        cache_ratios=tuple(comma_list(args.cache_ratios, "--cache-ratios", float)),
+        cost_models=tuple(comma_list(args.cost_models, "--cost-models")),
+        protocols=tuple(comma_list(args.protocols, "--protocols")),
+        horizons=tuple(comma_list(args.horizons, "--horizons", int)),
         num_workers=args.workers,
         predictor_dirs=tuple(args.predictor_dir),
     )
@@ -72,6 +70,7 @@ def run(args) -> int:
 
 
 def _traces(args):
+    from moestream.cli.predict_eval import split_trace
     from moestream.sim.compare import head_tokens
 
     path = args.trace or _dev_trace()
@@ -79,9 +78,7 @@ def _traces(args):
     if args.train:
         train, test = load_trace(args.train), trace
     else:
-        if not 0.0 < args.test_fraction < 1.0:
-            raise MoestreamError(f"--test-fraction must lie in (0, 1), got {args.test_fraction}")
-        train, test = trace.split(args.test_fraction, seed=args.seed)
+        train, test = split_trace(trace, args.test_fraction, args.seed)
     if args.max_test_tokens:
         test = head_tokens(test, args.max_test_tokens)
     return train, test
@@ -92,13 +89,6 @@ def _dev_trace() -> Path:
     if not (data.path / DEV_TRACE).is_file():
         raise MoestreamError(f"no --trace given and no dev trace {DEV_TRACE} under the {data.describe()}")
     return data.path / DEV_TRACE
-
-
-def _names(text: str) -> list[str]:
-    names = split_names(text)
-    if not names:
-        raise MoestreamError(f"expected a comma-separated list, got {text!r}")
-    return names
 
 
 def _print(result: Comparison, config: CompareConfig, num_tokens: tuple[int, int], reuse: ReuseProfile) -> None:
@@ -122,33 +112,24 @@ def _reuse_line(reuse: ReuseProfile) -> str:
             f"within {spans} tokens: {shares}%; {100 * reuse.same_sequence_share:.1f}% in the same sequence")
 
 
-def _replay_table(label: str, by_policy: dict, ratios, with_stall: bool) -> Table:
-    table = Table(title=f"hit rate{' / stall ms per token' if with_stall else ''} ({label})")
-    table.add_column("policy")
-    for ratio in ratios:
-        table.add_column(f"{ratio:g}", justify="right")
-    for name, by_ratio in by_policy.items():
-        cells = []
-        for ratio in ratios:
-            m = by_ratio[ratio]
-            stall = f" / {m['stall_ms_per_token']:.2f}" if with_stall else ""
-            cells.append(f"{100 * m['hit_rate']:.1f}%{stall}")
-        table.add_row(name, *cells)
-    return table
+def _replay_table(label: str, by_policy: dict, ratios, with_stall: bool):
+    def cell(m: dict) -> str:
+        return f"{100 * m['hit_rate']:.1f}%" + (f" / {m['stall_ms_per_token']:.2f}" if with_stall else "")
+
+    return rich_table(f"hit rate{' / stall ms per token' if with_stall else ''} ({label})",
+                      ["policy", *(f"{ratio:g}" for ratio in ratios)],
+                      [[name, *(cell(by_ratio[ratio]) for ratio in ratios)] for name, by_ratio in by_policy.items()])
 
 
-def _prediction_table(result: Comparison, horizons) -> Table:
-    table = Table(title="prediction F1 by horizon (layers ahead); median µs of policy work per layer decision")
-    table.add_column("policy")
-    for horizon in horizons:
-        table.add_column(f"h={horizon}", justify="right")
-    table.add_column("µs/layer decision", justify="right")
-    table.add_column("fit s", justify="right")
-    for name, overhead in result.overhead_us_per_layer.items():
+def _prediction_table(result: Comparison, horizons):
+    def row(name: str, overhead: float) -> list[str]:
         quality = result.prediction.get(name, {})
-        cells = [f"{quality[h]['f1']:.3f}" if h in quality else "-" for h in horizons]
-        table.add_row(name, *cells, f"{overhead:.1f}", f"{result.fit_seconds.get(name, 0):.1f}")
-    return table
+        f1 = [f"{quality[h]['f1']:.3f}" if h in quality else "-" for h in horizons]
+        return [name, *f1, f"{overhead:.1f}", f"{result.fit_seconds.get(name, 0):.1f}"]
+
+    rows = [row(name, overhead) for name, overhead in result.overhead_us_per_layer.items()]
+    return rich_table("prediction F1 by horizon (layers ahead); median µs of policy work per layer decision",
+                      ["policy", *(f"h={horizon}" for horizon in horizons), "µs/layer decision", "fit s"], rows)
 
 
 def _print_verdict(console, result: Comparison) -> None:

@@ -1,12 +1,8 @@
-"""`moestream bench quant --models A,B,...`: the same memory budget for checkpoints of one model whose
-experts are stored differently (bf16/fp32, int8, int4): bytes read per token, hit rate, stall and
-TPOT with `default` (or --policy) and with on-demand LRU (`--sync`), each run a fresh cold process as in
-`bench engine`; and each checkpoint's decode cost per expert beside that expert's MLP (one row, one
-torch thread, the expert of MoE layer 0 read from disk). The budget is a share of the FIRST
-checkpoint's expert bytes, the same bytes for every checkpoint: a quantized one holds more experts
-in it. `--device cuda[:N]` runs the engine and the decode/MLP timing on that GPU, `--threads` sets the
-torch threads of both. The MLP is the family's own `ExpertMath` (GPT-OSS stores its weights [in, out]).
-Prints figures; asserts nothing.
+"""`moestream bench quant --models A,B,...`: one budget (a share of the FIRST checkpoint's expert bytes)
+for checkpoints of one model stored differently (bf16/fp32, int8, int4): bytes read per token, hit rate,
+stall and TPOT with `default` (or --policy) and on-demand LRU, each a fresh cold process as in `bench
+engine`; and each checkpoint's decode cost per expert beside its MLP (the family's `ExpertMath`, one row,
+the expert of MoE layer 0), on --device with --threads. Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moestream.bench import write_figures
+from moestream.bench import add_run_flags, check_run_flags, comma_list, write_figures
+from moestream.cli import at_least
 from moestream.threads import torch_threads
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
@@ -30,32 +27,20 @@ def add_parser(kinds) -> None:
                                                         "reference the budget and the ratios refer to)")
     parser.add_argument("--budget", type=float, default=0.25, help="share of the first checkpoint's expert bytes")
     parser.add_argument("--prompts", type=int, default=1, help="the first N demo prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=12, help="tokens per prompt")
-    parser.add_argument("--policy", default="default", help="the asynchronous policy beside on-demand LRU")
-    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
-                        help="a trained predictor for `default`; repeatable")
-    parser.add_argument("--replay-routing", metavar="TRACE", help="follow this trace's routing (measurement only)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--buffered-io", action="store_true", help="read through the page cache, not O_DIRECT")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run and of the timing "
-                                                               "(default 1)")
-    add_arguments(parser, EngineConfig, only=("device",))
-    parser.set_defaults(handler=run)
+    add_run_flags(parser, 12)
+    add_arguments(parser, EngineConfig, only=("device", "policy", "replay_routing", "direct_io"))
+    parser.set_defaults(handler=run, policy="default")  # the asynchronous policy beside on-demand LRU
 
 
 def _models(args) -> list[Path]:
-    models = [Path(m) for m in args.models.split(",") if m]
+    models = comma_list(args.models, "--models", Path)
     for model in models:
         if not (model / "config.json").is_file():
             raise MoestreamError(f"--models: no checkpoint at {model}")
-    if not 0 < args.budget <= 1 or args.prompts < 1 or args.max_new_tokens < 2 or args.threads < 1:
-        raise MoestreamError("--budget must be in (0, 1], --prompts >= 1, --max-new-tokens >= 2 and --threads >= 1")
-    try:
-        EngineConfig(device=args.device)  # refuses an unknown device, or CUDA where there is none
-    except MoestreamError as error:
-        raise MoestreamError(f"--device: {error}") from None
-    if args.replay_routing is not None and not Path(args.replay_routing).is_file():
-        raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
+    check_run_flags(args, least_tokens=2)
+    at_least(1, {"--prompts": args.prompts})
+    if not 0 < args.budget <= 1:
+        raise MoestreamError(f"--budget must be in (0, 1], got {args.budget}")
     return models
 
 
@@ -122,7 +107,7 @@ def measure(args) -> list[dict]:
         for policy, sync in ((args.policy, False), ("lru", True)):  # on-demand: --sync LRU
             spec = RunSpec(model=str(model), budget=budget, policy=policy, sync=sync, prompts=PROMPTS[: args.prompts],
                            max_new_tokens=args.max_new_tokens, replay_routing=args.replay_routing,
-                           predictor_dirs=tuple(args.predictor_dir), direct_io=not args.buffered_io,
+                           predictor_dirs=tuple(args.predictor_dir), direct_io=args.direct_io,
                            device=args.device, threads=args.threads)
             result = run_isolated(spec)
             rows.append({"model": str(model), "expert_bytes": topology.expert_bytes, "policy": policy, "sync": sync,

@@ -1,14 +1,9 @@
 """`moestream bench serving`: the highest request rate each policy sustains behind the HTTP server.
 
-For each policy (at --expert-budget) the server is started on loopback and the trace is replayed at
-each rate of --rates in turn, for --duration seconds or as long as --min-requests take at that rate;
-a rate is sustained when every request completes and the p99 TPOT stays within --tpot-factor times
-the all-resident TPOT (every expert in the device tier, measured first at the lowest rate). A policy
-named NAME:sync runs on demand (`--sync`: every expert moves on the compute thread), the baseline the
-issue compares with. Prints one line per run and, per policy, the highest rate sustained, then how
-many times the first policy's rate is the last one's. Each run reports the process's peak RSS (one
-process runs them all, so they share one peak) and how much the resident set grew over the run;
-runs under --replay-routing are marked as replayed.
+Per policy (NAME:sync: on demand), the server on loopback replays the trace at each --rate for --duration
+seconds or --min-requests; a rate is sustained when every request completes and p99 TPOT stays within
+--tpot-factor times the all-resident TPOT (measured first). Prints each run (peak RSS of the one process,
+its RSS growth; replayed runs marked), each policy's highest rate and the first's over the last's.
 Figures only: nothing is asserted.
 """
 
@@ -19,7 +14,7 @@ import functools
 import sys
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
+from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
 from moestream.bench.engine.spec import peak_rss_mib
 from moestream.budget import Budget
 from moestream.config import BatchingConfig, EngineConfig
@@ -52,11 +47,8 @@ def add_parser(kinds) -> None:
 
 
 def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise MoestreamError(f"--rates must be numbers separated by commas, got {text!r}") from None
-    if not rates or min(rates) <= 0 or rates != sorted(rates):
+    rates = comma_list(text, "--rates", float)
+    if min(rates) <= 0 or rates != sorted(rates):
         raise MoestreamError(f"--rates must be positive and ascending, got {text!r}")
     return rates
 
@@ -65,7 +57,7 @@ def _policies(text: str, predictor_dir) -> list[str]:
     from moestream.policies import POLICIES
     from moestream.policies.trained import TrainedPolicy
 
-    policies = [p.strip() for p in text.split(",") if p.strip()]
+    policies = comma_list(text, "--policies")
     for policy in policies:
         name, _, mode = policy.partition(":")
         if mode not in ("", "sync"):
@@ -73,8 +65,6 @@ def _policies(text: str, predictor_dir) -> list[str]:
         if issubclass(POLICIES.get(name), TrainedPolicy) and predictor_dir is None:
             raise MoestreamError(f"--policies: {name} needs a trained predictor: pass --predictor-dir DIR "
                                  "(from `moestream train-predictor`)")
-    if not policies:
-        raise MoestreamError("--policies names no policy")
     return policies
 
 
@@ -103,15 +93,15 @@ def run(args) -> int:
 
 def _check(args) -> tuple[list[float], list[str], BatchingConfig]:
     """--rates, --policies and the batching flags; MoestreamError naming a bad flag."""
+    from moestream.cli import at_least
     from moestream.cli.serve import require_serve_extra
 
     read_flags(EngineConfig, args)
     batching = from_args(BatchingConfig, args)
     rates, policies = _rates(args.rates), _policies(args.policies, args.predictor_dir)
-    if not (args.duration > 0 and args.scale_lengths > 0 and args.tpot_factor > 0):
-        raise MoestreamError("--duration, --scale-lengths and --tpot-factor must be > 0")
-    if args.min_requests < 1:
-        raise MoestreamError(f"--min-requests must be >= 1, got {args.min_requests}")
+    at_least(0, {"--duration": args.duration, "--scale-lengths": args.scale_lengths,
+                 "--tpot-factor": args.tpot_factor}, strict=True)
+    at_least(1, {"--min-requests": args.min_requests})
     require_serve_extra()
     return rates, policies, batching
 
@@ -138,15 +128,10 @@ def _ratio_line(first: str, rate: float, last: str, base: float) -> str:
     return f"neither {first} nor {last} sustains any rate tried"
 
 
-def rss_mib() -> float | None:
-    """This process's resident set now (MiB; VmRSS), or None where /proc/self/status is absent."""
-    return status_mib("VmRSS")
-
-
 def memory_figures(rss_before_mib: float | None) -> dict:
     """peak_rss_mib: the process's peak resident set so far (runs in one process share it);
-    rss_growth_mib: how much the resident set grew since rss_before_mib (None where unknown)."""
-    now = rss_mib()
+    rss_growth_mib: how much the resident set (VmRSS) grew since rss_before_mib (None where unknown)."""
+    now = status_mib("VmRSS")
     growth = now - rss_before_mib if now is not None and rss_before_mib is not None else None
     return {"peak_rss_mib": peak_rss_mib(), "rss_growth_mib": growth}
 
@@ -182,7 +167,7 @@ def _serve_and_replay(model: Path, budget: Budget, policy: str, rate: float, tra
         if budget == Budget(ratio=1.0):
             engine.preload()
         with Server(engine, model.name, worker_config=WorkerConfig(batching=batching)) as server:
-            rss_before = rss_mib()  # after the engine opened and the server started: the growth is the run's
+            rss_before = status_mib("VmRSS")  # after the engine opened and the server started: the growth is the run's
             measured, wall = asyncio.run(loadgen.replay(server.url, planned, drain_timeout_s=120.0))
         memory = memory_figures(rss_before)  # the engine still open
     figures = loadgen.report(measured, wall, loadgen.Slo()) | memory | {

@@ -1,24 +1,11 @@
 """`moestream bench streaming`: TTFT and TPOT of plain transformers, of our path with every expert resident
 and of our path streaming experts from a cold disk; disk bandwidth while streaming beside sequential reads.
 
-Targets (reported as ok/missed, never asserted): streaming while serving >= 80% of sequential
-bandwidth, on a cold prefill of the bundled prompts as one at the smallest budget of the run (each
-layer's missed experts are read as they are routed); with every expert resident, TPOT within 10% of
-plain transformers. The same prefill at the least device budget the store accepts (top_k experts,
-so each layer's experts stream through the device tier in groups within the layer) is reported
-beside it, for information: its reads are as small as one group.
-
-Built for stable figures on a busy machine: the same number of torch threads in every run;
-transformers and the all-resident engine loaded side by side and timed in interleaved order (ABBA
-per prompt, the order flipped every repetition); every offloaded run on a fresh engine (empty device
-tier), with cold disk samples between runs, on the shards in turn. Figures are medians over the
-repetitions. Streaming bandwidth is bytes read over the time the reader was busy (a batch's requests
-in flight together count once; compute between batches does not), in three patterns: the serving
-prefill (paired with the sequential reference of the disk samples just before and after it, as the
-disk's speed drifts), on demand in decode (1 to top_k experts per read batch) and a layer pass
-(every expert of a few layers, one read batch per layer). The sequential reference is the better of
-two ways of reading a shard front to back (16 MiB requests one at a time; the store's reader). TPOT
-is also reported in process CPU time, which other processes of a shared machine do not inflate.
+Targets (ok/missed, never asserted): a cold serving prefill (the bundled prompts as one, smallest budget;
+beside it, informational, the least budget the store accepts) streams >= 80% of sequential bandwidth;
+all-resident TPOT within 10% of transformers. For stable figures on a busy machine: fixed torch threads,
+ABBA-interleaved resident runs, a fresh cold engine per offloaded run, medians over repetitions, each
+prefill paired with the sequential reference around it; TPOT also in process CPU time.
 """
 
 from __future__ import annotations
@@ -28,11 +15,12 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.bench import add_model_flags, budget_list, model_dir, write_figures
+from moestream.bench import (add_model_flags, add_run_flags, budget_list, check_run_flags, fmt, model_dir, rich_table,
+                             write_figures)
+from moestream.cli import at_least
 from moestream.threads import torch_threads
 from moestream.budget import Budget, format_bytes
 from moestream.config import EngineConfig
-from moestream.errors import MoestreamError
 from moestream.settings import add_arguments
 
 BUDGETS = "0.1,0.25,0.5"
@@ -46,21 +34,18 @@ PREFILL_COPIES = 4  # the bundled prompts, repeated this often, make the serving
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("streaming", help="resident latency vs transformers and disk streaming bandwidth")
     add_model_flags(parser)
-    parser.add_argument("--budgets", default=BUDGETS,
-                        help=f"offloaded expert budgets, comma separated (default {BUDGETS})")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
-    parser.add_argument("--repeats", type=int, default=REPEATS,
-                        help=f"interleaved repetitions; figures are medians over them (default {REPEATS})")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for every run (default 1)")
+    parser.add_argument("--budgets", default=BUDGETS, help="offloaded expert budgets, comma separated")
+    add_run_flags(parser, 16, predictors=False)
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="interleaved repetitions; figures are medians")
     add_arguments(parser, EngineConfig, only=("device", "direct_io"))
-    parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
     from moestream.cli.demo import PROMPTS
 
-    _check_args(args)
+    check_run_flags(args)
+    at_least(1, {"--repeats": args.repeats})
     budgets = budget_list(args.budgets)
     model = model_dir(args)
     with torch_threads(args.threads):
@@ -72,12 +57,6 @@ def run(args) -> int:
     write_figures({"model": str(model), "device": args.device, "repeats": args.repeats, "threads": args.threads,
                    "runs": rows, **summary}, args.json)
     return 0
-
-
-def _check_args(args) -> None:
-    for flag in ("max_new_tokens", "repeats", "threads"):
-        if getattr(args, flag) < 1:
-            raise MoestreamError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
 
 
 def _median(values) -> float:
@@ -361,18 +340,12 @@ def _prefill_line(prefill: dict, verdict: str) -> str:
 
 
 def _table(rows: list[dict], model: Path, args):
-    from rich.table import Table
-
-    table = Table(title=f"moestream bench streaming: {model}",
-                  caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
-                          "transformers: every weight in memory; all resident: our path, every expert in the "
-                          "device tier; offload R: budget R, cold disk, a fresh engine per repetition; prefill B: "
-                          "the bundled prompts as one at budget B, cold, a fresh engine")
-    for column in ("run", "TTFT ms", "TPOT ms", "TPOT CPU ms", "hit rate", "misses", "disk", "streaming"):
-        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
-    for row in rows:
-        disk = row.get("bytes_read", {}).get("disk")
-        table.add_row(row["run"], _ms(row["ttft_ms"]), _ms(row["tpot_ms"]), _ms(row["cpu_tpot_ms"]),
-                      f"{row['hit_rate']:.1%}" if "hit_rate" in row else "-", str(row.get("expert_misses", "-")),
-                      "-" if disk is None else format_bytes(disk), _rate(row.get("stream_bytes_per_s")))
-    return table
+    cells = [[row["run"], _ms(row["ttft_ms"]), _ms(row["tpot_ms"]), _ms(row["cpu_tpot_ms"]), fmt(row.get("hit_rate"),
+              "{:.1%}"), str(row.get("expert_misses", "-")), fmt(row.get("bytes_read", {}).get("disk"), format_bytes),
+              _rate(row.get("stream_bytes_per_s"))] for row in rows]
+    return rich_table(f"moestream bench streaming: {model}", ("run", "TTFT ms", "TPOT ms", "TPOT CPU ms", "hit rate",
+                      "misses", "disk", "streaming"), cells,
+                      caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
+                              "transformers: every weight in memory; all resident: our path, every expert in the "
+                              "device tier; offload R: budget R, cold disk, a fresh engine per repetition; prefill B: "
+                              "the bundled prompts as one at budget B, cold, a fresh engine")

@@ -1,14 +1,10 @@
 """`moestream bench timeline`: where one decode token's time goes, lane by lane.
 
-One prompt runs through the engine (experts on disk, page cache dropped first; routing replayed when
---replay-routing is given), built with a `Tracer` that keeps its spans. For one decode step (--token K:
-from step K's start to the next one's; by default the one before the last, since the last one's end
-also holds building the result) it prints the step's wall time and, per lane, the time busy and the
-number of spans: the compute thread's routed expert MLPs, the layers' other expert work (grouped
-flushes, weighting and scatter), policy decisions and waits for expert bytes, what remains of the
-compute thread (the dense part, prefetch calls, sampling, Python), and each link's transfers with the
-share that ran while the compute thread computed rather than waited. Figures only: nothing is
-asserted. Knows no policy by name.
+One prompt runs through the engine (cold, optional --replay-routing) with a `Tracer` keeping its spans.
+For decode step --token (default the one before the last) it prints the step's wall time and per lane
+the time busy and span count: routed expert MLPs, other layer expert work, policy decisions, waits, the
+rest of the compute thread, and each link's transfers with their share overlapping compute.
+Figures only: nothing is asserted. Knows no policy by name.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
+from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
@@ -31,14 +27,11 @@ KEPT_SPANS = 200_000  # the latest spans the tracer keeps
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("timeline", help="one decode token's compute, transfers and waits")
     add_model_flags(parser)
-    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR", help="trained predictor(s)")
-    parser.add_argument("--budget", default="0.25", help="expert budget (default 0.25)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated (default 16)")
+    add_run_flags(parser, 16, "write the token's spans and figures here")
+    parser.add_argument("--budget", default="0.25", help="expert budget")
     parser.add_argument("--token", type=int, help="which decode step, 1 to max-new-tokens - 1 (default the one "
                         "before the last)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io"))
-    parser.add_argument("--json", type=Path, help="write the token's spans and figures here")
     parser.add_argument("--plot", type=Path, help="draw the token's spans here (PNG)")
     parser.set_defaults(handler=run)
 
@@ -74,8 +67,7 @@ def run(args) -> int:
 
 
 def _check(args) -> int:
-    if args.max_new_tokens < 3 or args.threads < 1:
-        raise MoestreamError("--max-new-tokens must be >= 3 and --threads >= 1")
+    check_run_flags(args, least_tokens=3)
     token = args.max_new_tokens - 2 if args.token is None else args.token
     if not 1 <= token <= args.max_new_tokens - 1:
         raise MoestreamError(f"--token must be between 1 and {args.max_new_tokens - 1}, got {token}")

@@ -1,11 +1,9 @@
 """`moestream bench token-scheduler`: the continuous batcher with each token scheduler in turn.
 
---num-seqs sequences (prompts from the real prompt sets) run together, split into decode batches of
---max-batch-size that take turns; per scheduler (a fresh engine each): the distinct experts each
-decode batch activates (mean), the device-tier hit rate, decode throughput, the process's peak RSS
-(shared by the runs of one process) and how much the resident set grew over each run. Figures only:
-nothing is asserted. Under --replay-routing each iteration takes the trace's next rows whatever the
-sequence, so a sequence's routing path no longer predicts its next token's (see the report line).
+--num-seqs sequences run together in decode batches of --max-batch-size; per scheduler (a fresh engine):
+distinct experts per decode batch (mean), hit rate, decode throughput, peak RSS and RSS growth. Under
+--replay-routing each iteration takes the trace's next rows whatever the sequence (see the report line).
+Figures only: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -14,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from moestream.bench import add_model_flags, model_dir, write_figures
-from moestream.bench.serving import memory_figures, memory_text, rss_mib
+from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
+from moestream.cli import at_least
+from moestream.bench.serving import memory_figures, memory_text
+from moestream.procfs import status_mib
 from moestream.data_dir import resolve_data_dir
 from moestream.config import BatchingConfig, EngineConfig
 from moestream.errors import MoestreamError
@@ -37,17 +37,13 @@ def add_parser(kinds) -> None:
 
 
 def run(args) -> int:
-    if min(args.num_seqs, args.max_tokens, args.prompt_words) < 1:
-        raise MoestreamError("--num-seqs, --max-tokens and --prompt-words must be >= 1")
+    at_least(1, {"--num-seqs": args.num_seqs, "--max-tokens": args.max_tokens, "--prompt-words": args.prompt_words})
     read_flags(EngineConfig, args)
     from_args(BatchingConfig, args)  # refuses bad batching flags before the model loads
     from moestream.serving import workload
     from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
 
-    schedulers = [s for s in args.schedulers.split(",") if s]
-    unknown = [s for s in schedulers if s not in TOKEN_SCHEDULERS]
-    if unknown or not schedulers:
-        raise MoestreamError(f"unknown token scheduler(s) {unknown}; choose from {', '.join(TOKEN_SCHEDULERS.names())}")
+    schedulers = comma_list(args.schedulers, "--schedulers", known=TOKEN_SCHEDULERS.names())
     model = model_dir(args)
     data = resolve_data_dir(args.data_dir)
     print(data.describe(), file=sys.stderr)
@@ -88,7 +84,7 @@ def _measure(model: Path, scheduler: str, prompts: list[str], args) -> dict:
         if batcher.paths is None:
             raise MoestreamError(f"continuous batching needs a decoder-only model; "
                                  f"{engine.checkpoint.adapter.model_type} is not one")
-        rss_before = rss_mib()  # after the engine opened: the growth is the run's
+        rss_before = status_mib("VmRSS")  # after the engine opened: the growth is the run's
         for prompt in prompts:
             batcher.admit(Request(engine.encode(prompt), params, lambda event: None))
         while batcher.scheduler.waiting:  # prefills are not what is compared

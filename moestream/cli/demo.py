@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from moestream.cli import at_least
-from moestream.cli.generate import PROMPT_ALLOWANCE, Throughput, require_checkpoint_dir, resolve_auto_budgets
+from moestream.cli.generate import (PROMPT_ALLOWANCE, Throughput, report, require_checkpoint_dir,
+                                    resolve_auto_budgets, totals)
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments, from_args, read_flags
 
@@ -91,23 +92,13 @@ def measure(label: str, model: Path, config, max_new_tokens: int) -> dict:
             engine.preload()
         results = [engine.generate([p], max_new_tokens) for p in progress_bar(PROMPTS, desc=label, unit="prompt")]
         total = engine.checkpoint.topology.total_expert_bytes
-    metrics, rates = [r.metrics for r in results], Throughput()
+    rates = Throughput()
     for result in results:
         rates.add(result)
-    return {
-        "run": label,
-        "expert_budget": config.expert_budget.percent(total),
-        "host_budget": config.host_budget.percent(total),
-        "ttft_ms": sum(m.ttft_ms for m in metrics) / len(metrics),
-        "tpot_ms": sum(m.tpot_ms for m in metrics) / len(metrics),
-        "prompt_tokens_per_s": rates.prompt_per_s,
-        "generation_tokens_per_s": rates.generation_per_s,
-        "expert_hits": sum(m.expert_hits for m in metrics),
-        "expert_misses": sum(m.expert_misses for m in metrics),
-        "bytes_read": {tier: sum(m.bytes_read.get(tier, 0) for m in metrics) for tier in ("disk", "host")},
-        "token_ids": [r.token_ids[0] for r in results],
-        "texts": [r.texts[0] for r in results],
-    }
+    return {"run": label, "expert_budget": config.expert_budget.percent(total),
+            "host_budget": config.host_budget.percent(total), **totals([report(r, 0) for r in results]),
+            "prompt_tokens_per_s": rates.prompt_per_s, "generation_tokens_per_s": rates.generation_per_s,
+            "token_ids": [r.token_ids[0] for r in results], "texts": [r.texts[0] for r in results]}
 
 
 def print_table(rows: list[dict], model: Path) -> None:

@@ -8,9 +8,10 @@ stderr at the end. Paths and budgets are checked before the heavy imports (torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 
 from moestream.budget import Budget
 from moestream.cli import at_least
@@ -93,13 +94,20 @@ def summary(records: list[dict], rates: "Throughput") -> str:
     hit rate, bytes read."""
     from moestream.budget import format_bytes
 
-    tokens = sum(len(r["token_ids"]) for r in records)
-    hits, misses = sum(r["expert_hits"] for r in records), sum(r["expert_misses"] for r in records)
+    tokens, t = sum(len(r["token_ids"]) for r in records), totals(records)
+    hits, misses = t["expert_hits"], t["expert_misses"]
     rate = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
-    disk, host = (sum(r["bytes_read"].get(tier, 0) for r in records) for tier in ("disk", "host"))
-    return (f"{tokens} tokens, TTFT {_mean(r['ttft_ms'] for r in records):.1f} ms, "
-            f"TPOT {_mean(r['tpot_ms'] for r in records):.1f} ms, {rates}, expert hit rate {rate}, "
-            f"read {format_bytes(disk)} from disk, {format_bytes(host)} from host")
+    return (f"{tokens} tokens, TTFT {t['ttft_ms']:.1f} ms, TPOT {t['tpot_ms']:.1f} ms, {rates}, expert hit rate "
+            f"{rate}, read {format_bytes(t['bytes_read']['disk'])} from disk, {format_bytes(t['bytes_read']['host'])} "
+            "from host")
+
+
+def totals(records: list[dict]) -> dict:
+    """Over the records of prompts: mean TTFT and TPOT, expert hits and misses, bytes read per tier."""
+    return {"ttft_ms": fmean(r["ttft_ms"] for r in records), "tpot_ms": fmean(r["tpot_ms"] for r in records),
+            "expert_hits": sum(r["expert_hits"] for r in records),
+            "expert_misses": sum(r["expert_misses"] for r in records),
+            "bytes_read": {tier: sum(r["bytes_read"].get(tier, 0) for r in records) for tier in ("disk", "host")}}
 
 
 @dataclass
@@ -129,11 +137,6 @@ class Throughput:
     def __str__(self) -> str:
         decode = "n/a" if self.generation_per_s is None else f"{self.generation_per_s:.2f}"
         return f"prompt {self.prompt_per_s:.1f} tokens/s, generation {decode} tokens/s"
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 def read_prompts(path: Path) -> list[str]:

@@ -45,7 +45,7 @@ def run(args) -> int:
     if args.test is not None:
         test = load_trace(args.test, args.test_tokens)
     else:
-        train, test = _split(train, args.test_fraction, args.seed)
+        train, test = split_trace(train, args.test_fraction, args.seed)
     topology = test.topology
     cost = LeadTimeCost(cost_model.layer_compute_ms, cost_model.transfer_ms(topology.expert_bytes))
     kwargs = {} if args.predictor_dir is None else {"predictor_dir": args.predictor_dir}
@@ -65,7 +65,9 @@ def run(args) -> int:
     return 0
 
 
-def _split(trace, fraction: float, seed: int):
+def split_trace(trace, fraction: float, seed: int):
+    """(train, test): a seeded --test-fraction of the trace's sequences held out; refuses a split that
+    leaves either side empty."""
     if not 0.0 < fraction < 1.0:
         raise EvalError(f"--test-fraction must lie in (0, 1), got {fraction}")
     if len(trace.sequence_ids()) < 2:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from moestream.atomic import write_json
+from moestream.bench import comma_list, fmt, rich_table
 from moestream.cli import at_least
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
@@ -34,18 +35,11 @@ COST_FLAGS = {  # flag dest -> (CostModel field (None: the link that fills the d
     "disk_gbps": ("disk_to_host_gbps", "disk -> host bandwidth (GB/s)"),
     "disk_latency_ms": ("disk_to_host_latency_ms", "disk -> host per-transfer latency"),
 }
-SIM_FLAGS = {"mode": "mode", "batch_size": "batch_size", "horizon_layers": "horizon_layers",  # SimConfig field -> dest
-             "host_cache_ratio": "host_ratio", "seed": "seed", "warmup_tokens": "warmup_tokens",
-             "protocol_eviction": "protocol_eviction", "expert_order": "expert_order"}
-
-
-class SimArgumentError(MoestreamError):
-    """A `moestream sim` flag with an unusable value."""
 
 
 def add_parser(commands) -> None:
     from moestream.sim import PRESETS, PROTOCOLS
-    from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS
+    from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS, SimConfig
     from moestream.sim.cost import DEFAULT_COST_MODEL
     from moestream.sim.ranks import RanksConfig
 
@@ -68,16 +62,20 @@ def add_parser(commands) -> None:
                         help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="hit rate vs ratio and per layer, as PNG")
-    parser.add_argument("--mode", default="decode", choices=MODES, help="workload of the stream protocol")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per iteration (--mode batched)")
     add_arguments(parser, EngineConfig, only=("horizon_layers",))
-    parser.add_argument("--host-ratio", type=float, default=1.0, help="host-tier share of experts (GPU presets)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the moe-beyond pool refills")
-    parser.add_argument("--warmup-tokens", type=int, default=10, help="unscored tokens per prompt (moe-beyond)")
-    parser.add_argument("--protocol-eviction", default="lru", choices=PROTOCOL_EVICTIONS, help="moe-beyond eviction")
-    parser.add_argument("--expert-order", default="ready", choices=EXPERT_ORDERS,
-                        help="how a layer's experts compute beside their loads (with --routed-expert-ms): ready "
-                             "(the engine's reordering), given (--no-reorder), loaded (--sync)")
+    flags = {  # SimConfig field -> (flag, choices, help); the default and its type are SimConfig's
+        "mode": ("--mode", MODES, "workload of the stream protocol"),
+        "batch_size": ("--batch-size", None, "sequences per iteration (--mode batched)"),
+        "host_cache_ratio": ("--host-ratio", None, "host-tier share of experts (GPU presets)"),
+        "seed": ("--seed", None, "seed of the moe-beyond pool refills"),
+        "warmup_tokens": ("--warmup-tokens", None, "unscored tokens per prompt (moe-beyond)"),
+        "protocol_eviction": ("--protocol-eviction", PROTOCOL_EVICTIONS, "moe-beyond eviction"),
+        "expert_order": ("--expert-order", EXPERT_ORDERS, "how a layer's experts compute beside their loads (with "
+                         "--routed-expert-ms): ready (the engine's reordering), given (--no-reorder), loaded (--sync)")}
+    for field, (flag, choices, text) in flags.items():
+        default = SimConfig.__dataclass_fields__[field].default
+        parser.add_argument(flag, dest=field, type=type(default), default=default, choices=choices, help=text,
+                            metavar=None if choices else flag[2:].upper().replace("-", "_"))
     cost = parser.add_argument_group("cost-model overrides")
     for dest, (_, text) in COST_FLAGS.items():
         cost.add_argument("--" + dest.replace("_", "-"), type=float, help=text)
@@ -136,9 +134,7 @@ def _load(path: Path, tokens: Path | None, seed: int):
 def _names(text: str) -> list[str]:
     from moestream.policies import POLICIES
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise SimArgumentError("--policy names no policy")
+    names = comma_list(text, "--policy")
     for name in names:
         POLICIES.get(name)  # an unknown name fails before any trace is read
     return names
@@ -151,21 +147,24 @@ def _ratios(text: str) -> list[float]:
         try:
             ratio = float(part.strip().removesuffix("%")) / (100.0 if percent else 1.0)
         except ValueError:
-            raise SimArgumentError(f"--cache-ratio: {part.strip()!r} is not a ratio (0.25) or a percentage (25%)") from None
+            raise MoestreamError(f"--cache-ratio: {part.strip()!r} is not a ratio (0.25) or a percentage "
+                                 "(25%)") from None
         if not 0.0 < ratio <= 1.0:
-            raise SimArgumentError(f"--cache-ratio must lie in (0, 1], got {ratio}")
+            raise MoestreamError(f"--cache-ratio must lie in (0, 1], got {ratio}")
         ratios.append(ratio)
     return ratios
 
 
 def _config(args, ratio: float):
+    from dataclasses import fields
+
     from moestream.sim import SimConfig, get_cost_model
 
     cost = get_cost_model(args.cost_model)
-    cost = cost.with_overrides(**{field: getattr(args, dest) for dest, (field, _) in COST_FLAGS.items() if field})
-    link = {"link_gbps": f"{cost.device_link}_gbps", "link_latency_ms": f"{cost.device_link}_latency_ms"}
-    cost = cost.with_overrides(**{field: getattr(args, flag) for flag, field in link.items()})
-    return SimConfig(cache_ratio=ratio, cost=cost, **{field: getattr(args, dest) for field, dest in SIM_FLAGS.items()})
+    cost = cost.with_overrides(**{field or f"{cost.device_link}_{dest.removeprefix('link_')}": getattr(args, dest)
+                                  for dest, (field, _) in COST_FLAGS.items()})
+    flags = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}  # add_parser's
+    return SimConfig(**flags | {"cache_ratio": ratio, "cost": cost})
 
 
 def _prepared(name: str, trace, train, args):
@@ -182,7 +181,7 @@ def _prepared(name: str, trace, train, args):
         check_compatible(policy, train)
         policy.fit(train)
     elif isinstance(policy, TrainedPolicy):
-        raise SimArgumentError(f"{name} needs a trained predictor: pass --train TRACE (fits it here) or "
+        raise MoestreamError(f"{name} needs a trained predictor: pass --train TRACE (fits it here) or "
                                f"--predictor-dir DIR of its kind (from `moestream train-predictor`)")
     elif _learns(policy):
         print(f"moestream: note: policy {name!r} learns from a trace but no --train was given; it runs unfitted", file=sys.stderr)
@@ -232,29 +231,11 @@ def _document(args, config, trace, results: dict[str, dict[float, dict]]) -> dic
 
 
 def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
-    from rich.table import Table
-
     from moestream.report import report_console
 
-    table = Table(title=f"moestream sim ({protocol})")
     columns = ["policy", "ratio", "hit rate", "stall ms/tok", "TPOT / resident", "MB/tok", "wasted", "late", "seconds"]
-    for column in columns:
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    for name, by_ratio in results.items():
-        for ratio, m in by_ratio.items():
-            table.add_row(
-                name,
-                f"{ratio:g}",
-                f"{100 * m['hit_rate']:.2f}%",
-                _fmt(m["stall_ms_per_token"], "{:.3f}"),
-                _fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"),
-                _fmt(None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6, "{:.1f}"),
-                _fmt(m["wasted_prefetch_ratio"], "{:.1%}"),
-                _fmt(m["late_prefetch_ratio"], "{:.1%}"),
-                f"{m['replay_seconds']:.1f}",
-            )
-    report_console(REPORT_WIDTH).print(table)
-
-
-def _fmt(value, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
+    cells = [[name, f"{ratio:g}", f"{100 * m['hit_rate']:.2f}%", fmt(m["stall_ms_per_token"], "{:.3f}"),
+              fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"), fmt(m["bytes_per_token"], lambda b: f"{b / 1e6:.1f}"),
+              fmt(m["wasted_prefetch_ratio"], "{:.1%}"), fmt(m["late_prefetch_ratio"], "{:.1%}"),
+              f"{m['replay_seconds']:.1f}"] for name, by_ratio in results.items() for ratio, m in by_ratio.items()]
+    report_console(REPORT_WIDTH).print(rich_table(f"moestream sim ({protocol})", columns, cells))

@@ -7,12 +7,15 @@ It reads GET /v1/moestream/stats (moestream/serving/live.py) and knows nothing o
 from __future__ import annotations
 
 import time
+
+from moestream.bench import fmt
 from moestream.budget import format_bytes
 from moestream.errors import MoestreamError
 
 REFRESH_S = 1.0
 HEATMAP_STEPS = 60  # the most recent steps shown
 CELL = "■"
+PCT = "{:.1%}"
 
 
 def add_parser(commands) -> None:
@@ -70,7 +73,7 @@ def frame(stats: dict):
     from rich.panel import Panel
 
     tables = [_tiers(stats)] + [_table(title, rows) for title, rows in _figures(stats)]
-    title = f"moestream top: {stats['tokens']} tokens, hit rate {_pct(stats['hit_rate'])}"
+    title = f"moestream top: {stats['tokens']} tokens, hit rate {fmt(stats['hit_rate'], PCT)}"
     return Group(Panel(_heatmap(stats), title=title, title_align="left"), Columns(tables, padding=(0, 2)))
 
 
@@ -119,21 +122,10 @@ def _figures(stats: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     """(title, rows of a name and its value) of each small table."""
     transfers, p, latency, requests = stats["transfers"], stats["prediction"], stats["latency_s"], stats["requests"]
     return [("transfers", [(name.replace("_", " "), str(transfers[name])) for name in ("in_flight", "late", "cancelled")]),
-            ("prediction", [("precision", _pct(p["precision"])), ("recall", _pct(p["recall"])),
+            ("prediction", [("precision", fmt(p["precision"], PCT)), ("recall", fmt(p["recall"], PCT)),
                             ("prefetched", str(p["prefetched"])), ("wasted", str(p["wasted"]))]),
-            ("bytes/token", [(f"from {tier}", _bytes_text(n)) for tier, n in stats["bytes_per_token"].items()]),
-            ("latency (s)", [(f"{name.upper()} {q}", _num(latency[name][q]))
+            ("bytes/token", [(f"from {tier}", fmt(n, lambda x: format_bytes(round(x))))
+                             for tier, n in stats["bytes_per_token"].items()]),
+            ("latency (s)", [(f"{name.upper()} {q}", fmt(latency[name][q], "{:.3g}"))
                              for q in ("p50", "p90", "p99") for name in ("ttft", "tpot")]),
             ("requests", [(name, str(requests[name])) for name in ("running", "waiting")])]
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
-def _bytes_text(x: float | None) -> str:
-    return "-" if x is None else format_bytes(round(x))

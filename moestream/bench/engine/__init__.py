@@ -1,24 +1,17 @@
 """`moestream bench engine`: the engine end to end on a checkpoint, cold, experts on disk.
 
-For each budget (10/25/50% by default): TTFT, TPOT, stall per token, overlap (transfer time hidden
-behind compute), hit rate, bytes read per token and peak RSS of `--sync` on-demand LRU, async `lru`,
-each design's policy, `default`, and transformers with accelerate's disk offload at the same memory;
-beside them all experts resident and the physical limit of the budget: max(resident TPOT, bytes the
-offline `oracle` moves per token on the same replayed rows in the simulator / cold O_DIRECT
-bandwidth). Every run is a fresh process (its own peak RSS and process floor) with the checkpoint
-dropped from the page cache. `--device cuda[:N]` puts every engine run's dense part and device tier on
-that GPU (accelerate's disk offload, a CPU baseline, is then skipped with a note). With `--memory-cap`,
-each offloaded run runs again in a memory cgroup of that size (isolation.py) beside its uncapped twin.
-Targets are printed as ok/missed, never asserted. `--json` also writes the calibrated cost model, for
-`moestream sim --cost-model measured:PATH`.
+Per budget: TTFT, TPOT, stall, overlap, hit rate, bytes per token and peak RSS of on-demand LRU
+(`--sync`), async `lru`, each design's policy, `default` and transformers' disk offload, beside the
+all-resident run and the budget's physical limit (oracle bytes per token / cold O_DIRECT bandwidth).
+Every run is a fresh process, cold; `--memory-cap` reruns each under a cgroup limit (isolation.py).
+Targets are ok/missed, never asserted; `--json` also writes the calibrated cost model for `moestream sim`.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from moestream.bench import add_model_flags, write_figures
+from moestream.bench import add_model_flags, add_run_flags, write_figures
 from moestream.config import EngineConfig
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments
@@ -32,18 +25,14 @@ def add_parser(kinds) -> None:
     parser = kinds.add_parser("engine", help="TPOT, stalls, hit rate and peak RSS per policy, cold, against "
                                              "the physical limit")
     add_model_flags(parser)
+    add_run_flags(parser, 16, "write the figures (and the calibrated cost model) here")
     parser.add_argument("--prompts", type=int, default=DEMO_PROMPTS, metavar="N",
                         help=f"the first N of the {DEMO_PROMPTS} demo prompts (default all)")
-    parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
-                        help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every run (default 1)")
     parser.add_argument("--memory-cap", metavar="auto|MiB",
                         help="run each offloaded run again under a cgroup memory limit (v2, or v1's memory "
                              "controller): auto (floor + dense + budget + 64 MiB) or MiB")
-    parser.add_argument("--json", type=Path, help="write the figures (and the calibrated cost model) here")
     parser.add_argument("--budgets", default=BUDGETS, help=f"expert budgets, comma separated (default {BUDGETS})")
     parser.add_argument("--designs", default=DESIGNS, help=f"design policies to run (default {DESIGNS}; '' none)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers + accelerate disk offload")
     add_arguments(parser, EngineConfig, only=("device", "replay_routing", "direct_io", "native_gemv"))
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
@@ -96,10 +85,9 @@ def _follow(ranks) -> int:
 
 def _expert_parallel(args) -> int:
     from moestream.bench.engine.parallel import measure_parallel, print_parallel
-    from moestream.errors import MoestreamError
+    from moestream.cli import at_least
 
-    if args.expert_parallel < 1:
-        raise MoestreamError(f"--expert-parallel takes N >= 1, got {args.expert_parallel}")
+    at_least(1, {"--expert-parallel": args.expert_parallel})
     document = measure_parallel(args, lambda line: print(line, file=sys.stderr, flush=True))
     print_parallel(document)
     write_figures(document, args.json)

@@ -1,19 +1,10 @@
 """`moestream bench engine --expert-parallel N`: the engine on N ranks against one process.
 
-For each budget B (a ratio of every routed expert's bytes), three runs of `moestream generate` over the
-demo prompts, each a fresh process (or N) with the checkpoint dropped from the page cache: one process
-at B (the same total memory), one process at B / N (what one of the N small machines does alone), and
-N ranks started by torchrun (torch.distributed.run, gloo), each with its tiers sized B of the experts
-it owns, i.e. B / N of the model: the whole holds what the one process at B holds. Figures: TPOT, and
-per rank the expert hit rate, bytes read from disk per generated token and seconds in the combine per
-generated token (the whole run, prefill included).
-
-Where the machine allows memory cgroups (isolation.py), every process runs under its own memory limit:
-one process at B under C = floor + dense part + B + slack (`--memory-cap auto`, the default here; or C
-given in MiB), and each rank, as the one process at B / N, under C less the (N - 1) / N of B it does not
-hold: the experts' memory sums to the one process's, while the floor (Python, torch) and the dense part
-are each rank's own. Each rank enters its cgroup as torchrun starts it (rank_cgroup.py); the peak charged
-to each cgroup is reported. Elsewhere one line says why, and the runs go uncapped. Knows no engine
+Per budget B, three fresh cold runs of `moestream generate` over the demo prompts: one process at B, one
+at B / N, and N torchrun ranks each holding B of its own experts. Figures: TPOT, and per rank the hit
+rate, disk bytes and combine seconds per generated token. Where memory cgroups allow (isolation.py),
+each process runs capped: floor + dense + B + slack (or --memory-cap MiB), each rank less the
+(N - 1) / N of B it does not hold (rank_cgroup.py); each cgroup's peak is reported. Knows no engine
 internals: it reads generate's --json.
 """
 
@@ -36,11 +27,11 @@ GENERATE_SLACK_MIB = 192  # the memory cap: floor + dense part + budget + this (
 
 def measure_parallel(args, say) -> dict:
     """The runs' figures; say(line) tells, at once, why the runs go uncapped where they must."""
-    from moestream.bench import model_dir
+    from moestream.bench import comma_list, model_dir
     from moestream.cli.demo import PROMPTS
 
     model = model_dir(args)
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = comma_list(args.budgets, "--budgets", float)
     caps = memory_caps(args, Path(model))
     if not caps["applied"]:
         say(f"bench engine --expert-parallel: runs uncapped: {caps['reason']}")
@@ -140,21 +131,16 @@ def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: 
 
 def summary(records: list[dict]) -> dict:
     """TPOT (median over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
-    tokens = sum(len(r["token_ids"]) for r in records)
-    parallel = [r["expert_parallel"] for r in records if r.get("expert_parallel")]
-    per_rank = zip(*(p["ranks"] for p in parallel)) if parallel else [  # one process: one "rank"
-        [{"hits": r["expert_hits"], "misses": r["expert_misses"], "bytes_read": r["bytes_read"], "combine_s": 0.0}
-         for r in records]]
+    from moestream.bench.engine.runners import summed_report
+
+    tokens = max(sum(len(r["token_ids"]) for r in records), 1)
+    reports = [r["expert_parallel"] for r in records if r.get("expert_parallel")] or [  # one process: one "rank"
+        {"ranks": [{"hits": r["expert_hits"], "misses": r["expert_misses"], "bytes_read": r["bytes_read"],
+                    "combine_s": 0.0}]} for r in records]
     return {"tpot_ms": statistics.median(r["tpot_ms"] for r in records),
-            "per_rank": [_rank(rank, tokens) for rank in per_rank]}
-
-
-def _rank(records, tokens: int) -> dict:
-    """One rank's figures from its records, one a prompt."""
-    hits, misses = sum(r["hits"] for r in records), sum(r["misses"] for r in records)
-    return {"hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "disk_bytes_per_token": sum(r["bytes_read"].get("disk", 0) for r in records) / max(tokens, 1),
-            "combine_ms_per_token": sum(r["combine_s"] for r in records) * 1e3 / max(tokens, 1)}
+            "per_rank": [{"hit_rate": r["hit_rate"], "disk_bytes_per_token": r["bytes_read"].get("disk", 0) / tokens,
+                          "combine_ms_per_token": r["combine_s"] * 1e3 / tokens}
+                         for r in summed_report(reports)["ranks"]]}
 
 
 def print_parallel(document: dict) -> None:

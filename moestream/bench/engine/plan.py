@@ -9,7 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from moestream.bench import budget_list, checkpoint_summary, model_dir, split_names
+from moestream.bench import budget_list, check_run_flags, checkpoint_summary, model_dir, split_names
 from moestream.bench.engine.spec import RunSpec, dense_bytes
 from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
 from moestream.errors import MoestreamError
@@ -61,9 +61,10 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
                "cap": _cap(args), "run": run, "world_size": world_size}
     base = dataclasses.replace(base, link_gbps=disk["bandwidth"] / 1e9,  # the planner's link: calibrated here
                                layer_ms=resident["tpot_ms"] / topology.num_layers)
-    results, skipped = [], _hf_skipped(args, budgets, world_size)
+    run_list, skipped = _run_list(args, budgets, world_size)
+    results = []
     for budget in budgets:
-        results += _budget_runs(base, budget, _run_list(args, world_size), context, skipped)
+        results += _budget_runs(base, budget, run_list, context, skipped)
     cost = calibrate(topology, _calibration_run(results, topology) or resident | {"expert_read_ms": disk["expert_read_ms"]},
                      disk["bandwidth"])
     limits, oracle = _limits(budgets, _replayed(args, resident, topology), cost, context)
@@ -81,41 +82,28 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
             "oracle_bytes_per_token": oracle}
 
 
-def _run_list(args, world_size: int = 1) -> list[Job]:
-    return jobs(args.designs) + ([] if args.no_hf or _hf_reason(args, world_size) else [Job(HF, True, HF)])
-
-
-def _hf_reason(args, world_size: int) -> str | None:
-    """Why transformers + accelerate's disk offload (a one-process CPU baseline) is not run, if it is not."""
-    if args.device.startswith("cuda"):
-        return "not run with --device cuda: accelerate's disk offload is the CPU baseline"
-    if world_size > 1:
-        return "not run under torchrun: accelerate's disk offload is a one-process baseline"
-    return None
-
-
-def _hf_skipped(args, budgets: list[str], world_size: int) -> list[dict]:
-    """The note that transformers + accelerate's disk offload is not run, where it is not."""
-    reason = _hf_reason(args, world_size)
-    if args.no_hf or reason is None:
-        return []
-    return [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None, "reason": reason}
-            for budget in budgets]
+def _run_list(args, budgets: list[str], world_size: int) -> tuple[list[Job], list[dict]]:
+    """The jobs of each budget, and the notes of those not run: transformers + accelerate's disk offload
+    (a one-process CPU baseline) is not run with --device cuda or under torchrun (nor with --no-hf)."""
+    reason = ("not run with --device cuda: accelerate's disk offload is the CPU baseline"
+              if args.device.startswith("cuda") else "not run under torchrun: accelerate's disk offload is a "
+              "one-process baseline" if world_size > 1 else None)
+    if args.no_hf:
+        return jobs(args.designs), []
+    if reason is None:
+        return jobs(args.designs) + [Job(HF, True, HF)], []
+    return jobs(args.designs), [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None,
+                                 "reason": reason} for budget in budgets]
 
 
 def _check(args) -> list[str]:
     from moestream.cli.demo import PROMPTS
-    from moestream.config import EngineConfig
 
-    if args.threads < 1 or args.max_new_tokens < 1:
-        raise MoestreamError("--threads and --max-new-tokens must be >= 1")
+    check_run_flags(args)
     if not 1 <= args.prompts <= len(PROMPTS):
         raise MoestreamError(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
-    EngineConfig(device=args.device)  # refuses an unknown device, or CUDA where there is none
     if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
         raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
-    if args.replay_routing is not None and not Path(args.replay_routing).is_file():
-        raise MoestreamError(f"--replay-routing: no trace file at {args.replay_routing}")
     return budget_list(args.budgets)
 
 

@@ -1,13 +1,10 @@
 """`bench engine` under torchrun: every run of the bench on every rank, each still a fresh process.
 
-The ranks that torchrun started are the bench's own: rank 0 measures as one process does, and before
-each run it tells every rank the run (its spec, its memory cap, a fresh port); each rank then starts its
-own child process for it (isolation.py, under its own cgroup when capped), and the N children join a
-process group of their own on that port (torch's env:// rendezvous at rank 0's address). In the child,
-rank 0 runs the bench's engine run over its leading engine (runners.py), the others follow it
-(moestream.parallel.launch); rank 0's figures carry every rank's (`expert_parallel`). A run that fails
-on one rank fails on all (their process group breaks); the bench goes on with the next. Knows no
-figure of a run.
+Rank 0 measures as one process does and before each run tells every rank its spec, memory cap and a
+fresh port; each rank starts its own child (isolation.py), and the children form a process group on that
+port. Rank 0's child runs the engine run over its leading engine (runners.py), the others follow it;
+its figures carry every rank's. A run failing on one rank fails on all; the bench goes on with the next.
+Knows no figure of a run.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import torch.distributed as dist
 
 from moestream.bench.engine.isolation import RunFailed, run_isolated
 from moestream.bench.engine.spec import RunSpec
-from moestream.parallel.ranks import RankContext, free_port, wait_for_all
+from moestream.parallel.ranks import RankContext, free_port
 
 
 def ranked_runner(ranks: RankContext) -> Callable[..., dict]:
@@ -57,6 +54,7 @@ def rank_env(ranks: RankContext, port: int) -> dict[str, str | None]:
 def run_in_child(spec: RunSpec, run_spec: Callable[..., dict]) -> dict:
     """In a run's child process under rank_env: rank 0's figures (run_spec(spec, ranks)), or {"rank": r}
     once a follower's engine has followed rank 0's to its end."""
+    from moestream.bench.engine.runners import prepare
     from moestream.config import EngineConfig
     from moestream.parallel.launch import follow_ranks
     from moestream.parallel.ranks import join_ranks, leave_ranks
@@ -65,21 +63,10 @@ def run_in_child(spec: RunSpec, run_spec: Callable[..., dict]) -> dict:
     try:
         if ranks.leads:
             return run_spec(spec, ranks)
-        follow_ranks(ranks, prepare=lambda engine: _prepare(engine, spec, ranks))
+        follow_ranks(ranks, prepare=lambda engine: prepare(engine, spec, ranks))  # as rank 0's run does
         return {"rank": ranks.rank}
     finally:
         leave_ranks()
-
-
-def _prepare(engine, spec: RunSpec, ranks: RankContext) -> None:
-    """What rank 0's run does between opening its engine and generating, on a follower's own experts."""
-    from moestream.bench.engine.spec import shards
-    from moestream.store.bandwidth import drop_page_cache
-
-    if spec.preload:
-        engine.preload()
-    drop_page_cache(shards(spec.model))
-    wait_for_all(ranks, "the preloading of the experts")  # as rank 0's run does
 
 
 def _announce(ranks: RankContext, job: tuple | None) -> tuple | None:

@@ -3,6 +3,8 @@ process floor and memory cap, and the issue's targets at 25% as ok/missed (never
 
 from __future__ import annotations
 
+from moestream.bench import fmt, rich_table
+
 TARGET_BUDGET = 0.25
 LIMIT_TARGET = 1.25  # default TPOT / physical limit, at most (issue 34)
 RESIDENT_TARGET = 1.3  # default TPOT / all-resident TPOT, at most
@@ -121,36 +123,23 @@ def rank_lines(document: dict) -> list[str]:
 
 
 def _table(document: dict, args):
-    from rich.table import Table
-
-    table = Table(title=f"moestream bench engine: {document['model']}",
-                  caption=f"{args.threads} torch thread(s), device {document.get('device', 'cpu')}, "
-                          f"{document.get('prompts', 4)} prompt(s), "
-                          f"{document['max_new_tokens']} new tokens per prompt, cold "
-                          "start, a fresh process per run; per-token figures over decode steps; expert µs: one routed "
-                          "expert MLP's mean wall time; cap (peak): the run's cgroup memory limit and the memory "
-                          "charged to that cgroup at its peak; limit: max(resident TPOT, oracle bytes per token / "
-                          "O_DIRECT bandwidth)")
     columns = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "stall ms/tok", "overlap", "hit rate",
                "KiB/tok", "expert µs", "peak RSS MiB", "cap (peak) MiB", "limit ms", "TPOT/limit")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("policy", "mode") else "right", no_wrap=True)
-    for r in document["runs"]:
-        limit = r["limit_tpot_ms"]
-        table.add_row(f"{r['budget']:.0%}", r["policy"], r["mode"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.1f}",
-                      _fmt(r["stall_ms_per_token"], "{:.1f}"), _fmt(r["overlap"], "{:.0%}"),
-                      _fmt(r["hit_rate"], "{:.1%}"), f"{r['bytes_per_token'] / 1024:.0f}",
-                      _fmt(r.get("routed_expert_ms") and 1e3 * r["routed_expert_ms"], "{:.0f}"),
-                      f"{r['peak_rss_mib']:.0f}", _cap_cell(r),
-                      _fmt(limit, "{:.1f}"), _fmt(limit and r["tpot_ms"] / limit, "{:.2f}"))
-    return table
+    cells = [[f"{r['budget']:.0%}", r["policy"], r["mode"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.1f}",
+              fmt(r["stall_ms_per_token"], "{:.1f}"), fmt(r["overlap"], "{:.0%}"), fmt(r["hit_rate"], "{:.1%}"),
+              f"{r['bytes_per_token'] / 1024:.0f}", fmt(r.get("routed_expert_ms"), lambda ms: f"{1e3 * ms:.0f}"),
+              f"{r['peak_rss_mib']:.0f}", _cap_cell(r), fmt(r["limit_tpot_ms"], "{:.1f}"),
+              fmt(r["limit_tpot_ms"] and r["tpot_ms"] / r["limit_tpot_ms"], "{:.2f}")] for r in document["runs"]]
+    return rich_table(f"moestream bench engine: {document['model']}", columns, cells, left=("policy", "mode"),
+                      caption=f"{args.threads} torch thread(s), device {document.get('device', 'cpu')}, "
+                              f"{document.get('prompts', 4)} prompt(s), {document['max_new_tokens']} new tokens per "
+                              "prompt, cold start, a fresh process per run; per-token figures over decode steps; "
+                              "expert µs: one routed expert MLP's mean wall time; cap (peak): the run's cgroup memory "
+                              "limit and the memory charged to that cgroup at its peak; limit: max(resident TPOT, "
+                              "oracle bytes per token / O_DIRECT bandwidth)")
 
 
 def _cap_cell(run: dict) -> str:
     """The run's memory cap and the cgroup's peak usage under it ("-" uncapped)."""
     cap, peak = run.get("memory_cap_mib"), run.get("cgroup_peak_mib")
-    return "-" if cap is None else f"{cap:.0f} ({_fmt(peak, '{:.0f}')})"
-
-
-def _fmt(value, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
+    return "-" if cap is None else f"{cap:.0f} ({fmt(peak, '{:.0f}')})"

@@ -86,7 +86,6 @@ class EngineRun:
 
     def run(self, spec: RunSpec, ranks=None) -> dict:
         from moestream.checkpoint.index import build_index
-        from moestream.parallel.ranks import wait_for_all
         from moestream.policies.trained import matching_directory
         from moestream.runtime import EngineConfig
         from moestream.store.bandwidth import drop_page_cache
@@ -100,11 +99,7 @@ class EngineRun:
                               layer_ms=spec.layer_ms, background_predictor=spec.background_predictor,
                               native_gemv=spec.native_gemv)
         with _engine(spec, config, policy, ranks) as engine:
-            if spec.preload:
-                engine.preload()
-            drop_page_cache(shards(spec.model))
-            if ranks is not None:  # a rank done preloading first would time out waiting for the first step
-                wait_for_all(ranks, "the preloading of the experts")
+            prepare(engine, spec, ranks)
             return self._generate(engine, spec)
 
     def _generate(self, engine, spec: RunSpec) -> dict:
@@ -140,6 +135,20 @@ class EngineRun:
             "device_slots": engine.store.device_slots,
         } | ({"iteration_embeddings": meter.embeddings} if spec.keep_embeddings else {}) | (
             {} if parallel[0] is None else {"expert_parallel": summed_report(parallel)})
+
+
+def prepare(engine, spec: RunSpec, ranks=None) -> None:
+    """Between opening an engine and generating, on every rank: the preload of an all-resident run, the
+    checkpoint's pages dropped, and on ranks a wait for all (one done preloading first would time out
+    waiting for the first step)."""
+    from moestream.parallel.ranks import wait_for_all
+    from moestream.store.bandwidth import drop_page_cache
+
+    if spec.preload:
+        engine.preload()
+    drop_page_cache(shards(spec.model))
+    if ranks is not None:
+        wait_for_all(ranks, "the preloading of the experts")
 
 
 def summed_report(reports: list[dict]) -> dict:
