@@ -51,10 +51,6 @@ class Tracer:
         self._threads: list[dict[str, tuple[float, int]]] = []  # every thread's totals
         self._lock = threading.Lock()
 
-    @property
-    def keeps_spans(self) -> bool:
-        return self._spans is not None
-
     def span(self, lane: str, label: Label = "") -> "_Timed":
         """A context manager that records the time its with-block takes (also when it raises)."""
         return _Timed(self, lane, label)

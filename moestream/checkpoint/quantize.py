@@ -22,6 +22,7 @@ from safetensors import safe_open
 from moestream.atomic import check_empty_dir, publish_dir, write_json
 from moestream.checkpoint import writer
 from moestream.checkpoint.index import CheckpointIndex, build_index
+from moestream.checkpoint.manifest import MANIFEST_FILE
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import MoestreamError
 from moestream.quant.codec import method_of
@@ -29,7 +30,7 @@ from moestream.quant.encode import IntScheme, quantize
 from moestream.quant.linears import WEIGHT
 
 COPIED_SUFFIXES = (".safetensors", ".tmp")
-SKIPPED = (writer.INDEX_FILE, "config.json", "moestream-manifest.json")
+SKIPPED = (writer.INDEX_FILE, "config.json", MANIFEST_FILE)
 
 
 def expert_weights(checkpoint: CheckpointIndex, scheme: IntScheme) -> dict[str, str]:
