@@ -23,6 +23,7 @@ from moestream.atomic import check_empty_dir, publish_dir, write_json
 from moestream.checkpoint import writer
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import MANIFEST_FILE
+from moestream.checkpoint.manifest import MANIFEST_FILE
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import MoestreamError
 from moestream.quant.codec import method_of

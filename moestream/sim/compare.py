@@ -25,7 +25,7 @@ import numpy as np
 from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Policy
+from moestream.policies.contracts import NullPredictor, Policy
 from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.progress import progress_bar
 from moestream.sim.config import SimConfig
@@ -166,7 +166,7 @@ def run_job(policy: Policy, test: Trace, job: Job, horizon_layers: int) -> dict:
 
 
 def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> dict:
-    if not config.horizons or _predicts_nothing(policy):
+    if not config.horizons or isinstance(policy.predictor, NullPredictor):
         return {}
     sample = head_tokens(test, config.num_prediction_tokens)
     quality = {}
@@ -185,9 +185,3 @@ def head_tokens(trace: Trace, num_tokens: int) -> Trace:
         return trace
     last = int(np.searchsorted(ends, num_tokens))
     return trace.take(np.arange(ends[last]))
-
-
-def _predicts_nothing(policy: Policy) -> bool:
-    from moestream.policies.contracts import NullPredictor
-
-    return isinstance(policy.predictor, NullPredictor)

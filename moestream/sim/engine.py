@@ -31,8 +31,7 @@ Mechanism rules (documented choices):
   ("ready": resident first, then as they land, the engine's cache-aware reordering; "given": in id
   order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
 - A layer looks its experts up in ascending id order, as the engine does (docs/measurements/fidelity.md).
-This module knows the policy contract, not any policy by name. Caches start empty. Hits and accesses count
-distinct experts per layer and iteration.
+This module knows the policy contract, not any policy by name.
 """
 
 from __future__ import annotations
