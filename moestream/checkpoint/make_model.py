@@ -2,17 +2,11 @@
 format (the tensors transformers' save_pretrained writes), with a small byte-level BPE tokenizer and
 the integrity manifest (`moestream verify`'s).
 
-The model is never built in memory: its tensors' names, shapes and dtypes come from the model on
-the meta device with transformers' own save-time conversion (fused experts back to the family's
-per-expert tensors), and each tensor is filled when the writer reaches it (`writer.py`): a 31 GB
-checkpoint is written in a few hundred MiB. Values are seeded per tensor (spec.seed and the
-tensor's name), so the bytes do not depend on the number of workers: norm weights 1, biases 0,
-tensors the family asks for noise N(0, NOISE_STD), everything else N(0, initializer_range) (T5's
-convention where the config has it instead), drawn in the tensor's own dtype. The checkpoint is built in a temporary directory beside the output and
-renamed into place, so an interrupted run leaves no partial checkpoint. With `spec.quant`, the tensors
-that the format's published checkpoints quantize are written quantized (`quantized.py`: the quantization
-of the same seeded tensors) and config.json declares the format. It knows families only through their
-adapters.
+The model is never built in memory: tensor names, shapes and dtypes come from the model on the meta
+device, and each tensor is filled when the writer reaches it (`writer.py`), seeded by spec.seed and
+its name (norm weights 1, biases 0, noise where the family asks, else N(0, initializer_range) or T5's
+convention). Built in a temporary directory and renamed into place; with `spec.quant`, what the
+format's releases quantize is written quantized (`quantized.py`). Knows families only through their adapters.
 """
 
 from __future__ import annotations
