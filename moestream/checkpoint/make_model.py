@@ -23,8 +23,10 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from moestream.atomic import publish_dir, write_json
 from moestream.checkpoint import writer
+from moestream.checkpoint.quantized import QUANT_LAYOUTS, quantize_units
 from moestream.checkpoint.spec import ModelSpec, demo_spec
 from moestream.checkpoint.tokenizer import SpecialTokenIds, train_tokenizer
+from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import CheckpointError
 from moestream.progress import progress_bar
@@ -132,11 +134,7 @@ def _scales(config: PretrainedConfig) -> Callable[[TensorPlan, str], float]:
 
 def _quant_layout(spec: ModelSpec):
     """The layout of spec.quant (checkpoint/quantized.py), or None for an unquantized checkpoint."""
-    if spec.quant is None:
-        return None
-    from moestream.checkpoint.quantized import QUANT_LAYOUTS
-
-    return QUANT_LAYOUTS.create(spec.quant, spec)
+    return None if spec.quant is None else QUANT_LAYOUTS.create(spec.quant, spec)
 
 
 def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path, quantization_config: dict | None) -> None:
@@ -164,16 +162,12 @@ def write_weights(units: list[list[TensorPlan]], fill: writer.Fill, directory: P
 
 
 def _write(spec: ModelSpec, directory: Path, progress: bool, workers: int) -> None:
-    from moestream.checkpoint.verify import verify
-
     config = make_config(spec)  # config and tokenizer first: their errors come before any progress output
     model = meta_model(spec, config)
     layout = _quant_layout(spec)
     _write_metadata(spec, model, directory, None if layout is None else layout.quantization_config())
     units, fill = disk_tensors(model), filler(spec, config)
     if layout is not None:
-        from moestream.checkpoint.quantized import quantize_units
-
         units, fill = quantize_units(layout, units, fill)
     total = sum(tensor.nbytes for unit in units for tensor in unit)
     with progress_bar(total=total, desc=f"make-model {spec.family}", disable=not progress, unit="B",
