@@ -38,6 +38,3 @@ class RoutingEvent:
 
     def experts(self) -> np.ndarray:
         return np.unique(self.expert_ids)
-
-    def expert_counts(self, num_experts: int) -> np.ndarray:
-        return np.bincount(self.expert_ids.ravel(), minlength=num_experts)  # [E]

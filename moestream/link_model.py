@@ -1,18 +1,10 @@
 """A modelled link: the backlog of bytes admitted to the link that fills the device tier, advanced by a
 virtual clock of one MoE layer's compute per layer, that the planner's view reports (`LinkState`).
 
-The transfer core feeds it the admissions that the engine's stores and the simulator make alike: a
-layer's lookups (`need`: a queued prefetch it needs becomes demand), demand loads (`demand`: ahead of
-every read that has not started) and a plan's prefetches (`speculate`: in plan order). Time passes only
-with the layers that the keys name: when a lookup or a plan names a layer other than the last one, the
-layers between have computed, the first of them once its demand loads were in and `tail_ms` more
-(what it computes after its last one lands; the link moves demand first after what is under way).
-A read leaves the model when it is done or when its expert leaves the tier (`drop`), as the transfer
-core's rules say (a plan's prefetches keep their slots until evicted).
-
-So both drivers compute the same backlog from the same admissions: it reads no clock and no
-measurement, knows no policy, and is not what the real link does (its bandwidth and layer time are
-fixed figures of the run: a cost model's, or the engine's calibration at start).
+The transfer core feeds it the same admissions in the engine and the simulator (`need`, `demand`,
+`speculate`, `drop`; docs/design.md, "The link as the planner sees it"), so both compute the same
+backlog. It reads no clock and no measurement, knows no policy, and is not what the real link does
+(its bandwidth and layer time are fixed figures of the run).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The one optional tracer: the engine's parts tell it what they did and when; counters and
 timelines are read from it.
 
-A part is handed the tracer once, at construction, and reports spans (lane, label, begin, end;
-`time.perf_counter` seconds) through `span()`, `call()` or `add()`. Lanes used by the engine: "experts" (the
-compute thread's routed expert MLPs), "layer" (a layer's grouped or row-wise expert work besides
-them), "policy" (the observers' calls and the policy's decisions), "wait" (the compute thread
-waiting for expert bytes), "disk" (a round of disk reads on its link), "h2d" (a round of host ->
-device copies). The tracer always sums each lane (`totals()`: seconds and spans), so time counters
-such as a store's stall are derived from it; it keeps the spans themselves only when asked
-(`keep_spans`), for a timeline. Labels may be given as callables, built only when spans are kept.
-Recording is thread-safe (each thread sums into its own totals, without a lock). Knows no policy, no store and no model: it only keeps what it is told.
+A part reports spans (lane, label, begin, end; `time.perf_counter` seconds) through `span()`, `call()` or
+`add()`; lanes: `LANES`. The tracer always sums each lane (`totals()`), and keeps the spans themselves
+only when asked (`keep_spans`), for a timeline; labels may be callables, built only then. Recording is
+thread-safe (each thread sums into its own totals, without a lock). Knows no policy, no store and no
+model: it only keeps what it is told.
 """
 
 from __future__ import annotations
@@ -20,7 +16,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-LANES = ("experts", "layer", "policy", "wait", "disk", "h2d")  # h2d: the host -> device copy link
+# experts: the compute thread's routed expert MLPs; layer: a layer's other expert work; policy: the
+# observers' calls and the policy's decisions; wait: waiting for expert bytes; disk, h2d: a round of reads,
+# of host -> device copies
+LANES = ("experts", "layer", "policy", "wait", "disk", "h2d")
 
 Label = str | Callable[[], str]
 _clock = time.perf_counter  # bound once: a span's own cost inside its measured time stays small
@@ -50,10 +49,6 @@ class Tracer:
         self._local = threading.local()  # .totals: this thread's lane -> (seconds, spans), written by it alone
         self._threads: list[dict[str, tuple[float, int]]] = []  # every thread's totals
         self._lock = threading.Lock()
-
-    @property
-    def keeps_spans(self) -> bool:
-        return self._spans is not None
 
     def span(self, lane: str, label: Label = "") -> "_Timed":
         """A context manager that records the time its with-block takes (also when it raises)."""

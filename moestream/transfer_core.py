@@ -1,24 +1,11 @@
 """The transfer core: the bookkeeping of experts coming into the device tier, one clock-free object
 that the engine's stores (`moestream.store`) and the simulator (`moestream.sim.engine`) both drive.
 
-Residency changes only at two kinds of event, never when bytes land:
-- a layer's lookups (`lookup`, `admit_demand`): an expert in the tier is a hit, landed or still
-  moving (then LATE: its wait is stall, and the mechanism makes its transfer demand); any other is
-  a miss, admitted at once, evicting by policy any expert not pinned;
-- a plan (`plan_view`, `admit_prefetches`, `end_plan`): the previous plan's pins are released (its
-  experts keep their slots, landed or not, until evicted), then the new plan's experts take slots
-  best first, each pinned until the next plan.
-Pins come only from events: the layer's own (its caller's `pin`/`unpin`) and the current plan's. A
-demand that finds every slot pinned releases the plan's pins, lowest priority first. An expert
-evicted while its transfer moves is handed to the driver (`displaced`), whose mechanism cancels it
-or lets it finish before the slot is reused. So engine and simulator keep the same residency on
-the same events whatever their clocks; the clock decides only whether a hit is late.
-
-It also builds the planner's view (`plan_view`, the one place a `CacheView` is made) and keeps the
-driver's records of what moves (`track`, `landed`, `forget`). With a `ModelledLink`
-(`moestream.link_model`) it tells the model each lookup and admission, and the view carries the
-model's state (`CacheView.link`). It knows no time, no bytes, no thread (a caller holds its own
-lock), and no policy by name.
+Residency changes only at a layer's lookups (`fetch_layer`) and at a plan (`plan_view`,
+`admit_prefetches`, `end_plan`), never when bytes land (the rules: docs/design.md, "The transfer
+core"); an expert evicted while it moves is handed to its driver (`displaced`). It builds the
+planner's view, keeps the driver's records of what moves and feeds a `ModelledLink`. It knows no
+time, no bytes, no thread (a caller holds its own lock), and no policy by name.
 """
 
 from __future__ import annotations

@@ -2,17 +2,11 @@
 format (the tensors transformers' save_pretrained writes), with a small byte-level BPE tokenizer and
 the integrity manifest (`moestream verify`'s).
 
-The model is never built in memory: its tensors' names, shapes and dtypes come from the model on
-the meta device with transformers' own save-time conversion (fused experts back to the family's
-per-expert tensors), and each tensor is filled when the writer reaches it (`writer.py`): a 31 GB
-checkpoint is written in a few hundred MiB. Values are seeded per tensor (spec.seed and the
-tensor's name), so the bytes do not depend on the number of workers: norm weights 1, biases 0,
-tensors the family asks for noise N(0, NOISE_STD), everything else N(0, initializer_range) (T5's
-convention where the config has it instead), drawn in the tensor's own dtype. The checkpoint is built in a temporary directory beside the output and
-renamed into place, so an interrupted run leaves no partial checkpoint. With `spec.quant`, the tensors
-that the format's published checkpoints quantize are written quantized (`quantized.py`: the quantization
-of the same seeded tensors) and config.json declares the format. It knows families only through their
-adapters.
+The model is never built in memory: tensor names, shapes and dtypes come from the model on the meta
+device, and each tensor is filled when the writer reaches it (`writer.py`), seeded by spec.seed and
+its name (norm weights 1, biases 0, noise where the family asks, else N(0, initializer_range) or T5's
+convention). Built in a temporary directory and renamed into place; with `spec.quant`, what the
+format's releases quantize is written quantized (`quantized.py`). Knows families only through their adapters.
 """
 
 from __future__ import annotations
@@ -29,8 +23,10 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from moestream.atomic import publish_dir, write_json
 from moestream.checkpoint import writer
+from moestream.checkpoint.quantized import QUANT_LAYOUTS, quantize_units
 from moestream.checkpoint.spec import ModelSpec, demo_spec
 from moestream.checkpoint.tokenizer import SpecialTokenIds, train_tokenizer
+from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import CheckpointError
 from moestream.progress import progress_bar
@@ -138,11 +134,7 @@ def _scales(config: PretrainedConfig) -> Callable[[TensorPlan, str], float]:
 
 def _quant_layout(spec: ModelSpec):
     """The layout of spec.quant (checkpoint/quantized.py), or None for an unquantized checkpoint."""
-    if spec.quant is None:
-        return None
-    from moestream.checkpoint.quantized import QUANT_LAYOUTS
-
-    return QUANT_LAYOUTS.create(spec.quant, spec)
+    return None if spec.quant is None else QUANT_LAYOUTS.create(spec.quant, spec)
 
 
 def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path, quantization_config: dict | None) -> None:
@@ -170,16 +162,12 @@ def write_weights(units: list[list[TensorPlan]], fill: writer.Fill, directory: P
 
 
 def _write(spec: ModelSpec, directory: Path, progress: bool, workers: int) -> None:
-    from moestream.checkpoint.verify import verify
-
     config = make_config(spec)  # config and tokenizer first: their errors come before any progress output
     model = meta_model(spec, config)
     layout = _quant_layout(spec)
     _write_metadata(spec, model, directory, None if layout is None else layout.quantization_config())
     units, fill = disk_tensors(model), filler(spec, config)
     if layout is not None:
-        from moestream.checkpoint.quantized import quantize_units
-
         units, fill = quantize_units(layout, units, fill)
     total = sum(tensor.nbytes for unit in units for tensor in unit)
     with progress_bar(total=total, desc=f"make-model {spec.family}", disable=not progress, unit="B",

@@ -22,6 +22,10 @@ from safetensors import safe_open
 from moestream.atomic import check_empty_dir, publish_dir, write_json
 from moestream.checkpoint import writer
 from moestream.checkpoint.index import CheckpointIndex, build_index
+from moestream.checkpoint.manifest import MANIFEST_FILE
+from moestream.checkpoint.verify import verify
+from moestream.checkpoint.manifest import MANIFEST_FILE
+from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import MoestreamError
 from moestream.quant.codec import method_of
@@ -29,7 +33,7 @@ from moestream.quant.encode import IntScheme, quantize
 from moestream.quant.linears import WEIGHT
 
 COPIED_SUFFIXES = (".safetensors", ".tmp")
-SKIPPED = (writer.INDEX_FILE, "config.json", "moestream-manifest.json")
+SKIPPED = (writer.INDEX_FILE, "config.json", MANIFEST_FILE)
 
 
 def expert_weights(checkpoint: CheckpointIndex, scheme: IntScheme) -> dict[str, str]:
@@ -91,8 +95,6 @@ def filler(checkpoint: CheckpointIndex, scheme: IntScheme, sources: dict[str, tu
 
 def _write(checkpoint: CheckpointIndex, scheme: IntScheme, directory: Path, workers: int,
            on_bytes: Callable[[int], None]) -> None:
-    from moestream.checkpoint.verify import verify
-
     weights = expert_weights(checkpoint, scheme)
     shards, sources = shard_plans(checkpoint, scheme, weights)
     fill = filler(checkpoint, scheme, sources)

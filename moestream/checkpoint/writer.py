@@ -12,6 +12,7 @@ not what fills them or which model they belong to.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -21,12 +22,10 @@ from typing import Callable, Iterator
 
 import torch
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from moestream.checkpoint.shards import DTYPES, INDEX_FILE, SINGLE_FILE
+
 HEADER_ALIGN = 8
-DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -39,10 +38,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 Fill = Callable[[TensorPlan], torch.Tensor]  # the tensor's values: contiguous, of its shape and dtype

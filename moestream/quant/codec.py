@@ -2,21 +2,9 @@
 under the method's name (`quantization_config.quant_method` of the checkpoint's config.json).
 
 A quantized expert stays in its on-disk format in every tier: its slot is the concatenation of the
-quantized disk tensors that `disk_parts` names (one `ExpertPart` each, so the checkpoint indexer
-lays them out and reads them like any other part), and the runtime views a slot as those parts
-(typed views, `ExpertIndex.views`; the indexer orders a quantized slot's parts widest dtype first,
-stably, so that every view is aligned). Right before an expert's MLP, `decode` turns the parts into the
-dense weights the family's `ExpertMath` reads, written into scratch tensors that the caller
-allocated once (shapes from `dense_shapes`, in the compute dtype) and reuses for every expert: no
-whole-layer dequantized copy exists.
-
-Names: a codec chooses the names of its slot parts (e.g. "gate_up_proj.0.weight_packed" or
-"gate_up_proj_blocks"); `decode` reads the same names. Parts it leaves unquantized (e.g. biases)
-keep the family's names and pass through `decode` unchanged.
-
-Dense (non-expert) tensors that a checkpoint stores quantized (e.g. FP8 attention weights) are
-grouped by `dense_groups` and decoded once at load by `decode_dense`.
-
+parts `disk_parts` names, viewed as typed tensors; right before an expert's MLP, `decode` writes the
+dense weights into scratch the caller allocated once (shapes from `dense_shapes`). Quantized dense
+tensors are grouped by `dense_groups` and decoded once at load (docs/design.md, "Quantized experts").
 This module knows no family, store, policy or runtime; codecs know their format and nothing else.
 """
 

@@ -17,8 +17,9 @@ from typing import Any, Mapping
 import torch
 
 from moestream.errors import CheckpointError
-from moestream.quant import linears, packing
+from moestream.quant import packing
 from moestream.quant.codec import CODECS
+from moestream.quant.linears import LinearCodec
 
 METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -41,8 +42,10 @@ def weights_scheme(qconfig: Mapping[str, Any]) -> tuple[str, dict]:
 
 
 @CODECS.register(METHOD)
-class CompressedTensorsCodec:
+class CompressedTensorsCodec(LinearCodec):
     """Integer weight-only experts in compressed-tensors' pack-quantized or int-quantized format."""
+
+    method, marker = METHOD, "scale"
 
     def __init__(self, quantization_config: Mapping[str, Any]):
         self.format, weights = weights_scheme(quantization_config)
@@ -64,26 +67,11 @@ class CompressedTensorsCodec:
             names["shape"] = "weight_shape"
         return names
 
-    def disk_parts(self, parts):
-        return linears.linear_parts(parts, list(self.roles), self.roles, METHOD)
-
-    def dense_shapes(self, layout):
-        return linears.dense_shapes(layout, self._shape)
-
-    def _shape(self, layout, prefix: str) -> tuple[int, int]:
+    def linear_shape(self, layout, prefix: str) -> tuple[int, int]:
         rows, cols = layout[f"{prefix}.q"]
         return rows, cols * (packing.per_word(self.bits) if self.format == PACKED else 1)
 
-    def decode(self, parts, out):
-        return linears.decode_linears(parts, out, self._decode_linear)
-
-    def dense_groups(self, names):
-        return linears.dense_groups(names, self.roles, "scale")
-
-    def decode_dense(self, tensors, dtype):
-        return linears.decode_dense(tensors, dtype, self._shape, self._decode_linear)
-
-    def _decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
+    def decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
         q, scale = parts[f"{prefix}.q"], parts[f"{prefix}.scale"]
         rows = q.shape[0]
         zero = parts.get(f"{prefix}.zero")

@@ -21,9 +21,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from moestream.errors import CheckpointError
-from moestream.families.base import ExpertPart
-from moestream.quant import linears
-from moestream.quant.codec import CODECS, Shapes, Tensors
+from moestream.quant.codec import CODECS, Tensors
+from moestream.quant.linears import LinearCodec
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -110,10 +109,12 @@ def _block_reduce(values: torch.Tensor, block: Sequence[int] | None) -> torch.Te
 
 
 @CODECS.register(METHOD)
-class Fp8Codec:
+class Fp8Codec(LinearCodec):
     """FP8 experts: linear j of a part P (gate_proj.weight, then up_proj.weight, of gate_up_proj) becomes the
     slot parts `P.j.weight` and `P.j.weight_scale_inv` (moestream.quant.linears); decoding writes its rows of
     P. Dense FP8 weights are decoded at load."""
+
+    method, roles = METHOD, {role: role for role in ROLES}
 
     def __init__(self, quantization_config: Mapping[str, Any]) -> None:
         fmt = quantization_config.get("fmt", "e4m3")
@@ -125,21 +126,12 @@ class Fp8Codec:
         self.block = None if block is None else (int(block[0]), int(block[1]))
         self._tables: dict[torch.device, torch.Tensor] = {}
 
-    def disk_parts(self, parts: Sequence[ExpertPart]) -> tuple[ExpertPart, ...]:
-        return linears.linear_parts(parts, ROLES, {role: role for role in ROLES}, METHOD)
-
-    def dense_shapes(self, layout: Mapping[str, tuple[int, ...]]) -> Shapes:
-        return linears.dense_shapes(layout, self._linear_shape)
-
-    def _linear_shape(self, layout: Mapping[str, tuple[int, ...]], prefix: str) -> tuple[int, int]:
+    def linear_shape(self, layout: Mapping[str, tuple[int, ...]], prefix: str) -> tuple[int, int]:
         shape = layout[f"{prefix}.{WEIGHT}"]
         self._check_scales(prefix, shape, layout[f"{prefix}.{SCALE}"])
         return shape
 
-    def decode(self, parts: Tensors, out: Tensors) -> Tensors:
-        return linears.decode_linears(parts, out, self._decode_linear)
-
-    def _decode_linear(self, parts: Tensors, prefix: str, target: torch.Tensor) -> int:
+    def decode_linear(self, parts: Tensors, prefix: str, target: torch.Tensor) -> int:
         weight = parts[f"{prefix}.{WEIGHT}"]  # [R, C] fp8
         decode_into(weight, parts[f"{prefix}.{SCALE}"], target[: weight.shape[0]], self.block, self._table(weight))
         return weight.shape[0]

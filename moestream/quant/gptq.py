@@ -12,16 +12,19 @@ from typing import Any, Mapping
 import torch
 
 from moestream.errors import CheckpointError
-from moestream.quant import linears, packing
+from moestream.quant import packing
 from moestream.quant.codec import CODECS
+from moestream.quant.linears import LinearCodec
 
 METHOD = "gptq"
 ROLES = {"q": "qweight", "zero": "qzeros", "scale": "scales", "g_idx": "g_idx"}
 
 
 @CODECS.register(METHOD)
-class GptqCodec:
+class GptqCodec(LinearCodec):
     """Integer weight-only experts in GPTQ's qweight/qzeros/scales/g_idx layout."""
+
+    method, marker, roles = METHOD, "q", ROLES
 
     def __init__(self, quantization_config: Mapping[str, Any]):
         self.bits = int(quantization_config.get("bits", 4))
@@ -31,26 +34,11 @@ class GptqCodec:
                                   f"checkpoint_format {fmt!r} is not supported; supported: 4 or 8 bits, desc_act "
                                   "false, checkpoint_format 'gptq'")
 
-    def disk_parts(self, parts):
-        return linears.linear_parts(parts, list(ROLES), ROLES, METHOD)
-
-    def dense_shapes(self, layout):
-        return linears.dense_shapes(layout, self._shape)
-
-    def _shape(self, layout, prefix: str) -> tuple[int, int]:
+    def linear_shape(self, layout, prefix: str) -> tuple[int, int]:
         packed_in, rows = layout[f"{prefix}.q"]
         return rows, packed_in * packing.per_word(self.bits)
 
-    def decode(self, parts, out):
-        return linears.decode_linears(parts, out, self._decode_linear)
-
-    def dense_groups(self, names):
-        return linears.dense_groups(names, ROLES, "q")
-
-    def decode_dense(self, tensors, dtype):
-        return linears.decode_dense(tensors, dtype, self._shape, self._decode_linear)
-
-    def _decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
+    def decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
         q = packing.unpack(parts[f"{prefix}.q"], self.bits, dim=0)  # [I, O]
         rows = q.shape[1]
         mask = (1 << self.bits) - 1

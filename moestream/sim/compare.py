@@ -14,7 +14,6 @@ import copy
 import logging
 import tempfile
 import time
-from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -25,13 +24,14 @@ import numpy as np
 from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Policy
+from moestream.policies.contracts import NullPredictor, Policy
 from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.progress import progress_bar
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
 from moestream.sim.overhead import overhead_us_per_layer
 from moestream.sim.protocols import simulate
+from moestream.threads import torch_threads
 from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,9 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
     result = Comparison()
     fitted = fit_policies(train, test, config, result)
     jobs = replay_jobs(fitted, config)
-    with single_threaded_torch(), ProcessPoolExecutor(config.num_workers, mp_context=get_context("fork")) as pool:
+    # forked workers inherit torch's thread pool, and a child deadlocks in its first parallel op if the parent ran
+    # one with several threads (e.g. loading a predictor): the parent forks and works single-threaded meanwhile
+    with torch_threads(1), ProcessPoolExecutor(config.num_workers, mp_context=get_context("fork")) as pool:
         futures = {job: pool.submit(run_job, fitted[job.policy], test, job, config.horizon_layers) for job in jobs}
         for name, policy in fitted.items():
             result.prediction[name] = prediction_quality(policy, test, config)
@@ -103,21 +105,6 @@ def compare(train: Trace, test: Trace, config: CompareConfig) -> Comparison:
         result.overhead_us_per_layer[name] = overhead_us_per_layer(
             policy, head_tokens(test, config.num_overhead_tokens), config.horizon_layers)
     return result
-
-
-@contextmanager
-def single_threaded_torch():
-    """Forked workers inherit torch's intra-op thread pool, and a child deadlocks in its first
-    parallel op if the parent ran one with several threads (e.g. while loading a predictor): the
-    parent forks and works single-threaded, and gets its thread count back afterwards."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def fit_policies(train: Trace, test: Trace, config: CompareConfig, result: Comparison) -> dict[str, Policy]:
@@ -166,7 +153,7 @@ def run_job(policy: Policy, test: Trace, job: Job, horizon_layers: int) -> dict:
 
 
 def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> dict:
-    if not config.horizons or _predicts_nothing(policy):
+    if not config.horizons or isinstance(policy.predictor, NullPredictor):
         return {}
     sample = head_tokens(test, config.num_prediction_tokens)
     quality = {}
@@ -185,9 +172,3 @@ def head_tokens(trace: Trace, num_tokens: int) -> Trace:
         return trace
     last = int(np.searchsorted(ends, num_tokens))
     return trace.take(np.arange(ends[last]))
-
-
-def _predicts_nothing(policy: Policy) -> bool:
-    from moestream.policies.contracts import NullPredictor
-
-    return isinstance(policy.predictor, NullPredictor)

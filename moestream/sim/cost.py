@@ -1,51 +1,10 @@
 """Cost models for the simulator: compute time per MoE layer and transfer time per link.
 
-A cost model is plain numbers with their sources stated here; the simulator turns them into
-virtual time. It knows nothing of policies or traces. Bandwidths are decimal (1 GB/s = 1e9 B/s).
-
-Presets
--------
-``pcie4-consumer`` (default): a 24 GB consumer GPU (RTX 4090 class, ~1 TB/s GDDR6X) on PCIe 4.0 x16.
-  Link: 32 GB/s nominal per direction (16 GT/s x 16 lanes, 128b/130b); pinned host-to-device
-  copies reach about 25 GB/s in practice (NVIDIA bandwidthTest on such systems reports 24-26 GB/s),
-  so 25 GB/s effective, plus 0.01 ms per copy (launch and DMA setup).
-  Compute, derived for one DeepSeek-V2-Lite decode token (batch 1, bf16, memory-bound): one MoE
-  decoder layer reads MLA attention (q 2048x3072, kv_a 2048x576, kv_b 512x4096, o 2048x2048: 13.8 M
-  params), 2 shared + 6 routed experts (8 x 3 x 2048 x 1408 = 69.2 M params): 83 M params = 166 MB;
-  at ~800 GB/s effective memory bandwidth that is 0.21 ms, plus ~0.04 ms of kernel launches: 0.25 ms.
-  Each further distinct expert (batches, prefill) reads 17.3 MB more: 0.022 ms. Each further token
-  costs its FLOPs: 2 x 83 M = 166 MFLOP at ~80 TFLOP/s effective bf16: 0.002 ms.
-``h100-pcie5``: an H100 PCIe (2.0 TB/s HBM2e) on PCIe 5.0 x16: 64 GB/s nominal per direction,
-  50 GB/s effective for pinned copies (about 80 % of nominal, as on PCIe 4.0), 0.01 ms per copy.
-  Compute, same derivation: 166 MB at ~1.6 TB/s effective = 0.10 ms, plus ~0.03 ms of launches:
-  0.13 ms per layer; a further expert 0.011 ms; a further token 166 MFLOP at ~380 TFLOP/s: 0.0005 ms.
-``h100-deepseek-v3``: one H100 SXM (3.35 TB/s HBM3) on PCIe 5.0 x16 (50 GB/s effective, as above) with
-  an NVMe drive (6 GB/s), serving a DeepSeek-V3-shaped model (hidden 7168, 58 MoE layers of 256
-  experts of 3 x 7168 x 2048 params, top-8, one shared expert; FP8 weights, 1 byte per param).
-  Compute, same derivation: one decode token reads MLA attention (~187 M params) + the shared expert
-  (44 M) + 8 routed experts (352 M): 583 MB at ~2.7 TB/s effective = 0.216 ms, plus ~0.04 ms of
-  launches: 0.26 ms per layer; a routed expert for one token reads 44 MB: 0.016 ms (routed_expert_ms,
-  part of the layer's compute); a further distinct expert the same; a further token 1.17 GFLOP at
-  ~600 TFLOP/s effective FP8: 0.002 ms.
-``local-disk``: this development machine, experts read from its disk into RAM (the "device" tier is
-  RAM and the source is disk; no host tier). Measured 2026-11-20 on the project's 2-core VM:
-  sequential O_DIRECT reads of a fresh 1 GiB file in /tmp with
-  ``dd if=FILE of=/dev/null bs=16M iflag=direct``: 0.96-1.2 GB/s over five runs, so 1.0 GB/s;
-  ``dd bs=4k count=4000 iflag=direct``: 66 us per 4 KiB request, so 0.066 ms latency per read.
-  CPU compute, torch 2.13 on 2 threads, the layer above as bf16 matrix-vector products
-  (attention projections + 8 experts, batch 1): 47.7 ms per layer (fp32: 16.9 ms); a further
-  expert about 5 ms (8.65 M of the 83 M params); a further token ~2 ms (estimate, not measured).
-  The machine is shared, so these are rough.
-
-``measured:PATH``: a cost model calibrated on the machine at hand from the engine's own measurements
-  (`moestream bench engine --json PATH` and `moestream bench fidelity --json PATH` write one under
-  "cost_model"; a JSON object of CostModel fields works too): compute per MoE layer from the decode
-  TPOT less its stall, a routed expert's compute timed around each expert MLP, and a read batch's
-  cost as the line (fixed part, per expert) fitted to the engine's batches of misses read together.
-  Experts come from disk (no host tier).
-
-Every field can be overridden (the CLI's ``--layer-compute-ms``, ``--link-gbps`` ...) with
-``CostModel.with_overrides``.
+A cost model is plain numbers; the simulator turns them into virtual time. Presets: `pcie4-consumer`
+(default), `h100-pcie5`, `h100-deepseek-v3`, `local-disk`, each with its source (how every figure was
+derived or measured: docs/simulator.md); `measured:PATH`, one calibrated by `moestream bench engine
+--json` or `bench fidelity --json`. Every field can be overridden (`CostModel.with_overrides`, the
+CLI's `--layer-compute-ms` ...). Bandwidths are decimal (1 GB/s = 1e9 B/s). Knows no policy or trace.
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """The stream protocol: the engine's mechanism in virtual time, driven by a replayed trace.
 
-The policy is called through a `PolicyDriver` (moestream.policies.driver), which owns the call
-order; this module is the `LayerMechanism` it calls at each layer. Per MoE layer, once every
-observer has seen the routing (predictor first, then the tiers' eviction policies): the transfer
-core looks the layer's experts up (`TransferCore.fetch_layer`, as the engine's store): one in the
-tier is a hit, ready or still moving (late: waited for, and a prefetch still queued for it is
-promoted to a demand load); any other is admitted and loaded on demand ahead of every prefetch.
-Then the predictions after the layer go to the planner, whose requests the core admits
-(`TransferCore.plan_view`, `admit_prefetches`); transfers queued or in flight continue. The layer
-computes once its experts are ready (the wait is the stall) while the links keep moving; then its
-pins are released. Residency is the core's alone, so the engine and the simulator keep the same
-experts on the same trace; this module only times the transfers (a cost model).
-
-Mechanism rules (documented choices):
-- One transfer at a time per link, never pre-empted; demand loads are committed when issued. A
-  plan's prefetches wait on their link by priority (a later plan may re-rank them), as the engine's
-  transfer queue orders them. One whose expert the core evicts is dropped if it has not started
-  (`_displaced`); one moving lands before its link's next transfer, which may fill the slot.
-- The planner is consulted only when the predictor predicts something; an empty prediction list
-  is an empty plan (it ends the last one), except before the first layer (`predict(-1)`), where
-  it leaves the plan made at the previous iteration's last layer in place.
-- With a partial host tier (GPU presets with --host-ratio < 1) an expert missing there crosses
-  disk -> host first; the device link then idles until it arrives (a conservative simplification).
-  A prefetch whose host copy was evicted before it started is read again; host-tier residency is
-  this module's own (the engine's CPU runs have no host tier).
-- Caches start empty. Hits and accesses count distinct experts per layer and iteration.
-- A layer's demand loads are one read batch (cost.demand_batch_ms, then one transfer each), landing
-  one by one (through a host tier, each is committed on its own, with no batch cost). With
-  cost.routed_expert_ms its routed experts compute in SimConfig.expert_order, each once landed
-  ("ready": resident first, then as they land, the engine's cache-aware reordering; "given": in id
-  order; "loaded": after the last, as --sync): the stall is what that compute does not cover.
-- A layer looks its experts up in ascending id order, as the engine does (docs/measurements/fidelity.md).
-This module knows the policy contract, not any policy by name. Caches start empty. Hits and accesses count
-distinct experts per layer and iteration.
+The policy is called through a `PolicyDriver`, whose `LayerMechanism` this is: per MoE layer the
+transfer core looks the layer's experts up and admits the misses (loaded on demand ahead of every
+prefetch), the planner's requests after the layer are admitted by the core and queued by priority,
+and the layer computes once its experts are ready (the wait is the stall) while the links keep
+moving. Residency is the core's alone; this module only times the transfers (a cost model). Its
+documented choices (links, host tier, demand batches, expert order): docs/simulator.md. Knows the
+policy contract, not any policy by name.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The MoE-Beyond study's hit-rate protocol (arXiv 2508.17137), offered as the `moe-beyond` protocol.
 
-- One global pool of int(total_experts x ratio) slots shared by all layers (1,664 x ratio for
-  DeepSeek-V2-Lite), with LRU eviction as in the study (`protocol_eviction="policy"` uses the
-  policy's own device eviction instead).
-- Prompts are replayed one after another as decode streams. At the start of every prompt the pool
-  is emptied and refilled with random experts (seeded); the first `warmup_tokens` (10) tokens of a
-  prompt warm the pool and are not scored, so prompts of 10 tokens or fewer contribute nothing.
-- Before each (token, layer l) the predictor's experts for layer l are pushed through the pool
-  (no bandwidth; a push of a resident expert refreshes it, any other evicts): the top_k
-  highest-scoring predictions for layer l, best first, from `predict(layer_now=l-1)` made after
-  observing layer l-1 (for layer 0, `predict(-1)` after `begin_iteration`). Then the gate's real
-  experts are looked up: a hit refreshes, a miss is inserted.
-- hit rate = hits / lookups, pooled over every scored token of every prompt.
-No bandwidth, no time: the stream protocol (`engine.py`) measures those. The policy is called through
-a `PolicyDriver` (which owns the call order); `_Run` is the mechanism it calls at each layer. Knows no
-policy by name.
+One global pool of experts (LRU, or the policy's own eviction), emptied and refilled with random
+experts at each prompt; before each (token, layer) the predictor's top_k experts for the layer are
+pushed through it, then the gate's experts are looked up; hit rate = hits / lookups after each
+prompt's warm-up tokens (the rules in full: docs/simulator.md). No bandwidth, no time. `_Run` is the
+`LayerMechanism` of its `PolicyDriver`. Knows no policy by name.
 """
 
 from __future__ import annotations

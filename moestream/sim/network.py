@@ -1,18 +1,7 @@
-"""Network links between ranks for the multi-rank simulator, as named presets.
-
-A preset is plain numbers: effective bandwidth per direction of one rank pair's link and the
-latency of one message on it (what a collective library adds to the wire included). Bandwidths are
-decimal (1 GB/s = 1e9 B/s). The figures are estimates from the links' nominal rates, stated here:
-
-``25gbe``: 25 Gb/s Ethernet = 3.125 GB/s nominal; ~93 % after Ethernet/IP/TCP framing: 2.9 GB/s;
-  0.025 ms per message (NCCL over TCP sockets: a kernel round trip and a proxy thread).
-``100gbe``: 100 Gb/s Ethernet with RDMA (RoCEv2) = 12.5 GB/s nominal, 11.6 GB/s effective;
-  0.010 ms per message (RDMA one-way 3-5 us plus the collective's launch).
-``400gbe``: 400 Gb/s Ethernet/InfiniBand NDR class = 50 GB/s nominal, 46 GB/s effective; 0.008 ms.
-``nvlink``: NVLink 4 between H100s (18 links x 25 GB/s = 450 GB/s per direction), ~370 GB/s as
-  NCCL reaches on it; 0.005 ms per message (a kernel launch dominates).
-
-This module knows nothing of ranks, experts or policies.
+"""Network links between ranks for the multi-rank simulator, as named presets (`25gbe`, `100gbe`,
+`400gbe`, `nvlink`): effective bandwidth per direction of one rank pair's link and the latency of
+one message on it, estimates from the links' nominal rates (derived in docs/simulator.md).
+Bandwidths are decimal (1 GB/s = 1e9 B/s). Knows nothing of ranks, experts or policies.
 """
 
 from __future__ import annotations

@@ -33,12 +33,9 @@ def _hit_rate_vs_ratio(axes, results: Results) -> None:
     for policy, by_ratio in results.items():
         ratios = sorted(by_ratio)
         axes.plot(ratios, [100 * by_ratio[r]["hit_rate"] for r in ratios], marker="o", label=policy)
-    axes.set_xlabel("cache ratio (device slots / routed experts)")
-    axes.set_ylabel("hit rate (%)")
-    axes.set_ylim(0, 100)
-    axes.set_title("hit rate vs cache ratio")
-    axes.grid(alpha=0.3)
-    axes.legend()
+    axes.set(xlabel="cache ratio (device slots / routed experts)", ylabel="hit rate (%)", ylim=(0, 100),
+             title="hit rate vs cache ratio")
+    _grid(axes)
 
 
 def _per_layer(axes, results: Results) -> None:
@@ -46,19 +43,15 @@ def _per_layer(axes, results: Results) -> None:
     for policy, by_ratio in results.items():
         layers = by_ratio[ratio]["per_layer_hit_rate"]
         axes.plot(range(len(layers)), [100 * h for h in layers], marker=".", label=policy)
-    axes.set_xlabel("MoE layer")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_ylabel("hit rate (%)")
-    axes.set_ylim(0, 100)
-    axes.set_title(f"per-layer hit rate at cache ratio {ratio:g}")
+    axes.set(xlabel="MoE layer", ylabel="hit rate (%)", ylim=(0, 100),
+             title=f"per-layer hit rate at cache ratio {ratio:g}")
+    _grid(axes)
+
+
+def _grid(axes) -> None:
     axes.grid(alpha=0.3)
     axes.legend()
-
-
-def _save(figure, path: Path) -> Path:
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=110)
-    return path
 
 
 Scaling = dict[str, dict[float, dict[int, dict]]]  # policy -> cache ratio -> number of ranks -> figures
@@ -76,8 +69,7 @@ def plot_scaling(results: Scaling, path: str | os.PathLike, title: str = "") -> 
     hits.set(xlabel="ranks (one GPU each)", ylabel="hit rate (%)", title="hit rate of each rank", ylim=(0, 100))
     for axes in (tpot, hits):
         axes.minorticks_off()
-        axes.grid(alpha=0.3)
-        axes.legend()
+        _grid(axes)
     return _finish(figure, path, title)
 
 
@@ -99,6 +91,8 @@ def _finish(figure, path, title: str | None) -> Path:
         figure.suptitle(title)
     figure.tight_layout()
     try:
-        return _save(figure, Path(path))
+        with atomic_path(Path(path)) as tmp:
+            figure.savefig(tmp, format="png", dpi=110)
+        return Path(path)
     finally:
         plt.close(figure)

@@ -1,22 +1,11 @@
 """Expert parallelism in virtual time: R ranks, each a StreamSimulator over the experts a placement
 gives it, stepping through every MoE layer together.
 
-Each rank has its own device tier (and host tier, with its own disk link), sized by the per-rank
-budget: SimConfig's ratios of *all* experts (one GPU's memory), never more than the rank owns. Each
-runs its own copy of the policy: it observes the whole routing, and its predictions are kept only
-for the experts it owns, so it prefetches only those. The model of one step (documented choices):
-- Rank 0 holds the tokens (scheduler, sampling) and runs the dense part of each layer. A rank that
-  owns some of a token's chosen experts receives the token's hidden state from rank 0 (dispatch)
-  and sends its experts' weighted output back (combine): one message each way per layer on the
-  rank pair's link (NetworkLink.message_ms of hidden_bytes per token). Rank pairs do not share
-  bandwidth (a non-blocking switch); no two messages on one pair overlap, so none queues.
-- A rank learns the layer's routing when its dispatch arrives: its demand loads start then.
-- Rank 0 computes the layer as one process would, less routed_expert_ms for every routed row
-  another rank computes; another rank computes routed_expert_ms per routed row it owns.
-- A layer ends when the last rank's combine arrives; every rank idles until then (its links keep
-  moving). TPOT is that clock per iteration; the resident TPOT is the same without stalls.
-With one rank and no network this is the single-process simulator, figure for figure.
-This module knows the policy contract and a placement, not any policy or placement by name.
+Each rank has its own tiers, sized by the per-rank budget, and its own copy of the policy, which
+observes the whole routing and prefetches only what its rank owns; rank 0 holds the tokens, and a
+layer's dispatch and combine cross each rank pair's link (the model of one step: docs/simulator.md).
+With one rank and no network this is the single-process simulator, figure for figure. Knows the
+policy contract and a placement, not any policy or placement by name.
 """
 
 from __future__ import annotations

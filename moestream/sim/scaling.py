@@ -9,19 +9,24 @@ policy by name.
 from __future__ import annotations
 
 import copy
+from dataclasses import asdict
 
+from rich.table import Table
+
+from moestream.atomic import write_json
 from moestream.errors import MoestreamError
-from moestream.sim.ranks import RanksConfig
+from moestream.parallel.placement import PLACEMENTS, ActivationStats, make_placement
+from moestream.progress import progress_bar
+from moestream.report import report_console
+from moestream.sim.network import get_network
+from moestream.sim.ranks import RanksConfig, RankSetup, simulate_ranks
+from moestream.sim.synthetic import SYNTHETIC_PREFIX, shape_of
 
 REPORT_WIDTH = 180
 
 
 def check_flags(flags: RanksConfig, args) -> None:
     """Refuses unusable rank flags before any trace is read, naming the flag."""
-    from moestream.parallel.placement import PLACEMENTS
-    from moestream.sim.network import get_network
-    from moestream.sim.synthetic import SYNTHETIC_PREFIX
-
     get_network(flags.network)
     PLACEMENTS.get(flags.expert_parallel_placement)
     if args.protocol != "stream":
@@ -33,8 +38,6 @@ def check_flags(flags: RanksConfig, args) -> None:
 
 
 def run_ranks(args, flags: RanksConfig, trace, train, policies: dict, configs: list) -> int:
-    from moestream.atomic import write_json
-
     stats, hidden = _stats(flags, train if train is not None else trace), _hidden_bytes(flags, str(args.trace))
     results = {name: {config.cache_ratio: _scaling(policy, trace, config, flags, stats, hidden) for config in configs}
                for name, policy in policies.items()}
@@ -50,19 +53,12 @@ def run_ranks(args, flags: RanksConfig, trace, train, policies: dict, configs: l
 
 
 def _stats(flags: RanksConfig, trace):
-    from moestream.parallel.placement import PLACEMENTS, ActivationStats
-
     if not PLACEMENTS.get(flags.expert_parallel_placement).needs_stats:
         return None
     return ActivationStats.from_routing(trace.experts, trace.topology.num_experts)
 
 
 def _scaling(policy, trace, config, flags: RanksConfig, stats, hidden: int) -> dict[int, dict]:
-    from moestream.parallel.placement import make_placement
-    from moestream.progress import progress_bar
-    from moestream.sim.network import get_network
-    from moestream.sim.ranks import RankSetup, simulate_ranks
-
     network = get_network(flags.network)
     by_ranks = {}
     for world in progress_bar(flags.ranks, desc=f"sim ratio {config.cache_ratio:g}", unit="world"):
@@ -74,16 +70,12 @@ def _scaling(policy, trace, config, flags: RanksConfig, stats, hidden: int) -> d
 
 def _hidden_bytes(flags: RanksConfig, trace: str) -> int:
     """--hidden-bytes, else the shape's of a synthetic:NAME --trace."""
-    from moestream.sim.synthetic import SYNTHETIC_PREFIX, shape_of
-
     if flags.hidden_bytes or not trace.startswith(SYNTHETIC_PREFIX):
         return flags.hidden_bytes
     return shape_of(trace).hidden_bytes
 
 
 def _document(args, flags: RanksConfig, config, trace, results: dict) -> dict:
-    from dataclasses import asdict
-
     return {
         "trace": str(args.trace),
         "num_tokens": trace.num_tokens,
@@ -102,9 +94,7 @@ COLUMNS = ("policy", "ratio", "ranks", "TPOT ms", "speed-up", "resident ms", "st
 
 
 def _print_table(results: dict) -> None:
-    from rich.table import Table
 
-    from moestream.report import report_console
 
     table = Table(title="moestream sim: expert parallelism (stall: the step's wait for expert bytes)")
     for column in COLUMNS:

@@ -47,10 +47,6 @@ def topology_for(moe_layer_ids: np.ndarray, top_k: int) -> Topology:
         raise TraceError(f"DeepSeek npz does not fit DeepSeek-V2-Lite ({error})") from None
 
 
-def default_tokens_path(npz_path: Path) -> Path:
-    return npz_path.with_name(f"{npz_path.stem}_tokens.jsonl")
-
-
 def trace_from_arrays(arrays: Mapping[str, np.ndarray], path: Path, tokens_path=None) -> Trace:
     experts, prompt_ids, positions = arrays["experts"], arrays["prompt_id"], arrays["token_pos"]
     layer_ids = arrays["moe_layer_ids"]
@@ -88,14 +84,9 @@ def _check_rows(experts: np.ndarray, prompt_ids: np.ndarray, positions: np.ndarr
         raise TraceError("token_pos does not increase within a prompt")
 
 
-def sequence_lengths(seq_ids: np.ndarray) -> dict[int, int]:
-    ids, counts = np.unique(seq_ids, return_counts=True)
-    return dict(zip(ids.tolist(), counts.tolist()))
-
-
 def _read_tokens(path: Path, tokens_path, seq_ids: np.ndarray) -> tuple[list[str] | None, dict[int, str]]:
     if tokens_path is None:
-        tokens_path = default_tokens_path(path)
+        tokens_path = path.with_name(f"{path.stem}_tokens.jsonl")
         if not tokens_path.exists():
             log.info("no tokens file %s: trace has no token strings", tokens_path)
             return None, {}
@@ -103,7 +94,8 @@ def _read_tokens(path: Path, tokens_path, seq_ids: np.ndarray) -> tuple[list[str
     if not tokens_path.is_file():
         raise TraceError(f"tokens file not found: {tokens_path}")
     records = read_tokens_jsonl(tokens_path)
-    _check_agreement(records, sequence_lengths(seq_ids), tokens_path)
+    ids, counts = np.unique(seq_ids, return_counts=True)
+    _check_agreement(records, dict(zip(ids.tolist(), counts.tolist())), tokens_path)
     order = [int(s) for s in seq_ids[np.r_[True, seq_ids[1:] != seq_ids[:-1]]]] if len(seq_ids) else []
     tokens = [token for seq in order for token in records[seq][0]]
     return tokens, {seq: records[seq][1] for seq in order}

@@ -35,7 +35,8 @@ ZIP_MAGIC = b"PK\x03\x04"
 def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
     """Write `trace` to `path` (conventionally `*.npz`) atomically; returns the path."""
     path = Path(path)
-    arrays = {HEADER_KEY: _encode_json(_header(trace))} | _arrays(trace)
+    header = json.dumps(_header(trace), sort_keys=True).encode("utf-8")
+    arrays = {HEADER_KEY: np.frombuffer(header, dtype=np.uint8)} | _arrays(trace)
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         np.savez_compressed(handle, **arrays)
         handle.flush()
@@ -142,10 +143,6 @@ def unpack_strings(data: np.ndarray, offsets: np.ndarray, name: str) -> list[str
         return [raw[a:b].decode("utf-8") for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
     except UnicodeDecodeError as error:
         raise TraceError(f"{name} is not valid UTF-8 ({error})") from None
-
-
-def _encode_json(data: dict) -> np.ndarray:
-    return np.frombuffer(json.dumps(data, sort_keys=True).encode("utf-8"), dtype=np.uint8)
 
 
 def _read_header(arrays: Mapping[str, np.ndarray]) -> dict:

@@ -82,7 +82,8 @@ class TraceRecorder(Observer):
         """Everything recorded so far (a finished iteration is included, a partial one is an error)."""
         self._flush()
         sequences = sorted(self._done + list(self._open.values()), key=lambda s: s.order)
-        chunks = [_sorted(_concat(s.chunks)) for s in sequences]
+        chunks = [_concat(s.chunks) for s in sequences]
+        chunks = [_take(c, np.argsort(c["positions"], kind="stable")) for c in chunks]
         seq_ids = _unique_ids([s.seq_id for s in sequences])
         return self._build(chunks, seq_ids)
 
@@ -160,11 +161,6 @@ def _take(rows: dict, pick: np.ndarray) -> dict:
 def _concat(chunks: list[dict]) -> dict:
     names = set.intersection(*(set(c) for c in chunks))
     return {name: np.concatenate([c[name] for c in chunks]) for name in names}
-
-
-def _sorted(rows: dict) -> dict:
-    order = np.argsort(rows["positions"], kind="stable")
-    return _take(rows, order)
 
 
 def _cat(chunks: list[dict], name: str) -> np.ndarray | None:
