@@ -50,7 +50,7 @@ from moestream.policies.default.model import (
 )
 from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
 from moestream.policies.default.state import IterationState, warm_up
-from moestream.policies.default.storage import load_directory, save_directory
+from moestream.policies.default.storage import load_arrays
 from moestream.policies.planning import BandwidthAwarePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import TrainConfig
@@ -101,6 +101,14 @@ class DefaultPredictor(TrainablePredictor):
 
     def tensors(self) -> dict[str, np.ndarray]:
         return self.weights.arrays() | {"memory": self.memory}
+
+    def write_tensors(self, path: Path) -> None:
+        from safetensors.numpy import save_file
+
+        save_file(self.tensors(), str(path))
+
+    def read_tensors(self, path: Path) -> dict[str, np.ndarray]:
+        return load_arrays(path)
 
     def meta(self) -> dict:
         return {"config": self.config.to_dict(), "vocab": self.vocab, "key_kind": self.key_kind}
@@ -338,12 +346,3 @@ class Default(TrainedPolicy):
 
     def prepare(self, trace: "Trace") -> None:
         self.predictor.require_trained()
-
-    def save(self, directory: str | Path) -> Path:
-        return save_directory(self.predictor, directory)
-
-    def load(self, directory: str | Path) -> None:
-        load_directory(self.predictor, directory)
-        self.config = self.predictor.config
-        self.planner = self.make_planner()
-        self.pretrained = True
