@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moestream.policies.routing_stats import previous_rows
+from moestream.predictors.paths import expert_mask
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
@@ -45,13 +46,6 @@ def build_vocabulary(keys: list | None, min_count: int) -> dict[str, int]:
     counts = Counter(str(k) for k in keys or [])
     kept = sorted(k for k, n in counts.items() if n >= min_count)
     return {k: i + 1 for i, k in enumerate(kept)}
-
-
-def multi_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """[..., K] expert ids -> [..., E] bool."""
-    hot = np.zeros(experts.shape[:-1] + (num_experts,), dtype=bool)
-    np.put_along_axis(hot, experts.astype(np.int64), True, axis=-1)
-    return hot
 
 
 MEMORY_SCALE = 255.0  # the token memory's table holds its shares in 255ths (uint8)
@@ -123,7 +117,7 @@ class TraceFeatures:
         self.tokens = np.zeros(trace.num_tokens, np.int64) if tokens is None else tokens
         self.memory = memory  # [2V, L, E] the token memory's table
         E = trace.topology.num_experts
-        self.hot = multi_hot(trace.experts, E)  # [N, L, E]
+        self.hot = expert_mask(trace.experts, E)  # [N, L, E]
         self.prev = previous_rows(trace.seq_ids)  # [N]
         known = tokens is not None
         before = self.tokens[np.maximum(self.prev, 0)]

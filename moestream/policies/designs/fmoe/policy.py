@@ -57,10 +57,10 @@ from moestream.policies.designs.fmoe.maps import (
     cosine,
     one_hot_maps,
     select_experts,
-    unit,
 )
 from moestream.policies.planning import ScorePlanner
 from moestream.policies.scored_eviction import ScoredEviction
+from moestream.predictors.paths import unit_rows
 from moestream.topology import Topology
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class FMoEPredictor(Predictor):
                 maps = one_hot_maps(trace.experts[rows], self.topology.num_experts)  # [n, L, E]
             else:
                 maps = trace.gate_probs[rows].astype(np.float32)
-            embeddings = unit(trace.embeddings[rows].astype(np.float32)) if semantic else None
+            embeddings = unit_rows(trace.embeddings[rows].astype(np.float32)) if semantic else None
             self.store.add_many(maps, embeddings)
 
     def reset(self) -> None:
@@ -171,7 +171,7 @@ class FMoEPredictor(Predictor):
                             "every layer uses trajectory matching")
                 self._warned = True
             return
-        self._embeddings = unit(self._pooling(seq_ids) @ embeddings.astype(np.float32))  # [S, H]
+        self._embeddings = unit_rows(self._pooling(seq_ids) @ embeddings.astype(np.float32))  # [S, H]
         if self.store.embeddings is not None and self.store.size:
             self._semantic_cos = self._embeddings @ self.store.embeddings.T  # [S, C]
             self._semantic = best(self._semantic_cos, self.store.size)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moestream.predictors.paths import unit_rows
+
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
@@ -23,12 +25,6 @@ def sequence_eams(trace: "Trace") -> np.ndarray:
     for i, (_, start, end) in enumerate(bounds):
         eams[i] = np.bincount(flat[start:end].ravel(), minlength=t.num_layers * t.num_experts)
     return eams.reshape(len(bounds), t.num_layers, t.num_experts)
-
-
-def unit_rows(eams: np.ndarray) -> np.ndarray:
-    """Each layer row scaled to unit L2 norm; all-zero rows stay zero. [..., L, E]."""
-    norms = np.linalg.norm(eams, axis=-1, keepdims=True)
-    return np.divide(eams, norms, out=np.zeros_like(eams, dtype=np.float32), where=norms > 0)
 
 
 def layer_shares(eams: np.ndarray) -> np.ndarray:

@@ -50,9 +50,9 @@ from moestream.policies.designs.moe_infinity.eams import (
     build_collection,
     layer_shares,
     sequence_eams,
-    unit_rows,
 )
 from moestream.policies.scored_eviction import ScoredEviction
+from moestream.predictors.paths import unit_rows
 from moestream.topology import ExpertKey, Topology
 
 if TYPE_CHECKING:
