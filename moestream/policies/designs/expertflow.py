@@ -35,7 +35,7 @@ from moestream.policies.contracts import (
     TransferRequest,
 )
 from moestream.policies.eviction import LRUPolicy
-from moestream.policies.planning import layers_ahead
+from moestream.policies.planning import ranked
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import RoutingPathConfig, TrainConfig
 from moestream.predictors.paths import expert_mask, path_scores, top_k_mask
@@ -187,16 +187,8 @@ class LayerOrderPlanner(PrefetchPlanner):
     """
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        best: dict[ExpertKey, tuple[int, float]] = {}
-        for p in predictions:
-            key = p.key
-            if p.score <= 0.0 or key in view.resident or key in view.in_flight:
-                continue
-            rank = (layers_ahead(p, view.layer_now, view.num_layers), -p.score)
-            if key not in best or rank < best[key]:
-                best[key] = rank
-        ordered = sorted(best, key=lambda key: (best[key], key))[: view.capacity]
-        return [TransferRequest(key, (len(ordered) - i) / len(ordered)) for i, key in enumerate(ordered)]
+        ordered = ranked(predictions, view, lambda score, layer, ahead: (-ahead, score))
+        return [TransferRequest(key, (len(ordered) - i) / len(ordered)) for i, (key, _, _, _) in enumerate(ordered)]
 
 
 @EVICTIONS.register("expertflow-correction")

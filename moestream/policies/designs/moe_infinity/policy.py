@@ -51,9 +51,10 @@ from moestream.policies.designs.moe_infinity.eams import (
     layer_shares,
     sequence_eams,
 )
+from moestream.policies.planning import ranked
 from moestream.policies.scored_eviction import ScoredEviction
 from moestream.predictors.paths import unit_rows
-from moestream.topology import ExpertKey, Topology
+from moestream.topology import Topology
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
@@ -270,17 +271,9 @@ class MoEInfinityPlanner(PrefetchPlanner):
         self.eps = eps
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        best: dict[tuple[int, int], float] = {}
-        skip, num_layers = (view.resident, view.in_flight), view.num_layers
-        for p in predictions:
-            key = (p.layer, p.expert)  # hashes like ExpertKey, without building one per prediction
-            if key in skip[0] or key in skip[1]:
-                continue
-            priority = (p.score + self.eps) * (1.0 - p.layer / num_layers)
-            if priority > best.get(key, -1.0):
-                best[key] = priority
-        ranked = sorted(best.items(), key=lambda item: -item[1])[: view.capacity]
-        return [TransferRequest(ExpertKey(*key), priority) for key, priority in ranked]
+        eps, num_layers = self.eps, view.num_layers
+        best = ranked(predictions, view, lambda score, layer, ahead: (score + eps) * (1.0 - layer / num_layers), -1.0)
+        return [TransferRequest(key, priority) for key, priority, _, _ in best]
 
 
 class MoEInfinityEviction(ScoredEviction):
