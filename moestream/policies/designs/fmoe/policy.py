@@ -83,19 +83,13 @@ class FMoEConfig:
 
 
 class FMoEPredictor(Predictor):
-    """Matches each sequence's iteration against the map store; predicts the matched layers.
-
-    Maps are the gate's distributions when events carry `gate_probs`; from top-k ids only they are
-    one-hot over the top-k (1/k each) and `uses_one_hot_maps` is True, so delta selection then
-    always keeps exactly the top-k. Without `IterationContext.embeddings`, `semantic_available` is
-    False and target layers below d fall back to trajectory matching.
-    """
-
-    needs_embeddings: ClassVar[bool] = True
+    """Matches each sequence's iteration against the map store; predicts the matched layers (one-hot
+    maps keep exactly the top-k under delta selection). Asks for embeddings only with semantic search."""
 
     def __init__(self, topology: Topology, config: FMoEConfig = FMoEConfig()):
         super().__init__(topology)
         self.config = config
+        self.needs_embeddings = config.semantic
         self.store = MapStore(topology.num_layers, topology.num_experts, config.store_capacity,
                               config.prefetch_distance)
         self.uses_one_hot_maps: bool | None = None  # None until maps were seen
@@ -214,12 +208,6 @@ class FMoEPredictor(Predictor):
                 self._semantic_cos[later, slot] = self._embeddings[later] @ embedding
 
 
-class TrajectoryFMoEPredictor(FMoEPredictor):
-    """fMoE predictor without semantic search: it never asks for embeddings."""
-
-    needs_embeddings: ClassVar[bool] = False
-
-
 class FMoEEviction(ScoredEviction):
     """Evicts the smallest p * freq (p: probability in the latest matched map; freq: times routed
     to); ties go to the least recently used."""
@@ -249,8 +237,7 @@ class FMoE(Policy):
     predicts_in_background: ClassVar[bool] = True
 
     def make_predictor(self) -> Predictor:
-        kind = FMoEPredictor if self.config.semantic else TrajectoryFMoEPredictor
-        self.map_predictor = kind(self.topology, self.config)
+        self.map_predictor = FMoEPredictor(self.topology, self.config)
         return self.map_predictor
 
     def make_planner(self) -> PrefetchPlanner:
