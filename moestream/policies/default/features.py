@@ -1,14 +1,10 @@
 """The inputs of the lean routing model, for every row of a trace at once.
 
-`TraceFeatures.features(layer, cut, tokens)` gives, for each row t and target `layer`, seen once t's
-layers <= cut have routed (cut = -1: t's start, nothing routed), the [N, 7E] features of
-moestream.policies.default.model: t's experts at cut and cut-1, the previous two tokens'
-experts at the layer, the in-sequence recall at the layer, the sequence's running share there and
-the token's memory there. The online state (state.py) keeps the same numbers incrementally;
-`recall_weights` is the code both use. Token keys, the vocabulary and the token memory (each
-vocabulary token's mean routing over the training trace, `TokenMemory`) are here too; training sees
-each row's memory without that row (leave one out), as a held-out token would. Knows traces and
-arrays, not events or caches.
+`TraceFeatures.features(layer, cut, tokens)`: for each row t and target `layer`, seen once t's layers
+<= cut have routed (cut = -1: t's start), the [N, 7E] features of moestream.policies.default.model.
+The online state (state.py) keeps the same numbers incrementally; `recall_weights` is the code both
+use. Token keys, the vocabulary and the token memory (`TokenMemory`) are here too.
+Knows traces and arrays, not events or caches.
 """
 
 from __future__ import annotations

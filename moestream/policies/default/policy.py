@@ -1,21 +1,10 @@
-"""`default`: calibrated probabilities from the lean routing model drive prefetch and eviction.
+"""`default`: calibrated probabilities from the lean routing model drive prefetch and eviction
+(docs/default-policy.md).
 
-- Prediction: state.IterationState runs the model (model.pre_activation, model.head), at each
-  token's start for every layer and at each routed layer c for c+1, c+2 and the next token's layer
-  c. Scores are probabilities.
-- Prefetch: moestream's BandwidthAwarePlanner, in order of probability / layers ahead: where the view
-  has the link's model, the reads the link can afford (in time, worth the delay they impose, and
-  worth their victim by DefaultEviction's expected waits); without one, IdleAwarePlanner's rule
-  (probability > min_prefetch_probability, or > idle_prefetch_probability while nothing moves).
-- Eviction (DefaultEviction): the resident expert with the longest expected wait to its next use, in
-  layers: (layers until it) + (1 - p) x L / q for a layer still ahead in this token, with p its
-  probability now and q the next token's; (layers until the next token reaches it) + L x (1/q - 1)
-  for a layer passed.
-- The duel (duel.py): ghost caches of the device tier replay the routing, one ranked and prefetched by
-  the model, one LRU; while LRU's hits more over the last `duel_window_tokens` tokens (the model fits
-  another model's routing badly), default evicts LRU and plans no speculation.
+- Prediction: state.IterationState; prefetch: planning.BandwidthAwarePlanner; eviction: DefaultEviction,
+  the resident expert with the longest expected wait to its next use; while recency beats the model
+  on this routing, the duel (duel.py) evicts LRU and plans no speculation.
 Without a trained model it refuses to run (UntrainedPolicyError): it never silently acts as LRU.
-Saved as safetensors (numpy) + JSON; loading and running import no torch.
 Knows the policy contract, not the mechanism, time or bytes.
 """
 
