@@ -1,5 +1,10 @@
 """Expert Activation Matrices (EAMs) and the collection (EAMC) MoE-Infinity matches against: building
 them from a trace, k-means medoids, per-layer shares. Arrays only; no events, no policy.
+
+The EAMC is chosen by k-means under the distance 1 - mean_l cos(M1[l], M2[l]), keeping per cluster
+the member nearest the centroid. k-means runs (scikit-learn) on flattened EAMs whose rows are
+L2-normalised: then ||x - y||^2 = 2 L x distance (a zero row counts as cosine 0 on both sides), so
+squared Euclidean distance ranks pairs exactly like the paper's distance.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """MoE-Infinity (Xue et al., "MoE-Infinity: Activation-Aware Expert Offloading"): prefetching and
 caching guided by sequence-level Expert Activation Matrices.
 
-- EAM: per sequence, an [L, E] matrix of how many of its tokens each expert served so far.
-- EAMC: at most P EAMs kept from a dataset (fit: one EAM per training sequence), chosen by k-means
-  under the distance 1 - mean_l cos(M1[l], M2[l]); per cluster the member nearest the centroid is
-  kept. k-means runs (scikit-learn) on flattened EAMs whose rows are L2-normalised: then
-  ||x - y||^2 = sum_l (2 - 2 cos_l) = 2 L * distance (a zero row counts as cosine 0 on both sides),
-  so squared Euclidean distance ranks pairs exactly like the paper's distance.
-- Algorithm 1 (prefetch): after each layer's routing, the sequence's nearest EAM in the EAMC gives,
-  for every later layer fl and expert e, ratio = eam[fl][e] / sum(eam[fl]) (the predictor's score)
-  and priority = (ratio + eps) * (1 - fl / L) (the planner). Every layer re-matches and re-plans;
-  the mechanism replaces the queue, serves misses first and moves one transfer per link at a time.
-  As in the released implementation, experts the matched EAM never activated are not submitted
-  (`prefetch_unseen=True` submits them at priority eps * (1 - fl / L), as the pseudo-code reads).
-- Algorithm 2 (replacement): evict the cached expert with the lowest (ratio + eps) * (1 - l / L),
-  ratio taken in the current sequence's own EAM; one policy per tier, reading the predictor's state.
-- Distribution shift: a sequence whose top-k prediction accuracy (from its matched EAM, measured
-  layer by layer) ends below `poor_accuracy` is kept; after `rebuild_after_poor` of them the EAMC is
-  rebuilt from the dataset plus those EAMs on a worker thread, and installed exactly
-  `rebuild_lag_sequences` ended sequences later (waiting if needed), so results never depend on
-  thread timing; a lag of 0 rebuilds inline.
+- EAM: per sequence, an [L, E] count of the tokens each expert served so far; the EAMC: at most P
+  EAMs kept from a dataset (fit: one per training sequence), k-means medoids (eams.py).
+- Algorithm 1 (prefetch): after each layer, the sequence's nearest EAM in the EAMC gives, for every
+  later layer fl and expert e, ratio = eam[fl][e] / sum(eam[fl]) (the score) and priority
+  (ratio + eps) * (1 - fl / L) (the planner). As in the released implementation, experts the matched
+  EAM never activated are not submitted (`prefetch_unseen=True` submits them, as the pseudo-code reads).
+- Algorithm 2 (replacement): evict the lowest (ratio + eps) * (1 - l / L), ratio taken in the current
+  sequence's own EAM; one policy per tier, reading the predictor's state.
+- Distribution shift: a sequence whose top-k accuracy from its matched EAM ends below `poor_accuracy`
+  is kept; after `rebuild_after_poor` of them the EAMC is rebuilt from the dataset plus those on a
+  worker thread and installed exactly `rebuild_lag_sequences` ended sequences later (waiting if
+  needed), so results never depend on thread timing; a lag of 0 rebuilds inline.
 - Batches: one EAM per sequence; the ratios of their matches are averaged.
 
 This module does not know the cache's contents beyond a CacheView, nor time or bytes.
