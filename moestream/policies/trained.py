@@ -39,7 +39,8 @@ class PredictorFileError(MoestreamError):
 
 
 class TrainablePredictor(Predictor):
-    """A predictor with a model learned by fit() and kept as tensors plus JSON metadata."""
+    """A predictor with a model learned by fit() and kept as tensors plus JSON metadata; `model` is a torch
+    module here (a predictor with another kind of model overrides is_trained, tensors and the two ends)."""
 
     kind: ClassVar[str] = ""  # the saved model's kind; a directory loads only into the same kind
 
@@ -48,15 +49,19 @@ class TrainablePredictor(Predictor):
         self.config = config
         self.train_config = train
         self.losses: list[float] = []  # mean training loss of each epoch of the last fit
+        self.model: "torch.nn.Module | None" = None
 
     @property
-    @abstractmethod
     def is_trained(self) -> bool:
-        ...
+        return self.model is not None
 
-    @abstractmethod
+    def trained_model(self) -> "torch.nn.Module":
+        if self.model is None:
+            raise MoestreamError(f"the {self.kind} predictor is not trained: fit it on a trace or load a directory")
+        return self.model
+
     def tensors(self) -> dict[str, "torch.Tensor"]:
-        ...
+        return dict(self.trained_model().state_dict())
 
     def meta(self) -> dict:
         return {"config": asdict(self.config)}
@@ -70,7 +75,7 @@ class TrainablePredictor(Predictor):
         ...
 
     def write_tensors(self, path: Path) -> None:
-        """Writes tensors() as safetensors (torch tensors here; a numpy predictor overrides both ends)."""
+        """Writes tensors() as safetensors."""
         from safetensors.torch import save_file
 
         save_file({name: t.detach().contiguous().cpu() for name, t in self.tensors().items()}, str(path))

@@ -55,16 +55,11 @@ class ExpertFlowPredictor(TrainablePredictor):
 
     def __init__(self, topology: Topology, config: RoutingPathConfig, train: TrainConfig):
         super().__init__(topology, config, train)
-        self.model = None
         self.vocab = None
         self._history: dict[int, list[int]] = {}  # seq -> its last window_tokens vocabulary indices
         self._scores: np.ndarray | None = None  # [L, E] chance a predicted expert is needed; 0 if not predicted
         self._by_layer: list[list[Prediction]] = []  # this iteration's predictions of each layer
         self._scored: tuple["Trace", np.ndarray] | None = None  # the last trace score_rows saw, its [N, L, E]
-
-    @property
-    def is_trained(self) -> bool:
-        return self.model is not None
 
     def fit(self, trace: "Trace") -> None:
         from moestream.predictors.routing_path import fit_routing_path
@@ -82,7 +77,7 @@ class ExpertFlowPredictor(TrainablePredictor):
         from moestream.predictors.routing_path import path_probabilities
 
         windows = self._windows(ctx.seq_ids, self._encode(ctx))  # [T, W]
-        self._scores = path_scores(path_probabilities(self._trained_model(), windows), self.topology.top_k)
+        self._scores = path_scores(path_probabilities(self.trained_model(), windows), self.topology.top_k)
         self._by_layer = [
             [Prediction(layer, int(e), float(scores[e])) for e in np.flatnonzero(scores)]
             for layer, scores in enumerate(self._scores)
@@ -112,7 +107,7 @@ class ExpertFlowPredictor(TrainablePredictor):
         if source != self.vocab.source:
             raise MoestreamError(f"the routing path model reads {self.vocab.source}, the trace gives {source}")
         windows = context_windows(self.vocab.encode(values), sequence_starts(trace), self.config.window_tokens)
-        return path_probabilities(self._trained_model(), windows)
+        return path_probabilities(self.trained_model(), windows)
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E] (moestream.eval.prediction.TraceScorer): each token's path as predicted at its start.
@@ -138,9 +133,6 @@ class ExpertFlowPredictor(TrainablePredictor):
             figures[f"batch path accuracy (B={size})"] = batch_path_accuracy(predicted, actual, batches).accuracy
         return figures
 
-    def tensors(self) -> dict[str, "torch.Tensor"]:
-        return dict(self._trained_model().state_dict())
-
     def meta(self) -> dict:
         return super().meta() | {"vocab": self.vocab.to_dict()}
 
@@ -155,13 +147,8 @@ class ExpertFlowPredictor(TrainablePredictor):
         self.model = model.eval()
         self.reset()
 
-    def _trained_model(self):
-        if self.model is None:
-            raise MoestreamError("the expertflow predictor is not trained: fit it on a trace or load a directory")
-        return self.model
-
     def _encode(self, ctx: IterationContext) -> np.ndarray:
-        self._trained_model()
+        self.trained_model()
         values = ctx.token_ids if self.vocab.source == "token_ids" else ctx.tokens
         if values is None:
             raise MoestreamError(f"the routing path model reads {self.vocab.source}; this iteration has none")

@@ -59,12 +59,7 @@ class PromoePredictor(TrainablePredictor):
 
     def __init__(self, topology: Topology, config: PromoeConfig, train: TrainConfig):
         super().__init__(topology, config, train)
-        self.net = None
         self._inputs: dict[int, np.ndarray] = {}  # layer -> [T, I] this iteration's input at that layer
-
-    @property
-    def is_trained(self) -> bool:
-        return self.net is not None
 
     @abstractmethod
     def features(self):
@@ -76,13 +71,13 @@ class PromoePredictor(TrainablePredictor):
 
     @property
     def num_distances(self) -> int:
-        return self._trained().num_distances
+        return self.trained_model().num_distances
 
     def fit(self, trace: "Trace") -> None:
         from moestream.predictors.layer_mlp import fit_sliding_window
 
         c = self.config
-        self.net, self.losses = fit_sliding_window(
+        self.model, self.losses = fit_sliding_window(
             trace, self.features(), c.hidden_units, c.num_distances, self.standardize, self.train_config
         )
         self.reset()
@@ -112,7 +107,7 @@ class PromoePredictor(TrainablePredictor):
         from moestream.threads import torch_threads
 
         with torch.inference_mode(), torch_threads(1):
-            return torch.sigmoid(self._trained().logits(torch.tensor(inputs), source_layer, distance)).numpy()
+            return torch.sigmoid(self.trained_model().logits(torch.tensor(inputs), source_layer, distance)).numpy()
 
     def source_probabilities(self, trace: "Trace", source_layer: int, distance: int, chunk: int = 2048) -> np.ndarray:
         """[N, E] probabilities for layer source_layer + distance of every row of a trace."""
@@ -145,9 +140,6 @@ class PromoePredictor(TrainablePredictor):
             figures[f"top-k accuracy (k={k})"] = float((predicted & actual[:, k:]).sum() / actual[:, k:].sum())
         return figures
 
-    def tensors(self) -> dict[str, "torch.Tensor"]:
-        return dict(self._trained().state_dict())
-
     def restore(self, tensors: dict[str, "torch.Tensor"], meta: dict) -> None:
         from moestream.predictors.layer_mlp import SlidingWindowNet
 
@@ -156,16 +148,11 @@ class PromoePredictor(TrainablePredictor):
         in_features = int(tensors["in_mean"].shape[1])
         net = SlidingWindowNet(t.num_layers, t.num_experts, in_features, self.config.hidden_units, num_distances)
         net.load_state_dict(tensors)
-        self.net = net.eval()
+        self.model = net.eval()
         self.reset()
 
     def meta(self) -> dict:
-        return super().meta() | {"num_distances": self._trained().num_distances}
-
-    def _trained(self):
-        if self.net is None:
-            raise MoestreamError(f"the {self.kind} predictor is not trained: fit it on a trace or load a directory")
-        return self.net
+        return super().meta() | {"num_distances": self.trained_model().num_distances}
 
 
 class HiddenStatePredictor(PromoePredictor):

@@ -21,7 +21,7 @@ This module does not know the cache's contents beyond a CacheView, nor time or b
 from __future__ import annotations
 
 import logging
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
@@ -113,41 +113,35 @@ class _Rebuild:
 
     def __init__(self, capacity: int, seed: int, lag_sequences: int):
         self.capacity, self.seed, self.lag = capacity, seed, lag_sequences
-        self._thread: threading.Thread | None = None
-        self._result: np.ndarray | BaseException | None = None
+        self._future: Future | None = None
         self._countdown = 0
 
     @property
     def pending(self) -> bool:
-        return self._thread is not None
+        return self._future is not None
 
     def start(self, eams: np.ndarray) -> np.ndarray | None:
         """Begin a rebuild; the new EAMs at once when the lag is 0, else None."""
         if self.lag == 0:
             return build_collection(eams, self.capacity, self.seed)
         self._countdown = self.lag
-        self._thread = threading.Thread(target=self._build, args=(eams,), name="moestream-eamc", daemon=True)
-        self._thread.start()
+        worker = ThreadPoolExecutor(1, thread_name_prefix="moestream-eamc")
+        self._future = worker.submit(build_collection, eams, self.capacity, self.seed)
+        worker.shutdown(wait=False)  # its thread ends with this one task
         return None
 
     def sequence_ended(self) -> np.ndarray | None:
-        """The rebuilt EAMs when their install point has come, else None."""
-        if self._thread is None:
+        """The rebuilt EAMs when their install point has come (waiting if needed), else None."""
+        if self._future is None:
             return None
         self._countdown -= 1
         if self._countdown > 0:
             return None
-        self._thread.join()
-        self._thread, result, self._result = None, self._result, None
-        if isinstance(result, BaseException):
-            raise RuntimeError("rebuilding the EAM collection failed") from result
-        return result
-
-    def _build(self, eams: np.ndarray) -> None:
+        future, self._future = self._future, None
         try:
-            self._result = build_collection(eams, self.capacity, self.seed)
-        except BaseException as error:  # re-raised in the predictor's thread at install time
-            self._result = error
+            return future.result()
+        except BaseException as error:  # raised in the worker, re-raised in the predictor's thread
+            raise RuntimeError("rebuilding the EAM collection failed") from error
 
 
 class MoEInfinityPredictor(Predictor):
