@@ -188,6 +188,7 @@ class Policy:
     trace_needs: ClassVar[tuple[str, ...]] = ()  # trace fields the design needs, e.g. ("gate_probs",)
     # the engine runs the predictor on a worker thread (moestream.runtime.background.offload_predictor)
     predicts_in_background: ClassVar[bool] = False
+    predictor_class: ClassVar[type[Predictor]] = NullPredictor  # what make_predictor builds from the topology
 
     def __init__(self, topology: Topology):
         self.topology = topology
@@ -195,7 +196,7 @@ class Policy:
         self.planner = self.make_planner()
 
     def make_predictor(self) -> Predictor:
-        return NullPredictor(self.topology)
+        return self.predictor_class(self.topology)
 
     def make_planner(self) -> PrefetchPlanner:
         return PLANNERS.create("score")

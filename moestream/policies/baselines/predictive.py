@@ -28,7 +28,6 @@ from moestream.policies.contracts import (
     POLICIES,
     EvictionPolicy,
     Policy,
-    Predictor,
 )
 from moestream.policies.eviction import LRUPolicy, NarrowingEviction
 from moestream.policies.routing_stats import (
@@ -201,8 +200,7 @@ class PinnedLRU(NarrowingEviction):
 class StaticPolicy(Policy):
     """The most popular experts of each layer (from fit), predicted always and kept resident."""
 
-    def make_predictor(self) -> Predictor:
-        return StaticPredictor(self.topology)
+    predictor_class = StaticPredictor
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
         return PinnedLRU(self.predictor.pinned)
@@ -212,21 +210,18 @@ class StaticPolicy(Policy):
 class CooccurPolicy(Policy):
     """Layer-to-layer co-occurrence prediction, LRU eviction."""
 
-    def make_predictor(self) -> Predictor:
-        return CooccurPredictor(self.topology)
+    predictor_class = CooccurPredictor
 
 
 @POLICIES.register("token")
 class TokenPolicy(Policy):
     """Per-token-id expert frequencies, LRU eviction. Needs token ids or strings in the trace."""
 
-    def make_predictor(self) -> Predictor:
-        return TokenPredictor(self.topology)
+    predictor_class = TokenPredictor
 
 
 @POLICIES.register("token-cooccur")
 class TokenCooccurPolicy(Policy):
     """Token frequencies and co-occurrence together, LRU eviction."""
 
-    def make_predictor(self) -> Predictor:
-        return TokenCooccurPredictor(self.topology)
+    predictor_class = TokenCooccurPredictor

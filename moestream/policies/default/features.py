@@ -126,9 +126,6 @@ class TraceFeatures:
         self.share = _running_share(self.hot, self.prev)  # [N, L, E]
         self._shared: dict[int, np.ndarray] = {}  # cut -> [N, W] experts shared at cut
 
-    def holds(self, trace: "Trace") -> bool:
-        return trace is self.trace
-
     def features(self, layer: int, cut: int, tokens: np.ndarray) -> np.ndarray:
         """[N, 7E] float32 inputs for `layer`, seen with t's layers <= cut routed (cut >= -1), the
         rows' tokens shown as `tokens` (vocabulary indices; 0: unknown, whose memory is the one after
@@ -141,18 +138,14 @@ class TraceFeatures:
             out[:, E:2 * E] = self.hot[:, cut - 1]
         for block, rows in ((2, self.prev), (3, self.prev2)):
             out[:, block * E:(block + 1) * E] = self.hot[np.maximum(rows, 0), layer] & (rows >= 0)[:, None]
-        out[:, 4 * E:5 * E] = self.recall(layer, cut)
+        out[:, 4 * E:5 * E] = self.recall_many([layer], cut)[:, 0]
         out[:, 5 * E:6 * E] = self.share[:, layer]
         out[:, 6 * E:] = memory_rows(self.memory, (memory_index(tokens, self.before, len(self.memory) // 2), layer))
         return out
 
-    def recall(self, layer: int, cut: int) -> np.ndarray:
-        """[N, E]: the window's routing at `layer`, weighted by the experts shared at cut and cut-1."""
-        return self.recall_many([layer], cut)[:, 0]
-
     def recall_many(self, layers: list[int], cut: int) -> np.ndarray:
-        """[N, n, E]: recall() at several layers from one cut, as one sparse [N, N] product (without
-        cut_recall, the window's mean routing whatever the cut)."""
+        """[N, n, E]: the window's routing at each of `layers`, weighted by the experts shared at cut and
+        cut-1, as one sparse [N, N] product (without cut_recall, the window's mean whatever the cut)."""
         from scipy.sparse import csr_matrix
 
         cut = cut if self.cut_recall else -1

@@ -124,7 +124,7 @@ class DefaultPredictor(TrainablePredictor):
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E]: what predict() gives for each row's `layer`, horizon_layers positions earlier."""
         self.require_trained()
-        if self._trace is None or not self._trace.holds(trace):
+        if self._trace is None or self._trace.trace is not trace:
             keys, kind = token_keys(trace)
             tokens = self._indices(keys) if kind == self.key_kind and keys is not None else None
             config = self.config
