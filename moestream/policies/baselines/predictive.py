@@ -1,15 +1,10 @@
 """Predictive baselines learned offline from a trace: static popularity, co-occurrence, token id.
 
-- `static`: the most popular experts of each layer, always predicted (score = their frequency)
-  and pinned by the eviction policy, which evicts them only when nothing else can go.
-- `cooccur`: P(expert at a later (token, layer) position | experts of the last few observed
-  positions), from layer-to-layer co-occurrence counts, combined in log-odds.
-- `token`: per-token expert frequencies at every layer (token ids, else token strings), with
-  layer popularity for unseen tokens and for the next, still unknown, token.
-- `token-cooccur`: both pieces of evidence combined in log-odds.
-Scores are probabilities that one token routes to the expert; a batch's score is the
-probability that at least one of its tokens does. Besides the online contract, each predictor
-scores a whole trace at once (`score_rows`) for fast offline evaluation, with the same numbers.
+`static` pins the most popular experts of each layer; `cooccur` combines, in log-odds, P(expert at a
+later (token, layer) position | experts of the last few observed positions); `token` uses per-token
+expert frequencies (popularity for unseen tokens and for the next token); `token-cooccur` both.
+Scores are probabilities that one token routes to the expert (a batch's: at least one of its tokens);
+each predictor also scores a whole trace at once (`score_rows`) with the same numbers.
 """
 
 from __future__ import annotations

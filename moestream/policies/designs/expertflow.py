@@ -1,18 +1,14 @@
 """ExpertFlow (He et al., 2024): routing path prediction, predictive locality-aware caching and
 real-time correction.
 
-- Predictor: a learned routing path model (moestream.predictors.routing_path) reads the iteration's
-  tokens with their preceding context and predicts every MoE layer's experts before the first layer
-  runs; a batch's predicted path is the OR of its tokens' paths (each token's top-k per layer).
-- Planner: predicted experts of upcoming layers are requested nearest layer first, filling the
-  cache across layers with no per-layer quota, up to capacity; it is asked again as each layer
-  completes, so later layers are fetched while earlier ones compute.
-- Eviction (real-time correction): when the gate reveals a miss, the victims are first the experts of
-  the current layer that were prefetched but not routed, then experts of layers already computed.
-- `expertflow-nocorrect` drops the correction: plain LRU eviction.
-
-The policy knows token ids and routing events; it does not know time, bytes or torch modules (the
-model is imported lazily, when fitting or loading).
+- Predictor: a learned routing path model (moestream.predictors.routing_path) predicts every MoE
+  layer's experts from the iteration's tokens and their context before the first layer runs; a
+  batch's path is the OR of its tokens' (each token's top-k per layer).
+- Planner: predicted experts of the upcoming layers, nearest layer first, no per-layer quota, up to
+  capacity; asked again after each layer, so later layers are fetched while earlier ones compute.
+- Eviction (real-time correction, `CorrectionEviction`): prefetched experts the gate did not route
+  go first; `expertflow-nocorrect` is plain LRU.
+Knows token ids and routing events, not time, bytes or torch modules (imported lazily).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """ProMoE (Song et al., 2024): learned sliding-window predictors, speculative prefetch at low priority,
 and the GOODPRED metric that picks how far ahead to predict.
 
-- Predictor: for each MoE layer i and distance k (1..num_distances), a two-layer MLP maps the router
-  input of layer i-k (`RoutingEvent.hidden`) to the experts of layer i; trained offline from traces
-  that recorded hidden states, run on the CPU beside inference (moestream.predictors.layer_mlp).
-  `promoe` refuses a trace without hidden states. `promoe-routing` is a separate, labelled variant
-  for routing-only traces: the same MLPs read the multi-hot experts of layers i-k-w+1 .. i-k.
-- Planner: speculative prefetches of the predicted experts at a low priority band; precise on-demand
-  loads are the mechanism's and always go first.
-- Chunked prefetch, early preemption after the gate and cache-aware reordering of experts are
-  engine mechanisms, not the policy's: no switch for them lives here until an engine reads one.
+- Predictor: per MoE layer i and distance k (1..num_distances), a two-layer MLP maps the router input
+  of layer i-k (`RoutingEvent.hidden`) to the experts of layer i (moestream.predictors.layer_mlp);
+  `promoe` refuses a trace without hidden states. `promoe-routing`, a separate, labelled variant for
+  routing-only traces, reads the multi-hot experts of layers i-k-w+1 .. i-k instead.
+- Planner: speculative prefetches in a low priority band; on-demand loads always go first. Chunked
+  prefetch, early preemption and cache-aware reordering are engine mechanisms, not the policy's.
 - GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): `goodpred_table`.
-
-The policy knows routing events and hidden states as arrays; it does not know time, bytes or torch
-modules (the model is imported lazily; cost figures are passed in as plain numbers).
+Knows routing events and hidden states as arrays, not time, bytes or torch modules (imported lazily).
 """
 
 from __future__ import annotations
@@ -202,7 +197,6 @@ class SpeculativePlanner(ScorePlanner):
 
     def __init__(self, ceiling: float):
         super().__init__(scale=ceiling)
-        self.ceiling = ceiling
 
 
 @POLICIES.register("promoe")
