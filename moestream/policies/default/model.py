@@ -11,7 +11,7 @@ Knows arrays, not events, caches or torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,9 +52,6 @@ class DefaultConfig:
         for name in ("min_prefetch_probability", "idle_prefetch_probability"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1]")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def weight_index(layer: int, cut: int) -> tuple[int, int]:

@@ -100,7 +100,7 @@ class DefaultPredictor(TrainablePredictor):
         return load_arrays(path)
 
     def meta(self) -> dict:
-        return {"config": self.config.to_dict(), "vocab": self.vocab, "key_kind": self.key_kind}
+        return super().meta() | {"vocab": self.vocab, "key_kind": self.key_kind}
 
     def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
         self.config = DefaultConfig(**meta["config"])
