@@ -14,5 +14,7 @@ from moestream.policies.contracts import EVICTIONS, PLANNERS, POLICIES, Policy
 from moestream.registry import import_submodules
 
 import_submodules(sys.modules[__name__])
+for plugins in ("baselines", "bounds", "designs"):  # packages of plugin modules, one design or kind each
+    import_submodules(sys.modules[f"{__name__}.{plugins}"])
 
 __all__ = ["EVICTIONS", "PLANNERS", "POLICIES", "Policy"]

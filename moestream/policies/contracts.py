@@ -161,21 +161,10 @@ class CacheView:
 class PrefetchPlanner(ABC):
     """Turns predictions into prioritised transfer requests for one tier.
 
-    The rules every mechanism keeps, clock-free (`moestream.transfer_core.TransferCore`, which the
-    engine's stores and the simulator both drive), so that the engine and the simulator keep the same
-    experts on the same trace:
-    - Residency changes only at a layer's lookups and at plans, never when bytes land. A lookup finds
-      an expert in the tier (landed, or still moving: a late hit, whose wait is stall and whose
-      transfer becomes demand) or misses it (admitted at once and loaded on demand).
-    - A plan's requests are admitted when it is made, best first, each taking a slot (evicting by
-      policy, never an expert the plan asked for earlier, nor one the previous plan brought that no
-      lookup has used yet) until no victim is allowed, and pinned until the next plan. The next plan
-      (even an empty one) releases those pins: the previous plan's experts keep their slots and their
-      transfers go on until the eviction policy picks them.
-    - Pins come only from events: the layer being computed and the current plan. A demand miss that
-      finds every slot pinned releases the plan's pins, lowest priority first.
-    - Evicting an expert whose transfer still moves is the mechanism's to make safe (cancel it if
-      queued, else let it end before the slot is written again).
+    The mechanism keeps `moestream.transfer_core`'s rules, clock-free, in the engine and the simulator
+    alike: a plan's requests are admitted when it is made, best first, each taking a slot (never that of
+    an expert this plan asked for earlier, nor of one the previous plan brought that no lookup has used
+    yet) until no victim is allowed, and pinned until the next plan (even an empty one) releases them.
     The view: `in_flight` holds the previous plan's admissions no lookup has used yet and the routed
     layer's demand loads; `resident` the rest of the tier (both by events). After a layer with no
     prediction the plan is empty (it still ends the last one); before an iteration's first layer, no
@@ -199,6 +188,7 @@ class Policy:
     trace_needs: ClassVar[tuple[str, ...]] = ()  # trace fields the design needs, e.g. ("gate_probs",)
     # the engine runs the predictor on a worker thread (moestream.runtime.background.offload_predictor)
     predicts_in_background: ClassVar[bool] = False
+    predictor_class: ClassVar[type[Predictor]] = NullPredictor  # what make_predictor builds from the topology
 
     def __init__(self, topology: Topology):
         self.topology = topology
@@ -206,7 +196,7 @@ class Policy:
         self.planner = self.make_planner()
 
     def make_predictor(self) -> Predictor:
-        return NullPredictor(self.topology)
+        return self.predictor_class(self.topology)
 
     def make_planner(self) -> PrefetchPlanner:
         return PLANNERS.create("score")

@@ -1,23 +1,11 @@
-"""The one place that calls a policy, in the contract's order, and times what the policy does.
+"""The one place that calls a policy, in the order `moestream.policies.contracts` gives, and times it.
 
 Every consumer goes through a `PolicyDriver`: the simulator, predict-eval, the benchmark and the real
 engine (whose publisher fans its events out through it, and whose prefetcher asks it per layer).
-The order, for each iteration (see `moestream.policies.contracts`):
-
-    begin_iteration(ctx)             every observer: the policy's, then the tiers' evictions, then extras
-    predict(-1)                      the plan before the first layer
-    for each MoE layer l:
-        observe(event_l)             every observer, in the same order
-        (the mechanism serves layer l's experts)
-        predict(l) -> plan(view)     predictions for the layers ahead, and the planner's requests
-    end_sequence(seq_id)             for each sequence that finished
-
-`run_iteration` walks a replayed `Iteration` in that order and calls a `LayerMechanism` at the two
-points where the mechanism acts; the engine, which is driven by the model's forward pass instead,
-calls the same steps one by one. The driver reports every call it makes into the policy to its
-tracer (lane "policy", one span per call; the engine's `decide` is one span), so every policy's cost
-per layer decision is measured the same way; `TimedEviction` does the same for the eviction hooks a
-cache calls.
+`run_iteration` walks a replayed `Iteration` and calls a `LayerMechanism` at the two points where the
+mechanism acts; the engine, driven by the model's forward pass, calls the same steps one by one. Every
+call into the policy is a span of the tracer's lane "policy" (the engine's `decide` is one span;
+`TimedEviction` does the same for a cache's eviction hooks), so every policy is measured the same way.
 This module knows the contract, not any policy, cache, link or clock of the mechanism.
 """
 

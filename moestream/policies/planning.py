@@ -4,18 +4,32 @@ one, which keeps of them only the reads the link can afford (`BandwidthAwarePlan
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from moestream.policies.contracts import PLANNERS, CacheView, LinkState, Prediction, PrefetchPlanner, TransferRequest
 from moestream.topology import ExpertKey
 
 
-def layers_ahead(prediction: Prediction, layer_now: int, num_layers: int) -> int:
-    return prediction.layer - layer_now + prediction.tokens_ahead * num_layers
+Candidate = tuple[ExpertKey, float, float, int]  # key, priority, score, layers ahead
+Priority = Callable[[float, int, int], Any]  # (score, layer, layers ahead) -> priority (larger goes first)
 
 
-def _by_priority(item: tuple) -> tuple:
-    return -item[1], item[0]  # highest first, then by key
+def ranked(predictions: Sequence[Prediction], view: CacheView, priority: Priority,
+           min_score: float = 0.0) -> list[Candidate]:
+    """The predicted experts scoring above min_score, neither resident nor in flight, each at its best
+    priority; the highest first, then by key; at most view.capacity."""
+    best: dict[tuple, tuple] = {}
+    resident, in_flight, layer_now, num_layers = view.resident, view.in_flight, view.layer_now, view.num_layers
+    for layer, expert, score, tokens_ahead in predictions:
+        key = (layer, expert)  # an ExpertKey only for the kept ones: a tuple hashes and compares as one
+        if score <= min_score or key in resident or key in in_flight:
+            continue
+        ahead = max(1, layer - layer_now + tokens_ahead * num_layers)
+        value = priority(score, layer, ahead)
+        if key not in best or value > best[key][0]:
+            best[key] = (value, score, ahead)
+    items = sorted(sorted(best.items()), key=lambda item: item[1][0], reverse=True)[: view.capacity]
+    return [(ExpertKey._make(key), value, score, ahead) for key, (value, score, ahead) in items]
 
 
 @PLANNERS.register("score")
@@ -30,19 +44,9 @@ class ScorePlanner(PrefetchPlanner):
         self.min_score, self.scale = min_score, scale
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        best: dict = {}
-        min_score, resident, in_flight = self.threshold(view), view.resident, view.in_flight
-        layer_now, num_layers, scale = view.layer_now, view.num_layers, self.scale
-        for layer, expert, score, tokens_ahead in predictions:
-            if score <= min_score:
-                continue
-            key = (layer, expert)  # an ExpertKey only for the requests: a tuple hashes and compares as one
-            if key in resident or key in in_flight:
-                continue
-            priority = scale * score / max(1, layer - layer_now + tokens_ahead * num_layers)  # layers_ahead, inlined
-            best[key] = max(priority, best.get(key, 0.0))
-        ranked = sorted(best.items(), key=_by_priority)[: view.capacity]
-        return [TransferRequest(ExpertKey._make(key), priority) for key, priority in ranked]
+        scale = self.scale
+        best = ranked(predictions, view, lambda score, layer, ahead: scale * score / ahead, self.threshold(view))
+        return [TransferRequest(key, priority) for key, priority, _, _ in best]
 
     def threshold(self, view: CacheView) -> float:
         """The score a prediction must exceed to be requested now."""
@@ -60,7 +64,6 @@ class IdleAwarePlanner(ScorePlanner):
         return self.min_score if view.in_flight else self.idle_score
 
 
-Candidate = tuple[ExpertKey, float, float, int]  # key, priority (score / layers ahead), score, layers ahead
 VictimWaits = Callable[[int, int], list[float]]  # (capacity, count) -> the waits of the next count victims
 
 
@@ -88,21 +91,8 @@ class BandwidthAwarePlanner(IdleAwarePlanner):
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
         if view.link is None:
             return super().plan(predictions, view)
-        candidates = self.candidates(predictions, view)
+        candidates = ranked(predictions, view, lambda score, layer, ahead: score / ahead)
         return self.affordable(candidates, view.link, expected_misses(predictions, view), view.capacity)
-
-    def candidates(self, predictions: Sequence[Prediction], view: CacheView) -> list[Candidate]:
-        """The predicted experts not resident nor in flight, best priority first (then by key)."""
-        best: dict[tuple, Candidate] = {}
-        resident, in_flight, layer_now, num_layers = view.resident, view.in_flight, view.layer_now, view.num_layers
-        for layer, expert, score, tokens_ahead in predictions:
-            key = (layer, expert)
-            if score <= 0.0 or key in resident or key in in_flight:
-                continue
-            ahead = max(1, layer - layer_now + tokens_ahead * num_layers)
-            if key not in best or score / ahead > best[key][1]:
-                best[key] = (ExpertKey._make(key), score / ahead, score, ahead)
-        return sorted(best.values(), key=lambda c: (-c[1], c[0]))[: view.capacity]
 
     def affordable(self, candidates: list[Candidate], link: LinkState, misses: float,
                    capacity: int) -> list[TransferRequest]:

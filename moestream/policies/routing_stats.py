@@ -44,11 +44,6 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def union_over_rows(scores: np.ndarray) -> np.ndarray:
-    """[T, E] -> [E]: probability that at least one row needs the expert (rows independent)."""
-    return 1.0 - np.prod(1.0 - scores, axis=0)
-
-
 def fit_evidence_scale(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], max_steps: int = 25) -> float:
     """The a minimising the log loss of sigmoid(prior + a * evidence) (convex in a), by Newton.
 
@@ -78,13 +73,6 @@ def calibration_sample(trace: Trace, max_tokens: int, seed: int) -> Trace:
     lengths = np.array([end - start for _, start, end in bounds])[order]
     count = int(np.searchsorted(np.cumsum(lengths), max_tokens)) + 1
     return trace.select(sorted(bounds[i][0] for i in order[:count]))
-
-
-def routed_mask(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """[N, K] expert ids -> [N, E] bool."""
-    mask = np.zeros((len(experts), num_experts), dtype=bool)
-    np.put_along_axis(mask, experts.astype(np.int64), True, axis=1)
-    return mask
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ class PredictorFileError(MoestreamError):
 
 
 class TrainablePredictor(Predictor):
-    """A predictor with a model learned by fit() and kept as tensors plus JSON metadata."""
+    """A predictor with a model learned by fit() and kept as tensors plus JSON metadata; `model` is a torch
+    module here (a predictor with another kind of model overrides is_trained, tensors and the two ends)."""
 
     kind: ClassVar[str] = ""  # the saved model's kind; a directory loads only into the same kind
 
@@ -48,15 +49,19 @@ class TrainablePredictor(Predictor):
         self.config = config
         self.train_config = train
         self.losses: list[float] = []  # mean training loss of each epoch of the last fit
+        self.model: "torch.nn.Module | None" = None
 
     @property
-    @abstractmethod
     def is_trained(self) -> bool:
-        ...
+        return self.model is not None
 
-    @abstractmethod
+    def trained_model(self) -> "torch.nn.Module":
+        if self.model is None:
+            raise MoestreamError(f"the {self.kind} predictor is not trained: fit it on a trace or load a directory")
+        return self.model
+
     def tensors(self) -> dict[str, "torch.Tensor"]:
-        ...
+        return dict(self.trained_model().state_dict())
 
     def meta(self) -> dict:
         return {"config": asdict(self.config)}
@@ -69,18 +74,26 @@ class TrainablePredictor(Predictor):
     def restore(self, tensors: dict[str, "torch.Tensor"], meta: dict) -> None:
         ...
 
+    def write_tensors(self, path: Path) -> None:
+        """Writes tensors() as safetensors."""
+        from safetensors.torch import save_file
+
+        save_file({name: t.detach().contiguous().cpu() for name, t in self.tensors().items()}, str(path))
+
+    def read_tensors(self, path: Path) -> dict[str, "torch.Tensor"]:
+        from safetensors.torch import load_file
+
+        return load_file(path)
+
 
 def save_predictor(predictor: TrainablePredictor, directory: str | Path) -> Path:
     """Writes the predictor's two files into directory (created if needed), each atomically."""
-    from safetensors.torch import save_file
-
     if not predictor.is_trained:
         raise MoestreamError(f"the {predictor.kind} predictor is not trained yet; fit it before saving")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().contiguous().cpu() for name, t in predictor.tensors().items()}
     with atomic_path(directory / WEIGHTS_FILE) as path:
-        save_file(tensors, str(path))
+        predictor.write_tensors(path)
     meta = {
         "format_version": FORMAT_VERSION,
         "kind": predictor.kind,
@@ -95,7 +108,6 @@ def save_predictor(predictor: TrainablePredictor, directory: str | Path) -> Path
 def load_predictor(predictor: TrainablePredictor, directory: str | Path) -> None:
     """Restores a predictor saved by save_predictor, after checking it fits this predictor."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     meta = read_meta(directory)
@@ -103,8 +115,8 @@ def load_predictor(predictor: TrainablePredictor, directory: str | Path) -> None
         raise PredictorFileError(f"{directory} holds a {meta.get('kind')!r} predictor, not {predictor.kind!r}")
     check_topology(meta.get("topology"), predictor.topology, directory)
     try:
-        tensors = load_file(directory / WEIGHTS_FILE)
-    except (OSError, SafetensorError) as error:
+        tensors = predictor.read_tensors(directory / WEIGHTS_FILE)
+    except (OSError, SafetensorError, ValueError, KeyError) as error:
         raise PredictorFileError(f"cannot read {directory / WEIGHTS_FILE}: {error}") from error
     try:
         predictor.restore(tensors, meta)

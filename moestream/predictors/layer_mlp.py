@@ -10,7 +10,6 @@ and tensors; nothing about caches, planners or the engine.
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,14 +19,6 @@ from moestream.errors import TraceError
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.training import multi_hot, seeded, train_loop
 from moestream.trace.schema import Trace
-
-
-class Features(Protocol):
-    kind: str
-
-    def in_features(self, trace: Trace) -> int: ...
-
-    def rows(self, trace: Trace, rows: np.ndarray) -> torch.Tensor: ...  # [B, L, I]
 
 
 class HiddenFeatures:
@@ -60,6 +51,9 @@ class RoutingFeatures:
 
     def rows(self, trace: Trace, rows: np.ndarray) -> torch.Tensor:
         return routing_windows(multi_hot(trace.experts[rows], trace.topology.num_experts), self.window_layers)
+
+
+Features = HiddenFeatures | RoutingFeatures  # in_features(trace) -> I; rows(trace, rows) -> [B, L, I]
 
 
 def routing_windows(hot: torch.Tensor, window: int) -> torch.Tensor:

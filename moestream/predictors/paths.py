@@ -1,4 +1,5 @@
-"""Routing paths as boolean masks and scores: numpy helpers shared by predictors, policies and metrics.
+"""Routing paths as boolean masks and scores, and unit rows for cosine matching: numpy helpers shared by
+predictors, policies and metrics.
 
 No torch here, so that policies and evaluation can use them without importing the models.
 """
@@ -28,6 +29,12 @@ def path_scores(probs: np.ndarray, top_k: int) -> np.ndarray:
         return np.zeros(probs.shape[1:])
     predicted = top_k_mask(probs, top_k).any(axis=0)
     return np.where(predicted, np.clip(union_probability(probs), 1e-6, 1.0), 0.0)
+
+
+def unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """Rows (the last axis) scaled to unit L2 norm; all-zero rows stay zero."""
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    return np.divide(vectors, norms, out=np.zeros_like(vectors, dtype=np.float32), where=norms > 0)
 
 
 def expert_mask(experts: np.ndarray, num_experts: int) -> np.ndarray:

@@ -14,6 +14,7 @@ import torch
 from moestream.progress import progress_bar
 
 from moestream.predictors.configs import TrainConfig
+from moestream.predictors.paths import expert_mask
 from moestream.threads import torch_threads
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,4 @@ def train_loop(
 
 def multi_hot(experts: np.ndarray, num_experts: int) -> torch.Tensor:
     """[B, L, K] expert ids -> [B, L, E] float 0/1 targets."""
-    ids = torch.as_tensor(np.asarray(experts, dtype=np.int64))  # [B, L, K]
-    target = torch.zeros(*ids.shape[:-1], num_experts)
-    return target.scatter_(-1, ids, 1.0)  # [B, L, E]
+    return torch.from_numpy(expert_mask(np.asarray(experts), num_experts).astype(np.float32))

@@ -10,9 +10,9 @@ from moestream.policies.routing_stats import (
     layer_popularity,
     logit,
     previous_rows,
-    routed_mask,
     sigmoid,
 )
+from moestream.predictors.paths import expert_mask
 from moestream.topology import Topology
 from tests.synthetic import synthetic_trace
 
@@ -60,7 +60,7 @@ def test_token_frequencies_leave_one_out():
     freq = TokenFrequencies.fit(trace, alpha=1.0)
     rows = freq.rows_of(trace.token_ids.tolist(), trace.num_tokens)
     full, loo = freq.score(rows, 0), freq.score(rows, 0, exclude=trace.experts[:, 0].astype(int))
-    own = routed_mask(trace.experts[:, 0], 6)
+    own = expert_mask(trace.experts[:, 0], 6)
     assert (loo[own] < full[own]).all() and (loo[~own] >= full[~own]).all()
     assert (freq.rows_of(None, 4) == -1).all()
 

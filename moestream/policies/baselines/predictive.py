@@ -1,15 +1,10 @@
 """Predictive baselines learned offline from a trace: static popularity, co-occurrence, token id.
 
-- `static`: the most popular experts of each layer, always predicted (score = their frequency)
-  and pinned by the eviction policy, which evicts them only when nothing else can go.
-- `cooccur`: P(expert at a later (token, layer) position | experts of the last few observed
-  positions), from layer-to-layer co-occurrence counts, combined in log-odds.
-- `token`: per-token expert frequencies at every layer (token ids, else token strings), with
-  layer popularity for unseen tokens and for the next, still unknown, token.
-- `token-cooccur`: both pieces of evidence combined in log-odds.
-Scores are probabilities that one token routes to the expert; a batch's score is the
-probability that at least one of its tokens does. Besides the online contract, each predictor
-scores a whole trace at once (`score_rows`) for fast offline evaluation, with the same numbers.
+`static` pins the most popular experts of each layer; `cooccur` combines, in log-odds, P(expert at a
+later (token, layer) position | experts of the last few observed positions); `token` uses per-token
+expert frequencies (popularity for unseen tokens and for the next token); `token-cooccur` both.
+Scores are probabilities that one token routes to the expert (a batch's: at least one of its tokens);
+each predictor also scores a whole trace at once (`score_rows`) with the same numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ from moestream.policies.contracts import (
     POLICIES,
     EvictionPolicy,
     Policy,
-    Predictor,
 )
 from moestream.policies.eviction import LRUPolicy, NarrowingEviction
 from moestream.policies.routing_stats import (
@@ -201,8 +195,7 @@ class PinnedLRU(NarrowingEviction):
 class StaticPolicy(Policy):
     """The most popular experts of each layer (from fit), predicted always and kept resident."""
 
-    def make_predictor(self) -> Predictor:
-        return StaticPredictor(self.topology)
+    predictor_class = StaticPredictor
 
     def make_eviction(self, tier: str) -> EvictionPolicy:
         return PinnedLRU(self.predictor.pinned)
@@ -212,21 +205,18 @@ class StaticPolicy(Policy):
 class CooccurPolicy(Policy):
     """Layer-to-layer co-occurrence prediction, LRU eviction."""
 
-    def make_predictor(self) -> Predictor:
-        return CooccurPredictor(self.topology)
+    predictor_class = CooccurPredictor
 
 
 @POLICIES.register("token")
 class TokenPolicy(Policy):
     """Per-token-id expert frequencies, LRU eviction. Needs token ids or strings in the trace."""
 
-    def make_predictor(self) -> Predictor:
-        return TokenPredictor(self.topology)
+    predictor_class = TokenPredictor
 
 
 @POLICIES.register("token-cooccur")
 class TokenCooccurPolicy(Policy):
     """Token frequencies and co-occurrence together, LRU eviction."""
 
-    def make_predictor(self) -> Predictor:
-        return TokenCooccurPredictor(self.topology)
+    predictor_class = TokenCooccurPredictor

@@ -7,10 +7,7 @@ from moestream.policies.contracts import EVICTIONS, POLICIES, EvictionPolicy, Po
 
 @POLICIES.register("lru")
 class LRU(Policy):
-    """No prefetch; least-recently-used eviction."""
-
-    def make_eviction(self, tier: str) -> EvictionPolicy:
-        return EVICTIONS.create("lru")
+    """No prefetch; least-recently-used eviction (a Policy's defaults)."""
 
 
 @POLICIES.register("lfu")

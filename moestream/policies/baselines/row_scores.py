@@ -17,10 +17,9 @@ from moestream.policies.routing_stats import (
     fit_evidence_scale,
     layer_popularity,
     logit,
-    routed_mask,
     sigmoid,
-    union_over_rows,
 )
+from moestream.predictors.paths import expert_mask, union_probability
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.schema import Trace
 
@@ -86,7 +85,7 @@ class RowScorePredictor(Predictor):
         for target in range(layer_now + 1, layer_now + horizon_layers + 1):
             tokens_ahead, layer = divmod(target, self.topology.num_layers)
             scores = self.row_scores(layer_now, target)  # [T, E]
-            batch = scores[0] if len(scores) == 1 else union_over_rows(scores)
+            batch = scores[0] if len(scores) == 1 else union_probability(scores)
             predictions += self._top(batch, layer, tokens_ahead)
         return predictions
 
@@ -153,7 +152,7 @@ class EvidencePredictor(RowScorePredictor):
 
     def _labelled(self, sample: Trace, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         evidence = self.trace_evidence(sample, layer, 1, in_sample=True)  # [N, E]
-        routed = routed_mask(sample.experts[:, layer], self.topology.num_experts)  # [N, E]
+        routed = expert_mask(sample.experts[:, layer], self.topology.num_experts)  # [N, E]
         return evidence, logit(self.popularity[layer]), routed
 
     def row_scores(self, layer_now: int, target: int) -> np.ndarray:

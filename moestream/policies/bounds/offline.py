@@ -1,16 +1,11 @@
-"""Offline bounds that know the future of the replayed trace: Belady's MIN and the oracle.
+"""Offline bounds that know the future of the replayed trace: Belady's MIN, lookahead-N and the oracle.
 
-`belady` prefetches nothing and evicts the resident expert whose next use is farthest away.
-`lookahead-1` and `lookahead-8` evict like `belady` but see the future only that many tokens ahead
-(beyond it, least recently used first): the bound for a policy that knows the next tokens'
-routing exactly and nothing more. `LookaheadEviction` takes any fallback policy for what lies
-beyond its window (`default-lookahead-4` gives it the default's eviction).
-`oracle` predicts exactly the experts of the next `horizon_layers` layers (crossing into the next
-iterations), each with score 1, so the default planner orders them by time of need; it evicts like
-`belady`. Both get the trace through `prepare(trace)` and follow the replay from the events they
-observe: time is (iteration, layer), and the iteration order is inferred from the first
-iterations (one token: decode stream; one whole sequence: prefill; several sequences: batched
-decode with B = their number), then checked at every iteration. Simulator only (`offline`).
+`LookaheadEviction` sees N tokens ahead and leaves the rest to any fallback policy (LRU; the default's
+eviction in `default-lookahead-4`); the oracle's exact predictions, scored 1, are ordered by time of
+need by the default planner. All get the trace through `prepare(trace)` and follow the replay from
+the events they observe: time is (iteration, layer), and the iteration order is inferred from the
+first iterations (one token: decode; one whole sequence: prefill; several sequences: batched decode
+with B = their number), then checked at every iteration. Simulator only (`offline`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Set dueling for `default`: does its model beat recency on the routing this process sees?
 
-The trained model is fitted to one model's routing; served elsewhere (another checkpoint, a random
-router, a workload unlike the training trace) its probabilities can mislead both its eviction and
-its prefetch, and then on-demand LRU does better. `Duel` finds out from the routing alone. Two ghost
-caches of the device tier's size take every expert a layer routes, as the layers are published: one
-evicts by the model's expected next use (the same table `DefaultEviction` ranks), the other the
-least recently used; a ghost victim is never one of the layer's own experts. Over the last
-`window_tokens` tokens' lookups the ghost with more hits wins. While recency wins, `default` acts
-as on-demand LRU: `DuelEviction` evicts the least recently used and `DuelPlanner` plans no
-speculative reads; it returns to its model as soon as the model's ghost wins again. The ghosts
-leave prefetch out, so the model is judged on its ranking alone. Deterministic: it counts lookups,
-never time, so engine and simulator see the same switches. Knows routing events, the model's
-table of next uses and the planner's view of the tier's capacity, not the mechanism.
+`Duel`: two ghost caches of the device tier's size take every expert a layer routes, one evicting by
+the model's expected next use (and taking the model's top-k of the next layer), the other the least
+recently used; a ghost victim is never one of the layer's own experts. Over the last `window_tokens`
+tokens' lookups, while LRU's ghost hits more, `DuelEviction` evicts LRU and `DuelPlanner` plans
+nothing (docs/default-policy.md, "the duel"). It counts lookups, never time, so engine and simulator
+switch alike. Knows routing events, the model's next uses and the tier's capacity, not the mechanism.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The inputs of the lean routing model, for every row of a trace at once.
 
-`TraceFeatures.features(layer, cut, tokens)` gives, for each row t and target `layer`, seen once t's
-layers <= cut have routed (cut = -1: t's start, nothing routed), the [N, 7E] features of
-moestream.policies.default.model: t's experts at cut and cut-1, the previous two tokens'
-experts at the layer, the in-sequence recall at the layer, the sequence's running share there and
-the token's memory there. The online state (state.py) keeps the same numbers incrementally;
-`recall_weights` is the code both use. Token keys, the vocabulary and the token memory (each
-vocabulary token's mean routing over the training trace, `TokenMemory`) are here too; training sees
-each row's memory without that row (leave one out), as a held-out token would. Knows traces and
-arrays, not events or caches.
+`TraceFeatures.features(layer, cut, tokens)`: for each row t and target `layer`, seen once t's layers
+<= cut have routed (cut = -1: t's start), the [N, 7E] features of moestream.policies.default.model.
+The online state (state.py) keeps the same numbers incrementally; `recall_weights` is the code both
+use. Token keys, the vocabulary and the token memory (`TokenMemory`) are here too.
+Knows traces and arrays, not events or caches.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moestream.policies.routing_stats import previous_rows
+from moestream.predictors.paths import expert_mask
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
@@ -45,13 +42,6 @@ def build_vocabulary(keys: list | None, min_count: int) -> dict[str, int]:
     counts = Counter(str(k) for k in keys or [])
     kept = sorted(k for k, n in counts.items() if n >= min_count)
     return {k: i + 1 for i, k in enumerate(kept)}
-
-
-def multi_hot(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """[..., K] expert ids -> [..., E] bool."""
-    hot = np.zeros(experts.shape[:-1] + (num_experts,), dtype=bool)
-    np.put_along_axis(hot, experts.astype(np.int64), True, axis=-1)
-    return hot
 
 
 MEMORY_SCALE = 255.0  # the token memory's table holds its shares in 255ths (uint8)
@@ -123,7 +113,7 @@ class TraceFeatures:
         self.tokens = np.zeros(trace.num_tokens, np.int64) if tokens is None else tokens
         self.memory = memory  # [2V, L, E] the token memory's table
         E = trace.topology.num_experts
-        self.hot = multi_hot(trace.experts, E)  # [N, L, E]
+        self.hot = expert_mask(trace.experts, E)  # [N, L, E]
         self.prev = previous_rows(trace.seq_ids)  # [N]
         known = tokens is not None
         before = self.tokens[np.maximum(self.prev, 0)]
@@ -135,9 +125,6 @@ class TraceFeatures:
         self.earlier = np.where(self.valid, earlier, 0)
         self.share = _running_share(self.hot, self.prev)  # [N, L, E]
         self._shared: dict[int, np.ndarray] = {}  # cut -> [N, W] experts shared at cut
-
-    def holds(self, trace: "Trace") -> bool:
-        return trace is self.trace
 
     def features(self, layer: int, cut: int, tokens: np.ndarray) -> np.ndarray:
         """[N, 7E] float32 inputs for `layer`, seen with t's layers <= cut routed (cut >= -1), the
@@ -151,18 +138,14 @@ class TraceFeatures:
             out[:, E:2 * E] = self.hot[:, cut - 1]
         for block, rows in ((2, self.prev), (3, self.prev2)):
             out[:, block * E:(block + 1) * E] = self.hot[np.maximum(rows, 0), layer] & (rows >= 0)[:, None]
-        out[:, 4 * E:5 * E] = self.recall(layer, cut)
+        out[:, 4 * E:5 * E] = self.recall_many([layer], cut)[:, 0]
         out[:, 5 * E:6 * E] = self.share[:, layer]
         out[:, 6 * E:] = memory_rows(self.memory, (memory_index(tokens, self.before, len(self.memory) // 2), layer))
         return out
 
-    def recall(self, layer: int, cut: int) -> np.ndarray:
-        """[N, E]: the window's routing at `layer`, weighted by the experts shared at cut and cut-1."""
-        return self.recall_many([layer], cut)[:, 0]
-
     def recall_many(self, layers: list[int], cut: int) -> np.ndarray:
-        """[N, n, E]: recall() at several layers from one cut, as one sparse [N, N] product (without
-        cut_recall, the window's mean routing whatever the cut)."""
+        """[N, n, E]: the window's routing at each of `layers`, weighted by the experts shared at cut and
+        cut-1, as one sparse [N, N] product (without cut_recall, the window's mean whatever the cut)."""
         from scipy.sparse import csr_matrix
 
         cut = cut if self.cut_recall else -1

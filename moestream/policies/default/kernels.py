@@ -1,15 +1,9 @@
 """The compiled inner loops of `default`'s online state (numba): a routed layer's update in a few calls.
 
-A routed layer's update was a dozen numpy calls on [3, 64] arrays, each about a microsecond of call
-overhead for a few hundred flops. These loops do the same arithmetic (up to float32 rounding: sums
-in another order, and 1 / (1 + exp(-x)) for scipy's expit) in one pass each:
-- `add_routed`: the part of model.pre_activation that the routing at c and c-1 fills. Those blocks
-  of the features are one-hot rows, so their product with the weights is a sum of weight rows.
-- `absorb`: probabilities from the logits, the batch's union, and the expected next uses of the
-  rows they change (state.IterationState describes each; `union_into` and `expect` serve begin too).
-- `add_cut_recall` (with cut_recall, once per row): what a row's recall block gains over the
-  window's mean when the window's tokens are weighted by the experts they shared with the row
-  (the weights of features.recall_weights).
+The same arithmetic as the numpy forms (up to float32 rounding: sums in another order, and
+1 / (1 + exp(-x)) for scipy's expit) in one pass each: `add_routed` (the weight rows of the one-hot
+routed blocks), `absorb` (probabilities, the batch's union, the expected next uses; `union_into` and
+`expect` serve begin too) and `add_cut_recall` (a row's recall gain, features.recall_weights).
 Compiled on first use and cached on disk. Knows arrays and the block order of the features
 (model.NUM_BLOCKS), not events, caches or policies.
 """

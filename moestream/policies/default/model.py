@@ -1,28 +1,17 @@
 """The lean routing model of `default`: its settings, its weights and its one forward pass.
 
-For a token t and a target layer l, seen from a cut c (the last layer of t already routed), the
-pre-activations are a bias plus two small matmuls (U units: E when linear, else hidden_units):
+For a token and a target layer l seen from a cut c, with b the horizon bucket (0: l = c+1, 1: l = c+2,
+START: the token's start) and a the anchor (c for buckets 0 and 1, l for START):
     pre = bias[a, b] + features @ dense[a, b] + token_embedding[t] @ token_out[a, b]    # [U]
-and the logits over l's E experts are pre itself (linear), or relu(pre) @ out[a, b] + out_bias[a, b]
-where b is the horizon bucket (0: l = c+1, 1: l = c+2, START: t's start, nothing of it routed) and
-a is the anchor: the cut c for buckets 0 and 1, the target l for START. So the weights one routed
-layer needs online are one contiguous block, dense[c], and a token's start needs dense[:, START]:
-views, no copies. `features` is the concatenation of seven E-vectors (features.py): the token's
-experts at c and c-1, the previous two tokens' experts at l, the in-sequence recall at l (the last
-window_tokens tokens' mean routing there; with cut_recall, for the c+1 and c+2 buckets, weighted by
-the experts each of them shared with t at c and c-1), the sequence's running share at l, and the
-token's memory at l (its mean routing there over the training trace; for a token outside the
-vocabulary and for the next token, that of the tokens that followed the previous one).
-
-`pre_activation` and `head` (composed: `logits`) are written once for both array libraries: numpy
-online and over whole traces, torch in training (they use only indexing, `@`, `+` and `*`), so
-training produces exactly the weights it reads.
+and the logits are pre (linear) or relu(pre) @ out[a, b] + out_bias[a, b]; the features are seven
+E-vectors (features.py; docs/default-policy.md lists them). `pre_activation` and `head` (composed:
+`logits`) use only indexing, `@`, `+` and `*`, so numpy runs them online and torch in training.
 Knows arrays, not events, caches or torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,18 +53,10 @@ class DefaultConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1]")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def weight_index(layer: int, cut: int) -> tuple[int, int]:
     """(anchor, bucket) of the weights predicting `layer` with layers <= cut routed."""
     return (cut, layer - cut - 1) if 0 <= cut and layer - cut <= 2 else (layer, START)
-
-
-def target_of(anchor: np.ndarray, buckets: np.ndarray) -> np.ndarray:
-    """The target layers of (anchor, bucket) weights."""
-    return np.where(buckets == START, anchor, anchor + buckets + 1)
 
 
 @dataclass

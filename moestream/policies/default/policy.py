@@ -1,21 +1,10 @@
-"""`default`: calibrated probabilities from the lean routing model drive prefetch and eviction.
+"""`default`: calibrated probabilities from the lean routing model drive prefetch and eviction
+(docs/default-policy.md).
 
-- Prediction: state.IterationState runs the model (model.pre_activation, model.head), at each
-  token's start for every layer and at each routed layer c for c+1, c+2 and the next token's layer
-  c. Scores are probabilities.
-- Prefetch: moestream's BandwidthAwarePlanner, in order of probability / layers ahead: where the view
-  has the link's model, the reads the link can afford (in time, worth the delay they impose, and
-  worth their victim by DefaultEviction's expected waits); without one, IdleAwarePlanner's rule
-  (probability > min_prefetch_probability, or > idle_prefetch_probability while nothing moves).
-- Eviction (DefaultEviction): the resident expert with the longest expected wait to its next use, in
-  layers: (layers until it) + (1 - p) x L / q for a layer still ahead in this token, with p its
-  probability now and q the next token's; (layers until the next token reaches it) + L x (1/q - 1)
-  for a layer passed.
-- The duel (duel.py): ghost caches of the device tier replay the routing, one ranked and prefetched by
-  the model, one LRU; while LRU's hits more over the last `duel_window_tokens` tokens (the model fits
-  another model's routing badly), default evicts LRU and plans no speculation.
+- Prediction: state.IterationState; prefetch: planning.BandwidthAwarePlanner; eviction: DefaultEviction,
+  the resident expert with the longest expected wait to its next use; while recency beats the model
+  on this routing, the duel (duel.py) evicts LRU and plans no speculation.
 Without a trained model it refuses to run (UntrainedPolicyError): it never silently acts as LRU.
-Saved as safetensors (numpy) + JSON; loading and running import no torch.
 Knows the policy contract, not the mechanism, time or bytes.
 """
 
@@ -50,7 +39,7 @@ from moestream.policies.default.model import (
 )
 from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
 from moestream.policies.default.state import IterationState, warm_up
-from moestream.policies.default.storage import load_directory, save_directory
+from moestream.policies.default.storage import load_arrays
 from moestream.policies.planning import BandwidthAwarePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import TrainConfig
@@ -102,8 +91,16 @@ class DefaultPredictor(TrainablePredictor):
     def tensors(self) -> dict[str, np.ndarray]:
         return self.weights.arrays() | {"memory": self.memory}
 
+    def write_tensors(self, path: Path) -> None:
+        from safetensors.numpy import save_file
+
+        save_file(self.tensors(), str(path))
+
+    def read_tensors(self, path: Path) -> dict[str, np.ndarray]:
+        return load_arrays(path)
+
     def meta(self) -> dict:
-        return {"config": self.config.to_dict(), "vocab": self.vocab, "key_kind": self.key_kind}
+        return super().meta() | {"vocab": self.vocab, "key_kind": self.key_kind}
 
     def restore(self, tensors: dict[str, np.ndarray], meta: dict) -> None:
         self.config = DefaultConfig(**meta["config"])
@@ -127,7 +124,7 @@ class DefaultPredictor(TrainablePredictor):
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E]: what predict() gives for each row's `layer`, horizon_layers positions earlier."""
         self.require_trained()
-        if self._trace is None or not self._trace.holds(trace):
+        if self._trace is None or self._trace.trace is not trace:
             keys, kind = token_keys(trace)
             tokens = self._indices(keys) if kind == self.key_kind and keys is not None else None
             config = self.config
@@ -338,12 +335,3 @@ class Default(TrainedPolicy):
 
     def prepare(self, trace: "Trace") -> None:
         self.predictor.require_trained()
-
-    def save(self, directory: str | Path) -> Path:
-        return save_directory(self.predictor, directory)
-
-    def load(self, directory: str | Path) -> None:
-        load_directory(self.predictor, directory)
-        self.config = self.predictor.config
-        self.planner = self.make_planner()
-        self.pretrained = True

@@ -1,19 +1,12 @@
 """Online state of `default`: each sequence's recent routing, and the current iteration's
 probabilities, kept incrementally so that one layer decision is a few calls (numpy, and the
-compiled loops of kernels.py).
+compiled loops of kernels.py); docs/default-policy.md ("Online", "Cost of a decision") says how.
 
-Per iteration (T token rows; in a prefill every row sees its sequence as it was before the
-iteration): begin() predicts every layer from the tokens' start (horizon bucket START); each
-observe(layer c) predicts c+1 (d = 1), c+2 (d = 2) and, for eviction and for predictions past the
-last layer, the next token's layer c. The model's pre-activation is linear in its features, so
-begin() computes, with model.pre_activation, every cut's part from the inputs the token's own
-routing does not change (the sequence's history and the token's memory; the next token's is the
-memory of what followed the current token), and observe(c) adds the part of the blocks the routing
-at c and c-1 fills (those one-hot rows times their weights; with cut_recall, also what the recall
-they weight adds: kernels.add_routed, kernels.add_cut_recall) and applies model.head. A batch's
-probability for an expert is the chance that at least one of its rows routes to it; for the next
-token's layers, of the rows that end their sequence's part of the iteration (in a prefill, the
-prompt's last token: the next iteration follows only those). Knows arrays and events, not caches.
+begin() predicts every layer from the tokens' start (bucket START) and fixes every cut's part of the
+pre-activation that the token's own routing does not change; observe(c) adds the routed blocks'
+part and predicts c+1, c+2 and the next token's layer c. A batch's probability for an expert is the
+chance that at least one row needs it; for the next token's layers, of the rows that end their
+sequence's part of the iteration. Knows arrays and events, not caches.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Training of the lean routing model: torch over the same `logits` function the numpy path runs.
 
-Every step takes a minibatch of rows and all (target layer, horizon bucket) pairs at once: d = 1
-(cut = l-1), d = 2 (cut = l-2) and the token's start (cut = -1, also what the next token is
-predicted from). The expensive inputs (the recall per pair) are computed once before the first
-epoch; the rest is gathered per minibatch, the token memory of each row without the row itself.
-The loss is binary cross-entropy, so the outputs are probabilities. torch is imported here only,
-inside train_weights.
+Every step takes a minibatch of rows and every (target layer, horizon bucket) pair at once, each
+row's token memory without the row itself; binary cross-entropy, so the outputs are probabilities.
+torch is imported here only, inside train_weights.
 """
 
 from __future__ import annotations

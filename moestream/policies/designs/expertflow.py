@@ -1,18 +1,14 @@
 """ExpertFlow (He et al., 2024): routing path prediction, predictive locality-aware caching and
 real-time correction.
 
-- Predictor: a learned routing path model (moestream.predictors.routing_path) reads the iteration's
-  tokens with their preceding context and predicts every MoE layer's experts before the first layer
-  runs; a batch's predicted path is the OR of its tokens' paths (each token's top-k per layer).
-- Planner: predicted experts of upcoming layers are requested nearest layer first, filling the
-  cache across layers with no per-layer quota, up to capacity; it is asked again as each layer
-  completes, so later layers are fetched while earlier ones compute.
-- Eviction (real-time correction): when the gate reveals a miss, the victims are first the experts of
-  the current layer that were prefetched but not routed, then experts of layers already computed.
-- `expertflow-nocorrect` drops the correction: plain LRU eviction.
-
-The policy knows token ids and routing events; it does not know time, bytes or torch modules (the
-model is imported lazily, when fitting or loading).
+- Predictor: a learned routing path model (moestream.predictors.routing_path) predicts every MoE
+  layer's experts from the iteration's tokens and their context before the first layer runs; a
+  batch's path is the OR of its tokens' (each token's top-k per layer).
+- Planner: predicted experts of the upcoming layers, nearest layer first, no per-layer quota, up to
+  capacity; asked again after each layer, so later layers are fetched while earlier ones compute.
+- Eviction (real-time correction, `CorrectionEviction`): prefetched experts the gate did not route
+  go first; `expertflow-nocorrect` is plain LRU.
+Knows token ids and routing events, not time, bytes or torch modules (imported lazily).
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ from moestream.policies.contracts import (
     TransferRequest,
 )
 from moestream.policies.eviction import LRUPolicy
-from moestream.policies.planning import layers_ahead
+from moestream.policies.planning import ranked
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import RoutingPathConfig, TrainConfig
 from moestream.predictors.paths import expert_mask, path_scores, top_k_mask
@@ -55,16 +51,11 @@ class ExpertFlowPredictor(TrainablePredictor):
 
     def __init__(self, topology: Topology, config: RoutingPathConfig, train: TrainConfig):
         super().__init__(topology, config, train)
-        self.model = None
         self.vocab = None
         self._history: dict[int, list[int]] = {}  # seq -> its last window_tokens vocabulary indices
         self._scores: np.ndarray | None = None  # [L, E] chance a predicted expert is needed; 0 if not predicted
         self._by_layer: list[list[Prediction]] = []  # this iteration's predictions of each layer
         self._scored: tuple["Trace", np.ndarray] | None = None  # the last trace score_rows saw, its [N, L, E]
-
-    @property
-    def is_trained(self) -> bool:
-        return self.model is not None
 
     def fit(self, trace: "Trace") -> None:
         from moestream.predictors.routing_path import fit_routing_path
@@ -82,7 +73,7 @@ class ExpertFlowPredictor(TrainablePredictor):
         from moestream.predictors.routing_path import path_probabilities
 
         windows = self._windows(ctx.seq_ids, self._encode(ctx))  # [T, W]
-        self._scores = path_scores(path_probabilities(self._trained_model(), windows), self.topology.top_k)
+        self._scores = path_scores(path_probabilities(self.trained_model(), windows), self.topology.top_k)
         self._by_layer = [
             [Prediction(layer, int(e), float(scores[e])) for e in np.flatnonzero(scores)]
             for layer, scores in enumerate(self._scores)
@@ -112,7 +103,7 @@ class ExpertFlowPredictor(TrainablePredictor):
         if source != self.vocab.source:
             raise MoestreamError(f"the routing path model reads {self.vocab.source}, the trace gives {source}")
         windows = context_windows(self.vocab.encode(values), sequence_starts(trace), self.config.window_tokens)
-        return path_probabilities(self._trained_model(), windows)
+        return path_probabilities(self.trained_model(), windows)
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E] (moestream.eval.prediction.TraceScorer): each token's path as predicted at its start.
@@ -138,9 +129,6 @@ class ExpertFlowPredictor(TrainablePredictor):
             figures[f"batch path accuracy (B={size})"] = batch_path_accuracy(predicted, actual, batches).accuracy
         return figures
 
-    def tensors(self) -> dict[str, "torch.Tensor"]:
-        return dict(self._trained_model().state_dict())
-
     def meta(self) -> dict:
         return super().meta() | {"vocab": self.vocab.to_dict()}
 
@@ -155,13 +143,8 @@ class ExpertFlowPredictor(TrainablePredictor):
         self.model = model.eval()
         self.reset()
 
-    def _trained_model(self):
-        if self.model is None:
-            raise MoestreamError("the expertflow predictor is not trained: fit it on a trace or load a directory")
-        return self.model
-
     def _encode(self, ctx: IterationContext) -> np.ndarray:
-        self._trained_model()
+        self.trained_model()
         values = ctx.token_ids if self.vocab.source == "token_ids" else ctx.tokens
         if values is None:
             raise MoestreamError(f"the routing path model reads {self.vocab.source}; this iteration has none")
@@ -187,16 +170,8 @@ class LayerOrderPlanner(PrefetchPlanner):
     """
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        best: dict[ExpertKey, tuple[int, float]] = {}
-        for p in predictions:
-            key = p.key
-            if p.score <= 0.0 or key in view.resident or key in view.in_flight:
-                continue
-            rank = (layers_ahead(p, view.layer_now, view.num_layers), -p.score)
-            if key not in best or rank < best[key]:
-                best[key] = rank
-        ordered = sorted(best, key=lambda key: (best[key], key))[: view.capacity]
-        return [TransferRequest(key, (len(ordered) - i) / len(ordered)) for i, key in enumerate(ordered)]
+        ordered = ranked(predictions, view, lambda score, layer, ahead: (-ahead, score))
+        return [TransferRequest(key, (len(ordered) - i) / len(ordered)) for i, (key, _, _, _) in enumerate(ordered)]
 
 
 @EVICTIONS.register("expertflow-correction")

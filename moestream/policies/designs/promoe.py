@@ -1,19 +1,14 @@
 """ProMoE (Song et al., 2024): learned sliding-window predictors, speculative prefetch at low priority,
 and the GOODPRED metric that picks how far ahead to predict.
 
-- Predictor: for each MoE layer i and distance k (1..num_distances), a two-layer MLP maps the router
-  input of layer i-k (`RoutingEvent.hidden`) to the experts of layer i; trained offline from traces
-  that recorded hidden states, run on the CPU beside inference (moestream.predictors.layer_mlp).
-  `promoe` refuses a trace without hidden states. `promoe-routing` is a separate, labelled variant
-  for routing-only traces: the same MLPs read the multi-hot experts of layers i-k-w+1 .. i-k.
-- Planner: speculative prefetches of the predicted experts at a low priority band; precise on-demand
-  loads are the mechanism's and always go first.
-- Chunked prefetch, early preemption after the gate and cache-aware reordering of experts are
-  engine mechanisms, not the policy's: no switch for them lives here until an engine reads one.
+- Predictor: per MoE layer i and distance k (1..num_distances), a two-layer MLP maps the router input
+  of layer i-k (`RoutingEvent.hidden`) to the experts of layer i (moestream.predictors.layer_mlp);
+  `promoe` refuses a trace without hidden states. `promoe-routing`, a separate, labelled variant for
+  routing-only traces, reads the multi-hot experts of layers i-k-w+1 .. i-k instead.
+- Planner: speculative prefetches in a low priority band; on-demand loads always go first. Chunked
+  prefetch, early preemption and cache-aware reordering are engine mechanisms, not the policy's.
 - GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): `goodpred_table`.
-
-The policy knows routing events and hidden states as arrays; it does not know time, bytes or torch
-modules (the model is imported lazily; cost figures are passed in as plain numbers).
+Knows routing events and hidden states as arrays, not time, bytes or torch modules (imported lazily).
 """
 
 from __future__ import annotations
@@ -59,12 +54,7 @@ class PromoePredictor(TrainablePredictor):
 
     def __init__(self, topology: Topology, config: PromoeConfig, train: TrainConfig):
         super().__init__(topology, config, train)
-        self.net = None
         self._inputs: dict[int, np.ndarray] = {}  # layer -> [T, I] this iteration's input at that layer
-
-    @property
-    def is_trained(self) -> bool:
-        return self.net is not None
 
     @abstractmethod
     def features(self):
@@ -76,13 +66,13 @@ class PromoePredictor(TrainablePredictor):
 
     @property
     def num_distances(self) -> int:
-        return self._trained().num_distances
+        return self.trained_model().num_distances
 
     def fit(self, trace: "Trace") -> None:
         from moestream.predictors.layer_mlp import fit_sliding_window
 
         c = self.config
-        self.net, self.losses = fit_sliding_window(
+        self.model, self.losses = fit_sliding_window(
             trace, self.features(), c.hidden_units, c.num_distances, self.standardize, self.train_config
         )
         self.reset()
@@ -112,7 +102,7 @@ class PromoePredictor(TrainablePredictor):
         from moestream.threads import torch_threads
 
         with torch.inference_mode(), torch_threads(1):
-            return torch.sigmoid(self._trained().logits(torch.tensor(inputs), source_layer, distance)).numpy()
+            return torch.sigmoid(self.trained_model().logits(torch.tensor(inputs), source_layer, distance)).numpy()
 
     def source_probabilities(self, trace: "Trace", source_layer: int, distance: int, chunk: int = 2048) -> np.ndarray:
         """[N, E] probabilities for layer source_layer + distance of every row of a trace."""
@@ -145,9 +135,6 @@ class PromoePredictor(TrainablePredictor):
             figures[f"top-k accuracy (k={k})"] = float((predicted & actual[:, k:]).sum() / actual[:, k:].sum())
         return figures
 
-    def tensors(self) -> dict[str, "torch.Tensor"]:
-        return dict(self._trained().state_dict())
-
     def restore(self, tensors: dict[str, "torch.Tensor"], meta: dict) -> None:
         from moestream.predictors.layer_mlp import SlidingWindowNet
 
@@ -156,16 +143,11 @@ class PromoePredictor(TrainablePredictor):
         in_features = int(tensors["in_mean"].shape[1])
         net = SlidingWindowNet(t.num_layers, t.num_experts, in_features, self.config.hidden_units, num_distances)
         net.load_state_dict(tensors)
-        self.net = net.eval()
+        self.model = net.eval()
         self.reset()
 
     def meta(self) -> dict:
-        return super().meta() | {"num_distances": self._trained().num_distances}
-
-    def _trained(self):
-        if self.net is None:
-            raise MoestreamError(f"the {self.kind} predictor is not trained: fit it on a trace or load a directory")
-        return self.net
+        return super().meta() | {"num_distances": self.trained_model().num_distances}
 
 
 class HiddenStatePredictor(PromoePredictor):
@@ -215,7 +197,6 @@ class SpeculativePlanner(ScorePlanner):
 
     def __init__(self, ceiling: float):
         super().__init__(scale=ceiling)
-        self.ceiling = ceiling
 
 
 @POLICIES.register("promoe")

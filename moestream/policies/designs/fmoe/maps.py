@@ -14,12 +14,6 @@ def one_hot_maps(experts: np.ndarray, num_experts: int) -> np.ndarray:
     return maps
 
 
-def unit(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit L2 norm; zero rows stay zero."""
-    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
-    return np.divide(vectors, norms, out=np.zeros_like(vectors, dtype=np.float32), where=norms > 0)
-
-
 def cosine(dots: np.ndarray, norms_a: np.ndarray, norms_b: np.ndarray) -> np.ndarray:
     """dots [n, C] / (norms_a [n] x norms_b [C]); 0 where a norm is 0."""
     scale = norms_a[:, None] * norms_b[None, :]

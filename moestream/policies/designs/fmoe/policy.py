@@ -2,33 +2,21 @@
 prefetching from a store of past iterations' expert maps, matched by input semantics and by
 routing trajectory.
 
-- Expert map: for one iteration of one sequence, the gate's probability distribution at every
-  layer, [L, E]; a batch keeps one per sequence and takes, per expert, the highest probability
-  among the sequences' selections. From `RoutingEvent.gate_probs` when the engine gives it; when only top-k ids are
-  known (e.g. the DeepSeek-V2-Lite trace) the map is a normalised one-hot over the top-k (1/k each),
-  which `uses_one_hot_maps` reports. Prefill iterations average their tokens' distributions.
-- Map store: capacity C (default 1000), filled by fit() (one map per trace token) and online (one
-  map per sequence per iteration). When full, a new map replaces the stored map with the highest
-  redundancy score (d/L) * semantic similarity + ((L-d)/L) * trajectory similarity (cosines of the
-  embeddings and of the whole maps); without embeddings the score is the trajectory similarity.
-- Matching, with prefetch distance d (default 3): target layers below d use semantic search, the
-  cosine of the iteration's embedding-layer output (`IterationContext.embeddings`) with the stored
-  ones; later target layers use trajectory search, the cosine of the layers observed so far with the
-  same layers of the stored maps. The matched map's row of the target layer is the prediction.
-  After layer l the targets are l+1 .. l+min(horizon, d): fMoE looks d layers ahead, and each plan
-  must repeat the nearer targets because it replaces the previous plan's queue.
-  Without embeddings (the DeepSeek trace has none) semantic search is unavailable: the predictor
-  logs it once, `semantic_available` is False, and every target layer uses trajectory matching on
-  what has been observed (nothing before the first layer of an iteration). Embeddings are never
-  invented.
-- Selection: delta = clip(1 - similarity, 0, 1); experts in descending probability until their
-  summed probability reaches delta, and at least top-k (a close match prefetches few experts, a
-  poor one more). Ablations select a fixed top-k.
-- Prefetch priority p / (l - l_now) (the ScorePlanner); eviction evicts the smallest p * freq, p the
-  expert's probability in the latest matched map, freq how often the expert has been routed to.
-- Matching is incremental: per-layer dot products accumulate, so a layer costs one [S, E] x [E, C]
-  product. The engine runs it on a worker thread (`predicts_in_background`); the simulator (and
-  `bench fidelity`'s engine) inline.
+- Expert map: one sequence's gate distributions of one iteration, [L, E] (`RoutingEvent.gate_probs`;
+  from top-k ids only, 1/k on each, which `uses_one_hot_maps` reports); prefill averages its tokens'.
+  A batch takes, per expert, the highest probability among its sequences' selections.
+- Map store (maps.py): C maps, from fit() (one per trace token) and online (one per sequence per
+  iteration); when full, a new map replaces the most redundant one: (d/L) x semantic similarity +
+  ((L-d)/L) x trajectory similarity (the trajectory alone without embeddings).
+- Matching, prefetch distance d: after layer l the targets are l+1 .. l+min(horizon, d) (each plan
+  replaces the last); those below d by semantic search (cosine of `IterationContext.embeddings`),
+  the rest by trajectory search (cosine of the layers observed so far). Without embeddings the
+  predictor logs it once, `semantic_available` is False and every target uses the trajectory
+  (nothing before an iteration's first layer): embeddings are never invented.
+- Selection: maps.select_experts (delta = 1 - similarity; ablations: a fixed top-k). Prefetch
+  priority p / (l - l_now) (ScorePlanner); eviction: the smallest p x freq (p in the latest matched
+  map, freq the times routed to).
+- Matching is incremental (one [S, E] x [E, C] product a layer); the engine runs it on a worker thread.
 
 This module knows nothing of time, bytes, the engine or the simulator.
 """
@@ -57,10 +45,10 @@ from moestream.policies.designs.fmoe.maps import (
     cosine,
     one_hot_maps,
     select_experts,
-    unit,
 )
 from moestream.policies.planning import ScorePlanner
 from moestream.policies.scored_eviction import ScoredEviction
+from moestream.predictors.paths import unit_rows
 from moestream.topology import Topology
 
 if TYPE_CHECKING:
@@ -83,19 +71,13 @@ class FMoEConfig:
 
 
 class FMoEPredictor(Predictor):
-    """Matches each sequence's iteration against the map store; predicts the matched layers.
-
-    Maps are the gate's distributions when events carry `gate_probs`; from top-k ids only they are
-    one-hot over the top-k (1/k each) and `uses_one_hot_maps` is True, so delta selection then
-    always keeps exactly the top-k. Without `IterationContext.embeddings`, `semantic_available` is
-    False and target layers below d fall back to trajectory matching.
-    """
-
-    needs_embeddings: ClassVar[bool] = True
+    """Matches each sequence's iteration against the map store; predicts the matched layers (one-hot
+    maps keep exactly the top-k under delta selection). Asks for embeddings only with semantic search."""
 
     def __init__(self, topology: Topology, config: FMoEConfig = FMoEConfig()):
         super().__init__(topology)
         self.config = config
+        self.needs_embeddings = config.semantic
         self.store = MapStore(topology.num_layers, topology.num_experts, config.store_capacity,
                               config.prefetch_distance)
         self.uses_one_hot_maps: bool | None = None  # None until maps were seen
@@ -113,7 +95,7 @@ class FMoEPredictor(Predictor):
                 maps = one_hot_maps(trace.experts[rows], self.topology.num_experts)  # [n, L, E]
             else:
                 maps = trace.gate_probs[rows].astype(np.float32)
-            embeddings = unit(trace.embeddings[rows].astype(np.float32)) if semantic else None
+            embeddings = unit_rows(trace.embeddings[rows].astype(np.float32)) if semantic else None
             self.store.add_many(maps, embeddings)
 
     def reset(self) -> None:
@@ -171,7 +153,7 @@ class FMoEPredictor(Predictor):
                             "every layer uses trajectory matching")
                 self._warned = True
             return
-        self._embeddings = unit(self._pooling(seq_ids) @ embeddings.astype(np.float32))  # [S, H]
+        self._embeddings = unit_rows(self._pooling(seq_ids) @ embeddings.astype(np.float32))  # [S, H]
         if self.store.embeddings is not None and self.store.size:
             self._semantic_cos = self._embeddings @ self.store.embeddings.T  # [S, C]
             self._semantic = best(self._semantic_cos, self.store.size)
@@ -214,12 +196,6 @@ class FMoEPredictor(Predictor):
                 self._semantic_cos[later, slot] = self._embeddings[later] @ embedding
 
 
-class TrajectoryFMoEPredictor(FMoEPredictor):
-    """fMoE predictor without semantic search: it never asks for embeddings."""
-
-    needs_embeddings: ClassVar[bool] = False
-
-
 class FMoEEviction(ScoredEviction):
     """Evicts the smallest p * freq (p: probability in the latest matched map; freq: times routed
     to); ties go to the least recently used."""
@@ -249,8 +225,7 @@ class FMoE(Policy):
     predicts_in_background: ClassVar[bool] = True
 
     def make_predictor(self) -> Predictor:
-        kind = FMoEPredictor if self.config.semantic else TrajectoryFMoEPredictor
-        self.map_predictor = kind(self.topology, self.config)
+        self.map_predictor = FMoEPredictor(self.topology, self.config)
         return self.map_predictor
 
     def make_planner(self) -> PrefetchPlanner:

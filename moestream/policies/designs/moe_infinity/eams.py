@@ -1,5 +1,10 @@
 """Expert Activation Matrices (EAMs) and the collection (EAMC) MoE-Infinity matches against: building
 them from a trace, k-means medoids, per-layer shares. Arrays only; no events, no policy.
+
+The EAMC is chosen by k-means under the distance 1 - mean_l cos(M1[l], M2[l]), keeping per cluster
+the member nearest the centroid. k-means runs (scikit-learn) on flattened EAMs whose rows are
+L2-normalised: then ||x - y||^2 = 2 L x distance (a zero row counts as cosine 0 on both sides), so
+squared Euclidean distance ranks pairs exactly like the paper's distance.
 """
 
 from __future__ import annotations
@@ -8,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from moestream.predictors.paths import unit_rows
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
@@ -23,12 +30,6 @@ def sequence_eams(trace: "Trace") -> np.ndarray:
     for i, (_, start, end) in enumerate(bounds):
         eams[i] = np.bincount(flat[start:end].ravel(), minlength=t.num_layers * t.num_experts)
     return eams.reshape(len(bounds), t.num_layers, t.num_experts)
-
-
-def unit_rows(eams: np.ndarray) -> np.ndarray:
-    """Each layer row scaled to unit L2 norm; all-zero rows stay zero. [..., L, E]."""
-    norms = np.linalg.norm(eams, axis=-1, keepdims=True)
-    return np.divide(eams, norms, out=np.zeros_like(eams, dtype=np.float32), where=norms > 0)
 
 
 def layer_shares(eams: np.ndarray) -> np.ndarray:

@@ -1,25 +1,18 @@
 """MoE-Infinity (Xue et al., "MoE-Infinity: Activation-Aware Expert Offloading"): prefetching and
 caching guided by sequence-level Expert Activation Matrices.
 
-- EAM: per sequence, an [L, E] matrix of how many of its tokens each expert served so far.
-- EAMC: at most P EAMs kept from a dataset (fit: one EAM per training sequence), chosen by k-means
-  under the distance 1 - mean_l cos(M1[l], M2[l]); per cluster the member nearest the centroid is
-  kept. k-means runs (scikit-learn) on flattened EAMs whose rows are L2-normalised: then
-  ||x - y||^2 = sum_l (2 - 2 cos_l) = 2 L * distance (a zero row counts as cosine 0 on both sides),
-  so squared Euclidean distance ranks pairs exactly like the paper's distance.
-- Algorithm 1 (prefetch): after each layer's routing, the sequence's nearest EAM in the EAMC gives,
-  for every later layer fl and expert e, ratio = eam[fl][e] / sum(eam[fl]) (the predictor's score)
-  and priority = (ratio + eps) * (1 - fl / L) (the planner). Every layer re-matches and re-plans;
-  the mechanism replaces the queue, serves misses first and moves one transfer per link at a time.
-  As in the released implementation, experts the matched EAM never activated are not submitted
-  (`prefetch_unseen=True` submits them at priority eps * (1 - fl / L), as the pseudo-code reads).
-- Algorithm 2 (replacement): evict the cached expert with the lowest (ratio + eps) * (1 - l / L),
-  ratio taken in the current sequence's own EAM; one policy per tier, reading the predictor's state.
-- Distribution shift: a sequence whose top-k prediction accuracy (from its matched EAM, measured
-  layer by layer) ends below `poor_accuracy` is kept; after `rebuild_after_poor` of them the EAMC is
-  rebuilt from the dataset plus those EAMs on a worker thread, and installed exactly
-  `rebuild_lag_sequences` ended sequences later (waiting if needed), so results never depend on
-  thread timing; a lag of 0 rebuilds inline.
+- EAM: per sequence, an [L, E] count of the tokens each expert served so far; the EAMC: at most P
+  EAMs kept from a dataset (fit: one per training sequence), k-means medoids (eams.py).
+- Algorithm 1 (prefetch): after each layer, the sequence's nearest EAM in the EAMC gives, for every
+  later layer fl and expert e, ratio = eam[fl][e] / sum(eam[fl]) (the score) and priority
+  (ratio + eps) * (1 - fl / L) (the planner). As in the released implementation, experts the matched
+  EAM never activated are not submitted (`prefetch_unseen=True` submits them, as the pseudo-code reads).
+- Algorithm 2 (replacement): evict the lowest (ratio + eps) * (1 - l / L), ratio taken in the current
+  sequence's own EAM; one policy per tier, reading the predictor's state.
+- Distribution shift: a sequence whose top-k accuracy from its matched EAM ends below `poor_accuracy`
+  is kept; after `rebuild_after_poor` of them the EAMC is rebuilt from the dataset plus those on a
+  worker thread and installed exactly `rebuild_lag_sequences` ended sequences later (waiting if
+  needed), so results never depend on thread timing; a lag of 0 rebuilds inline.
 - Batches: one EAM per sequence; the ratios of their matches are averaged.
 
 This module does not know the cache's contents beyond a CacheView, nor time or bytes.
@@ -28,7 +21,7 @@ This module does not know the cache's contents beyond a CacheView, nor time or b
 from __future__ import annotations
 
 import logging
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
@@ -50,10 +43,11 @@ from moestream.policies.designs.moe_infinity.eams import (
     build_collection,
     layer_shares,
     sequence_eams,
-    unit_rows,
 )
+from moestream.policies.planning import ranked
 from moestream.policies.scored_eviction import ScoredEviction
-from moestream.topology import ExpertKey, Topology
+from moestream.predictors.paths import unit_rows
+from moestream.topology import Topology
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace
@@ -119,41 +113,35 @@ class _Rebuild:
 
     def __init__(self, capacity: int, seed: int, lag_sequences: int):
         self.capacity, self.seed, self.lag = capacity, seed, lag_sequences
-        self._thread: threading.Thread | None = None
-        self._result: np.ndarray | BaseException | None = None
+        self._future: Future | None = None
         self._countdown = 0
 
     @property
     def pending(self) -> bool:
-        return self._thread is not None
+        return self._future is not None
 
     def start(self, eams: np.ndarray) -> np.ndarray | None:
         """Begin a rebuild; the new EAMs at once when the lag is 0, else None."""
         if self.lag == 0:
             return build_collection(eams, self.capacity, self.seed)
         self._countdown = self.lag
-        self._thread = threading.Thread(target=self._build, args=(eams,), name="moestream-eamc", daemon=True)
-        self._thread.start()
+        worker = ThreadPoolExecutor(1, thread_name_prefix="moestream-eamc")
+        self._future = worker.submit(build_collection, eams, self.capacity, self.seed)
+        worker.shutdown(wait=False)  # its thread ends with this one task
         return None
 
     def sequence_ended(self) -> np.ndarray | None:
-        """The rebuilt EAMs when their install point has come, else None."""
-        if self._thread is None:
+        """The rebuilt EAMs when their install point has come (waiting if needed), else None."""
+        if self._future is None:
             return None
         self._countdown -= 1
         if self._countdown > 0:
             return None
-        self._thread.join()
-        self._thread, result, self._result = None, self._result, None
-        if isinstance(result, BaseException):
-            raise RuntimeError("rebuilding the EAM collection failed") from result
-        return result
-
-    def _build(self, eams: np.ndarray) -> None:
+        future, self._future = self._future, None
         try:
-            self._result = build_collection(eams, self.capacity, self.seed)
-        except BaseException as error:  # re-raised in the predictor's thread at install time
-            self._result = error
+            return future.result()
+        except BaseException as error:  # raised in the worker, re-raised in the predictor's thread
+            raise RuntimeError("rebuilding the EAM collection failed") from error
 
 
 class MoEInfinityPredictor(Predictor):
@@ -270,17 +258,9 @@ class MoEInfinityPlanner(PrefetchPlanner):
         self.eps = eps
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
-        best: dict[tuple[int, int], float] = {}
-        skip, num_layers = (view.resident, view.in_flight), view.num_layers
-        for p in predictions:
-            key = (p.layer, p.expert)  # hashes like ExpertKey, without building one per prediction
-            if key in skip[0] or key in skip[1]:
-                continue
-            priority = (p.score + self.eps) * (1.0 - p.layer / num_layers)
-            if priority > best.get(key, -1.0):
-                best[key] = priority
-        ranked = sorted(best.items(), key=lambda item: -item[1])[: view.capacity]
-        return [TransferRequest(ExpertKey(*key), priority) for key, priority in ranked]
+        eps, num_layers = self.eps, view.num_layers
+        best = ranked(predictions, view, lambda score, layer, ahead: (score + eps) * (1.0 - layer / num_layers), -1.0)
+        return [TransferRequest(key, priority) for key, priority, _, _ in best]
 
 
 class MoEInfinityEviction(ScoredEviction):
