@@ -82,10 +82,10 @@ class EngineConfig:
                                     "--layer-ms (default 0: the planner sees no link)", minimum=0)
     layer_ms: float = setting(0.0, "one MoE layer's compute (ms), its experts resident, for the planner's "
                                    "modelled link (default 0: none)", minimum=0)
-    native_gemv: bool = setting(False, "on the CPU, a decode step of one sequence runs its bf16 products with "
-                                       "torch's native kernel, not oneDNN's: about 1.6x faster at real expert sizes, "
-                                       "but the last bit differs from transformers' (oneDNN) in about 0.02%% of "
-                                       "outputs, so tokens may too")
+    native_gemv: bool = setting(False, "on the CPU, a step of one row (a decode step of one sequence) runs its bf16 "
+                                       "products with torch's native kernel, not oneDNN's (a process-wide switch): "
+                                       "about 1.6x faster at real expert sizes, but the last bit differs from "
+                                       "transformers' (oneDNN) in about 0.02%% of outputs, so tokens may too")
 
     def __post_init__(self):
         from moestream.policies import POLICIES  # imported here: the CLI's parser stays light

@@ -90,14 +90,14 @@ def comma_list(text: str, flag: str, kind=str, known=None) -> list:
     return values
 
 
-def rich_table(title: str, columns, rows, left: tuple[str, ...] = (), **options):
+def rich_table(title: str, columns, rows, left: tuple[str, ...] = (), no_wrap: bool = False, **options):
     """A rich Table of text rows: the columns named in left (else the first) left-justified, the others
-    right, none wrapped; options: the Table's (caption, ...)."""
+    right, wrapped unless no_wrap; options: the Table's (caption, ...)."""
     from rich.table import Table
 
     table = Table(title=title, **options)
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if column in left or not (left or i) else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column in left or not (left or i) else "right", no_wrap=no_wrap)
     for row in rows:
         table.add_row(*row)
     return table

@@ -344,7 +344,7 @@ def _table(rows: list[dict], model: Path, args):
               "{:.1%}"), str(row.get("expert_misses", "-")), fmt(row.get("bytes_read", {}).get("disk"), format_bytes),
               _rate(row.get("stream_bytes_per_s"))] for row in rows]
     return rich_table(f"moestream bench streaming: {model}", ("run", "TTFT ms", "TPOT ms", "TPOT CPU ms", "hit rate",
-                      "misses", "disk", "streaming"), cells,
+                      "misses", "disk", "streaming"), cells, no_wrap=True,
                       caption=f"medians over {args.repeats} interleaved repetitions, {args.threads} torch thread(s); "
                               "transformers: every weight in memory; all resident: our path, every expert in the "
                               "device tier; offload R: budget R, cold disk, a fresh engine per repetition; prefill B: "

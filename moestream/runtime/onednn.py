@@ -12,11 +12,11 @@ Both variables are read when the caches are first used: set before a process's f
 they hold; a value the user set is kept.
 
 `native_single_row` turns oneDNN off for a step whose products have one row (a decode step of one
-sequence): torch's native bf16 matrix-vector product then streams weights at 1.6-1.7x oneDNN's speed
-(64-70% of the single-core read bandwidth at DeepSeek-V2-Lite's expert sizes, against 33%), but its
-sums round differently in the last bit (about 0.02% of output elements), so the engine's tokens no
-longer equal transformers' run with oneDNN on. With more rows the native product is slower than
-oneDNN's, so other steps keep it. Knows nothing of models or policies.
+sequence, or a one-token prompt): torch's native bf16 matrix-vector product then streams weights at
+1.6-1.7x oneDNN's speed (64-70% of the single-core read bandwidth at DeepSeek-V2-Lite's expert sizes,
+against 33%), but its sums round differently in the last bit (about 0.02% of output elements), so the
+engine's tokens no longer equal transformers' run with oneDNN on. With more rows the native product is
+slower than oneDNN's, so other steps keep it. Knows nothing of models or policies.
 """
 
 from __future__ import annotations
@@ -39,11 +39,14 @@ def bound_shape_caches(entries: int = CACHE_ENTRIES) -> dict[str, str]:
 
 @contextlib.contextmanager
 def native_single_row(enabled: bool, num_rows: int, device: str):
-    """oneDNN off inside, where enabled and a step of num_rows == 1 runs on the CPU; restored after."""
-    before = torch.backends.mkldnn.enabled
-    if enabled and num_rows == 1 and torch.device(device).type == "cpu":
+    """oneDNN off inside, where enabled, a step of num_rows == 1 runs on the CPU and oneDNN is on; on again
+    after. The flag is torch's, process-wide: other threads' products inside also run without oneDNN, and
+    a second engine's step that begins meanwhile finds it off and leaves it to this one."""
+    act = enabled and num_rows == 1 and torch.device(device).type == "cpu" and torch.backends.mkldnn.enabled
+    if act:
         torch.backends.mkldnn.enabled = False
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = before
+        if act:
+            torch.backends.mkldnn.enabled = True

@@ -64,6 +64,21 @@ def test_native_single_row_turns_onednn_off_only_for_one_row_on_the_cpu(enabled,
     assert torch.backends.mkldnn.enabled
 
 
+def test_interleaved_native_steps_never_leave_onednn_off():
+    """Two engines' steps on two threads: the first to begin turns oneDNN off and on again; the second
+    finds it off and leaves it alone, so that it is on once both have ended, whatever the order."""
+    import torch
+
+    from moestream.runtime.onednn import native_single_row
+
+    first, second = native_single_row(True, 1, "cpu"), native_single_row(True, 1, "cpu")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert torch.backends.mkldnn.enabled
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_native_gemv_runs_decode_steps_of_one_sequence_without_onednn(tiny_checkpoint, native):
     """Prefill (several rows) keeps oneDNN; a decode step of one sequence runs without it when asked, and its

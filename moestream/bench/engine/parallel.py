@@ -106,7 +106,7 @@ def _command(args, model: Path, prompts: Path, ranks: int, budget: float, out: P
     for flag, value in (("--replay-routing", args.replay_routing), ("--expert-parallel-trace", args.expert_parallel_trace)):
         if value:
             command += [flag, str(value)]
-    return command + ([] if args.direct_io else ["--buffered-io"])
+    return command + ([] if args.direct_io else ["--buffered-io"]) + (["--native-gemv"] if args.native_gemv else [])
 
 
 def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: Path, cap_mib: float | None) -> dict:

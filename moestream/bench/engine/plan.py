@@ -77,7 +77,8 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
             "dense_mib": dense_mib, "disk_bw_gbps": disk["bandwidth"] / 1e9, "model": str(model),
             "checkpoint": checkpoint_summary(topology), "device": args.device, "prompts": args.prompts,
             "replay_routing": args.replay_routing, "replay_wraps": resident.get("replay_wraps", 0),
-            "threads": args.threads, "max_new_tokens": args.max_new_tokens, "skipped": skipped,
+            "threads": args.threads, "native_gemv": args.native_gemv, "max_new_tokens": args.max_new_tokens,
+            "skipped": skipped,
             "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost), "integrity": integrity,
             "oracle_bytes_per_token": oracle}
 

@@ -131,7 +131,10 @@ def _table(document: dict, args):
               f"{r['peak_rss_mib']:.0f}", _cap_cell(r), fmt(r["limit_tpot_ms"], "{:.1f}"),
               fmt(r["limit_tpot_ms"] and r["tpot_ms"] / r["limit_tpot_ms"], "{:.2f}")] for r in document["runs"]]
     return rich_table(f"moestream bench engine: {document['model']}", columns, cells, left=("policy", "mode"),
-                      caption=f"{args.threads} torch thread(s), device {document.get('device', 'cpu')}, "
+                      no_wrap=True,
+                      caption=f"{args.threads} torch thread(s)"
+                              f"{' (--native-gemv)' if document.get('native_gemv') else ''}, "
+                              f"device {document.get('device', 'cpu')}, "
                               f"{document.get('prompts', 4)} prompt(s), {document['max_new_tokens']} new tokens per "
                               "prompt, cold start, a fresh process per run; per-token figures over decode steps; "
                               "expert µs: one routed expert MLP's mean wall time; cap (peak): the run's cgroup memory "
