@@ -56,6 +56,13 @@ class SlotPool:
             last = self._slots[i] = (shift, self.data[i, shift : shift + self.slot_bytes])  # [slot_bytes]
         return last[1]
 
+    def release(self) -> None:
+        """Frees the slots' memory now (the store closed), not when the garbage collector next finds the
+        store's callbacks' cycles; a slot asked for after it raises IndexError."""
+        self.num_slots = 0
+        self.data = self.data.new_empty((0, self.data.shape[1]))  # [0, stride]: a new, empty storage
+        self._slots, self._last_reads = [], []
+
     def mark_read(self, i: int, event: Event) -> None:
         """Record that an asynchronous copy reading slot i completes at event."""
         self._last_reads[i] = event

@@ -152,7 +152,7 @@ class ExpertStore:
                 raise error
 
     def close(self) -> None:
-        """Stops the executor after its rounds, drops the queued transfers, closes the files."""
+        """Stops the executor after its rounds, drops the queued transfers, closes the files, frees the slots."""
         with self._lock:
             self._closed = True
         self.executor.stop()
@@ -164,6 +164,10 @@ class ExpertStore:
             self._cond.notify_all()
             self._link.synchronize()
             self.reader.close()
+            for tier in (self._device, self._host):
+                if tier is not None:
+                    tier.pool.release()
+            self._bounce.release()
 
     def __enter__(self) -> "ExpertStore":
         return self

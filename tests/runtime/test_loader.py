@@ -149,3 +149,31 @@ def test_the_output_head_gets_its_input_with_standard_strides(checkpoint, family
     assert len(seen) == 2  # the prefill and one decode step
     for shape, stride in seen:
         assert stride == torch.empty(shape).stride(), (shape, stride)
+
+
+CLOSE_SCRIPT = """
+import gc, json, sys
+gc.disable()  # what close frees must not wait for the collector
+from moestream.runtime import Engine, EngineConfig
+
+def rss_bytes():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(status["VmRSS"].split()[0]) * 1024
+
+engine = Engine(sys.argv[1], EngineConfig(expert_budget=1.0))  # every expert preloaded: the slots are touched
+engine.generate([[5, 6, 7]], max_new_tokens=2)
+before = rss_bytes()
+engine.close()
+del engine
+print(json.dumps({"freed_bytes": before - rss_bytes()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
+def test_closing_an_engine_frees_its_expert_slots_without_the_garbage_collector(tmp_path):
+    spec = ModelSpec("mixtral", num_layers=2, num_experts=8, hidden_size=256, intermediate_size=4096)
+    path = make_model(spec, tmp_path / "big")
+    experts = build_index(path).topology.total_expert_bytes  # 200 MB
+    out = subprocess.run([sys.executable, "-c", CLOSE_SCRIPT, str(path)], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["freed_bytes"] > 0.9 * experts
