@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 from moestream.bench import comma_list, write_figures
+from moestream.config import EngineConfig
+from moestream.settings import add_arguments
 from moestream.threads import torch_threads
 
 READ_MIB = 256  # the reduced tensor: well past the last-level cache
@@ -37,8 +39,7 @@ def add_parser(kinds) -> None:
                         "(keep it past the last-level cache)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu: the process's CPU time (what "
                         "other processes on a shared machine take is not counted); wall: elapsed time")
-    parser.add_argument("--native-gemv", action="store_true", help="single-row cases without oneDNN (the engine's "
-                        "--native-gemv)")
+    add_arguments(parser, EngineConfig, only=("native_gemv",))  # single-row cases as the engine's one-row steps
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.set_defaults(handler=run)
 

@@ -164,10 +164,8 @@ class ExpertStore:
             self._cond.notify_all()
             self._link.synchronize()
             self.reader.close()
-            for tier in (self._device, self._host):
-                if tier is not None:
-                    tier.pool.release()
-            self._bounce.release()
+            for pool in self.slot_pools().values():
+                pool.release()
 
     def __enter__(self) -> "ExpertStore":
         return self
