@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 # experts: the compute thread's routed expert MLPs; layer: a layer's other expert work; policy: the
-# observers' calls and the policy's decisions; wait: waiting for expert bytes; disk, h2d: a round of reads,
-# of host -> device copies
-LANES = ("experts", "layer", "policy", "wait", "disk", "h2d")
+# observers' calls and the policy's decisions; wait: waiting for expert bytes; dense: the model's dense
+# modules (attention, shared experts, dense MLPs, the output head; only `bench timeline` records them);
+# disk, h2d: a round of reads, of host -> device copies
+LANES = ("experts", "layer", "policy", "wait", "dense", "disk", "h2d")
 
 Label = str | Callable[[], str]
 _clock = time.perf_counter  # bound once: a span's own cost inside its measured time stays small

@@ -3,7 +3,12 @@
 One prompt runs through the engine (cold, optional --replay-routing) with a `Tracer` keeping its spans.
 For decode step --token (default the one before the last) it prints the step's wall time and per lane
 the time busy and span count: routed expert MLPs, other layer expert work, policy decisions, waits, the
-rest of the compute thread, and each link's transfers with their share overlapping compute.
+dense modules by role with their weights' effective bandwidth (`DenseSpans`), the rest of the compute
+thread, and each link's transfers with their share overlapping compute.
+
+`DenseSpans` times the model's dense modules by role (`moestream.runtime.loader.dense_modules`:
+attention, shared experts, dense MLPs, the output head) with forward hooks while attached; it changes no
+input, output or parameter.
 Figures only: nothing is asserted. Knows no policy by name.
 """
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
 from moestream.config import EngineConfig
@@ -19,9 +25,42 @@ from moestream.policies.contracts import Observer
 from moestream.settings import add_arguments
 from moestream.tracer import LANES, Span, Tracer, busy_s, overlap_s
 
+if TYPE_CHECKING:
+    import torch
+
 TRANSFER_LANES = ("disk", "h2d")
-THREAD_LANES = ("experts", "layer", "policy", "wait")  # the compute thread's own spans
+THREAD_LANES = ("experts", "layer", "policy", "wait", "dense")  # the compute thread's own spans
 KEPT_SPANS = 200_000  # the latest spans the tracer keeps
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+class DenseSpans:
+    """Times every call of the model's dense modules into `tracer`'s dense lane, labelled by role."""
+
+    def __init__(self, model: torch.nn.Module, tracer: Tracer):
+        from moestream.runtime.loader import dense_modules
+
+        self.roles = dense_modules(model)
+        self.bytes_per_call = {role: sum(map(weight_bytes, modules)) / len(modules)
+                               for role, modules in self.roles.items()}
+        self._tracer, self._began = tracer, {}
+        self._handles = [hook for role, modules in self.roles.items() for module in modules
+                         for hook in (module.register_forward_pre_hook(self._begin),
+                                      module.register_forward_hook(self._end(role)))]
+
+    def _begin(self, module, args) -> None:
+        self._began[id(module)] = time.perf_counter()
+
+    def _end(self, role: str):
+        def end(module, args, output) -> None:
+            self._tracer.add("dense", role, self._began.pop(id(module)), time.perf_counter())
+        return end
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def add_parser(kinds) -> None:
@@ -31,7 +70,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--budget", default="0.25", help="expert budget")
     parser.add_argument("--token", type=int, help="which decode step, 1 to max-new-tokens - 1 (default the one "
                         "before the last)")
-    add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io"))
+    add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io", "native_gemv"))
     parser.add_argument("--plot", type=Path, help="draw the token's spans here (PNG)")
     parser.set_defaults(handler=run)
 
@@ -53,11 +92,11 @@ class StepStarts(Observer):
 
 def run(args) -> int:
     token = _check(args)
-    tracer, steps = _record(args)
+    tracer, steps, dense_bytes = _record(args)
     if token + 1 >= len(steps.starts):
         raise MoestreamError(f"the generation ended after {len(steps.starts) - 2} decode steps (end of sequence), "
                              f"before step {token}: pass a smaller --token")
-    document = figures(tracer, steps.starts, token) | {
+    document = figures(tracer, steps.starts, token, dense_bytes) | {
         "compute_thread_cpu_ms": (steps.cpu_s[token + 1] - steps.cpu_s[token]) * 1e3}
     _print(document)
     write_figures(document, args.json)
@@ -74,7 +113,7 @@ def _check(args) -> int:
     return token
 
 
-def _record(args) -> tuple[Tracer, StepStarts]:
+def _record(args) -> tuple[Tracer, StepStarts, dict[str, float]]:
     import torch
 
     from moestream.bench.engine.runners import make_policy
@@ -87,19 +126,22 @@ def _record(args) -> tuple[Tracer, StepStarts]:
     torch.set_num_threads(args.threads)
     model = str(model_dir(args, announce=True))
     config = EngineConfig(expert_budget=args.budget, direct_io=args.direct_io, sync=args.sync,
-                          policy=args.policy, replay_routing=args.replay_routing)
+                          policy=args.policy, replay_routing=args.replay_routing, native_gemv=args.native_gemv)
     spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))
     policy = make_policy(spec, build_index(model).topology)
     tracer, steps = Tracer(keep_spans=KEPT_SPANS), StepStarts()
     with Engine(model, config, observers=[steps], policy=policy, tracer=tracer) as engine:
+        dense = DenseSpans(engine.model, tracer)
         drop_page_cache(shards(model))
         engine.generate([PROMPTS[0]], args.max_new_tokens)
         steps.mark()  # the end of the last step
-    return tracer, steps
+        dense.detach()
+    return tracer, steps, dense.bytes_per_call
 
 
-def figures(tracer: Tracer, starts: list[float], token: int) -> dict:
-    """The figures and spans of decode step `token` (step 0 is the prefill): from its start to the next's."""
+def figures(tracer: Tracer, starts: list[float], token: int, dense_bytes: dict[str, float]) -> dict:
+    """The figures and spans of decode step `token` (step 0 is the prefill): from its start to the next's;
+    dense_bytes: the weight bytes of one module of each dense role."""
     begin, end = starts[token], starts[token + 1]
     spans = tracer.window(begin, end)
     lanes = {lane: [s for s in spans if s.lane == lane] for lane in LANES}
@@ -110,12 +152,23 @@ def figures(tracer: Tracer, starts: list[float], token: int) -> dict:
         "token": token,
         "token_ms": token_s * 1e3,
         "lanes": {lane: {"busy_ms": busy_s(lanes[lane]) * 1e3, "spans": len(lanes[lane])} for lane in LANES},
+        "dense": {role: _dense_role([s for s in lanes["dense"] if s.label == role], nbytes)
+                  for role, nbytes in dense_bytes.items()},
         "rest_of_compute_thread_ms": (token_s - busy_s(thread)) * 1e3,
         "transfer_beside_wait_ms": {lane: overlap_s(lanes[lane], lanes["wait"]) * 1e3 for lane in TRANSFER_LANES},
         "transfer_beside_expert_compute_ms": {lane: overlap_s(lanes[lane], computing) * 1e3
                                               for lane in TRANSFER_LANES},
         "spans": [_relative(s, begin) for s in spans],
     }
+
+
+def _dense_role(spans: list[Span], weight_bytes: float) -> dict:
+    """One dense role's time in the step, and its weights' effective bandwidth (bytes of one module / its
+    median call)."""
+    calls = sorted(s.end_s - s.begin_s for s in spans)
+    median_s = calls[len(calls) // 2] if calls else 0.0
+    return {"busy_ms": busy_s(spans) * 1e3, "calls": len(calls), "weight_mb": weight_bytes / 1e6,
+            "gb_per_s": weight_bytes / median_s / 1e9 if median_s else 0.0}
 
 
 def _relative(span: Span, origin_s: float) -> dict:
@@ -129,8 +182,11 @@ def _print(document: dict) -> None:
     print(f"{'lane':<28}{'busy ms':>9}{'spans':>7}")
     for lane in THREAD_LANES:
         print(f"{'compute thread: ' + lane:<28}{lanes[lane]['busy_ms']:>9.1f}{lanes[lane]['spans']:>7}")
+    for role, row in document["dense"].items():
+        print(f"{'  dense: ' + role:<28}{row['busy_ms']:>9.1f}{row['calls']:>7}   "
+              f"{row['weight_mb']:.2f} MB of weights a call, {row['gb_per_s']:.1f} GB/s (median call)")
     print(f"{'compute thread: the rest':<28}{document['rest_of_compute_thread_ms']:>9.1f}{'-':>7}   "
-          "(dense layers, sampling, Python)")
+          "(embeddings, norms, routers, sampling, Python)")
     print(f"{'compute thread: CPU time':<28}{document['compute_thread_cpu_ms']:>9.1f}{'-':>7}   "
           "(on a core; the rest of the step it waited: bytes, the GIL, the scheduler)")
     for lane in (lane for lane in TRANSFER_LANES if lanes[lane]["spans"]):

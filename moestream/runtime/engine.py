@@ -44,9 +44,9 @@ from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
-from moestream.runtime.loader import expert_decoder, load_model
+from moestream.runtime.loader import dense_modules, expert_decoder, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
-from moestream.runtime.onednn import bound_shape_caches, native_single_row
+from moestream.runtime.onednn import bound_shape_caches, native_single_row, onednn_inside
 from moestream.runtime.offload import OffloadedExperts, Prefetcher, modelled_link
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
@@ -133,6 +133,8 @@ class Engine:
         model = load_model(self.checkpoint, self.config.device, progress)
         model.generation_config = _generation_config(self.checkpoint)
         self._hooks = bind_experts(model, self.checkpoint, self.experts, self.config.publish_gate_probs)
+        if self.config.native_gemv:  # attention keeps oneDNN in a native step (runtime/onednn.py)
+            self._hooks += onednn_inside(dense_modules(model).get("attention", []))
         topology = self.checkpoint.topology
         log.info("loaded %s on %s: %d MoE layers x %d experts, %d device slots, %d host slots",
                  self.checkpoint.path, self.config.device, topology.num_layers, topology.num_experts,

@@ -7,7 +7,8 @@ are tied and non-persistent buffers (rotary inverse frequencies) are computed on
 model's own initialiser. Dense tensors a quantized checkpoint stores quantized are decoded by its
 codec (`dense_groups`, `decode_dense`) as they are read. The routed experts' parameters stay on meta:
 the experts implementation computes from the store's slots instead. Shared experts are ordinary
-dense modules. The output head gets its input with standard strides (`head_input_hook`).
+dense modules. The output head gets its input with standard strides (`head_input_hook`). `dense_modules`
+finds the dense modules by role from transformers' decoder layout (no family by name).
 This module knows no policy and names no family.
 """
 
@@ -169,6 +170,25 @@ def load_model(checkpoint: CheckpointIndex, device: str, progress: bool = False)
     if head is not None:
         head.register_forward_pre_hook(head_input_hook)
     return model
+
+
+# a dense module's role by its name's last part; dense_modules adds "dense mlp" and "head"
+DENSE_ROLES = {"self_attn": "attention", "shared_experts": "shared experts", "shared_expert": "shared experts"}
+
+
+def dense_modules(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
+    """role -> the model's modules of that role, in model order: "attention" (a layer's `self_attn`),
+    "shared experts", "dense mlp" (a layer's `mlp` with no routed experts) and "head" (the output embeddings)."""
+    roles: dict[str, list[torch.nn.Module]] = {}
+    for name, module in model.named_modules():
+        suffix = name.rsplit(".", 1)[-1]
+        role = DENSE_ROLES.get(suffix) or ("dense mlp" if suffix == "mlp" and not hasattr(module, "experts") else None)
+        if role is not None:
+            roles.setdefault(role, []).append(module)
+    head = model.get_output_embeddings()
+    if head is not None:
+        roles["head"] = [head]
+    return roles
 
 
 def head_input_hook(module: torch.nn.Module, args: tuple) -> tuple:

@@ -16,7 +16,10 @@ sequence, or a one-token prompt): torch's native bf16 matrix-vector product then
 1.6-1.7x oneDNN's speed (64-70% of the single-core read bandwidth at DeepSeek-V2-Lite's expert sizes,
 against 33%), but its sums round differently in the last bit (about 0.02% of output elements), so the
 engine's tokens no longer equal transformers' run with oneDNN on. With more rows the native product is
-slower than oneDNN's, so other steps keep it. Knows nothing of models or policies.
+slower than oneDNN's, so other steps keep it. `onednn_inside` keeps oneDNN on inside the modules it is
+given during such a step: the engine gives it the attention modules, whose small products and attention
+kernel ran 2.4x slower without oneDNN (DeepSeek-V2-Lite at half width: 81 against 35 ms a token,
+docs/measurements/engine-tpot.md). Knows nothing of models or policies.
 """
 
 from __future__ import annotations
@@ -50,3 +53,20 @@ def native_single_row(enabled: bool, num_rows: int, device: str):
     finally:
         if act:
             torch.backends.mkldnn.enabled = True
+
+
+def onednn_inside(modules) -> list:
+    """Forward hooks that turn oneDNN on inside each module where a step turned it off (native_single_row),
+    and off again after it, also when it raises; returns their handles."""
+    turned_on: list[bool] = []  # per call under way: whether its pre-hook turned oneDNN on
+
+    def enter(module, args) -> None:
+        turned_on.append(not torch.backends.mkldnn.enabled)
+        torch.backends.mkldnn.enabled = True
+
+    def leave(module, args, output) -> None:
+        if turned_on.pop():
+            torch.backends.mkldnn.enabled = False
+
+    return [handle for module in modules for handle in (module.register_forward_pre_hook(enter),
+                                                        module.register_forward_hook(leave, always_call=True))]

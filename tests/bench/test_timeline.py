@@ -5,6 +5,7 @@ import json
 import pytest
 
 from moestream.cli import main
+from moestream.cli.demo import demo_checkpoint
 from moestream.tracer import LANES
 
 
@@ -22,8 +23,16 @@ def test_a_token_s_lanes_add_up_and_its_spans_lie_inside_it(tmp_path, monkeypatc
     assert lanes["experts"]["spans"] > 0 and lanes["policy"]["spans"] > 0  # every MoE layer computes and decides
     assert lanes["layer"]["spans"] > 0  # and weights and scatters its experts' rows
     assert lanes["disk"]["spans"] > 0 and lanes["h2d"]["spans"] == 0  # a quarter of the experts: misses; one tier
-    thread = sum(lanes[lane]["busy_ms"] for lane in ("experts", "layer", "policy", "wait"))
+    thread = sum(lanes[lane]["busy_ms"] for lane in ("experts", "layer", "policy", "wait", "dense"))
     assert thread + record["rest_of_compute_thread_ms"] == pytest.approx(record["token_ms"])
+    config = json.loads((demo_checkpoint(small=True) / "config.json").read_text())
+    dense = record["dense"]  # every layer's attention, the shared experts of each MoE layer, one head
+    assert dense["attention"]["calls"] == config["num_hidden_layers"]
+    assert dense["shared experts"]["calls"] == config["num_hidden_layers"] - config["first_k_dense_replace"]
+    assert dense["dense mlp"]["calls"] == config["first_k_dense_replace"] and dense["head"]["calls"] == 1
+    assert dense["head"]["weight_mb"] * 1e6 == config["vocab_size"] * config["hidden_size"] * 2  # bfloat16
+    assert sum(role["busy_ms"] for role in dense.values()) == pytest.approx(lanes["dense"]["busy_ms"])
+    assert all(role["gb_per_s"] > 0 for role in dense.values())
     assert all(0 <= s["begin_ms"] <= s["end_ms"] <= record["token_ms"] for s in record["spans"])
     assert 0 < record["compute_thread_cpu_ms"] <= record["token_ms"] * 1.05  # thread_time ticks coarser
     assert sum(s["lane"] == "experts" for s in record["spans"]) == lanes["experts"]["spans"]
@@ -31,7 +40,7 @@ def test_a_token_s_lanes_add_up_and_its_spans_lie_inside_it(tmp_path, monkeypatc
         assert record["transfer_beside_wait_ms"]["disk"] == pytest.approx(lanes["disk"]["busy_ms"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "decode token 2" in printed and "link: disk" in printed
+    assert "decode token 2" in printed and "link: disk" in printed and "dense: attention" in printed
 
 
 def test_a_token_past_the_generation_is_a_user_error():

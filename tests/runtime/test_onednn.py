@@ -1,6 +1,7 @@
 """Bounding oneDNN's per-shape caches: the variables are set only where the user has not, and on a CPU
 whose bf16 matmuls go through oneDNN the bound stops the heap from growing with every new shape."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -79,30 +80,65 @@ def test_interleaved_native_steps_never_leave_onednn_off():
     assert torch.backends.mkldnn.enabled
 
 
+@pytest.mark.parametrize("raises", [False, True])
+@pytest.mark.parametrize("outside", [False, True])
+def test_onednn_inside_a_module_then_as_it_was(outside, raises):
+    import torch
+
+    from moestream.runtime.onednn import onednn_inside
+
+    inside = []
+
+    def forward(module, args):
+        inside.append(torch.backends.mkldnn.enabled)
+        if raises:
+            raise KeyError
+
+    module = torch.nn.Identity()
+    onednn_inside([module])
+    module.register_forward_pre_hook(forward)  # after onednn_inside's own
+    torch.backends.mkldnn.enabled = outside
+    try:
+        with pytest.raises(KeyError) if raises else contextlib.nullcontext():
+            module(torch.zeros(1))
+        assert inside == [True] and torch.backends.mkldnn.enabled is outside
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_native_gemv_runs_decode_steps_of_one_sequence_without_onednn(tiny_checkpoint, native):
-    """Prefill (several rows) keeps oneDNN; a decode step of one sequence runs without it when asked, and its
-    tokens equal transformers' greedy steps run the same way."""
+    """Prefill (several rows) keeps oneDNN; a decode step of one sequence runs without it when asked, but
+    for its attention, and its tokens equal transformers' greedy steps run the same way."""
     import torch
 
     from moestream.runtime import Engine, EngineConfig
+    from moestream.runtime.loader import dense_modules
     from tests.runtime.conftest import auto_class
 
     path, prompt = tiny_checkpoint("mixtral", dtype="bf16"), [5, 6, 7, 8, 9]
-    seen = []
+    seen, in_attention = [], []
     with Engine(path, EngineConfig(expert_budget=1.0, native_gemv=native)) as engine:
         engine.model.register_forward_pre_hook(lambda module, args: seen.append(torch.backends.mkldnn.enabled))
+        for attention in dense_modules(engine.model)["attention"]:
+            attention.register_forward_pre_hook(lambda module, args: in_attention.append(torch.backends.mkldnn.enabled))
         tokens = engine.generate([prompt], max_new_tokens=4).token_ids[0]
     assert seen == [True] + [not native] * 3
+    assert in_attention and all(in_attention)
     assert tokens == _greedy(auto_class("mixtral").from_pretrained(path), prompt, 4, native)
 
 
 def _greedy(model, prompt: list[int], num_tokens: int, native: bool) -> list[int]:
-    """transformers' model, greedy, the prompt with oneDNN and (native) each later step without it."""
+    """transformers' model, greedy, the prompt with oneDNN and (native) each later step without it but in
+    its attention."""
     import inspect
 
     import torch
 
+    from moestream.runtime.loader import dense_modules
+    from moestream.runtime.onednn import onednn_inside
+
+    onednn_inside(dense_modules(model)["attention"])
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5.x
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([prompt]), use_cache=True)
