@@ -46,7 +46,7 @@ from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.loader import dense_modules, expert_decoder, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
-from moestream.runtime.onednn import bound_shape_caches, native_single_row, onednn_inside
+from moestream.runtime.onednn import NativeGemv, bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher, modelled_link
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
@@ -111,6 +111,7 @@ class Engine:
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
                                         decode=expert_decoder(self.checkpoint, self.config.device), tracer=self.tracer)
         self._hooks: list = []
+        self._native = NativeGemv(self.config.native_gemv, self.config.device)
         self.runner: ModelRunner | None = None
         self._tokenizer = None
         self._seq_counter = itertools.count()
@@ -133,8 +134,7 @@ class Engine:
         model = load_model(self.checkpoint, self.config.device, progress)
         model.generation_config = _generation_config(self.checkpoint)
         self._hooks = bind_experts(model, self.checkpoint, self.experts, self.config.publish_gate_probs)
-        if self.config.native_gemv:  # attention keeps oneDNN in a native step (runtime/onednn.py)
-            self._hooks += onednn_inside(dense_modules(model).get("attention", []))
+        self._hooks += self._native.keep_onednn(dense_modules(model).get("attention", []))  # runtime/onednn.py
         topology = self.checkpoint.topology
         log.info("loaded %s on %s: %d MoE layers x %d experts, %d device slots, %d host slots",
                  self.checkpoint.path, self.config.device, topology.num_layers, topology.num_experts,
@@ -311,7 +311,7 @@ class Engine:
         with torch.inference_mode():
             plan = self.runner.prefill(step, seqs) if batch.is_prefill else self.runner.decode(step, seqs, batch.cache)
             self._begin(plan)
-            with native_single_row(self.config.native_gemv, plan.input_ids.numel(), self.config.device):
+            with self._native.step(plan.input_ids.numel()):
                 return self.runner.run(plan, batch.cache)
 
     def _begin(self, plan: StepPlan) -> None:

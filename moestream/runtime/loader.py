@@ -173,11 +173,12 @@ def load_model(checkpoint: CheckpointIndex, device: str, progress: bool = False)
 
 
 # a dense module's role by its name's last part; dense_modules adds "dense mlp" and "head"
-DENSE_ROLES = {"self_attn": "attention", "shared_experts": "shared experts", "shared_expert": "shared experts"}
+DENSE_ROLES = {"self_attn": "attention", "SelfAttention": "attention", "EncDecAttention": "attention",  # T5's
+               "shared_experts": "shared experts", "shared_expert": "shared experts"}
 
 
 def dense_modules(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
-    """role -> the model's modules of that role, in model order: "attention" (a layer's `self_attn`),
+    """role -> the model's modules of that role, in model order: "attention" (a layer's `self_attn`, or T5's),
     "shared experts", "dense mlp" (a layer's `mlp` with no routed experts) and "head" (the output embeddings)."""
     roles: dict[str, list[torch.nn.Module]] = {}
     for name, module in model.named_modules():

@@ -14,7 +14,7 @@ from moestream.checkpoint.make_model import make_model
 from moestream.checkpoint.spec import ModelSpec
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES
-from moestream.runtime.loader import load_model
+from moestream.runtime.loader import dense_modules, load_model
 from tests.runtime.conftest import auto_class
 
 
@@ -37,6 +37,21 @@ def test_dense_part_equals_transformers_and_experts_stay_on_meta(checkpoint, fam
             torch.testing.assert_close(value, theirs[name], rtol=0, atol=0, msg=name)
     for name, buffer in reference.named_buffers():
         torch.testing.assert_close(model.get_buffer(name), buffer, rtol=0, atol=0)
+
+
+def _is_attention(module) -> bool:
+    return type(module).__name__.endswith("Attention")  # T5's layer wrappers too: the innermost is the attention
+
+
+@pytest.mark.parametrize("family", FAMILIES.names())
+def test_dense_modules_find_every_attention_and_no_routed_experts(checkpoint, family):
+    model = load_model(build_index(checkpoint(family)), "cpu")
+    roles = dense_modules(model)
+    attention = [m for m in model.modules() if _is_attention(m) and not any(map(_is_attention, m.children()))]
+    assert [id(m) for m in roles["attention"]] == [id(m) for m in attention]
+    everything = [m for modules in roles.values() for m in modules]
+    assert not any(hasattr(m, "experts") for m in everything)  # a MoE block is never a dense role
+    assert roles["head"] == [model.get_output_embeddings()]
 
 
 def _rewrite(path, change) -> None:

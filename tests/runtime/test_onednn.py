@@ -81,29 +81,59 @@ def test_interleaved_native_steps_never_leave_onednn_off():
 
 
 @pytest.mark.parametrize("raises", [False, True])
-@pytest.mark.parametrize("outside", [False, True])
-def test_onednn_inside_a_module_then_as_it_was(outside, raises):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_kept_module_runs_with_onednn_inside_a_native_step_and_without_after_it(rows, raises):
     import torch
 
-    from moestream.runtime.onednn import onednn_inside
+    from moestream.runtime.onednn import NativeGemv
 
-    inside = []
+    inside, after = [], []
 
     def forward(module, args):
         inside.append(torch.backends.mkldnn.enabled)
         if raises:
             raise KeyError
 
-    module = torch.nn.Identity()
-    onednn_inside([module])
-    module.register_forward_pre_hook(forward)  # after onednn_inside's own
-    torch.backends.mkldnn.enabled = outside
-    try:
+    native, module = NativeGemv(True, "cpu"), torch.nn.Identity()
+    native.keep_onednn([module])
+    module.register_forward_pre_hook(forward)  # after keep_onednn's own
+    with native.step(rows):
         with pytest.raises(KeyError) if raises else contextlib.nullcontext():
             module(torch.zeros(1))
-        assert inside == [True] and torch.backends.mkldnn.enabled is outside
-    finally:
-        torch.backends.mkldnn.enabled = True
+        after.append(torch.backends.mkldnn.enabled)
+    assert inside == [True] and after == [rows != 1] and torch.backends.mkldnn.enabled
+
+
+def test_kept_modules_of_interleaved_steps_never_leave_onednn_off():
+    """B's native step turns oneDNN off; A's step begins (it finds it off: it is not A's to restore); A's kept
+    module begins; B's step ends (oneDNN on); A's module ends; A's step ends: oneDNN is on."""
+    import torch
+
+    from moestream.runtime.onednn import NativeGemv
+
+    a, b = NativeGemv(True, "cpu"), NativeGemv(True, "cpu")
+    b_step, a_step = b.step(1), a.step(1)
+
+    class EndsB(torch.nn.Module):
+        def forward(self, x):
+            b_step.__exit__(None, None, None)
+            return x
+
+    module = EndsB()
+    a.keep_onednn([module])
+    b_step.__enter__()
+    with a_step:
+        module(torch.zeros(1))
+    assert torch.backends.mkldnn.enabled
+
+
+def test_no_hooks_where_not_enabled_or_not_on_the_cpu():
+    import torch
+
+    from moestream.runtime.onednn import NativeGemv
+
+    assert NativeGemv(False, "cpu").keep_onednn([torch.nn.Identity()]) == []
+    assert NativeGemv(True, "cuda").keep_onednn([torch.nn.Identity()]) == []
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -136,19 +166,17 @@ def _greedy(model, prompt: list[int], num_tokens: int, native: bool) -> list[int
     import torch
 
     from moestream.runtime.loader import dense_modules
-    from moestream.runtime.onednn import onednn_inside
+    from moestream.runtime.onednn import NativeGemv
 
-    onednn_inside(dense_modules(model)["attention"])
+    gemv = NativeGemv(native, "cpu")
+    gemv.keep_onednn(dense_modules(model)["attention"])
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5.x
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([prompt]), use_cache=True)
         tokens = [int(out.logits[0, -1].argmax())]
         for _ in range(num_tokens - 1):
-            torch.backends.mkldnn.enabled = not native
-            try:
+            with gemv.step(1):
                 past = out[name] if name in out else out["past_key_values"]
                 out = model(input_ids=torch.tensor([tokens[-1:]]), use_cache=True, **{name: past})
-            finally:
-                torch.backends.mkldnn.enabled = True
             tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
