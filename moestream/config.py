@@ -83,8 +83,8 @@ class EngineConfig:
     layer_ms: float = setting(0.0, "one MoE layer's compute (ms), its experts resident, for the planner's "
                                    "modelled link (default 0: none)", minimum=0)
     native_gemv: bool = setting(False, "on the CPU, a step of one row (a decode step of one sequence) runs its bf16 "
-                                       "products with torch's native kernel, not oneDNN's (a process-wide switch; attention "
-                                       "keeps oneDNN, which is faster there): "
+                                       "products with torch's native kernel, not oneDNN's (a process-wide switch; "
+                                       "attention keeps oneDNN, which is faster there): "
                                        "about 1.6x faster at real expert sizes, but the last bit differs from "
                                        "transformers' (oneDNN) in about 0.02%% of outputs, so tokens may too")
 

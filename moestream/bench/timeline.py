@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 TRANSFER_LANES = ("disk", "h2d")
 THREAD_LANES = ("experts", "layer", "policy", "wait", "dense")  # the compute thread's own spans
 KEPT_SPANS = 200_000  # the latest spans the tracer keeps
+
+
 def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
