@@ -94,7 +94,8 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
     figures = LinkFigures(spec.link_gbps, spec.layer_ms, spec.reorder) if spec.link_gbps > 0 else None
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
-                    expert_order=order, modelled_link=figures is not None, link_figures=figures)  # the engine's
+                    expert_order=order, modelled_link=figures is not None,
+                    link_figures=figures)  # the engine's link, or none where its planner had none
 
 
 def agreement(engine: dict, simulated: dict) -> dict:

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from moestream.trace.schema import Trace
 
 
-
 def recall_weights(shared: np.ndarray, valid: np.ndarray, beta: float) -> np.ndarray:
     """[..., W] normalised weights exp(beta x shared) over the valid window slots."""
     w = np.exp(beta * shared) * valid  # [..., W]
