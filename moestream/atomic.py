@@ -53,6 +53,17 @@ def staging_dir(out: Path, label: str) -> Path:
     return staging
 
 
+def check_output_file(path: Path | None, flag: str) -> None:
+    """Refuses an output file (given as `flag`) whose folder does not exist or that is a folder: a typo in
+    a path is named at once, not made into new folders at the end of a run."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise MoestreamError(f"{flag} {path} is a folder: name the file to write")
+    if not path.parent.is_dir():
+        raise MoestreamError(f"{flag} {path}: folder {path.parent} does not exist")
+
+
 def check_empty_dir(out: Path, error: type[MoestreamError] = MoestreamError, name: str = "output") -> None:
     """Refuses an `out` that exists and is not an empty directory (named `name` in the message)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

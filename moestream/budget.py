@@ -45,22 +45,27 @@ class Budget:
             raise BudgetError(f"a budget ratio must be in [0, 1], got {self.ratio}")
 
     @classmethod
-    def parse(cls, text: "str | int | float | Budget", flag: str = "budget") -> "Budget":
+    def parse(cls, text: "str | int | float | Budget", flag: str = "budget", ratios: bool = True) -> "Budget":
         """'0.25', '1.0' or '25%' (ratio), '512MiB', '1GB', '4096B' (sizes). A bare integer other than 0 is
         refused: '1' could mean one byte or everything. A Python int is bytes and a float a ratio (their
-        type says which). `flag` names the setting in error messages."""
+        type says which). `flag` names the setting in every refusal; ratios=False: a flag that takes only
+        a size (a ratio is refused, and the messages suggest sizes only)."""
         if isinstance(text, Budget):
             return text
         if isinstance(text, int) and not isinstance(text, bool):
             return cls(size_bytes=text)
-        number, unit = _split(text, flag, "a ratio like 0.25 or 25%, or a size like 512MiB")
-        if unit == "%":
-            return cls(ratio=float(number) / 100)
-        if not unit and "." in number:
-            return cls(ratio=float(number))
+        sizes = "a size like 512MiB"
+        number, unit = _split(text, flag, f"a ratio like 0.25 or 25%, or {sizes}" if ratios else sizes)
+        if unit == "%" or (not unit and "." in number):
+            if not ratios:
+                raise BudgetError(f"{flag}: takes {sizes}, not a ratio ({text!r})")
+            ratio = float(number) / (100 if unit == "%" else 1)
+            if ratio > 1:
+                raise BudgetError(f"{flag}: {text!r} is more than all the experts: a ratio is at most 1.0 (100%)")
+            return cls(ratio=ratio)
         if not unit and float(number) != 0:
-            raise BudgetError(f"{flag}: {text!r} has no unit: write a ratio (1.0 or 100% for all experts) "
-                              f"or a size ({number}B, 512MiB)")
+            ratio = "a ratio (1.0 or 100% for all experts) or " if ratios else ""
+            raise BudgetError(f"{flag}: {text!r} has no unit: write {ratio}a size ({number}B, 512MiB)")
         return cls(size_bytes=_bytes(number, unit, text, flag))
 
     def resolve(self, total_bytes: int) -> int:

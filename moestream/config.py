@@ -9,6 +9,8 @@ CLI refuses bad flags before its heavy imports; it knows nothing of how the sett
 
 from __future__ import annotations
 
+import ctypes
+import re
 from dataclasses import dataclass, field
 
 from moestream.budget import Budget, parse_size
@@ -17,24 +19,39 @@ from moestream.memory_plan import AUTO
 from moestream.settings import check, setting
 
 
-_DEVICE_TYPES = ("cpu", "cuda")
+_DEVICE = re.compile(r"(?P<type>cpu|cuda)(:(?P<index>\d+))?")
+_CUDA_DRIVERS = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")  # the driver's library on Linux, Windows
 
 
 def parse_device(device) -> str:
-    """'cpu' or 'cuda:N' of a device that exists, or one line saying why not."""
+    """'cpu' or 'cuda:N' of a device that exists, or one line saying why not. A machine without an
+    NVIDIA driver is refused without importing torch; torch is asked only where a driver is present."""
+    match = _DEVICE.fullmatch(str(device).strip()) if isinstance(device, str) else None
+    if match is None:
+        raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'")
+    if match["type"] == "cpu":
+        return "cpu"
+    if not _has_cuda_driver():
+        raise BudgetError(f"device {device!r} requested but CUDA is not available (no NVIDIA driver)")
     import torch  # here: the CLI's parser imports no torch
 
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from None
-    if parsed.type not in _DEVICE_TYPES:
-        raise BudgetError(f"unsupported device {device!r}; use 'cpu' or 'cuda[:N]'")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise BudgetError(f"device {device!r} requested but CUDA is not available")
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+    index = int(match["index"] or 0)
+    if not torch.cuda.is_available():
+        raise BudgetError(f"device {device!r} requested but CUDA is not available (torch {torch.__version__})")
+    if index >= torch.cuda.device_count():
         raise BudgetError(f"device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
-    return str(parsed)
+    return "cuda" if match["index"] is None else f"cuda:{index}"
+
+
+def _has_cuda_driver() -> bool:
+    """Whether the NVIDIA driver's library loads (loading it starts no CUDA context)."""
+    for name in _CUDA_DRIVERS:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return True
+    return False
 
 
 def tier_budget(text: str, flag: str) -> "Budget | str":
@@ -43,16 +60,16 @@ def tier_budget(text: str, flag: str) -> "Budget | str":
 
 
 def kv_size(text: str, flag: str) -> int:
-    """A KV budget flag: a size such as 512MiB, in bytes."""
-    budget = Budget.parse(text, flag)
-    if budget.size_bytes is None:
-        raise MoestreamError(f"{flag}: takes a size like 512MiB, not a ratio ({text!r})")
-    return budget.size_bytes
+    """A KV budget flag: a size such as 512MiB, in bytes (a ratio is refused; refusals suggest sizes only)."""
+    return Budget.parse(text, flag, ratios=False).size_bytes
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = setting("cpu", "cpu or cuda[:N]: where the dense part and the device tier live")
+    num_threads: int = setting(0, "threads that compute (torch's intra-op threads; default 0: this machine's "
+                                  "cores less the engine's own I/O and predictor threads, at most torch's count)",
+                               flag="--threads", short="-t", minimum=0)
     expert_budget: Budget | str = setting(
         Budget(ratio=0.25), "device-tier budget: a ratio of all routed-expert bytes (0.25, 25%%), a size "
         "(512MiB), or auto (what the memory available leaves: see `moestream plan`)", parse=tier_budget)
@@ -96,7 +113,7 @@ class EngineConfig:
         object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
         object.__setattr__(self, "device", parse_device(self.device))
         if self.expert_budget.ratio == 0.0:
-            raise BudgetError("the device budget ratio must be in (0, 1], got 0")
+            raise BudgetError("expert_budget: a ratio must be in (0, 1], got 0")
         if POLICIES.get(self.policy).offline:
             raise MoestreamError(f"policy {self.policy!r} needs the future routing of a trace; "
                                  "it runs in the simulator only")

@@ -44,6 +44,34 @@ def progress_bar(iterable=None, *, stream=None, **options) -> tqdm:
     return tqdm(iterable, file=stream, **options)
 
 
+class DeferredBar:
+    """A progress_bar drawn only once its total is known, for work that learns its size first: start(total)
+    opens it, update(n) advances it; as a context manager it closes at the end. Never started, it draws
+    nothing (no size-less '0.00B' line before the work, or before a refusal)."""
+
+    def __init__(self, **options):
+        self.options, self.bar = options, None
+
+    def start(self, total: int) -> None:
+        self.close()
+        self.bar = progress_bar(total=total, **self.options)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> "DeferredBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def plain_foreign_bars() -> None:
     """Where stderr is not a terminal, turn off transformers' and huggingface_hub's own bars ('Loading
     weights', 'Writing model shards'), which would draw with cursor escapes. Call before they are

@@ -17,7 +17,8 @@ from moestream.errors import MoestreamError
 
 
 def setting(default, help: str, **meta) -> Field:
-    """A field with its flag's help text and metadata: flag, parse, minimum, above, metavar."""
+    """A field with its flag's help text and metadata: flag, short (a one-letter alias), parse, minimum,
+    above, metavar."""
     return field(default=default, metadata=meta | {"help": help})
 
 
@@ -79,11 +80,13 @@ def _nested(f: Field) -> bool:
 
 def _add(parser: argparse.ArgumentParser, f: Field) -> None:
     meta, flag = f.metadata, flag_of(f)
+    names = (meta["short"], flag) if "short" in meta else (flag,)
     if isinstance(f.default, bool):
-        parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true", help=meta["help"])
+        parser.add_argument(*names, dest=f.name, action="store_false" if f.default else "store_true", help=meta["help"])
         return
     kind = None if "parse" in meta or f.default is None else type(f.default)
-    parser.add_argument(flag, dest=f.name, default=f.default, type=kind, help=meta["help"], metavar=meta.get("metavar") or flag[2:].upper().replace("-", "_"))
+    parser.add_argument(*names, dest=f.name, default=f.default, type=kind, help=meta["help"],
+                        metavar=meta.get("metavar") or flag[2:].upper().replace("-", "_"))
 
 
 def _name_flags(message: str, cls) -> str:

@@ -1,4 +1,6 @@
-"""The table of a gpu-check run: every `bench engine` run of $OUT/bench-engine-*.json, and each step's exit status.
+"""The table of a gpu-check run: every `bench engine` run of $OUT/bench-engine-*.json (plain transformers right
+after our all-resident run, with the comparison of the two; host bytes per token beside disk bytes where a
+--host-budget was given), and each step's exit status.
 
 Usage: python3 scripts/gpu_check_table.py OUT_DIR [--out table.md]. Prints Markdown; needs only the standard
 library, so a failed step leaves the others' figures readable.
@@ -11,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-COLUMNS = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "stall ms/tok", "hit rate", "MB/tok", "limit ms",
-           "TPOT/limit", "peak RSS MiB")
+COLUMNS = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "steady TPOT ms", "stall ms/tok", "hit rate", "MB/tok",
+           "host MB/tok", "slots d+h", "limit ms", "TPOT/limit", "peak RSS MiB")
 
 
 def _cell(value, pattern: str) -> str:
@@ -20,11 +22,25 @@ def _cell(value, pattern: str) -> str:
 
 
 def run_row(run: dict, resident: bool = False) -> list[str]:
-    limit = run.get("limit_tpot_ms")
+    limit, host, slots = run.get("limit_tpot_ms"), run.get("host_bytes_per_token"), run.get("device_slots")
     return ["all resident" if resident else f"{run['budget']:.0%}", run["policy"], run["mode"], _cell(run["ttft_ms"], "{:.1f}"),
-            _cell(run["tpot_ms"], "{:.1f}"), _cell(run["stall_ms_per_token"], "{:.1f}"),
-            _cell(run["hit_rate"], "{:.1%}"), _cell(run["bytes_per_token"] / 1e6, "{:.0f}"), _cell(limit, "{:.1f}"),
+            _cell(run["tpot_ms"], "{:.1f}"), _cell(run.get("steady_tpot_ms"), "{:.1f}"),
+            _cell(run["stall_ms_per_token"], "{:.1f}"), _cell(run["hit_rate"], "{:.1%}"),
+            _cell(run["bytes_per_token"] / 1e6, "{:.0f}"), _cell(host and host / 1e6, "{:.0f}"),
+            "-" if slots is None else f"{slots}+{run.get('host_slots')}", _cell(limit, "{:.1f}"),
             _cell(limit and run["tpot_ms"] / limit, "{:.2f}"), _cell(run["peak_rss_mib"], "{:.0f}")]
+
+
+def plain_line(document: dict) -> list[str]:
+    """bench engine's comparison of its all-resident run with plain transformers, where it ran."""
+    plain = document.get("transformers")
+    if not plain:
+        return []
+    ratio, same = plain.get("ratio"), plain.get("same_tokens")
+    tokens = {True: "same tokens", False: "DIFFERENT tokens", None: "tokens not compared (replayed routing)"}[same]
+    return [f"- all resident / plain transformers ({plain.get('dtype')}, {plain.get('experts_implementation')}), "
+            f"steady TPOT after {plain.get('warmup_steps')} warm-up steps: {_cell(plain.get('resident_steady_tpot_ms'), '{:.2f}')} / "
+            f"{_cell(plain.get('transformers_steady_tpot_ms'), '{:.2f}')} ms = {_cell(ratio, '{:.2f}x')}; {tokens}"]
 
 
 def document_lines(path: Path, document: dict) -> list[str]:
@@ -32,11 +48,15 @@ def document_lines(path: Path, document: dict) -> list[str]:
              f"checkpoint {document['model']}: {document.get('checkpoint', '?')}; device {document.get('device', '?')}; "
              f"replayed routing: {document.get('replay_routing') or 'no'}; {document.get('prompts', '?')} prompt(s) x "
              f"{document['max_new_tokens']} new tokens; cold O_DIRECT read {document['disk_bw_gbps']:.2f} GB/s; "
-             f"dense part {document['dense_mib']:.0f} MiB; process floor {document['floor_rss_mib']:.0f} MiB", "",
+             f"dense part {document['dense_mib']:.0f} MiB; process floor {document['floor_rss_mib']:.0f} MiB"
+             + (f"; host budget {document['host_budget']} ({document['host_budget_mib']:.0f} MiB), host -> device copy "
+                f"{document['h2d_gbps']:.2f} GB/s" if document.get("host_budget_mib") else ""), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     resident, *offloaded = document["runs"]  # bench engine's first run: every expert resident
-    runs = sorted(offloaded, key=lambda r: (r["budget"], r["policy"], r["mode"]))
-    lines += ["| " + " | ".join(run_row(run, run is resident)) + " |" for run in [resident, *runs]]
+    runs = sorted(offloaded, key=lambda r: (r["mode"] != "plain", r["budget"], r["policy"], r["mode"]))
+    lines += ["| " + " | ".join(run_row(run, run is resident or run["mode"] == "plain")) + " |"
+              for run in [resident, *runs]]
+    lines += plain_line(document)
     lines += [f"- skipped {s['policy']} {s['mode']} at {s['budget']}: {s['reason']}" for s in document["skipped"]]
     return lines + [""]
 

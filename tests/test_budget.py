@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from moestream.budget import Budget
 
 
@@ -30,3 +32,40 @@ def test_a_bare_integer_is_refused_but_zero_and_sizes_are_read():
     assert parse_size("1048576", "--chunk-size") == 1048576  # a size flag takes bytes
     with pytest.raises(BudgetError, match="--chunk-size takes a size"):
         parse_size("0.5", "--chunk-size")
+
+
+
+def test_a_ratio_over_one_is_refused_naming_the_flag():
+    from moestream.errors import BudgetError
+
+    for text in ("200%", "1.5"):
+        with pytest.raises(BudgetError, match=f"^--expert-budget: '{text}' is more than all the experts"):
+            Budget.parse(text, "--expert-budget")
+    assert Budget.parse("100%").ratio == 1.0 and Budget.parse("1.0").ratio == 1.0
+
+
+def test_a_size_only_budget_suggests_sizes_only():
+    from moestream.errors import BudgetError
+
+    for text, message in (("abc", "cannot read 'abc': use a size like 512MiB$"), ("5", "'5' has no unit: write a size"),
+                          ("25%", "takes a size like 512MiB, not a ratio")):
+        with pytest.raises(BudgetError, match=f"^--kv-budget: {message}") as refused:
+            Budget.parse(text, "--kv-budget", ratios=False)
+        assert "ratio like" not in str(refused.value) and "write a ratio" not in str(refused.value)
+    assert Budget.parse("512MiB", "--kv-budget", ratios=False).size_bytes == 512 << 20
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "hi", "--expert-budget", "200%"], "--expert-budget: '200%' is more than all the experts"),
+    (["generate", "--prompt", "hi", "--host-budget", "1.5"], "--host-budget: '1.5' is more than all the experts"),
+    (["serve", "--kv-budget", "abc"], "--kv-budget: cannot read 'abc': use a size like 512MiB"),
+    (["bench", "streaming", "--small", "--budgets", "0.25,200%"], "--budgets: '200%' is more than all the experts"),
+    (["bench", "engine", "--small", "--budgets", "abc"], "--budgets: cannot read 'abc'"),
+])
+def test_every_refused_budget_flag_is_one_line_naming_it(tiny_checkpoint, capsys, argv, message):
+    from moestream.cli import main
+
+    model = [] if argv[0] == "bench" else ["--model", str(tiny_checkpoint("mixtral", num_layers=2))]
+    assert main([*argv, *model]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"moestream: error: {message}")

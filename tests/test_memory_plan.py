@@ -34,6 +34,15 @@ def test_on_cuda_the_device_tier_takes_free_device_memory_and_the_host_tier_the_
     assert plan.expert_budget_bytes + plan.host_budget_bytes < SIZES.total_expert_bytes
 
 
+def test_on_cuda_the_kv_reserve_comes_out_of_the_device_tier():
+    host, gpu = Available(8 * GIB, "MemAvailable"), Available(4 * GIB, "cuda:0 free")
+    without = plan_memory(SIZES, "cuda:0", 0, host=host, gpu=gpu)
+    plan = plan_memory(SIZES, "cuda:0", 512 * MIB, host=host, gpu=gpu)
+    assert plan.expert_budget_bytes == without.expert_budget_bytes - 512 * MIB
+    assert plan.expert_budget_bytes == 4 * GIB - 600 * MIB - 512 * MIB - margin(4 * GIB, True)
+    assert plan.kv_bytes == 512 * MIB and any("KV 512.0 MiB" in line for line in plan.lines())
+
+
 def test_kv_per_token_counts_keys_and_values_of_every_layer():
     from transformers import MixtralConfig
 

@@ -2,7 +2,7 @@
 
 import io
 
-from moestream.progress import LineWriter, progress_bar
+from moestream.progress import DeferredBar, LineWriter, progress_bar
 
 
 def test_a_bar_writes_plain_lines_when_not_a_terminal():
@@ -22,6 +22,20 @@ def test_the_line_writer_drops_cursor_escapes_and_blank_redraws():
     writer.write("\r      ")
     writer.write("\rb: 20%\n")
     assert stream.getvalue() == "a: 10%\nb: 20%\n"
+
+
+def test_a_deferred_bar_draws_nothing_until_its_total_is_known():
+    stream = io.StringIO()
+    with DeferredBar(stream=stream, desc="verify", mininterval=0) as bar:
+        bar.update(5)  # before start: nothing to draw against
+    assert stream.getvalue() == ""
+    with DeferredBar(stream=stream, desc="verify", mininterval=0) as bar:
+        bar.start(8)
+        bar.update(4)
+        bar.update(4)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("verify:   0%") and "0/8" in lines[0] and "8/8" in lines[-1]
+    assert all("/8" in line for line in lines)
 
 
 def test_commands_draw_no_cursor_escapes_into_a_log(tmp_path):

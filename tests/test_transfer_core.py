@@ -5,6 +5,7 @@ evicted is wasted, pins come from the layer and the current plan, and a demand r
 import pytest
 
 from moestream.cache import CacheFullError, ExpertCache
+from moestream.link_model import ModelledLink
 from moestream.policies.eviction import LRUPolicy
 from moestream.topology import ExpertKey
 from moestream.transfer_core import HIT, LATE, MISS, TransferCore
@@ -134,3 +135,15 @@ def test_a_plan_evicts_none_of_the_last_plans_experts_that_no_lookup_has_used():
     c.plan_view(layer_now=0, num_layers=2)
     assert c.admit_prefetches([K(2, 0), K(2, 1)]) == [K(2, 0)]  # K(2, 0) evicts K(1, 0); K(1, 1) is kept
     assert K(1, 1) in c.device and K(2, 0) in c.device and c.counts.evictions == 1
+
+
+def test_a_prefetch_a_demand_load_evicts_leaves_the_modelled_links_backlog():
+    """1 ms per expert's read, layers of 2 ms: nothing moves between the plan and the lookup (same layer)."""
+    link = ModelledLink(bytes_per_ms=100.0, layer_ms=2.0, expert_bytes=100, num_layers=4, tail_ms=1.0)
+    c = TransferCore(ExpertCache(2, LRUPolicy()), lambda record: None, link)
+    c.plan_view(layer_now=0, num_layers=4)
+    prefetched(c, K(2, 0), K(2, 1), land=False)  # both slots, pinned by the plan
+    assert c.link_state(0).backlog_bytes == 200.0
+    late, missed = c.fetch_layer([K(0, 3)])  # a miss: the plan's lowest request gives way and is evicted
+    assert missed == [K(0, 3)] and K(2, 1) not in c.device
+    assert c.link_state(0).backlog_bytes == 200.0  # K(2, 0)'s read and the demand load: K(2, 1)'s is gone

@@ -20,7 +20,8 @@ def add_run_flags(parser, max_new_tokens: int, json_help: str = "write the figur
     parser.add_argument("--json", type=Path, help=json_help)
     if predictors:
         parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
-                            help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
+                            help="a trained predictor (train-predictor) for the policies of its kind (the `default` "
+                                 "policy needs one); repeatable")
 
 
 def check_run_flags(args, least_tokens: int = 1) -> None:
@@ -110,13 +111,13 @@ def fmt(value, pattern) -> str:
     return pattern(value) if callable(pattern) else pattern.format(value)
 
 
-def budget_list(text: str) -> list[str]:
-    """The comma-separated expert budgets, each checked (BudgetError names a bad one)."""
+def budget_list(text: str, flag: str = "--budgets") -> list[str]:
+    """The comma-separated expert budgets, each checked (BudgetError names the flag and a bad one)."""
     from moestream.budget import Budget
 
     budgets = split_names(text)
     for budget in budgets:
-        Budget.parse(budget)
+        Budget.parse(budget, flag)
     return budgets
 
 

@@ -1,8 +1,10 @@
 """`moestream bench quant --models A,B,...`: one budget (a share of the FIRST checkpoint's expert bytes)
-for checkpoints of one model stored differently (bf16/fp32, int8, int4): bytes read per token, hit rate,
-stall and TPOT with `default` (or --policy) and on-demand LRU, each a fresh cold process as in `bench
-engine`; and each checkpoint's decode cost per expert beside its MLP (the family's `ExpertMath`, one row,
-the expert of MoE layer 0), on --device with --threads. Prints figures; asserts nothing.
+for checkpoints of one model stored differently (bf16/fp32, int8, int4): bytes read from disk and copied
+up from the host tier per token, hit rate, stall and TPOT with `default` (or --policy) and on-demand LRU,
+each a fresh cold process as in `bench engine` (with --host-budget, a host tier of that share too, filled
+before timing: bench/engine/host.py); and each checkpoint's decode cost per expert beside its MLP (the
+family's `ExpertMath`, one row, the expert of MoE layer 0), on --device with --threads. Prints figures;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ REPEATS = 20
 
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("quant", help="bytes per token, hit rate, stall and TPOT of quantized experts at "
-                                            "one memory budget, and the decode cost per expert")
+                                            "one memory budget, and the decode cost per expert",
+                              description="--policy default (the policy run here unless --policy names another) "
+                                          "needs a trained predictor: pass --predictor-dir DIR (from `moestream "
+                                          "train-predictor`), or --policy lru.")
     parser.add_argument("--models", required=True, help="checkpoint directories, comma separated (the first is the "
                                                         "reference the budget and the ratios refer to)")
     parser.add_argument("--budget", type=float, default=0.25, help="share of the first checkpoint's expert bytes")
     parser.add_argument("--prompts", type=int, default=1, help="the first N demo prompts")
     add_run_flags(parser, 12)
-    add_arguments(parser, EngineConfig, only=("device", "policy", "replay_routing", "direct_io"))
+    add_arguments(parser, EngineConfig, only=("device", "host_budget", "policy", "replay_routing", "direct_io"))
     parser.set_defaults(handler=run, policy="default")  # the asynchronous policy beside on-demand LRU
 
 
@@ -42,6 +47,26 @@ def _models(args) -> list[Path]:
     if not 0 < args.budget <= 1:
         raise MoestreamError(f"--budget must be in (0, 1], got {args.budget}")
     return models
+
+
+def _check_policy(args, topology) -> None:
+    """Refuses, naming the flags, a --policy unknown or that needs a trained predictor (`default`) with no
+    --predictor-dir of its kind: before any run, as the isolated runs would refuse it only after the others."""
+    from moestream.policies import POLICIES
+    from moestream.policies.trained import TrainedPolicy, matching_directory
+
+    try:
+        policy = POLICIES.create(args.policy, topology)
+    except MoestreamError as error:
+        raise MoestreamError(f"--policy: {error}") from None
+    try:
+        trained = matching_directory(policy, args.predictor_dir)
+    except MoestreamError as error:  # a directory that holds no predictor
+        raise MoestreamError(f"--predictor-dir: {error}") from None
+    if isinstance(policy, TrainedPolicy) and trained is None:
+        given = f" of its kind among {', '.join(args.predictor_dir)}" if args.predictor_dir else ""
+        raise MoestreamError(f"--policy {args.policy} needs a trained predictor and there is no --predictor-dir"
+                             f"{given}: pass --predictor-dir DIR (from `moestream train-predictor`), or --policy lru")
 
 
 def decode_cost(model: Path, device: str, threads: int) -> tuple[float, float]:
@@ -99,7 +124,10 @@ def measure(args) -> list[dict]:
     from moestream.cli.demo import PROMPTS
 
     models = _models(args)
-    budget = f"{int(args.budget * build_index(models[0]).topology.total_expert_bytes)}B"
+    reference = build_index(models[0]).topology
+    _check_policy(args, reference)
+    budget = f"{int(args.budget * reference.total_expert_bytes)}B"
+    host = _host_budget(args, models, reference, int(args.budget * reference.total_expert_bytes))
     rows = []
     for model in models:
         topology = build_index(model).topology
@@ -108,18 +136,32 @@ def measure(args) -> list[dict]:
             spec = RunSpec(model=str(model), budget=budget, policy=policy, sync=sync, prompts=PROMPTS[: args.prompts],
                            max_new_tokens=args.max_new_tokens, replay_routing=args.replay_routing,
                            predictor_dirs=tuple(args.predictor_dir), direct_io=args.direct_io,
-                           device=args.device, threads=args.threads)
+                           device=args.device, threads=args.threads, host_budget=host)
             result = run_isolated(spec)
             rows.append({"model": str(model), "expert_bytes": topology.expert_bytes, "policy": policy, "sync": sync,
-                         "budget": budget, "device": args.device, "threads": args.threads, "decode_ms": decode_ms,
-                         "mlp_ms": mlp_ms} | result)
+                         "budget": budget, "host_budget": host, "device": args.device, "threads": args.threads,
+                         "decode_ms": decode_ms, "mlp_ms": mlp_ms} | result)
             print(_line(rows[-1]), flush=True)
     return rows
 
 
+def _host_budget(args, models: list[Path], reference, device_bytes: int) -> str:
+    """--host-budget in bytes (a ratio: of the first checkpoint's expert bytes, as --budget), each
+    checkpoint's host tier checked against the memory left (bench/engine/host.py) before any run."""
+    from moestream.bench.engine.host import budget_text, check_host_room
+    from moestream.budget import Budget
+
+    text = budget_text(args.host_budget)
+    host = f"{Budget.parse(text).resolve(reference.total_expert_bytes)}B"
+    for model in models:
+        check_host_room(host, model, args.device, device_bytes)
+    return host
+
+
 def _line(row: dict) -> str:
     label = "on-demand lru (--sync)" if row["sync"] else row["policy"]
-    return (f"{Path(row['model']).name:>16} {label:>22}: {row['bytes_per_token'] / 1e6:8.2f} MB/token, "
+    return (f"{Path(row['model']).name:>16} {label:>22}: {row['bytes_per_token'] / 1e6:8.2f} MB/token"
+            f"{f' (+ {h / 1e6:.2f} MB from the host tier)' if (h := row['host_bytes_per_token']) else ''}, "
             f"hit rate {row['hit_rate']:.2f}, stall {row['stall_ms_per_token']:7.1f} ms/token, "
             f"TPOT {row['tpot_ms']:7.1f} ms; expert {row['expert_bytes'] / 2**20:.2f} MiB, "
             f"decode {row['decode_ms']:.2f} ms beside its MLP {row['mlp_ms']:.2f} ms")

@@ -83,7 +83,8 @@ class Sample:
 
 
 class PlainModel:
-    """The unmodified transformers model, every weight in memory, run by the engine's greedy step loop."""
+    """The unmodified transformers model in the checkpoint's dtype, every weight in memory, its own experts
+    implementation, run by the engine's greedy step loop (outside `generate`, with the KV cache)."""
 
     label = "transformers"
 
@@ -96,11 +97,17 @@ class PlainModel:
         self.checkpoint = build_index(model_dir)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         auto_class = getattr(transformers, self.checkpoint.adapter.auto_class)
-        self.model = auto_class.from_pretrained(model_dir).to(device).eval()
+        self.model = auto_class.from_pretrained(model_dir, dtype="auto").to(device).eval()
         self.eos = eos_ids(self.model.generation_config)
         self.device = device
 
     def generate(self, prompt: str, max_new_tokens: int) -> Sample:
+        _, clock, cpu = self.decode(prompt, max_new_tokens)
+        return Sample(clock.ttft_ms, clock.tpot_ms, cpu.tpot_ms())
+
+    def decode(self, prompt: str, max_new_tokens: int):
+        """(the greedy new token ids, a StepClock marked at the end of each step with the device synchronized,
+        a CpuClock of the steps)."""
         import torch
 
         from moestream.runtime.metrics import CpuClock, StepClock
@@ -109,6 +116,7 @@ class PlainModel:
 
         seqs = [Sequence(0, list(self.tokenizer(prompt)["input_ids"]))]
         runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, Publisher(), 0, self.device)
+        sync = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
         clock, cpu, cache = StepClock(), CpuClock(), BatchCache()
         with torch.inference_mode():
             plan = runner.prefill(0, seqs)
@@ -118,9 +126,10 @@ class PlainModel:
                 done = seqs[0].output_ids[-1] in self.eos or len(seqs[0].output_ids) >= max_new_tokens
                 if done:
                     cpu.end_sequence()
+                sync()
                 clock.mark()
                 plan = None if done else runner.decode(len(clock.marks), seqs, cache)
-        return Sample(clock.ttft_ms, clock.tpot_ms, cpu.tpot_ms())
+        return seqs[0].output_ids, clock, cpu
 
 
 class EngineModel:

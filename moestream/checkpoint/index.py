@@ -55,9 +55,15 @@ def load_config(path: Path) -> PretrainedConfig:
     if not config_file.is_file():
         raise CheckpointError(f"no config.json in checkpoint directory {path}")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        raise CheckpointError(f"{config_file} is not a JSON object") from None
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{config_file} is not valid JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{config_file} is not valid JSON (line {error.lineno} column {error.colno}: "
+                              f"{error.msg})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a JSON object")
+    model_type = config.get("model_type")
     adapter_for(SimpleNamespace(model_type=model_type))
     try:
         return AutoConfig.from_pretrained(path)

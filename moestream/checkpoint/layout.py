@@ -10,7 +10,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -89,7 +89,19 @@ class ExpertIndex:
         return residue if residue % widest == 0 else 0
 
 
-class Integrity(Protocol):
-    """Checks experts' bytes just read from disk; raises a CheckpointError naming a damaged one."""
+class ExpertCheck(Protocol):
+    """One expert's bytes checked as they are read, in slot order, in host memory (never a device slot)."""
 
-    def check_batch(self, keys: Sequence[ExpertKey], buffers: Sequence[torch.Tensor]) -> None: ...
+    @property
+    def done(self) -> bool:
+        """Every byte of the expert has been checked."""
+
+    def update(self, data: torch.Tensor) -> None:
+        """The expert's next bytes (1-D uint8 on the CPU); raises a CheckpointError naming a damaged piece."""
+
+
+class Integrity(Protocol):
+    """Checks experts' bytes just read from disk, where the read put them in host memory."""
+
+    def begin(self, key: ExpertKey) -> ExpertCheck:
+        """The check of key's bytes, fed as they are read."""

@@ -4,9 +4,11 @@
 safetensors index) once it has checked the shards. An expert's bytes in its slot are the
 concatenation of pieces, each a whole tensor or one expert's slice of a tensor fused over experts;
 the manifest holds one xxh3-64 digest per piece, so that a mismatch names the shard, the tensor and
-the expert. `Manifest.check(key, buffer)` is what the engine calls right after an expert's bytes
-were read from disk. This module knows checkpoints' files and tensors, not tiers, runtimes or
-policies.
+the expert. The engine's store checks an expert's bytes as its disk reads deliver them, chunk by chunk
+in slot order, where they landed in host memory (`Manifest.begin`: an `ExpertCheck` hashes each piece
+as it completes); `Manifest.check(key, buffer)` checks a whole slot at once. Only host memory is hashed:
+a tensor on another device is refused, never read back. This module knows checkpoints' files and
+tensors, not tiers, runtimes or policies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -92,14 +95,16 @@ class Manifest:
     digests: dict[ExpertKey, tuple[int, ...]]  # one per piece
     shards: dict[str, dict]  # shard file name -> {"bytes": size, "sha256": hex or None}
 
+    def begin(self, key: ExpertKey) -> "ExpertCheck":
+        """The check of key's bytes, fed in slot order as they are read."""
+        return ExpertCheck(self, key)
+
     def check(self, key: ExpertKey, buffer: torch.Tensor) -> None:
-        """Raises IntegrityError unless the expert's slot (1-D uint8) matches its digests; a slot in device
-        memory (a CUDA tier read without a host tier) is copied back to be hashed."""
-        data = (buffer if buffer.device.type == "cpu" else buffer.cpu()).numpy()
-        for piece, want in zip(self.pieces[key], self.digests[key]):
-            got = digest(data[piece.slot_offset : piece.slot_offset + piece.nbytes])
-            if got != want:
-                raise IntegrityError(mismatch(self.path, key, piece, got, want))
+        """Raises IntegrityError unless the expert's slot (1-D uint8 in host memory) matches its digests."""
+        check = self.begin(key)
+        check.update(buffer)
+        if not check.done:
+            raise ValueError(f"{buffer.numel()} bytes given for expert {tuple(key)}, which has more")
 
     def check_batch(self, keys: Sequence[ExpertKey], buffers: Sequence[torch.Tensor]) -> None:
         for key, buffer in zip(keys, buffers):
@@ -113,6 +118,52 @@ class Manifest:
         }
         data = {"format": FORMAT, "version": VERSION, "hash": HASH, "shards": self.shards, "experts": experts}
         return write_json(data, self.path / MANIFEST_FILE)
+
+
+class ExpertCheck:
+    """One expert's bytes checked as they arrive, in slot order: each piece's digest once its last byte is
+    in (so a damaged piece fails the chunk that completes it), `done` once every piece has matched."""
+
+    def __init__(self, manifest: Manifest, key: ExpertKey):
+        self._manifest, self._key = manifest, key
+        self._pieces, self._digests = manifest.pieces[key], manifest.digests[key]
+        self._next, self._at = 0, 0  # the piece being hashed; the slot offset of the next byte
+        self._hasher = xxhash.xxh3_64()
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self._pieces)
+
+    def update(self, data: torch.Tensor) -> None:
+        """The expert's next bytes (1-D uint8 on the CPU, or a numpy array); raises IntegrityError at the first
+        piece they complete that differs from its digest."""
+        data = host_bytes(data)
+        pos = 0
+        while pos < len(data):
+            if self.done:
+                raise ValueError(f"more bytes given than expert {tuple(self._key)} has")
+            piece = self._pieces[self._next]
+            end = piece.slot_offset + piece.nbytes
+            n = min(len(data) - pos, end - self._at)
+            self._hasher.update(data[pos : pos + n])
+            pos, self._at = pos + n, self._at + n
+            if self._at == end:
+                got, want = self._hasher.intdigest(), self._digests[self._next]
+                self._hasher.reset()
+                self._next += 1
+                if got != want:
+                    raise IntegrityError(mismatch(self._manifest.path, self._key, piece, got, want))
+
+
+def host_bytes(data) -> np.ndarray:
+    """data's bytes as a numpy view: a tensor in host memory, or an array; a device tensor is refused (a
+    device slot is never read back to be hashed)."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise ValueError(f"expert bytes are checked in host memory, where they were read; got a tensor on "
+                             f"{data.device} (a device slot is never read back)")
+        return data.numpy()
+    return data
 
 
 def mismatch(path: Path, key: ExpertKey, piece: Piece, got: int, want: int, also: str = "") -> str:

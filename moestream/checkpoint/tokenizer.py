@@ -1,4 +1,6 @@
-"""A small byte-level BPE tokenizer for test models, trained deterministically on the packaged text.
+"""A checkpoint's tokenizer: loading it (`load_tokenizer`, one line naming the directory and the file
+when it is missing or unusable) and, for test models, a small byte-level BPE tokenizer trained
+deterministically on the packaged text.
 
 The result is saved as a PreTrainedTokenizerFast (tokenizer.json + tokenizer_config.json), so
 `AutoTokenizer.from_pretrained(dir)` loads it offline. Byte-level: any text round-trips.
@@ -11,12 +13,14 @@ from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from moestream.checkpoint.spec import MIN_VOCAB_SIZE, SPECIAL_TOKENS
 from moestream.errors import CheckpointError
 
 PAD, BOS, EOS = SPECIAL_TOKENS
+TOKENIZER_FILE = "tokenizer.json"
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")  # what transformers converts
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,16 @@ def write_tokenizer(directory: Path, vocab_size: int) -> PreTrainedTokenizerFast
     tokenizer = train_tokenizer(vocab_size)
     tokenizer.save_pretrained(directory)
     return tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of the checkpoint in `path` (transformers' AutoTokenizer); a CheckpointError in one line
+    naming the directory when it has no tokenizer file, or naming what is wrong with the one it has."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in (TOKENIZER_FILE, *SLOW_TOKENIZER_FILES)):
+        raise CheckpointError(f"checkpoint directory {path} has no {TOKENIZER_FILE} (the model's tokenizer)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # tokenizers raises plain Exception (and KeyError...) on a malformed file
+        why = " ".join(str(error).split())  # transformers' messages run over lines
+        raise CheckpointError(f"checkpoint {path} has no usable tokenizer ({type(error).__name__}: {why})") from None

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from moestream.cli import at_least
-from moestream.cli.generate import (PROMPT_ALLOWANCE, Throughput, report, require_checkpoint_dir,
+from moestream.cli.generate import (PROMPT_ALLOWANCE, Throughput, check_budgets, check_engine_flags, report,
                                     resolve_auto_budgets, totals)
 from moestream.config import EngineConfig
-from moestream.settings import add_arguments, from_args, read_flags
+from moestream.settings import add_arguments, from_args
 
 PROMPTS = (
     "The quickest way to learn a new programming language is",
@@ -60,14 +61,14 @@ def demo_checkpoint(small: bool = False) -> Path:
 
 
 def run(args) -> int:
-    from moestream.atomic import write_json
+    from moestream.atomic import check_output_file, write_json
 
     at_least(1, {"--max-new-tokens": args.max_new_tokens})
-    read_flags(EngineConfig, args)
-    if args.model is not None:
-        require_checkpoint_dir(args.model)
+    check_engine_flags(args)  # every flag before the demo checkpoint is written
+    check_output_file(args.json, "--json")
     model = args.model or demo_checkpoint(args.small)
     resolve_auto_budgets(args, model, kv_tokens=args.max_new_tokens + PROMPT_ALLOWANCE)
+    check_budgets(args, model)
     runs = [("offloaded", from_args(EngineConfig, args)), ("all resident", from_args(EngineConfig, args, expert_budget=1.0))]
     rows = [measure(label, model, config, args.max_new_tokens) for label, config in runs]
     print_table(rows, model)
@@ -88,6 +89,7 @@ def measure(label: str, model: Path, config, max_new_tokens: int) -> dict:
     from moestream.runtime import Engine
 
     with Engine(model, config, progress=True) as engine:
+        print(f"{label}: {engine.threads}", file=sys.stderr, flush=True)
         if config.expert_budget.ratio == 1.0:
             engine.preload()
         results = [engine.generate([p], max_new_tokens) for p in progress_bar(PROMPTS, desc=label, unit="prompt")]

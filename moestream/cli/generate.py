@@ -16,7 +16,7 @@ from statistics import fmean
 from moestream.budget import Budget
 from moestream.cli import at_least
 from moestream.config import EngineConfig
-from moestream.errors import CheckpointError, MoestreamError
+from moestream.errors import BudgetError, CheckpointError, MoestreamError
 from moestream.memory_plan import AUTO
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args, read_flags
@@ -53,10 +53,27 @@ def require_checkpoint_dir(path: Path) -> None:
 
 
 def check_engine_flags(args) -> None:
-    """Refuses a bad engine flag, placement name or --model before the heavy imports."""
+    """Refuses a bad engine flag (every EngineConfig setting: device, policy, bounds), placement name or
+    --model (where given) before the heavy imports; budgets are checked against the checkpoint, and an
+    `auto` one once resolved, by `check_budgets`."""
     read_flags(EngineConfig, args)
+    from_args(EngineConfig, args, **{name: 1.0 for name in ("expert_budget", "host_budget")
+                                     if getattr(args, name) == AUTO})
     from_args(ParallelConfig, args)
-    require_checkpoint_dir(args.model)
+    if args.model is not None:
+        require_checkpoint_dir(args.model)
+
+
+def check_budgets(args, model: Path) -> None:
+    """Refuses a device budget that cannot serve one token of one layer of this checkpoint, from its
+    safetensors headers, before anything loads."""
+    from moestream.checkpoint.index import build_index
+    from moestream.store.config import StoreConfig
+
+    try:
+        StoreConfig.of(from_args(EngineConfig, args)).device_slots(build_index(model).topology)
+    except BudgetError as error:
+        raise BudgetError(f"--expert-budget: {error}") from None
 
 
 def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:
@@ -77,11 +94,16 @@ def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 
 
 def run(args) -> int:
     at_least(1, {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size})
+    if args.prompt == "":
+        raise MoestreamError("--prompt is empty: give the text to continue")
     check_engine_flags(args)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
-    from moestream.atomic import write_json
+    from moestream.atomic import check_output_file, write_json
 
+    check_output_file(args.json, "--json")
+    check_output_file(args.record_trace, "--record-trace")
     resolve_auto_budgets(args, args.model, kv_tokens=args.batch_size * (args.max_new_tokens + PROMPT_ALLOWANCE))
+    check_budgets(args, args.model)
     records, rates = _generate(args, prompts)
     print(summary(records, rates), file=sys.stderr)
     if args.json:
@@ -162,6 +184,7 @@ def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
     config = from_args(EngineConfig, args, publish_gate_probs=recording, publish_hidden=recording and args.record_hidden)
     records, rates = [], Throughput()
     with open_engine(args.model, config, args, progress=True, on_plan=print_lines) as engine:
+        print(engine.threads, file=sys.stderr, flush=True)
         if engine.replay is not None:  # the trace fits the model: label what follows
             from moestream.runtime.replay import REPLAY_LABEL
 

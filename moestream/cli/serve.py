@@ -5,11 +5,12 @@ continuous batching (docs/design.md, Scheduling). Binds 127.0.0.1 unless --host 
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from pathlib import Path
 
-from moestream.cli.generate import check_engine_flags, resolve_auto_budgets
+from moestream.cli.generate import check_budgets, check_engine_flags, resolve_auto_budgets
 from moestream.config import EngineConfig, WorkerConfig
 from moestream.errors import MoestreamError
 from moestream.parallel.config import ParallelConfig
@@ -24,7 +25,11 @@ def add_parser(commands) -> None:
     parser.add_argument("--served-model-name", help="the model id clients name (default: the directory's name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests (default: none, "
+                                          "which is allowed on a loopback --host only)")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve without --api-key on an address other than loopback: anyone who reaches it "
+                             "may use the server")
     add_arguments(parser, WorkerConfig)
     add_arguments(parser, EngineConfig)
     add_arguments(parser, ParallelConfig)
@@ -42,9 +47,33 @@ def require_serve_extra() -> None:
                              f"({', '.join(missing)} missing)")
 
 
+def check_access(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """Refuses an empty --api-key (an unset $KEY would open the server), and no key on an address other
+    than loopback unless --allow-unauthenticated says so."""
+    if api_key is not None and not api_key.strip():
+        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one "
+                             "(loopback only)")
+    if api_key is None and not allow_unauthenticated and is_loopback(host) is False:
+        raise MoestreamError(f"--host {host} without --api-key lets anyone who reaches it use this server: "
+                             "pass --api-key KEY, or --allow-unauthenticated to serve it open")
+
+
+def is_loopback(host: str) -> bool | None:
+    """Whether every address `host` names is a loopback one; None where it does not resolve (binding says so)."""
+    import ipaddress
+    import socket
+
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        return None
+    return all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
+
+
 def run(args) -> int:
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port must lie in [0, 65536), got {args.port}")
+    check_access(args.host, args.api_key, args.allow_unauthenticated)
     check_engine_flags(args)
     workers = from_args(WorkerConfig, args)
     require_serve_extra()
@@ -53,6 +82,7 @@ def run(args) -> int:
     from moestream.serving.server import bind
 
     resolve_auto_budgets(args, args.model, kv_bytes=workers.batching.kv_budget_bytes)
+    check_budgets(args, args.model)
     sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
     with sock, open_engine(args.model, from_args(EngineConfig, args), args, progress=True,
                            on_plan=print_lines) as engine:
@@ -75,8 +105,15 @@ def _serve(engine, sock, args, workers: WorkerConfig) -> None:
                     args.api_key, workers)
     logging.getLogger("moestream.serve").setLevel(logging.INFO)  # vLLM's lines: start-up, requests, periodic
     logs.startup(engine)
+    if args.api_key is None:
+        log.warning("moestream: no --api-key: the server is unauthenticated (anyone who reaches %s may use it)",
+                    args.host)
     host, port = sock.getsockname()[:2]
     print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
+    # What start-up built (torch and the other modules, the engine: ~400k objects) lives as long as the process:
+    # frozen, neither the full collections while serving nor the four at interpreter exit walk it (they took
+    # 2-3 s after Ctrl-C, issue 43).
+    gc.freeze()
     try:
         server.run(sock)
     except KeyboardInterrupt:

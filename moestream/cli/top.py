@@ -26,9 +26,23 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
+def check_url(url: str) -> None:
+    """Refuses, in one line naming --url, a URL that is no server address (http or https, with a host)."""
+    from urllib.parse import urlparse
+
+    try:
+        parsed = urlparse(url)
+        valid = parsed.scheme in ("http", "https") and bool(parsed.hostname) and (parsed.port or 0) >= 0
+    except ValueError:  # an unclosed [IPv6 host, a port that is no number
+        valid = False
+    if not valid:
+        raise MoestreamError(f"--url: expected a server address such as http://127.0.0.1:8000, got {url!r}")
+
+
 def run(args) -> int:
     from moestream.cli.serve import require_serve_extra
 
+    check_url(args.url)
     require_serve_extra()
     import httpx
     from rich.console import Console

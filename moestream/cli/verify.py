@@ -21,11 +21,11 @@ def run(args) -> int:
     require_checkpoint_dir(args.model)
     from moestream.checkpoint.manifest import MANIFEST_FILE
     from moestream.checkpoint.verify import verify
-    from moestream.progress import progress_bar
+    from moestream.progress import DeferredBar
     from moestream.budget import format_bytes
 
-    with progress_bar(desc="verify", unit="B", unit_scale=True, unit_divisor=1024) as bar:
-        report = verify(args.model, bar.update, rewrite=args.rewrite, on_start=lambda total: bar.reset(total=total))
+    with DeferredBar(desc="verify", unit="B", unit_scale=True, unit_divisor=1024) as bar:  # drawn once sized
+        report = verify(args.model, bar.update, rewrite=args.rewrite, on_start=bar.start)
     published = (f"sha256 matched the published digest of {report.num_published} of {report.num_shards} shards"
                  if report.num_published else "no published digest to compare (not a Hugging Face cache snapshot)")
     action = "wrote" if report.manifest_written else "matched"

@@ -13,10 +13,9 @@ Under expert parallelism the engine is one rank's (runtime/sharding.py): its `Sh
 on the scheduling rank a `StepAnnouncer` hears of each forward pass and ended sequence first.
 
 On the CPU, the engine bounds oneDNN's per-shape caches (`moestream.runtime.onednn`; process-wide,
-before the first matmul, unless the user set them). While an engine is open, numpy's BLAS runs one
-thread (threadpoolctl; process-wide, restored by close): the policy's numpy work runs between torch's
-kernels on the compute thread, and a second thread pool spinning beside torch's takes the cores its
-kernels need (a prefill with a predicting policy ran twice as slow with torch on 2 threads).
+before the first matmul, unless the user set them). While an engine is open, torch computes on
+`config.num_threads` threads (by default the cores its own I/O and predictor threads leave) and numpy's
+BLAS on one (`moestream.threads.ComputeThreads`; process-wide, restored by close).
 """
 
 from __future__ import annotations
@@ -30,11 +29,10 @@ from pathlib import Path
 from typing import Callable, Sequence as Seq
 
 import torch
-from threadpoolctl import threadpool_limits
-from transformers import AutoTokenizer, GenerationConfig
 
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import load_manifest
+from moestream.checkpoint.tokenizer import load_tokenizer
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Observer, Policy, TransferRequest
@@ -44,7 +42,9 @@ from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
-from moestream.runtime.loader import dense_modules, expert_decoder, load_model
+from moestream.runtime.finite import FiniteFlags
+from moestream.runtime.host_reads import HostReads, upload
+from moestream.runtime.loader import dense_modules, expert_decoder, generation_config, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
 from moestream.runtime.onednn import NativeGemv, bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher, modelled_link
@@ -59,6 +59,7 @@ from moestream.tracer import Tracer
 from moestream.store.config import StoreConfig
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
+from moestream.threads import ComputeThreads
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,11 @@ class Engine:
         self.publisher = Publisher(self.driver, always_hidden=self.config.publish_hidden)
         self.prefetcher = Prefetcher(self.driver, self.store, shard)
         self.store.model_link(modelled_link(self.config, self.checkpoint.topology))
+        self.reads = HostReads()  # every device-to-host read of a step goes through it (runtime/host_reads.py)
+        self.finite = FiniteFlags.of_layers(self.checkpoint.topology.moe_layer_ids, self.config.device, self.reads)
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
-                                        decode=expert_decoder(self.checkpoint, self.config.device), tracer=self.tracer)
+                                        decode=expert_decoder(self.checkpoint, self.config.device), tracer=self.tracer,
+                                        reads=self.reads, finite=self.finite)
         self._hooks: list = []
         self._native = NativeGemv(self.config.native_gemv, self.config.device)
         self.runner: ModelRunner | None = None
@@ -117,7 +121,8 @@ class Engine:
         self._seq_counter = itertools.count()
         self._step_counter = itertools.count()
         self.replay: RoutingReplay | None = None
-        self._blas_threads = threadpool_limits(limits=1, user_api="blas")  # after the policy's imports
+        self.threads = ComputeThreads(self.config.num_threads,  # after the policy's imports
+                                      self.store.executor.num_threads + _runs_beside(self._background))
         try:
             self.model = self._load_model(progress)
             self.runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
@@ -132,7 +137,7 @@ class Engine:
     def _load_model(self, progress: bool) -> torch.nn.Module:
         """The dense part on the device, every experts module bound to the store."""
         model = load_model(self.checkpoint, self.config.device, progress)
-        model.generation_config = _generation_config(self.checkpoint)
+        model.generation_config = generation_config(self.checkpoint)
         self._hooks = bind_experts(model, self.checkpoint, self.experts, self.config.publish_gate_probs)
         self._hooks += self._native.keep_onednn(dense_modules(model).get("attention", []))  # runtime/onednn.py
         topology = self.checkpoint.topology
@@ -158,7 +163,7 @@ class Engine:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            self._tokenizer = _load_tokenizer(self.checkpoint.path)
+            self._tokenizer = load_tokenizer(self.checkpoint.path)
         return self._tokenizer
 
     @property
@@ -229,7 +234,7 @@ class Engine:
             try:
                 self.store.close()
             finally:
-                self._blas_threads.restore_original_limits()
+                self.threads.restore()
 
     def __enter__(self) -> "Engine":
         return self
@@ -306,40 +311,34 @@ class Engine:
         return self.forward(batch)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The batch's forward pass: next-token logits [B, V]; its cache holds its past after it."""
+        """The batch's forward pass: next-token logits [B, V] on the host (the step's one read beside its
+        layers'); its cache holds its past after it."""
         step, seqs = next(self._step_counter), batch.seqs
         with torch.inference_mode():
             plan = self.runner.prefill(step, seqs) if batch.is_prefill else self.runner.decode(step, seqs, batch.cache)
             self._begin(plan)
             with self._native.step(plan.input_ids.numel()):
-                return self.runner.run(plan, batch.cache)
+                return self.finite.read(self.runner.run(plan, batch.cache))  # [B, V] on the host, checked
 
     def _begin(self, plan: StepPlan) -> None:
         """Announces the iteration to observers and lets the policy predict before the first layer."""
         ctx = plan.ctx
         if self.publisher.needs_embeddings:
             embeddings = self.model.get_input_embeddings()(plan.input_ids)  # [B, S, H]
-            active = torch.from_numpy(plan.rows.active).to(embeddings.device)
-            rows = embeddings.reshape(active.numel(), -1)[active]  # [T, H]
-            ctx = dataclasses.replace(ctx, embeddings=rows.float().cpu().numpy())
+            rows = embeddings.reshape(plan.rows.num_rows, -1)[upload(plan.rows.active, embeddings.device)]  # [T, H]
+            ctx = dataclasses.replace(ctx, embeddings=self.reads.read(rows)[0])
         if self._tokenizer is not None:
-            ctx = dataclasses.replace(ctx, tokens=tuple(self._tokenizer.convert_ids_to_tokens(ctx.token_ids.tolist())))
+            ctx = dataclasses.replace(ctx, tokens=tuple(self._tokenizer.convert_ids_to_tokens(list(ctx.token_ids))))
         self.publisher.begin_iteration(ctx)
         self.prefetcher.after(-1)
 
     def _result(self, seqs: list[Sequence], clock: StepClock, decode_text: bool) -> GenerationResult:
         stats = self.store.stats()
         metrics = GenerationMetrics(
-            ttft_ms=clock.ttft_ms,
-            tpot_ms=clock.tpot_ms,
-            expert_hits=stats.hits,
-            expert_misses=stats.misses,
-            bytes_read=dict(stats.bytes_read),
-            num_prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
-            num_generated_tokens=sum(len(s.output_ids) for s in seqs),
-            stall_ms=stats.stall_s * 1e3,
-            transfer_ms=stats.transfer_s * 1e3,
-        )
+            ttft_ms=clock.ttft_ms, tpot_ms=clock.tpot_ms, expert_hits=stats.hits, expert_misses=stats.misses,
+            bytes_read=dict(stats.bytes_read), num_prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
+            num_generated_tokens=sum(len(s.output_ids) for s in seqs), stall_ms=stats.stall_s * 1e3,
+            transfer_ms=stats.transfer_s * 1e3)
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if decode_text else "" for s in seqs]
         return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics,
                                 replayed=self.replay is not None)
@@ -370,6 +369,11 @@ class Engine:
         return int(pad) if pad is not None else min(self._eos_ids(), default=0)
 
 
+def _runs_beside(background) -> int:
+    """The threads a policy's background predictor runs beside compute (0 or 1)."""
+    return int(background is not None and not background.synchronous)
+
+
 def _make_policy(config: EngineConfig, topology) -> Policy:
     if config.predictor_dir is None:
         return POLICIES.create(config.policy, topology)
@@ -377,20 +381,3 @@ def _make_policy(config: EngineConfig, topology) -> Policy:
         return POLICIES.create(config.policy, topology, predictor_dir=config.predictor_dir)
     except TypeError:
         raise MoestreamError(f"policy {config.policy!r} has no trained predictor to load") from None
-
-
-def _generation_config(checkpoint: CheckpointIndex) -> GenerationConfig:
-    """The checkpoint's generation_config.json if it has one, else the one its config implies."""
-    if (checkpoint.path / "generation_config.json").is_file():
-        try:
-            return GenerationConfig.from_pretrained(checkpoint.path)
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"cannot read {checkpoint.path / 'generation_config.json'}: {error}") from None
-    return GenerationConfig.from_model_config(checkpoint.config)
-
-
-def _load_tokenizer(path: Path):
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {path} has no usable tokenizer: {error}") from None

@@ -33,9 +33,11 @@ import math as _math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from moestream.registry import Registry
+from moestream.runtime.host_reads import upload
 from moestream.runtime.expert_math import ExpertMath, GroupedExpertMath, Weights, grouped_mm
 
 ALIGN_BYTES = 16  # fp32 weights at other addresses are copied (see the module docstring)
@@ -225,17 +227,15 @@ class GroupedLayer:
         return rows.decode is None and isinstance(rows.math, GroupedExpertMath) and grouped_ready(rows.inputs.device)
 
     def _run(self, groups: Groups, pending: list[tuple[Weights, int, int]]) -> None:
-        device = self.rows.inputs.device
+        device = self.rows.inputs.device  # the plan is built on the host and sent without a wait
         ranked = sorted(range(len(pending)), key=groups.of_expert.__getitem__)  # experts in group order
-        perm = torch.cat([torch.arange(pending[i][1], pending[i][2]) for i in ranked])  # [n] rows by group
-        num_groups = next(iter(groups.stacked.values())).shape[0]
-        sizes = [0] * num_groups
+        perm = np.concatenate([np.arange(pending[i][1], pending[i][2]) for i in ranked])  # [n] rows by group
+        counts = np.zeros(next(iter(groups.stacked.values())).shape[0], dtype=np.int32)  # [G] rows per group
         for i in ranked:
-            sizes[groups.of_expert[i]] = pending[i][2] - pending[i][1]
-        counts = torch.tensor(sizes, dtype=torch.int32)  # [G] rows per group
-        offs = counts.cumsum(0, dtype=torch.int32).to(device)  # [G]
-        row_groups = torch.repeat_interleave(torch.arange(num_groups), counts.long()).to(device)  # [n]
-        perm = perm.to(device)
+            counts[groups.of_expert[i]] = pending[i][2] - pending[i][1]
+        offs = upload(counts.cumsum(dtype=np.int32), device)  # [G]
+        row_groups = upload(np.repeat(np.arange(counts.size), counts), device)  # [n]
+        perm = upload(perm, device)
         math = self.rows.math
         inner = math.act(math.up_grouped(self.rows.inputs[perm], groups.stacked, offs, row_groups))
         self.stream.put(perm, math.down_grouped(inner, groups.stacked, offs, row_groups))  # [n, H]

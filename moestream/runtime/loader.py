@@ -205,3 +205,13 @@ def expert_decoder(checkpoint: CheckpointIndex, device: str) -> ExpertDecoder | 
     if checkpoint.codec is None:
         return None
     return ExpertDecoder(checkpoint.codec, checkpoint.experts.layout, compute_dtype(checkpoint.config), device)
+
+
+def generation_config(checkpoint: CheckpointIndex) -> transformers.GenerationConfig:
+    """The checkpoint's generation_config.json if it has one, else the one its config implies."""
+    if (checkpoint.path / "generation_config.json").is_file():
+        try:
+            return transformers.GenerationConfig.from_pretrained(checkpoint.path)
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"cannot read {checkpoint.path / 'generation_config.json'}: {error}") from None
+    return transformers.GenerationConfig.from_model_config(checkpoint.config)

@@ -35,7 +35,8 @@ from moestream.link_model import LinkFigures, ModelledLink
 from moestream.policies.contracts import Observer
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
-from moestream.runtime.finite import check_finite
+from moestream.runtime.finite import FiniteFlags, check_finite
+from moestream.runtime.host_reads import HostReads, upload
 from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows, default_kernel
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.runtime.sharding import Shard
@@ -75,26 +76,19 @@ def _observes(observer) -> bool:
     return getattr(observer.observe, "__func__", None) is not Observer.observe
 
 
-def _routing(active: np.ndarray, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Routing:
-    """The routing of the active rows (no indexing when every row is active, the common case)."""
-    if active.all():
-        return Routing(torch.arange(active.size, device=top_k_index.device), top_k_index, top_k_weights)
-    picked = torch.from_numpy(np.flatnonzero(active)).to(top_k_index.device)  # [R]
-    return Routing(picked, top_k_index[picked], top_k_weights[picked])
-
-
 class RowPlan:
-    """A layer's used (token, k) rows [R of S = T * K], sorted by expert in a given expert order."""
+    """A layer's used (token, k) rows [R of S = T * K], sorted by expert id: the order on the device
+    (built there from the expert ids, which the host never sends back), each expert's span on the host
+    (from the ids it read). Each expert's rows keep their (token, k) order, whatever the experts' order."""
 
-    def __init__(self, ids: np.ndarray, used: np.ndarray, expert_order: list[int]):
-        rows = np.flatnonzero(used)  # [R]
-        rank = np.zeros(int(ids.max(initial=0)) + 1, dtype=np.int64)
-        rank[expert_order] = np.arange(len(expert_order))
+    def __init__(self, ids: np.ndarray, used: np.ndarray, device_ids: torch.Tensor, num_experts: int):
+        """ids [S] and used [S] on the host; device_ids: the same ids on the device."""
         self.num_rows = ids.size
-        self.order = rows[np.argsort(rank[ids[rows]], kind="stable")]  # [R]
-        counts = np.bincount(ids[rows], minlength=rank.size)[expert_order]
-        ends = np.cumsum(counts).tolist()
-        self._spans = {e: (end - int(n), end) for e, n, end in zip(expert_order, counts, ends)}
+        counts = np.bincount(ids[used], minlength=num_experts)  # [E]
+        ends = np.cumsum(counts)
+        self._spans = {e: (int(end - n), int(end)) for e, (n, end) in enumerate(zip(counts, ends))}
+        key = device_ids if used.all() else device_ids.masked_fill(~upload(used, device_ids.device), num_experts)
+        self.order = torch.argsort(key, stable=True)[: int(ends[-1])]  # [R] on the device
 
     def span(self, expert: int) -> tuple[int, int]:
         """Where the expert's rows lie in the sorted order."""
@@ -109,15 +103,30 @@ def expert_compute(now: dict[str, LaneTotal], before: dict[str, LaneTotal]) -> t
     return experts.spans, experts.seconds + since(now, before, "layer").seconds
 
 
+class _CheckedAtOnce:
+    """FiniteFlags' `mark` that checks at once (an `OffloadedExperts` used outside an engine)."""
+
+    def __init__(self, moe_layer_ids, reads: HostReads):
+        self.places = FiniteFlags.of_layers(moe_layer_ids, "cpu", reads).places
+        self.reads = reads
+
+    def mark(self, layer: int, values: torch.Tensor) -> torch.Tensor:
+        return check_finite(values, self.places[layer], self.reads)
+
+
 class OffloadedExperts:
     """The mechanism behind every bound experts module of a model."""
 
     def __init__(self, store, publisher: Publisher, prefetcher: Prefetcher | None = None, reorder: bool = True,
                  kernel: str | None = None, decode: Callable[[Weights], Weights] | None = None,
-                 shard: Shard | None = None, tracer: Tracer | None = None):
+                 shard: Shard | None = None, tracer: Tracer | None = None, reads: HostReads | None = None,
+                 finite: FiniteFlags | None = None):
         """decode: a quantized slot's views -> the dense weights of its MLP (into scratch), None: unquantized;
         tracer: where each expert MLP (lane "experts") and the layer's other expert work ("layer") are
-        reported (None: a totals-only one)."""
+        reported (None: a totals-only one); reads: what counts its device-to-host reads; finite: where
+        each layer's output is checked (None: at once, in its own read)."""
+        self.reads = reads if reads is not None else HostReads()
+        self.finite = finite if finite is not None else _CheckedAtOnce(store.topology.moe_layer_ids, self.reads)
         self.store = store
         self.decode = decode
         self.shard = shard  # None: every expert is computed here
@@ -137,12 +146,12 @@ class OffloadedExperts:
                 top_k_weights: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H], top_k_index/top_k_weights [T, K], kept [T] bool (False: dropped) -> [T, H]."""
         rows = self.publisher.rows(hidden.shape[0])
-        active = rows.active if kept is None else rows.active & kept.cpu().numpy()  # [T] bool
-        logits = self._router_logits.pop(layer, None)
-        if any(map(_observes, self.publisher.observers)):  # 1. routing published
-            self.publisher.publish(layer, _routing(active, top_k_index, top_k_weights), rows, hidden, logits)
         num_tokens, top_k = top_k_index.shape
-        ids = top_k_index.reshape(-1).cpu().numpy()  # [S = T * K]
+        routing, kept_rows = self._read(layer, hidden, top_k_index, top_k_weights, kept)  # the layer's one read
+        active = rows.active if kept_rows is None else rows.active & kept_rows  # [T] bool
+        if routing.weights is not None:  # 1. routing published
+            self.publisher.publish(layer, routing, rows, active)
+        ids = routing.expert_ids.reshape(-1)  # [S = T * K]
         used = np.repeat(active, top_k)  # [S]
         if self.shard is not None:
             used &= self.shard.owned_rows(layer, ids)  # the other rows are other processes'
@@ -152,7 +161,7 @@ class OffloadedExperts:
         try:
             if self.prefetcher is not None:
                 self.prefetcher.after(layer)  # 3. transfers of later layers planned and queued
-            plan = RowPlan(ids, used, [key.expert for key in chosen])
+            plan = RowPlan(ids, used, top_k_index.reshape(-1), self.store.topology.num_experts)
             out = self._compute(math, hidden, top_k_weights, plan, groups, first)  # 4. compute: [S, H]
         finally:
             if first is not None:
@@ -161,16 +170,31 @@ class OffloadedExperts:
             out = self.shard.combine(layer, out)  # [S, H], each row from the one process that owns its expert
         return self._combined(layer, out.view(num_tokens, top_k, -1), hidden.dtype)
 
+    def _read(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              kept: torch.Tensor | None) -> tuple[Routing, np.ndarray | None]:
+        """The layer's routing on the host in one read: the expert ids, the rows kept (where some are
+        dropped) and, where an observer reads routing events, the weights and what it asks for (the
+        routing's weights None: no one observes)."""
+        logits = self._router_logits.pop(layer, None)
+        observed = any(map(_observes, self.publisher.observers))
+        wanted = {"ids": top_k_index, "kept": kept}
+        if observed:
+            wanted |= {"weights": top_k_weights.float(), "hidden": hidden if self.publisher.needs_hidden else None,
+                       "probs": None if logits is None else torch.softmax(logits.float(), -1)}
+        names = [name for name, tensor in wanted.items() if tensor is not None]
+        read = dict(zip(names, self.reads.read(*(wanted[name] for name in names))))
+        routing = Routing(read["ids"], read.get("weights"), read.get("hidden"), read.get("probs"))
+        return routing, read.get("kept")
+
     def _combined(self, layer: int, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The one place after a layer's expert outputs [T, K, H] are combined (summed over k) -> [T, H];
-        a non-finite result raises here, naming the layer."""
-        return check_finite(out.sum(dim=1).to(dtype), f"the routed experts' output of MoE layer {layer} "
-                                                      f"(decoder layer {self.store.topology.moe_layer_ids[layer]})")
+        a non-finite result marks the layer's flag, which the step reads with its logits."""
+        return self.finite.mark(layer, out.sum(dim=1).to(dtype))
 
     def _compute(self, math: ExpertMath, hidden: torch.Tensor, top_k_weights: torch.Tensor, plan: RowPlan,
                  groups: list[list[ExpertKey]], first) -> torch.Tensor:
         """Every used (token, k) row through its expert, weighted -> [S, H] (unused rows zero)."""
-        order = torch.from_numpy(plan.order).to(hidden.device)  # [R]
+        order = plan.order  # [R]
         top_k = plan.num_rows // hidden.shape[0]
         rows = LayerRows(math, hidden[order // top_k], top_k_weights.reshape(-1)[order, None], order,
                          plan.num_rows, torch.promote_types(hidden.dtype, top_k_weights.dtype), self.decode)

@@ -1,8 +1,9 @@
 """Publishes what the runtime sees to its observers: iteration contexts, routing events, sequence ends.
 
 The engine tells the publisher which sequence and position each row of the next forward pass
-belongs to (a `RowContext`); the experts forward hands it each layer's routing, and it turns that
-into a `RoutingEvent` of the rows that really run (padding, finished and dropped tokens excluded).
+belongs to (a `RowContext`); the experts forward hands it each layer's routing, already on the host (read with the layer's expert
+ids), and it turns that into a `RoutingEvent` of the rows that really run (padding, finished and
+dropped tokens excluded).
 It knows no policy: it hands each event to a `PolicyDriver` (moestream.policies.driver), which calls
 the policy's observers and any others in the contract's order, and reports the time they take.
 """
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.contracts import Observer
@@ -44,11 +44,12 @@ class RowContext:
 
 @dataclass(frozen=True)
 class Routing:
-    """One layer's routing as the experts forward receives it, restricted to the active rows."""
+    """One layer's routing on the host, as the experts forward read it (every row of the layer)."""
 
-    rows: torch.Tensor  # [R] int64 row indices into the layer's [T, H] hidden states
-    expert_ids: torch.Tensor  # [R, K] int64
-    weights: torch.Tensor  # [R, K]
+    expert_ids: np.ndarray  # [T, K] int64
+    weights: np.ndarray  # [T, K] float32
+    hidden: np.ndarray | None = None  # [T, H] float32, where an observer needs router inputs
+    probs: np.ndarray | None = None  # [T, E] float32: the router's full distribution, where it was tapped
 
 
 class Publisher:
@@ -87,24 +88,17 @@ class Publisher:
         if self.driver is not None:
             self.driver.end_sequence(seq_id)
 
-    def publish(self, layer: int, routing: Routing, rows: RowContext, hidden: torch.Tensor,
-                router_logits: torch.Tensor | None) -> RoutingEvent:
-        """Builds the layer's event from the active rows and hands it to every observer."""
-        picked = routing.rows.cpu().numpy()
-        probs = None if router_logits is None else torch.softmax(router_logits[routing.rows].float(), -1)  # [R, E]
+    def publish(self, layer: int, routing: Routing, rows: RowContext, active: np.ndarray) -> RoutingEvent:
+        """Builds the layer's event from the active rows [T] bool and hands it to every observer."""
         event = RoutingEvent(
             layer=layer,
-            expert_ids=routing.expert_ids.cpu().numpy().astype(np.int64),  # [R, K]
-            seq_ids=rows.seq_ids[picked],
-            positions=rows.positions[picked],
-            gate_weights=_numpy(routing.weights),
-            gate_probs=None if probs is None else _numpy(probs),
-            hidden=_numpy(hidden[routing.rows]) if self.needs_hidden else None,
+            expert_ids=routing.expert_ids[active].astype(np.int64),  # [R, K]
+            seq_ids=rows.seq_ids[active],
+            positions=rows.positions[active],
+            gate_weights=routing.weights[active],
+            gate_probs=None if routing.probs is None else routing.probs[active],
+            hidden=None if routing.hidden is None else routing.hidden[active],
         )
         if self.driver is not None:
             self.driver.observe(event)
         return event
-
-
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().float().cpu().numpy()

@@ -21,7 +21,8 @@ replayed expert gets which weight is then arbitrary, as the outputs under replay
 router's full distribution (gate probabilities for policies that ask) stays the model's own.
 
 The replay is an observer (it learns each iteration's token count from `begin_iteration`) and the
-experts forward asks it for each layer's routing (`moestream.runtime.experts.attach_replay`); it
+experts forward asks it for each layer's routing (an iteration's rows of every layer go to the device
+once, at its first layer) (`moestream.runtime.experts.attach_replay`); it
 knows no policy and no store.
 """
 
@@ -37,6 +38,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext
 from moestream.policies.contracts import Observer
+from moestream.runtime.host_reads import upload
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
 
@@ -75,6 +77,7 @@ class RoutingReplay(Observer):
         self._experts = trace.experts.astype(small, copy=False)  # [N, L, K]; the rest of the trace is not kept
         self._weights = trace.gate_weights  # [N, L, K] or None
         self._paused = False
+        self._uploaded: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # this iteration's
 
     @contextlib.contextmanager
     def paused(self):
@@ -101,6 +104,7 @@ class RoutingReplay(Observer):
         self.cursor = (self.cursor + ctx.num_tokens) % n
         self.iterations.append(rows)
         self.rows_used += len(rows)
+        self._uploaded = None  # uploaded at the iteration's first layer, once for all its layers
 
     @property
     def recorded_all(self) -> bool:
@@ -114,17 +118,24 @@ class RoutingReplay(Observer):
             return top_k_index, top_k_weights
         if not self.iterations:
             raise RuntimeError("routing replay got a layer before any iteration began")
-        rows = self.iterations[-1]  # [A]
-        picked = torch.from_numpy(np.flatnonzero(active)).to(top_k_index.device)  # [A]
-        if len(picked) != len(rows):
-            raise RuntimeError(f"the iteration announced {len(rows)} tokens but layer {layer} runs {len(picked)}")
+        if self._uploaded is None:
+            self._uploaded = self._upload(self.iterations[-1], active, top_k_index.device)
+        picked, experts, weights = self._uploaded  # [A], [A, L, K], [A, L, K] or None
+        if len(picked) != len(self.iterations[-1]):
+            raise RuntimeError(f"the iteration announced {len(self.iterations[-1])} tokens but layer {layer} runs "
+                               f"{len(picked)}")
         index = top_k_index.clone()
-        index[picked] = torch.from_numpy(self._experts[rows, layer].astype(np.int64)).to(index.device, index.dtype)
-        if self._weights is None:
+        index[picked] = experts[:, layer].to(index.dtype)
+        if weights is None:
             return index, top_k_weights
-        weights = top_k_weights.clone()
-        weights[picked] = torch.from_numpy(self._weights[rows, layer]).to(weights.device, weights.dtype)  # [A, K]
-        return index, weights
+        replayed = top_k_weights.clone()
+        replayed[picked] = weights[:, layer].to(replayed.dtype)  # [A, K]
+        return index, replayed
+
+    def _upload(self, rows: np.ndarray, active: np.ndarray, device: torch.device):
+        """The iteration's active rows, and its trace rows' experts and weights of every layer, on the device."""
+        weights = None if self._weights is None else upload(self._weights[rows], device)
+        return (upload(np.flatnonzero(active), device), upload(self._experts[rows].astype(np.int64), device), weights)
 
 
 def load_replay(path: str, model_topology: Topology) -> RoutingReplay:

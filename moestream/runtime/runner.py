@@ -20,7 +20,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 
 from moestream.events import IterationContext
 from moestream.registry import Registry
-from moestream.runtime.finite import check_finite
+from moestream.runtime.host_reads import upload
 from moestream.runtime.publisher import Publisher, RowContext
 
 
@@ -80,48 +80,43 @@ class StepPlan:
     ctx: IterationContext  # the iteration's real tokens (padding and finished sequences excluded)
 
 
-def _rows_and_ctx(step: int, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor,
-                  active: torch.Tensor, is_prefill: bool) -> tuple[RowContext, IterationContext]:
+def _rows_and_ctx(step: int, seqs: list[Sequence], input_ids: np.ndarray, positions: np.ndarray,
+                  active: np.ndarray, is_prefill: bool) -> tuple[RowContext, IterationContext]:
+    """The rows of a plan from its host arrays [B, S] (nothing is read from the device)."""
     batch, width = input_ids.shape
     seq_ids = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), width)  # [B * S]
-    rows = RowContext(seq_ids, positions.reshape(-1).cpu().numpy(), active.reshape(-1).cpu().numpy())
+    rows = RowContext(seq_ids, positions.reshape(-1), active.reshape(-1))
     keep = rows.active
     ctx = IterationContext(step=step, seq_ids=rows.seq_ids[keep], positions=rows.positions[keep],
-                           is_prefill=is_prefill, token_ids=input_ids.reshape(-1).cpu().numpy()[keep])
+                           is_prefill=is_prefill, token_ids=input_ids.reshape(-1)[keep])
     return rows, ctx
-
-
-def _last_tokens(seqs: list[Sequence]) -> torch.Tensor:
-    """[B, 1] each sequence's newest token (a finished sequence's row runs no experts)."""
-    return torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long).unsqueeze(1)
-
-
-def _active(seqs: list[Sequence]) -> torch.Tensor:
-    return torch.tensor([not s.finished for s in seqs]).unsqueeze(1)  # [B, 1]
 
 
 def prefill_plan(step: int, seqs: list[Sequence], pad_id: int, device: str) -> StepPlan:
     """All prompts at once, left padded as a tokenizer with padding_side='left' would."""
     width = max(len(s.prompt_ids) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
     for row, seq in enumerate(seqs):
-        ids[row, width - len(seq.prompt_ids):] = torch.tensor(seq.prompt_ids)
+        ids[row, width - len(seq.prompt_ids):] = seq.prompt_ids
         mask[row, width - len(seq.prompt_ids):] = 1
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, S]
-    rows, ctx = _rows_and_ctx(step, seqs, ids, positions, mask.bool(), True)
-    return StepPlan(step, True, ids.to(device), mask.to(device), positions.to(device), rows, ctx)
+    positions = np.where(mask == 0, 0, mask.cumsum(-1) - 1)  # [B, S]
+    rows, ctx = _rows_and_ctx(step, seqs, ids, positions, mask.astype(bool), True)
+    return StepPlan(step, True, upload(ids, device), upload(mask, device), upload(positions, device), rows, ctx)
 
 
 def decode_plan(step: int, seqs: list[Sequence], past_mask: torch.Tensor) -> StepPlan:
     """One token per sequence after its cached positions, past_mask [B, W]: each row continues at
     its own position, as `generate` extends a left-padded batch (or a batch merged from per-sequence
-    caches, runtime/kv.py)."""
-    ids = _last_tokens(seqs).to(past_mask.device)
-    positions = past_mask.sum(-1, keepdim=True)  # [B, 1]
+    caches, runtime/kv.py). The host's positions of the running rows are their sequences' cached
+    tokens (a finished row's are never read), so the device's mask is not read."""
+    ids = np.array([[s.output_ids[-1]] for s in seqs], dtype=np.int64)  # [B, 1] each sequence's newest token
+    cached = np.array([[len(s.prompt_ids) + len(s.output_ids) - 1] for s in seqs], dtype=np.int64)  # [B, 1]
+    active = np.array([[not s.finished] for s in seqs])  # [B, 1]
+    positions = past_mask.sum(-1, keepdim=True)  # [B, 1] on the device: what the model sees
     mask = torch.cat([past_mask, past_mask.new_ones((len(seqs), 1))], dim=-1)  # [B, W + 1]
-    rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
-    return StepPlan(step, False, ids, mask, positions, rows, ctx)
+    rows, ctx = _rows_and_ctx(step, seqs, ids, cached, active, False)
+    return StepPlan(step, False, upload(ids, past_mask.device), mask, positions, rows, ctx)
 
 
 class ModelRunner:
@@ -159,8 +154,8 @@ RUNNERS: Registry[ModelRunner] = Registry("model runner")
 
 
 def _next_logits(out) -> torch.Tensor:
-    """The logits [B, V] of each row's next token, refused if any is NaN or infinite."""
-    return check_finite(out.logits[:, -1, :].float(), "the logits (the model's output head)")
+    """The logits [B, V] of each row's next token (on the device; the engine reads them, checked)."""
+    return out.logits[:, -1, :].float()
 
 
 def _accepts(model: torch.nn.Module, argument: str) -> bool:
@@ -207,10 +202,11 @@ class Seq2SeqRunner(ModelRunner):
 
     def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
         """cache.mask is the encoder's mask [B, S]; decoder positions count the tokens generated."""
-        ids = _last_tokens(seqs)
-        positions = torch.tensor([len(s.output_ids) for s in seqs]).unsqueeze(1)  # [B, 1]
-        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
-        return StepPlan(step, False, ids.to(self.device), cache.mask, positions, rows, ctx)
+        ids = np.array([[s.output_ids[-1]] for s in seqs], dtype=np.int64)  # [B, 1]
+        positions = np.array([[len(s.output_ids)] for s in seqs], dtype=np.int64)  # [B, 1]
+        active = np.array([[not s.finished] for s in seqs])  # [B, 1]
+        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, active, False)
+        return StepPlan(step, False, upload(ids, self.device), cache.mask, upload(positions, self.device), rows, ctx)
 
     def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
         decoder_ids, rows = plan.input_ids, plan.rows

@@ -19,7 +19,7 @@ import uuid
 from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from transformers import AutoTokenizer
+from moestream.checkpoint.tokenizer import load_tokenizer
 
 from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
@@ -45,7 +45,7 @@ class Frontend:
     def __init__(self, worker: EngineWorker, model_name: str):
         engine = worker.engine
         self.worker, self.model_name = worker, model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint.path)  # the event loop's own
+        self.tokenizer = load_tokenizer(engine.checkpoint.path)  # the event loop's own
         self.vocab_size = engine.model.config.get_text_config().vocab_size
         self.context_len = engine.context_len
         # moestream's own object, beside usage (in a stream's last chunk), in /v1/models and /health: replayed
@@ -201,11 +201,13 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         await asyncio.to_thread(worker.close)
         app.state.live.detach()
 
+    if api_key is not None and not api_key.strip():
+        raise MoestreamError("an empty API key would leave the server open: pass None to serve without one")
     handlers = {ApiError: _api_error, RequestValidationError: _invalid_body, MoestreamError: _user_error}
     app = FastAPI(title="moestream", lifespan=lifespan, exception_handlers=handlers)
     app.state.frontend = Frontend(worker, model_name)
     app.state.live = LiveStats(worker)
-    authorized = [Depends(_bearer(api_key))] if api_key else []
+    authorized = [Depends(_bearer(api_key))] if api_key is not None else []
     app.add_api_route("/v1/completions", _completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/models", _models, methods=["GET"], dependencies=authorized)

@@ -16,12 +16,10 @@ PERIOD_S = 10.0
 
 def startup(engine) -> None:
     """Model, family, policy, each tier's budget in bytes and experts, device and threads."""
-    import torch
-
     config, topology, store = engine.config, engine.checkpoint.topology, engine.store
-    log.info("moestream: %s (%s), %d MoE layers x %d experts (top-%d) of %s; policy %s; device %s, %d torch threads",
+    log.info("moestream: %s (%s), %d MoE layers x %d experts (top-%d) of %s; policy %s; device %s, %s",
              engine.checkpoint.path, engine.checkpoint.adapter.model_type, topology.num_layers, topology.num_experts,
-             topology.top_k, format_bytes(topology.expert_bytes), config.policy, config.device, torch.get_num_threads())
+             topology.top_k, format_bytes(topology.expert_bytes), config.policy, config.device, engine.threads)
     for tier, slots in (("device", store.device_slots), ("host", store.host_slots)):
         log.info("moestream: %s tier: %d expert slots, %s (%.1f%% of the experts)", tier, slots,
                  format_bytes(slots * topology.expert_bytes), 100 * slots / topology.total_experts)
@@ -37,7 +35,8 @@ def finished(number: int, request, finish_reason: str) -> None:
 
 
 def stopped(num_requests: int) -> None:
-    log.info("moestream: shut down after %d requests", num_requests)
+    """The shutdown line: how many requests the server answered."""
+    log.info("moestream: shut down after %d request%s", num_requests, "" if num_requests == 1 else "s")
 
 
 class Periodic:

@@ -1,19 +1,19 @@
 """The OpenAI-compatible request bodies (pydantic) and the JSON the server answers with: errors in
 OpenAI's shape, completion and chat responses and their streamed chunks. Unknown body fields are
-ignored (pydantic's default). No engine, no routes."""
+ignored (pydantic's default); a switch takes only true or false. No engine, no routes."""
 
 from __future__ import annotations
 
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from moestream.serving.sampling import SamplingParams
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Body(BaseModel):
@@ -24,9 +24,9 @@ class _Body(BaseModel):
     top_k: int = 0  # an extension of OpenAI's API, as in vLLM (0: all tokens)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False  # "yes" or 1 is refused (400), as vLLM does
     n: int = 1
-    ignore_eos: bool = False  # an extension, as in vLLM: generate max_tokens whatever the model ends with
+    ignore_eos: StrictBool = False  # an extension, as in vLLM: generate max_tokens whatever the model ends with
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None  # refused when asked for (see `refused`)
     top_logprobs: int | None = None

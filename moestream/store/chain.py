@@ -3,16 +3,20 @@ fails or is displaced.
 
 Links follow the tiers (`moestream.store.transfer`): disk -> device for one tier; disk -> host ->
 device where a host tier is kept apart (CUDA: pinned host slots below GPU memory). There a host hit
-goes straight to the copy queue; a miss takes a host slot, is read into it, checked there
-(integrity), then re-queued on the copy link with its demand and priority, so that one expert's read
-overlaps another's copy up. The host tier keeps the copy and evicts by its own policy; a host slot
-stays pinned while the disk writes it and while the copy reads it. A demand miss that finds every
-host slot pinned waits for a copy; a speculative one is refused unless the wait can move the copy
-itself (the inline executor): the one residency rule that may depend on the clock.
+goes straight to the copy queue; a miss takes a host slot, is read into it, then re-queued on the copy
+link with its demand and priority, so that one expert's read overlaps another's copy up. Every read is
+checked (integrity) where it lands in host memory, by the disk link's round (`read_round`), so a
+device slot is never read back. The host tier keeps the copy and evicts by its own policy; a host slot
+stays pinned while the disk writes it and until its copy up is issued; a read that reuses it waits
+for that copy (the slot's last reader, `SlotPool.last_read`), as a copy into a device slot waits on
+its stream for the compute that last read the slot (`read_by`). A landed expert's slot carries the
+event its readers wait for (`arrival`). A demand miss that finds every host slot pinned waits for a
+copy; a speculative one is refused unless the wait can move the copy itself (the inline executor):
+the one residency rule that may depend on the clock.
 
 Residency is the transfer core's (`moestream.transfer_core`), which the chain drives: an expert is in
 the device tier from its admission, whether its bytes have landed or not. Life of a transfer: queued
-(in flight, until its bytes are in the device slot), then landed, or failed (the expert leaves the
+(in flight, until its bytes are in the device slot or their last copy there is issued), then landed, or failed (the expert leaves the
 tier, the error kept in `errors` for the thread that waits on it). A transfer whose expert the core
 evicts (`_displaced`) is cancelled if queued (a cancelled read frees its host slot, a cancelled copy
 keeps the host copy), else moved no further once its round ends. Everything here runs under the
@@ -30,8 +34,9 @@ import torch
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.errors import CheckpointError
 from moestream.store.disk import BLOCK_BYTES
+from moestream.store.pool import SlotPool
 from moestream.store.stats import StoreStats
-from moestream.store.streams import Link
+from moestream.store.streams import Event, Link
 from moestream.store.tiers import Tier
 from moestream.store.transfer import (DISK, H2D, LinkReports, Read, Transfer, TransferError, TransferLink,
                                       TransferQueue, copy_round, pieces, read_round)
@@ -57,11 +62,13 @@ class LinkChain:
         self._stale: set[ExpertKey] = set()  # host slots a dropped read still writes
         self._cond, self._wait = cond, wait
 
-    def make_links(self, read: Read, link: Link, tracer: Tracer) -> list[TransferLink]:
-        """The chain of links that follows the tiers: disk -> device, or disk -> host -> device."""
+    def make_links(self, read: Read, staging: SlotPool, link: Link, tracer: Tracer) -> list[TransferLink]:
+        """The chain of links that follows the tiers: disk -> device, or disk -> host -> device; staging:
+        the slots disk reads pass through on their way up (maybe none)."""
         reads = LinkReports(self._landed, self._read_failed, self._read_released,
                             lambda experts, seconds: self.stats.read_fit.add(experts, seconds))
-        disk = TransferLink(DISK, TransferQueue(self.device.cache.capacity), partial(read_round, read), reads, tracer)
+        disk = TransferLink(DISK, TransferQueue(self.device.cache.capacity), partial(read_round, read, staging, link),
+                            reads, tracer)
         chain = [disk]
         if self.host is not None:
             copies = LinkReports(self._copied, self._copy_failed, self._copy_released)
@@ -75,7 +82,7 @@ class LinkChain:
         With a host tier, a host hit goes to the copy queue; a miss takes a host slot and goes to the disk queue."""
         self.errors.pop(key, None)
         if self.host is None:
-            self._queue(key, DISK, self.slot(self.device, key), priority, demand)
+            self._queue(key, DISK, self.device, priority, demand)
             return True
         if key not in self._stale and self.host.cache.access(key) is not None:
             self.stats.host_hits += 1
@@ -88,17 +95,20 @@ class LinkChain:
         slot, victim = self.host.cache.admit(key)
         self.stats.evictions["host"] += victim is not None
         self.host.cache.pin([key])  # the read's pin, then the copy's
-        self._queue(key, DISK, self.host.pool.slot(slot, self._residues[key]), priority, demand)
+        self._queue(key, DISK, self.host, priority, demand)
         return True
 
     def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
-        self._queue(key, H2D, self.slot(self.device, key), priority, demand, src=self.slot(self.host, key))
+        self._queue(key, H2D, self.device, priority, demand, src=self.slot(self.host, key))
 
-    def _queue(self, key: ExpertKey, lane: str, dst: torch.Tensor, priority: float, demand: bool,
+    def _queue(self, key: ExpertKey, lane: str, tier: Tier, priority: float, demand: bool,
                src: torch.Tensor | None = None) -> None:
-        """Queues key's bytes on the lane's link into dst (1-D uint8), from src or the checkpoint."""
+        """Queues key's bytes on the lane's link into its slot in tier, from src or the checkpoint (checked
+        as they are read), after the slot's last reader."""
         parts = pieces(self.index.locations[key].segments, self.chunk_bytes)
-        transfer = Transfer(key, dst, parts, src, priority=priority, demand=demand, link=lane)
+        check = self.integrity.begin(key) if lane == DISK and self.integrity is not None else None
+        transfer = Transfer(key, self.slot(tier, key), parts, src, priority=priority, demand=demand, link=lane,
+                            after=tier.pool.last_read(tier.cache.slot(key)), check=check)
         self.links[lane].queue.push(transfer)
         self.core.track(key, transfer)
         self._cond.notify_all()
@@ -125,34 +135,37 @@ class LinkChain:
     # -- the links' reports: landing, failing, displacing --------------------------------------------
 
     def _landed(self, transfer: Transfer) -> None:
-        """A read's bytes are in its slot: checked, then on to the copy link or in place."""
-        if not self._verified(transfer, self.host or self.device):
+        """A read's bytes are in its slot (or on their way up from staging), every chunk checked: on to the
+        copy link, or in place."""
+        if not self._verified(transfer):
             return
         self.stats.host_misses += 1
         if self.host is not None:  # on to the host -> device link, with its demand and priority
             self._queue_copy(transfer.key, transfer.priority, transfer.demand)
             return
         self.core.landed(transfer.key, transfer)
-        self._cond.notify_all()
+        self._arrived(transfer)
 
     def _copied(self, copy: Transfer) -> None:
         if not self.core.landed(copy.key, copy):
             return  # displaced, or forgotten by close()
-        self.host.cache.unpin([copy.key])
+        self._copy_released(copy)
         self.stats.bytes_read["host"] += self.index.topology.expert_bytes
+        self._arrived(copy)
+
+    def _arrived(self, transfer: Transfer) -> None:
+        """The expert's device slot holds its bytes once transfer's last copy has run (its readers wait)."""
+        self.device.pool.mark_written(self.device.cache.slot(transfer.key), transfer.event)
         self._cond.notify_all()
 
-    def _verified(self, transfer: Transfer, tier: Tier) -> bool:
-        """Whether a landed read is still wanted and its bytes in tier's slot pass the integrity check (if
-        not, the transfer has failed). A damaged expert fails here, before any slot holding it is used."""
+    def _verified(self, transfer: Transfer) -> bool:
+        """Whether a landed read is still wanted and its integrity check saw every byte (the round checked
+        each chunk in host memory; a damaged expert failed there, before any slot holding it was used)."""
         if self.core.moving.get(transfer.key) is not transfer:
             return False  # displaced, or forgotten by close()
         self.stats.bytes_read["disk"] += self.index.topology.expert_bytes
-        try:
-            if self.integrity is not None:
-                self.integrity.check_batch([transfer.key], [self.slot(tier, transfer.key)])
-        except CheckpointError as error:
-            self._read_failed(transfer, error)
+        if transfer.check is not None and not transfer.check.done:
+            self._read_failed(transfer, TransferError("its integrity check did not see every byte"))
             return False
         return True
 
@@ -189,7 +202,10 @@ class LinkChain:
         self.links[transfer.link].reports.released(transfer)
 
     def _copy_released(self, copy: Transfer) -> None:
-        """A copy's host pin given back (its host copy stays)."""
+        """A copy's host pin given back (its host copy stays); whatever overwrites the host slot waits for
+        the copy."""
+        if copy.event is not None:
+            self.host.pool.mark_read(self.host.cache.slot(copy.key), copy.event)
         self.host.cache.unpin([copy.key])
 
     def _read_released(self, transfer: Transfer) -> None:
@@ -210,6 +226,17 @@ class LinkChain:
         self._given_back(transfer)
 
     # -- under the lock: helpers ------------------------------------------------------------------
+
+    def arrival(self, key: ExpertKey) -> Event | None:
+        """The event a reader of the landed key's device slot waits for (None: its bytes are there)."""
+        return self.device.pool.written(self.device.cache.slot(key))
+
+    def read_by(self, keys: list[ExpertKey], event: Event) -> None:
+        """keys' device slots are last read by compute issued up to event: a copy into one waits for it."""
+        for key in keys:
+            slot = self.device.cache.slot(key)
+            if slot is not None:  # not one that failed and left the tier
+                self.device.pool.mark_read(slot, event)
 
     def slot(self, tier: Tier, key: ExpertKey) -> torch.Tensor:
         """key's slot in tier, placed so that its disk reads land in place."""

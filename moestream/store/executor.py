@@ -49,6 +49,11 @@ class Executor(ABC):
     def stop(self) -> None:
         """Stops whatever runs rounds beside the caller (outside the lock)."""
 
+    @property
+    def num_threads(self) -> int:
+        """The threads it runs beside the caller (which compute leaves a core each)."""
+        return 0
+
 
 class InlineExecutor(Executor):
     """Every round on the caller's thread, before the call returns (see the module doc)."""
@@ -108,6 +113,10 @@ class ThreadedExecutor(Executor):
 
     def queued(self, label: Label) -> None:
         self.cond.notify_all()
+
+    @property
+    def num_threads(self) -> int:
+        return len(self._threads)
 
     def wait(self, ready: Callable[[], bool], what: str, patient: bool = True) -> bool:
         deadline = time.monotonic() + self.timeout_s

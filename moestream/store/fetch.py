@@ -1,7 +1,10 @@
 """A caller's hold on experts it fetched: it hands them out as their bytes are in place, then releases them.
 
 The store decides which candidate is ready (`next_ready`); the Fetch keeps the order of the hand-out
-and releases the pins once. It knows no tier, queue or policy.
+and releases the pins once. Stream order: call `ready` and `release` on the thread whose stream runs
+the kernels that read the slots. Each slot is handed out once that stream has been made to wait for
+its copy (the host does not wait); `release`, once those kernels are issued, records them as the slots'
+last readers, which a later copy into the slots waits for. It knows no tier, queue or policy.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class Fetch:
         self._released = False
 
     def ready(self, reorder: bool = True) -> Iterator[tuple[ExpertKey, torch.Tensor]]:
-        """(key, slot) for every key: the first in place when reorder, else in the order given."""
+        """(key, slot) for every key: the first in place when reorder, else in the order given; the current
+        stream's later kernels run after the slot's copy."""
         remaining = list(self.keys)
         while remaining:
             key, slot = self._store.next_ready(remaining if reorder else remaining[:1])
@@ -36,6 +40,7 @@ class Fetch:
             yield key, slot
 
     def release(self) -> None:
+        """Unpins the experts, after the kernels that read their slots are issued (on the current stream)."""
         if not self._released:
             self._released = True
             self._store.release(self.keys)

@@ -6,9 +6,11 @@ for any dtype view and for vectorised device loads. Host pools, which disk reads
 every row at a block boundary with one block to spare: slot(i, residue) starts `residue` bytes
 into its row, so that a caller can make a slot congruent to its bytes' file offsets and O_DIRECT
 reads land in place (`moestream.store.disk`). Host pools that feed a CUDA device are
-pinned so copies can be asynchronous; a pool remembers, per slot, the event of the last copy that
-reads it (`moestream.store.streams`), so that the host never overwrites a slot a copy still reads.
-Pools know no experts, keys or policies.
+pinned so copies can be asynchronous. A pool remembers, per slot, the event of its last reader (a copy
+from a host slot; the compute that read a device slot) and of its last write (the copy that filled
+it; `moestream.store.streams`): whatever overwrites a slot waits for the first (the host, before it
+overwrites host memory; a copy, on its stream), whatever reads it for the second. Pools know no
+experts, keys or policies.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class SlotPool:
         start = (-flat.data_ptr()) % align
         self.data = flat[start : start + num_slots * stride].view(num_slots, stride)  # [S, stride]
         self._last_reads: list[Event | None] = [None] * num_slots
+        self._last_writes: list[Event | None] = [None] * num_slots
         self._slots: list[tuple[int, torch.Tensor] | None] = [None] * num_slots  # (shift, view) last asked for
 
     @property
@@ -61,11 +64,23 @@ class SlotPool:
         store's callbacks' cycles; a slot asked for after it raises IndexError."""
         self.num_slots = 0
         self.data = self.data.new_empty((0, self.data.shape[1]))  # [0, stride]: a new, empty storage
-        self._slots, self._last_reads = [], []
+        self._slots, self._last_reads, self._last_writes = [], [], []
 
-    def mark_read(self, i: int, event: Event) -> None:
-        """Record that an asynchronous copy reading slot i completes at event."""
+    def mark_read(self, i: int, event: Event | None) -> None:
+        """Record that the last reader of slot i (an asynchronous copy, or compute) completes at event."""
         self._last_reads[i] = event
+
+    def last_read(self, i: int) -> Event | None:
+        """The event of slot i's last reader (None: none recorded), which whatever overwrites it waits for."""
+        return self._last_reads[i]
+
+    def mark_written(self, i: int, event: Event | None) -> None:
+        """Record that the bytes now in slot i are in place at event (None: they are already)."""
+        self._last_writes[i] = event
+
+    def written(self, i: int) -> Event | None:
+        """The event at which slot i's bytes are in place, which whatever reads them waits for."""
+        return self._last_writes[i]
 
     def wait_reads(self, i: int) -> None:
         """Block until asynchronous copies reading slot i are done, before the host overwrites it."""

@@ -16,13 +16,20 @@ that the gate did not choose to the back; the `Fetch` hands the experts out as t
 timeout (`StoreConfig.transfer_timeout_s`) where a worker moves the bytes; inline, the caller moves
 them itself and a read that hangs hangs the call. Public calls hold a lock.
 
+Stream order (`moestream.store.streams`): an expert lands when its last copy is issued, not when it has
+run; `next_ready` makes the caller's current stream wait for that copy before it hands the slot out (the
+host does not wait), and `release` records the caller's stream, whose kernels read the slots, as their
+last reader, which a copy into one of those slots waits for on its link's stream. On the CPU these
+events are done at once.
+
 Counters (`StoreStats`): hits/misses count the device-tier lookups of fetch and acquire (an expert
 still in flight is a hit, and late); host_hits/host_misses count every device fill by where it came
-from; bytes_read["disk"] is bytes read from the files, bytes_read["host"] bytes copied up from the
-host tier. Times come from the tracer's lanes since `reset_stats`: stall_s (the executor's: waits,
-or the rounds the caller ran), transfer_s and disk_read_s (the "disk" lane), disk_batches (its
-rounds), copy_s ("h2d"). The store knows no model family, no policy and no device type (the `Link`
-decides how bytes move up).
+from; bytes_read["disk"] is the bytes of experts read from the files (and checked), bytes_read["host"]
+bytes copied up from the host tier. Times come from the tracer's lanes since `reset_stats`: stall_s
+(the executor's: waits, or the rounds the caller ran), transfer_s and disk_read_s (the "disk" lane),
+disk_batches (its rounds), copy_s ("h2d": on CUDA the time to issue the copies, which run on the
+link's stream). The store knows no model family, no policy and no device type (the `Link` decides how
+bytes move up).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from moestream.store.pool import SlotPool
 from moestream.store.stats import StoreStats
 from moestream.store.streams import Link, make_link
 from moestream.store.tiers import TIERS, Tier, as_key, check_index, make_tiers, staging_slots
-from moestream.store.transfer import DISK, H2D, TransferError, read_through
+from moestream.store.transfer import DISK, H2D, TransferError
 from moestream.topology import ExpertKey, Topology
 from moestream.tracer import Tracer, expert_names, since
 
@@ -79,7 +86,7 @@ class ExpertStore:
         self.tracer = tracer or Tracer()
         self._since = self.tracer.totals()
         self._closed = False
-        links = self._chain.make_links(self._read, self._link, self.tracer)
+        links = self._chain.make_links(self._read, self._bounce, self._link, self.tracer)
         self.executor = executor or executor_for(config)
         self.executor.start(self._cond, links, self.tracer)
 
@@ -110,19 +117,27 @@ class ExpertStore:
             raise
 
     def next_ready(self, candidates: Sequence[ExpertKey]) -> tuple[ExpertKey, torch.Tensor]:
-        """The first fetched candidate whose bytes are in place (waiting for one to land), with its slot."""
+        """The first fetched candidate whose bytes are in place (waiting for one to land), with its slot; the
+        caller's current stream is made to wait for the slot's copy (its kernels read the slot after it)."""
         with self._lock:
             if self._first_ready(candidates) is None:
                 with self.tracer.span("wait", lambda: expert_names(candidates)):
                     self._wait(lambda: self._first_ready(candidates) is not None,
                                f"experts {[tuple(k) for k in candidates]}")
             key = self._first_ready(candidates)
-            return key, self._chain.slot(self._device, key)
+            slot, arrival = self._chain.slot(self._device, key), self._chain.arrival(key)
+        if arrival is not None:
+            arrival.wait_on_compute()
+        return key, slot
 
     def release(self, keys: Iterable[ExpertKey]) -> None:
-        """Unpin experts returned by acquire (once per acquire)."""
+        """Unpin experts returned by acquire (once per acquire), on the stream whose kernels read their slots,
+        after those kernels are issued: a copy that reuses one of the slots waits for them."""
+        read = self._link.compute_event()
         with self._lock:
-            self._device.cache.unpin(as_key(k) for k in keys)
+            keys = [as_key(k) for k in keys]
+            self._chain.read_by(keys, read)
+            self._device.cache.unpin(keys)
 
     def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
         """Admits the requested experts by priority and queues their transfers; returns those admitted.
@@ -247,7 +262,7 @@ class ExpertStore:
 
     def _read(self, batch) -> int:
         """The disk reads of a round (self.reader, as callers may have wrapped it since)."""
-        return read_through(self.reader.read_batch, batch, self._bounce, self._link)
+        return self.reader.read_batch(batch)
 
     def _bring(self, wanted: list[ExpertKey], missed: list[ExpertKey]) -> None:
         """Queues the misses' transfers and hands them to the executor; on failure the misses not queued

@@ -1,12 +1,13 @@
 """Copy links between tiers and the events that mark their copies done, behind one small interface.
 
-A `Link` moves one slot's bytes to a slot of another tier and returns an `Event`. The CPU link copies
-at once (a plain memcpy with numpy: no intra-op threads for one slot) and returns an event that is
-already done. The CUDA link issues `copy_(non_blocking=True)` on its own copy stream, ordered after
-the compute stream's pending work (which may still read the destination), and returns an event of
-the copy stream: the compute stream waits on it (`wait_on_compute`), the host only when it must
-overwrite the source (`synchronize`); nothing synchronises the whole device. Links are made by the
-device type through `LINKS`; the code that uses them is the same for both. A link knows no experts.
+A `Link` moves one slot's bytes to a slot of another tier and returns an `Event`; `compute_event` marks
+how far the calling thread's compute has been issued (e.g. the last kernel that reads a slot). The CPU
+link copies at once (a plain memcpy with numpy: no intra-op threads for one slot) and its events are
+already done. The CUDA link issues `copy_(non_blocking=True)` on its own copy stream, after the event of
+the destination's last reader (`after`; never after the whole compute stream), and returns an event of
+the copy stream: the compute stream waits on it (`wait_on_compute`), the host only before it overwrites
+the source (`synchronize`); nothing synchronises the whole device. Links are made by the device type
+through `LINKS`; the code that uses them is the same for both. A link knows no experts.
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ class Link(ABC):
         self.device = device
 
     @abstractmethod
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        """dst <- src (1-D uint8 slots of equal size)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
+        """dst <- src (1-D uint8 slots of equal size), not before `after` (dst's last reader, an event of
+        this link's `compute_event`) where given; the host does not wait."""
+
+    @abstractmethod
+    def compute_event(self) -> Event:
+        """An event of the calling thread's compute stream: the work issued on it so far."""
 
     def synchronize(self) -> None:
         """Block until every copy issued on this link has completed."""
@@ -62,11 +68,19 @@ class DoneEvent(Event):
         """Already done."""
 
 
+DONE = DoneEvent()  # an event of work already done (it holds no state)
+
+
 @LINKS.register("cpu")
 class CpuLink(Link):
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
+        if after is not None:
+            after.synchronize()
         dst.numpy()[:] = src.numpy()
-        return DoneEvent()
+        return DONE
+
+    def compute_event(self) -> Event:
+        return DONE  # CPU compute has run by the time the caller asks
 
 
 class CudaEvent(Event):
@@ -89,12 +103,18 @@ class CudaLink(Link):
         super().__init__(device)
         self.stream = torch.cuda.Stream(device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
         with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after.event)  # a CudaEvent: this link's compute_event
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
+        return CudaEvent(event, self.device)
+
+    def compute_event(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
         return CudaEvent(event, self.device)
 
     def synchronize(self) -> None:

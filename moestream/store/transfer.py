@@ -13,9 +13,13 @@ as one span on the link's lane; `finish` (under the lock) puts the unfinished tr
 that whatever ranks ahead now goes first (a demand waits at most one round behind speculative
 work), and reports each landed, failed or dropped transfer through `LinkReports`. The two copy
 functions: `read_round` (disk reads, all in flight together, through pinned staging slots and up a
-`Link` where there are any) and `copy_round` (host -> device copies on a `Link`, waiting for the
-round's last event on the thread that moves them). Where rounds run (the caller's thread, or a
-worker) is the executor's business (`moestream.store.executor`); a link knows no eviction, no
+`Link` where there are any; each chunk checked (`Transfer.check`) where the read put it in host
+memory, on the thread that moves the round, before it goes further) and `copy_round` (host -> device
+copies issued on a `Link`). Stream order: a copy waits on its link's stream for the last reader of
+its destination (`Transfer.after`), and its event (`Transfer.event`) is what a reader of the slot
+waits for; the host waits for a copy only before it overwrites the copy's source (a staging slot, or
+a host slot whose transfer waits for `after` before its read). Where rounds run (the caller's thread,
+or a worker) is the executor's business (`moestream.store.executor`); a link knows no eviction, no
 policy and no tier.
 """
 
@@ -30,10 +34,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from moestream.checkpoint.layout import Segment
+from moestream.checkpoint.layout import ExpertCheck, Segment
 from moestream.errors import MoestreamError
 from moestream.store.pool import SlotPool
-from moestream.store.streams import Link
+from moestream.store.streams import Event, Link
 from moestream.tracer import Tracer, expert_names
 from moestream.topology import ExpertKey
 
@@ -62,6 +66,9 @@ class Transfer:
     link: str = DISK  # which link moves it (its queue)
     held: bool = False  # a round is moving its chunks now (outside the lock)
     dropped: bool = False  # its expert left the tier: no chunk of it is moved again
+    after: Event | None = None  # dst's last reader: whatever writes dst waits for it
+    event: Event | None = None  # the last copy issued into dst (None: the bytes are there when moved)
+    check: ExpertCheck | None = None  # a disk read's integrity check, fed each chunk in host memory
 
     @property
     def rank(self) -> tuple:
@@ -227,55 +234,70 @@ def _label(held: Held) -> str:
     return f"{'demand' if demand else 'speculative'} {expert_names(t.key for t, _ in held)}"
 
 
-Read = Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int]
+Read = Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int]  # a disk reader's read_batch
 
 
-def read_round(read: Read, held: Held) -> Errors:
-    """The disk link's copy function: the round's chunks read together, one request per transfer (one
-    failed read fails them all)."""
-    batch = []
-    for transfer, count in held:
-        segments, part = transfer.piece(count)
-        batch.append((segments, transfer.dst[part]))
+def read_round(read: Read, staging: SlotPool, link: Link, held: Held) -> Errors:
+    """The disk link's copy function: the round's chunks read together, one request per transfer,
+    straight into their slots (host memory: each read first waits for its slot's last reader), or, with
+    staging slots (pinned; CUDA without a host tier), as many at a time into them and copied up the link
+    (the host waits only before it reuses a staging slot). Each chunk is checked where it landed in host
+    memory before it goes further; a failed check fails its transfer, a failed read every one."""
+    chunks = [(transfer, *transfer.piece(count)) for transfer, count in held]
+    errors: Errors = {}
+    size = staging.num_slots or len(chunks)
     try:
-        read(batch)
+        for start in range(0, len(chunks), size):
+            group = chunks[start : start + size]
+            landed = _read_group(read, group, staging)
+            for j, ((transfer, _, part), host) in enumerate(zip(group, landed)):
+                if _checked(transfer, host, errors) and staging.num_slots:
+                    transfer.event = link.copy(transfer.dst[part], host, transfer.after)
+                    staging.mark_read(j, transfer.event)
     except Exception as error:  # handed to the thread that waits on these experts
-        log.debug("a disk read of %d experts failed: %s", len(batch), error)
+        log.debug("a disk read of %d experts failed: %s", len(held), error)
         return {transfer: error for transfer, _ in held}
-    return {}
+    return errors
 
 
-def read_through(read: Read, batch, staging: SlotPool, link: Link) -> int:
-    """Reads a batch straight into its slots, or, with staging slots (pinned; CUDA without a host tier),
-    as many requests at a time into them, copied up the link and waited for before they are reused."""
+def _read_group(read: Read, group, staging: SlotPool) -> list[torch.Tensor]:
+    """Reads a group of chunks into host memory: their slots, or staging slots; returns where each landed."""
     if not staging.num_slots:
-        return read(batch)
-    got = 0
-    for i in range(0, len(batch), staging.num_slots):
-        group = batch[i : i + staging.num_slots]
-        slots = [staging.slot(j, segments[0].offset)[: dst.numel()] for j, (segments, dst) in enumerate(group)]
-        got += read([(segments, slot) for (segments, _), slot in zip(group, slots)])  # congruent: in place
-        events = [link.copy(dst, slot) for (_, dst), slot in zip(group, slots)]
-        events[-1].synchronize()  # the copy stream's order: every copy from a staging slot is done
-    return got
+        for transfer, _, _ in group:
+            if transfer.after is not None:
+                transfer.after.synchronize()  # the copy up from this host slot (or compute) is done with it
+        landed = [transfer.dst[part] for transfer, _, part in group]
+    else:
+        landed = []
+        for j, (_, segments, part) in enumerate(group):
+            staging.wait_reads(j)  # the copy from this staging slot has run
+            landed.append(staging.slot(j, segments[0].offset)[: part.stop - part.start])  # congruent: in place
+    read([(segments, host) for (_, segments, _), host in zip(group, landed)])
+    return landed
+
+
+def _checked(transfer: Transfer, host: torch.Tensor, errors: Errors) -> bool:
+    """Feeds a chunk's bytes, in host memory, to its transfer's check; False (the error kept) if damaged."""
+    if transfer.check is None:
+        return True
+    try:
+        transfer.check.update(host)
+    except Exception as error:  # a damaged expert: its transfer fails, nothing of it goes further
+        errors[transfer] = error
+        return False
+    return True
 
 
 def copy_round(link: Link, held: Held) -> Errors:
-    """The host -> device link's copy function: issues the round's copies, then waits for the last one
-    (the link runs them in order); a failed copy fails its expert, a failed wait every one."""
-    errors, last = {}, None
+    """The host -> device link's copy function: issues the round's copies on the link, each after its
+    destination's last reader, and does not wait for them (a reader of the slot waits for the transfer's
+    event); a copy that fails to issue fails its expert."""
+    errors = {}
     for copy, count in held:
         _, part = copy.piece(count)
         try:
-            last = link.copy(copy.dst[part], copy.src[part])
+            copy.event = link.copy(copy.dst[part], copy.src[part], copy.after)
         except Exception as error:  # handed to the thread that waits on this expert
             log.debug("a host -> device copy of expert %s failed: %s", tuple(copy.key), error)
             errors[copy] = error
-    try:
-        if last is not None:
-            last.synchronize()
-    except Exception as error:
-        log.debug("waiting for %d host -> device copies failed: %s", len(held), error)
-        return {copy: error for copy, _ in held}
     return errors
-

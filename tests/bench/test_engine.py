@@ -15,7 +15,8 @@ from tests.synthetic import synthetic_trace
 
 RUN_KEYS = {"policy", "budget", "budget_mib", "mode", "tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token",
             "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms",
-            "routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib"}  # the issue's, + ours
+            "routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib",  # the issue's, + ours
+            "host_budget_mib", "host_bytes_per_token", "steady_tpot_ms", "device_slots", "host_slots", "link_gbps"}
 TOP_KEYS = {"runs", "resident_tpot_ms", "floor_rss_mib", "dense_mib", "disk_bw_gbps"}
 
 
@@ -47,7 +48,8 @@ def test_the_document_follows_the_issue_schema(small_bench):
     caps = (False, True) if record["memory_cap"]["applied"] else (False,)  # each run again under the cap, if one applies
     offloaded = [("lru", "sync"), ("lru", "async"), ("hf-accelerate", "sync")]
     assert [(r["policy"], r["mode"], r["budget"], r["memory_cap_mib"] is not None) for r in record["runs"]] == [
-        ("lru", "async", 1.0, False), *((policy, mode, 0.5, cap) for policy, mode in offloaded for cap in caps)]
+        ("lru", "async", 1.0, False), ("transformers", "plain", 1.0, False),
+        *((policy, mode, 0.5, cap) for policy, mode in offloaded for cap in caps)]
     assert [(s["policy"], s["budget"]) for s in record["skipped"]] == [("default", "0.5")]  # untrained: no capped twin
     assert "trained predictor" in record["skipped"][0]["reason"] and record["skipped"][0]["memory_cap_mib"] is None
 
@@ -55,14 +57,15 @@ def test_the_document_follows_the_issue_schema(small_bench):
 @pytest.mark.slow
 def test_every_figure_is_sane(small_bench):
     _, record, _ = small_bench
-    resident, *offloaded = record["runs"]
+    resident, plain, *offloaded = record["runs"]
     assert resident["hit_rate"] == 1.0 and resident["bytes_per_token"] == 0
     assert record["resident_tpot_ms"] == resident["tpot_ms"] > 0
     assert record["floor_rss_mib"] > 50 and record["dense_mib"] > 0 and record["disk_bw_gbps"] > 0
     for run in record["runs"]:
         assert run["tpot_ms"] > 0 and run["ttft_ms"] > 0 and run["bytes_per_token"] >= 0
         assert run["peak_rss_mib"] > record["floor_rss_mib"] * 0.9
-        assert run["limit_tpot_ms"] >= record["resident_tpot_ms"]
+        assert run is plain or run["limit_tpot_ms"] >= record["resident_tpot_ms"]
+        assert run["host_budget_mib"] == 0 and run["host_bytes_per_token"] in (0, None)  # no --host-budget
         assert run["overlap"] is None or 0.0 <= run["overlap"] <= 1.0
         cap, peak = run["memory_cap_mib"], run["cgroup_peak_mib"]
         assert peak is None if cap is None else (peak is None or 0 < peak <= cap)  # capped: None if no peak kept
@@ -75,6 +78,8 @@ def test_every_figure_is_sane(small_bench):
     assert all(run["routed_expert_ms"] > 0 for run in [resident, *offloaded[:2]])
     assert offloaded[2]["routed_expert_ms"] is None  # transformers + accelerate: no expert of ours
     assert record["cost_model"]["layer_compute_ms"] > 0 and record["cost_model"]["disk_to_host_gbps"] > 0
+    assert plain["limit_tpot_ms"] is None and plain["routed_expert_ms"] is None
+    assert record["transformers"]["same_tokens"] is None  # our engine followed the replayed routing
     assert record["memory_cap"]["requested"] == "auto" and record["memory_cap"]["reason"]
 
 

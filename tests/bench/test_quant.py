@@ -64,3 +64,26 @@ def test_a_device_without_cuda_or_no_threads_is_refused_in_one_line(tiny_checkpo
     assert main(["bench", "quant", "--models", str(model), *flags]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and flags[0] in error
+
+
+def test_the_default_policy_without_a_predictor_is_refused_before_any_run(tiny_checkpoint, capsys):
+    """`default` (the policy here unless --policy says otherwise) needs a trained predictor: without a
+    --predictor-dir of its kind the bench says so in one line and exits 2, before measuring anything."""
+    model = tiny_checkpoint("mixtral", num_layers=2, dtype="bf16")
+    assert main(["bench", "quant", "--models", str(model), "--max-new-tokens", "2", "--buffered-io"]) == 2
+    captured = capsys.readouterr()
+    error = captured.err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("moestream: error: ")
+    assert "--policy default" in error and "--predictor-dir" in error and "train-predictor" in error
+    assert captured.out == ""  # no run printed its figures
+    assert main(["bench", "quant", "--models", str(model), "--predictor-dir", str(model)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("moestream: error: --predictor-dir: ")
+
+
+def test_the_help_says_the_default_policy_needs_a_predictor(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "quant", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--policy default (the policy run here unless --policy names another) needs a trained predictor" in help_text
+    assert "(the `default` policy needs one)" in help_text  # beside --predictor-dir

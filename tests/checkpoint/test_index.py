@@ -136,6 +136,16 @@ def test_unsupported_family_names_it(copy_of):
 def test_config_that_is_not_json(copy_of):
     path = copy_of()
     (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json is not valid JSON \(line 1 column 2: "):
+        build_index(path)
+    (path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match=r"config.json is not valid JSON \(not UTF-8 text\)"):
+        build_index(path)
+
+
+def test_config_that_is_json_but_not_an_object(copy_of):
+    path = copy_of()
+    (path / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="config.json is not a JSON object"):
         build_index(path)
 

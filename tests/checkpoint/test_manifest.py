@@ -65,6 +65,21 @@ def test_a_check_passes_intact_bytes_and_names_a_damaged_piece(model_dir):
     assert "MoE layer 1 expert 3" in message and "\n" not in message
 
 
+def test_damage_to_an_expert_s_first_piece_is_found_and_named(model_dir):
+    checkpoint = build_index(model_dir)
+    manifest = _manifest(checkpoint)
+    key = ExpertKey(0, 2)
+    slot = _slot(checkpoint, key)
+    first = manifest.pieces[key][0]
+    assert first.slot_offset == 0 and len(manifest.pieces[key]) > 1
+    slot[first.slot_offset + 1] ^= 0x01
+    with pytest.raises(IntegrityError) as error:
+        manifest.check(key, slot)
+    message = str(error.value)
+    assert f"shard {first.shard}" in message and f"tensor {first.tensor}" in message
+    assert "MoE layer 0 expert 2" in message
+
+
 def test_a_saved_manifest_loads_back_and_a_stale_one_is_refused(model_dir):
     checkpoint = build_index(model_dir)
     assert load_manifest(checkpoint) is None
@@ -86,13 +101,32 @@ def test_an_unreadable_manifest_is_a_user_error(model_dir):
         load_manifest(checkpoint)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_slot_in_device_memory_is_checked_too(model_dir):
+def test_a_check_fed_chunk_by_chunk_fails_on_the_chunk_that_completes_a_damaged_piece(model_dir):
+    checkpoint = build_index(model_dir)
+    manifest = _manifest(checkpoint)
+    key = ExpertKey(1, 0)
+    slot = _slot(checkpoint, key)
+    bounds = [0, 1, 100, 101, 5000, slot.numel() // 2, slot.numel()]  # chunks across piece boundaries
+    check = manifest.begin(key)
+    for lo, hi in zip(bounds, bounds[1:]):
+        assert not check.done
+        check.update(slot[lo:hi])
+    assert check.done
+    damaged = manifest.pieces[key][1]
+    slot[damaged.slot_offset + damaged.nbytes - 1] ^= 0x10  # the piece's last byte
+    check = manifest.begin(key)
+    check.update(slot[: damaged.slot_offset + damaged.nbytes - 1])  # not complete yet: nothing to say
+    with pytest.raises(IntegrityError, match=f"tensor {damaged.tensor}, MoE layer 1 expert 0"):
+        check.update(slot[damaged.slot_offset + damaged.nbytes - 1 :])
+
+
+def test_bytes_outside_host_memory_are_refused_never_read_back(model_dir):
+    """A device slot is never read back to be hashed (a meta tensor stands for device memory here)."""
     checkpoint = build_index(model_dir)
     manifest = _manifest(checkpoint)
     key = ExpertKey(1, 3)
-    slot = _slot(checkpoint, key).cuda()
-    manifest.check(key, slot)
-    slot[manifest.pieces[key][0].slot_offset] ^= 0xFF
-    with pytest.raises(IntegrityError):
-        manifest.check(key, slot)
+    elsewhere = torch.empty(checkpoint.topology.expert_bytes, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="checked in host memory"):
+        manifest.check(key, elsewhere)
+    with pytest.raises(ValueError, match="checked in host memory"):
+        manifest.begin(key).update(elsewhere)

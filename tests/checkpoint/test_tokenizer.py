@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from moestream.checkpoint.tokenizer import EOS, corpus_text, train_tokenizer, write_tokenizer
+from moestream.checkpoint.tokenizer import EOS, corpus_text, load_tokenizer, train_tokenizer, write_tokenizer
 from moestream.errors import CheckpointError
 
 TEXTS = [
@@ -37,3 +37,18 @@ def test_training_is_deterministic_and_follows_the_vocab_size():
 def test_unusable_vocab_sizes(vocab_size, problem):
     with pytest.raises(CheckpointError, match=problem):
         train_tokenizer(vocab_size)
+
+
+def test_a_checkpoint_s_tokenizer_loads_and_a_missing_or_broken_one_is_one_line(tmp_path):
+    write_tokenizer(tmp_path, 400)
+    assert len(load_tokenizer(tmp_path)) == 400
+    for text in ("{not json", "{}"):
+        (tmp_path / "tokenizer.json").write_text(text)
+        with pytest.raises(CheckpointError) as broken:
+            load_tokenizer(tmp_path)
+        assert str(broken.value).startswith(f"checkpoint {tmp_path} has no usable tokenizer (")
+        assert len(str(broken.value).splitlines()) == 1
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError) as missing:
+        load_tokenizer(tmp_path)
+    assert str(missing.value) == f"checkpoint directory {tmp_path} has no tokenizer.json (the model's tokenizer)"

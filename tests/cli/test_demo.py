@@ -51,3 +51,14 @@ def test_small_demo_runs_twice_on_one_checkpoint(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     assert "creating" not in capsys.readouterr().out
     assert (tmp_path / SMALL_NAME / "config.json").stat().st_mtime_ns == made
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "nosuch"], "unknown --policy"), (["--device", "tpu"], "unknown --device"),
+    (["--horizon-layers", "-1"], "--horizon-layers"), (["--json", "/no/such/folder/d.json"], "/no/such/folder"),
+])
+def test_bad_flags_are_refused_before_the_demo_checkpoint_is_written(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
+    assert main(["demo", "--small", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and not any(tmp_path.iterdir())

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import moestream
 from moestream.cli import main
@@ -28,13 +29,13 @@ def _error_line(capsys) -> str:
 
 
 def _error_line_of(err: str) -> str:
-    lines = err.strip().splitlines()
+    lines = [line for line in err.strip().splitlines() if not line.startswith("compute uses ")]  # start-up
     assert len(lines) == 1 and "Traceback" not in lines[0]
     return lines[0]
 
 
 def test_generate_prints_text_and_writes_json(model_dir, tmp_path, capsys):
-    out = tmp_path / "out" / "run.json"
+    out = tmp_path / "run.json"
     code = main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "5",
                  "--expert-budget", "0.3", "--buffered-io", "--json", str(out)])
     assert code == 0
@@ -285,6 +286,72 @@ def test_bad_paths_and_budgets_are_refused_before_torch_is_imported(args, messag
     assert code == 2 and not imported_torch and message in err and len(err.splitlines()) == 1
 
 
+def _run_cli_modules(*args: str, cwd=None) -> tuple[int, set[str], str]:
+    """(exit code, which of torch and the engine were imported, stderr) of the CLI in a fresh interpreter."""
+    code = ("import sys; from moestream.cli import main; code = main(sys.argv[1:]); "
+            "print(sorted(name for name in ('torch', 'moestream.runtime.engine') if name in sys.modules)); "
+            "sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return done.returncode, set(json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))), done.stderr.strip()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "nosuch"], "unknown --policy 'nosuch'"),
+    (["--device", "tpu"], "unknown --device 'tpu'"),
+    (["--device", "cuda:abc"], "unknown --device 'cuda:abc'"),
+    (["--horizon-layers", "-1"], "--horizon-layers must be >= 0"),
+    (["--transfer-timeout-s", "-1"], "--transfer-timeout-s must be > 0"),
+    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: folder /no/such/folder does not exist"),
+    (["--record-trace", "/no/such/folder/t.npz"], "folder /no/such/folder does not exist"),
+])
+def test_every_engine_flag_is_refused_before_torch_is_imported(model_dir, flags, message):
+    code, imported, err = _run_cli_modules("generate", "--model", str(model_dir), "--prompt", PROMPT, *flags)
+    assert code == 2 and not imported and message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_refused_before_torch_is_imported_where_no_driver_is_present(model_dir):
+    code, imported, err = _run_cli_modules("generate", "--model", str(model_dir), "--prompt", PROMPT,
+                                           "--device", "cuda")
+    assert code == 2 and "--device 'cuda' requested but CUDA is not available" in err and len(err.splitlines()) == 1
+    assert "moestream.runtime.engine" not in imported
+
+
+@pytest.mark.parametrize("budget", ["0", "1KiB"])
+def test_a_budget_too_small_for_the_checkpoint_is_refused_before_the_model_loads(model_dir, budget):
+    code, imported, err = _run_cli_modules("generate", "--model", str(model_dir), "--prompt", PROMPT,
+                                           "--expert-budget", budget)
+    assert code == 2 and "minimum" in err and len(err.splitlines()) == 1
+    assert "moestream.runtime.engine" not in imported
+
+
+def test_an_output_into_a_missing_folder_creates_nothing(model_dir, tmp_path, capsys):
+    out = tmp_path / "missing" / "out.json"
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--json", str(out)]) == 2
+    assert str(out.parent) in _error_line(capsys) and not out.parent.exists()
+
+
+def test_the_threads_line_says_what_compute_uses_and_threads_takes_t(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "2",
+                 "--buffered-io", "-t", "1"]) == 0
+    assert "\ncompute uses 1 thread (" in "\n" + capsys.readouterr().err
+
+
+def test_python_m_moestream_from_a_folder_that_shadows_the_package_is_one_line(tmp_path):
+    (tmp_path / "moestream").mkdir()  # a clone's folder, beside which the user stands
+    shadowed = subprocess.run([sys.executable, "-c", "import moestream; print(getattr(moestream, '__file__', None))"],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout.strip()
+    if shadowed != "None":
+        pytest.skip("this install is not shadowed by a folder in the working directory (a non-editable install)")
+    done = subprocess.run([sys.executable, "-m", "moestream", "--version"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"moestream: error: the folder {tmp_path / 'moestream'} shadows the installed "
+                                   "package: run `python -m moestream` from another folder (or the `moestream` command)")
+
+
 def test_version():
     done = subprocess.run([sys.executable, "-m", "moestream", "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"moestream {moestream.__version__}"
@@ -362,3 +429,11 @@ def test_max_new_tokens_past_the_context_is_capped_saying_so(model_dir, tmp_path
     from moestream.checkpoint.index import load_config
 
     assert len(json.loads(out.read_text())["token_ids"]) < load_config(model_dir).max_position_embeddings
+
+
+def test_a_checkpoint_without_a_tokenizer_is_one_line_naming_it(model_dir, tmp_path, capsys):
+    path = shutil.copytree(model_dir, tmp_path / "no-tokenizer")
+    (path / "tokenizer.json").unlink()
+    assert main(["generate", "--model", str(path), "--prompt", PROMPT, "--buffered-io"]) == 2
+    line = _error_line_of("\n".join(l for l in capsys.readouterr().err.splitlines() if l.startswith("moestream:")))
+    assert f"checkpoint directory {path} has no tokenizer.json" in line

@@ -36,8 +36,40 @@ def served(monkeypatch):
 def test_serve_binds_to_loopback_unless_told(tiny_checkpoint, served):
     model = tiny_checkpoint("qwen2_moe", num_layers=2)
     assert main(["serve", "--model", str(model), "--buffered-io", "--port", "0"]) == 0
-    assert main(["serve", "--model", str(model), "--buffered-io", "--host", "0.0.0.0", "--port", "0"]) == 0
+    assert main(["serve", "--model", str(model), "--buffered-io", "--host", "0.0.0.0", "--port", "0",
+                 "--api-key", "k"]) == 0
     assert served == ["127.0.0.1", "0.0.0.0"]
+
+
+def test_an_empty_api_key_is_refused_in_one_line_before_anything_loads(tiny_checkpoint, served, capsys):
+    model = tiny_checkpoint("qwen2_moe", num_layers=2)
+    for key in ("", "  "):
+        assert main(["serve", "--model", str(model), "--port", "0", "--api-key", key]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moestream: error: --api-key is empty") and len(err.splitlines()) == 1
+    assert served == []
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_no_key_off_loopback_needs_allow_unauthenticated(tiny_checkpoint, served, capsys, host):
+    model = tiny_checkpoint("qwen2_moe", num_layers=2)
+    assert main(["serve", "--model", str(model), "--buffered-io", "--host", host, "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--host {host} without --api-key" in err and "--allow-unauthenticated" in err
+    assert len(err.splitlines()) == 1 and served == []
+    if host == "0.0.0.0":  # IPv6 may be off in a container
+        assert main(["serve", "--model", str(model), "--buffered-io", "--host", host, "--port", "0",
+                     "--allow-unauthenticated"]) == 0
+        assert served == [host]
+
+
+def test_the_start_up_says_whether_the_server_is_unauthenticated(tiny_checkpoint, served, caplog):
+    model = tiny_checkpoint("qwen2_moe", num_layers=2)
+    assert main(["serve", "--model", str(model), "--buffered-io", "--port", "0"]) == 0
+    assert "the server is unauthenticated" in caplog.text
+    caplog.clear()
+    assert main(["serve", "--model", str(model), "--buffered-io", "--port", "0", "--api-key", "k"]) == 0
+    assert "unauthenticated" not in caplog.text and "compute uses" in caplog.text
 
 
 def test_serve_says_at_start_up_that_routing_is_replayed(tiny_checkpoint, tmp_path, served, caplog):
@@ -105,7 +137,7 @@ def test_ctrl_c_drains_a_stream_in_flight_and_exits_0_in_one_line(tiny_checkpoin
         assert "Traceback" not in err and "CancelledError" not in err
         assert err.strip().splitlines()[-1].startswith("moestream: stopped")
         assert "device tier:" in started and "policy lru" in started  # the start-up summary
-        assert "request 1 finished (abort):" in err and "shut down after 1 requests" in err
+        assert "request 1 finished (abort):" in err and "shut down after 1 request\n" in err
         data = [line[6:] for line in chunks if line.startswith("data: ")]
         assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "abort"
     finally:

@@ -72,3 +72,22 @@ def test_nan_in_an_expert_tensor_stops_generation_naming_the_layer(model_dir, tm
 def test_a_missing_checkpoint_is_refused(tmp_path, capsys):
     assert main(["verify", "--model", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in _error_line(capsys)
+
+
+def test_progress_into_a_log_is_plain_lines_of_the_real_bytes(model_dir, capsys):
+    """stderr not a terminal (pytest captures it): each progress line gives bytes out of the shards' total,
+    from the first (no size-less '0.00B' line) to the last, at 100%."""
+    from tqdm import tqdm
+
+    total = tqdm.format_sizeof(sum(path.stat().st_size for path in model_dir.glob("*.safetensors")), divisor=1024)
+    assert main(["verify", "--model", str(model_dir)]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verify")]
+    assert lines and "100%" in lines[-1]
+    assert all("%|" in line and f"/{total} " in line for line in lines), lines
+
+
+def test_a_checkpoint_refused_before_reading_draws_no_progress(model_dir, capsys):
+    (model_dir / "config.json").write_text("{not json")
+    assert main(["verify", "--model", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid JSON" in err and "verify:" not in err

@@ -1,7 +1,8 @@
-"""The row plan that sorts a layer's (token, k) rows by expert, in the order the experts run, and
-routing events built only for observers that read them."""
+"""The row plan that sorts a layer's (token, k) rows by expert on the device, and routing events built
+only for observers that read them."""
 
 import numpy as np
+import torch
 
 from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
@@ -9,21 +10,21 @@ from moestream.runtime.offload import RowPlan, expert_compute
 from moestream.tracer import Tracer, since
 
 
-def test_rows_are_sorted_by_the_given_expert_order_and_spans_cover_them():
+def test_rows_are_sorted_by_expert_on_the_device_and_spans_cover_them():
     ids = np.array([5, 2, 2, 7, 5, 0])  # [S] experts of the (token, k) rows, T = 3, K = 2
     used = np.array([True, True, True, True, False, False])  # the last token is padding
-    plan = RowPlan(ids, used, expert_order=[7, 2, 5])
-    assert plan.num_rows == 6
-    assert plan.order.tolist() == [3, 1, 2, 0]  # expert 7's row, expert 2's rows, expert 5's used row
-    assert [plan.span(e) for e in (7, 2, 5)] == [(0, 1), (1, 3), (3, 4)]
+    plan = RowPlan(ids, used, torch.from_numpy(ids), num_experts=8)
+    assert plan.num_rows == 6 and isinstance(plan.order, torch.Tensor)
+    assert plan.order.tolist() == [1, 2, 0, 3]  # expert 2's rows, expert 5's used row, expert 7's row
+    assert [plan.span(e) for e in (2, 5, 7)] == [(1 - 1, 2), (2, 3), (3, 4)]
     for expert in (7, 2, 5):
         start, end = plan.span(expert)
-        assert (ids[plan.order[start:end]] == expert).all()
+        assert (ids[plan.order[start:end].numpy()] == expert).all()
 
 
 def test_a_layer_without_used_rows_has_an_empty_plan():
-    plan = RowPlan(np.array([1, 3]), np.zeros(2, dtype=bool), expert_order=[])
-    assert plan.order.size == 0 and plan.num_rows == 2
+    plan = RowPlan(np.array([1, 3]), np.zeros(2, dtype=bool), torch.tensor([1, 3]), num_experts=4)
+    assert plan.order.numel() == 0 and plan.num_rows == 2
 
 
 class LayerReader(Observer):

@@ -47,3 +47,23 @@ def test_the_table_has_every_run_and_step(tmp_path):
     assert [row.split(" | ")[:3] for row in rows[4:]] == [["| all resident", "lru", "async"], ["| 25%", "default", "async"],
                                                           ["| 25%", "lru", "sync"]]
     assert "| 2.25 |" in rows[-1] and "device cuda" in "\n".join(lines) and lines[-1].startswith("- skipped hf-accelerate sync at 0.25")
+
+
+def test_plain_transformers_follows_the_resident_run_with_the_comparison_and_host_bytes(tmp_path):
+    plain = run("transformers", "plain", 1.0, 18.0) | {"hit_rate": None, "stall_ms_per_token": None,
+                                                        "host_bytes_per_token": None, "steady_tpot_ms": 17.5}
+    offloaded = run("lru", "sync", 0.25, 30.0) | {"host_bytes_per_token": 5e6, "device_slots": 416, "host_slots": 1664}
+    document = {"model": "/tmp/ck", "device": "cuda", "max_new_tokens": 6, "disk_bw_gbps": 2.5, "dense_mib": 2500.0,
+                "floor_rss_mib": 700.0, "host_budget": "100%", "host_budget_mib": 28000.0, "h2d_gbps": 50.1,
+                "runs": [run("lru", "async", 1.0, 20.0) | {"steady_tpot_ms": 19.0}, offloaded, plain], "skipped": [],
+                "transformers": {"warmup_steps": 3, "resident_steady_tpot_ms": 19.0, "transformers_steady_tpot_ms": 17.5,
+                                 "ratio": 19.0 / 17.5, "same_tokens": True, "dtype": "bfloat16",
+                                 "experts_implementation": "grouped_mm"}}
+    (tmp_path / "bench-engine-25.json").write_text(json.dumps(document))
+    lines = table_module().table(tmp_path).splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and "budget" not in line]
+    assert [row[:3] for row in rows] == [["| all resident", "lru", "async"], ["| all resident", "transformers", "plain"],
+                                         ["| 25%", "lru", "sync"]]
+    assert rows[2][9:11] == ["5", "416+1664"]  # host MB per token beside the disk's, and the tiers' slots
+    assert any("1.09x; same tokens" in line for line in lines)
+    assert any("host budget 100% (28000 MiB), host -> device copy 50.10 GB/s" in line for line in lines)

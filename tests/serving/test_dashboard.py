@@ -67,3 +67,30 @@ def test_without_the_key_the_page_asks_for_it(engine, browser):
         alert.dismiss()  # no key given: the page stops and says so
         WebDriverWait(browser, 30, ignored_exceptions=[UnexpectedAlertPresentException]).until(
             lambda d: "needs an API key" in d.find_element("id", "status").text)
+
+
+NARROWEST_CARD_PX = 260  # the grid's minmax(260px, 1fr)
+
+
+def test_a_tier_s_slots_stay_on_one_line_beside_its_bar_in_the_narrowest_card(engine, browser):
+    """'device 416 / 416' was wrapped onto two lines: drawn from the server's own figures with large slot
+    counts, each tier's label is one line and its bar stays inside the card, at the narrowest card too."""
+    with Server(engine, "tiny", api_key=KEY) as server:
+        stats = httpx.get(f"{server.url}/v1/moestream/stats", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30).json()
+        stats["tiers"] = {"device": {"used": 416, "total": 416}, "host": {"used": 1200, "total": 65536}}
+        browser.get(f"{server.url}/dashboard?key={KEY}")
+        _updated(browser, 1)
+        for width in (None, NARROWEST_CARD_PX):
+            rows = browser.execute_script("""
+                const [stats, width] = arguments;
+                if (width) document.querySelector('.grid').style.width = width + 'px';  // one column that wide
+                draw(stats);  // measured before the next poll redraws it
+                const card = document.getElementById('tiers').closest('.card').getBoundingClientRect();
+                return [...document.querySelectorAll('#tiers tr')].map(tr => {
+                  const label = document.createRange(); label.selectNodeContents(tr.cells[0]);
+                  const bar = tr.cells[1].firstChild.getBoundingClientRect();
+                  return [tr.cells[0].textContent, label.getClientRects().length, bar.width > 0,
+                          bar.right <= card.right];
+                });""", stats, width)
+            assert rows == [["device 416 / 416", 1, True, True], ["host 1200 / 65536", 1, True, True]], width

@@ -38,3 +38,11 @@ def test_a_finished_request_is_one_line(caplog):
     request.first_token, request.num_tokens = request.arrived + 0.05, 1
     logs.finished(7, request, "length")
     assert "request 7 finished (length): 3 prompt + 1 output tokens, TTFT 50.0 ms, TPOT n/a" in caplog.text
+
+
+def test_the_shutdown_line_counts_requests_in_good_english(caplog):
+    caplog.set_level(logging.INFO, "moestream.serve")
+    for count, said in ((0, "0 requests"), (1, "1 request"), (2, "2 requests")):
+        caplog.clear()
+        logs.stopped(count)
+        assert caplog.messages == [f"moestream: shut down after {said}"]

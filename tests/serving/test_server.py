@@ -282,6 +282,20 @@ def test_malformed_json_is_a_400(server):
     assert answer.status_code == 400 and "error" in answer.json()
 
 
+@pytest.mark.parametrize("field, value", [("stream", "yes"), ("stream", 1), ("ignore_eos", "true"),
+                                          ("stream_options", {"include_usage": "no"})])
+def test_a_switch_that_is_not_a_boolean_is_a_400(server, field, value):
+    answer = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})
+    assert answer.status_code == 400 and field in answer.json()["error"]["message"]
+
+
+def test_an_empty_api_key_is_refused_not_taken_for_none(engine):
+    from moestream.errors import MoestreamError
+
+    with pytest.raises(MoestreamError, match="empty API key"):
+        Server(engine, MODEL, api_key="")
+
+
 def test_the_api_key_is_required(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         answer = _post(server, "/v1/completions", {"prompt": "x"}, headers=headers)

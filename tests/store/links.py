@@ -10,7 +10,8 @@ test: `wait_on_compute` only records that compute's later work waits for the cop
 runs what compute has been told to wait for, as the stream would before the test's next kernel;
 a copy that nothing waits for does not run, so a store that hands out a slot without making
 compute wait shows stale bytes. With `credits`, copies run only as the test allows (`allow`), so
-that a test can hold copies in flight.
+that a test can hold copies in flight. `compute_event` hands out a new `ComputeMark` each call (compute
+on the CPU is done when it returns), and each copy records the mark it was told to follow (`afters`).
 """
 
 import threading
@@ -38,22 +39,54 @@ class LateEvent(Event):
         self.link.compute_waits_for(self)
 
 
+class ComputeMark(Event):
+    """How far compute had been issued when the store asked (`compute_event`); numbered in order."""
+
+    def __init__(self, number: int):
+        self.number = number
+
+    def done(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Done."""
+
+    def wait_on_compute(self) -> None:
+        """Done."""
+
+    def __repr__(self) -> str:
+        return f"ComputeMark({self.number})"
+
+
 class LateLink(Link):
     def __init__(self, credits: int | None = None):
         super().__init__(torch.device("cpu"))
         self.credits = credits  # copies the test allows to run (None: any)
         self.issued: list[int] = []  # destination address of each copy, in the order issued
         self.ran: list[int] = []  # the same, in the order run
+        self.afters: list[Event | None] = []  # the event each copy was told to follow, in the order issued
+        self.marks: list[ComputeMark] = []  # compute_event's, in order
         self._pending: deque[tuple[torch.Tensor, torch.Tensor, LateEvent]] = deque()
         self._compute_waits: list[LateEvent] = []  # events the compute stream waits for before its next work
         self._cond = threading.Condition()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> LateEvent:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> LateEvent:
         event = LateEvent(self)
         with self._cond:
             self._pending.append((dst, src, event))
             self.issued.append(dst.data_ptr())
+            self.afters.append(after)
         return event
+
+    def compute_event(self) -> ComputeMark:
+        with self._cond:
+            self.marks.append(ComputeMark(len(self.marks)))
+            return self.marks[-1]
+
+    def pending_sources(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the source of every copy issued that has not run yet."""
+        with self._cond:
+            return [(src.data_ptr(), src.numel()) for _, src, _ in self._pending]
 
     def allow(self, num_copies: int) -> None:
         with self._cond:

@@ -76,12 +76,21 @@ class ExpertGates:
         self.inner.close()
 
 
-def take(store, keys, reorder=True):
+def take(store, keys, reorder=True, link=None):
+    """(key, a copy of its slot) for each key fetched, in the order handed out; link: one whose copies
+    run when compute waits for them (tests/store/links.py), run before each slot is read."""
     fetch = store.fetch(keys)
     try:
-        return [(key, slot.clone()) for key, slot in fetch.ready(reorder)]
+        return [(key, _read(slot, link)) for key, slot in fetch.ready(reorder)]
     finally:
         fetch.release()
+
+
+def _read(slot, link):
+    """The slot's bytes as compute reads them: after the copies compute waits for (with a link that has any)."""
+    if link is not None:
+        link.compute()
+    return slot.clone()
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 40, 4096])
@@ -169,16 +178,16 @@ def test_every_wait_has_a_timeout(checkpoint):
         gate.set()
 
 
-def random_steps(store, checkpoint, rng: random.Random, num_steps: int) -> int:
+def random_steps(store, checkpoint, rng: random.Random, num_steps: int, link=None) -> int:
     """Random prefetches of one layer and fetches of the other, alternating; each fetched slot holds its
-    expert's bytes. Returns how many fetches failed with a TransferError."""
+    expert's bytes (link: as take's). Returns how many fetches failed with a TransferError."""
     failures = 0
     for step in range(num_steps):
         layer = step % 2
         store.prefetch([TransferRequest(K(1 - layer, rng.randrange(4)), rng.random()) for _ in range(2)])
         keys = [K(layer, e) for e in rng.sample(range(4), 2)]
         try:
-            for key, slot in take(store, keys):
+            for key, slot in take(store, keys, link=link):
                 assert_holds_expert(checkpoint, slot, key)
         except TransferError:
             failures += 1
@@ -224,13 +233,13 @@ def test_staged_transfers_copy_every_chunk_through_the_link(checkpoint, chunk_by
     the copy from it has run."""
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(3 * eb, "0", asynchronous=True, chunk_bytes=chunk_bytes)
-    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), link=LateLink() if late else None,
-                     staging=1) as store:
+    link = LateLink() if late else None
+    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), link=link, staging=1) as store:
         staging = store.slot_pools()["staging"]
         staging.data.zero_()
         store.prefetch([TransferRequest(K(1, 2), 1.0)])
         for keys in ([K(0, 0), K(1, 3)], [K(1, 2), K(0, 1)]):
-            for key, slot in take(store, keys):
+            for key, slot in take(store, keys, link=link):
                 assert_holds_expert(checkpoint, slot, key)
         assert staging.data.any()  # the bytes came through the staging slot
 

@@ -64,6 +64,34 @@ def test_pinned_host_slots_copy_to_device_without_blocking():
     assert int(summed) == int(host.slot(0).sum())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_copy_waits_for_its_slot_s_last_reader_only_and_the_host_for_neither():
+    link, host, device = make_link("cuda"), SlotPool(1, 1 << 20, "cpu", pin_memory=True), SlotPool(2, 1 << 20, "cuda")
+    host.slot(0).fill_(7)
+    torch.cuda._sleep(2_000_000_000)  # about a second of compute on the current stream
+    reader = link.compute_event()  # compute that reads device slot 1, issued up to here
+    free = link.copy(device.slot(0), host.slot(0))  # nothing read slot 0: it need not wait for compute
+    behind = link.copy(device.slot(1), host.slot(0), after=reader)
+    assert not reader.done()  # issuing neither copy waited for compute
+    free.synchronize()
+    assert not reader.done() and not behind.done()  # slot 0's copy ran beside compute; slot 1's waits for it
+    behind.wait_on_compute()
+    assert int(device.slot(1).sum()) == 7 * (1 << 20)  # compute after the copy sees its bytes
+    assert reader.done()
+
+
+def test_a_pool_remembers_each_slot_s_last_reader_and_last_write():
+    pool, link = SlotPool(2, 64), make_link("cpu")
+    assert pool.last_read(0) is None and pool.written(1) is None
+    read, written = link.compute_event(), link.copy(pool.slot(1), pool.slot(0))
+    pool.mark_read(0, read)
+    pool.mark_written(1, written)
+    assert pool.last_read(0) is read and pool.written(1) is written and pool.last_read(1) is None
+    pool.release()
+    with pytest.raises(IndexError):
+        pool.slot(0)
+
+
 def test_host_slots_start_at_the_asked_residue_modulo_the_block():
     pool = SlotPool(3, 5000)
     assert pool.data.data_ptr() % 4096 == 0 and pool.data.shape[1] % 4096 == 0

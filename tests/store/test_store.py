@@ -10,6 +10,7 @@ from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.store.disk import DiskReader
 from moestream.topology import ExpertKey
+from tests.store.checks import RecordingIntegrity
 from tests.store.links import LateLink
 
 K = ExpertKey
@@ -288,26 +289,11 @@ def test_a_failed_read_leaves_no_trace(checkpoint, host_slots):
         use(store, K(1, 0), K(0, 1))  # no pins were left behind
 
 
-class RefuseOne:
-    """An integrity check that finds one expert damaged."""
-
-    def __init__(self, damaged: ExpertKey):
-        self.damaged = damaged
-        self.checked: list[ExpertKey] = []
-
-    def check_batch(self, keys, buffers):
-        for key, buffer in zip(keys, buffers):
-            assert buffer.device.type == "cpu" and buffer.dtype == torch.uint8
-            self.checked.append(key)
-            if key == self.damaged:
-                raise CheckpointError(f"damaged {key}")
-
-
 @pytest.mark.parametrize("host_slots", [0, 3])
 def test_an_expert_that_fails_its_check_is_never_kept(checkpoint, host_slots):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(3 * eb, host_slots * eb, "cpu", True)
-    integrity = RefuseOne(K(1, 2))
+    integrity = RecordingIntegrity(eb, damaged=(K(1, 2),))
     with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         use(store, K(0, 0))
         with pytest.raises(CheckpointError, match="damaged"):

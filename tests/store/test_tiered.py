@@ -16,6 +16,7 @@ from moestream.store import ExpertStore, StoreConfig
 from moestream.store.streams import CpuLink
 from moestream.store.transfer import TransferError
 from moestream.topology import ExpertKey
+from tests.store.checks import RecordingIntegrity
 from tests.store.links import LateLink
 from tests.store.test_async_store import GatedReader, random_steps, settle, take
 from tests.store.test_store import assert_holds_expert
@@ -54,7 +55,7 @@ class GatedLink:
         self.copying = threading.Event()
         self.during_read = []
 
-    def copy(self, dst, src):
+    def copy(self, dst, src, after=None):
         self.copying.set()
         if self.reader is not None:
             self.during_read.append(self.reader.reading.is_set())
@@ -63,7 +64,15 @@ class GatedLink:
         time.sleep(self.delay_s())
         if self.fail():
             raise RuntimeError("injected copy failure")
-        return self.inner.copy(dst, src)
+        return self.inner.copy(dst, src, after)
+
+    def compute_event(self):
+        return self.inner.compute_event()
+
+    def compute(self):
+        """The compute stream's next work begins (see LateLink; the CPU link's copies have run)."""
+        if hasattr(self.inner, "compute"):
+            self.inner.compute()
 
     def synchronize(self):
         self.inner.synchronize()
@@ -137,9 +146,8 @@ class HeldCopies:
             self.gate.set()
 
 
-@pytest.mark.parametrize("late", [False, True])
-def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_done(checkpoint, late):
-    copies, reader = HeldCopies(late), GatedReader()
+def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_issued(checkpoint):
+    copies, reader = HeldCopies(late=False), GatedReader()
     with make_tiered(checkpoint, device_slots=4, host_slots=1, reader=reader, link=copies.link) as store:
         first = store.fetch([K(0, 0)])
         copies.wait_copying()  # K(0, 0) is in the one host slot, its copy up is held
@@ -155,6 +163,26 @@ def test_a_host_slot_being_copied_up_is_pinned_until_its_copy_is_done(checkpoint
         first.release()
         assert_holds_expert(checkpoint, done[K(0, 2)], K(0, 2))
         assert store.resident("host") == {K(0, 2)} and store.resident() == {K(0, 0), K(0, 2)}
+
+
+def test_a_host_slot_is_read_into_again_only_once_the_copy_up_from_it_has_run(checkpoint):
+    """Copies issued but not yet run (tests/store/links.py): the expert lands when its copy is issued and
+    its host slot is free again, but a read into that slot waits for the copy."""
+    copies, reader = HeldCopies(late=True), GatedReader()
+    with make_tiered(checkpoint, device_slots=4, host_slots=1, reader=reader, link=copies.link) as store:
+        first = store.fetch([K(0, 0)])
+        got = dict(first.ready())  # handed out before its copy has run: compute waits for it
+        assert copies.link.issued and not copies.link.ran
+        assert store.prefetch([TransferRequest(K(0, 1), 1.0)]) == [K(0, 1)]  # takes the one host slot
+        time.sleep(0.05)
+        assert len(reader.files) == 1 and store.in_flight() == {K(0, 1)}  # its read waits for the copy
+        copies.let_go()
+        store.wait_idle()
+        assert len(reader.files) == 2 and store.resident("host") == {K(0, 1)}
+        copies.link.compute()
+        assert_holds_expert(checkpoint, got[K(0, 0)], K(0, 0))
+        first.release()
+        assert_holds_expert(checkpoint, dict(take(store, [K(0, 1)], link=copies.link))[K(0, 1)], K(0, 1))
 
 
 def test_a_gate_decision_sends_queued_copies_of_its_layer_back_and_they_keep_their_slots(make_checkpoint):
@@ -199,28 +227,16 @@ def test_a_failed_read_and_a_failed_copy_surface_as_errors_and_the_store_recover
         assert (stats.host_misses, stats.host_hits) == (1, 1) and not store.pinned("host")
 
 
-class Damaged:
-    """An Integrity that finds one expert damaged."""
-
-    def __init__(self, key):
-        self.key, self.checked = key, []
-
-    def check_batch(self, keys, buffers):
-        self.checked.extend(keys)
-        if self.key in keys:
-            raise CheckpointError(f"expert {tuple(self.key)} is damaged")
-
-
 def test_a_damaged_expert_fails_in_its_host_slot_before_any_copy_up(checkpoint):
     eb = checkpoint.index.topology.expert_bytes
     config = StoreConfig(2 * eb, 4 * eb, asynchronous=True)
-    integrity = Damaged(K(1, 2))
+    integrity = RecordingIntegrity(eb, damaged=(K(1, 2),))
     with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
         with pytest.raises(CheckpointError, match=r"\(1, 2\) is damaged"):
             take(store, [K(1, 1), K(1, 2)])
         store.wait_idle()
         assert store.resident("host") == {K(1, 1)} and store.resident() == {K(1, 1)}
-        assert store.stats().bytes_read == {"disk": 2 * eb, "host": eb}  # K(1, 2) was never copied up
+        assert store.stats().bytes_read == {"disk": eb, "host": eb}  # K(1, 2) failed in its read, never copied up
         assert sorted(integrity.checked) == [K(1, 1), K(1, 2)] and not store.pinned("host")
 
 
@@ -241,7 +257,7 @@ def test_random_delays_and_failures_in_both_links_keep_bytes_exact_and_leak_noth
     link = GatedLink(LateLink() if late else None, delay_s=lambda: rng.random() * 0.001,
                      fail=lambda: rng.random() < 0.04)
     with make_tiered(checkpoint, device_slots=3, host_slots=2, chunk_bytes=64, reader=reader, link=link) as store:
-        assert random_steps(store, checkpoint, rng, 80) > 0
+        assert random_steps(store, checkpoint, rng, 80, link=link) > 0
         settle(store)
         store.end_plan()  # the last plan's pins
         assert not store.pinned("host") and not store.pinned()

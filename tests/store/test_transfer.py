@@ -7,6 +7,8 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.store.executor import ThreadedExecutor
+from moestream.store.pool import SlotPool
+from moestream.store.streams import CpuLink
 from moestream.store.transfer import (DISK, LinkReports, Transfer, TransferError, TransferLink, TransferQueue, pieces,
                                       read_round)
 from moestream.topology import ExpertKey
@@ -20,7 +22,12 @@ def transfer(key, num_chunks=1, at=0, **kwargs):
     return Transfer(key, slot, pieces([Segment("f", at + 100 * i, 1) for i in range(num_chunks)], 0), **kwargs)
 
 
-def start_link(cond, queue, read, reports, max_chunks, lane=DISK, move=read_round):
+def direct_reads(read, held):
+    """The disk link's copy function, reading straight into the slots (no staging slots)."""
+    return read_round(read, SlotPool(0, 1), CpuLink(torch.device("cpu")), held)
+
+
+def start_link(cond, queue, read, reports, max_chunks, lane=DISK, move=direct_reads):
     """The link's rounds on a worker thread, as the asynchronous store runs them; returns (executor, tracer)."""
     tracer = Tracer()
     executor = ThreadedExecutor(max_chunks, timeout_s=5.0)

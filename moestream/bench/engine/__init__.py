@@ -1,10 +1,12 @@
 """`moestream bench engine`: the engine end to end on a checkpoint, cold, experts on disk.
 
-Per budget: TTFT, TPOT, stall, overlap, hit rate, bytes per token and peak RSS of on-demand LRU
-(`--sync`), async `lru`, each design's policy, `default` and transformers' disk offload, beside the
-all-resident run and the budget's physical limit (oracle bytes per token / cold O_DIRECT bandwidth).
-Every run is a fresh process, cold; `--memory-cap` reruns each under a cgroup limit (isolation.py).
-Targets are ok/missed, never asserted; `--json` also writes the calibrated cost model for `moestream sim`.
+Per budget: TTFT, TPOT, stall, overlap, hit rate, disk and host bytes per token and peak RSS of on-demand
+LRU (`--sync`), async `lru`, each design's policy, `default` and transformers' disk offload, beside the
+all-resident run, plain transformers all resident (its steady TPOT and tokens against ours) and the budget's
+physical limit (oracle bytes per token / the misses' link bandwidth). `--host-budget` adds a host tier,
+filled before the timed steps (host.py). Every run is a fresh process, cold; `--memory-cap` reruns each
+under a cgroup limit (isolation.py). Targets are ok/missed, never asserted; `--json` also writes the
+calibrated cost model for `moestream sim`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from moestream.settings import add_arguments
 BUDGETS = "0.1,0.25,0.5"
 DEMO_PROMPTS = 4  # len(moestream.cli.demo.PROMPTS), not imported here: the parser stays light
 DESIGNS = "moe-infinity,expertflow,fmoe,promoe"  # each design's own policy (the paper systems)
+WARMUP_STEPS = 3
 
 
 def add_parser(kinds) -> None:
@@ -34,7 +37,12 @@ def add_parser(kinds) -> None:
     parser.add_argument("--budgets", default=BUDGETS, help=f"expert budgets, comma separated (default {BUDGETS})")
     parser.add_argument("--designs", default=DESIGNS, help=f"design policies to run (default {DESIGNS}; '' none)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers + accelerate disk offload")
-    add_arguments(parser, EngineConfig, only=("device", "replay_routing", "direct_io", "native_gemv"))
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="skip plain transformers all resident (the reference of the all-resident TPOT)")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, metavar="N",
+                        help=f"decode steps of each prompt left out of the steady TPOT that compares the "
+                             f"all-resident run with plain transformers (default {WARMUP_STEPS})")
+    add_arguments(parser, EngineConfig, only=("device", "host_budget", "replay_routing", "direct_io", "native_gemv"))
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
                         help="instead: N ranks (torchrun) against one process at the same and at 1/N of the memory")
     add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))

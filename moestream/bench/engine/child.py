@@ -27,7 +27,7 @@ def run_spec(spec: RunSpec, ranks=None) -> dict:
     """The run's figures (ranks: this process is rank 0 of the run's ranks, ranked.py)."""
     import torch
 
-    from moestream.bench.engine.runners import RUNS
+    from moestream.bench.engine.baselines import RUNS  # ours and the baselines
 
     import_model_code(Path(spec.model))
     floor = peak_rss_mib()

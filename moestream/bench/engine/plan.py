@@ -15,11 +15,15 @@ from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_sup
 from moestream.errors import MoestreamError
 
 HF = "hf-accelerate"
+PLAIN = "transformers"  # plain transformers, all resident (baselines.py)
 CAP_SLACK_MIB = 64  # the memory cap: floor + dense part + budget + this
-ROW_FIGURES = ("tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token", "overlap", "bytes_per_token", "peak_rss_mib")
+ROW_FIGURES = ("tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token", "overlap", "bytes_per_token", "peak_rss_mib",
+               "steady_tpot_ms", "host_bytes_per_token")
+ROW_EXTRAS = ("routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib", "device_slots", "host_slots", "link_gbps")
 PROGRESS_FIGURES = {"TTFT": ("ttft_ms", 1, "{:.1f} ms"), "TPOT": ("tpot_ms", 1, "{:.1f} ms"),  # name: (key, scale, form)
                     "stall": ("stall_ms_per_token", 1, "{:.1f} ms/token"), "hit rate": ("hit_rate", 1, "{:.3f}"),
-                    "read": ("bytes_per_token", 1e6, "{:.1f} MB/token")}
+                    "read": ("bytes_per_token", 1e6, "{:.1f} MB/token"),
+                    "host": ("host_bytes_per_token", 1e6, "{:.1f} MB/token")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +34,7 @@ class Job:
 
     @property
     def mode(self) -> str:
-        return "sync" if self.sync else "async"
+        return "plain" if self.kind == PLAIN else "sync" if self.sync else "async"
 
 
 def jobs(designs: str) -> list[Job]:
@@ -42,26 +46,33 @@ def jobs(designs: str) -> list[Job]:
 def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     """The bench's document; each run through `run` (spec, memory cap) -> figures: one fresh process, or
     one on each of world_size ranks (ranked.py; each rank's cap is for its 1/world_size of the budget)."""
+    from moestream.bench.engine.host import check_host_room, copy_gbps
     from moestream.bench.integrity import report_integrity
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS
 
-    budgets = _check(args)
+    budgets, host = _check(args)
     model = model_dir(args)
     topology = build_index(model).topology
+    host_mib = _bytes(host, topology) / MIB
+    if host_mib:  # before any expert is loaded
+        check_host_room(host, model, args.device, max(_bytes(budget, topology) for budget in budgets))
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    native_gemv=args.native_gemv, replay_routing=args.replay_routing,
-                   predictor_dirs=tuple(args.predictor_dir))
+                   predictor_dirs=tuple(args.predictor_dir), warmup_steps=args.warmup_steps)
     disk = disk_figures(Path(model), args.direct_io)
     resident = run(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)
+    plain, skipped = _plain_run(args, base, run, world_size)
     dense_mib = dense_bytes(model, topology) / MIB
+    h2d = copy_gbps(topology.expert_bytes, args.device) * 1e9 if host_mib else None
     context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
-               "cap": _cap(args), "run": run, "world_size": world_size}
-    base = dataclasses.replace(base, link_gbps=disk["bandwidth"] / 1e9,  # the planner's link: calibrated here
-                               layer_ms=resident["tpot_ms"] / topology.num_layers)
-    run_list, skipped = _run_list(args, budgets, world_size)
+               "cap": _cap(args), "run": run, "world_size": world_size, "host_mib": host_mib,
+               "link_bw": h2d if _bytes(host, topology) >= topology.total_expert_bytes else None}
+    base = dataclasses.replace(base, host_budget=host, layer_ms=resident["tpot_ms"] / topology.num_layers)
+    run_list, skipped_budgets = _run_list(args, budgets, world_size)
+    skipped += skipped_budgets
     results = []
     for budget in budgets:
         results += _budget_runs(base, budget, run_list, context, skipped)
@@ -69,6 +80,7 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
                      disk["bandwidth"])
     limits, oracle = _limits(budgets, _replayed(args, resident, topology), cost, context)
     rows = [_row(Job("lru", False), "1.0", resident, resident["tpot_ms"], topology)]
+    rows += [_row(Job(PLAIN, False, PLAIN), "1.0", plain, None, topology)] if plain else []
     rows += [_row(job, budget, result, limits.get(budget), topology) for job, budget, result in results]
     floors = [row.pop("floor_rss_mib") for row in rows]
     floors = [floor for floor, row in zip(floors, rows) if row["memory_cap_mib"] is None]  # capped runs: twins
@@ -78,9 +90,39 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
             "checkpoint": checkpoint_summary(topology), "device": args.device, "prompts": args.prompts,
             "replay_routing": args.replay_routing, "replay_wraps": resident.get("replay_wraps", 0),
             "threads": args.threads, "native_gemv": args.native_gemv, "max_new_tokens": args.max_new_tokens,
-            "skipped": skipped,
+            "skipped": skipped, "host_budget": host, "host_budget_mib": host_mib, "h2d_gbps": h2d and h2d / 1e9,
+            "transformers": versus_transformers(resident, plain, args),
             "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost), "integrity": integrity,
             "oracle_bytes_per_token": oracle}
+
+
+def _plain_run(args, base: RunSpec, run, world_size: int) -> tuple[dict | None, list[dict]]:
+    """Plain transformers all resident (baselines.py), or why not: (its figures, the skipped note)."""
+    reason = ("not run with --no-transformers" if args.no_transformers else "not run under torchrun: plain "
+              "transformers is a one-process baseline" if world_size > 1 else None)
+    label = {"policy": PLAIN, "budget": "1.0", "mode": "plain", "memory_cap_mib": None}
+    if reason is None:
+        try:
+            plain = run(dataclasses.replace(base, kind=PLAIN), None) | {"memory_cap_mib": None}
+            progress("plain transformers", "1.0", plain)
+            return plain, []
+        except (RunFailed, OSError) as error:
+            progress("plain transformers", "1.0", None, str(error))
+            reason = str(error)
+    return None, [label | {"reason": reason}]
+
+
+def versus_transformers(resident: dict, plain: dict | None, args) -> dict | None:
+    """Our all-resident run against plain transformers': steady TPOT (each prompt's decode steps after the
+    first --warmup-steps) and whether the tokens are the same (not compared under --replay-routing, where our
+    engine follows the trace's routing); None where transformers did not run."""
+    if plain is None:
+        return None
+    ours, theirs = resident["steady_tpot_ms"], plain["steady_tpot_ms"]
+    return {"warmup_steps": args.warmup_steps, "resident_steady_tpot_ms": ours, "transformers_steady_tpot_ms": theirs,
+            "ratio": ours / theirs if ours and theirs else None, "dtype": plain["dtype"],
+            "experts_implementation": plain["experts_implementation"],
+            "same_tokens": None if args.replay_routing else resident["token_ids"] == plain["token_ids"]}
 
 
 def _run_list(args, budgets: list[str], world_size: int) -> tuple[list[Job], list[dict]]:
@@ -97,15 +139,26 @@ def _run_list(args, budgets: list[str], world_size: int) -> tuple[list[Job], lis
                                  "reason": reason} for budget in budgets]
 
 
-def _check(args) -> list[str]:
+def _check(args) -> tuple[list[str], str]:
+    """The budgets and the host budget (RunSpec's text), each flag checked."""
+    from moestream.bench.engine.host import budget_text
+    from moestream.cli import at_least
     from moestream.cli.demo import PROMPTS
 
     check_run_flags(args)
+    at_least(0, {"--warmup-steps": args.warmup_steps})
     if not 1 <= args.prompts <= len(PROMPTS):
         raise MoestreamError(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
     if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
         raise MoestreamError(f"--memory-cap must be auto or a size in MiB, got {args.memory_cap!r}")
-    return budget_list(args.budgets)
+    return budget_list(args.budgets), budget_text(args.host_budget)
+
+
+def _bytes(budget: str, topology) -> int:
+    """A budget's bytes: whole expert slots, at most every expert."""
+    from moestream.bench.engine.host import host_bytes
+
+    return host_bytes(budget, topology.expert_bytes, topology.total_experts)
 
 
 def disk_figures(model: Path, direct_io: bool) -> dict:
@@ -171,11 +224,12 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
     done = []
     for job in run_list:
         spec = dataclasses.replace(base, budget=budget, policy=job.policy if job.kind == "engine" else "lru",
-                                   sync=job.sync, kind=job.kind)
+                                   sync=job.sync, kind=job.kind, link_gbps=_link_bw(job, base, context) / 1e9)
         for cap in caps:
             label = f"{job.policy} {job.mode}" + (f" capped at {cap / MIB:.0f} MiB" if cap else "")
             try:
-                done.append((job, budget, context["run"](spec, cap) | {"memory_cap_mib": cap and cap / MIB}))
+                ours = {"host_budget_mib": context["host_mib"], "link_gbps": spec.link_gbps if job.kind == "engine" else None}
+                done.append((job, budget, context["run"](spec, cap) | {"memory_cap_mib": cap and cap / MIB} | ours))
                 progress(label, budget, done[-1][2])
             except (RunFailed, OSError) as error:
                 progress(label, budget, None, str(error))
@@ -183,6 +237,15 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
                                 "memory_cap_mib": cap and cap / MIB, "reason": str(error)})
                 break  # no capped twin of a run that failed uncapped
     return done
+
+
+def _link_bw(job: Job, base: RunSpec, context: dict) -> float:
+    """The link the run's planner sees (bytes/s): the host -> device copy's where the store keeps a host tier
+    apart that holds every expert (filled before timing), else the disk's (cold O_DIRECT)."""
+    from moestream.bench.engine.host import host_tier_apart
+
+    host = context["link_bw"] is not None and host_tier_apart(base.device, job.sync)
+    return context["link_bw"] if host else context["disk_bw"]
 
 
 def progress(label: str, budget: str, result: dict | None, failure: str = "") -> None:
@@ -201,12 +264,14 @@ def _cap_bytes(context: dict, budget_mib: float) -> int:
     if cap["requested"] != "auto":
         return int(cap["requested"]) * MIB
     floor = context["resident"]["floor_rss_mib"]
-    return int((floor + context["dense_mib"] + budget_mib / context["world_size"] + CAP_SLACK_MIB) * MIB)
+    held_mib = budget_mib + context["host_mib"]
+    return int((floor + context["dense_mib"] + held_mib / context["world_size"] + CAP_SLACK_MIB) * MIB)
 
 
 def _limits(budgets: list[str], run, cost, context: dict) -> tuple[dict[str, float], dict[str, float]]:
-    """Per budget: max(resident TPOT, oracle bytes per token / O_DIRECT bandwidth), and the oracle's bytes
-    per token; none without a replayed trace."""
+    """Per budget: max(resident TPOT, oracle bytes per token / the misses' link bandwidth: the host -> device
+    copy's where the host tier holds every expert, else O_DIRECT), and the oracle's bytes per token; none
+    without a replayed trace."""
     from moestream.bench.engine.simulated import oracle_bytes_per_token, sim_ratio
     from moestream.store.config import Budget
 
@@ -216,7 +281,7 @@ def _limits(budgets: list[str], run, cost, context: dict) -> tuple[dict[str, flo
     for budget in budgets:
         slots = Budget.parse(budget).resolve(topology.total_expert_bytes) // topology.expert_bytes
         moved = oracle_bytes_per_token(run, sim_ratio(slots, topology), cost)
-        limits[budget] = max(context["resident"]["tpot_ms"], moved / context["disk_bw"] * 1e3)
+        limits[budget] = max(context["resident"]["tpot_ms"], moved / (context["link_bw"] or context["disk_bw"]) * 1e3)
         oracle[budget] = moved
     return limits, oracle
 
@@ -229,10 +294,12 @@ def _fraction(budget: str, topology) -> float:
 
 
 def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> dict:
-    """A run's row; routed_expert_ms (mean), memory_cap_mib (None: uncapped) and cgroup_peak_mib where the
-    run has them; floor_rss_mib is popped into the document's median floor."""
+    """A run's row; routed_expert_ms (mean), memory_cap_mib (None: uncapped), cgroup_peak_mib, the tiers'
+    slots and the planner's link (GB/s) where the run has them; floor_rss_mib is popped into the document's
+    median floor."""
     fraction = _fraction(budget, topology)
     return ({"policy": job.policy, "budget": fraction, "budget_mib": fraction * topology.total_expert_bytes / MIB,
-             "mode": job.mode} | {key: result[key] for key in ROW_FIGURES} | {"limit_tpot_ms": limit}
-            | {key: result.get(key) for key in ("routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib")}
+             "host_budget_mib": result.get("host_budget_mib", 0.0), "mode": job.mode}
+            | {key: result[key] for key in ROW_FIGURES} | {"limit_tpot_ms": limit}
+            | {key: result.get(key) for key in ROW_EXTRAS}
             | {key: result[key] for key in ("floor_rss_mib", "expert_parallel") if key in result})

@@ -1,5 +1,6 @@
 """The printed report of `bench engine`: one table of every run beside its budget's physical limit, the
-process floor and memory cap, and the issue's targets at 25% as ok/missed (never asserted)."""
+process floor and memory cap, the host tier, the all-resident run against plain transformers, and the
+issues' targets as ok/missed (never asserted)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ LIMIT_TARGET = 1.25  # default TPOT / physical limit, at most (issue 34)
 RESIDENT_TARGET = 1.3  # default TPOT / all-resident TPOT, at most
 SYNC_TARGET = 2.0  # on-demand LRU TPOT / default TPOT, at least (issue 34)
 CAP_TARGET = 1.1  # default TPOT under the memory cap / the same run's uncapped TPOT, at most (issue 34)
-REPORT_WIDTH = 170
+PLAIN_TARGET = 1.1  # all-resident steady TPOT / plain transformers', at most, with the same tokens (issue 44)
+REPORT_WIDTH = 200
 
 
 def targets(document: dict) -> dict[str, str]:
@@ -23,7 +25,7 @@ def targets(document: dict) -> dict[str, str]:
     if default is None:
         return {"default at 25%": "not measured (no default run at 25%)"}
     floor, dense = document["floor_rss_mib"], document["dense_mib"]
-    memory = floor + dense + default["budget_mib"] + 64
+    memory = floor + dense + default["budget_mib"] + default.get("host_budget_mib", 0.0) + 64
     return {
         f"default TPOT <= {LIMIT_TARGET}x physical limit": _check(default["tpot_ms"], default["limit_tpot_ms"], LIMIT_TARGET),
         f"default TPOT <= {RESIDENT_TARGET}x all resident": _check(default["tpot_ms"], document["resident_tpot_ms"],
@@ -31,10 +33,43 @@ def targets(document: dict) -> dict[str, str]:
         f"default >= {SYNC_TARGET}x faster than --sync LRU": _speedup(sync and sync["tpot_ms"], default["tpot_ms"],
                                                                       SYNC_TARGET),
         "default faster than HF accelerate offload": _check(default["tpot_ms"], hf and hf["tpot_ms"], 1.0),
-        f"default peak RSS <= floor + dense + budget + 64 MiB ({memory:.0f} MiB)": _check(default["peak_rss_mib"],
-                                                                                        memory, 1.0),
+        f"default peak RSS <= floor + dense + budget{' + host budget' if default.get('host_budget_mib') else ''} "
+        f"+ 64 MiB ({memory:.0f} MiB)": _check(default["peak_rss_mib"], memory, 1.0),
         f"default TPOT under the memory cap <= {CAP_TARGET}x uncapped": _capped(capped, default, document),
     }
+
+
+def versus_transformers_line(document: dict) -> str | None:
+    """The all-resident run against plain transformers: steady TPOTs, their ratio against the target, and
+    whether the tokens are the same; None where transformers did not run."""
+    plain = document.get("transformers")
+    if plain is None:
+        return None
+    ours, theirs, ratio = plain["resident_steady_tpot_ms"], plain["transformers_steady_tpot_ms"], plain["ratio"]
+    tokens = {True: "the same tokens", False: "DIFFERENT tokens",
+              None: "tokens not compared (our engine followed --replay-routing)"}[plain["same_tokens"]]
+    head = (f"all resident vs plain transformers ({plain['dtype']}, experts implementation "
+            f"{plain['experts_implementation']!r}), steady TPOT (each prompt's decode steps after the first "
+            f"{plain['warmup_steps']}): ")
+    if ratio is None:
+        return head + f"not measured: no prompt decoded more than {plain['warmup_steps']} steps (raise --max-new-tokens)"
+    verdict = "ok" if ratio <= PLAIN_TARGET and plain["same_tokens"] is not False else "missed"
+    return (head + f"moestream {ours:.2f} ms, transformers {theirs:.2f} ms: {ratio:.2f}x (target <= {PLAIN_TARGET}x "
+            f"with the same tokens): {verdict}; {tokens}")
+
+
+def host_line(document: dict) -> str | None:
+    """What the host budget was and what each kind of run made of it; None without one."""
+    if not document.get("host_budget_mib"):
+        return None
+    link = "pinned H2D" if document["device"].startswith("cuda") else "memcpy"
+    line = (f"host budget {document['host_budget']} ({document['host_budget_mib']:.0f} MiB), its tier filled before "
+            f"the timed steps; host -> device copy {document['h2d_gbps']:.2f} GB/s ({link}); the planner's link: "
+            "that copy where a host tier kept apart holds every expert, else the disk")
+    if not document["device"].startswith("cuda"):
+        line += ("; on the CPU only --sync runs keep a host tier apart (slots d+h), the others hold the host "
+                 "budget in their one tier (host slots 0)")
+    return line
 
 
 def _capped(capped: dict | None, default: dict, document: dict) -> str:
@@ -101,6 +136,9 @@ def print_report(document: dict, args) -> None:
         capped = f" under a {skipped['memory_cap_mib']:.0f} MiB cap" if skipped.get("memory_cap_mib") else ""
         console.print(f"skipped {skipped['policy']} {skipped['mode']}{capped} at {skipped['budget']}: "
                       f"{skipped['reason']}")
+    for line in (host_line(document), versus_transformers_line(document)):
+        if line is not None:
+            console.print(line)
     for name, verdict in targets(document).items():
         console.print(f"target at 25%: {name}: {verdict}")
 
@@ -124,10 +162,12 @@ def rank_lines(document: dict) -> list[str]:
 
 def _table(document: dict, args):
     columns = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "stall ms/tok", "overlap", "hit rate",
-               "KiB/tok", "expert µs", "peak RSS MiB", "cap (peak) MiB", "limit ms", "TPOT/limit")
+               "disk KiB/tok", "host KiB/tok", "slots d+h", "expert µs", "peak RSS MiB", "cap (peak) MiB",
+               "limit ms", "TPOT/limit")
     cells = [[f"{r['budget']:.0%}", r["policy"], r["mode"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.1f}",
               fmt(r["stall_ms_per_token"], "{:.1f}"), fmt(r["overlap"], "{:.0%}"), fmt(r["hit_rate"], "{:.1%}"),
-              f"{r['bytes_per_token'] / 1024:.0f}", fmt(r.get("routed_expert_ms"), lambda ms: f"{1e3 * ms:.0f}"),
+              f"{r['bytes_per_token'] / 1024:.0f}", fmt(r.get("host_bytes_per_token"), lambda b: f"{b / 1024:.0f}"),
+              _slots_cell(r), fmt(r.get("routed_expert_ms"), lambda ms: f"{1e3 * ms:.0f}"),
               f"{r['peak_rss_mib']:.0f}", _cap_cell(r), fmt(r["limit_tpot_ms"], "{:.1f}"),
               fmt(r["limit_tpot_ms"] and r["tpot_ms"] / r["limit_tpot_ms"], "{:.2f}")] for r in document["runs"]]
     return rich_table(f"moestream bench engine: {document['model']}", columns, cells, left=("policy", "mode"),
@@ -137,9 +177,16 @@ def _table(document: dict, args):
                               f"device {document.get('device', 'cpu')}, "
                               f"{document.get('prompts', 4)} prompt(s), {document['max_new_tokens']} new tokens per "
                               "prompt, cold start, a fresh process per run; per-token figures over decode steps; "
-                              "expert µs: one routed expert MLP's mean wall time; cap (peak): the run's cgroup memory "
-                              "limit and the memory charged to that cgroup at its peak; limit: max(resident TPOT, "
-                              "oracle bytes per token / O_DIRECT bandwidth)")
+                              "KiB/tok: read from disk, copied up from the host tier; slots d+h: the store's device and host tiers' expert slots; expert µs: one routed expert MLP's mean wall "
+                              "time; cap (peak): the run's cgroup memory limit and the memory charged to that cgroup "
+                              "at its peak; limit: max(resident TPOT, oracle bytes per token / the misses' link "
+                              "bandwidth); transformers plain: every weight in memory, no moestream")
+
+
+def _slots_cell(run: dict) -> str:
+    """The store's device and host slots ("-" for a run without our store)."""
+    device, host = run.get("device_slots"), run.get("host_slots")
+    return "-" if device is None else f"{device}+{host}"
 
 
 def _cap_cell(run: dict) -> str:

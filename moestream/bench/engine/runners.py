@@ -1,16 +1,16 @@
-"""What one `bench engine` run executes, by kind: our engine, or transformers with accelerate's disk
-offload at the same memory. Each returns the figures of `spec.summarize` plus what the caller needs
-(the routing replay's rows, for the simulator). Both start cold: the checkpoint's pages (and
-accelerate's offload folder) are dropped from the page cache after loading, before generating.
+"""What one `bench engine` run of our engine executes (`RUNS`, by kind: "engine" here, the baselines in
+baselines.py): the figures of `spec.summarize` plus what the caller needs (the routing replay's rows, for
+the simulator; the tokens; the tiers' slots). It starts cold: the checkpoint's pages are dropped from the
+page cache after loading, and after the warm-up (the all-resident run's preload, or the host tier's fill),
+before generating.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
-from moestream.bench.engine.spec import Counters, RunSpec, dense_bytes, shards, summarize
+from moestream.bench.engine.spec import Counters, RunSpec, shards, step_times_ms, summarize
+from moestream.budget import Budget
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
 from moestream.registry import Registry
@@ -20,8 +20,9 @@ RUNS: Registry = Registry("bench engine run kind")
 
 class DecodeMeter(Observer):
     """Snapshots the store's counters and the engine tracer's totals when a generation's first decode
-    step begins; keeps each iteration's token ids, strings and, if asked (keep_embeddings), embeddings
-    where the engine gave them (what the policy saw, for the simulator)."""
+    step begins, and notes the time each step begins and the generation ends; keeps each iteration's token
+    ids, strings and, if asked (keep_embeddings), embeddings where the engine gave them (what the policy
+    saw, for the simulator)."""
 
     def __init__(self, store, tracer, keep_embeddings: bool = False):
         self.store, self.tracer, self.keep_embeddings = store, tracer, keep_embeddings
@@ -32,11 +33,13 @@ class DecodeMeter(Observer):
         self.token_ids: list[list[int]] = []  # per iteration of every generation
         self.tokens: list[list[str]] = []  # their strings (empty where the engine has no tokenizer)
         self.embeddings: list[list[list[float]]] = []  # [T, H] each (empty where no observer asked for them)
+        self.marks: list[float] = []  # this generation's: when each step began, and when it ended
 
     def start(self) -> None:
-        self.steps, self.decode_tokens, self.at_decode = 0, 0, None
+        self.steps, self.decode_tokens, self.at_decode, self.marks = 0, 0, None, []
 
     def begin_iteration(self, ctx) -> None:
+        self.marks.append(time.perf_counter())
         self.steps += 1
         self.token_ids.append(ctx.token_ids.tolist())
         self.tokens.append(list(ctx.tokens or ()))
@@ -46,6 +49,9 @@ class DecodeMeter(Observer):
             self.at_decode, self.totals_at_decode = self.store.stats(), self.tracer.totals()
         if self.steps >= 2:
             self.decode_tokens += ctx.num_tokens
+
+    def end_sequence(self, seq_id: int) -> None:
+        self.marks.append(time.perf_counter())
 
     def add_decode(self, counters: Counters, end) -> None:
         """Adds the decode steps' counters (the store's at the end minus at the first decode step)."""
@@ -57,13 +63,17 @@ class DecodeMeter(Observer):
         counters.hits += end.hits - start.hits
         counters.misses += end.misses - start.misses
         counters.disk_bytes += end.bytes_read["disk"] - start.bytes_read["disk"]
+        counters.host_bytes += end.bytes_read["host"] - start.bytes_read["host"]
+        counters.disk_reads += end.host_misses - start.host_misses  # device fills from disk
         counters.read_ms += (end.disk_read_s - start.disk_read_s) * 1e3
+        counters.copy_ms += (end.copy_s - start.copy_s) * 1e3
         counters.read_batches += end.disk_batches - start.disk_batches
         counters.read_fit = counters.read_fit.plus(end.read_fit.since(start.read_fit))
         experts, seconds = expert_compute(self.tracer.totals(), self.totals_at_decode)
         counters.experts_computed += experts
         counters.expert_compute_ms += seconds * 1e3
         counters.decode_tokens += self.decode_tokens
+        counters.step_ms.append(step_times_ms(self.marks[1:]))  # each step begins as the one before ends
 
 
 def make_policy(spec: RunSpec, topology):
@@ -93,7 +103,8 @@ class EngineRun:
         drop_page_cache(shards(spec.model))
         policy = make_policy(spec, build_index(spec.model).topology)
         trained = matching_directory(policy, spec.predictor_dirs)  # for the other ranks, which make their own
-        config = EngineConfig(device=spec.device, expert_budget=spec.budget, direct_io=spec.direct_io, sync=spec.sync,
+        config = EngineConfig(device=spec.device, expert_budget=spec.budget, host_budget=spec.host_budget,
+                              direct_io=spec.direct_io, sync=spec.sync,
                               policy=spec.policy, predictor_dir=None if trained is None else str(trained),
                               replay_routing=spec.replay_routing, reorder=spec.reorder, link_gbps=spec.link_gbps,
                               layer_ms=spec.layer_ms, background_predictor=spec.background_predictor,
@@ -124,7 +135,7 @@ class EngineRun:
         replay = engine.replay
         if replay is not None and not replay.recorded_all:
             raise MoestreamError("bench engine: the run took more iterations than the routing replay records")
-        return summarize(counters, stall_ms, counters.read_ms) | {
+        return summarize(counters, stall_ms, counters.read_ms + counters.copy_ms, spec.warmup_steps) | {
             "replayed": replay is not None,
             "replay_wraps": replay.wraps if replay else 0,
             "iterations": [rows.tolist() for rows in replay.iterations] if replay else [],
@@ -133,19 +144,23 @@ class EngineRun:
             "prefill": prefill,
             "token_ids": token_ids,
             "device_slots": engine.store.device_slots,
+            "host_slots": engine.store.host_slots,
         } | ({"iteration_embeddings": meter.embeddings} if spec.keep_embeddings else {}) | (
             {} if parallel[0] is None else {"expert_parallel": summed_report(parallel)})
 
 
 def prepare(engine, spec: RunSpec, ranks=None) -> None:
     """Between opening an engine and generating, on every rank: the preload of an all-resident run, the
-    checkpoint's pages dropped, and on ranks a wait for all (one done preloading first would time out
-    waiting for the first step)."""
+    host tier's fill of a run with a host budget (host.py), the checkpoint's pages dropped, and on ranks a
+    wait for all (one done preloading first would time out waiting for the first step)."""
+    from moestream.bench.engine.host import fill_tiers
     from moestream.parallel.ranks import wait_for_all
     from moestream.store.bandwidth import drop_page_cache
 
     if spec.preload:
         engine.preload()
+    if Budget.parse(spec.host_budget).resolve(engine.checkpoint.topology.total_expert_bytes):
+        fill_tiers(engine)
     drop_page_cache(shards(spec.model))
     if ranks is not None:
         wait_for_all(ranks, "the preloading of the experts")
@@ -176,84 +191,13 @@ def _engine(spec: RunSpec, config, policy, ranks):
 
 
 def _decode_stall_ms(metrics, spec: RunSpec, end, meter: DecodeMeter, counters: Counters) -> float:
-    """This generation's decode stall. An engine without stall accounting (or --sync) reads every
-    expert on the compute thread: the stall is the reader's busy time. Otherwise the engine's
-    whole-run stall, in the decode steps' share of the reader's busy time."""
+    """This generation's decode stall. An engine without stall accounting (or --sync) moves every
+    expert on the compute thread: the stall is the links' busy time (disk reads, host -> device copies).
+    Otherwise the engine's whole-run stall, in the decode steps' share of the links' busy time."""
     if meter.at_decode is None:
         return 0.0
-    decode_read_ms = (end.disk_read_s - meter.at_decode.disk_read_s) * 1e3
+    busy_ms = lambda stats: (stats.disk_read_s + stats.copy_s) * 1e3
+    decode_ms = busy_ms(end) - busy_ms(meter.at_decode)
     if spec.sync or metrics.stall_ms <= 0.0:
-        return decode_read_ms
-    total_read_ms = end.disk_read_s * 1e3
-    return metrics.stall_ms * decode_read_ms / total_read_ms if total_read_ms > 0 else 0.0
-
-
-@RUNS.register("hf-accelerate")
-class HfAccelerateRun:
-    """transformers with accelerate's disk offload: what fits in dense part + budget stays in memory, the
-    rest of the weights is read from an offload folder at every forward. Routing is the model's own (no
-    replay without patching transformers); offloaded modules hold a whole layer's experts, so the bytes
-    read do not depend on routing."""
-
-    def run(self, spec: RunSpec, ranks=None) -> dict:
-        import transformers
-
-        from moestream.checkpoint.index import build_index
-        from moestream.store.bandwidth import drop_page_cache
-        from moestream.store.config import Budget
-
-        topology = build_index(spec.model).topology
-        budget = Budget.parse(spec.budget).resolve(topology.total_expert_bytes)
-        folder = Path(spec.scratch_dir) / "offload"
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            spec.model, device_map="auto", max_memory={"cpu": dense_bytes(spec.model, topology) + budget}, offload_folder=str(folder),
-            dtype="auto").eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(spec.model)
-        os.sync()  # the offload folder was just written: dirty pages cannot be dropped
-        drop_page_cache([*shards(spec.model), *folder.glob("*")])
-        counters = Counters()
-        for prompt in spec.prompts:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]  # [1, S]
-            _generate_timed(model, ids, spec.max_new_tokens, counters)
-        return summarize(counters, 0.0, 0.0) | {"replayed": False, "stall_ms_per_token": None, "hit_rate": None}
-
-
-def _generate_timed(model, ids, max_new_tokens: int, counters: Counters) -> None:
-    """One greedy generation, timed per step by a logits processor; disk bytes of the decode steps."""
-    import torch
-    from transformers import LogitsProcessorList
-
-    marks = StepMarks()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             logits_processor=LogitsProcessorList([marks]))
-    generated = out.shape[1] - ids.shape[1]
-    counters.ttft_ms.append((marks.times[0] - started) * 1e3)
-    if generated > 1:
-        counters.tpot_ms.append((marks.times[-1] - marks.times[0]) * 1e3 / (len(marks.times) - 1))
-        counters.disk_bytes += _read_bytes() - marks.read_bytes_at_first
-        counters.decode_tokens += generated - 1
-    counters.prompt_tokens += ids.shape[1]
-
-
-class StepMarks:
-    """A logits processor that notes when each step's logits are ready (and the disk bytes at the first)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.read_bytes_at_first = 0
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        if len(self.times) == 1:
-            self.read_bytes_at_first = _read_bytes()
-        return scores
-
-
-def _read_bytes() -> int:
-    """Bytes this process caused to be read from storage (/proc/self/io)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
+        return decode_ms
+    return metrics.stall_ms * decode_ms / busy_ms(end) if busy_ms(end) > 0 else 0.0

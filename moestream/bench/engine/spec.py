@@ -18,7 +18,8 @@ from moestream.read_fit import ReadBatchFit
 class RunSpec:
     model: str
     budget: str  # expert budget: a ratio ("0.25") or a size
-    kind: str = "engine"  # "engine" (ours) or "hf-accelerate"
+    kind: str = "engine"  # "engine" (ours), "hf-accelerate" or "transformers" (baselines.py)
+    host_budget: str = "0"  # the host tier's (EngineConfig.host_budget), filled before timing (host.py)
     device: str = "cpu"  # where the engine computes: "cpu" or "cuda[:N]"
     policy: str = "lru"
     sync: bool = False
@@ -28,6 +29,7 @@ class RunSpec:
     predictor_dirs: tuple[str, ...] = ()
     prompts: tuple[str, ...] = ()
     max_new_tokens: int = 16
+    warmup_steps: int = 3  # each generation's first decode steps, left out of steady_tpot_ms
     threads: int = 1
     direct_io: bool = True
     native_gemv: bool = False  # EngineConfig.native_gemv
@@ -55,7 +57,10 @@ class Counters:
     hits: int = 0
     misses: int = 0
     disk_bytes: int = 0
+    disk_reads: int = 0  # experts read from disk (into either tier)
+    host_bytes: int = 0  # bytes copied up from the host tier into the device tier
     read_ms: float = 0.0  # time the disk reader was busy
+    copy_ms: float = 0.0  # time the host -> device link was busy
     read_batches: int = 0  # batches of reads in flight together
     read_fit: ReadBatchFit = field(default_factory=ReadBatchFit)  # the synchronous store's read batches
     experts_computed: int = 0  # routed expert MLPs run
@@ -64,6 +69,19 @@ class Counters:
     prompt_tokens: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
+    step_ms: list[list[float]] = field(default_factory=list)  # each generation's decode steps
+
+
+def step_times_ms(marks: list[float]) -> list[float]:
+    """The decode steps' times (ms) from the marks at the end of each step (the prefill's first)."""
+    return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
+
+
+def steady_tpot_ms(step_ms: list[list[float]], warmup_steps: int) -> float | None:
+    """The median over generations of the mean decode step after the first warmup_steps (None: no generation
+    had more steps than that)."""
+    kept = [statistics.fmean(steps[warmup_steps:]) for steps in step_ms if len(steps) > warmup_steps]
+    return statistics.median(kept) if kept else None
 
 
 def shards(model: str | Path) -> list[Path]:
@@ -84,20 +102,23 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB (macOS: bytes)
 
 
-def summarize(counters: Counters, stall_ms: float, transfer_ms: float) -> dict:
-    """The per-token figures of a run from its decode counters."""
+def summarize(counters: Counters, stall_ms: float, transfer_ms: float, warmup_steps: int = 0) -> dict:
+    """The per-token figures of a run from its decode counters (steady_tpot_ms: after each generation's
+    first warmup_steps decode steps)."""
     tokens = max(counters.decode_tokens, 1)
     lookups = counters.hits + counters.misses
     return {
         "ttft_ms": statistics.median(counters.ttft_ms) if counters.ttft_ms else 0.0,
         "tpot_ms": statistics.median(counters.tpot_ms) if counters.tpot_ms else 0.0,
+        "steady_tpot_ms": steady_tpot_ms(counters.step_ms, warmup_steps),
         "hit_rate": counters.hits / lookups if lookups else 1.0,
         "stall_ms_per_token": stall_ms / tokens,
         "overlap": max(0.0, 1.0 - stall_ms / transfer_ms) if transfer_ms > 0 else None,
         "bytes_per_token": counters.disk_bytes / tokens,
+        "host_bytes_per_token": counters.host_bytes / tokens,
         "transfer_ms_per_token": transfer_ms / tokens,
-        "expert_read_ms": counters.read_ms / counters.misses if counters.misses else None,
-        "experts_per_read_batch": counters.misses / counters.read_batches if counters.read_batches else None,
+        "expert_read_ms": counters.read_ms / counters.disk_reads if counters.disk_reads else None,
+        "experts_per_read_batch": counters.disk_reads / counters.read_batches if counters.read_batches else None,
         "read_batch_line_ms": [1e3 * part for part in line] if (line := counters.read_fit.line()) else None,
         "routed_expert_ms": counters.expert_compute_ms / counters.experts_computed if counters.experts_computed
         else None,

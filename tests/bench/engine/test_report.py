@@ -57,3 +57,32 @@ def test_the_oracle_s_bytes_per_token_are_printed_beside_each_uncapped_run_s():
             _run("lru", "sync", 90.0, budget=0.5) | {"bytes_per_token": 5e8}]
     assert _bytes_line("0.25", 4.5e8, runs) == ("bytes per token at 0.25: offline oracle 450 MB; default async 800 MB; "
                                                  "lru sync 900 MB")
+
+
+def _versus(ours: float | None, theirs: float | None, same: bool | None) -> dict:
+    return {"transformers": {"warmup_steps": 3, "resident_steady_tpot_ms": ours, "transformers_steady_tpot_ms": theirs,
+                             "ratio": ours / theirs if ours and theirs else None, "same_tokens": same,
+                             "dtype": "bfloat16", "experts_implementation": "grouped_mm"}}
+
+
+def test_the_all_resident_run_meets_the_transformers_target_only_with_the_same_tokens():
+    from moestream.bench.engine.report import versus_transformers_line
+
+    assert versus_transformers_line(_versus(10.5, 10.0, True)).endswith(
+        "moestream 10.50 ms, transformers 10.00 ms: 1.05x (target <= 1.1x with the same tokens): ok; the same tokens")
+    assert ": 1.20x (target <= 1.1x with the same tokens): missed;" in versus_transformers_line(_versus(12.0, 10.0, True))
+    assert versus_transformers_line(_versus(9.0, 10.0, False)).endswith("missed; DIFFERENT tokens")
+    assert "not measured: no prompt decoded more than 3 steps" in versus_transformers_line(_versus(None, 10.0, True))
+    assert versus_transformers_line({"transformers": None}) is None
+
+
+def test_the_host_line_says_what_the_cpu_made_of_the_host_budget():
+    from moestream.bench.engine.report import host_line
+
+    document = {"host_budget": "100%", "host_budget_mib": 1024.0, "h2d_gbps": 9.5, "device": "cpu"}
+    assert host_line(document).startswith("host budget 100% (1024 MiB), its tier filled before the timed steps; "
+                                          "host -> device copy 9.50 GB/s (memcpy)")
+    assert "only --sync runs keep a host tier apart" in host_line(document)
+    assert "pinned H2D" in host_line(document | {"device": "cuda"}) and "only --sync" not in host_line(
+        document | {"device": "cuda"})
+    assert host_line(document | {"host_budget_mib": 0.0}) is None

@@ -12,7 +12,8 @@ caching guided by sequence-level Expert Activation Matrices.
 - Distribution shift: a sequence whose top-k accuracy from its matched EAM ends below `poor_accuracy`
   is kept; after `rebuild_after_poor` of them the EAMC is rebuilt from the dataset plus those on a
   worker thread and installed exactly `rebuild_lag_sequences` ended sequences later (waiting if
-  needed), so results never depend on thread timing; a lag of 0 rebuilds inline.
+  needed), so results never depend on thread timing; a lag of 0 rebuilds inline. The worker is a
+  daemon: a rebuild still running when the process exits is dropped, not waited for.
 - Batches: one EAM per sequence; the ratios of their matches are averaged.
 
 This module does not know the cache's contents beyond a CacheView, nor time or bytes.
@@ -21,7 +22,8 @@ This module does not know the cache's contents beyond a CacheView, nor time or b
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
@@ -108,6 +110,15 @@ class _Sequence:
         self.total += experts.size
 
 
+def _fulfil(future: Future, eams: np.ndarray, capacity: int, seed: int) -> None:
+    """Builds the collection into `future` (its result, or the error that ended it)."""
+    future.set_running_or_notify_cancel()
+    try:
+        future.set_result(build_collection(eams, capacity, seed))
+    except BaseException as error:  # re-raised by whoever takes the result
+        future.set_exception(error)
+
+
 class _Rebuild:
     """Builds a new EAMC on a worker thread; hands it over after a fixed number of ended sequences."""
 
@@ -125,9 +136,11 @@ class _Rebuild:
         if self.lag == 0:
             return build_collection(eams, self.capacity, self.seed)
         self._countdown = self.lag
-        worker = ThreadPoolExecutor(1, thread_name_prefix="moestream-eamc")
-        self._future = worker.submit(build_collection, eams, self.capacity, self.seed)
-        worker.shutdown(wait=False)  # its thread ends with this one task
+        self._future = Future()
+        # Not a ThreadPoolExecutor: the interpreter joins its threads at exit, so a k-means still running
+        # held Ctrl-C for as long as it took (issue 43).
+        threading.Thread(target=_fulfil, args=(self._future, eams, self.capacity, self.seed),
+                         name="moestream-eamc", daemon=True).start()
         return None
 
     def sequence_ended(self) -> np.ndarray | None:

@@ -1,0 +1,127 @@
+"""The host-RAM tier in `bench engine` and `bench quant` (`--host-budget`): whether it fits, the copy link that
+serves it, and the warm-up that fills it before the timed steps.
+
+- `check_host_room`: a host budget refused in one line naming the flag and the figures, before any expert is
+  loaded, where it is more than the memory left (`moestream.memory_plan`: what is available less the process
+  floor, a margin and, on the CPU, the dense part and the largest device budget, which live in the same
+  memory), or where pinning it fails (CUDA: the host tier is pinned).
+- `copy_gbps`: the host -> device copy's bandwidth through the store's own copy link (`LINKS`: a pinned,
+  asynchronous H2D copy on CUDA, a memcpy on the CPU), the link the planner sees when the host tier holds
+  every expert.
+- `fill_tiers`: the child's warm-up: the first experts in layer order brought through the store, as many as
+  its larger tier holds, so that the host tier (or, where the store merges the tiers, the one tier) is full.
+- `host_tier_apart`: where the store keeps a host tier apart (CUDA, or --sync); on the CPU without --sync
+  the host budget joins the device tier (`EngineConfig.host_budget`), and the bench says so.
+"""
+
+from __future__ import annotations
+
+import time
+
+from moestream.budget import Budget, format_bytes
+from moestream.errors import MoestreamError
+
+FLAG = "--host-budget"
+COPY_BYTES = 256 * 2**20  # moved per round of the copy measurement
+COPY_ROUNDS = 3  # after one warm-up round; the best is kept
+
+
+def budget_text(budget: Budget | str) -> str:
+    """A budget as a RunSpec carries it: a share ("25%") or bytes ("1048576B"); `auto` is refused."""
+    if budget == "auto":
+        raise MoestreamError(f"{FLAG} auto: the bench takes a ratio (1.0) or a size (8GiB); `moestream plan` "
+                             "says what fits")
+    budget = Budget.parse(budget, FLAG)
+    return f"{budget.ratio * 100:g}%" if budget.ratio is not None else f"{budget.size_bytes}B"
+
+
+def host_bytes(text: str, expert_bytes: int, num_experts: int) -> int:
+    """The bytes of the host tier a budget buys: whole expert slots, at most every expert."""
+    slots = min(Budget.parse(text, FLAG).resolve(expert_bytes * num_experts) // expert_bytes, num_experts)
+    return slots * expert_bytes
+
+
+def host_tier_apart(device: str, sync: bool) -> bool:
+    """Whether the store keeps a host tier apart from the device tier: on CUDA, or --sync (on the CPU an
+    asynchronous store merges the host budget into the device tier: EngineConfig.host_budget)."""
+    return sync or device.startswith("cuda")
+
+
+def check_host_room(text: str, model, device: str, device_bytes: int, available=None, pin=None) -> None:
+    """Refuses (one line naming --host-budget and the figures) a host budget more than the memory left, or
+    whose pinned allocation fails on CUDA. device_bytes: the largest device budget of the runs; available:
+    the host memory (default: this machine's, `memory_plan.host_available`); pin(num_bytes): allocates and
+    frees that much pinned memory (default: torch's, on CUDA only)."""
+    from moestream import memory_plan
+
+    sizes = memory_plan.model_sizes(model)
+    wanted = host_bytes(text, sizes.expert_bytes, sizes.num_experts)
+    if not wanted:
+        return
+    host = available or memory_plan.host_available()
+    on_cpu = not device.startswith("cuda")
+    held = {"the process floor": memory_plan.FLOOR_BYTES, "a margin": memory_plan.margin(host.num_bytes, False)}
+    if on_cpu:  # the dense part and the device tier are host memory too
+        held |= {"the dense part": sizes.dense_bytes, "the largest device budget": device_bytes}
+    left = host.num_bytes - sum(held.values())
+    if wanted > left:
+        after = ", ".join(f"{name} {format_bytes(size)}" for name, size in held.items())
+        raise MoestreamError(f"{FLAG} {text}: {format_bytes(wanted)} of experts is more than the "
+                             f"{format_bytes(max(left, 0))} left of {format_bytes(host.num_bytes)} available "
+                             f"({host.source}) after {after}")
+    if not on_cpu:
+        try:
+            (pin or _pin)(wanted)
+        except (RuntimeError, MemoryError) as error:
+            why = (str(error).strip() or type(error).__name__).splitlines()[0]
+            raise MoestreamError(f"{FLAG} {text}: pinning {format_bytes(wanted)} of host memory for the host tier "
+                                 f"failed ({why}; {format_bytes(host.num_bytes)} available, {host.source})") from None
+
+
+def _pin(num_bytes: int) -> None:
+    import torch
+
+    torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)  # freed at once
+
+
+def copy_gbps(expert_bytes: int, device: str) -> float:
+    """The store's host -> device copy link's bandwidth (GB/s): slots of expert_bytes copied one by one from
+    host slots (pinned on CUDA) into device slots, COPY_BYTES a round, the best of COPY_ROUNDS."""
+    from moestream.store.pool import SlotPool
+    from moestream.store.streams import make_link
+
+    count = max(1, min(64, COPY_BYTES // expert_bytes))
+    host = SlotPool(count, expert_bytes, "cpu", pin_memory=device.startswith("cuda"))
+    dest = SlotPool(count, expert_bytes, device)
+    host.data.fill_(1)  # touched: no page faults in the copies
+    dest.data.zero_()
+    link, best = make_link(device), 0.0
+    repeats = max(1, COPY_BYTES // (count * expert_bytes))
+    for round_ in range(COPY_ROUNDS + 1):
+        began = time.perf_counter()
+        for _ in range(repeats):
+            for i in range(count):
+                link.copy(dest.slot(i), host.slot(i))
+        link.synchronize()
+        seconds = time.perf_counter() - began
+        if round_:  # the first round warms the link up
+            best = max(best, repeats * count * expert_bytes / seconds / 1e9)
+    host.release()
+    dest.release()
+    return best
+
+
+def fill_tiers(engine) -> int:
+    """Brings the first experts in layer order through the engine's store, as many as its larger tier holds,
+    a layer's worth (at most the device tier) at a time, each used once and released: the host tier holds
+    them after (the device tier the last it could). Returns how many were brought."""
+    import itertools
+
+    store = engine.store
+    keys = engine.owned_keys()[: max(store.host_slots, store.device_slots)]
+    for _, layer in itertools.groupby(keys, key=lambda key: key.layer):
+        layer = list(layer)
+        for start in range(0, len(layer), store.device_slots):
+            store.release(store.acquire(layer[start : start + store.device_slots]))
+    store.wait_idle()
+    return len(keys)

@@ -1,0 +1,51 @@
+"""The one way the engine reads device tensors on the host, and the count of those reads.
+
+A read of a CUDA tensor on the host waits for every kernel queued before it: each one drains the GPU's
+queue. The engine reads once per MoE layer (its routing, with whatever the observers need of it) and
+once per step (the logits, with the step's finite flags); everything else it needs on the host it
+builds there. `HostReads.read` takes every tensor of one such read: on CUDA it copies each into a
+pinned buffer without blocking and waits once, on one event; on the CPU the tensors already are on
+the host. `host_array` turns a tensor that is on the host by construction into numpy, and refuses one
+that is not. Knows no model, store or policy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostReads:
+    """Counts the engine's device-to-host reads (`count`; one per `read`, whatever it carries)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def read(self, *tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """Each tensor as a numpy array on the host, after one wait (bf16 and half are read as float32)."""
+        self.count += 1
+        wide = [t.detach().float() if t.dtype in (torch.bfloat16, torch.float16) else t.detach() for t in tensors]
+        if all(t.device.type == "cpu" for t in wide):
+            return tuple(t.numpy() for t in wide)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in wide]
+        for buffer, tensor in zip(host, wide):
+            buffer.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the one wait
+        return tuple(t.numpy() for t in host)
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor that lives on the host as numpy (no read); refuses a device tensor, which `read` reads."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"host_array got a tensor on {tensor.device}: read it through HostReads")
+    return tensor.numpy()
+
+
+def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host array on the device, copied from pinned memory without the host waiting for the copy."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

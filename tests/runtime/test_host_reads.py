@@ -1,0 +1,70 @@
+"""One device-to-host read per MoE layer and one per step (the logits, with the finite flags): every
+read goes through HostReads, which counts them, and no engine module reads a device tensor otherwise."""
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import moestream.runtime
+from moestream.policies.contracts import Observer
+from moestream.runtime import Engine, EngineConfig
+from moestream.runtime.host_reads import HostReads, host_array
+
+READS = {"cpu", "tolist", "item", "numpy"}  # methods that read a device tensor on the host
+
+
+def _reads_outside_host_reads(path: Path) -> list[str]:
+    """`x.cpu()`, `.tolist()`, `.item()`, `.numpy()` and `bool(x)` calls in a module: where a device tensor
+    would be read without HostReads."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in READS or isinstance(func, ast.Name) and func.id == "bool":
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_engine_module_reads_a_device_tensor_but_through_host_reads():
+    runtime = Path(moestream.runtime.__file__).parent
+    modules = [path for path in sorted(runtime.glob("*.py")) if path.name != "host_reads.py"]
+    assert len(modules) > 10
+    assert [read for path in modules for read in _reads_outside_host_reads(path)] == []
+
+
+def test_the_source_check_finds_a_read(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f(x):\n    return bool(x.isfinite().all()), x.cpu(), x.tolist()\n")
+    assert len(_reads_outside_host_reads(module)) == 3
+
+
+def test_a_read_is_counted_once_whatever_it_carries():
+    reads = HostReads()
+    ids, weights = reads.read(torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bfloat16))
+    assert reads.count == 1 and ids.tolist() == [[1, 2]] and weights.dtype == np.float32
+    with pytest.raises(ValueError, match="HostReads"):
+        host_array(torch.empty(1, device="meta"))
+
+
+class Reader(Observer):
+    def observe(self, event):
+        self.last = event
+
+
+@pytest.mark.parametrize("observed", [False, True])
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_decode_step_reads_once_per_moe_layer_and_once_for_its_logits(tiny_checkpoint, observed, sync):
+    path = tiny_checkpoint("qwen2_moe", num_layers=3)
+    with Engine(path, EngineConfig(expert_budget="1.0", direct_io=False, sync=sync)) as engine:  # all resident
+        if observed:
+            engine.add_observer(Reader())
+        engine.generate(["The experts are"], max_new_tokens=2)  # warm: every expert resident
+        layers, steps = engine.checkpoint.topology.num_layers, 4
+        before = engine.reads.count
+        engine.generate(["The experts are"], max_new_tokens=steps)
+        assert engine.reads.count - before == steps * (layers + 1)
+        assert engine.store.stats().misses == 0
