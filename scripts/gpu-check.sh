@@ -1,42 +1,45 @@
 #!/usr/bin/env bash
-# The GPU check of issue 34, in one run of under 8 minutes on one GPU with no network:
+# The GPU check of issue 44, in one run of 10 minutes or less on one H100/H200 with no network, on the
+# half-width DeepSeek-V2-Lite checkpoint (14.4 GB of experts), 32 new tokens, routing replayed from a trace:
 #   1. the CUDA tests (the test files with torch.cuda.is_available() skips), while
-#   2. a full-shape DeepSeek-V2-Lite checkpoint (31 GB) is written to local disk by `make-model`
-#      (kept for a rerun on the same machine: an existing one with its manifest is reused);
-#   3. `bench engine --device cuda` (on-demand LRU, async LRU, `default`), cold, with routing replayed
-#      from a trace: at 25%, then 50%, then 10% (each call also runs all experts resident);
-#   4. int4 experts: `quantize --format int4` of that checkpoint, then `bench quant --device cuda` of
-#      the two at one byte budget (25% of the bf16 experts' bytes), `default` and on-demand LRU;
-#   5. (optional step `ep`, not in the default steps) expert parallelism on CUDA: generate under torchrun
-#      with one rank (NCCL) and two ranks sharing the GPU (gloo), tokens against one process
-#      (tests/parallel/test_nccl.py, about a minute; $OUT/ep.log, ep.xml);
-#   6. a table of every run.
-# Each step runs under its own timeout (capped by what is left of GPU_CHECK_BUDGET_S), so one failure
-# or overrun loses only that step; a budget's figures come with its own call, so a late timeout loses
-# only the last budget. Everything goes to $OUT: <step>.log (env.log: machine and versions), steps.tsv (step,
-# exit status, seconds), tests.xml, bench-engine-*.json, table.md.
+#   2. the checkpoint is written to local disk by `make-model` (kept for a rerun on the same machine);
+#   3. `profile`: the pinned host -> device GB/s of one expert, and all resident, per decode step, the
+#      device-to-host reads the engine counts, the host syncs and D2H copies torch.profiler sees, and the
+#      top Python functions (scripts/gpu_profile.py; 3 warm-up steps dropped);
+#   4. `host-25`: a 25% device budget with a warm host tier holding every expert (`--host-budget 1.0`):
+#      sync LRU, async LRU and `default`, beside all resident and plain transformers (its steady TPOT
+#      with 3 warm-up steps dropped, and whether its tokens equal moestream's);
+#   5. `disk-25`: 25% from disk, no host tier: sync LRU, async LRU and `default`;
+#   6. `nomanifest-25`: the same without the integrity manifest (a copy of the checkpoint's folder whose
+#      shards are links), sync and async LRU: what the digest check costs each;
+#   7. (optional steps: `quant`, int4 experts against bf16 at one byte budget; `ep`, expert parallelism)
+#   8. a table of every run, and one archive of everything: $OUT.tar.gz.
+# Each step prints its results as it ends and runs under its own timeout (capped by what is left of
+# GPU_CHECK_BUDGET_S), so one failure or overrun loses only that step. Everything goes to $OUT:
+# <step>.log (env.log: machine and versions), steps.tsv (step, exit status, seconds), tests.xml,
+# profile.json, bench-engine-*.json, table.md; then $OUT.tar.gz holds them all.
 #
 # Run from the repository root (moestream need not be installed: PYTHONPATH is set to it):
 #   scripts/gpu-check.sh
 # Smoke mode, on a machine without a GPU (CPU, a tiny checkpoint of the same topology):
-#   GPU_CHECK_DEVICE=cpu GPU_CHECK_PRESET=small \
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_PRESET=small GPU_CHECK_TOKENS=6 \
 #     GPU_CHECK_TRACE=../shared/data/routing/deepseek-v2-lite/puffin_dev.npz scripts/gpu-check.sh
 #
 # Variables (defaults):
 #   OUT                 ./gpu-check-out
 #   GPU_CHECK_DEVICE    cuda          (cpu in smoke mode)
-#   GPU_CHECK_PRESET    full          (full: DeepSeek-V2-Lite, half: --width-scale 0.5, small: tiny widths)
+#   GPU_CHECK_PRESET    half          (full: DeepSeek-V2-Lite, half: --width-scale 0.5, small: tiny widths)
 #   GPU_CHECK_TRACE     .gpu-data/puffin_dev.npz  (DeepSeek-V2-Lite routing; without it the model routes)
 #   GPU_CHECK_PREDICTOR .gpu-data/predictor-default  (`default`'s trained predictor: train-predictor
 #                       --kind default on the trace; where absent, one is trained here in 2 epochs)
 #   GPU_CHECK_CKPT      /tmp/moestream-gpu-check/<preset>
-#   GPU_CHECK_TOKENS    6             (new tokens per prompt)
+#   GPU_CHECK_TOKENS    32            (new tokens per prompt)
 #   GPU_CHECK_PROMPTS   1             (demo prompts per run)
-#   GPU_CHECK_BUDGET_S  450           (all steps together; the table is written after it)
+#   GPU_CHECK_BUDGET_S  570           (all steps together; the table and the archive are written after it)
 #   GPU_CHECK_PYTHON    python3
-#   GPU_CHECK_STEPS     "tests bench-25 bench-50 bench-10 quant" (which optional steps run, the benches
-#                       in this order; also `ep`; env and table always run, make-model and train-predictor
-#                       where a bench or quant step is wanted: GPU_CHECK_STEPS=ep runs only the ep check)
+#   GPU_CHECK_STEPS     "tests profile host-25 disk-25 nomanifest-25" (which optional steps run, in this
+#                       order; also `quant` and `ep`; env, table and the archive always run, make-model and
+#                       train-predictor where a step needs the checkpoint)
 # Carry the folder .gpu-data (ignored by git): puffin_dev.npz (the trace), predictor-default
 # (train-predictor --kind default --trace puffin_dev.npz) and, where the machine's python3 has no
 # pytest, pylib (pip install --target .gpu-data/pylib pytest, on a machine with a network).
@@ -44,17 +47,18 @@ set -u -o pipefail
 
 OUT=${OUT:-./gpu-check-out}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-PRESET=${GPU_CHECK_PRESET:-full}
+PRESET=${GPU_CHECK_PRESET:-half}
 TRACE=${GPU_CHECK_TRACE:-.gpu-data/puffin_dev.npz}
 PREDICTOR=${GPU_CHECK_PREDICTOR:-.gpu-data/predictor-default}
 CKPT=${GPU_CHECK_CKPT:-/tmp/moestream-gpu-check/$PRESET}
-TOKENS=${GPU_CHECK_TOKENS:-6}
+TOKENS=${GPU_CHECK_TOKENS:-32}
 PROMPTS=${GPU_CHECK_PROMPTS:-1}
 PY=${GPU_CHECK_PYTHON:-python3}
-STEPS=" ${GPU_CHECK_STEPS:-tests bench-25 bench-50 bench-10 quant} "
-DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-450}))
-CUDA_TESTS=(tests/store/test_store.py tests/store/test_pool.py tests/checkpoint/test_manifest.py
-            tests/runtime/test_config.py tests/store/test_config.py tests/bench/engine/test_cuda.py)
+STEPS=" ${GPU_CHECK_STEPS:-tests profile host-25 disk-25 nomanifest-25} "
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-570}))
+CUDA_TESTS=(tests/store/test_store.py tests/store/test_pool.py tests/store/test_stream_order.py
+            tests/checkpoint/test_manifest.py tests/runtime/test_config.py tests/store/test_config.py
+            tests/runtime/test_host_reads.py tests/bench/engine/test_cuda.py)
 
 case $PRESET in
   full) MAKE_ARGS="--preset deepseek-v2-lite" ;;
@@ -117,14 +121,37 @@ train_predictor() {
     --threads "$(nproc)" --no-progress
 }
 
-bench() {  # bench LABEL BUDGETS
-  local extra=()
-  if [ -f "$TRACE" ]; then extra+=(--replay-routing "$TRACE"); else echo "no trace at $TRACE: the model routes"; fi
+predictor_flags() {  # the trace and `default`'s predictor, where there are
+  if [ -f "$TRACE" ]; then printf '%s\n' --replay-routing "$TRACE"; else echo "no trace at $TRACE: the model routes" >&2; fi
+  [ "${OUT_PREDICTOR:-}" = none ] && return 0  # `default` is left out (it fails at once, saying so)
   for dir in "$PREDICTOR" "$OUT/predictor-default"; do
-    if [ -d "$dir" ]; then extra+=(--predictor-dir "$dir"); break; fi
+    if [ -d "$dir" ]; then printf '%s\n' --predictor-dir "$dir"; break; fi
   done
-  "$PY" -m moestream bench engine --model "$CKPT" --device "$DEVICE" --budgets "$2" --designs '' --no-hf \
-    --prompts "$PROMPTS" --max-new-tokens "$TOKENS" "${extra[@]}" --json "$OUT/bench-engine-$1.json"
+}
+
+bench() {  # bench LABEL CHECKPOINT BUDGETS [FLAGS...]: bench engine, 3 warm-up steps out of the steady TPOT
+  local label=$1 ckpt=$2 budgets=$3 extra
+  shift 3
+  mapfile -t extra < <(predictor_flags)
+  "$PY" -m moestream bench engine --model "$ckpt" --device "$DEVICE" --budgets "$budgets" --designs '' --no-hf \
+    --prompts "$PROMPTS" --max-new-tokens "$TOKENS" --warmup-steps 3 "${extra[@]}" "$@" \
+    --json "$OUT/bench-engine-$label.json"
+}
+
+profile() {
+  local extra=()
+  if [ -f "$TRACE" ]; then extra+=(--replay-routing "$TRACE"); fi
+  "$PY" scripts/gpu_profile.py --model "$CKPT" --device "$DEVICE" --steps "$TOKENS" --warmup 3 "${extra[@]}" \
+    --json "$OUT/profile.json"
+}
+
+without_manifest() {  # the checkpoint's folder again, its files linked, without moestream-manifest.json
+  local copy="$CKPT-nomanifest"
+  rm -rf "$copy" && mkdir -p "$copy" || return 1
+  for file in "$CKPT"/*; do
+    [ "$(basename "$file")" = moestream-manifest.json ] || ln -s "$file" "$copy/"
+  done
+  PREDICTOR=/nonexistent OUT_PREDICTOR=none bench nomanifest-25 "$copy" 0.25 --no-transformers  # LRU only
 }
 
 quant() {  # an int4 copy of the checkpoint (kept for a rerun), then both at one byte budget
@@ -132,20 +159,17 @@ quant() {  # an int4 copy of the checkpoint (kept for a rerun), then both at one
     rm -rf "$CKPT-int4" && "$PY" -m moestream quantize --model "$CKPT" --format int4 --out "$CKPT-int4" --no-error \
       --workers "$(nproc)" || return 1
   fi
-  local extra=()
-  if [ -f "$TRACE" ]; then extra+=(--replay-routing "$TRACE"); fi
-  for dir in "$PREDICTOR" "$OUT/predictor-default"; do
-    if [ -d "$dir" ]; then extra+=(--predictor-dir "$dir"); break; fi
-  done
+  local extra
+  mapfile -t extra < <(predictor_flags)
   "$PY" -m moestream bench quant --models "$CKPT,$CKPT-int4" --device "$DEVICE" --budget 0.25 --prompts "$PROMPTS" \
     --max-new-tokens "$TOKENS" "${extra[@]}" --json "$OUT/bench-quant.json"
 }
 
 wanted() { [[ $STEPS == *" $1 "* ]]; }
-needs_checkpoint() { wanted bench-25 || wanted bench-50 || wanted bench-10 || wanted quant; }
+needs_checkpoint() { wanted profile || wanted host-25 || wanted disk-25 || wanted nomanifest-25 || wanted quant; }
 
 export OUT DEVICE PRESET TRACE PREDICTOR CKPT TOKENS PROMPTS PY MAKE_ARGS
-export -f environment make_checkpoint train_predictor bench quant
+export -f environment make_checkpoint train_predictor predictor_flags bench profile without_manifest quant
 step env 30 bash -c environment
 WRITER=
 if needs_checkpoint; then
@@ -159,13 +183,15 @@ needs_checkpoint && step train-predictor 90 bash -c train_predictor
 for name in $STEPS; do
   case $name in
     tests|ep) ;;  # run beside make-model, above
-    bench-25) step bench-25 320 bash -c "bench 25 0.25" ;;  # a run of the 31 GB checkpoint takes 30-60 s
-    bench-50) step bench-50 150 bash -c "bench 50 0.5" ;;
-    bench-10) step bench-10 150 bash -c "bench 10 0.1" ;;
+    profile) step profile 100 bash -c profile ;;
+    host-25) step host-25 170 bash -c "bench host-25 '$CKPT' 0.25 --host-budget 1.0" ;;
+    disk-25) step disk-25 170 bash -c "bench disk-25 '$CKPT' 0.25 --no-transformers" ;;
+    nomanifest-25) step nomanifest-25 100 bash -c without_manifest ;;
     quant) step quant 300 bash -c quant ;;
     *) echo "gpu-check: unknown step '$name' in GPU_CHECK_STEPS" >&2 ;;
   esac
 done
 DEADLINE=$((SECONDS + 30))
 step table 20 "$PY" scripts/gpu_check_table.py "$OUT" --out "$OUT/table.md"
+tar -czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "gpu-check: archive $OUT.tar.gz"
 echo "gpu-check: finished in $SECONDS s; results in $OUT"

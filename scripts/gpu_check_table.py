@@ -38,9 +38,10 @@ def plain_line(document: dict) -> list[str]:
         return []
     ratio, same = plain.get("ratio"), plain.get("same_tokens")
     tokens = {True: "same tokens", False: "DIFFERENT tokens", None: "tokens not compared (replayed routing)"}[same]
+    ours, theirs = (_cell(plain.get(key), "{:.2f}") for key in ("resident_steady_tpot_ms", "transformers_steady_tpot_ms"))
     return [f"- all resident / plain transformers ({plain.get('dtype')}, {plain.get('experts_implementation')}), "
-            f"steady TPOT after {plain.get('warmup_steps')} warm-up steps: {_cell(plain.get('resident_steady_tpot_ms'), '{:.2f}')} / "
-            f"{_cell(plain.get('transformers_steady_tpot_ms'), '{:.2f}')} ms = {_cell(ratio, '{:.2f}x')}; {tokens}"]
+            f"steady TPOT after {plain.get('warmup_steps')} warm-up steps: {ours} / {theirs} ms = "
+            f"{_cell(ratio, '{:.2f}x')}; {tokens}"]
 
 
 def document_lines(path: Path, document: dict) -> list[str]:
@@ -49,8 +50,8 @@ def document_lines(path: Path, document: dict) -> list[str]:
              f"replayed routing: {document.get('replay_routing') or 'no'}; {document.get('prompts', '?')} prompt(s) x "
              f"{document['max_new_tokens']} new tokens; cold O_DIRECT read {document['disk_bw_gbps']:.2f} GB/s; "
              f"dense part {document['dense_mib']:.0f} MiB; process floor {document['floor_rss_mib']:.0f} MiB"
-             + (f"; host budget {document['host_budget']} ({document['host_budget_mib']:.0f} MiB), host -> device copy "
-                f"{document['h2d_gbps']:.2f} GB/s" if document.get("host_budget_mib") else ""), "",
+             + (f"; host budget {document['host_budget']} ({document['host_budget_mib']:.0f} MiB), host -> device "
+                f"copy {document['h2d_gbps']:.2f} GB/s" if document.get("host_budget_mib") else ""), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     resident, *offloaded = document["runs"]  # bench engine's first run: every expert resident
     runs = sorted(offloaded, key=lambda r: (r["mode"] != "plain", r["budget"], r["policy"], r["mode"]))

@@ -116,7 +116,7 @@ class PlainModel:
 
         seqs = [Sequence(0, list(self.tokenizer(prompt)["input_ids"]))]
         runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, Publisher(), 0, self.device)
-        sync = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.startswith("cuda") else (lambda: None)
         clock, cpu, cache = StepClock(), CpuClock(), BatchCache()
         with torch.inference_mode():
             plan = runner.prefill(0, seqs)

@@ -318,7 +318,9 @@ class Engine:
             plan = self.runner.prefill(step, seqs) if batch.is_prefill else self.runner.decode(step, seqs, batch.cache)
             self._begin(plan)
             with self._native.step(plan.input_ids.numel()):
-                return self.finite.read(self.runner.run(plan, batch.cache))  # [B, V] on the host, checked
+                logits, hits = self.finite.read(self.runner.run(plan, batch.cache), self.experts.resident_hits)
+            self.store.count_hits(self.experts.take_resident_hits(hits))  # all-resident layers' lookups
+            return logits  # [B, V] on the host, checked
 
     def _begin(self, plan: StepPlan) -> None:
         """Announces the iteration to observers and lets the policy predict before the first layer."""

@@ -4,7 +4,8 @@ module swap for families without registry support, and the router taps that feed
 `ExpertsInterface.register("moestream", ...)` adds our forward to transformers' experts registry;
 a model selects it with `set_experts_implementation("moestream")`. Each bound experts module
 carries a `LayerBinding` (its MoE-layer index and the `OffloadedExperts` mechanism) that the forward
-reads. Families whose experts are not registry-dispatched get a replacement module, looked up by
+reads. Where every expert is resident and no observer reads routing events, the forward is transformers'
+own (the implementation the model had) over `ResidentExperts`, the layer's views of the slot pool. Families whose experts are not registry-dispatched get a replacement module, looked up by
 the original class name in `EXPERT_SWAPS`. Nothing here knows a policy.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
 from moestream.registry import Registry
 from moestream.runtime.expert_math import FusedExpertMath
@@ -31,6 +32,19 @@ class LayerBinding:
     layer: int  # MoE-layer index
     experts: OffloadedExperts
     replay: RoutingReplay | None = None  # a recorded trace's routing replaces the router's (measurement only)
+    native: str | None = None  # the experts implementation the model had (all resident, it runs again)
+
+
+class ResidentExperts:
+    """An experts module as transformers' experts forward reads it, its weights [E, ...] the layer's
+    views of the slot pool (every expert resident): no copy, and transformers' own computation."""
+
+    def __init__(self, module: torch.nn.Module, weights: dict[str, torch.Tensor]):
+        self._module, self._weights = module, weights
+
+    def __getattr__(self, name: str):
+        weights = self.__dict__["_weights"]
+        return weights[name] if name in weights else getattr(self.__dict__["_module"], name)
 
 
 def _binding(module: torch.nn.Module) -> LayerBinding:
@@ -48,6 +62,12 @@ def moestream_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     if binding.replay is not None:
         active = binding.experts.publisher.rows(hidden_states.shape[0]).active  # [T] bool
         top_k_index, top_k_weights = binding.replay.route(binding.layer, active, top_k_index, top_k_weights)
+    resident = binding.experts.resident_weights(binding.layer)  # every expert in place, no one observing
+    if resident is not None:  # transformers' own experts forward over the pool: no read, the same tokens
+        forward = ALL_EXPERTS_FUNCTIONS.get_interface(binding.native or "grouped_mm", type(self).forward.__wrapped__)
+        out = forward(ResidentExperts(self, resident), hidden_states, top_k_index, top_k_weights)
+        binding.experts.count_resident(top_k_index)
+        return binding.experts.finite.mark(binding.layer, out)
     return binding.experts.forward(binding.layer, FusedExpertMath(self), hidden_states, top_k_index, top_k_weights)
 
 
@@ -119,10 +139,11 @@ def bind_experts(model: torch.nn.Module, checkpoint, experts: OffloadedExperts, 
     adapter, hooks = checkpoint.adapter, []
     num_experts = checkpoint.topology.num_experts
     hidden_size = model.config.get_text_config().hidden_size
+    native = getattr(model.config, "_experts_implementation", None)
     for block in checkpoint.blocks:
         parent_path, _, name = block.experts_path.rpartition(".")
         parent = model.get_submodule(parent_path)
-        binding = LayerBinding(block.moe_index, experts)
+        binding = LayerBinding(block.moe_index, experts, native=native if native != IMPLEMENTATION else None)
         if adapter.uses_experts_registry:
             setattr(parent.get_submodule(name), BINDING_ATTR, binding)
         else:

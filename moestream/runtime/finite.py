@@ -49,17 +49,18 @@ class FiniteFlags:
         self._flags[place].copy_(torch.isfinite(values).all())
         return values
 
-    def read(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits [B, V] on the host, float32; raises for the first place of the step that was not finite."""
+    def read(self, logits: torch.Tensor, *more: torch.Tensor) -> tuple[np.ndarray | torch.Tensor, ...]:
+        """The logits [B, V] on the host (float32, a tensor) and `more` (numpy), in one read; raises for the
+        first place of the step that was not finite."""
         self.mark(len(self.places), logits)
-        host_logits, flags = self.reads.read(logits.float(), self._flags)
+        host_logits, flags, *rest = self.reads.read(logits.float(), self._flags, *more)
         bad = np.flatnonzero(~flags)  # before the reset: on the CPU, flags are the device's own memory
         self._flags.fill_(True)
         if bad.size:
             where = int(bad[0])
             raise NonFiniteError(_message(self.places[where] if where < len(self.places) else
                                           "the logits (the model's output head)"))
-        return torch.from_numpy(host_logits)
+        return (torch.from_numpy(host_logits), *rest)
 
 
 def _message(where: str) -> str:

@@ -37,7 +37,7 @@ from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import FiniteFlags, check_finite
 from moestream.runtime.host_reads import HostReads, upload
-from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows, default_kernel
+from moestream.runtime.layer_experts import LAYER_KERNELS, Groups, LayerRows, default_kernel
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.runtime.sharding import Shard
 from moestream.topology import ExpertKey
@@ -103,6 +103,10 @@ def expert_compute(now: dict[str, LaneTotal], before: dict[str, LaneTotal]) -> t
     return experts.spans, experts.seconds + since(now, before, "layer").seconds
 
 
+def _num_groups(groups: Groups) -> int:
+    return next(iter(groups.stacked.values())).shape[0]
+
+
 class _CheckedAtOnce:
     """FiniteFlags' `mark` that checks at once (an `OffloadedExperts` used outside an engine)."""
 
@@ -136,8 +140,38 @@ class OffloadedExperts:
         self.kernel = kernel  # a LAYER_KERNELS name; None: the device's default
         self.tracer = tracer if tracer is not None else Tracer()
         self._router_logits: dict[int, torch.Tensor] = {}
+        self._resident: dict[int, Weights | None] = {}  # layer -> its [E, ...] views (None: not evenly laid out)
+        self.resident_hits = torch.zeros((), dtype=torch.int64, device=store.config.device)  # the step's
         self._views: OrderedDict[int, Weights] = OrderedDict()  # slot address -> typed views, least recent first
         self._max_views = 2 * max(store.device_slots, 1)  # a slot's address moves with its expert's file offset
+
+    def resident_weights(self, layer: int) -> Weights | None:
+        """The layer's experts as [E, ...] views of the device pool, where every expert of the model stays
+        resident, no one reads routing events, nothing is quantized or sharded and the slots lie evenly
+        apart in expert order; else None (the offloaded path runs). Kept once found."""
+        if self.shard is not None or self.decode is not None or any(map(_observes, self.publisher.observers)):
+            return None
+        if layer not in self._resident:
+            slots = self.store.resident_layer(layer)
+            if slots is None:
+                return None  # not yet (or never) all resident: asked again next time
+            groups = Groups.of([self._slot_views(slot) for slot in slots])
+            aligned = groups is not None and groups.of_expert == list(range(len(slots)))
+            self._resident[layer] = groups.stacked if aligned and _num_groups(groups) == len(slots) else None
+        return self._resident[layer]
+
+    def count_resident(self, top_k_index: torch.Tensor) -> None:
+        """Counts, on the device, the distinct experts a layer that ran as all resident used (its lookups)."""
+        num_experts, active = self.store.topology.num_experts, self.publisher.rows(top_k_index.shape[0]).active
+        ids = top_k_index.masked_fill(~upload(active, top_k_index.device)[:, None], num_experts)  # [T, K]
+        used = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
+        self.resident_hits += used[:num_experts].sum()
+
+    def take_resident_hits(self, hits) -> int:
+        """The step's count, read (with the logits); the device's counter starts again."""
+        count = int(hits)  # before the reset: on the CPU, the read is the counter's own memory
+        self.resident_hits.zero_()
+        return count
 
     def record_router_logits(self, layer: int, logits: torch.Tensor) -> None:
         self._router_logits[layer] = logits

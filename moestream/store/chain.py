@@ -58,7 +58,7 @@ class LinkChain:
         self.stats = StoreStats()  # the counters the chain keeps (the store adds the core's and the times)
         self.errors: dict[ExpertKey, BaseException] = {}  # failures kept for the thread that waits on them
         self.links: dict[str, TransferLink] = {}
-        self._residues = {key: index.residue(key, BLOCK_BYTES) for key in index.locations}  # slot placement
+        self._residues = _residues(index, self.device.cache.capacity)  # slot placement
         self._stale: set[ExpertKey] = set()  # host slots a dropped read still writes
         self._cond, self._wait = cond, wait
 
@@ -241,3 +241,13 @@ class LinkChain:
     def slot(self, tier: Tier, key: ExpertKey) -> torch.Tensor:
         """key's slot in tier, placed so that its disk reads land in place."""
         return tier.slot(key, self._residues[key])
+
+
+def _residues(index: ExpertIndex, device_slots: int) -> dict[ExpertKey, int]:
+    """Where each expert's bytes start in its slot: congruent to its file offsets, so that O_DIRECT reads
+    land in place; but where the device tier holds every expert, at the slot's aligned start, so that a
+    layer's slots form one evenly spaced, aligned [E, ...] view (its experts run as transformers' own
+    forward), the reads' unaligned ends passing through staging once."""
+    if device_slots >= len(index.locations):
+        return dict.fromkeys(index.locations, 0)
+    return {key: index.residue(key, BLOCK_BYTES) for key in index.locations}

@@ -214,6 +214,30 @@ class ExpertStore:
             arriving = {key for key, t in self._core.moving.items() if tier == "device" or t.link == DISK}
             return found.cache.resident() - arriving if found is not None else frozenset()
 
+    def resident_layer(self, layer: int) -> list[torch.Tensor] | None:
+        """Every expert of a layer's device slot, in expert order, where the device tier holds every expert of
+        the model (none is ever evicted) and the layer's have landed; else None. The caller's current stream
+        waits for their copies; it may read the slots for as long as the store is open."""
+        topology = self.topology
+        with self._lock:
+            self._check_open()
+            keys = [ExpertKey(layer, expert) for expert in range(topology.num_experts)]
+            cache = self._device.cache
+            if (self.device_slots < topology.total_experts
+                    or any(key not in cache or key in self._core.moving or key in self._chain.errors for key in keys)):
+                return None
+            slots = [self._chain.slot(self._device, key) for key in keys]
+            arrivals = [self._chain.arrival(key) for key in keys]
+        for arrival in arrivals:
+            if arrival is not None:
+                arrival.wait_on_compute()
+        return slots
+
+    def count_hits(self, num_hits: int) -> None:
+        """Lookups the caller made of experts `resident_layer` handed out (hits, none late)."""
+        with self._lock:
+            self._core.counts.hits += num_hits
+
     def pinned(self, tier: str = "device") -> frozenset[ExpertKey]:
         """Experts holding a pin in the tier (a caller's, or a transfer's while it moves), resident or not."""
         with self._lock:

@@ -30,7 +30,8 @@ def serve_args(port: int) -> list[str]:
 def wait_until_serving(url: str, procs: list[subprocess.Popen], limit_s: float = 240) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        assert all(p.poll() is None for p in procs), "a rank exited before the server started"
+        exited = [p for p in procs if p.poll() is not None]
+        assert not exited, f"a rank exited before the server started: {exited[0].stderr.read()[-3000:]}"
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return

@@ -55,16 +55,36 @@ class Reader(Observer):
         self.last = event
 
 
-@pytest.mark.parametrize("observed", [False, True])
 @pytest.mark.parametrize("sync", [False, True])
-def test_a_decode_step_reads_once_per_moe_layer_and_once_for_its_logits(tiny_checkpoint, observed, sync):
+def test_a_decode_step_reads_once_per_moe_layer_and_once_for_its_logits(tiny_checkpoint, sync):
     path = tiny_checkpoint("qwen2_moe", num_layers=3)
     with Engine(path, EngineConfig(expert_budget="1.0", direct_io=False, sync=sync)) as engine:  # all resident
-        if observed:
-            engine.add_observer(Reader())
-        engine.generate(["The experts are"], max_new_tokens=2)  # warm: every expert resident
+        engine.add_observer(Reader())  # routing events wanted: the offloaded path, every lookup a hit
+        engine.generate(["The experts are"], max_new_tokens=2)
         layers, steps = engine.checkpoint.topology.num_layers, 4
-        before = engine.reads.count
+        before, misses = engine.reads.count, engine.store.stats().misses
         engine.generate(["The experts are"], max_new_tokens=steps)
-        assert engine.reads.count - before == steps * (layers + 1)
-        assert engine.store.stats().misses == 0
+        assert engine.reads.count - before == steps * (layers + 1)  # the prefill and 3 decode steps
+        assert engine.store.stats().misses == 0 and engine.store.stats().hits > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v2"])
+def test_all_resident_and_unobserved_a_step_reads_only_its_logits_and_keeps_transformers_tokens(tiny_checkpoint, family):
+    from tests.runtime.conftest import reference_generate
+
+    path = tiny_checkpoint(family, num_layers=3)
+    with Engine(path, EngineConfig(expert_budget="1.0", direct_io=False)) as engine:
+        prompts = [engine.encode("The experts are")]
+        engine.generate(prompts, max_new_tokens=2)
+        before = engine.reads.count
+        result = engine.generate(prompts, max_new_tokens=4)
+        assert engine.reads.count - before == 4  # transformers' experts forward over the pool: no layer reads
+        assert engine.experts.resident_weights(0) is not None
+        model = transformers_model(path)
+    assert result.token_ids == reference_generate(model, prompts, 4, engine.pad_id)
+
+
+def transformers_model(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()

@@ -47,8 +47,8 @@ class PlainTransformersRun:
 @RUNS.register("hf-accelerate")
 class HfAccelerateRun:
     """transformers with accelerate's disk offload: what fits in dense part + budget (+ host budget: our run's
-    memory) stays in memory, the rest of the weights is read from an offload folder at every forward. Routing is the model's own (no
-    replay without patching transformers); offloaded modules hold a whole layer's experts, so the bytes
+    memory) stays in memory, the rest of the weights is read from an offload folder at every forward. Routing
+    is the model's own (no replay without patching transformers); offloaded modules hold a whole layer's experts, so the bytes
     read do not depend on routing."""
 
     def run(self, spec: RunSpec, ranks=None) -> dict:

@@ -87,6 +87,8 @@ def _pin(num_bytes: int) -> None:
 def copy_gbps(expert_bytes: int, device: str) -> float:
     """The store's host -> device copy link's bandwidth (GB/s): slots of expert_bytes copied one by one from
     host slots (pinned on CUDA) into device slots, COPY_BYTES a round, the best of COPY_ROUNDS."""
+    import torch
+
     from moestream.store.pool import SlotPool
     from moestream.store.streams import make_link
 
@@ -95,6 +97,8 @@ def copy_gbps(expert_bytes: int, device: str) -> float:
     dest = SlotPool(count, expert_bytes, device)
     host.data.fill_(1)  # touched: no page faults in the copies
     dest.data.zero_()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)  # the zeros written before the copies start
     link, best = make_link(device), 0.0
     repeats = max(1, COPY_BYTES // (count * expert_bytes))
     for round_ in range(COPY_ROUNDS + 1):

@@ -228,7 +228,8 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
         for cap in caps:
             label = f"{job.policy} {job.mode}" + (f" capped at {cap / MIB:.0f} MiB" if cap else "")
             try:
-                ours = {"host_budget_mib": context["host_mib"], "link_gbps": spec.link_gbps if job.kind == "engine" else None}
+                link = spec.link_gbps if job.kind == "engine" else None
+                ours = {"host_budget_mib": context["host_mib"], "link_gbps": link}
                 done.append((job, budget, context["run"](spec, cap) | {"memory_cap_mib": cap and cap / MIB} | ours))
                 progress(label, budget, done[-1][2])
             except (RunFailed, OSError) as error:

@@ -52,7 +52,8 @@ def versus_transformers_line(document: dict) -> str | None:
             f"{plain['experts_implementation']!r}), steady TPOT (each prompt's decode steps after the first "
             f"{plain['warmup_steps']}): ")
     if ratio is None:
-        return head + f"not measured: no prompt decoded more than {plain['warmup_steps']} steps (raise --max-new-tokens)"
+        return head + (f"not measured: no prompt decoded more than {plain['warmup_steps']} steps "
+                       "(raise --max-new-tokens)")
     verdict = "ok" if ratio <= PLAIN_TARGET and plain["same_tokens"] is not False else "missed"
     return (head + f"moestream {ours:.2f} ms, transformers {theirs:.2f} ms: {ratio:.2f}x (target <= {PLAIN_TARGET}x "
             f"with the same tokens): {verdict}; {tokens}")
@@ -177,7 +178,8 @@ def _table(document: dict, args):
                               f"device {document.get('device', 'cpu')}, "
                               f"{document.get('prompts', 4)} prompt(s), {document['max_new_tokens']} new tokens per "
                               "prompt, cold start, a fresh process per run; per-token figures over decode steps; "
-                              "KiB/tok: read from disk, copied up from the host tier; slots d+h: the store's device and host tiers' expert slots; expert µs: one routed expert MLP's mean wall "
+                              "KiB/tok: read from disk, copied up from the host tier; slots d+h: the store's device and "
+                              "host tiers' expert slots; expert µs: one routed expert MLP's mean wall "
                               "time; cap (peak): the run's cgroup memory limit and the memory charged to that cgroup "
                               "at its peak; limit: max(resident TPOT, oracle bytes per token / the misses' link "
                               "bandwidth); transformers plain: every weight in memory, no moestream")

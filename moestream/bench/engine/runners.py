@@ -108,7 +108,7 @@ class EngineRun:
                               policy=spec.policy, predictor_dir=None if trained is None else str(trained),
                               replay_routing=spec.replay_routing, reorder=spec.reorder, link_gbps=spec.link_gbps,
                               layer_ms=spec.layer_ms, background_predictor=spec.background_predictor,
-                              native_gemv=spec.native_gemv)
+                              native_gemv=spec.native_gemv, num_threads=spec.threads)
         with _engine(spec, config, policy, ranks) as engine:
             prepare(engine, spec, ranks)
             return self._generate(engine, spec)
