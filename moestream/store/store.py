@@ -105,7 +105,9 @@ class ExpertStore:
             for key in late:  # on its way: promoted to demand (unless it failed meanwhile: next_ready raises)
                 self._chain.reprioritise(key, demand=True)
             self._bring(wanted, missed)
-        return Fetch(self, wanted)
+            landed = None if late or missed or any(key in self._chain.errors for key in wanted) else [
+                (key, self._chain.slot(self._device, key), self._chain.arrival(key)) for key in wanted]
+        return Fetch(self, wanted, landed)  # landed: every slot handed over now (the lean path)
 
     def acquire(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
         """Pins keys in the device tier; returns their 1-D uint8 slots once their bytes are in place."""

@@ -143,6 +143,13 @@ def test_evenly_spaced_views_stack_into_one_strided_view():
     assert stacked([pool[0, :16].view(4, 4), torch.zeros(4, 4)]) is None  # another storage
 
 
+def test_a_layer_s_few_experts_among_many_slots_still_stack():
+    pool = torch.zeros(400, 64)  # a pool of 400 slots, a layer's 3 experts far apart in it
+    views = [pool[i, :16].view(4, 4) for i in (3, 250, 397)]
+    stack = stacked(views)
+    assert stack is not None and stack.shape == (395, 4, 4) and stack.data_ptr() == views[0].data_ptr()
+
+
 def test_the_grouped_kernel_streams_experts_whose_math_has_no_grouped_form():
     rows, experts, spans = _layer()
     grouped, stream = LAYER_KERNELS.create("grouped", rows), LAYER_KERNELS.create("stream", rows)

@@ -343,3 +343,22 @@ def test_copies_that_complete_later_are_waited_for_before_compute_and_before_the
         for key, slot in {**first, **second}.items():
             assert_holds_expert(checkpoint, slot, key)
         store.release(list(first) + list(second))
+
+
+def test_a_fetch_of_experts_that_have_all_landed_asks_the_store_nothing_more(make_checkpoint):
+    ckpt = make_checkpoint()
+    with make_store(ckpt, device_slots=4, direct_io=False) as store:
+        keys = [K(0, 0), K(0, 1)]
+        use(store, *keys)  # landed
+        asked = []
+        store.next_ready = lambda candidates: asked.append(candidates)  # the slow path, per expert
+        fetch = store.fetch(keys)
+        handed = dict(fetch.ready())
+        fetch.release()
+        assert asked == [] and set(handed) == set(keys)
+        for key, slot in handed.items():
+            assert_holds_expert(ckpt, slot, key)
+        missed = store.fetch([K(1, 0)])  # a miss: handed out as it lands, through next_ready
+        with pytest.raises(TypeError):
+            list(missed.ready())
+        assert asked == [[K(1, 0)]]
