@@ -1,9 +1,11 @@
 """The ranks of one run: this process's place among those that `torchrun` started, and the three process
 groups every collective of expert parallelism goes through.
 
-`join_ranks` reads torchrun's environment and opens the default group (NCCL where each rank has a GPU of
-its own, else gloo) for each layer's combine and a gloo group for rank 0's step announcements, both
-timing out after the transfer timeout, and a gloo group for what may wait as long as it takes. A failed
+`join_ranks` reads torchrun's environment and joins the ranks however far apart they start (on a loaded
+machine one may reach the rendezvous many seconds after another), then opens a group (NCCL where each
+rank has a GPU of its own, else gloo) for each layer's combine and a gloo group for rank 0's step
+announcements, both timing out after the transfer timeout, and a gloo group for what may wait as long as
+it takes. A failed
 collective becomes one `RankFailure` naming this rank and what it waited for. The state lives in the
 `RankContext` handed around; this module knows no engine, placement or model.
 """
@@ -18,7 +20,7 @@ from typing import Any, Iterator
 
 from moestream.errors import MoestreamError
 
-UNBOUNDED = timedelta(days=7)  # the control group's timeout: start-up, a bench's runs
+UNBOUNDED = timedelta(days=7)  # joining, and the control group's timeout: start-up, a bench's runs
 
 
 class RankFailure(MoestreamError):
@@ -36,7 +38,7 @@ class RankContext:
     world_size: int
     device: str  # this rank's compute device
     timeout_s: float  # a step's collectives fail after this long
-    steps: Any  # the default process group: each layer's combine
+    steps: Any  # each layer's combine (NCCL or gloo), the transfer timeout
     control: Any  # gloo, no timeout to speak of: the start of a run, opening the engines, a bench's runs
     announce: Any  # gloo, the transfer timeout: rank 0's step announcements and heartbeats, statistics
 
@@ -105,12 +107,15 @@ def join_ranks(device: str, timeout_s: float) -> RankContext:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # The default group's timeout is the rendezvous's: the transfer timeout there failed a start-up on a
+        # loaded machine ("waiting for clients. 2/3 clients joined", issue 43). It carries no collective.
+        dist.init_process_group(backend, timeout=UNBOUNDED)
         control = dist.new_group(backend="gloo", timeout=UNBOUNDED)
+        steps = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         announce = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as error:
         raise RankFailure(f"expert parallelism: cannot join the ranks: {error}") from None
-    return RankContext(dist.get_rank(), dist.get_world_size(), device, timeout_s, dist.group.WORLD, control, announce)
+    return RankContext(dist.get_rank(), dist.get_world_size(), device, timeout_s, steps, control, announce)
 
 
 def leave_ranks() -> None:

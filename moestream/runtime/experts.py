@@ -65,7 +65,8 @@ def moestream_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     resident = binding.experts.resident_weights(binding.layer)  # every expert in place, no one observing
     if resident is not None:  # transformers' own experts forward over the pool: no read, the same tokens
         forward = ALL_EXPERTS_FUNCTIONS.get_interface(binding.native or "grouped_mm", type(self).forward.__wrapped__)
-        out = forward(ResidentExperts(self, resident), hidden_states, top_k_index, top_k_weights)
+        with binding.experts.tracer.span("experts", lambda: f"layer {binding.layer}: all resident, in one call"):
+            out = forward(ResidentExperts(self, resident), hidden_states, top_k_index, top_k_weights)
         binding.experts.count_resident(top_k_index)
         return binding.experts.finite.mark(binding.layer, out)
     return binding.experts.forward(binding.layer, FusedExpertMath(self), hidden_states, top_k_index, top_k_weights)

@@ -1,7 +1,8 @@
 """`moestream serve` on gloo ranks: answers (whole and streamed) are one process's tokens; Ctrl-C on the
 launcher stops every rank cleanly; idle, rank 0's heartbeats keep the ranks up past the transfer timeout,
 and a rank that hangs (SIGSTOP) or dies while the server is idle stops the others with one clear error;
-no process is left behind."""
+ranks that start further apart than the transfer timeout (as on a loaded machine) still join; no process is
+left behind."""
 
 import json
 import signal
@@ -18,6 +19,7 @@ from tests.parallel.procs import marked, new_mark
 from tests.parallel.test_expert_parallel import ROOT, environment, free_port
 
 TIMEOUT_S = 4  # --transfer-timeout-s: short, so that a lost rank is found quickly
+LATE_START_S = 2 * TIMEOUT_S  # how long after the others the last rank starts
 PROMPTS = ("The experts of a mixture", "def fibonacci(n):")
 MAX_TOKENS = 6
 
@@ -87,12 +89,14 @@ def test_serve_on_two_ranks_answers_as_one_process_and_stops_on_ctrl_c(tmp_path)
 
 @pytest.mark.parametrize("how, victim", [("stop", 0), ("stop", 2), ("kill", 2)])
 def test_an_idle_rank_that_hangs_or_dies_stops_the_others(tmp_path, how, victim):
-    """Three ranks with torchrun's environment (no agent that would stop them first): idle for three
-    transfer timeouts, all still serve (heartbeats); then one hangs or dies, and each other rank exits 2
-    with one error line."""
+    """Three ranks with torchrun's environment (no agent that would stop them first), the last started two
+    transfer timeouts after the others (joining waits for it); idle for three transfer timeouts, all still
+    serve (heartbeats); then one hangs or dies, and each other rank exits 2 with one error line."""
     mark, port, master = new_mark(), free_port(), free_port()
     procs = []
     for rank in range(3):
+        if rank == 2:
+            time.sleep(LATE_START_S)
         env = environment(tmp_path, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(master), **mark)
         procs.append(subprocess.Popen([sys.executable, "-m", "moestream", *serve_args(port)], env=env, cwd=ROOT,
