@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.budget import format_bytes
+from moestream.budget import Budget, format_bytes
 from moestream.cgroup import own_cgroup
 from moestream.errors import BudgetError
 
 MIB = 2**20
+FLAG = "--host-budget"
 FLOOR_BYTES = 512 * MIB  # Python + torch + transformers + the family's module (measured 385-450 MiB: docs/measurements/memory.md)
 MIN_MARGIN_BYTES = 256 * MIB  # activations, policy state, allocator slack
 MARGIN_SHARE = 0.05  # of what is available, when that is more
@@ -152,3 +153,44 @@ def kv_bytes_per_token(config) -> int:
         width = 2 * (head_dim or config.hidden_size // config.num_attention_heads)
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     return layers * heads * width * (4 if "32" in dtype else 2)
+
+
+def host_bytes(text, expert_bytes: int, num_experts: int) -> int:
+    """The bytes of the host tier a budget buys: whole expert slots, at most every expert."""
+    slots = min(Budget.parse(text, FLAG).resolve(expert_bytes * num_experts) // expert_bytes, num_experts)
+    return slots * expert_bytes
+
+
+def check_host_room(text, model, device: str, device_bytes: int, available=None, pin=None) -> None:
+    """Refuses (one line naming --host-budget and the figures) a host budget more than the memory left, or
+    whose pinned allocation fails on CUDA. device_bytes: the largest device budget of the runs; available:
+    the host memory (default: this machine's, `host_available`); pin(num_bytes): allocates and
+    frees that much pinned memory (default: torch's, on CUDA only)."""
+    sizes = model_sizes(model)
+    wanted = host_bytes(text, sizes.expert_bytes, sizes.num_experts)
+    if not wanted:
+        return
+    host = available or host_available()
+    on_cpu = not device.startswith("cuda")
+    held = {"the process floor": FLOOR_BYTES, "a margin": margin(host.num_bytes, False)}
+    if on_cpu:  # the dense part and the device tier are host memory too
+        held |= {"the dense part": sizes.dense_bytes, "the largest device budget": device_bytes}
+    left = host.num_bytes - sum(held.values())
+    if wanted > left:
+        after = ", ".join(f"{name} {format_bytes(size)}" for name, size in held.items())
+        raise BudgetError(f"{FLAG} {text}: {format_bytes(wanted)} of experts is more than the "
+                          f"{format_bytes(max(left, 0))} left of {format_bytes(host.num_bytes)} available "
+                          f"({host.source}) after {after}")
+    if not on_cpu:
+        try:
+            (pin or _pin)(wanted)
+        except (RuntimeError, MemoryError) as error:
+            why = (str(error).strip() or type(error).__name__).splitlines()[0]
+            raise BudgetError(f"{FLAG} {text}: pinning {format_bytes(wanted)} of host memory for the host tier "
+                              f"failed ({why}; {format_bytes(host.num_bytes)} available, {host.source})") from None
+
+
+def _pin(num_bytes: int) -> None:
+    import torch
+
+    torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)  # freed at once

@@ -65,15 +65,20 @@ def check_engine_flags(args) -> None:
 
 
 def check_budgets(args, model: Path) -> None:
-    """Refuses a device budget that cannot serve one token of one layer of this checkpoint, from its
-    safetensors headers, before anything loads."""
+    """Refuses, from the checkpoint's safetensors headers and before anything loads, a device budget that
+    cannot serve one token of one layer, and a host budget more than the memory left (or, on CUDA, that
+    cannot be pinned)."""
     from moestream.checkpoint.index import build_index
+    from moestream.memory_plan import check_host_room
     from moestream.store.config import StoreConfig
 
+    config = from_args(EngineConfig, args)
+    topology = build_index(model).topology
     try:
-        StoreConfig.of(from_args(EngineConfig, args)).device_slots(build_index(model).topology)
+        slots = StoreConfig.of(config).device_slots(topology)
     except BudgetError as error:
         raise BudgetError(f"--expert-budget: {error}") from None
+    check_host_room(config.host_budget, model, config.device, slots * topology.expert_bytes)
 
 
 def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:

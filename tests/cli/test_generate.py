@@ -437,3 +437,15 @@ def test_a_checkpoint_without_a_tokenizer_is_one_line_naming_it(model_dir, tmp_p
     assert main(["generate", "--model", str(path), "--prompt", PROMPT, "--buffered-io"]) == 2
     line = _error_line_of("\n".join(l for l in capsys.readouterr().err.splitlines() if l.startswith("moestream:")))
     assert f"checkpoint directory {path} has no tokenizer.json" in line
+
+
+def test_a_host_budget_more_than_the_memory_left_is_one_line_before_the_model_loads(model_dir, monkeypatch, capsys):
+    from moestream import memory_plan
+
+    monkeypatch.setattr(memory_plan, "host_available", lambda: memory_plan.Available(600 * 2**20, "MemAvailable"))
+    opened = []
+    monkeypatch.setattr(Engine, "__init__", lambda *args, **kwargs: opened.append(args))
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--host-budget", "1.0"]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("moestream: error: --host-budget 1: ") and "left of 600.0 MiB available" in line
+    assert opened == []

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,7 @@ from tests.parallel.procs import marked, new_mark
 from tests.parallel.test_expert_parallel import ROOT, environment, free_port
 
 TIMEOUT_S = 4  # --transfer-timeout-s: short, so that a lost rank is found quickly
-LATE_START_S = 2 * TIMEOUT_S  # how long after the others the last rank starts
+LATE_START_S = TIMEOUT_S  # how long after rank 0 waits to join the last rank starts (then imports for seconds)
 PROMPTS = ("The experts of a mixture", "def fibonacci(n):")
 MAX_TOKENS = 6
 
@@ -41,6 +42,25 @@ def wait_until_serving(url: str, procs: list[subprocess.Popen], limit_s: float =
             pass
         time.sleep(0.5)
     raise AssertionError("the server did not start")
+
+
+def wait_until_joining(master_port: int, procs: list[subprocess.Popen], limit_s: float = 240) -> None:
+    """Until rank 0 waits for the others to join (it listens on the master port: read from /proc, not connected to)."""
+    deadline = time.monotonic() + limit_s
+    while not listening(master_port):
+        exited = [p for p in procs if p.poll() is not None]
+        assert not exited, f"a rank exited before joining: {exited[0].stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "rank 0 did not start to join"
+        time.sleep(0.2)
+
+
+def listening(port: int) -> bool:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                return True
+    return False
 
 
 def completion(url: str, prompt: str, stream: bool) -> str:
@@ -89,13 +109,14 @@ def test_serve_on_two_ranks_answers_as_one_process_and_stops_on_ctrl_c(tmp_path)
 
 @pytest.mark.parametrize("how, victim", [("stop", 0), ("stop", 2), ("kill", 2)])
 def test_an_idle_rank_that_hangs_or_dies_stops_the_others(tmp_path, how, victim):
-    """Three ranks with torchrun's environment (no agent that would stop them first), the last started two
-    transfer timeouts after the others (joining waits for it); idle for three transfer timeouts, all still
-    serve (heartbeats); then one hangs or dies, and each other rank exits 2 with one error line."""
+    """Three ranks with torchrun's environment (no agent that would stop them first), the last started once
+    rank 0 waits to join, a transfer timeout later (joining waits for it); idle for three transfer timeouts,
+    all still serve (heartbeats); then one hangs or dies, and each other rank exits 2 with one error line."""
     mark, port, master = new_mark(), free_port(), free_port()
     procs = []
     for rank in range(3):
         if rank == 2:
+            wait_until_joining(master, procs)
             time.sleep(LATE_START_S)
         env = environment(tmp_path, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(master), **mark)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import time
 
-from moestream.budget import Budget, format_bytes
+from moestream.budget import Budget
 from moestream.errors import MoestreamError
+from moestream.memory_plan import FLAG, check_host_room, host_bytes  # noqa: F401  (the bench's, re-exported)
 
-FLAG = "--host-budget"
 COPY_BYTES = 256 * 2**20  # moved per round of the copy measurement
 COPY_ROUNDS = 3  # after one warm-up round; the best is kept
 
@@ -35,53 +35,10 @@ def budget_text(budget: Budget | str) -> str:
     return f"{budget.ratio * 100:g}%" if budget.ratio is not None else f"{budget.size_bytes}B"
 
 
-def host_bytes(text: str, expert_bytes: int, num_experts: int) -> int:
-    """The bytes of the host tier a budget buys: whole expert slots, at most every expert."""
-    slots = min(Budget.parse(text, FLAG).resolve(expert_bytes * num_experts) // expert_bytes, num_experts)
-    return slots * expert_bytes
-
-
 def host_tier_apart(device: str, sync: bool) -> bool:
     """Whether the store keeps a host tier apart from the device tier: on CUDA, or --sync (on the CPU an
     asynchronous store merges the host budget into the device tier: EngineConfig.host_budget)."""
     return sync or device.startswith("cuda")
-
-
-def check_host_room(text: str, model, device: str, device_bytes: int, available=None, pin=None) -> None:
-    """Refuses (one line naming --host-budget and the figures) a host budget more than the memory left, or
-    whose pinned allocation fails on CUDA. device_bytes: the largest device budget of the runs; available:
-    the host memory (default: this machine's, `memory_plan.host_available`); pin(num_bytes): allocates and
-    frees that much pinned memory (default: torch's, on CUDA only)."""
-    from moestream import memory_plan
-
-    sizes = memory_plan.model_sizes(model)
-    wanted = host_bytes(text, sizes.expert_bytes, sizes.num_experts)
-    if not wanted:
-        return
-    host = available or memory_plan.host_available()
-    on_cpu = not device.startswith("cuda")
-    held = {"the process floor": memory_plan.FLOOR_BYTES, "a margin": memory_plan.margin(host.num_bytes, False)}
-    if on_cpu:  # the dense part and the device tier are host memory too
-        held |= {"the dense part": sizes.dense_bytes, "the largest device budget": device_bytes}
-    left = host.num_bytes - sum(held.values())
-    if wanted > left:
-        after = ", ".join(f"{name} {format_bytes(size)}" for name, size in held.items())
-        raise MoestreamError(f"{FLAG} {text}: {format_bytes(wanted)} of experts is more than the "
-                             f"{format_bytes(max(left, 0))} left of {format_bytes(host.num_bytes)} available "
-                             f"({host.source}) after {after}")
-    if not on_cpu:
-        try:
-            (pin or _pin)(wanted)
-        except (RuntimeError, MemoryError) as error:
-            why = (str(error).strip() or type(error).__name__).splitlines()[0]
-            raise MoestreamError(f"{FLAG} {text}: pinning {format_bytes(wanted)} of host memory for the host tier "
-                                 f"failed ({why}; {format_bytes(host.num_bytes)} available, {host.source})") from None
-
-
-def _pin(num_bytes: int) -> None:
-    import torch
-
-    torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)  # freed at once
 
 
 def copy_gbps(expert_bytes: int, device: str) -> float:
