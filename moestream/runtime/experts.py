@@ -135,8 +135,44 @@ class RouterTap:
                 return
 
 
+SHARED_NAMES = ("shared_experts", "shared_expert")  # a MoE block's shared experts, as transformers names them
+
+
+class LaunchedFirst(torch.nn.Module):
+    """A MoE block's shared experts, run as the block starts (a forward pre-hook on the block), so that
+    the device computes them while the host waits for the routed experts' routing; the block's own call
+    on the same input (or a view of it) gets that result. The same module on the same rows: the same bits."""
+
+    def __init__(self, shared: torch.nn.Module):
+        super().__init__()
+        self.shared = shared
+        self._early: tuple[torch.Tensor, torch.Tensor] | None = None  # (the block's input, its result)
+
+    def launch(self, block: torch.nn.Module, args: tuple) -> None:
+        if args and torch.is_tensor(args[0]):
+            self._early = (args[0], self.shared(args[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        early, self._early = self._early, None
+        if early is not None and early[0].data_ptr() == x.data_ptr() and early[0].numel() == x.numel():
+            return early[1].view(*x.shape[:-1], early[1].shape[-1])
+        return self.shared(x)
+
+
+def launch_shared_first(block: torch.nn.Module) -> list:
+    """Swaps the block's shared experts for a `LaunchedFirst`; the pre-hook's handle (none without them)."""
+    for name in SHARED_NAMES:
+        shared = getattr(block, name, None)
+        if isinstance(shared, torch.nn.Module):
+            first = LaunchedFirst(shared)
+            setattr(block, name, first)
+            return [block.register_forward_pre_hook(first.launch)]
+    return []
+
+
 def bind_experts(model: torch.nn.Module, checkpoint, experts: OffloadedExperts, tap_routers: bool) -> list:
-    """Points every MoE layer's experts at `experts` (registry or swap); returns router hook handles."""
+    """Points every MoE layer's experts at `experts` (registry or swap), its shared experts launched first;
+    returns the hooks' handles (shared experts, routers)."""
     adapter, hooks = checkpoint.adapter, []
     num_experts = checkpoint.topology.num_experts
     hidden_size = model.config.get_text_config().hidden_size
@@ -150,6 +186,7 @@ def bind_experts(model: torch.nn.Module, checkpoint, experts: OffloadedExperts, 
         else:
             original = parent.get_submodule(name)
             setattr(parent, name, EXPERT_SWAPS.create(type(original).__name__, original, binding))
+        hooks += launch_shared_first(parent)
         router = find_router(parent, name, num_experts, hidden_size) if tap_routers else None
         if router is not None:
             hooks.append(router.register_forward_hook(RouterTap(experts, block.moe_index, num_experts)))

@@ -184,6 +184,8 @@ def dense_modules(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
     for name, module in model.named_modules():
         suffix = name.rsplit(".", 1)[-1]
         role = DENSE_ROLES.get(suffix) or ("dense mlp" if suffix == "mlp" and not hasattr(module, "experts") else None)
+        if role == "shared experts" and isinstance(getattr(module, "shared", None), torch.nn.Module):
+            module = module.shared  # launched first (runtime/experts.py): the module that computes
         if role is not None:
             roles.setdefault(role, []).append(module)
     head = model.get_output_embeddings()

@@ -88,3 +88,20 @@ def transformers_model(path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_shared_experts_run_once_per_block_before_its_routing_is_read(tiny_checkpoint):
+    from moestream.runtime.experts import LaunchedFirst
+
+    path = tiny_checkpoint("deepseek_v2", num_layers=3)  # its blocks call the shared experts after the routed
+    with Engine(path, EngineConfig(expert_budget="0.5", direct_io=False)) as engine:
+        engine.add_observer(Reader())
+        first = [m for m in engine.model.modules() if isinstance(m, LaunchedFirst)]
+        assert len(first) == engine.checkpoint.topology.num_layers
+        seen = []
+        for module in first:
+            module.shared.register_forward_hook(lambda *args: seen.append(engine.reads.count))
+        before = engine.reads.count
+        engine.generate(["The experts are"], max_new_tokens=1)  # one forward pass
+    layers = len(first)
+    assert seen == [before + layer for layer in range(layers)]  # each before its layer's read, once
