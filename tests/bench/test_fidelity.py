@@ -83,6 +83,25 @@ def test_predicting_designs_get_the_same_hit_rate_on_both_sides(policy, small_tr
     assert record["agreement"]["hit_rate_gap"] == 0
 
 
+def test_a_calibration_whose_stall_is_mostly_one_slow_generation_keeps_a_positive_compute():
+    """On a loaded machine one generation's reads can take most of a run's stall (a disk shared with other
+    jobs): then the median generation's TPOT lies below the mean stall per token, and TPOT less stall was
+    negative ("a measured cost model needs a positive decode time"). The compute comes from the same tokens
+    as the stall."""
+    from moestream.bench.engine.plan import calibrate
+    from moestream.bench.engine.spec import Counters, summarize
+    from moestream.topology import Topology
+
+    steps = [[1000.0] * 3, [20.0] * 3, [20.0] * 3, [500.0] * 3]  # four generations' decode steps (ms)
+    stall_ms = 3 * (990.0 + 10.0 + 10.0 + 490.0)  # every step computes for 10 ms, the rest is reads
+    counters = Counters(disk_reads=12, read_ms=stall_ms, read_batches=12, decode_tokens=12,
+                        tpot_ms=[generation[0] for generation in steps], step_ms=steps)
+    run = summarize(counters, stall_ms, stall_ms)
+    assert run["tpot_ms"] < run["stall_ms_per_token"]  # the median generation against the mean token
+    topology = Topology(moe_layer_ids=(1, 2), num_experts=16, top_k=6, expert_bytes=24576)
+    assert calibrate(topology, run).layer_compute_ms == pytest.approx(10.0 / 2)
+
+
 def numbers(cost_model: dict) -> dict:
     return {k: v for k, v in cost_model.items() if not isinstance(v, str)}  # its name says where it came from
 

@@ -175,14 +175,18 @@ def disk_figures(model: Path, direct_io: bool) -> dict:
 
 
 def calibrate(topology, run: dict, disk_bw: float = 0.0):
-    """The simulator's cost model from a run's decode compute (TPOT less stall), its routed experts'
-    compute and its expert reads: an on-demand (--sync) run reads each miss on the compute thread, so
-    all are the engine's own. A read batch costs the line fitted to the run's batches (fixed part, per
-    expert) when it has one; else, with the disk's bandwidth (bytes/s), a fixed part plus each expert's
-    bytes at it."""
+    """The simulator's cost model from a run's decode compute (its mean decode step less its stall, both per
+    decode token; a run without the mean: its TPOT), its routed experts' compute and its expert reads: an
+    on-demand (--sync) run reads each miss on the compute thread, so all are the engine's own. A read batch
+    costs the line fitted to the run's batches (fixed part, per expert) when it has one; else, with the
+    disk's bandwidth (bytes/s), a fixed part plus each expert's bytes at it.
+
+    Not the median TPOT less the stall: one generation whose reads were slow (a loaded disk) holds most of the
+    run's stall, and the median generation's TPOT can lie below the mean stall per token (issue 43)."""
     from moestream.sim.cost import measured_cost_model
 
-    compute_ms, line = run["tpot_ms"] - run["stall_ms_per_token"], run.get("read_batch_line_ms")
+    decode_ms = run.get("decode_ms_per_token") or run["tpot_ms"]
+    compute_ms, line = decode_ms - run["stall_ms_per_token"], run.get("read_batch_line_ms")
     return measured_cost_model(topology.num_layers, compute_ms, topology.expert_bytes, run["expert_read_ms"],
                                "bench engine: decode compute (TPOT - stall) and expert reads of "
                                f"{'an on-demand LRU run' if run['stall_ms_per_token'] else 'the all-resident run'}",

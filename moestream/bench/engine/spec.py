@@ -110,6 +110,8 @@ def summarize(counters: Counters, stall_ms: float, transfer_ms: float, warmup_st
     return {
         "ttft_ms": statistics.median(counters.ttft_ms) if counters.ttft_ms else 0.0,
         "tpot_ms": statistics.median(counters.tpot_ms) if counters.tpot_ms else 0.0,
+        # the mean decode step, over the tokens the stall per token is a part of (calibrate subtracts it)
+        "decode_ms_per_token": sum(map(sum, counters.step_ms)) / tokens if counters.step_ms else None,
         "steady_tpot_ms": steady_tpot_ms(counters.step_ms, warmup_steps),
         "hit_rate": counters.hits / lookups if lookups else 1.0,
         "stall_ms_per_token": stall_ms / tokens,

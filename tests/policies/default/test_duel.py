@@ -123,3 +123,10 @@ def test_the_default_policy_duels_unless_told_not_to():
     plain = fitted_policy(train, config=DefaultConfig(duel_window_tokens=0))
     assert plain.observers() == [plain.predictor]
     assert not isinstance(plain.make_eviction("device"), DuelEviction)
+
+
+def test_a_tie_over_a_full_window_leaves_the_lead_to_the_model():
+    duel = Duel(TOPOLOGY, lambda: None, lambda layer: None, window_tokens=2)
+    duel.see_capacity(L * E)  # both ghosts hold every expert they have seen: each hits all but the first lookups
+    route(duel, cycle(num_tokens=6, period=1))  # the same pair every token: the window ends all hits on both sides
+    assert not duel.recency  # LRU leads only while its ghost hits more
