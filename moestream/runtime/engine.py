@@ -33,7 +33,7 @@ import torch
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import load_manifest
 from moestream.checkpoint.tokenizer import load_tokenizer
-from moestream.errors import CheckpointError, MoestreamError
+from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Observer, Policy, TransferRequest
 from moestream.policies.driver import PolicyDriver

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from moestream.link_model import LinkFigures, ModelledLink
-from moestream.policies.contracts import Observer
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import FiniteFlags, check_finite
@@ -68,12 +67,6 @@ def modelled_link(config, topology) -> ModelledLink | None:
     if config.link_gbps <= 0 or config.layer_ms <= 0:
         return None
     return LinkFigures(config.link_gbps, config.layer_ms, config.reorder).model(topology)
-
-
-def _observes(observer) -> bool:
-    """Whether an observer handles routing events (`Observer.observe` itself ignores them), so that a
-    layer builds its event only when someone reads it."""
-    return getattr(observer.observe, "__func__", None) is not Observer.observe
 
 
 class RowPlan:
@@ -149,7 +142,7 @@ class OffloadedExperts:
         """The layer's experts as [E, ...] views of the device pool, where every expert of the model stays
         resident, no one reads routing events, nothing is quantized or sharded and the slots lie evenly
         apart in expert order; else None (the offloaded path runs). Kept once found."""
-        if self.shard is not None or self.decode is not None or any(map(_observes, self.publisher.observers)):
+        if self.shard is not None or self.decode is not None or self.publisher.observed:
             return None
         if layer not in self._resident:
             slots = self.store.resident_layer(layer)
@@ -210,7 +203,7 @@ class OffloadedExperts:
         dropped) and, where an observer reads routing events, the weights and what it asks for (the
         routing's weights None: no one observes)."""
         logits = self._router_logits.pop(layer, None)
-        observed = any(map(_observes, self.publisher.observers))
+        observed = self.publisher.observed
         wanted = {"ids": top_k_index, "kept": kept}
         if observed:
             wanted |= {"weights": top_k_weights.float(), "hidden": hidden if self.publisher.needs_hidden else None,

@@ -57,10 +57,18 @@ class Publisher:
         self.driver = driver  # None: nobody observes (a forward outside the engine)
         self.always_hidden = always_hidden
         self._rows: RowContext | None = None
+        self._observed: bool | None = None
 
     @property
     def observers(self) -> Sequence[Observer]:
         return () if self.driver is None else self.driver.observers
+
+    @property
+    def observed(self) -> bool:
+        """Whether some observer reads routing events (`Observer.observe` overridden); asked again each iteration."""
+        if self._observed is None:
+            self._observed = any(map(_observes, self.observers))
+        return self._observed
 
     @property
     def needs_hidden(self) -> bool:
@@ -81,6 +89,7 @@ class Publisher:
         return self._rows
 
     def begin_iteration(self, ctx: IterationContext) -> None:
+        self._observed = None  # observers may have come or gone since the last iteration
         if self.driver is not None:
             self.driver.begin_iteration(ctx)
 
@@ -102,3 +111,9 @@ class Publisher:
         if self.driver is not None:
             self.driver.observe(event)
         return event
+
+
+def _observes(observer) -> bool:
+    """Whether an observer handles routing events (`Observer.observe` itself ignores them), so that a
+    layer builds its event only when someone reads it."""
+    return getattr(observer.observe, "__func__", None) is not Observer.observe
