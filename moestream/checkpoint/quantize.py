@@ -24,6 +24,8 @@ from moestream.checkpoint import writer
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import MANIFEST_FILE
 from moestream.checkpoint.verify import verify
+from moestream.checkpoint.manifest import MANIFEST_FILE
+from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import MoestreamError
 from moestream.quant.codec import method_of

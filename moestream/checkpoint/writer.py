@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from moestream.checkpoint.shards import DTYPES, SINGLE_FILE
+from moestream.checkpoint.shards import DTYPES, INDEX_FILE, SINGLE_FILE
 
 HEADER_ALIGN = 8
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

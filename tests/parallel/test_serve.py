@@ -55,8 +55,8 @@ def wait_until_joining(master_port: int, procs: list[subprocess.Popen], limit_s:
 
 
 def listening(port: int) -> bool:
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        for row in table.read_text().splitlines()[1:] if table.exists() else ():
             local, state = row.split()[1], row.split()[3]
             if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                 return True
