@@ -31,7 +31,7 @@ class HostReads:
         for buffer, tensor in zip(host, wide):
             buffer.copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(next(t.device for t in wide if t.device.type == "cuda")))
         done.synchronize()  # the one wait
         return tuple(t.numpy() for t in host)
 

@@ -1,6 +1,7 @@
 """One MoE layer's experts, served from the expert store: the engine's expert path in one place.
 
-`OffloadedExperts.forward` is that path, in this order: the routing is published to the observers;
+`OffloadedExperts.forward` is that path, in this order: the routing comes to the host in the layer's
+one read (`HostReads`: the expert ids, and what observers of routing events need) and is published;
 the layer's experts are fetched (pinned; the misses go to the head of the transfer queue, ahead of
 speculative work, and stale speculative transfers of the layer are dropped); the policy plans the
 prefetch of later layers (`Prefetcher`: predict -> plan -> enqueue; with the asynchronous store it
