@@ -229,18 +229,27 @@ class GroupedLayer:
         return rows.decode is None and isinstance(rows.math, GroupedExpertMath) and grouped_ready(rows.inputs.device)
 
     def _run(self, groups: Groups, pending: list[tuple[Weights, int, int]]) -> None:
-        device = self.rows.inputs.device  # the plan is built on the host and sent without a wait
+        """Each collected expert's (first row, rows, group) goes up without a wait; the rows by group, each
+        row's group and the groups' offsets are built from them on the device (no read)."""
+        device = self.rows.inputs.device
         ranked = sorted(range(len(pending)), key=groups.of_expert.__getitem__)  # experts in group order
-        perm = np.concatenate([np.arange(pending[i][1], pending[i][2]) for i in ranked])  # [n] rows by group
-        counts = np.zeros(next(iter(groups.stacked.values())).shape[0], dtype=np.int32)  # [G] rows per group
-        for i in ranked:
-            counts[groups.of_expert[i]] = pending[i][2] - pending[i][1]
-        offs = upload(counts.cumsum(dtype=np.int32), device)  # [G]
-        row_groups = upload(np.repeat(np.arange(counts.size), counts), device)  # [n]
-        perm = upload(perm, device)
+        spans = np.array([(pending[i][1], pending[i][2] - pending[i][1], groups.of_expert[i]) for i in ranked])
+        starts, lengths, group = upload(spans.astype(np.int64), device).unbind(1)  # [m] each
+        num_rows = int(spans[:, 1].sum())
+        row_groups = torch.repeat_interleave(group, lengths, output_size=num_rows)  # [n]
+        before = lengths.cumsum(0) - lengths  # [m] rows of the experts ahead in group order
+        perm = torch.repeat_interleave(starts - before, lengths, output_size=num_rows) + torch.arange(
+            num_rows, device=device)  # [n] the sorted rows, by group
+        counts = torch.zeros(num_groups(groups), dtype=torch.int64, device=device).index_add_(0, group, lengths)
+        offs = counts.cumsum(0).to(torch.int32)  # [G]
         math = self.rows.math
         inner = math.act(math.up_grouped(self.rows.inputs[perm], groups.stacked, offs, row_groups))
         self.stream.put(perm, math.down_grouped(inner, groups.stacked, offs, row_groups))  # [n, H]
+
+
+def num_groups(groups: Groups) -> int:
+    """G: the groups of the stacked views."""
+    return next(iter(groups.stacked.values())).shape[0]
 
 
 def default_kernel(device: torch.device) -> str:

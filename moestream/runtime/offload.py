@@ -37,7 +37,7 @@ from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import FiniteFlags, check_finite
 from moestream.runtime.host_reads import HostReads, upload
-from moestream.runtime.layer_experts import LAYER_KERNELS, Groups, LayerRows, default_kernel
+from moestream.runtime.layer_experts import LAYER_KERNELS, Groups, LayerRows, default_kernel, num_groups
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.runtime.sharding import Shard
 from moestream.topology import ExpertKey
@@ -97,10 +97,6 @@ def expert_compute(now: dict[str, LaneTotal], before: dict[str, LaneTotal]) -> t
     return experts.spans, experts.seconds + since(now, before, "layer").seconds
 
 
-def _num_groups(groups: Groups) -> int:
-    return next(iter(groups.stacked.values())).shape[0]
-
-
 class _CheckedAtOnce:
     """FiniteFlags' `mark` that checks at once (an `OffloadedExperts` used outside an engine)."""
 
@@ -151,7 +147,7 @@ class OffloadedExperts:
                 return None  # not yet (or never) all resident: asked again next time
             groups = Groups.of([self._slot_views(slot) for slot in slots])
             aligned = groups is not None and groups.of_expert == list(range(len(slots)))
-            self._resident[layer] = groups.stacked if aligned and _num_groups(groups) == len(slots) else None
+            self._resident[layer] = groups.stacked if aligned and num_groups(groups) == len(slots) else None
         return self._resident[layer]
 
     def count_resident(self, top_k_index: torch.Tensor) -> None:

@@ -3,6 +3,7 @@ waits at most max_wait_ms for company, cancelled ones are dropped (counted as ab
 wait too long fail, a full queue refuses with Overloaded, and a request's first event says whether
 it got in."""
 
+import dataclasses
 import time
 
 import pytest
@@ -63,13 +64,13 @@ def test_cancelled_requests_are_dropped_and_counted(make_worker):
 
 
 def test_a_request_waiting_too_long_fails(make_worker):
-    worker = make_worker(max_wait_ms=0, max_queue_wait_ms=1, batching=BatchingConfig(max_batch_size=1))
+    wait_ms = 60_000.0  # no step of a loaded machine between submit and admit comes near it
+    worker = make_worker(max_wait_ms=0, max_queue_wait_ms=wait_ms, batching=BatchingConfig(max_batch_size=1))
     running, late = [], []
     worker.submit(_request(running))
-    worker.submit(_request(late))
-    assert len(worker.admit()) == 1
-    time.sleep(0.01)
-    assert worker.admit() == []
+    worker.submit(dataclasses.replace(_request(late), arrived=time.perf_counter() - wait_ms / 1e3))  # waited long
+    assert len(worker.admit()) == 1  # the first takes the batch's one place
+    assert worker.admit() == []  # the second has waited past max_queue_wait_ms: it fails
     assert len(late) == 1 and isinstance(late[0], Overloaded)
 
 
