@@ -26,7 +26,7 @@ _CUDA_DRIVERS = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")  # the driver's lib
 def parse_device(device) -> str:
     """'cpu' or 'cuda:N' of a device that exists, or one line saying why not. A machine without an
     NVIDIA driver is refused without importing torch; torch is asked only where a driver is present."""
-    match = _DEVICE.fullmatch(str(device).strip()) if isinstance(device, str) else None
+    match = _DEVICE.fullmatch(str(device).strip()) if device is not None else None  # a str or a torch.device
     if match is None:
         raise BudgetError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'")
     if match["type"] == "cpu":

@@ -157,7 +157,8 @@ def compare_resident(model_dir: Path, prompts, args) -> list[dict]:
     from moestream.runtime import Engine
 
     plain = PlainModel(model_dir, args.device)
-    with Engine(model_dir, EngineConfig(device=args.device, expert_budget="1.0", direct_io=args.direct_io)) as engine:
+    with Engine(model_dir, EngineConfig(device=args.device, expert_budget="1.0", direct_io=args.direct_io,
+                                           num_threads=args.threads)) as engine:
         engine.preload()
         ours = EngineModel(engine, "all resident")
         samples: dict[str, list[Sample]] = {plain.label: [], ours.label: []}
@@ -215,7 +216,8 @@ def cold_run(model_dir: Path, budget: str, prompts, max_new_tokens: int, args) -
     from moestream.runtime import Engine
     from moestream.store.bandwidth import drop_page_cache
 
-    with Engine(model_dir, EngineConfig(device=args.device, expert_budget=budget, direct_io=args.direct_io)) as engine:
+    with Engine(model_dir, EngineConfig(device=args.device, expert_budget=budget, direct_io=args.direct_io,
+                                           num_threads=args.threads)) as engine:
         drop_page_cache(model_dir.glob("*.safetensors"))  # loading the dense part may have cached expert bytes
         ours = EngineModel(engine, f"offload {budget}")
         return [ours.generate(prompt, max_new_tokens) for prompt in prompts]

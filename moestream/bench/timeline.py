@@ -127,7 +127,7 @@ def _record(args) -> tuple[Tracer, StepStarts, dict[str, float]]:
 
     torch.set_num_threads(args.threads)
     model = str(model_dir(args, announce=True))
-    config = EngineConfig(expert_budget=args.budget, direct_io=args.direct_io, sync=args.sync,
+    config = EngineConfig(expert_budget=args.budget, direct_io=args.direct_io, sync=args.sync, num_threads=args.threads,
                           policy=args.policy, replay_routing=args.replay_routing, native_gemv=args.native_gemv)
     spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))
     policy = make_policy(spec, build_index(model).topology)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence as Seq
 
+import numpy as np
 import torch
 
 from moestream.checkpoint.index import CheckpointIndex, build_index
@@ -325,9 +326,12 @@ class Engine:
     def _begin(self, plan: StepPlan) -> None:
         """Announces the iteration to observers and lets the policy predict before the first layer."""
         ctx = plan.ctx
+        self.finite.begin()
+        self.experts.resident_hits.zero_()  # a step that raised may have left counts
         if self.publisher.needs_embeddings:
             embeddings = self.model.get_input_embeddings()(plan.input_ids)  # [B, S, H]
-            rows = embeddings.reshape(plan.rows.num_rows, -1)[upload(plan.rows.active, embeddings.device)]  # [T, H]
+            active = upload(np.flatnonzero(plan.rows.active), embeddings.device)  # not a mask: no wait
+            rows = embeddings.reshape(plan.rows.num_rows, -1).index_select(0, active)  # [T, H]
             ctx = dataclasses.replace(ctx, embeddings=self.reads.read(rows)[0])
         if self._tokenizer is not None:
             ctx = dataclasses.replace(ctx, tokens=tuple(self._tokenizer.convert_ids_to_tokens(list(ctx.token_ids))))

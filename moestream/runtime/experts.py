@@ -141,7 +141,8 @@ SHARED_NAMES = ("shared_experts", "shared_expert")  # a MoE block's shared exper
 class LaunchedFirst(torch.nn.Module):
     """A MoE block's shared experts, run as the block starts (a forward pre-hook on the block), so that
     the device computes them while the host waits for the routed experts' routing; the block's own call
-    on the same input (or a view of it) gets that result. The same module on the same rows: the same bits."""
+    on the same rows (its input, or that input flattened to [T, H]) gets that result, any other call
+    computes. The same module on the same rows: the same bits."""
 
     def __init__(self, shared: torch.nn.Module):
         super().__init__()
@@ -149,24 +150,35 @@ class LaunchedFirst(torch.nn.Module):
         self._early: tuple[torch.Tensor, torch.Tensor] | None = None  # (the block's input, its result)
 
     def launch(self, block: torch.nn.Module, args: tuple) -> None:
-        if args and torch.is_tensor(args[0]):
+        if args and torch.is_tensor(args[0]) and args[0].is_contiguous():
             self._early = (args[0], self.shared(args[0]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def done(self, *hook_args) -> None:
+        """After the block, whatever it did (a forward hook that runs on errors too): nothing is kept."""
+        self._early = None
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         early, self._early = self._early, None
-        if early is not None and early[0].data_ptr() == x.data_ptr() and early[0].numel() == x.numel():
-            return early[1].view(*x.shape[:-1], early[1].shape[-1])
-        return self.shared(x)
+        if early is None or args or kwargs or not _same_rows(early[0], x):
+            return self.shared(x, *args, **kwargs)
+        return early[1].view(*x.shape[:-1], early[1].shape[-1])
+
+
+def _same_rows(first: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether x is `first` itself or `first` flattened to [T, H] (the same memory, contiguous)."""
+    return (x.is_contiguous() and x.data_ptr() == first.data_ptr() and x.shape[-1] == first.shape[-1]
+            and x.numel() == first.numel())
 
 
 def launch_shared_first(block: torch.nn.Module) -> list:
-    """Swaps the block's shared experts for a `LaunchedFirst`; the pre-hook's handle (none without them)."""
+    """Swaps the block's shared experts for a `LaunchedFirst`; the hooks' handles (none without them)."""
     for name in SHARED_NAMES:
         shared = getattr(block, name, None)
         if isinstance(shared, torch.nn.Module):
             first = LaunchedFirst(shared)
             setattr(block, name, first)
-            return [block.register_forward_pre_hook(first.launch)]
+            return [block.register_forward_pre_hook(first.launch),
+                    block.register_forward_hook(first.done, always_call=True)]
     return []
 
 

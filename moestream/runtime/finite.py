@@ -46,16 +46,19 @@ class FiniteFlags:
 
     def mark(self, place: int, values: torch.Tensor) -> torch.Tensor:
         """Returns values unchanged; their flag says whether all are finite (no wait)."""
-        self._flags[place].copy_(torch.isfinite(values).all())
+        self._flags[place].logical_and_(torch.isfinite(values).all())
         return values
+
+    def begin(self) -> None:
+        """A step starts: every flag true (a step that raised may have left one false)."""
+        self._flags.fill_(True)
 
     def read(self, logits: torch.Tensor, *more: torch.Tensor) -> tuple[np.ndarray | torch.Tensor, ...]:
         """The logits [B, V] on the host (float32, a tensor) and `more` (numpy), in one read; raises for the
         first place of the step that was not finite."""
         self.mark(len(self.places), logits)
         host_logits, flags, *rest = self.reads.read(logits.float(), self._flags, *more)
-        bad = np.flatnonzero(~flags)  # before the reset: on the CPU, flags are the device's own memory
-        self._flags.fill_(True)
+        bad = np.flatnonzero(~flags)
         if bad.size:
             where = int(bad[0])
             raise NonFiniteError(_message(self.places[where] if where < len(self.places) else

@@ -162,7 +162,7 @@ def stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
     strides = (step, *first.stride()[:-1])
     misaligned = any(stride * first.element_size() % ALIGN_BYTES for stride in strides) or (
         min(v.data_ptr() for v in views) % ALIGN_BYTES)
-    if not same or misaligned:
+    if not same or misaligned or step < first.numel():  # groups would overlap: not one view per slot
         return None
     return first.as_strided((groups, *first.shape), (step, *first.stride()), low)
 

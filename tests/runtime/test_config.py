@@ -38,3 +38,10 @@ def test_offline_policies_are_for_the_simulator():
 def test_cuda_without_cuda_is_a_clear_error():
     with pytest.raises(BudgetError, match="CUDA is not available"):
         EngineConfig(device="cuda")
+
+
+def test_a_device_is_taken_as_text_or_as_a_torch_device():
+    from moestream.config import parse_device
+
+    assert parse_device("cpu") == parse_device(torch.device("cpu")) == "cpu"
+    assert EngineConfig(device=torch.device("cpu")).device == "cpu"

@@ -105,3 +105,26 @@ def test_shared_experts_run_once_per_block_before_its_routing_is_read(tiny_check
         engine.generate(["The experts are"], max_new_tokens=1)  # one forward pass
     layers = len(first)
     assert seen == [before + layer for layer in range(layers)]  # each before its layer's read, once
+
+
+def test_shared_experts_launched_first_compute_anew_for_other_calls_and_keep_nothing_after_the_block():
+    from moestream.runtime.experts import launch_shared_first
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared_experts = torch.nn.Linear(4, 4)
+
+        def forward(self, x, fail=False):
+            if fail:
+                raise RuntimeError("a layer failed")
+            return self.shared_experts(x.view(-1, 4)) + self.shared_experts(x.flip(0).contiguous())
+
+    block, x = Block(), torch.randn(3, 4)
+    expected = block.shared_experts(x) + block.shared_experts(x.flip(0))
+    launch_shared_first(block)
+    assert torch.equal(block(x), expected)  # the first call took the launched result, the second computed
+    with pytest.raises(RuntimeError):
+        block(x, fail=True)
+    assert block.shared_experts._early is None  # nothing kept after a block that raised
+    assert torch.equal(block.shared_experts(x), block.shared_experts.shared(x))  # no launch: computed
