@@ -133,7 +133,11 @@ def model_sizes(path: Path) -> ModelSizes:
     """A checkpoint's sizes from its config and safetensors headers (nothing is read beyond them)."""
     from moestream.checkpoint.index import build_index
 
-    index = build_index(path)
+    return sizes_of(build_index(path))
+
+
+def sizes_of(index) -> ModelSizes:
+    """The sizes of an indexed checkpoint (`checkpoint.index.CheckpointIndex`)."""
     topology = index.topology
     dense = sum(index.tensors[name].nbytes for name in index.dense_names())
     return ModelSizes(dense, topology.expert_bytes, topology.total_experts, topology.num_layers,
@@ -161,12 +165,11 @@ def host_bytes(text, expert_bytes: int, num_experts: int) -> int:
     return slots * expert_bytes
 
 
-def check_host_room(text, model, device: str, device_bytes: int, available=None, pin=None) -> None:
+def check_host_room(text, sizes: ModelSizes, device: str, device_bytes: int, available=None, pin=None) -> None:
     """Refuses (one line naming --host-budget and the figures) a host budget more than the memory left, or
-    whose pinned allocation fails on CUDA. device_bytes: the largest device budget of the runs; available:
-    the host memory (default: this machine's, `host_available`); pin(num_bytes): allocates and
-    frees that much pinned memory (default: torch's, on CUDA only)."""
-    sizes = model_sizes(model)
+    whose pinned allocation fails on CUDA. sizes: the checkpoint's (`model_sizes`); device_bytes: the largest
+    device budget of the runs; available: the host memory (default: this machine's, `host_available`);
+    pin(num_bytes): allocates and frees that much pinned memory (default: torch's, on CUDA only)."""
     wanted = host_bytes(text, sizes.expert_bytes, sizes.num_experts)
     if not wanted:
         return

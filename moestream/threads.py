@@ -7,11 +7,9 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")
+from moestream.cgroup import CGROUP_ROOT, PROC_CGROUP
 
 
 def available_cores() -> int:

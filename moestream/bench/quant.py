@@ -148,13 +148,14 @@ def measure(args) -> list[dict]:
 def _host_budget(args, models: list[Path], reference, device_bytes: int) -> str:
     """--host-budget in bytes (a ratio: of the first checkpoint's expert bytes, as --budget), each
     checkpoint's host tier checked against the memory left (bench/engine/host.py) before any run."""
-    from moestream.bench.engine.host import budget_text, check_host_room
+    from moestream.bench.engine.host import budget_text
     from moestream.budget import Budget
+    from moestream.memory_plan import check_host_room, model_sizes
 
     text = budget_text(args.host_budget)
     host = f"{Budget.parse(text).resolve(reference.total_expert_bytes)}B"
     for model in models:
-        check_host_room(host, model, args.device, device_bytes)
+        check_host_room(host, model_sizes(model), args.device, device_bytes)
     return host
 
 

@@ -69,16 +69,15 @@ def check_budgets(args, model: Path) -> None:
     cannot serve one token of one layer, and a host budget more than the memory left (or, on CUDA, that
     cannot be pinned)."""
     from moestream.checkpoint.index import build_index
-    from moestream.memory_plan import check_host_room
+    from moestream.memory_plan import check_host_room, sizes_of
     from moestream.store.config import StoreConfig
 
-    config = from_args(EngineConfig, args)
-    topology = build_index(model).topology
+    config, index = from_args(EngineConfig, args), build_index(model)
     try:
-        slots = StoreConfig.of(config).device_slots(topology)
+        slots = StoreConfig.of(config).device_slots(index.topology)
     except BudgetError as error:
         raise BudgetError(f"--expert-budget: {error}") from None
-    check_host_room(config.host_budget, model, config.device, slots * topology.expert_bytes)
+    check_host_room(config.host_budget, sizes_of(index), config.device, slots * index.topology.expert_bytes)
 
 
 def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:

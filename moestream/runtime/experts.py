@@ -5,8 +5,10 @@ module swap for families without registry support, and the router taps that feed
 a model selects it with `set_experts_implementation("moestream")`. Each bound experts module
 carries a `LayerBinding` (its MoE-layer index and the `OffloadedExperts` mechanism) that the forward
 reads. Where every expert is resident and no observer reads routing events, the forward is transformers'
-own (the implementation the model had) over `ResidentExperts`, the layer's views of the slot pool. Families whose experts are not registry-dispatched get a replacement module, looked up by
-the original class name in `EXPERT_SWAPS`. Nothing here knows a policy.
+own (the implementation the model had) over `ResidentExperts`, the layer's views of the slot pool.
+Families whose experts are not registry-dispatched get a replacement module, looked up by the original
+class name in `EXPERT_SWAPS`. A block's shared experts run as it starts (`LaunchedFirst`). Nothing here
+knows a policy.
 """
 
 from __future__ import annotations

@@ -41,8 +41,7 @@ class FiniteFlags:
     @classmethod
     def of_layers(cls, moe_layer_ids, device: torch.device | str, reads: HostReads) -> "FiniteFlags":
         """Flags for each MoE layer's routed experts' output (decoder layer ids given) and the logits."""
-        return cls([f"the routed experts' output of MoE layer {layer} (decoder layer {decoder})"
-                    for layer, decoder in enumerate(moe_layer_ids)], device, reads)
+        return cls(layer_places(moe_layer_ids), device, reads)
 
     def mark(self, place: int, values: torch.Tensor) -> torch.Tensor:
         """Returns values unchanged; their flag says whether all are finite (no wait)."""
@@ -64,6 +63,12 @@ class FiniteFlags:
             raise NonFiniteError(_message(self.places[where] if where < len(self.places) else
                                           "the logits (the model's output head)"))
         return (torch.from_numpy(host_logits), *rest)
+
+
+def layer_places(moe_layer_ids) -> list[str]:
+    """The words naming each MoE layer's routed experts' output (decoder layer ids given)."""
+    return [f"the routed experts' output of MoE layer {layer} (decoder layer {decoder})"
+            for layer, decoder in enumerate(moe_layer_ids)]
 
 
 def _message(where: str) -> str:

@@ -5,8 +5,8 @@ queue. The engine reads once per MoE layer (its routing, with whatever the obser
 once per step (the logits, with the step's finite flags); everything else it needs on the host it
 builds there. `HostReads.read` takes every tensor of one such read: on CUDA it copies each into a
 pinned buffer without blocking and waits once, on one event; on the CPU the tensors already are on
-the host. `host_array` turns a tensor that is on the host by construction into numpy, and refuses one
-that is not. Knows no model, store or policy.
+the host. `upload` sends what the host built to the device without waiting. Knows no model, store or
+policy.
 """
 
 from __future__ import annotations
@@ -34,13 +34,6 @@ class HostReads:
         done.record(torch.cuda.current_stream(next(t.device for t in wide if t.device.type == "cuda")))
         done.synchronize()  # the one wait
         return tuple(t.numpy() for t in host)
-
-
-def host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor that lives on the host as numpy (no read); refuses a device tensor, which `read` reads."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"host_array got a tensor on {tensor.device}: read it through HostReads")
-    return tensor.numpy()
 
 
 def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:

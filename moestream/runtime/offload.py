@@ -35,7 +35,7 @@ import torch
 from moestream.link_model import LinkFigures, ModelledLink
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
-from moestream.runtime.finite import FiniteFlags, check_finite
+from moestream.runtime.finite import FiniteFlags, check_finite, layer_places
 from moestream.runtime.host_reads import HostReads, upload
 from moestream.runtime.layer_experts import LAYER_KERNELS, Groups, LayerRows, default_kernel, num_groups
 from moestream.runtime.publisher import Publisher, Routing
@@ -78,15 +78,15 @@ class RowPlan:
     def __init__(self, ids: np.ndarray, used: np.ndarray, device_ids: torch.Tensor, num_experts: int):
         """ids [S] and used [S] on the host; device_ids: the same ids on the device."""
         self.num_rows = ids.size
-        counts = np.bincount(ids[used], minlength=num_experts)  # [E]
-        ends = np.cumsum(counts)
-        self._spans = {e: (int(end - n), int(end)) for e, (n, end) in enumerate(zip(counts, ends))}
+        self._counts = np.bincount(ids[used], minlength=num_experts)  # [E]
+        self._ends = ends = np.cumsum(self._counts)  # [E]
         key = device_ids if used.all() else device_ids.masked_fill(~upload(used, device_ids.device), num_experts)
         self.order = torch.argsort(key, stable=True)[: int(ends[-1])]  # [R] on the device
 
     def span(self, expert: int) -> tuple[int, int]:
         """Where the expert's rows lie in the sorted order."""
-        return self._spans[expert]
+        end = int(self._ends[expert])
+        return end - int(self._counts[expert]), end
 
 
 def expert_compute(now: dict[str, LaneTotal], before: dict[str, LaneTotal]) -> tuple[int, float]:
@@ -101,8 +101,7 @@ class _CheckedAtOnce:
     """FiniteFlags' `mark` that checks at once (an `OffloadedExperts` used outside an engine)."""
 
     def __init__(self, moe_layer_ids, reads: HostReads):
-        self.places = FiniteFlags.of_layers(moe_layer_ids, "cpu", reads).places
-        self.reads = reads
+        self.places, self.reads = layer_places(moe_layer_ids), reads
 
     def mark(self, layer: int, values: torch.Tensor) -> torch.Tensor:
         return check_finite(values, self.places[layer], self.reads)
@@ -153,7 +152,8 @@ class OffloadedExperts:
     def count_resident(self, top_k_index: torch.Tensor) -> None:
         """Counts, on the device, the distinct experts a layer that ran as all resident used (its lookups)."""
         num_experts, active = self.store.topology.num_experts, self.publisher.rows(top_k_index.shape[0]).active
-        ids = top_k_index.masked_fill(~upload(active, top_k_index.device)[:, None], num_experts)  # [T, K]
+        ids = top_k_index if active.all() else top_k_index.masked_fill(  # [T, K]
+            ~upload(active, top_k_index.device)[:, None], num_experts)
         used = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
         self.resident_hits += used[:num_experts].sum()
 

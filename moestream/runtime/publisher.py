@@ -1,10 +1,9 @@
 """Publishes what the runtime sees to its observers: iteration contexts, routing events, sequence ends.
 
 The engine tells the publisher which sequence and position each row of the next forward pass
-belongs to (a `RowContext`); the experts forward hands it each layer's routing, already on the host (read with the layer's expert
-ids), and it turns that into a `RoutingEvent` of the rows that really run (padding, finished and
-dropped tokens excluded).
-It knows no policy: it hands each event to a `PolicyDriver` (moestream.policies.driver), which calls
+belongs to (a `RowContext`); the experts forward hands it each layer's routing, already on the host
+(read with the layer's expert ids), and it turns that into a `RoutingEvent` of the rows that really
+run (padding, finished and dropped tokens excluded). It knows no policy: it hands each event to a `PolicyDriver` (moestream.policies.driver), which calls
 the policy's observers and any others in the contract's order, and reports the time they take.
 """
 

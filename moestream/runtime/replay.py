@@ -21,9 +21,9 @@ replayed expert gets which weight is then arbitrary, as the outputs under replay
 router's full distribution (gate probabilities for policies that ask) stays the model's own.
 
 The replay is an observer (it learns each iteration's token count from `begin_iteration`) and the
-experts forward asks it for each layer's routing (an iteration's rows of every layer go to the device
-once, at its first layer) (`moestream.runtime.experts.attach_replay`); it
-knows no policy and no store.
+experts forward asks it for each layer's routing (`moestream.runtime.experts.attach_replay`; an
+iteration's rows of every layer go to the device once, at its first layer); it knows no policy and no
+store.
 """
 
 from __future__ import annotations

@@ -92,6 +92,15 @@ def _rows_and_ctx(step: int, seqs: list[Sequence], input_ids: np.ndarray, positi
     return rows, ctx
 
 
+def _last_tokens(seqs: list[Sequence]) -> np.ndarray:
+    """[B, 1] each sequence's newest token (a finished sequence's row runs no experts)."""
+    return np.array([[s.output_ids[-1]] for s in seqs], dtype=np.int64)
+
+
+def _active(seqs: list[Sequence]) -> np.ndarray:
+    return np.array([[not s.finished] for s in seqs])  # [B, 1]
+
+
 def prefill_plan(step: int, seqs: list[Sequence], pad_id: int, device: str) -> StepPlan:
     """All prompts at once, left padded as a tokenizer with padding_side='left' would."""
     width = max(len(s.prompt_ids) for s in seqs)
@@ -110,12 +119,11 @@ def decode_plan(step: int, seqs: list[Sequence], past_mask: torch.Tensor) -> Ste
     its own position, as `generate` extends a left-padded batch (or a batch merged from per-sequence
     caches, runtime/kv.py). The host's positions of the running rows are their sequences' cached
     tokens (a finished row's are never read), so the device's mask is not read."""
-    ids = np.array([[s.output_ids[-1]] for s in seqs], dtype=np.int64)  # [B, 1] each sequence's newest token
+    ids = _last_tokens(seqs)
     cached = np.array([[len(s.prompt_ids) + len(s.output_ids) - 1] for s in seqs], dtype=np.int64)  # [B, 1]
-    active = np.array([[not s.finished] for s in seqs])  # [B, 1]
     positions = past_mask.sum(-1, keepdim=True)  # [B, 1] on the device: what the model sees
     mask = torch.cat([past_mask, past_mask.new_ones((len(seqs), 1))], dim=-1)  # [B, W + 1]
-    rows, ctx = _rows_and_ctx(step, seqs, ids, cached, active, False)
+    rows, ctx = _rows_and_ctx(step, seqs, ids, cached, _active(seqs), False)
     return StepPlan(step, False, upload(ids, past_mask.device), mask, positions, rows, ctx)
 
 
@@ -202,10 +210,9 @@ class Seq2SeqRunner(ModelRunner):
 
     def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
         """cache.mask is the encoder's mask [B, S]; decoder positions count the tokens generated."""
-        ids = np.array([[s.output_ids[-1]] for s in seqs], dtype=np.int64)  # [B, 1]
+        ids = _last_tokens(seqs)
         positions = np.array([[len(s.output_ids)] for s in seqs], dtype=np.int64)  # [B, 1]
-        active = np.array([[not s.finished] for s in seqs])  # [B, 1]
-        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, active, False)
+        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
         return StepPlan(step, False, upload(ids, self.device), cache.mask, upload(positions, self.device), rows, ctx)
 
     def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:

@@ -19,8 +19,8 @@ import uuid
 from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from moestream.checkpoint.tokenizer import load_tokenizer
 
+from moestream.checkpoint.tokenizer import load_tokenizer
 from moestream.errors import MoestreamError
 from moestream.serving.batching import KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta

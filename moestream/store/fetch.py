@@ -2,8 +2,8 @@
 
 The store decides which candidate is ready (`next_ready`); the Fetch keeps the order of the hand-out
 and releases the pins once. Where every expert had landed when fetched, the store hands their slots over
-with the Fetch, and it asks the store nothing more until release. Stream order: call `ready` and `release` on the thread whose stream runs
-the kernels that read the slots. Each slot is handed out once that stream has been made to wait for
+with the Fetch, and it asks the store nothing more until release. Stream order: call `ready` and
+`release` on the thread whose stream runs the kernels that read the slots. Each slot is handed out once that stream has been made to wait for
 its copy (the host does not wait); `release`, once those kernels are issued, records them as the slots'
 last readers, which a later copy into the slots waits for. It knows no tier, queue or policy.
 """

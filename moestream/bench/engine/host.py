@@ -1,17 +1,14 @@
 """The host-RAM tier in `bench engine` and `bench quant` (`--host-budget`): whether it fits, the copy link that
 serves it, and the warm-up that fills it before the timed steps.
 
-- `check_host_room`: a host budget refused in one line naming the flag and the figures, before any expert is
-  loaded, where it is more than the memory left (`moestream.memory_plan`: what is available less the process
-  floor, a margin and, on the CPU, the dense part and the largest device budget, which live in the same
-  memory), or where pinning it fails (CUDA: the host tier is pinned).
+- whether it fits is `moestream.memory_plan.check_host_room`'s (as for `generate` and `serve`).
 - `copy_gbps`: the host -> device copy's bandwidth through the store's own copy link (`LINKS`: a pinned,
   asynchronous H2D copy on CUDA, a memcpy on the CPU), the link the planner sees when the host tier holds
   every expert.
 - `fill_tiers`: the child's warm-up: the first experts in layer order brought through the store, as many as
   its larger tier holds, so that the host tier (or, where the store merges the tiers, the one tier) is full.
-- `host_tier_apart`: where the store keeps a host tier apart (CUDA, or --sync); on the CPU without --sync
-  the host budget joins the device tier (`EngineConfig.host_budget`), and the bench says so.
+- where the store keeps a host tier apart (CUDA, or --sync) is `moestream.store.factory.merges_tiers`'s; on
+  the CPU without --sync the host budget joins the device tier, and the bench says so.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import time
 
 from moestream.budget import Budget
 from moestream.errors import MoestreamError
-from moestream.memory_plan import FLAG, check_host_room, host_bytes  # noqa: F401  (the bench's, re-exported)
+from moestream.memory_plan import FLAG
 
 COPY_BYTES = 256 * 2**20  # moved per round of the copy measurement
 COPY_ROUNDS = 3  # after one warm-up round; the best is kept
@@ -33,12 +30,6 @@ def budget_text(budget: Budget | str) -> str:
                              "says what fits")
     budget = Budget.parse(budget, FLAG)
     return f"{budget.ratio * 100:g}%" if budget.ratio is not None else f"{budget.size_bytes}B"
-
-
-def host_tier_apart(device: str, sync: bool) -> bool:
-    """Whether the store keeps a host tier apart from the device tier: on CUDA, or --sync (on the CPU an
-    asynchronous store merges the host budget into the device tier: EngineConfig.host_budget)."""
-    return sync or device.startswith("cuda")
 
 
 def copy_gbps(expert_bytes: int, device: str) -> float:

@@ -46,17 +46,19 @@ def jobs(designs: str) -> list[Job]:
 def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     """The bench's document; each run through `run` (spec, memory cap) -> figures: one fresh process, or
     one on each of world_size ranks (ranked.py; each rank's cap is for its 1/world_size of the budget)."""
-    from moestream.bench.engine.host import check_host_room, copy_gbps
+    from moestream.bench.engine.host import copy_gbps
     from moestream.bench.integrity import report_integrity
     from moestream.checkpoint.index import build_index
     from moestream.cli.demo import PROMPTS
+    from moestream.memory_plan import check_host_room, sizes_of
 
     budgets, host = _check(args)
     model = model_dir(args)
-    topology = build_index(model).topology
+    index = build_index(model)
+    topology = index.topology
     host_mib = _bytes(host, topology) / MIB
     if host_mib:  # before any expert is loaded
-        check_host_room(host, model, args.device, max(_bytes(budget, topology) for budget in budgets))
+        check_host_room(host, sizes_of(index), args.device, max(_bytes(budget, topology) for budget in budgets))
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    native_gemv=args.native_gemv, replay_routing=args.replay_routing,
@@ -156,7 +158,7 @@ def _check(args) -> tuple[list[str], str]:
 
 def _bytes(budget: str, topology) -> int:
     """A budget's bytes: whole expert slots, at most every expert."""
-    from moestream.bench.engine.host import host_bytes
+    from moestream.memory_plan import host_bytes
 
     return host_bytes(budget, topology.expert_bytes, topology.total_experts)
 
@@ -247,9 +249,9 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
 def _link_bw(job: Job, base: RunSpec, context: dict) -> float:
     """The link the run's planner sees (bytes/s): the host -> device copy's where the store keeps a host tier
     apart that holds every expert (filled before timing), else the disk's (cold O_DIRECT)."""
-    from moestream.bench.engine.host import host_tier_apart
+    from moestream.store.factory import merges_tiers
 
-    host = context["link_bw"] is not None and host_tier_apart(base.device, job.sync)
+    host = context["link_bw"] is not None and not merges_tiers(base.device, not job.sync)
     return context["link_bw"] if host else context["disk_bw"]
 
 

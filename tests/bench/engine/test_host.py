@@ -9,11 +9,11 @@ import json
 import pytest
 
 from moestream.bench.engine.child import run_spec
-from moestream.bench.engine.host import check_host_room, copy_gbps
+from moestream.bench.engine.host import copy_gbps
 from moestream.bench.engine.spec import RunSpec
 from moestream.checkpoint.index import build_index
 from moestream.cli import main
-from moestream.memory_plan import Available
+from moestream.memory_plan import Available, check_host_room, model_sizes
 
 GIB, MIB = 2**30, 2**20
 
@@ -83,17 +83,17 @@ def test_a_sync_run_without_the_warm_up_reads_its_misses_from_disk(tiny_checkpoi
 
 def test_a_host_budget_more_than_the_memory_left_is_refused_with_the_figures(tiny_checkpoint):
     path = tiny_checkpoint("deepseek_v2", num_layers=3, num_experts=16, top_k=4, dtype="bf16")
-    experts = build_index(path).topology.total_expert_bytes
+    experts, sizes = build_index(path).topology.total_expert_bytes, model_sizes(path)
     roomy = Available(64 * GIB, "MemAvailable")
-    check_host_room("100%", path, "cpu", experts, roomy)  # fits: nothing raised
+    check_host_room("100%", sizes, "cpu", experts, roomy)  # fits: nothing raised
     with pytest.raises(Exception) as refused:
-        check_host_room("100%", path, "cpu", experts, Available(700 * MIB, "MemAvailable"))
+        check_host_room("100%", sizes, "cpu", experts, Available(700 * MIB, "MemAvailable"))
     message = str(refused.value)
     assert message.startswith("--host-budget 100%: ") and "700.0 MiB available (MemAvailable)" in message
     assert "the dense part" in message and "the largest device budget" in message
     with pytest.raises(Exception, match="--host-budget 100%: pinning .* failed \\(out of pinned memory"):
-        check_host_room("100%", path, "cuda", 0, roomy, pin=_failing_pin)
-    check_host_room("0B", path, "cpu", experts, Available(1, "MemAvailable"))  # no host tier: nothing to check
+        check_host_room("100%", sizes, "cuda", 0, roomy, pin=_failing_pin)
+    check_host_room("0B", sizes, "cpu", experts, Available(1, "MemAvailable"))  # no host tier: nothing to check
 
 
 def _failing_pin(num_bytes: int) -> None:
