@@ -4,6 +4,12 @@ import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DEEPSEEK_DEV = SHARED_DATA / "routing" / "deepseek-v2-lite" / "puffin_dev.npz"
+# the families the deep tests (index, loader, kernels, engine budgets, batching) run on, one of each kind:
+# multi-head latent attention with shared experts and dense layers, sigmoid routing, fused-on-disk experts
+# with biases, renamed blocks, a shared expert with its gate, per-expert layouts, fixed top-2, a swapped
+# encoder-decoder. Every other family runs the contract suite (tests/families/test_contract.py).
+SAMPLE_FAMILIES = ("deepseek_v2", "deepseek_v3", "gpt_oss", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
+                   "switch_transformers")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ policies.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,22 @@ class CheckpointIndex:
     @property
     def topology(self) -> Topology:
         return self.experts.topology
+
+    def is_expert_key(self, key: str) -> bool:
+        """Whether a model key is a routed expert parameter (the store's, never loaded dense): a fused
+        parameter of an experts implementation, or anything under a swapped experts module."""
+        owner, _, name = key.rpartition(".")
+        if self.adapter.uses_experts_registry:
+            return owner in self._experts_paths and name in self._expert_params
+        return any(key.startswith(f"{path}.") for path in self._experts_paths)
+
+    @functools.cached_property
+    def _experts_paths(self) -> frozenset[str]:
+        return frozenset(block.experts_path for block in self.blocks)
+
+    @functools.cached_property
+    def _expert_params(self) -> frozenset[str]:
+        return frozenset(part.param for part in self.adapter.expert_parts(self.config))
 
     def dense_names(self) -> list[str]:
         return [name for names in self.dense.values() for name in names]
@@ -92,7 +109,15 @@ def _part_slices(part: ExpertPart, block: MoEBlock, expert: int, num_experts: in
     if len(dtypes) != 1 or any(not s or s[1:] != shapes[0][1:] for s in shapes):
         raise CheckpointError(f"tensors of {part.param} for expert {expert} of {block.disk_prefix} "
                               f"cannot be concatenated: shapes {shapes}, dtypes {sorted(map(str, dtypes))}")
-    return (sum(s[0] for s in shapes), *shapes[0][1:]), dtypes.pop(), segments
+    shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+    return shape, dtypes.pop(), segments
+
+
+def _transposed(part: ExpertPart, disk_shape: tuple[int, ...]) -> bool:
+    """Whether the checkpoint stores the part with its last two dimensions swapped (transformers then
+    transposes it on load): its shape is the memory shape swapped."""
+    swapped = (*disk_shape[:-2], disk_shape[-1], disk_shape[-2]) if len(disk_shape) >= 2 else disk_shape
+    return part.may_transpose and tuple(disk_shape) != part.shape and swapped == part.shape
 
 
 def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
@@ -112,7 +137,10 @@ def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]], parts) -> 
     for part, (shape, dtype) in zip(parts, shapes_dtypes):
         if offset % dtype.itemsize:
             raise CheckpointError(f"part {part.param} ({dtype}) would start at unaligned slot offset {offset}")
-        view = PartView(part.param, shape, dtype, offset)
+        transposed = _transposed(part, shape)  # the slot keeps the disk's bytes; the view swaps them back
+        if transposed:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        view = PartView(part.param, shape, dtype, offset, transposed)
         views.append(view)
         offset += view.nbytes
     return tuple(views)
@@ -169,9 +197,9 @@ def build_index(path: str | Path) -> CheckpointIndex:
     if not blocks:
         raise CheckpointError(f"the config in {path} declares no MoE layers")
     codec = codec_for(config)
-    parts = adapter.parts
+    parts = adapter.expert_parts(config)
     if codec is not None:
-        parts = _widest_first(codec.disk_parts(adapter.parts), blocks[0], adapter.num_experts(config), tensors)
+        parts = _widest_first(codec.disk_parts(parts), blocks[0], adapter.num_experts(config), tensors)
     experts, expert_names = _index_experts(adapter, parts, config, blocks, tensors)
     return CheckpointIndex(path, config, adapter, blocks, experts, _dense_by_shard(tensors, expert_names), tensors,
                            codec)

@@ -51,6 +51,7 @@ class PartView:
     shape: tuple[int, ...]  # per-expert shape, e.g. (2 * I, H)
     dtype: torch.dtype
     offset: int  # byte offset in the slot
+    transposed: bool = False  # the bytes hold the shape's last two dimensions swapped (as the disk does)
 
     @property
     def nbytes(self) -> int:
@@ -78,8 +79,7 @@ class ExpertIndex:
     @functools.cached_property
     def _strided(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], int], ...]:
         """Per part: name, dtype, shape, contiguous strides and first element in the slot's typed view."""
-        return tuple((p.param, p.dtype, p.shape, torch.empty(p.shape, device="meta").stride(),
-                      p.offset // p.dtype.itemsize) for p in self.layout)
+        return tuple((p.param, p.dtype, p.shape, _strides(p), p.offset // p.dtype.itemsize) for p in self.layout)
 
 
     def residue(self, key: ExpertKey, block: int) -> int:
@@ -87,6 +87,13 @@ class ExpertIndex:
         residue = self.locations[key].residue(block)
         widest = max(p.dtype.itemsize for p in self.layout)
         return residue if residue % widest == 0 else 0
+
+
+def _strides(part: PartView) -> tuple[int, ...]:
+    """A part's strides in its slot: contiguous, or the transpose of its contiguous disk layout."""
+    if not part.transposed:
+        return torch.empty(part.shape, device="meta").stride()
+    return torch.empty(part.shape, device="meta").transpose(-2, -1).contiguous().transpose(-2, -1).stride()
 
 
 class ExpertCheck(Protocol):

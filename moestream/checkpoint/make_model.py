@@ -29,6 +29,7 @@ from moestream.checkpoint.tokenizer import SpecialTokenIds, train_tokenizer
 from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import CheckpointError
+from moestream.families.tiny import TEXT_KEYS, Sizes
 from moestream.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -44,17 +45,20 @@ def make_config(spec: ModelSpec) -> PretrainedConfig:
     """The transformers config of the model `spec` describes."""
     adapter = spec.adapter()
     ids = SpecialTokenIds()
-    kwargs = adapter.tiny_config_kwargs(spec.num_layers, spec.num_experts, spec.resolved_top_k,
-                                        spec.hidden_size, spec.intermediate_size, spec.vocab_size)
-    kwargs |= dict(pad_token_id=ids.pad, bos_token_id=ids.bos, eos_token_id=ids.eos)
+    kwargs = adapter.tiny_config_kwargs(Sizes(spec.num_layers, spec.num_experts, spec.resolved_top_k,
+                                              spec.hidden_size, spec.intermediate_size, spec.vocab_size))
+    special = dict(pad_token_id=ids.pad, bos_token_id=ids.bos, eos_token_id=ids.eos)
+    kwargs |= special
+    for key, sub in kwargs.items():  # a multimodal config's text part carries its own ids
+        if key.startswith(TEXT_KEYS) and isinstance(sub, dict):
+            sub |= special
     try:
         config = AutoConfig.for_model(spec.family, **(kwargs | spec.config_overrides))
     except (ValueError, TypeError) as error:
         raise CheckpointError(f"invalid {spec.family} config: {error}") from None
     if config.is_encoder_decoder:
         config.decoder_start_token_id = ids.pad  # T5 convention: decoding starts from the pad token
-    if not adapter.blocks(config):
-        raise CheckpointError(f"a {spec.family} model with {spec.num_layers} layer(s) has no MoE layer")
+    adapter.blocks(config)  # a config with no MoE layer is refused here, before anything is written
     return config
 
 
@@ -66,9 +70,9 @@ def meta_model(spec: ModelSpec, config: PretrainedConfig) -> torch.nn.Module:
 
 
 def disk_tensors(model: torch.nn.Module) -> list[list[TensorPlan]]:
-    """The tensors save_pretrained writes for `model` (tied copies and ignored keys left out), in units:
-    the tensors each in-memory tensor is saved as (a layer's fused experts become one unit of
-    per-expert tensors in most families), which writing keeps in one shard."""
+    """The tensors save_pretrained writes for `model` (tied copies and ignored keys left out), in units
+    that writing keeps in one shard: a numbered layer's tensors are one unit (its fused experts saved
+    per expert, its projections merged or split as transformers saves them), any other tensor its own."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -76,8 +80,34 @@ def disk_tensors(model: torch.nn.Module) -> list[list[TensorPlan]]:
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
-    units = [revert_weight_conversion(model, {key: tensor}) for key, tensor in state.items()]
-    return [[TensorPlan(name, tuple(t.shape), t.dtype) for name, t in unit.items()] for unit in units]
+    transposed = _published_transposed(model)
+    units: dict[str, list[TensorPlan]] = {}
+    for name, tensor in revert_weight_conversion(model, state).items():
+        shape = tuple(tensor.shape)
+        if name in transposed:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        units.setdefault(_layer_of(name) or name, []).append(TensorPlan(name, shape, tensor.dtype))
+    return list(units.values())
+
+
+def _published_transposed(model: torch.nn.Module) -> set[str]:
+    """Disk names of fused expert tensors that releases store transposed (transformers transposes them
+    on load where their shape says so; save_pretrained would keep the memory layout)."""
+    from moestream.families import derive
+
+    names = set()
+    for path, module in derive.experts_modules(model):
+        for param, _ in module.named_parameters(recurse=False):
+            part = derive.disk_part(model, path, param)
+            names |= set(part.names) if part.transposed else set()
+    return names
+
+
+def _layer_of(name: str) -> str | None:
+    """The name's prefix up to its first numbered component ("model.layers.3"), None if it has none."""
+    parts = name.split(".")
+    number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return None if number is None else ".".join(parts[: number + 1])
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -98,12 +128,16 @@ def init_kind(name: str, noise_suffixes: tuple[str, ...]) -> str:
 
 def filler(spec: ModelSpec, config: PretrainedConfig) -> writer.Fill:
     """The function that gives each planned tensor its values."""
-    noise = tuple(spec.adapter().noise_init)
+    adapter = spec.adapter()
+    noise = tuple(adapter.noise_init)
     scales = _scales(config)
 
     def fill(tensor: TensorPlan) -> torch.Tensor:
+        fixed = adapter.init_values(tensor.name, tensor.shape, tensor.dtype)
+        if fixed is not None:
+            return fixed
         kind = init_kind(tensor.name, noise)
-        if kind == "zeros":
+        if kind == "zeros" or not tensor.dtype.is_floating_point:  # integer buffers (tables, counters): zeros
             return torch.zeros(tensor.shape, dtype=tensor.dtype)
         if kind == "ones":
             return torch.full(tensor.shape, scales(tensor, kind), dtype=tensor.dtype)

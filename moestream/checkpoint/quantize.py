@@ -24,8 +24,6 @@ from moestream.checkpoint import writer
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import MANIFEST_FILE
 from moestream.checkpoint.verify import verify
-from moestream.checkpoint.manifest import MANIFEST_FILE
-from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import MoestreamError
 from moestream.quant.codec import method_of
@@ -43,7 +41,7 @@ def expert_weights(checkpoint: CheckpointIndex, scheme: IntScheme) -> dict[str, 
         raise MoestreamError(f"--model {checkpoint.path} is already quantized ({method})")
     family = checkpoint.adapter.model_type
     found = {}
-    for part in checkpoint.adapter.parts:
+    for part in checkpoint.adapter.expert_parts(checkpoint.config):
         if part.fused_on_disk or not all(t.endswith(WEIGHT) for t in part.disk):
             raise MoestreamError(f"quantize: {family} stores its experts as {part.disk[0]!r}; supported: families "
                                  "with per-expert linear weights")

@@ -7,18 +7,24 @@ Light to import (no torch or transformers), so the CLI can build its parser quic
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 from moestream.errors import CheckpointError
-from moestream.families import FAMILIES, FamilyAdapter
+from moestream.families import FAMILIES, FamilyAdapter, adapter_for
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")  # token ids 0, 1, 2
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 16  # every byte, the specials, a few merges
 DTYPE_NAMES = ("bf16", "fp32")
 DEFAULT_TOP_K = 2
-# --quant FORMAT: the families whose published checkpoints come in it, and the multiple that hidden and expert
-# widths must be (MXFP4 scales groups of 32 values); layouts in checkpoint/quantized.py
-QUANT_FAMILIES = {"mxfp4": ("gpt_oss",), "fp8": ("deepseek_v3", "qwen3_moe"), "w4a16": ("mixtral", "qwen3_moe")}
+# --quant FORMAT: the multiple that hidden and expert widths must be (MXFP4 scales groups of 32 values);
+# layouts in checkpoint/quantized.py, the families each is written for in their files (`quant_formats`)
 QUANT_WIDTH_MULTIPLE = {"mxfp4": 32, "fp8": 1, "w4a16": 8}
+
+
+def quant_families() -> dict[str, tuple[str, ...]]:
+    """format -> the families whose published checkpoints come in it."""
+    return {fmt: tuple(n for n in FAMILIES.names() if fmt in FAMILIES.get(n).quant_formats)
+            for fmt in QUANT_WIDTH_MULTIPLE}
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class ModelSpec:
     max_shard_bytes: int | None = None
     config_overrides: dict = field(default_factory=dict)  # extra config fields, applied last
     tokenizer_vocab_size: int | None = None  # a tokenizer smaller than the embedding (None: vocab_size)
-    quant: str | None = None  # a QUANT_FAMILIES format: experts (and what else the format's releases quantize)
+    quant: str | None = None  # a QUANT_WIDTH_MULTIPLE format: experts (and what else the format's releases quantize)
 
     def __post_init__(self):
         adapter = self.adapter()
@@ -65,20 +71,18 @@ class ModelSpec:
             self._check_quant()
 
     def _check_quant(self) -> None:
-        if self.quant not in QUANT_FAMILIES:
-            raise CheckpointError(f"unknown quantized format {self.quant!r}; formats: {', '.join(QUANT_FAMILIES)}")
-        if self.family not in QUANT_FAMILIES[self.quant]:
-            raise CheckpointError(f"--quant {self.quant} is written for {', '.join(QUANT_FAMILIES[self.quant])}, "
-                                  f"not {self.family}")
+        if self.quant not in QUANT_WIDTH_MULTIPLE:
+            raise CheckpointError(f"unknown quantized format {self.quant!r}; formats: {', '.join(QUANT_WIDTH_MULTIPLE)}")
+        families = quant_families()[self.quant]
+        if self.family not in families:
+            raise CheckpointError(f"--quant {self.quant} is written for {', '.join(families)}, not {self.family}")
         multiple = QUANT_WIDTH_MULTIPLE[self.quant]
         if self.hidden_size % multiple or self.intermediate_size % multiple:
             raise CheckpointError(f"--quant {self.quant} needs hidden and intermediate sizes that are multiples "
                                   f"of {multiple}, got {self.hidden_size} and {self.intermediate_size}")
 
     def adapter(self) -> FamilyAdapter:
-        if self.family not in FAMILIES:
-            raise CheckpointError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES.names())}")
-        return FAMILIES.create(self.family)
+        return adapter_for(SimpleNamespace(model_type=self.family))
 
     @property
     def resolved_top_k(self) -> int:

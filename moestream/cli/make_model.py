@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moestream.checkpoint.spec import PRESETS, QUANT_FAMILIES, ModelSpec
+from moestream.checkpoint.spec import PRESETS, QUANT_WIDTH_MULTIPLE, ModelSpec, quant_families
 from moestream.cli import at_least
 from moestream.errors import CheckpointError
-from moestream.families import FAMILIES
-
 
 HELP = {
     "num-layers": "decoder layers (each of encoder and decoder for switch_transformers)",
@@ -29,8 +27,8 @@ def add_parser(commands) -> None:
     parser = commands.add_parser(
         "make-model", help="write a randomly initialised MoE checkpoint (safetensors + tokenizer + manifest)"
     )
-    parser.add_argument("family", nargs="?", help=f"transformers model_type: {', '.join(FAMILIES.names())} "
-                                                  "(or --preset)")
+    parser.add_argument("family", nargs="?", help="transformers model_type (`moestream families` lists them; "
+                                                  "or --preset)")
     parser.add_argument("--out", required=True, help="output directory (must be absent or empty)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="a real model's full shape (deepseek-v2-lite: 31 GB); flags below override its fields")
@@ -46,10 +44,10 @@ def add_parser(commands) -> None:
         parser.add_argument(f"--{flag}", type=int, help=text + shown)
     parser.add_argument("--dtype", choices=("bf16", "fp32"),
                         help=f"the weights' type on disk (default: {defaults['dtype'].default})")
-    parser.add_argument("--quant", choices=sorted(QUANT_FAMILIES),
+    parser.add_argument("--quant", choices=sorted(QUANT_WIDTH_MULTIPLE),
                         help="write the experts (and what else the format's published checkpoints quantize) in a "
                              "quantized format: " + "; ".join(f"{name} for {', '.join(families)}"
-                                                              for name, families in QUANT_FAMILIES.items()))
+                                                              for name, families in quant_families().items()))
     parser.set_defaults(handler=run)
 
 

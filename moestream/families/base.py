@@ -1,6 +1,10 @@
-"""What a model family declares: where its MoE blocks live, how an expert is laid out in a slot and
-on disk, and its routing specifics. One adapter per file; the engine and the store read these
-declarations and know no family by name.
+"""What a model family is to moestream: where its MoE blocks live, how an expert is laid out in a slot and
+on disk, and its counts. By default all of it is derived from transformers (`derive.py`): the blocks are
+the experts implementations of the model built on the meta device, the layout is the checkpoint
+conversion mapping's, the counts come from the experts modules and the config. A family file declares
+only what cannot be derived (a router's fixed top-k, tensors a test model fills with noise, a small
+test config's fields, the quantized formats its releases come in, or why it cannot work); the engine
+and the store read adapters and know no family by name.
 
 Slot layout: an expert's slot is the concatenation, in `parts` order, of the per-expert slices of the
 experts module's fused parameters (e.g. gate_up_proj[e] then down_proj[e]), each in the checkpoint's
@@ -10,12 +14,25 @@ each a contiguous byte range of a safetensors file, or slice [e] of a tensor fus
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from moestream.errors import CheckpointError
+from moestream.families import catalog, tiny
 from moestream.registry import Registry
 from moestream.topology import Topology
+
+TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts", "top_k")
+SHARED_FIELDS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # a block's shared experts, as transformers names them
+
+
+class GeneratingClass:
+    """The auto class that generates text for the family's model type (transformers' auto mappings),
+    looked up when first read, on the class or an instance: importing the families stays light."""
+
+    def __get__(self, instance, owner) -> str:
+        return catalog.generating_class(owner.model_type) or "AutoModelForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -23,6 +40,8 @@ class ExpertPart:
     param: str  # fused parameter of the experts module in memory, e.g. "gate_up_proj"
     disk: tuple[str, ...]  # disk tensor names, relative to the block prefix, with {expert}
     fused_on_disk: bool = False  # the disk tensor is [E, ...] for all experts; take [expert]
+    may_transpose: bool = False  # fused on disk, perhaps with each expert's last two dimensions swapped
+    shape: tuple[int, ...] = ()  # one expert's slice in memory (what a transposed disk tensor is told by)
 
 
 @dataclass(frozen=True)
@@ -33,50 +52,107 @@ class MoEBlock:
     experts_path: str  # module path of the experts module in the model, e.g. "model.layers.3.mlp.experts"
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What is derived from one config: the MoE blocks, the expert parts, the counts."""
+
+    blocks: tuple[MoEBlock, ...]
+    parts: tuple[ExpertPart, ...]
+    num_experts: int
+    num_shared_experts: int
+
+
 class FamilyAdapter:
-    """Base adapter. Subclasses set the class attributes and override only what differs."""
+    """A family as transformers declares it. Subclasses (family files) set class attributes and override
+    only what cannot be derived."""
 
     model_type: ClassVar[str]
-    auto_class: ClassVar[str] = "AutoModelForCausalLM"
-    parts: ClassVar[tuple[ExpertPart, ...]]
-    num_experts_attr: ClassVar[str] = "num_experts"
-    top_k_attr: ClassVar[str] = "num_experts_per_tok"
-    layer_disk_prefix: ClassVar[str] = "model.layers.{layer}.mlp"
-    layer_experts_path: ClassVar[str] = "model.layers.{layer}.mlp.experts"
-    renames: ClassVar[tuple[tuple[str, str], ...]] = ()  # regex renames from disk keys to model keys
+    auto_class: ClassVar[str] = GeneratingClass()  # a name in transformers; a family file may set one
     uses_experts_registry: ClassVar[bool] = True  # False: the engine swaps the experts module
     fixed_top_k: ClassVar[int | None] = None  # the family's router only supports this top-k
     noise_init: ClassVar[tuple[str, ...]] = ()  # name suffixes of tensors a test model fills with noise
+    tiny_fields: ClassVar[dict] = {}  # text-config fields of a small test model the generic shrink misses
+    quant_formats: ClassVar[tuple[str, ...]] = ()  # published quantized formats `make-model --quant` writes
+    refused: ClassVar[str | None] = None  # why the family cannot work, in one line (None: it works)
 
-    def model_key(self, disk_key: str) -> str:
-        """The model's parameter name for a dense tensor stored on disk as `disk_key`."""
-        for pattern, replacement in self.renames:
-            disk_key = re.sub(pattern, replacement, disk_key)
-        return disk_key
+    @classmethod
+    def reason(cls) -> str | None:
+        """Why the family cannot work (None: it works)."""
+        if cls.refused is None and catalog.generating_class(cls.model_type) is None and cls.uses_experts_registry:
+            return "transformers has no text-generating model class for it"
+        return cls.refused
+
+    def __init__(self):
+        self._derived: tuple[object, Layout] | None = None  # (config, its layout), derived once
+
+    def layout(self, config) -> Layout:
+        if self._derived is None or self._derived[0] is not config:
+            self._derived = (config, self._derive(config))
+        return self._derived[1]
+
+    def _derive(self, config) -> Layout:
+        from moestream.families import derive  # torch: imported when a layout is first derived
+
+        model = derive.meta_model(config, self.auto_class)
+        modules = derive.experts_of_text(model)
+        if not modules:
+            raise CheckpointError(f"a {self.model_type} model of this config has no MoE layer")
+        blocks, parts = [], None
+        for index, (path, module) in enumerate(modules):
+            disk = [derive.disk_part(model, path, name) for name, _ in module.named_parameters(recurse=False)]
+            prefix = derive.block_prefix([name for part in disk for name in part.names], path)
+            found = tuple(ExpertPart(p.param, derive.relative(p.names, prefix), p.fused, p.transposed,
+                                     tuple(getattr(module, p.param).shape[1:])) for p in disk)
+            if parts is not None and found != parts:
+                raise CheckpointError(f"{self.model_type}: the experts of {path} are stored unlike the first "
+                                      f"block's ({found} against {parts})")
+            parts = found
+            blocks.append(MoEBlock(index, derive.layer_number(path), prefix, path))
+        first = modules[0][1]
+        num_experts = int(next(first.parameters()).shape[0])
+        block = model.get_submodule(modules[0][0].rpartition(".")[0])
+        return Layout(tuple(blocks), parts, num_experts, self._shared(config, block))
+
+    def _shared(self, config, block) -> int:
+        text = config.get_text_config()
+        shared = [getattr(block, name) for name in SHARED_NAMES if getattr(block, name, None) is not None]
+        if not shared:
+            return 0
+        declared = next((getattr(text, f) for f in SHARED_FIELDS if getattr(text, f, None)), None)
+        return int(declared) if declared else 1
+
+    def init_values(self, name: str, shape: tuple[int, ...], dtype):
+        """A test model's values for a tensor that transformers sets on load whatever the checkpoint holds
+        (None: the usual random fill)."""
+        return None
+
+    def expert_parts(self, config) -> tuple[ExpertPart, ...]:
+        return self.layout(config).parts
 
     def expert_tensor(self, experts_module, expert: int, param: str):
         """The in-memory tensor of `param` for one expert (what a slot view of `param` must equal)."""
         return getattr(experts_module, param)[expert]
 
     def num_experts(self, config) -> int:
-        return int(getattr(config, self.num_experts_attr))
+        return self.layout(config).num_experts
 
     def top_k(self, config) -> int:
         if self.fixed_top_k is not None:
             return self.fixed_top_k
-        return int(getattr(config, self.top_k_attr))
+        text = config.get_text_config()
+        for field in TOP_K_FIELDS:
+            if isinstance(getattr(text, field, None), int):
+                return int(getattr(text, field))
+        raise CheckpointError(f"the {self.model_type} config declares no top-k ({', '.join(TOP_K_FIELDS)})")
 
     def num_shared_experts(self, config) -> int:
-        return 0
+        return self.layout(config).num_shared_experts
 
     def moe_layer_ids(self, config) -> list[int]:
-        return list(range(config.num_hidden_layers))
+        return [block.layer_id for block in self.blocks(config)]
 
     def blocks(self, config) -> list[MoEBlock]:
-        return [
-            MoEBlock(i, layer, self.layer_disk_prefix.format(layer=layer), self.layer_experts_path.format(layer=layer))
-            for i, layer in enumerate(self.moe_layer_ids(config))
-        ]
+        return list(self.layout(config).blocks)
 
     def topology(self, config, expert_bytes: int) -> Topology:
         return Topology(
@@ -87,28 +163,9 @@ class FamilyAdapter:
             num_shared_experts=self.num_shared_experts(config),
         )
 
-    def tiny_config_kwargs(self, num_layers: int, num_experts: int, top_k: int, hidden_size: int,
-                           intermediate_size: int, vocab_size: int) -> dict:
-        """Config fields for `moestream make-model` (passed to AutoConfig.for_model); by default a small
-        decoder (`decoder_kwargs`) with experts intermediate_size wide."""
-        return decoder_kwargs(num_layers, hidden_size, vocab_size) | {
-            "intermediate_size": intermediate_size, self.num_experts_attr: num_experts, self.top_k_attr: top_k}
-
-
-def decoder_kwargs(num_layers: int, hidden_size: int, vocab_size: int) -> dict:
-    """Common config fields of a small decoder-only test model: 16-wide heads, grouped KV heads. The
-    weights keep transformers' init (std 0.02): larger weights make hidden states of different tokens
-    alike, so routing concentrates on few experts."""
-    num_heads = max(1, hidden_size // 16)
-    return dict(
-        num_hidden_layers=num_layers,
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads // 2 if num_heads % 2 == 0 else num_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
+    def tiny_config_kwargs(self, sizes: tiny.Sizes) -> dict:
+        """Config fields of a small model for `moestream make-model`: the family's defaults shrunk."""
+        return tiny.shrink(self.model_type, sizes, self.tiny_fields)
 
 
 FAMILIES: Registry[FamilyAdapter] = Registry("model family")

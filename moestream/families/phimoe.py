@@ -1,11 +1,9 @@
-"""PhiMoE: Mixtral's disk layout, a `router` (not `gate`) in memory, and sparsemixer top-2 routing."""
+"""PhiMoE: sparsemixer routing, which only supports top-2."""
 
-from moestream.families.base import FAMILIES
-from moestream.families.mixtral import MixtralAdapter
+from moestream.families.base import FAMILIES, FamilyAdapter
 
 
 @FAMILIES.register("phimoe")
-class PhimoeAdapter(MixtralAdapter):
+class PhimoeAdapter(FamilyAdapter):
     model_type = "phimoe"
-    renames = MixtralAdapter.renames + ((r"\.mlp\.gate\.weight$", ".mlp.router.weight"),)
     fixed_top_k = 2

@@ -1,9 +1,11 @@
 """Switch Transformers: an encoder-decoder whose every other block has a top-1 sparse MLP of
 `expert_{e}` modules (wi, wo). MoE layers are numbered over encoder blocks, then decoder blocks.
-The experts module is a ModuleDict, so the engine swaps it instead of using the experts registry.
+The experts module is a ModuleDict, not an experts implementation, so nothing of it is derived: this
+file declares its layout and the engine swaps the module instead of using the experts registry.
 """
 
 from moestream.families.base import FAMILIES, ExpertPart, FamilyAdapter, MoEBlock
+from moestream.families.tiny import Sizes
 
 # index of the feed-forward sublayer inside a block: after self-attention (and cross-attention)
 FF_SUBLAYER = {"encoder": 1, "decoder": 2}
@@ -19,6 +21,15 @@ class SwitchTransformersAdapter(FamilyAdapter):
     )
     uses_experts_registry = False
     fixed_top_k = 1
+
+    def expert_parts(self, config) -> tuple[ExpertPart, ...]:
+        return self.parts
+
+    def num_experts(self, config) -> int:
+        return int(config.num_experts)
+
+    def num_shared_experts(self, config) -> int:
+        return 0
 
     def expert_tensor(self, experts_module, expert: int, param: str):
         return getattr(experts_module[f"expert_{expert}"], param).weight
@@ -45,19 +56,19 @@ class SwitchTransformersAdapter(FamilyAdapter):
             result.append(MoEBlock(index, layer_id, prefix, f"{prefix}.experts"))
         return result
 
-    def tiny_config_kwargs(self, num_layers, num_experts, top_k, hidden_size, intermediate_size, vocab_size):
-        num_heads = max(1, hidden_size // 16)
+    def tiny_config_kwargs(self, sizes: Sizes) -> dict:
+        num_heads = max(1, sizes.hidden_size // 16)
         return dict(
-            vocab_size=vocab_size,
-            d_model=hidden_size,
-            d_ff=intermediate_size,
-            d_kv=hidden_size // num_heads,
+            vocab_size=sizes.vocab_size,
+            d_model=sizes.hidden_size,
+            d_ff=sizes.intermediate_size,
+            d_kv=sizes.hidden_size // num_heads,
             num_heads=num_heads,
-            num_layers=num_layers,
-            num_decoder_layers=num_layers,
-            num_sparse_encoder_layers=max(1, num_layers // 2),
-            num_sparse_decoder_layers=max(1, num_layers // 2),
-            num_experts=num_experts,
+            num_layers=sizes.num_layers,
+            num_decoder_layers=sizes.num_layers,
+            num_sparse_encoder_layers=max(1, sizes.num_layers // 2),
+            num_sparse_decoder_layers=max(1, sizes.num_layers // 2),
+            num_experts=sizes.num_experts,
             expert_capacity=4096,  # no token dropped at test sizes; a smaller capacity drops tokens
             router_jitter_noise=0.0,
             tie_word_embeddings=False,  # tied, a random T5 predicts its input token again and again

@@ -26,7 +26,8 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence as Seq
+from typing import Callable
+from typing import Sequence as Seq
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ import torch
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import load_manifest
 from moestream.checkpoint.tokenizer import load_tokenizer
+from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Observer, Policy, TransferRequest
@@ -41,26 +43,24 @@ from moestream.policies.driver import PolicyDriver
 from moestream.progress import progress_bar
 from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
-from moestream.config import EngineConfig
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.finite import FiniteFlags
 from moestream.runtime.host_reads import HostReads, upload
 from moestream.runtime.loader import dense_modules, expert_decoder, generation_config, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
-from moestream.runtime.onednn import NativeGemv, bound_shape_caches
 from moestream.runtime.offload import OffloadedExperts, Prefetcher, modelled_link
+from moestream.runtime.onednn import NativeGemv, bound_shape_caches
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
-from moestream.runtime.runner import (NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan,
-                                      TokenSampler)
+from moestream.runtime.runner import NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan, TokenSampler
 from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches, eos_ids
 from moestream.runtime.sharding import ALONE, Shard, StepAnnouncer
-from moestream.topology import ExpertKey
-from moestream.tracer import Tracer
 from moestream.store.config import StoreConfig
 from moestream.store.factory import open_store
 from moestream.store.store import TIERS, ExpertStore
 from moestream.threads import ComputeThreads
+from moestream.topology import ExpertKey
+from moestream.tracer import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +248,11 @@ class Engine:
     @property
     def runner_class(self) -> type[ModelRunner]:
         return RUNNERS.get(self.checkpoint.adapter.auto_class)
+
+    @property
+    def per_sequence_cache(self) -> bool:
+        """Whether batches can be merged from per-sequence caches (continuous batching)."""
+        return self.runner_class.per_sequence_cache and kv.mergeable(self.model)
 
     def new_sequence(self, prompt_ids: list[int], max_tokens: int = NO_TOKEN_LIMIT,
                      sampler: TokenSampler | None = None, ignore_eos: bool = False) -> Sequence:

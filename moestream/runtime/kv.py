@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -36,6 +37,15 @@ def num_bytes(cache) -> int:
     parts = [cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache) else [cache]
     tensors = [t for part in parts for layer in part.layers for t in (layer.keys, layer.values)]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def mergeable(model) -> bool:
+    """Whether the model's past is keys and values at every layer (no recurrent state, no cache class of
+    its own), which `merge` and `split` can cut per sequence."""
+    if not model._supports_default_dynamic_cache():
+        return False
+    layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    return all(isinstance(layer, DynamicLayer) for layer in layers)
 
 
 def empty_cache() -> DynamicCache:

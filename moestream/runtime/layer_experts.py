@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from moestream.registry import Registry
-from moestream.runtime.host_reads import upload
 from moestream.runtime.expert_math import ExpertMath, GroupedExpertMath, Weights, grouped_mm
+from moestream.runtime.host_reads import upload
 
 ALIGN_BYTES = 16  # fp32 weights at other addresses are copied (see the module docstring)
 
@@ -159,7 +159,7 @@ def stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
     step = step or first.numel()
     groups = (max(offsets) - low) // step + 1
     same = all(v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for v in views)
-    strides = (step, *first.stride()[:-1])
+    strides = (step, *(stride for stride in first.stride() if stride != 1))
     misaligned = any(stride * first.element_size() % ALIGN_BYTES for stride in strides) or (
         min(v.data_ptr() for v in views) % ALIGN_BYTES)
     if not same or misaligned or step < first.numel():  # groups would overlap: not one view per slot

@@ -2,7 +2,7 @@
 
 The skeleton is built on the meta device (no memory); then every dense tensor of the checkpoint is
 read (its own byte range only, with readahead off, so that loading the dense part reads no expert
-bytes), renamed by the family adapter and placed on the compute device one at a time; tied weights
+bytes), renamed as transformers' loading renames it (`families.derive.DenseConversion`) and placed on the compute device one at a time; tied weights
 are tied and non-persistent buffers (rotary inverse frequencies) are computed on the device by the
 model's own initialiser. Dense tensors a quantized checkpoint stores quantized are decoded by its
 codec (`dense_groups`, `decode_dense`) as they are read. The routed experts' parameters stay on meta:
@@ -25,6 +25,7 @@ import transformers
 from moestream.checkpoint.index import CheckpointIndex
 from moestream.checkpoint.shards import TensorInfo
 from moestream.errors import CheckpointError
+from moestream.families.derive import DenseConversion
 from moestream.progress import progress_bar
 from moestream.quant.decoder import ExpertDecoder
 
@@ -51,23 +52,27 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
     groups = checkpoint.codec.dense_groups(checkpoint.dense_names()) if checkpoint.codec is not None else {}
     quantized = {name for group in groups.values() for name in group.values()}
     loaded: set[str] = set()
+    conversion = DenseConversion(model)
     total = sum(len(names) for names in checkpoint.dense.values())
     with progress_bar(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
         for file, names in checkpoint.dense.items():
-            loaded |= _load_file(model, checkpoint, file, [n for n in names if n not in quantized], device, bar)
+            loaded |= _load_file(model, checkpoint, file, [n for n in names if n not in quantized], conversion,
+                                 device, bar)
         for name, group in groups.items():
-            loaded |= _load_quantized(model, checkpoint, name, group, device)
+            loaded |= _load_quantized(model, checkpoint, name, group, conversion.rename(name)[0], device)
             bar.update(len(group))
-    missing = {key for key in expected - loaded if not _is_expert_key(key, checkpoint)}
+        loaded |= {key for key, value in conversion.converted().items() if _assign(model, key, value, device)}
+    missing = {key for key in expected - loaded if not checkpoint.is_expert_key(key)}
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     still_meta = [key for key, value in model.state_dict(keep_vars=True).items()
-                  if value.is_meta and not _is_expert_key(key, checkpoint)]
+                  if value.is_meta and not checkpoint.is_expert_key(key)]
     if still_meta:
         raise CheckpointError(f"checkpoint {checkpoint.path} lacks dense tensor {sorted(still_meta)[0]}"
                               f" ({len(still_meta)} missing in all)")
 
 
-def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: str, bar) -> set[str]:
+def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, conversion: DenseConversion, device: str,
+               bar) -> set[str]:
     loaded = set()
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -75,8 +80,11 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: st
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into expert bytes
             for name in names:
-                key = checkpoint.adapter.model_key(name)
-                if _assign(model, key, _read_tensor(fd, checkpoint.tensors[name]), device):
+                key, merged = conversion.rename(name)
+                tensor = _read_tensor(fd, checkpoint.tensors[name])
+                if merged is not None:  # merged with others on load: converted once all are read
+                    conversion.collect(key, name, merged, tensor)
+                elif _assign(model, key, tensor, device):
                     loaded.add(key)
                 bar.update(1)
         finally:
@@ -86,7 +94,8 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, device: st
     return loaded
 
 
-def _load_quantized(model, checkpoint: CheckpointIndex, name: str, group: dict[str, str], device: str) -> set[str]:
+def _load_quantized(model, checkpoint: CheckpointIndex, name: str, group: dict[str, str], key: str,
+                    device: str) -> set[str]:
     """One dense tensor stored quantized: its tensors read, decoded by the codec, assigned as `name`."""
     tensors = {}
     for role, disk_name in group.items():
@@ -100,7 +109,6 @@ def _load_quantized(model, checkpoint: CheckpointIndex, name: str, group: dict[s
         except OSError as error:
             raise CheckpointError(f"cannot read dense tensor {disk_name} from {info.file}: {error}") from None
     value = checkpoint.codec.decode_dense(tensors, compute_dtype(checkpoint.config))
-    key = checkpoint.adapter.model_key(name)
     return {key} if _assign(model, key, value, device) else set()
 
 
@@ -139,10 +147,6 @@ def _assign(model: torch.nn.Module, key: str, value: torch.Tensor, device: str) 
     return True
 
 
-def _is_expert_key(key: str, checkpoint: CheckpointIndex) -> bool:
-    return any(key.startswith(f"{block.experts_path}.") for block in checkpoint.blocks)
-
-
 def materialize_buffers(model: torch.nn.Module, device: str) -> None:
     """Computes non-persistent buffers left on meta (e.g. rotary inv_freq) on `device`."""
     owners = {}
@@ -152,11 +156,14 @@ def materialize_buffers(model: torch.nn.Module, device: str) -> None:
         if buffer.is_meta and attr in owner._non_persistent_buffers_set:
             owner._buffers[attr] = torch.empty_like(buffer, device=device)
             owners[owner_name] = owner
-    for owner_name, owner in owners.items():
-        if any(True for _ in owner.parameters(recurse=False)):
-            raise CheckpointError(f"cannot compute the buffers of {owner_name}: it also holds parameters")
+    for owner in owners.values():
+        kept = {name: value.detach().clone() for name, value in owner.named_parameters()}
         with torch.no_grad():
-            model._init_weights(owner)
+            model._init_weights(owner)  # computes the buffers; parameters it re-initialises are put back
+        for name, value in kept.items():
+            module_name, _, attr = name.rpartition(".")
+            module = owner.get_submodule(module_name)
+            module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
 
 def load_model(checkpoint: CheckpointIndex, device: str, progress: bool = False) -> torch.nn.Module:

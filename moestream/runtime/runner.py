@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 from moestream.events import IterationContext
+from moestream.families.derive import text_part
 from moestream.registry import Registry
 from moestream.runtime.host_reads import upload
 from moestream.runtime.publisher import Publisher, RowContext
@@ -183,20 +184,37 @@ def _returned_cache(out):
 
 @RUNNERS.register("AutoModelForCausalLM")
 class CausalRunner(ModelRunner):
+    """A decoder's tokens; with no cache yet, the model makes its own (hybrid models keep recurrent
+    states beside their keys and values, in a cache of their own class)."""
+
     per_sequence_cache = True
 
     def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
         return decode_plan(step, seqs, cache.mask)
 
     def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
-        if cache.kv is None:
-            cache.kv = DynamicCache(config=self.model.config)
         extra = {"logits_to_keep": 1} if _accepts(self.model, "logits_to_keep") else {}
+        if cache.kv is not None:
+            extra |= _cache_kwargs(self.model, cache.kv)
         out = self._forward(plan.rows, input_ids=plan.input_ids, attention_mask=plan.attention_mask,
-                            position_ids=plan.position_ids, use_cache=True, **_cache_kwargs(self.model, cache.kv),
-                            **extra)
+                            position_ids=plan.position_ids, use_cache=True, **extra)
         cache.kv, cache.mask = _returned_cache(out), plan.attention_mask
         return _next_logits(out)  # [B, V]
+
+
+@RUNNERS.register("AutoModelForImageTextToText")
+class TextOfMultimodalRunner(CausalRunner):
+    """The text part of a multimodal model, run on input ids alone."""
+
+
+@RUNNERS.register("AutoModelForMultimodalLM")
+class TextOfOmniRunner(CausalRunner):
+    """The text part of a model that also takes audio or video, run on input ids alone: a wrapper with no
+    forward of its own (Qwen3-Omni) writes its text with its thinker."""
+
+    def __init__(self, model: torch.nn.Module, publisher: Publisher, pad_id: int, device: str):
+        super().__init__(text_part(model), publisher, pad_id, device)
+
 
 
 @RUNNERS.register("AutoModelForSeq2SeqLM")

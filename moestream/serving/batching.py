@@ -47,7 +47,7 @@ class Batcher:
         """on_delta(request, delta, with a new token); clock: that of Request.arrived."""
         self.engine, self.config, self.on_delta = engine, config, on_delta
         self.requests: list[Generating] = []  # admitted and not ended, in arrival order
-        continuous = engine.runner_class.per_sequence_cache
+        continuous = engine.per_sequence_cache
         # each sequence's routing path, for the token scheduler (continuous batching only)
         self.paths = RoutingPaths(engine.checkpoint.topology) if continuous else None
         self.bytes_per_token = engine.kv_bytes_per_token() if continuous else 0  # 0: no KV budget

@@ -18,8 +18,9 @@ from moestream.checkpoint.spec import ModelSpec, deepseek_v2_lite_spec, width_sc
 from moestream.checkpoint.verify import verify
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES
+from tests.conftest import SAMPLE_FAMILIES
 
-ALL_FAMILIES = FAMILIES.names()
+ALL_FAMILIES = SAMPLE_FAMILIES
 PROMPT = "The lighthouse keeper climbed the stairs. def f(x): return x + 1"
 
 
@@ -144,7 +145,7 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "fields, problem",
     [
-        (dict(family="llama"), "unsupported model family 'llama'"),
+        (dict(family="llama"), "model type 'llama' has no MoE experts in transformers"),
         (dict(family="mixtral", top_k=9), "top-k 9 must be between 1 and num_experts"),
         (dict(family="switch_transformers", top_k=2), "exactly 1 expert"),
         (dict(family="phimoe", top_k=3), "exactly 2 expert"),

@@ -14,7 +14,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from moestream.checkpoint.index import build_index
 from moestream.checkpoint.manifest import IntegrityError
 from moestream.checkpoint.quantized import QUANT_LAYOUTS
-from moestream.checkpoint.spec import QUANT_FAMILIES, ModelSpec
+from moestream.checkpoint.spec import QUANT_WIDTH_MULTIPLE, ModelSpec
 from moestream.checkpoint.verify import verify
 from moestream.cli import main
 from moestream.errors import CheckpointError
@@ -110,7 +110,7 @@ def test_transformers_loads_it_without_missing_keys(tiny_checkpoint, family, fmt
 
 
 def test_every_format_the_flag_offers_has_a_layout():
-    assert sorted(QUANT_FAMILIES) == QUANT_LAYOUTS.names()
+    assert sorted(QUANT_WIDTH_MULTIPLE) == QUANT_LAYOUTS.names()
 
 
 @pytest.mark.parametrize("family,fmt,problem", [

@@ -22,7 +22,7 @@ def test_writes_a_checkpoint_and_summarises_it(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, problem",
     [
-        (["make-model", "llama"], "unsupported model family 'llama'"),
+        (["make-model", "llama"], "model type 'llama' has no MoE experts in transformers"),
         (["make-model", "mixtral", "--top-k", "20"], "top-k 20 must be between 1 and num_experts"),
         (["make-model", "mixtral", "--vocab-size", "99999"], "larger than the packaged corpus"),
         (["make-model"], "needs a FAMILY or --preset"),

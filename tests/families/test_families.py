@@ -1,4 +1,5 @@
-"""Each family adapter's declarations agree with the transformers model built from its config."""
+"""The derivation itself: the catalog of model types, layouts read from transformers' conversion
+mapping (per expert, fused, transposed, refused), dense renames, counts, and the one-line refusals."""
 
 import pytest
 import torch
@@ -7,90 +8,86 @@ import transformers
 from moestream.checkpoint.make_model import make_config
 from moestream.checkpoint.spec import ModelSpec
 from moestream.errors import CheckpointError
-from moestream.families import FAMILIES, adapter_for
+from moestream.families import FAMILIES, adapter_for, derive
+from moestream.families.catalog import experts_model_types, generating_class
+from moestream.families.tiny import Sizes, layer_list, shrink
 
-ALL_FAMILIES = FAMILIES.names()
+
+def layout(family: str, **spec):
+    config = make_config(ModelSpec(family, **spec))
+    return config, adapter_for(config)
 
 
-def meta_model(spec: ModelSpec):
-    config = make_config(spec)
+def test_the_catalog_is_every_model_type_with_an_experts_implementation():
+    types = experts_model_types()
+    assert len(types) >= 60 and list(types) == sorted(types)
+    assert {"mixtral", "deepseek_v3", "qwen3_next", "gpt_oss"} <= set(types)
+    assert "llama" not in types and "switch_transformers" not in types  # dense; a ModuleDict of experts
+    assert set(types) | {"switch_transformers"} == set(FAMILIES.names())
+
+
+def test_a_multimodal_release_is_run_by_the_class_built_on_its_own_config():
+    assert generating_class("mixtral") == "AutoModelForCausalLM"
+    assert generating_class("qwen3_vl_moe") == "AutoModelForImageTextToText"
+    assert generating_class("qwen3_5_moe") == "AutoModelForImageTextToText"  # its causal LM takes the text config
+    assert generating_class("openai_privacy_filter") is None  # token classification only
+
+
+def test_per_expert_layouts_read_transformers_renames():
+    config, adapter = layout("mixtral")
+    (gate_up, down) = adapter.expert_parts(config)
+    assert (gate_up.param, gate_up.disk) == ("gate_up_proj", ("experts.{expert}.w1.weight", "experts.{expert}.w3.weight"))
+    assert (down.param, down.disk, down.fused_on_disk) == ("down_proj", ("experts.{expert}.w2.weight",), False)
+    assert adapter.blocks(config)[1].disk_prefix == "model.layers.1.block_sparse_moe"
+    assert adapter.blocks(config)[1].experts_path == "model.layers.1.mlp.experts"
+
+
+def test_fused_and_transposed_layouts_are_told_by_their_values():
+    config, adapter = layout("gpt_oss")
+    assert all(p.fused_on_disk and not p.may_transpose for p in adapter.expert_parts(config))
+    config, adapter = layout("qwen3_vl_moe")
+    gate_up = adapter.expert_parts(config)[0]
+    assert gate_up.fused_on_disk and gate_up.may_transpose and gate_up.shape == (128, 64)
+
+
+def test_an_interleaved_layout_is_refused_with_its_reason():
+    config = transformers.AutoConfig.for_model("inkling2", **shrink("inkling2", Sizes(3, 8, 2, 64, 64, 512)))
     with torch.device("meta"):
-        model = getattr(transformers, spec.adapter().auto_class).from_config(config)
-    return config, model
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    path = derive.experts_modules(model)[0][0]
+    with pytest.raises(CheckpointError, match=r"stored as .*w13_weight in another layout \(interleaved"):
+        derive.disk_part(model, path, "gate_up_proj")
+    assert FAMILIES.get("inkling2").reason().startswith("its releases interleave")
 
 
-def experts_modules(model) -> dict[str, torch.nn.Module]:
-    return {name: module for name, module in model.named_modules() if name.endswith("mlp.experts")}
+def test_dense_names_are_renamed_as_transformers_loads_them():
+    for family, disk, key in (("mixtral", "model.layers.3.block_sparse_moe.gate.weight", "model.layers.3.mlp.gate.weight"),
+                              ("qwen2_moe", "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.weight")):
+        config = make_config(ModelSpec(family, num_layers=4))
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        assert derive.DenseConversion(model).rename(disk) == (key, None)
 
 
-def shared_expert_count(model, block_path: str, experts) -> int:
-    block = model.get_submodule(block_path)
-    if hasattr(block, "shared_experts"):  # DeepSeek: one MLP as wide as n_shared experts
-        return block.shared_experts.gate_proj.out_features // experts.intermediate_dim
-    return int(hasattr(block, "shared_expert"))
-
-
-def test_every_family_is_registered_under_its_model_type():
-    assert ALL_FAMILIES == sorted(["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                                   "phimoe", "gpt_oss", "switch_transformers"])
-    for name in ALL_FAMILIES:
-        assert FAMILIES.get(name).model_type == name
-
-
-def test_adapter_for_rejects_an_unsupported_family_listing_the_supported_ones():
-    config = transformers.AutoConfig.for_model("llama")
-    with pytest.raises(CheckpointError, match="unsupported model family 'llama'") as error:
-        adapter_for(config)
-    assert all(name in str(error.value) for name in ALL_FAMILIES)
-
-
-@pytest.mark.parametrize("family", ALL_FAMILIES)
-@pytest.mark.parametrize("num_layers", [2, 5])
-def test_topology_and_blocks_match_the_model(family, num_layers):
-    spec = ModelSpec(family, num_layers=num_layers, num_experts=8)
-    config, model = meta_model(spec)
-    adapter = adapter_for(config)
-    found = experts_modules(model)
-    blocks = adapter.blocks(config)
-    assert sorted(b.experts_path for b in blocks) == sorted(found)
-    assert [b.moe_index for b in blocks] == list(range(len(blocks)))
+@pytest.mark.parametrize("family, moe_layers, shared", [("deepseek_v2", [1, 2, 3], 2), ("qwen2_moe", [0, 1, 2, 3], 1),
+                                                        ("mixtral", [0, 1, 2, 3], 0), ("jamba", [0, 2], 0)])
+def test_counts_come_from_the_model_and_its_config(family, moe_layers, shared):
+    config, adapter = layout(family, num_layers=4, num_experts=8)
     topology = adapter.topology(config, expert_bytes=1)
-    assert topology.moe_layer_ids == tuple(b.layer_id for b in blocks)
-    assert len(set(topology.moe_layer_ids)) == len(blocks)
-    for block in blocks:
-        experts = found[block.experts_path]
-        assert topology.num_experts == experts.num_experts == spec.num_experts
-        block_path = block.experts_path.rsplit(".", 1)[0]
-        if adapter.uses_experts_registry:
-            assert topology.num_shared_experts == shared_expert_count(model, block_path, experts)
-    assert topology.top_k == spec.resolved_top_k
+    assert list(topology.moe_layer_ids) == moe_layers
+    assert (topology.num_experts, topology.top_k, topology.num_shared_experts) == (8, 2, shared)
 
 
-def test_decoder_layer_ids_skip_dense_layers():
-    config, _ = meta_model(ModelSpec("deepseek_v2", num_layers=4))
-    assert adapter_for(config).moe_layer_ids(config) == [1, 2, 3]
-    config, _ = meta_model(ModelSpec("switch_transformers", num_layers=4))
-    assert adapter_for(config).moe_layer_ids(config) == [1, 3, 5, 7]  # encoder blocks 0-3, decoder 4-7
+def test_a_small_config_keeps_every_kind_of_layer():
+    assert layer_list(["linear"] * 3 + ["full"], 3) == ["linear", "linear", "full"]
+    assert layer_list(["a", "b", "a", "b"], 3) == ["a", "b", "a"]
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_slot_parts_cover_every_expert_parameter(family):
-    config, model = meta_model(ModelSpec(family))
-    adapter = adapter_for(config)
-    experts = model.get_submodule(adapter.blocks(config)[0].experts_path)
-    params = {p.param for p in adapter.parts}
-    per_expert = {name for name, _ in experts.named_parameters()}
-    if adapter.uses_experts_registry:
-        assert per_expert == params
-    else:
-        assert per_expert == {f"expert_{e}.{p}.weight" for e in range(len(experts)) for p in params}
-    shapes = {p: tuple(adapter.expert_tensor(experts, 1, p).shape) for p in params}
-    assert all(len(shape) >= 1 for shape in shapes.values())
+def test_an_unknown_model_type_names_it_and_the_transformers_version():
+    with pytest.raises(CheckpointError, match=f"'llama' has no MoE experts in transformers {transformers.__version__}"):
+        adapter_for(transformers.AutoConfig.for_model("llama"))
 
 
-def test_model_key_applies_renames_in_order():
-    phimoe = FAMILIES.create("phimoe")
-    assert phimoe.model_key("model.layers.3.block_sparse_moe.gate.weight") == "model.layers.3.mlp.router.weight"
-    assert FAMILIES.create("mixtral").model_key("model.layers.3.block_sparse_moe.gate.weight") == (
-        "model.layers.3.mlp.gate.weight")
-    assert FAMILIES.create("qwen2_moe").model_key("model.layers.0.mlp.gate.weight") == "model.layers.0.mlp.gate.weight"
+def test_a_config_without_moe_layers_is_refused():
+    with pytest.raises(CheckpointError, match="no MoE layer"):
+        make_config(ModelSpec("deepseek_v2", num_layers=1))

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from moestream.checkpoint.index import build_index
 from moestream.families import FAMILIES
+from moestream.families.derive import DenseConversion
 from moestream.runtime import Engine, EngineConfig
 from tests.quant import reference
 from tests.quant.test_compressed_tensors import packing_pack
@@ -34,10 +35,10 @@ def read_all(directory: Path) -> dict[str, torch.Tensor]:
 def expert_linears(config: dict) -> list[str]:
     """Disk names (without ".weight") of every routed expert linear of a per-expert family."""
     adapter = FAMILIES.create(config["model_type"])
-    blocks = adapter.blocks(transformers.AutoConfig.for_model(**config))
-    return [f"{b.disk_prefix}.{t.format(expert=e)}"[: -len(".weight")] for b in blocks
-            for e in range(adapter.num_experts(transformers.AutoConfig.for_model(**config)))
-            for p in adapter.parts for t in p.disk]
+    model_config = transformers.AutoConfig.for_model(**config)
+    return [f"{b.disk_prefix}.{t.format(expert=e)}"[: -len(".weight")] for b in adapter.blocks(model_config)
+            for e in range(adapter.num_experts(model_config))
+            for p in adapter.expert_parts(model_config) for t in p.disk]
 
 
 def gptq_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -94,15 +95,17 @@ def reference_model(source: Path, quantized: Path) -> torch.nn.Module:
     model = getattr(transformers, adapter.auto_class).from_pretrained(source).eval()
     tensors = read_all(quantized)
     dtype = next(model.parameters()).dtype
+    conversion = DenseConversion(model)
     with torch.no_grad():
         for name in tensors:
             if name.endswith(".qweight") and ".experts." not in name:  # a quantized dense linear
                 stem = name[: -len(".qweight")]
-                model.get_parameter(adapter.model_key(f"{stem}.weight")).copy_(dequantized(quantized, stem, dtype, tensors))
+                key, _ = conversion.rename(f"{stem}.weight")
+                model.get_parameter(key).copy_(dequantized(quantized, stem, dtype, tensors))
     for block in adapter.blocks(model.config):
         module = model.get_submodule(block.experts_path)
         for expert in range(adapter.num_experts(model.config)):
-            for part in adapter.parts:
+            for part in adapter.expert_parts(model.config):
                 stems = [f"{block.disk_prefix}.{t.format(expert=expert)}"[: -len(".weight")] for t in part.disk]
                 weight = torch.cat([dequantized(quantized, s, dtype, tensors) for s in stems])
                 with torch.no_grad():

@@ -6,6 +6,8 @@ from safetensors import safe_open
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
 from moestream.checkpoint.index import build_index
+from moestream.checkpoint.make_model import make_config
+from moestream.checkpoint.spec import ModelSpec
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES
 from moestream.quant import codec_for
@@ -76,4 +78,4 @@ def _nbytes(shard, name: str) -> int:
 def test_per_expert_tensors_are_refused_naming_the_layout():
     codec = codec_for(type("Config", (), {"quantization_config": {"quant_method": "mxfp4"}})())
     with pytest.raises(CheckpointError, match="fused over experts"):
-        codec.disk_parts(FAMILIES.create("mixtral").parts)
+        codec.disk_parts(FAMILIES.create("mixtral").expert_parts(make_config(ModelSpec("mixtral"))))

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from moestream.families import FAMILIES
+from moestream.families.derive import text_part
 
 PROMPTS = ("The cat sat on", "def add(a, b):\n    return", "Experts")
 
@@ -37,7 +38,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 def reference_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> list[list[int]]:
-    """Greedy tokens of the unmodified transformers model, cut after the first EOS."""
+    """Greedy tokens of the unmodified transformers model (an omni wrapper's thinker), cut after the first EOS."""
+    model = text_part(model)
     ids, mask = left_pad(prompts, pad_id)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
     generated = out[:, 1:] if model.config.is_encoder_decoder else out[:, ids.shape[1]:]

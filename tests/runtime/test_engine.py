@@ -9,7 +9,6 @@ from threadpoolctl import threadpool_info
 
 from moestream.checkpoint.index import build_index
 from moestream.errors import MoestreamError
-from moestream.families import FAMILIES
 from moestream.policies import POLICIES
 from moestream.policies.contracts import Observer
 from moestream.policies.trained import TrainedPolicy
@@ -17,6 +16,7 @@ from moestream.predictors.configs import TrainConfig
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.onednn import CACHE_ENTRIES
 from moestream.trace.recorder import TraceRecorder
+from tests.conftest import SAMPLE_FAMILIES
 from tests.runtime.conftest import PROMPTS, auto_class, left_pad, reference_generate
 
 BUDGETS = ("min", "0.5", "1.0")
@@ -45,7 +45,7 @@ def reference(checkpoint):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-@pytest.mark.parametrize("family", FAMILIES.names())
+@pytest.mark.parametrize("family", SAMPLE_FAMILIES)
 def test_greedy_batch_matches_transformers(reference, family, budget):
     path, model = reference(family)
     with _engine(path, budget) as engine:
@@ -56,7 +56,7 @@ def test_greedy_batch_matches_transformers(reference, family, budget):
     assert (result.metrics.expert_misses > 0) == (budget != "1.0")  # a full budget preloads every expert
 
 
-@pytest.mark.parametrize("family", FAMILIES.names())
+@pytest.mark.parametrize("family", SAMPLE_FAMILIES)
 def test_forward_logits_match_transformers(reference, family):
     path, model = reference(family)
     with _engine(path, "min") as engine:
@@ -225,7 +225,7 @@ def test_an_engine_on_the_cpu_bounds_onednn_s_shape_caches_unless_the_user_did(c
 
 def test_the_planner_sees_the_modelled_link_of_the_runs_fixed_figures(checkpoint):
     """--link-gbps and --layer-ms give the planner's view a modelled link (none without them)."""
-    from moestream.policies.contracts import Policy, Prediction, PrefetchPlanner, Predictor
+    from moestream.policies.contracts import Policy, Prediction, Predictor, PrefetchPlanner
 
     class NextLayer(Predictor):
         def predict(self, layer_now, horizon_layers):

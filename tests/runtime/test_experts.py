@@ -7,16 +7,17 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from moestream.checkpoint.index import build_index
 from moestream.families import FAMILIES
 from moestream.runtime import Engine, EngineConfig
-from moestream.runtime.experts import IMPLEMENTATION, OneHotDenseExperts
 from moestream.runtime.expert_math import FusedExpertMath
+from moestream.runtime.experts import IMPLEMENTATION, OneHotDenseExperts
 from moestream.runtime.offload import OffloadedExperts
 from moestream.runtime.publisher import Publisher
 from moestream.store.pool import SlotPool
 from moestream.topology import ExpertKey
+from tests.conftest import SAMPLE_FAMILIES
 from tests.runtime.conftest import auto_class
 
-REGISTRY_FAMILIES = [name for name in FAMILIES.names() if FAMILIES.get(name).uses_experts_registry]
-SWAP_FAMILIES = [name for name in FAMILIES.names() if not FAMILIES.get(name).uses_experts_registry]
+REGISTRY_FAMILIES = [name for name in SAMPLE_FAMILIES if FAMILIES.get(name).uses_experts_registry]
+SWAP_FAMILIES = [name for name in SAMPLE_FAMILIES if not FAMILIES.get(name).uses_experts_registry]
 
 
 def _min_engine(path) -> Engine:

@@ -10,10 +10,11 @@ from moestream.checkpoint.index import build_index
 from moestream.families import FAMILIES
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows, aligned, grouped_ready, stacked
+from tests.conftest import SAMPLE_FAMILIES
 from tests.runtime.conftest import auto_class
 
-REGISTRY_FAMILIES = [name for name in FAMILIES.names() if FAMILIES.get(name).uses_experts_registry]
-SWAP_FAMILIES = [name for name in FAMILIES.names() if not FAMILIES.get(name).uses_experts_registry]
+REGISTRY_FAMILIES = [name for name in SAMPLE_FAMILIES if FAMILIES.get(name).uses_experts_registry]
+SWAP_FAMILIES = [name for name in SAMPLE_FAMILIES if not FAMILIES.get(name).uses_experts_registry]
 KERNELS = LAYER_KERNELS.names()
 
 
@@ -210,7 +211,7 @@ def test_grouped_products_of_a_transformers_experts_module_equal_its_per_expert_
     rows = dataclasses.replace(rows, math=FusedExpertMath(module))
     stream, grouped = LAYER_KERNELS.create("stream", rows), LAYER_KERNELS.create("grouped", rows)
     for expert, span in zip((5, 1, 3), spans):  # slices [e] of the module's fused parameters: evenly spaced
-        weights = {part.param: adapter.expert_tensor(module, expert, part.param) for part in adapter.parts}
+        weights = {part.param: adapter.expert_tensor(module, expert, part.param) for part in adapter.expert_parts(config)}
         stream.add(weights, *span)
         grouped.add(weights, *span)
     grouped.flush()

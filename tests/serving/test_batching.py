@@ -4,13 +4,13 @@ family); sequences that leave end their policy state."""
 
 import pytest
 
-from moestream.families import FAMILIES
 from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.scheduler import StaticBatches
-from moestream.serving.batching import BatchingConfig, Batcher, KvBudgetError
-from moestream.serving.sampling import SamplingParams
+from moestream.serving.batching import Batcher, BatchingConfig, KvBudgetError
 from moestream.serving.generation import Request
+from moestream.serving.sampling import SamplingParams
+from tests.conftest import SAMPLE_FAMILIES
 
 PROMPTS = [[5, 9, 2, 7], [11, 3], [8, 8, 1, 4, 6, 2, 9], [4], [13, 2, 2]]
 MAX_TOKENS = [6, 9, 4, 7, 5]
@@ -94,7 +94,7 @@ def test_admission_respects_max_num_seqs_and_the_kv_budget(serving_checkpoint):
             each.close()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES.names()))
+@pytest.mark.parametrize("family", SAMPLE_FAMILIES)
 def test_the_kv_bytes_per_token_are_exact_before_the_first_prefill(tiny_checkpoint, family):
     with _engine(tiny_checkpoint(family, num_layers=2)) as engine:
         if not engine.runner_class.per_sequence_cache:
