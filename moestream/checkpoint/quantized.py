@@ -108,11 +108,18 @@ class Mxfp4Layout(QuantLayout):
 
 @QUANT_LAYOUTS.register("fp8")
 class Fp8Layout(QuantLayout):
-    """DeepSeek-V3's release (and Qwen3's FP8 ones): every linear weight of the decoder layers (attention,
-    dense MLPs, shared and routed experts) float8_e4m3fn with float32 `weight_scale_inv` per 128 x 128 block;
-    embeddings, norms, routers and the head as they are."""
+    """DeepSeek-V3's release (and the FP8 ones of DeepSeek-V3.2, GLM, Qwen3.x and MiniMax-M2): every linear
+    weight of the decoder layers (attention, its sparse-attention indexer, linear attention, dense MLPs,
+    shared and routed experts, whatever their names: q_proj, wq_b, w1) float8_e4m3fn with float32
+    `weight_scale_inv` per 128 x 128 block. As the releases keep them: embeddings, norms, the head, vision
+    towers and MTP layers (outside the decoder layers), routers (`gate`, `router`), Qwen's shared-expert
+    gate and linear-attention decay inputs (`in_proj_a`, `in_proj_b`, `in_proj_ba`) and the indexer's head
+    weights (`weights_proj`) as they are."""
 
-    pattern = r"^model\.layers\.\d+\..*\.\w*_proj\w*\.weight$"
+    # a decoder layer's linear weight, of a text model ("model.layers.N.") or of a multimodal model's
+    # language model ("model.language_model.layers.N."); group 1 is the linear's own name
+    pattern = r"^model\.(?:language_model\.)?layers\.\d+\.(?:\w+\.)*?(\w+)\.weight$"
+    kept = frozenset({"gate", "router", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_ba", "weights_proj"})
     block = fp8.DEFAULT_BLOCK
 
     def quantization_config(self) -> dict:
@@ -120,7 +127,9 @@ class Fp8Layout(QuantLayout):
                 "weight_block_size": list(self.block)}
 
     def quantizes(self, tensor: TensorPlan) -> bool:
-        return len(tensor.shape) == 2 and super().quantizes(tensor)
+        if len(tensor.shape) != 2 or not super().quantizes(tensor):
+            return False
+        return re.search(self.pattern, tensor.name).group(1) not in self.kept
 
     def planned(self, tensor: TensorPlan) -> tuple[TensorPlan, ...]:
         scale_name = tensor.name.removesuffix(fp8.WEIGHT) + fp8.SCALE

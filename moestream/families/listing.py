@@ -28,8 +28,9 @@ def describe(parts: tuple[ExpertPart, ...]) -> str:
     """A layout in a few words: per-expert tensors or tensors fused over experts."""
     if all(p.fused_on_disk for p in parts):
         turned = " (transposed)" if any(p.may_transpose for p in parts) else ""
-        return "fused over experts: " + ", ".join(p.disk[0].removesuffix(".weight") for p in parts) + turned
-    names = ["+".join(t.replace("{expert}.", "").removesuffix(".weight") for t in p.disk) for p in parts]
+        return "fused over experts: " + ", ".join(p.disk[0].removesuffix(".weight").rsplit(".", 1)[-1]
+                                                  for p in parts) + turned
+    names = ["+".join(t.split("{expert}.")[-1].removesuffix(".weight") for t in p.disk) for p in parts]
     return "per expert: " + ", ".join(names)
 
 

@@ -118,7 +118,7 @@ class Fp8Codec(LinearCodec):
 
     def __init__(self, quantization_config: Mapping[str, Any]) -> None:
         fmt = quantization_config.get("fmt", "e4m3")
-        if fmt != "e4m3":
+        if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2's release names the dtype
             raise CheckpointError(f"fp8 checkpoints with fmt {fmt!r} are not supported; supported: e4m3")
         block = quantization_config.get("weight_block_size")
         if block is not None and (len(block) != 2 or min(block) < 1):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -134,7 +135,10 @@ def _assign(model: torch.nn.Module, key: str, value: torch.Tensor, device: str) 
         owner = None
     target = None if owner is None else owner._parameters.get(attr, owner._buffers.get(attr))
     if target is None:
-        log.warning("ignoring checkpoint tensor %s: the model has no such parameter", key)
+        if not _ignored_on_load(model, key):
+            raise CheckpointError(f"unexpected tensor {key} in the checkpoint: the {type(model).__name__} of its "
+                                  "config has no such parameter")
+        log.info("ignoring checkpoint tensor %s, as transformers does", key)
         return False
     if tuple(target.shape) != tuple(value.shape):
         raise CheckpointError(f"tensor {key} has shape {tuple(value.shape)} in the checkpoint, "
@@ -145,6 +149,12 @@ def _assign(model: torch.nn.Module, key: str, value: torch.Tensor, device: str) 
     else:
         owner._buffers[attr] = value
     return True
+
+
+def _ignored_on_load(model: torch.nn.Module, key: str) -> bool:
+    """Whether transformers ignores the key when loading (a multi-token-prediction layer, an old buffer)."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(pattern, key) for pattern in patterns)
 
 
 def materialize_buffers(model: torch.nn.Module, device: str) -> None:

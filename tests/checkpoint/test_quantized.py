@@ -114,7 +114,7 @@ def test_every_format_the_flag_offers_has_a_layout():
 
 
 @pytest.mark.parametrize("family,fmt,problem", [
-    ("mixtral", "fp8", "--quant fp8 is written for deepseek_v3, qwen3_moe, not mixtral"),
+    ("mixtral", "fp8", "--quant fp8 is written for deepseek_v3, .*qwen3_moe.*, not mixtral"),
     ("gpt_oss", "int3", "unknown quantized format 'int3'"),
 ])
 def test_a_format_for_another_family_is_refused(family, fmt, problem):

@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 
 import moestream
 from moestream.cli import main
@@ -172,7 +174,33 @@ def _missing_shard(path):
 def _unsupported(path):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
-    return "llama"
+    return f"'llama' has no MoE experts in transformers {transformers.__version__}"
+
+
+def _rewrite_holding(path, name: str, change) -> None:
+    """Rewrites the shard that holds `name` and the index to match, as a checkpoint downloaded without
+    moestream's manifest would be."""
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"][name]
+    tensors = load_file(path / shard)
+    change(tensors)
+    save_file(tensors, path / shard, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard} | dict.fromkeys(tensors, shard)
+    index_file.write_text(json.dumps(index))
+    (path / "moestream-manifest.json").unlink()
+
+
+def _missing_expert(path):
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    _rewrite_holding(path, name, lambda tensors: tensors.pop(name))
+    return f"missing expert tensor {name}"
+
+
+def _unexpected(path):
+    name = "model.layers.1.mlp.gate.weight"
+    _rewrite_holding(path, name, lambda tensors: tensors.update({"model.layers.1.mlp.extra.weight": tensors[name].clone()}))
+    return "unexpected tensor model.layers.1.mlp.extra.weight"
 
 
 def _garbage(path):
@@ -180,7 +208,7 @@ def _garbage(path):
     return _shard(path).name
 
 
-@pytest.mark.parametrize("damage", [_truncate, _missing_shard, _unsupported, _garbage])
+@pytest.mark.parametrize("damage", [_truncate, _missing_shard, _unsupported, _garbage, _missing_expert, _unexpected])
 def test_a_damaged_checkpoint_is_one_error_line(model_dir, tmp_path, capsys, damage):
     path = shutil.copytree(model_dir, tmp_path / "damaged")
     named = damage(path)

@@ -169,3 +169,7 @@ def test_unsupported_variants_are_refused_naming_them(fields, words):
 def test_scales_of_the_wrong_grid_are_refused():
     with pytest.raises(CheckpointError, match=r"scales \(2, 2\)"):
         _codec().dense_shapes({"down_proj.0.weight": (64, 64), "down_proj.0.weight_scale_inv": (2, 2)})
+
+
+def test_the_fmt_named_by_its_dtype_is_e4m3():
+    assert _codec(fmt="float8_e4m3fn").block == _codec(fmt="e4m3").block  # MiniMax-M2's config.json says so

@@ -219,3 +219,21 @@ def test_a_finished_sequence_s_kv_cache_is_held_no_more(serving_checkpoint):
             pass
         assert batcher.cached_lengths() == {} and len(long.output_ids) == 6
         batcher.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "minimax", "nemotron_h"])  # linear attention, Mamba: states
+def test_models_with_recurrent_state_are_served_by_static_batches(tiny_checkpoint, family):
+    path = tiny_checkpoint(family, num_layers=3)
+    with _engine(path) as engine:
+        assert not engine.per_sequence_cache
+        alone = [engine.generate([p], max_new_tokens=n).token_ids[0] for p, n in zip(PROMPTS[:3], MAX_TOKENS)]
+        batcher = Batcher(engine, BatchingConfig(max_batch_size=2), lambda request, delta, new: None)
+        assert isinstance(batcher.scheduler.rule, StaticBatches) and batcher.bytes_per_token == 0
+        seqs = _drive(batcher, [_request(p, n) for p, n in zip(PROMPTS[:3], MAX_TOKENS)], joins=[0, 0, 1])
+        batcher.close()
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_a_model_whose_past_is_keys_and_values_is_served_by_continuous_batches(tiny_checkpoint):
+    with _engine(tiny_checkpoint("mixtral", num_layers=2)) as engine:
+        assert engine.per_sequence_cache
