@@ -104,11 +104,22 @@ class EngineConfig:
                                        "attention keeps oneDNN, which is faster there): "
                                        "about 1.6x faster at real expert sizes, but the last bit differs from "
                                        "transformers' (oneDNN) in about 0.02%% of outputs, so tokens may too")
+    host_compute: str = setting("off", "where a device-tier miss in the host tier computes: off (on the device, "
+                                       "after its copy), share:F (a share F of them on the host) or default (the "
+                                       "placement that ends the layer soonest by the measured costs); keeps a host "
+                                       "tier apart on the CPU", metavar="RULE")
+    host_threads: int = setting(1, "threads that compute experts on the host (with --host-compute)")
 
     def __post_init__(self):
         from moestream.policies import POLICIES  # imported here: the CLI's parser stays light
+        from moestream.policies.compute_placement import compute_rule
+        from moestream.threads import available_cores
 
         check(self)
+        compute_rule(self.host_compute)  # refuses an unknown rule naming the flag
+        if not 1 <= self.host_threads <= available_cores():
+            raise MoestreamError(f"--host-threads {self.host_threads}: must be between 1 and this machine's "
+                                 f"{available_cores()} cores")
         object.__setattr__(self, "expert_budget", Budget.parse(self.expert_budget))
         object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
         object.__setattr__(self, "device", parse_device(self.device))

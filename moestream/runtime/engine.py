@@ -45,6 +45,7 @@ from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.finite import FiniteFlags
+from moestream.runtime.host_compute import host_compute_for
 from moestream.runtime.host_reads import HostReads, upload
 from moestream.runtime.loader import dense_modules, expert_decoder, generation_config, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
@@ -115,6 +116,7 @@ class Engine:
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
                                         decode=expert_decoder(self.checkpoint, self.config.device), tracer=self.tracer,
                                         reads=self.reads, finite=self.finite)
+        self.experts.host = host_compute_for(self.config, self.store)
         self._hooks: list = []
         self._native = NativeGemv(self.config.native_gemv, self.config.device)
         self.runner: ModelRunner | None = None
@@ -231,6 +233,7 @@ class Engine:
                 hook.remove()
             if self._background is not None:
                 self._background.close()
+            self.experts.close()
         finally:
             try:
                 self.store.close()
@@ -349,7 +352,7 @@ class Engine:
             ttft_ms=clock.ttft_ms, tpot_ms=clock.tpot_ms, expert_hits=stats.hits, expert_misses=stats.misses,
             bytes_read=dict(stats.bytes_read), num_prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
             num_generated_tokens=sum(len(s.output_ids) for s in seqs), stall_ms=stats.stall_s * 1e3,
-            transfer_ms=stats.transfer_s * 1e3)
+            transfer_ms=stats.transfer_s * 1e3, host_computed=self.experts.take_host_computed())
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if decode_text else "" for s in seqs]
         return GenerationResult([s.seq_id for s in seqs], [list(s.output_ids) for s in seqs], texts, metrics,
                                 replayed=self.replay is not None)

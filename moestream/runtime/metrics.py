@@ -19,6 +19,7 @@ class GenerationMetrics:
     num_generated_tokens: int = 0
     stall_ms: float = 0.0  # whole run: time the compute thread waited for expert bytes
     transfer_ms: float = 0.0  # whole run: time the disk link was busy
+    host_computed: int = 0  # device-tier misses computed on the host, from their host slots (--host-compute)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -36,6 +36,7 @@ from moestream.link_model import LinkFigures, ModelledLink
 from moestream.policies.driver import PolicyDriver
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import FiniteFlags, check_finite, layer_places
+from moestream.runtime.host_compute import HostCompute
 from moestream.runtime.host_reads import HostReads, upload
 from moestream.runtime.layer_experts import LAYER_KERNELS, Groups, LayerRows, default_kernel, num_groups
 from moestream.runtime.publisher import Publisher, Routing
@@ -123,6 +124,7 @@ class OffloadedExperts:
         self.store = store
         self.decode = decode
         self.shard = shard  # None: every expert is computed here
+        self.host: HostCompute | None = None  # where misses held in the host tier may compute (--host-compute)
         self.publisher = publisher
         self.prefetcher = prefetcher
         self.reorder = reorder
@@ -163,6 +165,14 @@ class OffloadedExperts:
         self.resident_hits.zero_()
         return count
 
+    def take_host_computed(self) -> int:
+        """Experts computed on the host since the last call."""
+        return self.host.take_count() if self.host is not None else 0
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+
     def record_router_logits(self, layer: int, logits: torch.Tensor) -> None:
         self._router_logits[layer] = logits
 
@@ -171,6 +181,8 @@ class OffloadedExperts:
         """hidden [T, H], top_k_index/top_k_weights [T, K], kept [T] bool (False: dropped) -> [T, H]."""
         rows = self.publisher.rows(hidden.shape[0])
         num_tokens, top_k = top_k_index.shape
+        if self.host is not None and self.host.costs is None:
+            self.host.calibrate(math, hidden, self.decode)
         routing, kept_rows = self._read(layer, hidden, top_k_index, top_k_weights, kept)  # the layer's one read
         active = rows.active if kept_rows is None else rows.active & kept_rows  # [T] bool
         if routing.weights is not None:  # 1. routing published
@@ -179,14 +191,21 @@ class OffloadedExperts:
         used = np.repeat(active, top_k)  # [S]
         if self.shard is not None:
             used &= self.shard.owned_rows(layer, ids)  # the other rows are other processes'
-        groups = self.store.streaming_groups([ExpertKey(layer, int(e)) for e in np.unique(ids[used])])
+        keys = [ExpertKey(layer, int(e)) for e in np.unique(ids[used])]
+        on_host = self.host.place(keys, self._counts(ids[used])) if self.host is not None else {}  # pinned
+        groups = self.store.streaming_groups([key for key in keys if key not in on_host] if on_host else keys)
         chosen = [key for group in groups for key in group]
-        first = self.store.fetch(groups[0], chosen) if groups else None  # 2. this layer's misses first
+        try:
+            first = self.store.fetch(groups[0], chosen) if groups else None  # 2. this layer's misses first
+        except BaseException:
+            if on_host:
+                self.store.release_host(on_host)
+            raise
         try:
             if self.prefetcher is not None:
                 self.prefetcher.after(layer)  # 3. transfers of later layers planned and queued
             plan = RowPlan(ids, used, top_k_index.reshape(-1), self.store.topology.num_experts)
-            out = self._compute(math, hidden, top_k_weights, plan, groups, first)  # 4. compute: [S, H]
+            out = self._compute(math, hidden, top_k_weights, plan, groups, first, on_host)  # 4. compute: [S, H]
         finally:
             if first is not None:
                 first.release()
@@ -215,14 +234,32 @@ class OffloadedExperts:
         a non-finite result marks the layer's flag, which the step reads with its logits."""
         return self.finite.mark(layer, out.sum(dim=1).to(dtype))
 
+    def _counts(self, used_ids: np.ndarray) -> dict[int, int]:
+        """Rows of each expert the layer step routes to."""
+        experts, counts = np.unique(used_ids, return_counts=True)
+        return dict(zip(experts.tolist(), counts.tolist(), strict=True))
+
     def _compute(self, math: ExpertMath, hidden: torch.Tensor, top_k_weights: torch.Tensor, plan: RowPlan,
-                 groups: list[list[ExpertKey]], first) -> torch.Tensor:
-        """Every used (token, k) row through its expert, weighted -> [S, H] (unused rows zero)."""
+                 groups: list[list[ExpertKey]], first, on_host: dict[ExpertKey, torch.Tensor]) -> torch.Tensor:
+        """Every used (token, k) row through its expert, weighted -> [S, H] (unused rows zero); the experts
+        on_host compute on the host meanwhile, and their rows are theirs."""
         order = plan.order  # [R]
         top_k = plan.num_rows // hidden.shape[0]
         rows = LayerRows(math, hidden[order // top_k], top_k_weights.reshape(-1)[order, None], order,
                          plan.num_rows, torch.promote_types(hidden.dtype, top_k_weights.dtype), self.decode)
-        layer = LAYER_KERNELS.create(self.kernel or default_kernel(hidden.device), rows)
+        kernel = self.kernel or default_kernel(hidden.device)
+        spans = {key.expert: plan.span(key.expert) for key in on_host}
+        work = self.host.start(on_host, math, rows, spans, default_kernel(torch.device("cpu"))) if on_host else None
+        out = self._on_device(rows, plan, kernel, groups, first)
+        if work is not None:
+            with self.tracer.span("host compute", lambda: f"layer {work.keys[0].layer}: {len(work.keys)} experts"):
+                out = torch.where(work.mask[:, None], work.result(out.device), out)
+        return out
+
+    def _on_device(self, rows: LayerRows, plan: RowPlan, kernel: str, groups: list[list[ExpertKey]],
+                   first) -> torch.Tensor:
+        """The groups' experts computed from device slots -> [S, H] (their rows; the others zero)."""
+        layer = LAYER_KERNELS.create(kernel, rows)
         for number, group in enumerate(groups):
             fetch = first if number == 0 else self.store.fetch(group, [key for g in groups for key in g])
             try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from moestream.errors import MoestreamError
 from moestream.link_model import LinkFigures
+from moestream.policies.compute_placement import compute_rule
 from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
 from moestream.topology import Topology
 
@@ -37,6 +38,8 @@ class SimConfig:
     host_slots: int = 0  # host-tier slots if not host_cache_ratio of all experts; 0: the ratio's
     modelled_link: bool = True  # the planner sees the cost model's link (off: an engine without --link-gbps)
     link_figures: LinkFigures | None = None  # instead, the link an engine was given (its --link-gbps, --layer-ms)
+    host_compute: str = "off"  # where host-tier misses compute: a rule of moestream.policies.compute_placement
+    hidden_bytes: int = 0  # one token's hidden state (2 x hidden size), a host-computed row's trip; 0: estimated
 
     def __post_init__(self):
         if not 0.0 < self.cache_ratio <= 1.0:
@@ -53,6 +56,13 @@ class SimConfig:
             raise SimConfigError("horizon_layers, warmup_tokens, device_slots and host_slots must be >= 0")
         if self.expert_order not in EXPERT_ORDERS:
             raise SimConfigError(f"unknown expert order {self.expert_order!r}; known: {', '.join(EXPERT_ORDERS)}")
+        if self.hidden_bytes < 0:
+            raise SimConfigError(f"hidden_bytes must be >= 0, got {self.hidden_bytes}")
+        compute_rule(self.host_compute)  # a bad rule: MoestreamError naming --host-compute
+        if self.host_compute != "off" and not self.cost.computes_on_host:
+            raise SimConfigError(f"--host-compute {self.host_compute}: cost model {self.cost.name!r} has no host that "
+                                 "holds experts or no host-compute figures (host_expert_gbps, host_tflops, "
+                                 "device_expert_gbps, device_tflops)")
         if self.protocol_eviction not in PROTOCOL_EVICTIONS:
             raise SimConfigError(
                 f"unknown protocol eviction {self.protocol_eviction!r}; known: {', '.join(PROTOCOL_EVICTIONS)}"

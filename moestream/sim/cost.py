@@ -36,6 +36,13 @@ class CostModel:
     demand_batch_ms: float = 0.0  # once per layer's demand loads read together (the engine batches its misses)
     routed_expert_ms: float = 0.0  # one routed expert's compute for one token, part of layer_compute_ms: what
     # a layer can compute while its misses load (SimConfig.expert_order); 0: the layer waits for the last
+    # host compute (moestream.sim.host_compute): expert-MLP weight streaming (GB/s) and arithmetic (TFLOP/s)
+    # of the host's threads and of the device; 0: unknown (--host-compute is refused)
+    host_expert_gbps: float = 0.0
+    host_tflops: float = 0.0
+    device_expert_gbps: float = 0.0
+    device_tflops: float = 0.0
+    weight_bytes: float = 2.0  # bytes per expert weight (bf16; FP8: 1): an expert's params from its bytes
     source: str = ""
 
     def __post_init__(self):
@@ -65,11 +72,30 @@ class CostModel:
         extra_experts = max(0, num_experts - top_k)
         return self.layer_compute_ms + self.expert_compute_ms * extra_experts + self.token_compute_ms * (num_tokens - 1)
 
+    @property
+    def computes_on_host(self) -> bool:
+        """Whether it has the figures host compute needs (and a host that holds experts)."""
+        figures = (self.host_expert_gbps, self.host_tflops, self.device_expert_gbps, self.device_tflops)
+        return self.host_holds_all and min(figures) > 0 and self.weight_bytes > 0
+
     def with_overrides(self, **values) -> "CostModel":
         """A copy with the given fields replaced; None values are ignored."""
         given = {k: v for k, v in values.items() if v is not None}
         return replace(self, **given) if given else self
 
+
+# Host compute figures (SimConfig.host_compute). A host's expert-MLP streaming is what a matrix-vector product
+# over one expert's weights reaches with all its threads, well below STREAM (17-44 MB per expert, bf16 widened to
+# fp32); its arithmetic, the share of its bf16 peak torch/oneDNN reach at 10-200 rows. A device's figures are the
+# effective memory bandwidth and tensor rate its preset's compute figures were derived from (docs/simulator.md).
+# pcie4-consumer: a 16-core Zen 4 workstation (2 x DDR5-5600: 90 GB/s peak, ~60 GB/s STREAM): 40 GB/s, and
+#   1 TFLOP/s bf16 (AVX-512 BF16: 16 cores x 4.5 GHz x 64 flops = 4.6 peak); RTX 4090: 800 of its 1008 GB/s,
+#   80 of its 165 TFLOP/s bf16.
+# h100-*: a one-socket 56-core Sapphire Rapids server (8 x DDR5-4800: 307 GB/s peak, ~200 GB/s STREAM): 100 GB/s,
+#   and 4 TFLOP/s bf16 with AMX (a small share of its peak at a few rows per expert); H100 PCIe: 1.6 TB/s and
+#   380 TFLOP/s; H100 SXM: 2.7 TB/s and 600 TFLOP/s FP8.
+CONSUMER_HOST = {"host_expert_gbps": 40.0, "host_tflops": 1.0}
+SERVER_HOST = {"host_expert_gbps": 100.0, "host_tflops": 4.0}
 
 PRESETS: dict[str, CostModel] = {
     model.name: model
@@ -81,6 +107,7 @@ PRESETS: dict[str, CostModel] = {
             token_compute_ms=0.002,
             host_to_device_gbps=25.0,
             disk_to_host_gbps=3.0,
+            **CONSUMER_HOST, device_expert_gbps=800.0, device_tflops=80.0,
             source="RTX-4090-class GPU, PCIe 4.0 x16 (32 GB/s nominal, 25 GB/s effective); compute derived",
         ),
         CostModel(
@@ -90,6 +117,7 @@ PRESETS: dict[str, CostModel] = {
             token_compute_ms=0.0005,
             host_to_device_gbps=50.0,
             disk_to_host_gbps=6.0,
+            **SERVER_HOST, device_expert_gbps=1600.0, device_tflops=380.0,
             source="H100 PCIe on PCIe 5.0 x16 (64 GB/s nominal, 50 GB/s effective); compute derived",
         ),
         CostModel(
@@ -100,6 +128,7 @@ PRESETS: dict[str, CostModel] = {
             routed_expert_ms=0.016,
             host_to_device_gbps=50.0,
             disk_to_host_gbps=6.0,
+            **SERVER_HOST, device_expert_gbps=2700.0, device_tflops=600.0, weight_bytes=1.0,
             source="H100 SXM on PCIe 5.0 x16, NVMe; DeepSeek-V3-shaped layer in FP8, compute derived",
         ),
         CostModel(

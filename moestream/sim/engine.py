@@ -20,6 +20,7 @@ from moestream.link_model import ModelledLink
 from moestream.policies.contracts import Policy, Prediction
 from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
+from moestream.sim.host_compute import HostCompute
 from moestream.sim.metrics import LayerCounts, StreamCounters
 from moestream.sim.protocols import PROTOCOLS, REPLAYS, Protocol
 from moestream.sim.transfers import DROPPED, LOWER, MOVING, QUEUED, WAITING, Link, Transfer
@@ -51,7 +52,8 @@ class StreamSimulator:
         self.host_loading: set[ExpertKey] = set()  # moving from disk into the host tier
         self.now = 0.0
         self._layer_ms = compute_ms or functools.cache(lambda tokens, experts: cost.compute_ms(tokens, experts, topo.top_k))
-        self._layer: tuple[list[ExpertKey], dict[ExpertKey, float], int] | None = None  # routed
+        self.host_compute = HostCompute(config, topo) if config.host_compute != "off" else None
+        self._layer: tuple | None = None  # routed: needed, when each lands, tokens, on the host, host lane ms
         self.counters = StreamCounters(LayerCounts(topo.num_layers))
 
     def _link_model(self, config: SimConfig, topo) -> ModelledLink:
@@ -83,7 +85,7 @@ class StreamSimulator:
         if len(needed) > self.device.capacity:
             raise BudgetError(f"layer {layer} needs {len(needed)} experts at once but the device tier has "
                               f"{self.device.capacity} slots; raise the cache ratio")
-        self._layer = needed, self._gather(layer, needed), num_tokens
+        self._layer = needed, *self._gather(layer, needed, event.expert_ids), num_tokens
 
     def predicted(self, layer_now: int, predictions: list[Prediction]) -> None:
         """Plan the predictions; after a routed layer, compute it (LayerMechanism)."""
@@ -92,16 +94,22 @@ class StreamSimulator:
             self._compute_layer(*self._layer)
             self._layer = None
 
-    def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int) -> None:
+    def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], on_host: list[ExpertKey],
+                       host_ms: float, num_tokens: int) -> None:
+        """The device computes the layer (its whole compute_ms) once its experts allow; the host its own
+        misses beside it from the routing on: the layer ends when both are done (sim.host_compute)."""
         compute_ms = self._layer_ms(num_tokens, len(needed))
-        ready_ms = self.now + self._stall_ms(needed, lands, num_tokens, compute_ms)
+        stall_ms = self._stall_ms(needed, lands, num_tokens, compute_ms, on_host)
+        ready_ms = self.now + max(stall_ms, host_ms - compute_ms)
         counters = self.counters
         counters.resident_ms += compute_ms
         counters.stall_ms += ready_ms - self.now
         self._advance(ready_ms)
         end_ms = ready_ms + compute_ms
         self._advance(end_ms)
-        self.device.unpin(needed)
+        self.device.unpin([key for key in needed if key not in on_host] if on_host else needed)
+        if on_host and self.host is not None:
+            self.host.unpin(on_host)
         self.now = end_ms
 
     def wait_until(self, until_ms: float) -> None:
@@ -111,20 +119,20 @@ class StreamSimulator:
             self.now = until_ms
 
     def _stall_ms(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int,
-                  compute_ms: float) -> float:
-        """How long the layer waits for expert bytes. Its routed experts compute routed_expert_ms each (times
-        their mean rows, and never more than the layer's compute in all) in the config's expert_order, each
-        once it has landed: the wait is what that compute does not cover. "loaded", or no routed_expert_ms:
-        until the last one lands."""
+                  compute_ms: float, on_host: list[ExpertKey] = ()) -> float:
+        """How long the layer waits for expert bytes. Its routed experts (but those on_host) compute
+        routed_expert_ms each (times their mean rows, and never more than the layer's compute in all) in the
+        config's expert_order, each once it has landed: the wait is what that compute does not cover.
+        "loaded", or no routed_expert_ms: until the last one lands."""
         now, order = self.now, self.config.expert_order
         rows = num_tokens * self.topology.top_k / max(len(needed), 1)  # a rank of several may need none
         expert_ms = min(self.cost.routed_expert_ms * rows, compute_ms / max(len(needed), 1))
         if expert_ms == 0.0 or order == "loaded" or not lands:
             return max([now, *lands.values()]) - now
         if order == "ready":  # resident first, then as they land
-            starts = [now] * (len(needed) - len(lands)) + sorted(lands.values())
+            starts = [now] * (len(needed) - len(on_host) - len(lands)) + sorted(lands.values())
         else:  # "given": in the layer's order, waiting for each
-            starts = [lands.get(key, now) for key in needed]
+            starts = [lands.get(key, now) for key in needed if key not in on_host]
         waited, done = 0.0, now
         for landed in starts:
             if landed > done:
@@ -133,10 +141,16 @@ class StreamSimulator:
             done += expert_ms
         return waited
 
-    def _gather(self, layer: int, needed: list[ExpertKey]) -> dict[ExpertKey, float]:
-        """The core's lookups (pinning the layer's experts); start demand loads; when each expert not in
-        place lands."""
-        late, missed = self.core.fetch_layer(needed)
+    def _gather(self, layer: int, needed: list[ExpertKey], expert_ids) -> tuple[dict, list[ExpertKey], float]:
+        """The core's lookups (pinning the layer's experts); start demand loads. Returns when each expert not
+        in place lands, the misses the host computes and the host lane's time for them."""
+        on_host, host_ms = [], 0.0
+        if self.host_compute is None:
+            late, missed = self.core.fetch_layer(needed)
+        else:
+            placed = self.host_compute.fetch_layer(self.core, needed, expert_ids, self._in_host, self.core.moving)
+            late, missed, on_host, host_ms = placed.late, placed.missed, placed.on_host, placed.host_ms
+            self._compute_on_host(on_host)
         lands, demands = {}, set(missed)
         for key in late:
             transfer = self.core.moving[key]
@@ -150,9 +164,24 @@ class StreamSimulator:
         if demands:
             keys = [key for key in needed if key in demands]
             lands.update(zip(keys, self._load_on_demand(keys)))
-        self.counters.layers.hits[layer] += len(needed) - len(missed)
+        self.counters.layers.hits[layer] += len(needed) - len(missed) - len(on_host)
         self.counters.layers.accesses[layer] += len(needed)
-        return lands
+        return lands, on_host, host_ms
+
+    def _in_host(self, key: ExpertKey) -> bool:
+        """key's bytes are ready in host memory (every expert is when host DRAM holds them all)."""
+        return self._host_ready(key) if self.host is not None else self.cost.host_holds_all
+
+    def _compute_on_host(self, keys: list[ExpertKey]) -> None:
+        """The host computes keys from its slots: each a host-tier hit, pinned there until the layer ends."""
+        counters = self.counters
+        counters.host_computed += len(keys)
+        counters.host_accesses += len(keys)
+        counters.host_hits += len(keys)
+        if self.host is not None:
+            for key in keys:
+                self.host.access(key)
+            self.host.pin(keys)
 
     def _load_on_demand(self, keys: list[ExpertKey]) -> list[float]:
         """Load keys ahead of every prefetch (slots reserved now; keys may be reordered); when each lands."""

@@ -58,6 +58,7 @@ class StreamCounters:
     host_hits: int = 0  # device misses whose expert was ready in the host tier
     host_accesses: int = 0  # device misses (each looks the host tier up)
     demand_fetches: int = 0
+    host_computed: int = 0  # device misses computed on the host (sim.host_compute), not loaded
     prefetches_admitted: int = 0  # a plan's experts given a slot (each starts, is promoted or is dropped)
     prefetches_started: int = 0
     prefetches_landed: int = 0
@@ -88,6 +89,8 @@ class StreamCounters:
             "resident_ms": self.resident_ms,
             "stall_ms": self.stall_ms,
             "demand_fetches": self.demand_fetches,
+            "host_computed_misses": self.host_computed,
+            "device_computed_misses": self.layers.total_accesses - self.layers.total_hits - self.host_computed,
             "prefetches": self.prefetches_started,
             "prefetches_landed": self.prefetches_landed,
             "prefetches_dropped": self.prefetches_dropped,

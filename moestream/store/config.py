@@ -36,6 +36,7 @@ class StoreConfig:
     chunk_bytes: int = same_as(EngineConfig, "chunk_bytes")
     chunks_in_flight: int = same_as(EngineConfig, "chunks_in_flight")
     transfer_timeout_s: float = same_as(EngineConfig, "transfer_timeout_s")
+    keep_host_tier: bool = False  # a host tier apart even where it would join the device tier (host compute)
 
     def __post_init__(self):
         object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
@@ -50,7 +51,8 @@ class StoreConfig:
         """The store's settings among the engine's."""
         return cls(device_budget=config.expert_budget, host_budget=config.host_budget, device=config.device,
                    direct_io=config.direct_io, asynchronous=not config.sync, chunk_bytes=config.chunk_bytes,
-                   chunks_in_flight=config.chunks_in_flight, transfer_timeout_s=config.transfer_timeout_s)
+                   chunks_in_flight=config.chunks_in_flight, transfer_timeout_s=config.transfer_timeout_s,
+                   keep_host_tier=config.host_compute != "off")
 
     @property
     def uses_cuda(self) -> bool:

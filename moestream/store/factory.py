@@ -25,15 +25,16 @@ def open_store(index: ExpertIndex, config: StoreConfig, device_eviction: Evictio
                reader=None, link=None, tracer: Tracer | None = None) -> ExpertStore:
     """The store for config (see the module doc), with its tiers' eviction policies; reader, link and
     tracer: as ExpertStore takes them."""
-    if merges_tiers(config.device, config.asynchronous):
+    if merges_tiers(config.device, config.asynchronous, config.keep_host_tier):
         config = one_tier(config, index.topology)
     return ExpertStore(index, config, device_eviction, host_eviction, integrity, reader=reader, link=link,
                        executor=executor_for(config), tracer=tracer)
 
 
-def merges_tiers(device: str, asynchronous: bool) -> bool:
-    """Whether the store holds its host budget in the device tier: an asynchronous store on the CPU."""
-    return asynchronous and not device.startswith("cuda")
+def merges_tiers(device: str, asynchronous: bool, keep_host_tier: bool = False) -> bool:
+    """Whether the store holds its host budget in the device tier: an asynchronous store on the CPU, unless
+    it keeps a host tier apart (experts computed where their host bytes are)."""
+    return asynchronous and not device.startswith("cuda") and not keep_host_tier
 
 
 def one_tier(config: StoreConfig, topology: Topology) -> StoreConfig:

@@ -141,6 +141,26 @@ class ExpertStore:
             self._chain.read_by(keys, read)
             self._device.cache.unpin(keys)
 
+    def hold_host(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
+        """Pins those of keys whose bytes are in place in the host tier (none arriving) and returns their host
+        slots, to be read where they are (host compute); `release_host` unpins them."""
+        with self._lock:
+            self._check_open()
+            if self._host is None:
+                return {}
+            here = self._host.cache.resident() - {k for k, t in self._core.moving.items() if t.link == DISK}
+            held = [as_key(key) for key in keys if as_key(key) in here]
+            self._host.cache.pin(held)
+            for key in held:
+                self._host.cache.access(key)
+            return {key: self._chain.slot(self._host, key) for key in held}
+
+    def release_host(self, keys: Iterable[ExpertKey]) -> None:
+        with self._lock:
+            if self._host is not None:
+                self._host.cache.unpin([as_key(key) for key in keys])
+                self._cond.notify_all()
+
     def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
         """Admits the requested experts by priority and queues their transfers; returns those admitted.
         Raises the failure of any of them that the executor has already moved."""

@@ -1,0 +1,139 @@
+"""Where a device-tier miss computes: on the device once its bytes have crossed the link (as always), or
+on the host, from the host slot that already holds it, its rows sent down and its result sent back. A
+rule (`COMPUTE_RULES`, by name) decides per layer step from a cost model (`ComputeCosts`); the engine
+and the simulator carry the choice out and know no rule.
+
+- `off`: every miss computes on the device (moestream's behaviour before this choice existed);
+- `share:F`: a fixed share F of the misses computes on the host, the ones with the fewest rows first
+  (as llama.cpp's `--moe-cache-cpu-share`);
+- `default`: the placement that minimises the layer's finish time under the cost model: the device
+  computes its hits while the link brings its misses, then those; the host computes its misses beside
+  it. Misses go to the host, cheapest first, while that lowers the finish time.
+
+Only misses whose bytes are in the host tier are candidates (a disk read lands in the host tier first
+only where there is one). Knows no store, engine, clock or torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+from moestream.errors import MoestreamError
+from moestream.registry import Registry
+from moestream.topology import ExpertKey
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """What moving and computing an expert costs, in ms, from a run's measured or preset figures."""
+
+    link_bytes_per_ms: float  # host -> device (and back) bandwidth
+    host_bytes_per_ms: float  # the host's expert-MLP weight streaming with its threads
+    device_bytes_per_ms: float  # the device's
+    host_flops_per_ms: float  # the host's expert-MLP arithmetic rate with its threads
+    device_flops_per_ms: float
+    expert_bytes: int
+    expert_params: int  # one expert's weights (2 flops per weight and row)
+    row_bytes: int  # one row's hidden state
+
+    def copy_ms(self) -> float:
+        """One expert's bytes over the link."""
+        return self.expert_bytes / self.link_bytes_per_ms
+
+    def host_ms(self, rows: int) -> float:
+        """One expert's MLP on the host, its rows there and back: the slower of streaming its weights and
+        its arithmetic, plus the rows over the link both ways."""
+        work = max(self.expert_bytes / self.host_bytes_per_ms, 2.0 * rows * self.expert_params / self.host_flops_per_ms)
+        return work + 2.0 * rows * self.row_bytes / self.link_bytes_per_ms
+
+    def device_ms(self, rows: int) -> float:
+        return max(self.expert_bytes / self.device_bytes_per_ms,
+                   2.0 * rows * self.expert_params / self.device_flops_per_ms)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: ExpertKey
+    rows: int  # its (token, k) rows in this step
+
+
+class ComputeRule:
+    """Names the misses that compute on the host this layer step."""
+
+    registry_name: ClassVar[str]
+
+    def place(self, candidates: Sequence[Candidate], hit_rows: Sequence[int], other_misses: int,
+              costs: ComputeCosts) -> frozenset[ExpertKey]:
+        """candidates: misses in the host tier; hit_rows: the rows of each device-tier hit; other_misses:
+        misses that must cross the link anyway (from disk). -> the candidates to compute on the host."""
+        raise NotImplementedError
+
+
+COMPUTE_RULES: Registry[ComputeRule] = Registry("host compute rule")
+
+
+@COMPUTE_RULES.register("off")
+class Off(ComputeRule):
+    def place(self, candidates, hit_rows, other_misses, costs) -> frozenset[ExpertKey]:
+        return frozenset()
+
+
+@COMPUTE_RULES.register("share")
+class Share(ComputeRule):
+    """share:F, F in [0, 1]: ceil(F x candidates) of them, the fewest rows first (then by key)."""
+
+    def __init__(self, share: float = 0.5):
+        if not 0.0 <= share <= 1.0:
+            raise MoestreamError(f"--host-compute share:{share}: the share must be between 0 and 1")
+        self.share = share
+
+    def place(self, candidates, hit_rows, other_misses, costs) -> frozenset[ExpertKey]:
+        count = math.ceil(self.share * len(candidates))
+        chosen = sorted(candidates, key=lambda c: (c.rows, c.key))[:count]
+        return frozenset(c.key for c in chosen)
+
+
+@COMPUTE_RULES.register("default")
+class FinishTime(ComputeRule):
+    """The cheapest-first placement that lowers the layer's modelled finish time (module docstring)."""
+
+    def place(self, candidates, hit_rows, other_misses, costs) -> frozenset[ExpertKey]:
+        device = sorted(candidates, key=lambda c: (costs.host_ms(c.rows) - costs.copy_ms(), c.key))
+        host: list[Candidate] = []
+        best = finish_ms(device, host, hit_rows, other_misses, costs)
+        while device:
+            trial = finish_ms(device[1:], host + device[:1], hit_rows, other_misses, costs)
+            if trial >= best:
+                break
+            best, host, device = trial, host + device[:1], device[1:]
+        return frozenset(c.key for c in host)
+
+
+def finish_ms(device: Sequence[Candidate], host: Sequence[Candidate], hit_rows: Sequence[int], other_misses: int,
+              costs: ComputeCosts) -> float:
+    """The layer's finish under the cost model: the device computes its hits, then each miss once its copy
+    has landed (copies one after another, behind the misses from disk); the host computes its own."""
+    clock = sum(costs.device_ms(rows) for rows in hit_rows)
+    landed = other_misses * costs.copy_ms()
+    for candidate in device:
+        landed += costs.copy_ms()
+        clock = max(clock, landed) + costs.device_ms(candidate.rows)
+    clock = max(clock, landed)  # the misses from disk compute too, after they land
+    return max(clock, sum(costs.host_ms(c.rows) for c in host))
+
+
+def compute_rule(text: str) -> ComputeRule:
+    """A rule from its flag text: `off`, `default` or `share:F`."""
+    name, _, argument = text.partition(":")
+    if name not in COMPUTE_RULES:
+        raise MoestreamError(f"--host-compute {text!r}: unknown rule; rules: off, share:F, default")
+    if name == "share":
+        try:
+            return Share(float(argument))
+        except ValueError:
+            raise MoestreamError(f"--host-compute {text!r}: write share:F with F between 0 and 1") from None
+    if argument:
+        raise MoestreamError(f"--host-compute {text!r}: {name} takes no argument")
+    return COMPUTE_RULES.create(name)

@@ -1,0 +1,146 @@
+"""Experts computed where their host bytes are: the mechanism behind `--host-compute`.
+
+For a layer step, `HostCompute.place` asks the rule (`moestream.policies.compute_placement`) which
+device-tier misses held in the host tier compute on the host, given the cost model measured when the
+engine opens (`measure_costs`: the link's copy rate, the expert MLP's rate on the host with its threads
+and on the device). `start` pins those experts' host slots and runs their MLPs on a pool of host threads
+(their rows copied down to the host there, not on the compute thread), from typed views of the host
+slots, with the same math and kernel as the device, so each expert's output is bit-identical to
+the device's where both are the CPU's kernels; `HostWork.result` hands back the [S, H] rows, which the
+caller takes in place of the device's for those rows. Knows no rule by name and no policy.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moestream.policies.compute_placement import Candidate, ComputeCosts, ComputeRule, compute_rule
+from moestream.runtime.expert_math import ExpertMath, Weights
+from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows
+from moestream.topology import ExpertKey
+
+
+@dataclass
+class HostWork:
+    """A layer's experts computing on the host: their keys and the [S, H] rows they give (zero elsewhere)."""
+
+    keys: list[ExpertKey]
+    future: Future
+    mask: torch.Tensor  # [S] bool on the device: rows whose expert computed on the host
+
+    def result(self, device: torch.device) -> torch.Tensor:
+        return self.future.result().to(device, non_blocking=True)  # [S, H]
+
+
+class HostCompute:
+    def __init__(self, rule: ComputeRule, num_threads: int, store, device: str, costs: ComputeCosts | None = None):
+        """costs: the cost model's figures (None: measured by `calibrate` at the first layer)."""
+        self.rule, self.store, self.device, self.costs = rule, store, device, costs
+        self.views: Callable[[torch.Tensor], Weights] = store.index.views
+        self.num_threads = num_threads
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="moestream-host-compute")
+        self.num_computed = 0  # experts computed on the host since the last take_count
+
+    def calibrate(self, math: ExpertMath, hidden: torch.Tensor, decode: Callable[[Weights], Weights] | None) -> None:
+        """Measures the cost model on an expert of zeros laid out as the checkpoint's."""
+        slot = torch.zeros(self.store.topology.expert_bytes, dtype=torch.uint8)
+        views = self.views(slot)
+        weights = {k: v.clone() for k, v in (decode(views) if decode is not None else views).items()}
+        self.costs = measure_costs(weights, math, hidden[:1], self.device, self.store.topology.expert_bytes,
+                                   self.num_threads)
+
+    def place(self, keys: list[ExpertKey], rows: dict[int, int]) -> dict[ExpertKey, torch.Tensor]:
+        """The layer's experts (keys) the rule sends to the host, their host slots pinned at once (before
+        the device's fetch may evict from the host tier); rows: each expert's row count."""
+        device, host = self.store.resident("device"), self.store.resident("host")
+        candidates = [Candidate(k, rows[k.expert]) for k in keys if k not in device and k in host]
+        if not candidates:
+            return {}
+        hits = [rows[k.expert] for k in keys if k in device]
+        others = sum(1 for k in keys if k not in device and k not in host)
+        chosen = self.rule.place(candidates, hits, others, self.costs)
+        return self.store.hold_host([k for k in keys if k in chosen]) if chosen else {}
+
+    def start(self, slots: dict[ExpertKey, torch.Tensor], math: ExpertMath, rows: LayerRows,
+              spans: dict[int, tuple[int, int]], kernel: str) -> HostWork:
+        """Computes the held experts (`place`'s) on the host threads; their pins go when they are done."""
+        held = list(slots)
+        mask = torch.zeros(rows.num_rows, dtype=torch.bool, device=rows.inputs.device)
+        for key in held:
+            start, end = spans[key.expert]
+            mask[rows.order[start:end]] = True
+        future = self.pool.submit(self._compute, held, slots, math, rows, spans, kernel)
+        self.num_computed += len(held)
+        return HostWork(held, future, mask)
+
+    def _compute(self, keys, slots, math, rows: LayerRows, spans, kernel: str) -> torch.Tensor:
+        try:
+            host = LayerRows(math, rows.inputs.to("cpu"), rows.scale.to("cpu"), rows.order.to("cpu"), rows.num_rows,
+                             rows.out_dtype, rows.decode)
+            layer = LAYER_KERNELS.create(kernel, host)
+            for key in keys:
+                layer.add(self.views(slots[key]), *spans[key.expert])
+            layer.flush()
+            return layer.result()  # [S, H] on the host
+        finally:
+            self.store.release_host(keys)
+
+    def take_count(self) -> int:
+        count, self.num_computed = self.num_computed, 0
+        return count
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def host_compute_for(config, store) -> HostCompute | None:
+    """The engine's host compute for its EngineConfig (None: --host-compute off)."""
+    if config.host_compute == "off":
+        return None
+    return HostCompute(compute_rule(config.host_compute), config.host_threads, store, config.device)
+
+
+def measure_costs(weights: Weights, math: ExpertMath, hidden: torch.Tensor, device: str, expert_bytes: int,
+                  num_threads: int) -> ComputeCosts:
+    """The cost model's figures, measured once: one expert's MLP (its dense weights on the host) at 1 and
+    64 rows of `hidden`'s width and dtype, on the host and on the device, and a copy of its bytes up."""
+    params = sum(v.numel() for v in weights.values())
+    host_stream, host_flops = _mlp_rates(weights, math, hidden.to("cpu"), expert_bytes, params)
+    device_weights = {name: v.to(device) for name, v in weights.items()}
+    dev_stream, dev_flops = _mlp_rates(device_weights, math, hidden.to(device), expert_bytes, params)
+    data = torch.zeros(expert_bytes, dtype=torch.uint8)
+    copy_ms = _best_ms(lambda: data.to(device, copy=True), device)
+    return ComputeCosts(link_bytes_per_ms=expert_bytes / copy_ms, host_bytes_per_ms=host_stream * num_threads,
+                        device_bytes_per_ms=dev_stream, host_flops_per_ms=host_flops * num_threads,
+                        device_flops_per_ms=dev_flops, expert_bytes=expert_bytes, expert_params=params,
+                        row_bytes=hidden.shape[-1] * hidden.element_size())
+
+
+def _mlp_rates(weights: Weights, math: ExpertMath, hidden: torch.Tensor, expert_bytes: int,
+               params: int) -> tuple[float, float]:
+    """(weight bytes per ms at one row, flops per ms at 64 rows) of one expert's MLP where `hidden` is."""
+    one, many = hidden.new_zeros(1, hidden.shape[-1]), hidden.new_zeros(64, hidden.shape[-1])
+    device = str(hidden.device)
+    stream_ms = _best_ms(lambda: math.down(math.act(math.up(one, weights)), weights), device)
+    compute_ms = _best_ms(lambda: math.down(math.act(math.up(many, weights)), weights), device)
+    return expert_bytes / stream_ms, 2.0 * 64 * params / compute_ms
+
+
+def _best_ms(run: Callable[[], object], device: str, repeats: int = 3) -> float:
+    """The fastest of a few runs, in ms (after one warm-up)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        run()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - began) * 1e3)
+    return max(best, 1e-6)
