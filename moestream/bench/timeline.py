@@ -3,8 +3,10 @@
 One prompt runs through the engine (cold, optional --replay-routing) with a `Tracer` keeping its spans.
 For decode step --token (default the one before the last) it prints the step's wall time and per lane
 the time busy and span count: routed expert MLPs, other layer expert work, policy decisions, waits, the
-dense modules by role with their weights' effective bandwidth (`DenseSpans`), the rest of the compute
-thread, and each link's transfers with their share overlapping compute.
+dense modules by role with their weights' effective bandwidth (`DenseSpans`), the host compute lane (the
+compute thread's time on the results of experts computed on the host, `--host-compute` with a
+`--host-budget`), the rest of the compute thread, and each link's transfers with their share overlapping
+compute.
 
 `DenseSpans` times the model's dense modules by role (`moestream.runtime.loader.dense_modules`:
 attention, shared experts, dense MLPs, the output head) with forward hooks while attached; it changes no
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
+from moestream.bench.engine.runners import HOST_LANE
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.policies.contracts import Observer
@@ -29,7 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 TRANSFER_LANES = ("disk", "h2d")
-THREAD_LANES = ("experts", "layer", "policy", "wait", "dense")  # the compute thread's own spans
+TIMELINE_LANES = LANES if HOST_LANE in LANES else (*LANES, HOST_LANE)
+THREAD_LANES = ("experts", "layer", "policy", "wait", "dense", HOST_LANE)  # the compute thread's own spans
 KEPT_SPANS = 200_000  # the latest spans the tracer keeps
 
 
@@ -72,7 +76,8 @@ def add_parser(kinds) -> None:
     parser.add_argument("--budget", default="0.25", help="expert budget")
     parser.add_argument("--token", type=int, help="which decode step, 1 to max-new-tokens - 1 (default the one "
                         "before the last)")
-    add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io", "native_gemv"))
+    add_arguments(parser, EngineConfig, only=("replay_routing", "policy", "sync", "direct_io", "native_gemv",
+                                              "host_budget", "host_compute", "host_threads"))
     parser.add_argument("--plot", type=Path, help="draw the token's spans here (PNG)")
     parser.set_defaults(handler=run)
 
@@ -118,6 +123,7 @@ def _check(args) -> int:
 def _record(args) -> tuple[Tracer, StepStarts, dict[str, float]]:
     import torch
 
+    from moestream.bench.engine.host import fill_tiers
     from moestream.bench.engine.runners import make_policy
     from moestream.bench.engine.spec import RunSpec, shards
     from moestream.checkpoint.index import build_index
@@ -128,12 +134,15 @@ def _record(args) -> tuple[Tracer, StepStarts, dict[str, float]]:
     torch.set_num_threads(args.threads)
     model = str(model_dir(args, announce=True))
     config = EngineConfig(expert_budget=args.budget, direct_io=args.direct_io, sync=args.sync, num_threads=args.threads,
-                          policy=args.policy, replay_routing=args.replay_routing, native_gemv=args.native_gemv)
+                          policy=args.policy, replay_routing=args.replay_routing, native_gemv=args.native_gemv,
+                          host_budget=args.host_budget, host_compute=args.host_compute, host_threads=args.host_threads)
     spec = RunSpec(model=model, budget=args.budget, policy=args.policy, predictor_dirs=tuple(args.predictor_dir))
     policy = make_policy(spec, build_index(model).topology)
     tracer, steps = Tracer(keep_spans=KEPT_SPANS), StepStarts()
     with Engine(model, config, observers=[steps], policy=policy, tracer=tracer) as engine:
         dense = DenseSpans(engine.model, tracer)
+        if engine.store.host_slots:
+            fill_tiers(engine)  # as bench engine: the host tier warm before the steps
         drop_page_cache(shards(model))
         engine.generate([PROMPTS[0]], args.max_new_tokens)
         steps.mark()  # the end of the last step
@@ -146,14 +155,14 @@ def figures(tracer: Tracer, starts: list[float], token: int, dense_bytes: dict[s
     dense_bytes: the weight bytes of one module of each dense role."""
     begin, end = starts[token], starts[token + 1]
     spans = tracer.window(begin, end)
-    lanes = {lane: [s for s in spans if s.lane == lane] for lane in LANES}
+    lanes = {lane: [s for s in spans if s.lane == lane] for lane in TIMELINE_LANES}
     thread = [s for lane in THREAD_LANES for s in lanes[lane]]
     computing = lanes["experts"] + lanes["layer"] + lanes["policy"]
     token_s = end - begin
     return {
         "token": token,
         "token_ms": token_s * 1e3,
-        "lanes": {lane: {"busy_ms": busy_s(lanes[lane]) * 1e3, "spans": len(lanes[lane])} for lane in LANES},
+        "lanes": {lane: {"busy_ms": busy_s(lanes[lane]) * 1e3, "spans": len(lanes[lane])} for lane in TIMELINE_LANES},
         "dense": {role: _dense_role([s for s in lanes["dense"] if s.label == role], nbytes)
                   for role, nbytes in dense_bytes.items()},
         "rest_of_compute_thread_ms": (token_s - busy_s(thread)) * 1e3,
@@ -208,10 +217,10 @@ def plot(document: dict, path: Path) -> Path:
     from moestream.atomic import atomic_path
 
     figure, axes = plt.subplots(figsize=(10, 3))
-    for row, lane in enumerate(LANES):
+    for row, lane in enumerate(TIMELINE_LANES):
         bars = [(s["begin_ms"], s["end_ms"] - s["begin_ms"]) for s in document["spans"] if s["lane"] == lane]
         axes.broken_barh(bars, (row - 0.4, 0.8))
-    axes.set(yticks=range(len(LANES)), yticklabels=LANES, xlabel="ms from the token's start",
+    axes.set(yticks=range(len(TIMELINE_LANES)), yticklabels=TIMELINE_LANES, xlabel="ms from the token's start",
              xlim=(0, document["token_ms"]), title=f"decode token {document['token']}: {document['token_ms']:.1f} ms")
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format="png", dpi=110, bbox_inches="tight")

@@ -13,6 +13,7 @@ import copy
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from moestream.atomic import write_json
@@ -34,6 +35,10 @@ COST_FLAGS = {  # flag dest -> (CostModel field (None: the link that fills the d
     "link_latency_ms": (None, "per-transfer latency of that link"),
     "disk_gbps": ("disk_to_host_gbps", "disk -> host bandwidth (GB/s)"),
     "disk_latency_ms": ("disk_to_host_latency_ms", "disk -> host per-transfer latency"),
+    "host_expert_gbps": ("host_expert_gbps", "--host-compute: the host's expert-MLP weight streaming (GB/s)"),
+    "host_tflops": ("host_tflops", "--host-compute: the host's expert-MLP arithmetic (TFLOP/s)"),
+    "device_expert_gbps": ("device_expert_gbps", "--host-compute: the device's expert weight streaming (GB/s)"),
+    "device_tflops": ("device_tflops", "--host-compute: the device's expert arithmetic (TFLOP/s)"),
 }
 
 
@@ -71,7 +76,11 @@ def add_parser(commands) -> None:
         "warmup_tokens": ("--warmup-tokens", None, "unscored tokens per prompt (moe-beyond)"),
         "protocol_eviction": ("--protocol-eviction", PROTOCOL_EVICTIONS, "moe-beyond eviction"),
         "expert_order": ("--expert-order", EXPERT_ORDERS, "how a layer's experts compute beside their loads (with "
-                         "--routed-expert-ms): ready (the engine's reordering), given (--no-reorder), loaded (--sync)")}
+                         "--routed-expert-ms): ready (the engine's reordering), given (--no-reorder), loaded (--sync)"),
+        "host_compute": ("--host-compute", None, "where misses in host memory compute (stream protocol): off (all on "
+                         "the device), share:F (a share F of them on the host, fewest rows first) or default (the "
+                         "placement with the earliest modelled finish); beside each policy, the misses each side "
+                         "took and the stall saved against off")}
     for field, (flag, choices, text) in flags.items():
         default = SimConfig.__dataclass_fields__[field].default
         parser.add_argument(flag, dest=field, type=type(default), default=default, choices=choices, help=text,
@@ -94,6 +103,8 @@ def run(args) -> int:
 
         check_flags(ranks, args)
     at_least(1, {"--max-tokens": args.max_tokens})
+    if configs[0].host_compute != "off" and (ranks.ranks is not None or args.protocol != "stream"):
+        raise MoestreamError(f"--host-compute {configs[0].host_compute} needs --protocol stream without --ranks")
     trace, train = _traces(args)
     policies = {name: _prepared(name, trace, train, args) for name in names}  # every refusal before any run
     if ranks.ranks is not None:
@@ -159,11 +170,14 @@ def _config(args, ratio: float):
     from dataclasses import fields
 
     from moestream.sim import SimConfig, get_cost_model
+    from moestream.sim.synthetic import SYNTHETIC_PREFIX, shape_of
 
     cost = get_cost_model(args.cost_model)
     cost = cost.with_overrides(**{field or f"{cost.device_link}_{dest.removeprefix('link_')}": getattr(args, dest)
                                   for dest, (field, _) in COST_FLAGS.items()})
     flags = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}  # add_parser's
+    if not flags.get("hidden_bytes") and str(args.trace).startswith(SYNTHETIC_PREFIX):
+        flags["hidden_bytes"] = shape_of(str(args.trace)).hidden_bytes  # a host-computed row's size
     return SimConfig(**flags | {"cache_ratio": ratio, "cost": cost})
 
 
@@ -195,10 +209,23 @@ def _run_policy(name: str, policy, trace, configs, args) -> dict[float, dict]:
     results = {}
     for config in progress_bar(configs, desc=f"sim {name}", unit="ratio"):
         start = time.perf_counter()
-        results[config.cache_ratio] = simulate(copy.deepcopy(policy), trace, config, args.protocol)
-        results[config.cache_ratio]["replay_seconds"] = round(time.perf_counter() - start, 3)
+        metrics = results[config.cache_ratio] = simulate(copy.deepcopy(policy), trace, config, args.protocol)
+        if config.host_compute != "off":  # the saving is against every miss computed on the device
+            off = simulate(copy.deepcopy(policy), trace, replace(config, host_compute="off"), args.protocol)
+            metrics["host_compute"] = _saving(config.host_compute, metrics, off)
+        metrics["replay_seconds"] = round(time.perf_counter() - start, 3)
         log.info("%s at ratio %g: %.1f s", name, config.cache_ratio, time.perf_counter() - start)
     return results
+
+
+def _saving(rule: str, metrics: dict, off: dict) -> dict:
+    """What computing misses on the host under rule did against off (all on the device)."""
+    stall, off_stall = metrics["stall_ms_per_token"], off["stall_ms_per_token"]
+    return {"rule": rule, "host_computed_misses": metrics["host_computed_misses"],
+            "device_computed_misses": metrics["device_computed_misses"],
+            "off_stall_ms_per_token": off_stall, "stall_saved_ms_per_token": off_stall - stall,
+            "off_stall_over_stall": off_stall / stall if stall else None,
+            "off_tpot_ms": off["tpot_ms"], "tpot_ms": metrics["tpot_ms"]}
 
 
 def _learns(policy) -> bool:
@@ -224,6 +251,7 @@ def _document(args, config, trace, results: dict[str, dict[float, dict]]) -> dic
         "mode": config.mode,
         "batch_size": config.batch_size,
         "horizon_layers": config.horizon_layers,
+        "host_compute": config.host_compute,
         "cache_ratios": [ratio for ratio in next(iter(results.values()))],
         "cost_model": asdict(config.cost),
         "policies": policies,
@@ -238,4 +266,12 @@ def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
               fmt(m["tpot_ratio_vs_resident"], "{:.2f}x"), fmt(m["bytes_per_token"], lambda b: f"{b / 1e6:.1f}"),
               fmt(m["wasted_prefetch_ratio"], "{:.1%}"), fmt(m["late_prefetch_ratio"], "{:.1%}"),
               f"{m['replay_seconds']:.1f}"] for name, by_ratio in results.items() for ratio, m in by_ratio.items()]
+    rows = [m for by_ratio in results.values() for m in by_ratio.values()]
+    if any("host_compute" in m for m in rows):
+        columns[-1:-1] = ["misses host / device", "stall saved ms/tok"]
+        for cell, m in zip(cells, rows):
+            saving = m["host_compute"]
+            ratio = saving["off_stall_over_stall"]
+            cell[-1:-1] = [f"{saving['host_computed_misses']} / {saving['device_computed_misses']}",
+                           f"{saving['stall_saved_ms_per_token']:.3f} ({fmt(ratio, '{:.2f}x')} vs off)"]
     report_console(REPORT_WIDTH).print(rich_table(f"moestream sim ({protocol})", columns, cells))

@@ -66,6 +66,32 @@ def experts_of_text(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
             if not prefix or path.startswith(f"{prefix}.")]
 
 
+def towers(model: torch.nn.Module) -> tuple[str, ...]:
+    """Paths of the modules that generating text from input ids never runs: beside the text decoder of a
+    multimodal model, its vision and audio towers and projectors (and an omni model's talker); the
+    embeddings and the output head are kept. None for a text model."""
+    text = text_part(model)
+    if text is model and text.config.get_text_config() is text.config:
+        return ()
+    decoder = text.get_decoder() if text.config.get_text_config() is not text.config else text
+    paths = {module: name for name, module in model.named_modules()}
+    keep = {decoder, text.get_output_embeddings(), text.get_input_embeddings()}
+    found, path = [], paths[decoder]
+    while path:
+        parent_path = path.rpartition(".")[0]
+        parent = model.get_submodule(parent_path) if parent_path else model
+        for name, child in parent.named_children():
+            child_path = f"{parent_path}.{name}" if parent_path else name
+            if child_path != path and child not in keep and not any(k is not None and _holds(child, k) for k in keep):
+                found.append(child_path)
+        path = parent_path
+    return tuple(found)
+
+
+def _holds(module: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(m is inner for m in module.modules())
+
+
 def layer_number(path: str) -> int:
     """The decoder-layer index in a module path: its first all-digit component."""
     for component in path.split("."):
@@ -170,7 +196,8 @@ class DenseConversion:
     load (a `WeightConverter`: fused projections, stacked convolutions) collected and converted by that
     same converter."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, skip: tuple[str, ...] = ()):
+        """skip: module paths whose tensors are not loaded (`towers`)."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
@@ -181,6 +208,11 @@ class DenseConversion:
         self._keys = dict.fromkeys(model.state_dict(keep_vars=True))
         self._model = model
         self._pending: dict = {}  # model key -> its converter, collecting its disk tensors
+        self._skip = tuple(f"{path}." for path in skip)
+
+    def skipped(self, key: str) -> bool:
+        """Whether the model key belongs to a module that is not loaded."""
+        return bool(self._skip) and key.startswith(self._skip)
 
     def rename(self, disk_name: str) -> tuple[str, str | None]:
         """(model key, the converter pattern it matched or None: loaded as it is). A disk name that is

@@ -6,7 +6,9 @@ bytes), renamed as transformers' loading renames it (`families.derive.DenseConve
 are tied and non-persistent buffers (rotary inverse frequencies) are computed on the device by the
 model's own initialiser. Dense tensors a quantized checkpoint stores quantized are decoded by its
 codec (`dense_groups`, `decode_dense`) as they are read. The routed experts' parameters stay on meta:
-the experts implementation computes from the store's slots instead. Shared experts are ordinary
+the experts implementation computes from the store's slots instead. A multimodal model's towers
+(vision, audio: `families.derive.towers`), which generating text from input ids never runs, are not read
+and stay on meta too. Shared experts are ordinary
 dense modules. The output head gets its input with standard strides (`head_input_hook`). `dense_modules`
 finds the dense modules by role from transformers' decoder layout (no family by name).
 This module knows no policy and names no family.
@@ -26,7 +28,7 @@ import transformers
 from moestream.checkpoint.index import CheckpointIndex
 from moestream.checkpoint.shards import TensorInfo
 from moestream.errors import CheckpointError
-from moestream.families.derive import DenseConversion
+from moestream.families.derive import DenseConversion, towers
 from moestream.progress import progress_bar
 from moestream.quant.decoder import ExpertDecoder
 
@@ -53,7 +55,7 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
     groups = checkpoint.codec.dense_groups(checkpoint.dense_names()) if checkpoint.codec is not None else {}
     quantized = {name for group in groups.values() for name in group.values()}
     loaded: set[str] = set()
-    conversion = DenseConversion(model)
+    conversion = DenseConversion(model, skip=towers(model))
     total = sum(len(names) for names in checkpoint.dense.values())
     with progress_bar(total=total, desc="loading dense weights", unit="tensor", disable=None if progress else True) as bar:
         for file, names in checkpoint.dense.items():
@@ -66,7 +68,7 @@ def load_dense(model: torch.nn.Module, checkpoint: CheckpointIndex, device: str,
     missing = {key for key in expected - loaded if not checkpoint.is_expert_key(key)}
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     still_meta = [key for key, value in model.state_dict(keep_vars=True).items()
-                  if value.is_meta and not checkpoint.is_expert_key(key)]
+                  if value.is_meta and not checkpoint.is_expert_key(key) and not conversion.skipped(key)]
     if still_meta:
         raise CheckpointError(f"checkpoint {checkpoint.path} lacks dense tensor {sorted(still_meta)[0]}"
                               f" ({len(still_meta)} missing in all)")
@@ -82,6 +84,9 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, conversion
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into expert bytes
             for name in names:
                 key, merged = conversion.rename(name)
+                if conversion.skipped(key):  # a tower that generating text never runs: not read
+                    bar.update(1)
+                    continue
                 tensor = _read_tensor(fd, checkpoint.tensors[name])
                 if merged is not None:  # merged with others on load: converted once all are read
                     conversion.collect(key, name, merged, tensor)
@@ -160,7 +165,10 @@ def _ignored_on_load(model: torch.nn.Module, key: str) -> bool:
 def materialize_buffers(model: torch.nn.Module, device: str) -> None:
     """Computes non-persistent buffers left on meta (e.g. rotary inv_freq) on `device`."""
     owners = {}
+    skip = tuple(f"{path}." for path in towers(model))
     for name, buffer in model.named_buffers():
+        if name.startswith(skip):
+            continue  # a tower that generating text never runs stays on meta
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         if buffer.is_meta and attr in owner._non_persistent_buffers_set:

@@ -237,7 +237,7 @@ class OffloadedExperts:
     def _counts(self, used_ids: np.ndarray) -> dict[int, int]:
         """Rows of each expert the layer step routes to."""
         experts, counts = np.unique(used_ids, return_counts=True)
-        return dict(zip(experts.tolist(), counts.tolist(), strict=True))
+        return {int(expert): int(count) for expert, count in zip(experts, counts, strict=True)}
 
     def _compute(self, math: ExpertMath, hidden: torch.Tensor, top_k_weights: torch.Tensor, plan: RowPlan,
                  groups: list[list[ExpertKey]], first, on_host: dict[ExpertKey, torch.Tensor]) -> torch.Tensor:

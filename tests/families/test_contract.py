@@ -1,7 +1,8 @@
 """The contract every family runs: for each model type transformers declares experts for, a small random
 checkpoint in its published layout loads in plain transformers without a missing key, the derived
 layout's slot views are the model's expert parameters, the dense part is transformers' own, and the
-engine's greedy tokens at a 25% expert budget, sync and async, are transformers' tokens. A family that
+engine's greedy tokens at a 25% expert budget, sync and async, are transformers' tokens (also with a host
+tier whose experts the default rule may compute on the host). A family that
 cannot work is refused in one line with its reason."""
 
 import pytest
@@ -11,7 +12,7 @@ import transformers
 from moestream.checkpoint.index import build_index
 from moestream.checkpoint.layout import ExpertLocation
 from moestream.errors import CheckpointError
-from moestream.families import FAMILIES, adapter_for, supported
+from moestream.families import FAMILIES, adapter_for, derive, supported
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.loader import load_model
 from tests.runtime.conftest import PROMPTS, reference_generate
@@ -69,11 +70,12 @@ def test_the_checkpoint_loads_in_transformers_and_its_layout_is_the_models(refer
 def test_the_dense_part_is_transformers_own(reference, family):
     path, model, _ = reference(family)
     index = build_index(path)
-    ours = load_model(index, "cpu").state_dict(keep_vars=True)
-    theirs = model.state_dict()
+    loaded = load_model(index, "cpu")
+    ours, theirs = loaded.state_dict(keep_vars=True), model.state_dict()
     assert set(ours) == set(theirs)
+    towers = tuple(f"{path}." for path in derive.towers(loaded))
     for name, value in ours.items():
-        if index.is_expert_key(name):
+        if index.is_expert_key(name) or (towers and name.startswith(towers)):  # never read
             assert value.is_meta, name
         else:
             torch.testing.assert_close(value, theirs[name], rtol=0, atol=0, msg=name)
@@ -88,6 +90,18 @@ def test_greedy_tokens_at_a_quarter_budget_are_transformers_tokens(reference, fa
         result = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
         pad_id = engine.pad_id
     assert result.metrics.expert_misses > 0
+    assert result.token_ids == reference_generate(model, prompts, NEW_TOKENS, pad_id)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_tokens_with_host_compute_by_the_default_rule_are_transformers_tokens(reference, family, sync):
+    path, model, _ = reference(family)
+    config = EngineConfig(expert_budget="0.25", host_budget="0.5", direct_io=False, sync=sync, host_compute="default")
+    with Engine(path, config) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        result = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        pad_id = engine.pad_id
     assert result.token_ids == reference_generate(model, prompts, NEW_TOKENS, pad_id)
 
 

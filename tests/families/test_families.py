@@ -91,3 +91,11 @@ def test_an_unknown_model_type_names_it_and_the_transformers_version():
 def test_a_config_without_moe_layers_is_refused():
     with pytest.raises(CheckpointError, match="no MoE layer"):
         make_config(ModelSpec("deepseek_v2", num_layers=1))
+
+
+def test_a_multimodal_models_towers_are_what_text_generation_never_runs():
+    config = make_config(ModelSpec("qwen3_vl_moe"))
+    model = derive.meta_model(config, FAMILIES.get("qwen3_vl_moe").auto_class)
+    assert derive.towers(model) == ("model.visual",)
+    config = make_config(ModelSpec("mixtral"))
+    assert derive.towers(derive.meta_model(config, "AutoModelForCausalLM")) == ()

@@ -4,7 +4,9 @@ Per budget: TTFT, TPOT, stall, overlap, hit rate, disk and host bytes per token 
 LRU (`--sync`), async `lru`, each design's policy, `default` and transformers' disk offload, beside the
 all-resident run, plain transformers all resident (its steady TPOT and tokens against ours) and the budget's
 physical limit (oracle bytes per token / the misses' link bandwidth). `--host-budget` adds a host tier,
-filled before the timed steps (host.py). Every run is a fresh process, cold; `--memory-cap` reruns each
+filled before the timed steps (host.py); `--host-compute RULES` runs each async run once per rule, a device-tier
+miss in the host tier computed there (the share of misses computed on the host, the bytes copied up and the
+tracer's host compute lane per token). Every run is a fresh process, cold; `--memory-cap` reruns each
 under a cgroup limit (isolation.py). Targets are ok/missed, never asserted; `--json` also writes the
 calibrated cost model for `moestream sim`.
 """
@@ -42,7 +44,14 @@ def add_parser(kinds) -> None:
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, metavar="N",
                         help=f"decode steps of each prompt left out of the steady TPOT that compares the "
                              f"all-resident run with plain transformers (default {WARMUP_STEPS})")
-    add_arguments(parser, EngineConfig, only=("device", "host_budget", "replay_routing", "direct_io", "native_gemv"))
+    add_arguments(parser, EngineConfig, only=("device", "host_budget", "replay_routing", "direct_io", "native_gemv",
+                                              "host_threads"))
+    parser.add_argument("--host-compute", default="off", metavar="RULES",
+                        help="where a device-tier miss held in the host tier computes, one rule or several comma "
+                             "separated (off, share:F, default; default off): each async run of our engine once per "
+                             "rule (on-demand LRU: off); each run reports the share of its misses computed on the "
+                             "host and the host compute lane's time per token; keeps a host tier apart on the CPU "
+                             "(with --host-budget)")
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
                         help="instead: N ranks (torchrun) against one process at the same and at 1/N of the memory")
     add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))

@@ -7,8 +7,9 @@ serves it, and the warm-up that fills it before the timed steps.
   every expert.
 - `fill_tiers`: the child's warm-up: the first experts in layer order brought through the store, as many as
   its larger tier holds, so that the host tier (or, where the store merges the tiers, the one tier) is full.
-- where the store keeps a host tier apart (CUDA, or --sync) is `moestream.store.factory.merges_tiers`'s; on
-  the CPU without --sync the host budget joins the device tier, and the bench says so.
+- where the store keeps a host tier apart (CUDA, --sync, or --host-compute other than off) is
+  `moestream.store.factory.merges_tiers`'s; on the CPU otherwise the host budget joins the device tier, and the
+  bench says so.
 """
 
 from __future__ import annotations

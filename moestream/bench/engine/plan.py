@@ -19,11 +19,14 @@ PLAIN = "transformers"  # plain transformers, all resident (baselines.py)
 CAP_SLACK_MIB = 64  # the memory cap: floor + dense part + budget + this
 ROW_FIGURES = ("tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token", "overlap", "bytes_per_token", "peak_rss_mib",
                "steady_tpot_ms", "host_bytes_per_token")
-ROW_EXTRAS = ("routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib", "device_slots", "host_slots", "link_gbps")
+ROW_EXTRAS = ("routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib", "device_slots", "host_slots", "link_gbps",
+              "host_computed", "host_compute_share", "host_lane_ms_per_token", "host_lane_spans_per_token")
 PROGRESS_FIGURES = {"TTFT": ("ttft_ms", 1, "{:.1f} ms"), "TPOT": ("tpot_ms", 1, "{:.1f} ms"),  # name: (key, scale, form)
                     "stall": ("stall_ms_per_token", 1, "{:.1f} ms/token"), "hit rate": ("hit_rate", 1, "{:.3f}"),
                     "read": ("bytes_per_token", 1e6, "{:.1f} MB/token"),
-                    "host": ("host_bytes_per_token", 1e6, "{:.1f} MB/token")}
+                    "host": ("host_bytes_per_token", 1e6, "{:.1f} MB/token"),
+                    "on host": ("host_compute_share", 0.01, "{:.0f}% of misses"),
+                    "host lane": ("host_lane_ms_per_token", 1, "{:.2f} ms/token")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +34,32 @@ class Job:
     policy: str
     sync: bool
     kind: str = "engine"
+    host_compute: str = "off"  # EngineConfig.host_compute (our engine's runs)
 
     @property
     def mode(self) -> str:
-        return "plain" if self.kind == PLAIN else "sync" if self.sync else "async"
+        """plain, sync or async; with a host compute rule other than off, "async host RULE" (or sync's)."""
+        mode = "plain" if self.kind == PLAIN else "sync" if self.sync else "async"
+        return mode if self.host_compute == "off" else f"{mode} host {self.host_compute}"
 
 
-def jobs(designs: str) -> list[Job]:
-    """Per budget: on-demand LRU, async LRU, each design, default, transformers + accelerate."""
-    return [Job("lru", True), Job("lru", False), *(Job(name, False) for name in split_names(designs)),
-            Job("default", False)]
+def jobs(designs: str, rules: tuple[str, ...] = ("off",)) -> list[Job]:
+    """Per budget: on-demand LRU, then async LRU, each design and default under each --host-compute rule
+    (on-demand LRU, the reference, computes every miss on the device), transformers + accelerate."""
+    policies = ["lru", *split_names(designs), "default"]
+    return [Job("lru", True), *(Job(name, False, host_compute=rule) for rule in rules for name in policies)]
+
+
+def host_rules(text: str) -> tuple[str, ...]:
+    """--host-compute's rules, comma separated (each checked: a refusal names the flag), in order, once each."""
+    from moestream.policies.compute_placement import compute_rule
+
+    rules = tuple(dict.fromkeys(rule.strip() for rule in text.split(",") if rule.strip()))
+    if not rules:
+        raise MoestreamError("--host-compute: give a rule (off, share:F, default) or several, comma separated")
+    for rule in rules:
+        compute_rule(rule)
+    return rules
 
 
 def measure(args, run=run_isolated, world_size: int = 1) -> dict:
@@ -53,6 +72,7 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     from moestream.memory_plan import check_host_room, sizes_of
 
     budgets, host = _check(args)
+    rules = host_rules(args.host_compute)
     model = model_dir(args)
     index = build_index(model)
     topology = index.topology
@@ -62,7 +82,8 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     base = RunSpec(model=str(model), budget="1.0", prompts=PROMPTS[: args.prompts], device=args.device,
                    max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    native_gemv=args.native_gemv, replay_routing=args.replay_routing,
-                   predictor_dirs=tuple(args.predictor_dir), warmup_steps=args.warmup_steps)
+                   predictor_dirs=tuple(args.predictor_dir), warmup_steps=args.warmup_steps,
+                   host_threads=args.host_threads)
     disk = disk_figures(Path(model), args.direct_io)
     resident = run(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)
@@ -73,7 +94,7 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
                "cap": _cap(args), "run": run, "world_size": world_size, "host_mib": host_mib,
                "link_bw": h2d if _bytes(host, topology) >= topology.total_expert_bytes else None}
     base = dataclasses.replace(base, host_budget=host, layer_ms=resident["tpot_ms"] / topology.num_layers)
-    run_list, skipped_budgets = _run_list(args, budgets, world_size)
+    run_list, skipped_budgets = _run_list(args, budgets, world_size, rules)
     skipped += skipped_budgets
     results = []
     for budget in budgets:
@@ -95,7 +116,7 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
             "skipped": skipped, "host_budget": host, "host_budget_mib": host_mib, "h2d_gbps": h2d and h2d / 1e9,
             "transformers": versus_transformers(resident, plain, args),
             "memory_cap": context["cap"], "cost_model": dataclasses.asdict(cost), "integrity": integrity,
-            "oracle_bytes_per_token": oracle}
+            "oracle_bytes_per_token": oracle, "host_compute": list(rules), "host_threads": args.host_threads}
 
 
 def _plain_run(args, base: RunSpec, run, world_size: int) -> tuple[dict | None, list[dict]]:
@@ -127,17 +148,18 @@ def versus_transformers(resident: dict, plain: dict | None, args) -> dict | None
             "same_tokens": None if args.replay_routing else resident["token_ids"] == plain["token_ids"]}
 
 
-def _run_list(args, budgets: list[str], world_size: int) -> tuple[list[Job], list[dict]]:
+def _run_list(args, budgets: list[str], world_size: int,
+              rules: tuple[str, ...] = ("off",)) -> tuple[list[Job], list[dict]]:
     """The jobs of each budget, and the notes of those not run: transformers + accelerate's disk offload
     (a one-process CPU baseline) is not run with --device cuda or under torchrun (nor with --no-hf)."""
     reason = ("not run with --device cuda: accelerate's disk offload is the CPU baseline"
               if args.device.startswith("cuda") else "not run under torchrun: accelerate's disk offload is a "
               "one-process baseline" if world_size > 1 else None)
     if args.no_hf:
-        return jobs(args.designs), []
+        return jobs(args.designs, rules), []
     if reason is None:
-        return jobs(args.designs) + [Job(HF, True, HF)], []
-    return jobs(args.designs), [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None,
+        return jobs(args.designs, rules) + [Job(HF, True, HF)], []
+    return jobs(args.designs, rules), [{"policy": HF, "budget": budget, "mode": "sync", "memory_cap_mib": None,
                                  "reason": reason} for budget in budgets]
 
 
@@ -147,8 +169,13 @@ def _check(args) -> tuple[list[str], str]:
     from moestream.cli import at_least
     from moestream.cli.demo import PROMPTS
 
+    from moestream.threads import available_cores
+
     check_run_flags(args)
     at_least(0, {"--warmup-steps": args.warmup_steps})
+    if not 1 <= args.host_threads <= available_cores():
+        raise MoestreamError(f"--host-threads {args.host_threads}: must be between 1 and this machine's "
+                             f"{available_cores()} cores")
     if not 1 <= args.prompts <= len(PROMPTS):
         raise MoestreamError(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
     if args.memory_cap not in (None, "auto") and not args.memory_cap.isdigit():
@@ -230,7 +257,8 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
     done = []
     for job in run_list:
         spec = dataclasses.replace(base, budget=budget, policy=job.policy if job.kind == "engine" else "lru",
-                                   sync=job.sync, kind=job.kind, link_gbps=_link_bw(job, base, context) / 1e9)
+                                   sync=job.sync, kind=job.kind, link_gbps=_link_bw(job, base, context) / 1e9,
+                                   host_compute=job.host_compute)
         for cap in caps:
             label = f"{job.policy} {job.mode}" + (f" capped at {cap / MIB:.0f} MiB" if cap else "")
             try:
@@ -248,10 +276,11 @@ def _budget_runs(base: RunSpec, budget: str, run_list: list[Job], context: dict,
 
 def _link_bw(job: Job, base: RunSpec, context: dict) -> float:
     """The link the run's planner sees (bytes/s): the host -> device copy's where the store keeps a host tier
-    apart that holds every expert (filled before timing), else the disk's (cold O_DIRECT)."""
+    apart that holds every expert (filled before timing), else the disk's (cold O_DIRECT). A run that computes
+    on the host keeps its host tier apart, on the CPU too."""
     from moestream.store.factory import merges_tiers
 
-    host = context["link_bw"] is not None and not merges_tiers(base.device, not job.sync)
+    host = context["link_bw"] is not None and not merges_tiers(base.device, not job.sync, job.host_compute != "off")
     return context["link_bw"] if host else context["disk_bw"]
 
 
@@ -306,7 +335,7 @@ def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> 
     median floor."""
     fraction = _fraction(budget, topology)
     return ({"policy": job.policy, "budget": fraction, "budget_mib": fraction * topology.total_expert_bytes / MIB,
-             "host_budget_mib": result.get("host_budget_mib", 0.0), "mode": job.mode}
+             "host_budget_mib": result.get("host_budget_mib", 0.0), "mode": job.mode, "host_compute": job.host_compute}
             | {key: result[key] for key in ROW_FIGURES} | {"limit_tpot_ms": limit}
             | {key: result.get(key) for key in ROW_EXTRAS}
             | {key: result[key] for key in ("floor_rss_mib", "expert_parallel") if key in result})

@@ -12,16 +12,18 @@ RESIDENT_TARGET = 1.3  # default TPOT / all-resident TPOT, at most
 SYNC_TARGET = 2.0  # on-demand LRU TPOT / default TPOT, at least (issue 34)
 CAP_TARGET = 1.1  # default TPOT under the memory cap / the same run's uncapped TPOT, at most (issue 34)
 PLAIN_TARGET = 1.1  # all-resident steady TPOT / plain transformers', at most, with the same tokens (issue 44)
-REPORT_WIDTH = 200
+REPORT_WIDTH = 236  # the table with --host-compute rules in the mode column
 
 
 def targets(document: dict) -> dict[str, str]:
     """The issue's targets at 25%, as "ok", "missed" or why they could not be checked."""
     at = {(r["policy"], r["mode"], r.get("memory_cap_mib") is not None): r for r in document["runs"]
           if abs(r["budget"] - TARGET_BUDGET) < 1e-3}
+    rule = document.get("host_compute", ["off"])[0]  # the async runs of the first --host-compute rule
+    overlapped = "async" if rule == "off" else f"async host {rule}"
     default, sync, hf = (at.get((policy, mode, False)) for policy, mode in
-                         (("default", "async"), ("lru", "sync"), ("hf-accelerate", "sync")))
-    capped = at.get(("default", "async", True))
+                         (("default", overlapped), ("lru", "sync"), ("hf-accelerate", "sync")))
+    capped = at.get(("default", overlapped, True))
     if default is None:
         return {"default at 25%": "not measured (no default run at 25%)"}
     floor, dense = document["floor_rss_mib"], document["dense_mib"]
@@ -68,9 +70,24 @@ def host_line(document: dict) -> str | None:
             f"the timed steps; host -> device copy {document['h2d_gbps']:.2f} GB/s ({link}); the planner's link: "
             "that copy where a host tier kept apart holds every expert, else the disk")
     if not document["device"].startswith("cuda"):
-        line += ("; on the CPU only --sync runs keep a host tier apart (slots d+h), the others hold the host "
-                 "budget in their one tier (host slots 0)")
+        line += ("; on the CPU only --sync runs keep a host tier apart (slots d+h), and runs that compute on the "
+                 "host (--host-compute other than off); the others hold the host budget in their one tier "
+                 "(host slots 0)")
     return line
+
+
+def host_compute_line(document: dict) -> str | None:
+    """What --host-compute ran and what the table's host columns mean; None where every run was off."""
+    rules = document.get("host_compute", ["off"])
+    if rules == ["off"]:
+        return None
+    return (f"host compute: rules {', '.join(rules)} ({document.get('host_threads', 1)} host thread(s)), each "
+            "async run of our engine once per rule (mode 'async host RULE'; 'async': off); on host: the device-tier "
+            "misses computed on the host from their host slots, of all device-tier misses; host lane: the tracer's "
+            "host compute lane per token (the compute thread's time on the host's results; its spans: layer steps "
+            "with experts on the host); host KiB/tok: the bytes that crossed the host -> device link"
+            + ("" if document.get("host_budget_mib") else "; no --host-budget: no host tier, nothing to compute "
+               "there"))
 
 
 def _capped(capped: dict | None, default: dict, document: dict) -> str:
@@ -137,7 +154,7 @@ def print_report(document: dict, args) -> None:
         capped = f" under a {skipped['memory_cap_mib']:.0f} MiB cap" if skipped.get("memory_cap_mib") else ""
         console.print(f"skipped {skipped['policy']} {skipped['mode']}{capped} at {skipped['budget']}: "
                       f"{skipped['reason']}")
-    for line in (host_line(document), versus_transformers_line(document)):
+    for line in (host_line(document), host_compute_line(document), versus_transformers_line(document)):
         if line is not None:
             console.print(line)
     for name, verdict in targets(document).items():
@@ -163,11 +180,12 @@ def rank_lines(document: dict) -> list[str]:
 
 def _table(document: dict, args):
     columns = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "stall ms/tok", "overlap", "hit rate",
-               "disk KiB/tok", "host KiB/tok", "slots d+h", "expert µs", "peak RSS MiB", "cap (peak) MiB",
+               "disk KiB/tok", "host KiB/tok", "on host (lane)", "slots d+h", "expert µs", "peak RSS MiB", "cap (peak) MiB",
                "limit ms", "TPOT/limit")
     cells = [[f"{r['budget']:.0%}", r["policy"], r["mode"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.1f}",
               fmt(r["stall_ms_per_token"], "{:.1f}"), fmt(r["overlap"], "{:.0%}"), fmt(r["hit_rate"], "{:.1%}"),
               f"{r['bytes_per_token'] / 1024:.0f}", fmt(r.get("host_bytes_per_token"), lambda b: f"{b / 1024:.0f}"),
+              _host_cell(r),
               _slots_cell(r), fmt(r.get("routed_expert_ms"), lambda ms: f"{1e3 * ms:.0f}"),
               f"{r['peak_rss_mib']:.0f}", _cap_cell(r), fmt(r["limit_tpot_ms"], "{:.1f}"),
               fmt(r["limit_tpot_ms"] and r["tpot_ms"] / r["limit_tpot_ms"], "{:.2f}")] for r in document["runs"]]
@@ -178,11 +196,22 @@ def _table(document: dict, args):
                               f"device {document.get('device', 'cpu')}, "
                               f"{document.get('prompts', 4)} prompt(s), {document['max_new_tokens']} new tokens per "
                               "prompt, cold start, a fresh process per run; per-token figures over decode steps; "
-                              "KiB/tok: read from disk, copied up from the host tier; slots d+h: the store's device and "
+                              "KiB/tok: read from disk, copied up from the host tier; on host: device-tier misses computed on "
+                              "the host, of all, and (its lane's busy ms per token); "
+                              "slots d+h: the store's device and "
                               "host tiers' expert slots; expert µs: one routed expert MLP's mean wall "
                               "time; cap (peak): the run's cgroup memory limit and the memory charged to that cgroup "
                               "at its peak; limit: max(resident TPOT, oracle bytes per token / the misses' link "
                               "bandwidth); transformers plain: every weight in memory, no moestream")
+
+
+def _host_cell(run: dict) -> str:
+    """The share of misses computed on the host and, where it computed any, its lane's busy ms per token ("-"
+    for a run whose rule was off)."""
+    share, busy = run.get("host_compute_share"), run.get("host_lane_ms_per_token")
+    if run.get("host_compute", "off") == "off":
+        return "-"
+    return fmt(share, "{:.0%}") + (f" ({busy:.2f} ms)" if run.get("host_lane_spans_per_token") else "")
 
 
 def _slots_cell(run: dict) -> str:

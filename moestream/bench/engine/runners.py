@@ -16,6 +16,7 @@ from moestream.policies.contracts import Observer
 from moestream.registry import Registry
 
 RUNS: Registry = Registry("bench engine run kind")
+HOST_LANE = "host compute"  # the tracer's lane of a layer step's experts computed on the host (runtime/offload.py)
 
 
 class DecodeMeter(Observer):
@@ -24,8 +25,12 @@ class DecodeMeter(Observer):
     ids, strings and, if asked (keep_embeddings), embeddings where the engine gave them (what the policy
     saw, for the simulator)."""
 
-    def __init__(self, store, tracer, keep_embeddings: bool = False):
+    def __init__(self, store, tracer, keep_embeddings: bool = False, host_count=lambda: 0):
+        """host_count() -> the experts computed on the host that the engine has not yet handed to a
+        generation's metrics (GenerationMetrics.host_computed takes them at its end)."""
         self.store, self.tracer, self.keep_embeddings = store, tracer, keep_embeddings
+        self.host_count = host_count
+        self.host_at_decode = 0  # host_count() at the start of the first decode step
         self.steps = 0
         self.decode_tokens = 0
         self.at_decode = None  # StoreStats at the start of the first decode step
@@ -47,17 +52,20 @@ class DecodeMeter(Observer):
             self.embeddings.append([] if ctx.embeddings is None else ctx.embeddings.tolist())
         if self.steps == 2:
             self.at_decode, self.totals_at_decode = self.store.stats(), self.tracer.totals()
+            self.host_at_decode = self.host_count()
         if self.steps >= 2:
             self.decode_tokens += ctx.num_tokens
 
     def end_sequence(self, seq_id: int) -> None:
         self.marks.append(time.perf_counter())
 
-    def add_decode(self, counters: Counters, end) -> None:
-        """Adds the decode steps' counters (the store's at the end minus at the first decode step)."""
+    def add_decode(self, counters: Counters, end, host_computed: int = 0) -> None:
+        """Adds the decode steps' counters (the store's at the end minus at the first decode step);
+        host_computed: the generation's experts computed on the host (its metrics'), prefill included."""
         if self.at_decode is None:
             return
         from moestream.runtime.offload import expert_compute
+        from moestream.tracer import since
 
         start = self.at_decode
         counters.hits += end.hits - start.hits
@@ -72,6 +80,10 @@ class DecodeMeter(Observer):
         experts, seconds = expert_compute(self.tracer.totals(), self.totals_at_decode)
         counters.experts_computed += experts
         counters.expert_compute_ms += seconds * 1e3
+        counters.host_computed += max(0, host_computed - self.host_at_decode)
+        lane = since(self.tracer.totals(), self.totals_at_decode, HOST_LANE)
+        counters.host_lane_ms += lane.seconds * 1e3
+        counters.host_lane_spans += lane.spans
         counters.decode_tokens += self.decode_tokens
         counters.step_ms.append(step_times_ms(self.marks[1:]))  # each step begins as the one before ends
 
@@ -108,7 +120,8 @@ class EngineRun:
                               policy=spec.policy, predictor_dir=None if trained is None else str(trained),
                               replay_routing=spec.replay_routing, reorder=spec.reorder, link_gbps=spec.link_gbps,
                               layer_ms=spec.layer_ms, background_predictor=spec.background_predictor,
-                              native_gemv=spec.native_gemv, num_threads=spec.threads)
+                              native_gemv=spec.native_gemv, num_threads=spec.threads,
+                              host_compute=spec.host_compute, host_threads=spec.host_threads)
         with _engine(spec, config, policy, ranks) as engine:
             prepare(engine, spec, ranks)
             return self._generate(engine, spec)
@@ -116,14 +129,17 @@ class EngineRun:
     def _generate(self, engine, spec: RunSpec) -> dict:
         from moestream.parallel.launch import expert_parallel_report
 
-        meter, counters = DecodeMeter(engine.store, engine.tracer, spec.keep_embeddings), Counters()
+        host = engine.experts.host  # None: --host-compute off
+        meter = DecodeMeter(engine.store, engine.tracer, spec.keep_embeddings,
+                            (lambda: host.num_computed) if host is not None else (lambda: 0))
+        counters = Counters()
         engine.add_observer(meter)
         stall_ms, prefill, token_ids, parallel = 0.0, [], [], []
         for prompt in spec.prompts:
             meter.start()
             result = engine.generate([prompt], spec.max_new_tokens)
             metrics = result.metrics
-            meter.add_decode(counters, engine.store.stats())
+            meter.add_decode(counters, engine.store.stats(), metrics.host_computed)
             counters.ttft_ms.append(metrics.ttft_ms)
             if metrics.num_generated_tokens > 1:
                 counters.tpot_ms.append(metrics.tpot_ms)

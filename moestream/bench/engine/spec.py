@@ -40,6 +40,8 @@ class RunSpec:
     keep_embeddings: bool = False  # keep each iteration's embeddings a policy saw (bench fidelity replays them)
     expert_parallel_placement: str = "round-robin"  # under torchrun (ranked.py): ParallelConfig's settings
     expert_parallel_trace: str | None = None
+    host_compute: str = "off"  # EngineConfig.host_compute: where a device-tier miss in the host tier computes
+    host_threads: int = 1  # EngineConfig.host_threads
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -64,6 +66,9 @@ class Counters:
     read_batches: int = 0  # batches of reads in flight together
     read_fit: ReadBatchFit = field(default_factory=ReadBatchFit)  # the synchronous store's read batches
     experts_computed: int = 0  # routed expert MLPs run
+    host_computed: int = 0  # device-tier misses computed on the host, from their host slots (--host-compute)
+    host_lane_ms: float = 0.0  # the tracer's "host compute" lane: the compute thread's time on the host's results
+    host_lane_spans: int = 0  # its spans: layer steps that computed experts on the host
     expert_compute_ms: float = 0.0  # their wall time on the compute thread
     decode_tokens: int = 0
     prompt_tokens: int = 0
@@ -128,4 +133,16 @@ def summarize(counters: Counters, stall_ms: float, transfer_ms: float, warmup_st
         "prompt_tokens": counters.prompt_tokens,
         "expert_hits": counters.hits,
         "expert_misses": counters.misses,
+        "host_computed": counters.host_computed,
+        # the device-tier misses the host computed, of all of them (those the device fetched, and these)
+        "host_compute_share": host_share(counters.host_computed, counters.misses),
+        "host_lane_ms_per_token": counters.host_lane_ms / tokens,
+        "host_lane_spans_per_token": counters.host_lane_spans / tokens,
     }
+
+
+def host_share(host_computed: int, misses: int) -> float | None:
+    """The share of device-tier misses computed on the host: host_computed / (host_computed + misses), where
+    misses are those the device fetched (an expert computed on the host is no device lookup); None: no miss."""
+    total = host_computed + misses
+    return host_computed / total if total else None

@@ -10,7 +10,7 @@ switch alike. Knows routing events, the model's next uses and the tier's capacit
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
@@ -18,7 +18,8 @@ import numpy as np
 from moestream.events import RoutingEvent
 from moestream.policies.contracts import CacheView, EvictionPolicy, Observer, Prediction, PrefetchPlanner, \
     TransferRequest
-from moestream.policies.eviction import LRUPolicy, NarrowingEviction
+from moestream.policies.default.state import IterationState, compiled
+from moestream.policies.eviction import NarrowingEviction
 from moestream.topology import ExpertKey, Topology
 
 NextUse = Callable[[], np.ndarray | None]  # [L, E] the model's next use of each expert (larger: later), or None
@@ -26,15 +27,21 @@ Ahead = Callable[[int], np.ndarray | None]  # layer c -> [E] the model's probabi
 
 
 class Duel(Observer):
+    """The two ghosts and the window's hits, as arrays that one compiled call per layer updates
+    (kernels.duel_observe: the model ghost a mask, the LRU ghost a linked list, the window a ring)."""
+
     def __init__(self, topology: Topology, next_use: NextUse, ahead: Ahead, window_tokens: int):
         self.topology, self.next_use, self.ahead = topology, next_use, ahead
         self.capacity = 0  # the device tier's slots, once a plan has shown them (no duel before)
-        window = window_tokens * topology.num_layers * topology.top_k
-        self._lru: OrderedDict[ExpertKey, None] = OrderedDict()
-        self._model = np.zeros((topology.num_layers, topology.num_experts), bool)  # [L, E] the model ghost's residents
-        self._model_size = 0
-        self._outcomes: deque[tuple[bool, bool]] = deque(maxlen=window)  # (model hit, lru hit) per lookup
-        self._model_hits = self._lru_hits = 0  # over the window
+        L, E = topology.num_layers, topology.num_experts
+        self._model = np.zeros(L * E, bool)  # [L*E] the model ghost's residents
+        self._members = np.zeros(L * E, np.int64)  # [L*E] the model ghost's residents, the first `size` of it
+        self._position = np.zeros(L * E, np.int64)  # [L*E] each resident's place in _members
+        self._lru = np.full((2, L * E + 1), -1, np.int64)  # the LRU ghost: previous and next of each, sentinel L*E
+        self._lru[:, -1] = L * E
+        self._ghost = np.zeros(7, np.int64)  # kernels' counters: capacity, sizes, hits, lookups kept, next slot
+        self._outcomes = np.zeros(window_tokens * L * topology.top_k, np.uint8)  # per lookup: model hit | lru hit << 1
+        self._no_table, self._no_probs = np.zeros((L, E)), np.zeros(0, np.float32)
         self.recency = False  # whether recency leads now
 
     def see_capacity(self, capacity: int) -> None:
@@ -43,76 +50,54 @@ class Duel(Observer):
     def observe(self, event: RoutingEvent) -> None:
         if self.capacity < 1:
             return
-        layer, experts = event.layer, event.experts().tolist()
-        table = self.next_use()
-        table = np.zeros(self._model.shape) if table is None else table
-        waits = np.where(self._model, table, -np.inf)  # [L, E] the model ghost's candidate victims
-        waits[layer, experts] = -np.inf  # never one of the layer's own experts
-        for expert in experts:
-            hit = self._take_model(layer, expert, waits, -np.inf)
-            self._count((hit, self._look_lru(ExpertKey(layer, expert))))
-        for expert in self._expected(layer):
-            self._take_model(layer + 1, expert, waits, table[layer + 1, expert])
-        self.recency = len(self._outcomes) == self._outcomes.maxlen and self._lru_hits > self._model_hits
+        layer, table = event.layer, self.next_use()
+        probs = self.ahead(layer) if layer + 1 < self.topology.num_layers else None  # the model's next layer
+        self._ghost[0] = self.capacity
+        self.recency = bool(compiled().duel_observe(
+            self._model, self._members, self._position, self._no_table if table is None else table, layer,
+            np.ascontiguousarray(event.expert_ids, np.int64), self._no_probs if probs is None else probs,
+            self.topology.top_k, self._lru, self._ghost, self._outcomes))
 
-    def _count(self, outcome: tuple[bool, bool]) -> None:
-        if len(self._outcomes) == self._outcomes.maxlen:
-            model, lru = self._outcomes[0]
-            self._model_hits, self._lru_hits = self._model_hits - model, self._lru_hits - lru
-        self._outcomes.append(outcome)
-        self._model_hits, self._lru_hits = self._model_hits + outcome[0], self._lru_hits + outcome[1]
 
-    def _look_lru(self, key: ExpertKey) -> bool:
-        hit = key in self._lru
-        self._lru[key] = None
-        self._lru.move_to_end(key)
-        if len(self._lru) > self.capacity:
-            self._lru.popitem(last=False)
-        return hit
-
-    def _take_model(self, layer: int, expert: int, waits: np.ndarray, wait: float) -> bool:
-        """Whether the model ghost held the expert; it holds it now (wait: its rank as a victim), evicting the
-        candidate with the latest next use (the smaller key on a tie), unless no candidate is left."""
-        if self._model[layer, expert]:
-            return True
-        if self._model_size >= self.capacity:
-            index = int(waits.argmax())
-            if waits.flat[index] == -np.inf:
-                return False
-            self._model.flat[index], waits.flat[index] = False, -np.inf
-            self._model_size -= 1
-        self._model[layer, expert], waits[layer, expert] = True, wait
-        self._model_size += 1
-        return False
-
-    def _expected(self, layer: int) -> list[int]:
-        """The top_k experts the model expects at the next layer (none past the last)."""
-        probs = self.ahead(layer) if layer + 1 < self.topology.num_layers else None
-        return [] if probs is None else np.argsort(-probs, kind="stable")[: self.topology.top_k].tolist()
+def warm_up(topology: Topology, state: IterationState) -> None:
+    """Runs a layer through a throwaway duel on the state's arrays, so that numba compiles (or loads from
+    its cache) the duel's kernel for the types a policy passes when it loads, not at the first request."""
+    duel = Duel(topology, lambda: state.next_use, lambda layer: state.scores(layer, layer + 1), 1)
+    duel.see_capacity(1)
+    rows = np.zeros(1, np.int64)
+    duel.observe(RoutingEvent(0, np.arange(topology.top_k)[None], rows, rows))
 
 
 class DuelEviction(NarrowingEviction):
     """The model's eviction (the inner one, which sees every hook) while the model leads the duel, LRU's
-    while recency does (it sees the residency hooks too)."""
+    while recency does (it keeps the residents' recency from the same hooks, least recent first)."""
 
     def __init__(self, model: EvictionPolicy, duel: Duel):
         super().__init__(model)
-        self.lru, self.duel = LRUPolicy(), duel
+        self.duel = duel
+        self._recent: OrderedDict[ExpertKey, None] = OrderedDict()
 
     def on_insert(self, key: ExpertKey) -> None:
-        super().on_insert(key)
-        self.lru.on_insert(key)
+        self.inner.on_insert(key)
+        self._recent[key] = None
+        self._recent.move_to_end(key)
 
     def on_access(self, key: ExpertKey) -> None:
-        super().on_access(key)
-        self.lru.on_access(key)
+        self.inner.on_access(key)
+        self._recent[key] = None
+        self._recent.move_to_end(key)
 
     def on_remove(self, key: ExpertKey) -> None:
-        super().on_remove(key)
-        self.lru.on_remove(key)
+        self.inner.on_remove(key)
+        self._recent.pop(key, None)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        return (self.lru if self.duel.recency else self.inner).victim(candidates)
+        if not self.duel.recency:
+            return self.inner.victim(candidates)
+        for key in self._recent:  # as LRUPolicy: the least recent candidate
+            if key in candidates:
+                return key
+        return candidates[0]
 
 
 class DuelPlanner(PrefetchPlanner):

@@ -135,3 +135,165 @@ def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_
         for e in range(num_experts):
             for u in range(pre.shape[1]):
                 pre[d, u] += gain[e] * dense_c[d, RECALL * num_experts + e, u]
+
+
+@_compile
+def largest(values, out):
+    """Fills out [m] with the indices of the m largest entries of values above -inf, the largest
+    first and the smaller index first among equals (the order of repeated argmaxes that set each
+    one aside, and of a stable sort by -value); returns how many it found (< m: every one)."""
+    size, count = out.shape[0], 0
+    for i in range(values.shape[0]):
+        value = values[i]
+        if not value > -np.inf or (count == size and not value > values[out[size - 1]]):
+            continue
+        slot = min(count, size - 1)
+        while slot > 0 and values[out[slot - 1]] < value:
+            out[slot] = out[slot - 1]
+            slot -= 1
+        out[slot] = i
+        count = min(count + 1, size)
+    return count
+
+
+# the duel's counters (duel.Duel): the ghosts' capacity, the model ghost's and the LRU ghost's sizes, each
+# one's hits over the window, the lookups the window holds and the slot the next one takes
+CAPACITY, MODEL_SIZE, LRU_SIZE, MODEL_HITS, LRU_HITS, KEPT, SLOT = range(7)
+
+
+def _inline(function):
+    """A kernel's helper, compiled into each caller (no call: arrays passed to a call cost a reference count)."""
+    return numba.njit(inline="always")(function)
+
+
+@_inline
+def _evicted_first(wait, index, other_wait, other_index):
+    """Whether the model ghost evicts (wait, index) before the other: numpy's argmax order over the
+    waits (a NaN first, then the largest, the smaller flat index among equals)."""
+    if wait != wait:
+        return other_wait == other_wait or index < other_index
+    if other_wait != other_wait:
+        return False
+    return wait > other_wait or (wait == other_wait and index < other_index)
+
+
+@_inline
+def _queue(order, waits, first, slot, wait, index):
+    """Puts (wait, index) at order/waits[slot], moving those after it in eviction order (from first on)
+    one place down (the one at slot drops)."""
+    while slot > first and _evicted_first(wait, index, waits[slot - 1], order[slot - 1]):
+        order[slot], waits[slot] = order[slot - 1], waits[slot - 1]
+        slot -= 1
+    order[slot], waits[slot] = index, wait
+
+
+@_inline
+def _take_model(model, members, position, index, wait, order, waits, first, end, ghost):
+    """(held, first, end): whether the model ghost held flat index; it holds it now, evicting the
+    first of the queue order/waits[first:end] of candidates (none: it does not take it), which it
+    joins unless its wait is -inf. members [L*E]: the residents, the first MODEL_SIZE of it;
+    position [L*E]: each one's place there."""
+    if model[index]:
+        return True, first, end
+    size = ghost[MODEL_SIZE]
+    if size >= ghost[CAPACITY]:
+        if first == end:
+            return False, first, end
+        victim, last = order[first], members[size - 1]
+        first += 1
+        members[position[victim]], position[last] = last, position[victim]
+        model[victim] = False
+        size -= 1
+    model[index], members[size], position[index] = True, index, size
+    ghost[MODEL_SIZE] = size + 1
+    if not wait == -np.inf:
+        _queue(order, waits, first, end, wait, index)
+        end += 1
+    return False, first, end
+
+
+@_inline
+def _look_lru(lru, index, ghost):
+    """Whether the LRU ghost held flat index; it is the most recent now, the least recent leaving past
+    the capacity. lru [2, L*E + 1]: each node's previous and next in a ring through the sentinel
+    L*E, least recent first (previous -1: not held)."""
+    before, after = lru[0], lru[1]
+    sentinel = before.shape[0] - 1
+    hit = before[index] >= 0
+    if hit:
+        after[before[index]], before[after[index]] = after[index], before[index]
+    else:
+        ghost[LRU_SIZE] += 1
+    last = before[sentinel]
+    before[index], after[index], after[last], before[sentinel] = last, sentinel, index, index
+    if ghost[LRU_SIZE] > ghost[CAPACITY]:
+        oldest = after[sentinel]
+        after[sentinel], before[after[oldest]], before[oldest] = after[oldest], sentinel, -1
+        ghost[LRU_SIZE] -= 1
+    return hit
+
+
+@_inline
+def _count(outcomes, ghost, model_hit, lru_hit):
+    """Adds one lookup's hits to the window outcomes [W] (a ring: bit 0 the model's, bit 1 LRU's)."""
+    slot = ghost[SLOT]
+    if ghost[KEPT] == outcomes.shape[0]:
+        ghost[MODEL_HITS] -= outcomes[slot] & 1
+        ghost[LRU_HITS] -= outcomes[slot] >> 1
+    else:
+        ghost[KEPT] += 1
+    outcomes[slot] = np.uint8(model_hit) + 2 * np.uint8(lru_hit)
+    ghost[MODEL_HITS] += np.int64(model_hit)
+    ghost[LRU_HITS] += np.int64(lru_hit)
+    ghost[SLOT] = (slot + 1) % outcomes.shape[0]
+
+
+@_inline
+def _ranks_above(a, b):
+    """Whether probability a comes before b in a stable sort by -probability (NaN last)."""
+    return a == a and (b != b or a > b)
+
+
+@_compile
+def duel_observe(model, members, position, table, layer, routed, probs, top_k, lru, ghost, outcomes):
+    """One layer of the duel (duel.Duel): each distinct expert of routed [T, k] at `layer`, smallest
+    first, is looked up in both ghosts and counted; then the model ghost takes the top_k of probs [E]
+    (the model's for layer + 1; empty: none), most probable first. The model ghost (model [L*E] bool,
+    members and position as _take_model's) evicts the resident with the latest next use in table
+    [L, E] (the smaller flat index on a tie), never one routed at `layer`: one pass over it queues
+    the few it may evict here. lru, ghost, outcomes: _look_lru's, the counters above, _count's.
+    Returns whether recency leads: the window is full and LRU's ghost hit strictly more."""
+    num_experts = table.shape[1]
+    first, chosen = layer * num_experts, np.zeros(num_experts, np.bool_)
+    for t in range(routed.shape[0]):
+        for j in range(routed.shape[1]):
+            chosen[routed[t, j]] = True
+    num_expected = min(top_k, probs.shape[0])
+    evictions = num_expected + np.sum(chosen)  # at most one per lookup
+    order, waits = np.empty(evictions + num_expected, np.int64), np.empty(evictions + num_expected)
+    end = 0
+    for i in range(ghost[MODEL_SIZE] if evictions else 0):
+        index = members[i]
+        if first <= index < first + num_experts and chosen[index - first]:
+            continue  # never one of the layer's own experts
+        wait = np.float64(table[index // num_experts, index % num_experts])
+        if wait == -np.inf or (end == evictions and not _evicted_first(wait, index, waits[end - 1], order[end - 1])):
+            continue
+        _queue(order, waits, 0, min(end, evictions - 1), wait, index)
+        end = min(end + 1, evictions)
+    start = 0
+    for e in range(num_experts):
+        if chosen[e]:
+            hit, start, end = _take_model(model, members, position, first + e, -np.inf, order, waits, start, end, ghost)
+            _count(outcomes, ghost, hit, _look_lru(lru, first + e, ghost))
+    chosen[:] = False
+    for _ in range(num_expected):
+        best = -1
+        for e in range(num_experts):
+            if not chosen[e] and (best < 0 or _ranks_above(probs[e], probs[best])):
+                best = e
+        chosen[best] = True
+        wait = np.float64(table[layer + 1, best])
+        _, start, end = _take_model(model, members, position, first + num_experts + best, wait, order, waits, start,
+                                    end, ghost)
+    return ghost[KEPT] == outcomes.shape[0] and ghost[LRU_HITS] > ghost[MODEL_HITS]

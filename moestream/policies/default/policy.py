@@ -38,7 +38,8 @@ from moestream.policies.default.model import (
     weight_index,
 )
 from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
-from moestream.policies.default.state import IterationState, warm_up
+from moestream.policies.default.duel import warm_up as warm_up_duel
+from moestream.policies.default.state import IterationState, compiled, warm_up
 from moestream.policies.default.storage import load_arrays
 from moestream.policies.planning import BandwidthAwarePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
@@ -154,9 +155,12 @@ class DefaultPredictor(TrainablePredictor):
                                                                       self.config)
 
     def _ready(self) -> None:
-        """A new model: fresh online state, and the kernels compiled for it (state.warm_up)."""
+        """A new model: fresh online state, and the kernels compiled for it (state.warm_up, duel.warm_up and
+        the eviction's)."""
         self.reset()
         warm_up(self.topology, self.weights, self.memory, self.config)
+        warm_up_duel(self.topology, self.state)
+        compiled().largest(np.zeros(self.topology.total_experts), np.zeros(1, np.int64))
 
     def begin_iteration(self, ctx: IterationContext) -> None:
         self.require_trained()
@@ -199,11 +203,12 @@ class DefaultEviction(EvictionPolicy):
     predictor's table (state.IterationState.next_use): every row after a token starts, else only the
     rows the layers observed since the last victim changed (three per layer); the insert and remove
     hooks keep it in step with residency, so a victim is one argmax. When that expert may not go
-    (pinned; protected: in a prefill, most of a layer) it is set aside and the argmax taken again, a
-    few times, and only then are the residents ranked. Equal waits go to the smaller key.
+    (pinned; protected: the layer's own experts, whose next use is a token away, so often the
+    argmax) the next few longest waits come in one compiled pass, and only then are the residents
+    ranked. Equal waits go to the smaller key.
     """
 
-    max_argmax = 8  # argmax tries before one ranking of every resident
+    max_argmax = 8  # the longest waits tried before one ranking of every resident
 
     def __init__(self, predictor: DefaultPredictor):
         self.predictor = predictor
@@ -213,6 +218,7 @@ class DefaultEviction(EvictionPolicy):
         self._masked = np.full((L, E), -np.inf)  # [L, E] next use of residents, -inf elsewhere (residency)
         self._flat = self._masked.ravel()  # [L * E] the same memory by flat index (_masked changes in place)
         self._seen: tuple = (None, 0, 0)  # the state, its epoch and layer that _masked reflects
+        self._largest = np.zeros(self.max_argmax, np.int64)  # scratch of _set_aside
 
     def wait(self, key: ExpertKey) -> float:
         """key's expected next use, as the eviction ranks residents (the larger, the later)."""
@@ -244,23 +250,14 @@ class DefaultEviction(EvictionPolicy):
         return self._set_aside(candidates)
 
     def _set_aside(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        """The longest-waiting candidate: residents that may not go are set aside, a few times, and
-        then every resident is ranked."""
-        masked, keys, passed = self._flat, self._keys, []
-        try:
-            for _ in range(self.max_argmax):
-                index = int(masked.argmax())
-                wait = masked[index]
-                if wait == -np.inf:
-                    break
-                if keys[index] in candidates:
-                    return keys[index]
-                passed.append((index, wait))
-                masked[index] = -np.inf
-            return self._ranked(candidates)
-        finally:
-            for index, wait in passed:
-                masked[index] = wait
+        """The longest-waiting candidate: the max_argmax longest-waiting residents in one compiled pass
+        (kernels.largest, in the order repeated argmaxes would set them aside), and only then every
+        resident ranked."""
+        count, keys = compiled().largest(self._flat, self._largest), self._keys
+        for index in self._largest[:count].tolist():
+            if keys[index] in candidates:
+                return keys[index]
+        return self._ranked(candidates)
 
     def _sync(self) -> None:
         state = self.predictor.state
@@ -278,7 +275,7 @@ class DefaultEviction(EvictionPolicy):
         self._seen = (state, state.epoch, state.layer_now)
 
     def _ranked(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        wait, flat = self._table.ravel(), np.flatnonzero(self._flat > -np.inf)  # residents not set aside
+        wait, flat = self._table.ravel(), np.flatnonzero(self._flat > -np.inf)  # residents
         for index in flat[np.argsort(-wait[flat], kind="stable")].tolist():  # longest wait first
             if self._keys[index] in candidates:
                 return self._keys[index]
