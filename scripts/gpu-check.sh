@@ -9,11 +9,15 @@
 #   4. `host-25`: a 25% device budget with a warm host tier holding every expert (`--host-budget 1.0`):
 #      sync LRU, async LRU and `default`, beside all resident and plain transformers (its steady TPOT
 #      with 3 warm-up steps dropped, and whether its tokens equal moestream's);
-#   5. `disk-25`: 25% from disk, no host tier: sync LRU, async LRU and `default`;
-#   6. `nomanifest-25`: the same without the integrity manifest (a copy of the checkpoint's folder whose
+#   5. `host-compute-25` (issue 48): the same 25% with the same warm host tier, a device-tier miss held in the
+#      host tier computed on the host by each rule: off, a fixed share (share:0.5) and `default`; async LRU and
+#      `default` once per rule (sync LRU: off), each run's share of misses computed on the host, the bytes
+#      copied up and the host compute lane per token (GPU_CHECK_HOST_THREADS host threads);
+#   6. `disk-25`: 25% from disk, no host tier: sync LRU, async LRU and `default`;
+#   7. `nomanifest-25`: the same without the integrity manifest (a copy of the checkpoint's folder whose
 #      shards are links), sync and async LRU: what the digest check costs each;
-#   7. (optional steps: `quant`, int4 experts against bf16 at one byte budget; `ep`, expert parallelism)
-#   8. a table of every run, and one archive of everything: $OUT.tar.gz.
+#   8. (optional steps: `quant`, int4 experts against bf16 at one byte budget; `ep`, expert parallelism)
+#   9. a table of every run, and one archive of everything: $OUT.tar.gz.
 # Each step prints its results as it ends and runs under its own timeout (capped by what is left of
 # GPU_CHECK_BUDGET_S), so one failure or overrun loses only that step. Everything goes to $OUT:
 # <step>.log (env.log: machine and versions), steps.tsv (step, exit status, seconds), tests.xml,
@@ -36,9 +40,10 @@
 #   GPU_CHECK_TOKENS    32            (new tokens per prompt)
 #   GPU_CHECK_PROMPTS   1             (demo prompts per run)
 #   GPU_CHECK_BUDGET_S  570           (all steps together; the table and the archive are written after it)
+#   GPU_CHECK_HOST_THREADS 4          (host-compute-25's --host-threads; at most the machine's cores)
 #   GPU_CHECK_PYTHON    python3
-#   GPU_CHECK_STEPS     "tests profile host-25 disk-25 nomanifest-25" (which optional steps run, in this
-#                       order; also `quant` and `ep`; env, table and the archive always run, make-model and
+#   GPU_CHECK_STEPS     "tests profile host-25 host-compute-25 disk-25 nomanifest-25" (which optional steps
+#                       run, in this order; also `quant` and `ep`; env, table and the archive always run, make-model and
 #                       train-predictor where a step needs the checkpoint)
 # Carry the folder .gpu-data (ignored by git): puffin_dev.npz (the trace), predictor-default
 # (train-predictor --kind default --trace puffin_dev.npz) and, where the machine's python3 has no
@@ -54,7 +59,10 @@ CKPT=${GPU_CHECK_CKPT:-/tmp/moestream-gpu-check/$PRESET}
 TOKENS=${GPU_CHECK_TOKENS:-32}
 PROMPTS=${GPU_CHECK_PROMPTS:-1}
 PY=${GPU_CHECK_PYTHON:-python3}
-STEPS=" ${GPU_CHECK_STEPS:-tests profile host-25 disk-25 nomanifest-25} "
+STEPS=" ${GPU_CHECK_STEPS:-tests profile host-25 host-compute-25 disk-25 nomanifest-25} "
+HOST_THREADS=${GPU_CHECK_HOST_THREADS:-4}
+HOST_THREADS=$((HOST_THREADS < $(nproc) ? HOST_THREADS : $(nproc)))
+HOST_RULES=off,share:0.5,default  # host-compute-25's --host-compute rules
 DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-570}))
 CUDA_TESTS=(tests/store/test_store.py tests/store/test_pool.py tests/store/test_stream_order.py
             tests/checkpoint/test_manifest.py tests/runtime/test_config.py tests/store/test_config.py
@@ -166,7 +174,9 @@ quant() {  # an int4 copy of the checkpoint (kept for a rerun), then both at one
 }
 
 wanted() { [[ $STEPS == *" $1 "* ]]; }
-needs_checkpoint() { wanted profile || wanted host-25 || wanted disk-25 || wanted nomanifest-25 || wanted quant; }
+needs_checkpoint() {
+  wanted profile || wanted host-25 || wanted host-compute-25 || wanted disk-25 || wanted nomanifest-25 || wanted quant
+}
 
 export OUT DEVICE PRESET TRACE PREDICTOR CKPT TOKENS PROMPTS PY MAKE_ARGS
 export -f environment make_checkpoint train_predictor predictor_flags bench profile without_manifest quant
@@ -185,6 +195,8 @@ for name in $STEPS; do
     tests|ep) ;;  # run beside make-model, above
     profile) step profile 100 bash -c profile ;;
     host-25) step host-25 170 bash -c "bench host-25 '$CKPT' 0.25 --host-budget 1.0" ;;
+    host-compute-25) step host-compute-25 240 bash -c "bench host-compute-25 '$CKPT' 0.25 --host-budget 1.0 \
+      --no-transformers --host-compute $HOST_RULES --host-threads $HOST_THREADS" ;;
     disk-25) step disk-25 170 bash -c "bench disk-25 '$CKPT' 0.25 --no-transformers" ;;
     nomanifest-25) step nomanifest-25 100 bash -c without_manifest ;;
     quant) step quant 300 bash -c quant ;;

@@ -1,7 +1,8 @@
 """Live figures of a serving engine, for the dashboard and `moestream top`: one plain JSON-ready dict.
 
 `LiveStats` watches a running `EngineWorker` through public seams: as an engine observer and step
-listener, the store's `stats()`, `resident()`, `in_flight()` and the worker's Prometheus metrics. A
+listener, the store's `stats()`, `resident()`, `in_flight()` and the worker's Prometheus metrics (which
+also count the device-tier misses computed on the host, --host-compute). A
 layer's lookups are what the store's hit and miss counters gained between its routing event and the
 next event (or the step's end). Per-layer hit rates are a ring of the last `history` iterations; the
 rest is cumulative. Hooks run on the engine thread, `snapshot()` on any (one lock guards the ring).
@@ -92,6 +93,7 @@ class LiveStats(Observer):
             rows, tokens = list(self._rows), self._tokens
         return {"layers": self.num_layers, "tokens": tokens, "heatmap": _heatmap(rows),
                 "hit_rate": _ratio(stats.hits, stats.hits + stats.misses),
+                "host_compute": self._host_compute(),
                 "tiers": self._tiers(),
                 "transfers": {"in_flight": len(self.store.in_flight()), "late": stats.late,
                               "cancelled": stats.cancelled},
@@ -101,6 +103,13 @@ class LiveStats(Observer):
                               "tpot": self._percentiles("moestream_tpot_seconds")},
                 "requests": {"running": self._gauge("moestream_running_sequences"),
                              "waiting": self._gauge("moestream_queue_depth")}}
+
+    def _host_compute(self) -> dict:
+        """The rule (--host-compute), the device-tier misses computed on the host and their share of all
+        device-tier misses (None: no miss yet), as the worker's metrics counted them."""
+        metrics = self.worker.metrics
+        return {"rule": self.worker.engine.config.host_compute, "experts": metrics.num_host_computed,
+                "share": metrics.host_share()}
 
     def _tiers(self) -> dict:
         totals = {"device": self.store.device_slots, "host": self.store.host_slots}

@@ -23,6 +23,9 @@ def startup(engine) -> None:
     for tier, slots in (("device", store.device_slots), ("host", store.host_slots)):
         log.info("moestream: %s tier: %d expert slots, %s (%.1f%% of the experts)", tier, slots,
                  format_bytes(slots * topology.expert_bytes), 100 * slots / topology.total_experts)
+    if config.host_compute != "off":
+        log.info("moestream: host compute %s: a device-tier miss held in the host tier may compute there, on %d "
+                 "host thread%s", config.host_compute, config.host_threads, "" if config.host_threads == 1 else "s")
 
 
 def finished(number: int, request, finish_reason: str) -> None:
@@ -41,14 +44,19 @@ def stopped(num_requests: int) -> None:
 
 class Periodic:
     """Every PERIOD_S while requests run or wait: running and waiting requests, tokens/s, the expert
-    hit rate and disk bytes/s over the period."""
+    hit rate and disk bytes/s over the period, and with host compute (--host-compute other than off) the
+    share of the period's device-tier misses computed on the host."""
 
-    def __init__(self, period_s: float = PERIOD_S, clock=time.perf_counter):
-        self.period_s, self.clock = period_s, clock
-        self._since, self._tokens, self._stats = clock(), 0, None
+    def __init__(self, period_s: float = PERIOD_S, clock=time.perf_counter, host_compute: bool = False):
+        self.period_s, self.clock, self.host_compute = period_s, clock, host_compute
+        self._since, self._tokens, self._stats, self._on_host = clock(), 0, None, 0
 
     def tokens(self, count: int) -> None:
         self._tokens += count
+
+    def host_computed(self, count: int) -> None:
+        """Device-tier misses computed on the host (no store lookup counts them)."""
+        self._on_host += count
 
     def maybe_log(self, running: int, waiting: int, read_stats) -> None:
         """read_stats() -> the store's StoreStats, read only when a line is due."""
@@ -59,12 +67,18 @@ class Periodic:
         if running or waiting or self._tokens:
             before, seconds = self._stats, now - self._since
             hits = stats.hits - (before.hits if before else 0)
-            lookups = hits + stats.misses - (before.misses if before else 0)
+            misses = stats.misses - (before.misses if before else 0)
             disk = stats.bytes_read.get("disk", 0) - (before.bytes_read.get("disk", 0) if before else 0)
-            rate = f"{100 * hits / lookups:.1f}%" if lookups else "n/a"
-            log.info("moestream: %d running, %d waiting; %.1f tokens/s, expert hit rate %s, disk %s/s",
-                     running, waiting, self._tokens / seconds, rate, format_bytes(int(disk / seconds)))
-        self._since, self._tokens, self._stats = now, 0, stats.copy()
+            rate = _percent(hits, hits + misses)
+            on_host = (f", on host {_percent(self._on_host, self._on_host + misses)} of misses" if self.host_compute
+                       else "")
+            log.info("moestream: %d running, %d waiting; %.1f tokens/s, expert hit rate %s, disk %s/s%s",
+                     running, waiting, self._tokens / seconds, rate, format_bytes(int(disk / seconds)), on_host)
+        self._since, self._tokens, self._stats, self._on_host = now, 0, stats.copy(), 0
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
 
 def _ms(value: float | None) -> str:

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics, in a registry of its own (no process-global state): request
 latencies (TTFT, TPOT), queue depth, running sequences and their reserved KV bytes, batch sizes, the
-expert store's hits per tier, bytes moved and prefetch precision/recall. It reads store statistics
+expert store's hits per tier, bytes moved, prefetch precision/recall, and the device-tier misses computed
+on the host (--host-compute) with their share of all device-tier misses. It reads store statistics
 and knows no HTTP route or policy."""
 
 from __future__ import annotations
@@ -32,16 +33,29 @@ class ServerMetrics:
         self.prefetch_precision = Gauge("moestream_prefetch_precision", "Prefetched experts later used / prefetched", registry=r)
         self.prefetch_recall = Gauge("moestream_prefetch_recall",
                                      "Needed experts that prefetch brought in / needed experts not resident before", registry=r)
+        self.host_computed = Counter("moestream_experts_host_computed",
+                                     "Device-tier misses computed on the host from their host slots (--host-compute)",
+                                     registry=r)
+        self.host_compute_share = Gauge("moestream_host_compute_share",
+                                        "Device-tier misses computed on the host / all device-tier misses (those "
+                                        "computed there and those fetched)", registry=r)
         Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r).set_function(queue_depth)
         Gauge("moestream_running_sequences", "Sequences admitted and not ended", registry=r).set_function(running)
         Gauge("moestream_kv_reserved_bytes", "KV cache bytes reserved by the running sequences",
               registry=r).set_function(kv_reserved_bytes)
         self._last = None  # the store statistics seen last
+        self._misses = 0  # device-tier misses fetched, all observed (the store's count may be reset)
+        self._on_host = 0  # device-tier misses computed on the host, all observed
 
-    def observe_store(self, stats) -> None:
+    def observe_store(self, stats, host_computed: int = 0) -> None:
         """Adds what the store's cumulative statistics (a StoreStats) gained since the last call (all
-        of a count that went down: the statistics were reset in between, as a static batch's run does)."""
+        of a count that went down: the statistics were reset in between, as a static batch's run does);
+        host_computed: the device-tier misses computed on the host since the last call (the engine's
+        `experts.take_host_computed()`: no store lookup counts them)."""
         before, self._last = self._last, stats.copy()
+        self._misses += gained(stats.misses, before.misses if before else 0)
+        self.host_computed.inc(host_computed)
+        self._on_host += host_computed
         counters = {"hits": self.lookups.labels("device", "hit"), "misses": self.lookups.labels("device", "miss"),
                     "host_hits": self.lookups.labels("host", "hit"), "host_misses": self.lookups.labels("host", "miss"),
                     "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits}
@@ -52,6 +66,16 @@ class ServerMetrics:
         prefetched, used, misses = stats.prefetched, stats.prefetch_hits, stats.misses
         self.prefetch_precision.set(used / prefetched if prefetched else 0.0)
         self.prefetch_recall.set(used / (used + misses) if used + misses else 0.0)
+        self.host_compute_share.set(self.host_share() or 0.0)
+
+    def host_share(self) -> float | None:
+        """Device-tier misses computed on the host, of all observed (None: no miss yet)."""
+        total = self._on_host + self._misses
+        return self._on_host / total if total else None
+
+    @property
+    def num_host_computed(self) -> int:
+        return self._on_host
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

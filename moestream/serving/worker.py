@@ -41,7 +41,7 @@ class EngineWorker:
                                      lambda: self.batcher.reserved_bytes)
         self.step_listeners: list[Callable[[], None]] = []  # called on the engine thread after each step
         self._stop = threading.Event()
-        self._periodic, self._num_finished = logs.Periodic(), 0
+        self._periodic, self._num_finished = logs.Periodic(host_compute=engine.config.host_compute != "off"), 0
         self._draining = threading.Event()
         self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="moestream-engine", daemon=True)
@@ -97,6 +97,7 @@ class EngineWorker:
 
     def _loop(self) -> None:
         self.engine.store.reset_stats()  # the metrics count from here
+        self.engine.experts.take_host_computed()  # and the experts computed on the host
         while not self._stop.is_set():
             if self._draining.is_set():
                 if self._drained():
@@ -106,7 +107,9 @@ class EngineWorker:
             if self.batcher.requests:
                 self.metrics.batch_size.observe(len(self.batcher.requests))
                 self.batcher.step()
-                self.metrics.observe_store(self.engine.store.stats())
+                on_host = self.engine.experts.take_host_computed()  # device-tier misses computed on the host
+                self.metrics.observe_store(self.engine.store.stats(), on_host)
+                self._periodic.host_computed(on_host)
                 for listener in self.step_listeners:
                     listener()
             else:

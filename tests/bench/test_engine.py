@@ -16,7 +16,9 @@ from tests.synthetic import synthetic_trace
 RUN_KEYS = {"policy", "budget", "budget_mib", "mode", "tpot_ms", "ttft_ms", "hit_rate", "stall_ms_per_token",
             "overlap", "bytes_per_token", "peak_rss_mib", "limit_tpot_ms",
             "routed_expert_ms", "memory_cap_mib", "cgroup_peak_mib",  # the issue's, + ours
-            "host_budget_mib", "host_bytes_per_token", "steady_tpot_ms", "device_slots", "host_slots", "link_gbps"}
+            "host_budget_mib", "host_bytes_per_token", "steady_tpot_ms", "device_slots", "host_slots", "link_gbps",
+            "host_compute", "host_computed", "host_compute_share", "host_lane_ms_per_token",  # --host-compute
+            "host_lane_spans_per_token"}
 TOP_KEYS = {"runs", "resident_tpot_ms", "floor_rss_mib", "dense_mib", "disk_bw_gbps"}
 
 

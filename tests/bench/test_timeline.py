@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from moestream.bench.timeline import TIMELINE_LANES
 from moestream.cli import main
 from moestream.cli.demo import demo_checkpoint
-from moestream.tracer import LANES
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -18,7 +18,8 @@ def test_a_token_s_lanes_add_up_and_its_spans_lie_inside_it(tmp_path, monkeypatc
                  "--json", str(out), "--plot", str(png), *flags]) == 0
     record = json.loads(out.read_text())
     assert record["token"] == 2 and record["token_ms"] > 0  # the step before the last
-    assert set(record["lanes"]) == set(LANES)
+    assert set(record["lanes"]) == set(TIMELINE_LANES)
+    assert record["lanes"]["host compute"]["spans"] == 0  # no --host-compute
     lanes = record["lanes"]
     assert lanes["experts"]["spans"] > 0 and lanes["policy"]["spans"] > 0  # every MoE layer computes and decides
     assert lanes["layer"]["spans"] > 0  # and weights and scatters its experts' rows
@@ -41,6 +42,21 @@ def test_a_token_s_lanes_add_up_and_its_spans_lie_inside_it(tmp_path, monkeypatc
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "decode token 2" in printed and "link: disk" in printed and "dense: attention" in printed
+
+
+def test_experts_computed_on_the_host_are_a_lane_of_the_compute_thread(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
+    out = tmp_path / "timeline.json"
+    assert main(["bench", "timeline", "--small", "--max-new-tokens", "4", "--budget", "0.25", "--buffered-io",
+                 "--host-budget", "1.0", "--host-compute", "share:1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    lanes = record["lanes"]
+    assert lanes["host compute"]["spans"] > 0 and lanes["host compute"]["busy_ms"] > 0  # a span per MoE layer
+    assert lanes["disk"]["spans"] == 0 and lanes["h2d"]["spans"] == 0  # every miss computed where its bytes are
+    thread = sum(lanes[lane]["busy_ms"] for lane in ("experts", "layer", "policy", "wait", "dense", "host compute"))
+    assert thread + record["rest_of_compute_thread_ms"] == pytest.approx(record["token_ms"])
+    assert sum(s["lane"] == "host compute" for s in record["spans"]) == lanes["host compute"]["spans"]
+    assert "compute thread: host compute" in capsys.readouterr().out
 
 
 def test_a_token_past_the_generation_is_a_user_error():

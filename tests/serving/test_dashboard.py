@@ -46,7 +46,7 @@ def test_the_page_draws_the_live_figures(engine, browser):
         _updated(browser, 2)  # polled twice: it keeps polling
         text = browser.find_element("tag name", "body").text
         assert "updated" in browser.find_element("id", "status").text
-        for figure in ("device", "precision", "recall", "TTFT p50", "running", "from disk"):
+        for figure in ("device", "precision", "recall", "TTFT p50", "running", "from disk", "misses on host (off)"):
             assert figure in text
         painted = browser.execute_script(
             "const c = document.getElementById('heatmap'); const d = c.getContext('2d')"

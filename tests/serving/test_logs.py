@@ -32,6 +32,28 @@ def test_the_periodic_line_gives_the_period_s_rates_and_nothing_when_idle(caplog
     assert "2 running, 1 waiting; 3.0 tokens/s, expert hit rate 75.0%, disk 1.0 MiB/s" in caplog.text
 
 
+def test_with_host_compute_the_periodic_line_gives_the_period_s_misses_computed_on_the_host(caplog):
+    caplog.set_level(logging.INFO, "moestream.serve")
+    clock = Clock()
+    periodic = logs.Periodic(period_s=10, clock=clock, host_compute=True)
+    periodic.tokens(10)
+    periodic.host_computed(5)
+    clock.now += 10
+    periodic.maybe_log(1, 0, lambda: StoreStats(hits=10, misses=15, bytes_read={"disk": 0, "host": 0}))
+    assert "expert hit rate 40.0%, disk 0 B/s, on host 25.0% of misses" in caplog.text  # 5 of 5 + 15
+    caplog.clear()
+    periodic.tokens(10)  # the next period: none on the host, nor missed
+    clock.now += 10
+    periodic.maybe_log(1, 0, lambda: StoreStats(hits=20, misses=15, bytes_read={"disk": 0, "host": 0}))
+    assert "on host n/a of misses" in caplog.text
+    caplog.clear()
+    plain = logs.Periodic(period_s=10, clock=clock)  # off: the line says nothing of the host
+    plain.tokens(1)
+    clock.now += 10
+    plain.maybe_log(1, 0, lambda: StoreStats(hits=1, misses=1, bytes_read={"disk": 0, "host": 0}))
+    assert caplog.text and "on host" not in caplog.text
+
+
 def test_a_finished_request_is_one_line(caplog):
     caplog.set_level(logging.INFO, "moestream.serve")
     request = Request([1, 2, 3], SamplingParams(max_tokens=4), lambda event: None)

@@ -42,3 +42,14 @@ def test_host_tier_lookups_and_prefetch_recall_are_reported():
     assert _value(metrics, 'moestream_expert_bytes_moved_total{source="host"}') == stats.bytes_read["host"]
     used = stats.prefetch_hits  # needed experts prefetch brought in, of those not resident before
     assert _value(metrics, "moestream_prefetch_recall") == pytest.approx(used / (used + stats.misses))
+
+
+def test_misses_computed_on_the_host_are_counted_with_their_share_of_all_misses():
+    metrics = ServerMetrics(lambda: 0)
+    metrics.observe_store(StoreStats(hits=4, misses=3), host_computed=1)
+    metrics.observe_store(StoreStats(hits=8, misses=4), host_computed=2)  # 1 more fetched, 2 more on the host
+    assert _value(metrics, "moestream_experts_host_computed_total") == 3
+    assert _value(metrics, "moestream_host_compute_share") == pytest.approx(3 / (3 + 4))
+    metrics.observe_store(StoreStats(hits=1, misses=1))  # reset in between: one more fetched, none on the host
+    assert metrics.num_host_computed == 3 and metrics.host_share() == pytest.approx(3 / 8)
+    assert ServerMetrics(lambda: 0).host_share() is None  # no miss yet
