@@ -135,7 +135,9 @@ def _tiers(stats: dict):
 def _figures(stats: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     """(title, rows of a name and its value) of each small table."""
     transfers, p, latency, requests = stats["transfers"], stats["prediction"], stats["latency_s"], stats["requests"]
-    return [("transfers", [(name.replace("_", " "), str(transfers[name])) for name in ("in_flight", "late", "cancelled")]),
+    host = stats.get("host_compute") or {"rule": "off", "experts": 0, "share": None}
+    return [("transfers", [(name.replace("_", " "), str(transfers[name])) for name in ("in_flight", "late", "cancelled")]
+             + [(f"misses on host ({host['rule']})", fmt(host["share"], PCT))]),
             ("prediction", [("precision", fmt(p["precision"], PCT)), ("recall", fmt(p["recall"], PCT)),
                             ("prefetched", str(p["prefetched"])), ("wasted", str(p["wasted"]))]),
             ("bytes/token", [(f"from {tier}", fmt(n, lambda x: format_bytes(round(x))))

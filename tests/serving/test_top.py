@@ -23,7 +23,8 @@ def test_once_prints_one_frame_of_the_live_figures(server, capsys):
     assert main(["top", "--url", server.url, "--api-key", KEY, "--once"]) == 0
     out = capsys.readouterr().out
     for shown in ("layer   0", "layer   1", "recent steps", "device", "host", "precision", "recall",
-                  "in flight", "late", "from disk", "TTFT p50", "TPOT p99", "running", "waiting"):
+                  "in flight", "late", "misses on host (off)", "from disk", "TTFT p50", "TPOT p99", "running",
+                  "waiting"):
         assert shown in out
     assert "■" in out  # heatmap cells
 
