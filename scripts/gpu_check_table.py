@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 COLUMNS = ("budget", "policy", "mode", "TTFT ms", "TPOT ms", "steady TPOT ms", "stall ms/tok", "hit rate", "MB/tok",
-           "host MB/tok", "slots d+h", "limit ms", "TPOT/limit", "peak RSS MiB")
+           "host MB/tok", "on host", "slots d+h", "limit ms", "TPOT/limit", "peak RSS MiB")
 
 
 def _cell(value, pattern: str) -> str:
@@ -27,7 +27,7 @@ def run_row(run: dict, resident: bool = False) -> list[str]:
             _cell(run["tpot_ms"], "{:.1f}"), _cell(run.get("steady_tpot_ms"), "{:.1f}"),
             _cell(run["stall_ms_per_token"], "{:.1f}"), _cell(run["hit_rate"], "{:.1%}"),
             _cell(run["bytes_per_token"] / 1e6, "{:.0f}"), _cell(host and host / 1e6, "{:.0f}"),
-            "-" if slots is None else f"{slots}+{run.get('host_slots')}", _cell(limit, "{:.1f}"),
+            _cell(run.get("host_compute_share"), "{:.0%}"), "-" if slots is None else f"{slots}+{run.get('host_slots')}", _cell(limit, "{:.1f}"),
             _cell(limit and run["tpot_ms"] / limit, "{:.2f}"), _cell(run["peak_rss_mib"], "{:.0f}")]
 
 
