@@ -64,6 +64,6 @@ def test_plain_transformers_follows_the_resident_run_with_the_comparison_and_hos
     rows = [line.split(" | ") for line in lines if line.startswith("| ") and "budget" not in line]
     assert [row[:3] for row in rows] == [["| all resident", "lru", "async"], ["| all resident", "transformers", "plain"],
                                          ["| 25%", "lru", "sync"]]
-    assert rows[2][9:11] == ["5", "416+1664"]  # host MB per token beside the disk's, and the tiers' slots
+    assert rows[2][9:12] == ["5", "-", "416+1664"]  # host MB per token beside the disk's, no host compute, slots
     assert any("1.09x; same tokens" in line for line in lines)
     assert any("host budget 100% (28000 MiB), host -> device copy 50.10 GB/s" in line for line in lines)
