@@ -16,8 +16,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from moestream.events import RoutingEvent
-from moestream.policies.contracts import CacheView, EvictionPolicy, Observer, Prediction, PrefetchPlanner, \
-    TransferRequest
+from moestream.policies.contracts import (
+    CacheView,
+    EvictionPolicy,
+    Observer,
+    Prediction,
+    PrefetchPlanner,
+    TransferRequest,
+)
 from moestream.policies.default.state import IterationState, compiled
 from moestream.policies.eviction import NarrowingEviction
 from moestream.topology import ExpertKey, Topology
@@ -27,21 +33,21 @@ Ahead = Callable[[int], np.ndarray | None]  # layer c -> [E] the model's probabi
 
 
 class Duel(Observer):
-    """The two ghosts and the window's hits, as arrays that one compiled call per layer updates
-    (kernels.duel_observe: the model ghost a mask, the LRU ghost a linked list, the window a ring)."""
+    """The two ghosts and the window's hits as arrays, which one compiled call a layer updates
+    (kernels.duel_observe: the model ghost a mask and a list, the LRU ghost a linked ring, the window
+    a ring of lookups)."""
 
     def __init__(self, topology: Topology, next_use: NextUse, ahead: Ahead, window_tokens: int):
         self.topology, self.next_use, self.ahead = topology, next_use, ahead
         self.capacity = 0  # the device tier's slots, once a plan has shown them (no duel before)
         L, E = topology.num_layers, topology.num_experts
-        self._model = np.zeros(L * E, bool)  # [L*E] the model ghost's residents
-        self._members = np.zeros(L * E, np.int64)  # [L*E] the model ghost's residents, the first `size` of it
-        self._position = np.zeros(L * E, np.int64)  # [L*E] each resident's place in _members
-        self._lru = np.full((2, L * E + 1), -1, np.int64)  # the LRU ghost: previous and next of each, sentinel L*E
-        self._lru[:, -1] = L * E
-        self._ghost = np.zeros(7, np.int64)  # kernels' counters: capacity, sizes, hits, lookups kept, next slot
+        self._ghosts = np.zeros((6, max(L * E + 1, 8)), np.int64)  # the rows kernels.duel_observe names
+        self._ghosts[:2] = -1  # the LRU ghost: none held, the sentinel its own neighbour
+        self._ghosts[:2, L * E] = L * E
+        self._ghosts[5, 7] = topology.top_k  # counters (kernels.COUNTS): TOP_K
         self._outcomes = np.zeros(window_tokens * L * topology.top_k, np.uint8)  # per lookup: model hit | lru hit << 1
         self._no_table, self._no_probs = np.zeros((L, E)), np.zeros(0, np.float32)
+        self._num_layers = L
         self.recency = False  # whether recency leads now
 
     def see_capacity(self, capacity: int) -> None:
@@ -51,12 +57,11 @@ class Duel(Observer):
         if self.capacity < 1:
             return
         layer, table = event.layer, self.next_use()
-        probs = self.ahead(layer) if layer + 1 < self.topology.num_layers else None  # the model's next layer
-        self._ghost[0] = self.capacity
+        probs = self.ahead(layer) if layer + 1 < self._num_layers else None  # the model's next layer
+        self._ghosts[5, 0] = self.capacity  # counters (kernels.COUNTS): CAPACITY
         self.recency = bool(compiled().duel_observe(
-            self._model, self._members, self._position, self._no_table if table is None else table, layer,
-            np.ascontiguousarray(event.expert_ids, np.int64), self._no_probs if probs is None else probs,
-            self.topology.top_k, self._lru, self._ghost, self._outcomes))
+            self._ghosts, self._outcomes, self._no_table if table is None else np.ascontiguousarray(table, np.float64),
+            layer, np.ascontiguousarray(event.expert_ids, np.int64), self._no_probs if probs is None else probs))
 
 
 def warm_up(topology: Topology, state: IterationState) -> None:

@@ -1,11 +1,14 @@
-"""The compiled inner loops of `default`'s online state (numba): a routed layer's update in a few calls.
+"""The compiled inner loops of `default` (numba): a routed layer's update, the duel's ghosts and the
+eviction's ranking, each in a call or a few.
 
 The same arithmetic as the numpy forms (up to float32 rounding: sums in another order, and
 1 / (1 + exp(-x)) for scipy's expit) in one pass each: `add_routed` (the weight rows of the one-hot
 routed blocks), `absorb` (probabilities, the batch's union, the expected next uses; `union_into` and
-`expect` serve begin too) and `add_cut_recall` (a row's recall gain, features.recall_weights).
-Compiled on first use and cached on disk. Knows arrays and the block order of the features
-(model.NUM_BLOCKS), not events, caches or policies.
+`expect` serve begin too) and `add_cut_recall` (a row's recall gain, features.recall_weights);
+`observe_one` runs those three for a decode's one row in one call, in the same order. The duel's
+(`duel_observe`) and the eviction's (`largest`, `refresh`) decide exactly as the Python they replaced
+(tests/policies/default/test_decision_path.py keeps it). Compiled on first use and cached on disk.
+Knows arrays and the block order of the features (model.NUM_BLOCKS), not events, caches or policies.
 """
 
 from __future__ import annotations
@@ -138,6 +141,32 @@ def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_
 
 
 @_compile
+def observe_one(routed, pre, fixed, dense, now, before, steps, c, ring, count, shared, beta, window_recall, every,
+                last, fresh, ahead, following, next_use):
+    """state.IterationState.observe of layer c in one call, for an iteration of one row and the linear
+    model with the cut recall: marks now [1, k] in routed [1, L, E]; pre [1, 3, U] = fixed[c] plus
+    add_routed's and add_cut_recall's parts (dense [L, 3, 7E, U]; the row's ring, count, shared[0]
+    and window_recall[0]); absorb takes pre as the logits. The same arithmetic, in the same order, as
+    those calls one by one."""
+    for j in range(now.shape[1]):
+        routed[0, c, now[0, j]] = 1.0
+    pre[:] = fixed[c]
+    add_routed(pre, dense[c], now, before, steps)
+    num_ahead = min(2, ahead.shape[0] - 1 - c)
+    add_cut_recall(pre[0, :num_ahead], ring, count, now[0], shared[0], c, beta, window_recall[0], dense[c])
+    absorb(pre, every, last, c, fresh, ahead, following, next_use)
+
+
+@_compile
+def refresh(masked, table, first, stop):
+    """masked [L, E] = table at its entries above -inf (the residents), in rows first..stop-1 (below L)."""
+    for layer in range(first, min(stop, masked.shape[0])):
+        for e in range(masked.shape[1]):
+            if masked[layer, e] > -np.inf:
+                masked[layer, e] = table[layer, e]
+
+
+@_compile
 def largest(values, out):
     """Fills out [m] with the indices of the m largest entries of values above -inf, the largest
     first and the smaller index first among equals (the order of repeated argmaxes that set each
@@ -156,9 +185,14 @@ def largest(values, out):
     return count
 
 
-# the duel's counters (duel.Duel): the ghosts' capacity, the model ghost's and the LRU ghost's sizes, each
-# one's hits over the window, the lookups the window holds and the slot the next one takes
-CAPACITY, MODEL_SIZE, LRU_SIZE, MODEL_HITS, LRU_HITS, KEPT, SLOT = range(7)
+# The duel's ghosts (duel.Duel) in one int64 array [6, max(L*E + 1, 8)], by row: the LRU ghost as a ring
+# through the sentinel L*E, least recent first (each one's previous and next; previous -1: not held);
+# the model ghost's residents (the first MODEL_SIZE of the row), each one's place there, whether each
+# is held; and the counters below.
+LRU_BEFORE, LRU_AFTER, MEMBERS, POSITION, HELD, COUNTS = range(6)  # (BEFORE is a block above)
+# the counters: the ghosts' capacity, the model ghost's and the LRU ghost's sizes, each one's hits over
+# the window, the lookups the window holds, the slot the next one takes, and the model's top_k
+CAPACITY, MODEL_SIZE, LRU_SIZE, MODEL_HITS, LRU_HITS, KEPT, SLOT, TOP_K = range(8)
 
 
 def _inline(function):
@@ -170,9 +204,9 @@ def _inline(function):
 def _evicted_first(wait, index, other_wait, other_index):
     """Whether the model ghost evicts (wait, index) before the other: numpy's argmax order over the
     waits (a NaN first, then the largest, the smaller flat index among equals)."""
-    if wait != wait:
-        return other_wait == other_wait or index < other_index
-    if other_wait != other_wait:
+    if np.isnan(wait):
+        return not np.isnan(other_wait) or index < other_index
+    if np.isnan(other_wait):
         return False
     return wait > other_wait or (wait == other_wait and index < other_index)
 
@@ -188,95 +222,93 @@ def _queue(order, waits, first, slot, wait, index):
 
 
 @_inline
-def _take_model(model, members, position, index, wait, order, waits, first, end, ghost):
+def _take_model(ghosts, index, wait, order, waits, first, end):
     """(held, first, end): whether the model ghost held flat index; it holds it now, evicting the
     first of the queue order/waits[first:end] of candidates (none: it does not take it), which it
-    joins unless its wait is -inf. members [L*E]: the residents, the first MODEL_SIZE of it;
-    position [L*E]: each one's place there."""
-    if model[index]:
+    joins unless its wait is -inf."""
+    members, position, held, counts = ghosts[MEMBERS], ghosts[POSITION], ghosts[HELD], ghosts[COUNTS]
+    if held[index]:
         return True, first, end
-    size = ghost[MODEL_SIZE]
-    if size >= ghost[CAPACITY]:
+    size = counts[MODEL_SIZE]
+    if size >= counts[CAPACITY]:
         if first == end:
             return False, first, end
         victim, last = order[first], members[size - 1]
         first += 1
         members[position[victim]], position[last] = last, position[victim]
-        model[victim] = False
+        held[victim] = 0
         size -= 1
-    model[index], members[size], position[index] = True, index, size
-    ghost[MODEL_SIZE] = size + 1
-    if not wait == -np.inf:
+    held[index], members[size], position[index] = 1, index, size
+    counts[MODEL_SIZE] = size + 1
+    if wait != -np.inf:
         _queue(order, waits, first, end, wait, index)
         end += 1
     return False, first, end
 
 
 @_inline
-def _look_lru(lru, index, ghost):
+def _look_lru(ghosts, index, sentinel):
     """Whether the LRU ghost held flat index; it is the most recent now, the least recent leaving past
-    the capacity. lru [2, L*E + 1]: each node's previous and next in a ring through the sentinel
-    L*E, least recent first (previous -1: not held)."""
-    before, after = lru[0], lru[1]
-    sentinel = before.shape[0] - 1
+    the capacity."""
+    before, after, counts = ghosts[LRU_BEFORE], ghosts[LRU_AFTER], ghosts[COUNTS]
     hit = before[index] >= 0
     if hit:
         after[before[index]], before[after[index]] = after[index], before[index]
     else:
-        ghost[LRU_SIZE] += 1
+        counts[LRU_SIZE] += 1
     last = before[sentinel]
     before[index], after[index], after[last], before[sentinel] = last, sentinel, index, index
-    if ghost[LRU_SIZE] > ghost[CAPACITY]:
+    if counts[LRU_SIZE] > counts[CAPACITY]:
         oldest = after[sentinel]
         after[sentinel], before[after[oldest]], before[oldest] = after[oldest], sentinel, -1
-        ghost[LRU_SIZE] -= 1
+        counts[LRU_SIZE] -= 1
     return hit
 
 
 @_inline
-def _count(outcomes, ghost, model_hit, lru_hit):
+def _count(outcomes, counts, model_hit, lru_hit):
     """Adds one lookup's hits to the window outcomes [W] (a ring: bit 0 the model's, bit 1 LRU's)."""
-    slot = ghost[SLOT]
-    if ghost[KEPT] == outcomes.shape[0]:
-        ghost[MODEL_HITS] -= outcomes[slot] & 1
-        ghost[LRU_HITS] -= outcomes[slot] >> 1
+    slot = counts[SLOT]
+    if counts[KEPT] == outcomes.shape[0]:
+        counts[MODEL_HITS] -= outcomes[slot] & 1
+        counts[LRU_HITS] -= outcomes[slot] >> 1
     else:
-        ghost[KEPT] += 1
+        counts[KEPT] += 1
     outcomes[slot] = np.uint8(model_hit) + 2 * np.uint8(lru_hit)
-    ghost[MODEL_HITS] += np.int64(model_hit)
-    ghost[LRU_HITS] += np.int64(lru_hit)
-    ghost[SLOT] = (slot + 1) % outcomes.shape[0]
+    counts[MODEL_HITS] += np.int64(model_hit)
+    counts[LRU_HITS] += np.int64(lru_hit)
+    counts[SLOT] = (slot + 1) % outcomes.shape[0]
 
 
 @_inline
 def _ranks_above(a, b):
     """Whether probability a comes before b in a stable sort by -probability (NaN last)."""
-    return a == a and (b != b or a > b)
+    return not np.isnan(a) and (np.isnan(b) or a > b)
 
 
 @_compile
-def duel_observe(model, members, position, table, layer, routed, probs, top_k, lru, ghost, outcomes):
-    """One layer of the duel (duel.Duel): each distinct expert of routed [T, k] at `layer`, smallest
-    first, is looked up in both ghosts and counted; then the model ghost takes the top_k of probs [E]
-    (the model's for layer + 1; empty: none), most probable first. The model ghost (model [L*E] bool,
-    members and position as _take_model's) evicts the resident with the latest next use in table
-    [L, E] (the smaller flat index on a tie), never one routed at `layer`: one pass over it queues
-    the few it may evict here. lru, ghost, outcomes: _look_lru's, the counters above, _count's.
-    Returns whether recency leads: the window is full and LRU's ghost hit strictly more."""
-    num_experts = table.shape[1]
+def duel_observe(ghosts, outcomes, table, layer, routed, probs):
+    """One layer of the duel (duel.Duel) on ghosts (the rows above) and outcomes [W] (a ring of the
+    window's lookups: bit 0 the model ghost's hit, bit 1 LRU's): each distinct expert of routed
+    [T, k] at `layer`, smallest first, is looked up in both ghosts and counted; then the model ghost
+    takes the top_k of probs [E] (the model's for layer + 1; empty: none), most probable first. The
+    model ghost evicts the resident with the latest next use in table [L, E] (C order; the smaller
+    flat index on a tie), never one routed at `layer`: one pass over it queues the few it may evict
+    here. Returns whether recency leads: the window is full and LRU's ghost hit strictly more."""
+    counts, num_experts, flat = ghosts[COUNTS], table.shape[1], table.reshape(table.size)
     first, chosen = layer * num_experts, np.zeros(num_experts, np.bool_)
     for t in range(routed.shape[0]):
         for j in range(routed.shape[1]):
             chosen[routed[t, j]] = True
-    num_expected = min(top_k, probs.shape[0])
+    num_expected = min(counts[TOP_K], probs.shape[0])
     evictions = num_expected + np.sum(chosen)  # at most one per lookup
     order, waits = np.empty(evictions + num_expected, np.int64), np.empty(evictions + num_expected)
-    end = 0
-    for i in range(ghost[MODEL_SIZE] if evictions else 0):
+    members, end = ghosts[MEMBERS], 0
+    for i in range(counts[MODEL_SIZE] if evictions else 0):
         index = members[i]
         if first <= index < first + num_experts and chosen[index - first]:
             continue  # never one of the layer's own experts
-        wait = np.float64(table[index // num_experts, index % num_experts])
+        wait = np.float64(flat[index])
         if wait == -np.inf or (end == evictions and not _evicted_first(wait, index, waits[end - 1], order[end - 1])):
             continue
         _queue(order, waits, 0, min(end, evictions - 1), wait, index)
@@ -284,8 +316,8 @@ def duel_observe(model, members, position, table, layer, routed, probs, top_k, l
     start = 0
     for e in range(num_experts):
         if chosen[e]:
-            hit, start, end = _take_model(model, members, position, first + e, -np.inf, order, waits, start, end, ghost)
-            _count(outcomes, ghost, hit, _look_lru(lru, first + e, ghost))
+            hit, start, end = _take_model(ghosts, first + e, -np.inf, order, waits, start, end)
+            _count(outcomes, counts, hit, _look_lru(ghosts, first + e, table.size))
     chosen[:] = False
     for _ in range(num_expected):
         best = -1
@@ -293,7 +325,6 @@ def duel_observe(model, members, position, table, layer, routed, probs, top_k, l
             if not chosen[e] and (best < 0 or _ranks_above(probs[e], probs[best])):
                 best = e
         chosen[best] = True
-        wait = np.float64(table[layer + 1, best])
-        _, start, end = _take_model(model, members, position, first + num_experts + best, wait, order, waits, start,
-                                    end, ghost)
-    return ghost[KEPT] == outcomes.shape[0] and ghost[LRU_HITS] > ghost[MODEL_HITS]
+        index = first + num_experts + best
+        _, start, end = _take_model(ghosts, index, np.float64(flat[index]), order, waits, start, end)
+    return counts[KEPT] == outcomes.shape[0] and counts[LRU_HITS] > counts[MODEL_HITS]

@@ -72,6 +72,7 @@ class DefaultPredictor(TrainablePredictor):
         self.key_kind = ""  # "tokens", "token_ids" or "" (the training trace had no token keys)
         self.state: IterationState | None = None
         self._trace: TraceFeatures | None = None
+        self._shape = (topology.num_layers, topology.top_k)
 
     @property
     def is_trained(self) -> bool:
@@ -160,7 +161,9 @@ class DefaultPredictor(TrainablePredictor):
         self.reset()
         warm_up(self.topology, self.weights, self.memory, self.config)
         warm_up_duel(self.topology, self.state)
-        compiled().largest(np.zeros(self.topology.total_experts), np.zeros(1, np.int64))
+        table = np.zeros((self.topology.num_layers, self.topology.num_experts))
+        compiled().largest(table.ravel(), np.zeros(1, np.int64))
+        compiled().refresh(table, self.state.next_use, 0, 1)
 
     def begin_iteration(self, ctx: IterationContext) -> None:
         self.require_trained()
@@ -177,16 +180,16 @@ class DefaultPredictor(TrainablePredictor):
 
     def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
         state = self.state
-        L, k = self.topology.num_layers, self.topology.top_k
+        L, k = self._shape
         targets = range(layer_now + 1, min(layer_now + horizon_layers, 2 * L - 1) + 1)
         if state is None or not state.active or not targets:
             return []
         scores = state.scores_ahead(layer_now, len(targets))  # [n, E]
-        top = np.argpartition(scores, -k, axis=1)[:, -k:].tolist()  # [n, k]
-        predictions = []
+        top = scores.argpartition(-k, axis=1)[:, -k:].tolist()  # [n, k] (the method: np.argpartition's, sooner)
+        predictions, new = [], tuple.__new__  # Prediction.of_layer's records, built here
         for target, experts, probs in zip(targets, top, scores.tolist()):
             layer, ahead = (target - L, 1) if target >= L else (target, 0)
-            predictions += Prediction.of_layer(layer, experts, probs, ahead)
+            predictions += [new(Prediction, (layer, e, probs[e], ahead)) for e in experts]
         return predictions
 
     def expected_wait(self) -> np.ndarray:
@@ -265,13 +268,13 @@ class DefaultEviction(EvictionPolicy):
             return
         seen_state, epoch, layer = self._seen
         if seen_state is not state or epoch != state.epoch:
-            rows = slice(None)
+            first, stop = 0, len(self._masked)
         elif layer != state.layer_now:
-            rows = slice(layer + 1, state.layer_now + 3)  # observe(c) changed rows c..c+2
+            first, stop = layer + 1, state.layer_now + 3  # observe(c) changed rows c..c+2
         else:
             return
-        self._table, masked = state.next_use, self._masked[rows]
-        np.copyto(masked, self._table[rows], where=masked > -np.inf)
+        self._table = state.next_use
+        compiled().refresh(self._masked, self._table, first, stop)
         self._seen = (state, state.epoch, state.layer_now)
 
     def _ranked(self, candidates: Sequence[ExpertKey]) -> ExpertKey:

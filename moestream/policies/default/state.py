@@ -4,7 +4,8 @@ compiled loops of kernels.py); docs/default-policy.md ("Online", "Cost of a deci
 
 begin() predicts every layer from the tokens' start (bucket START) and fixes every cut's part of the
 pre-activation that the token's own routing does not change; observe(c) adds the routed blocks'
-part and predicts c+1, c+2 and the next token's layer c. A batch's probability for an expert is the
+part and predicts c+1, c+2 and the next token's layer c (a decode's one row, with the shipped linear
+model and its cut recall: one compiled call, kernels.observe_one). A batch's probability for an expert is the
 chance that at least one row needs it; for the next token's layers, of the rows that end their
 sequence's part of the iteration. Knows arrays and events, not caches.
 """
@@ -56,12 +57,14 @@ def last_rows(seq_ids: np.ndarray) -> np.ndarray:
 
 
 def warm_up(topology: Topology, weights: DefaultWeights, memory: np.ndarray, config: DefaultConfig) -> None:
-    """Runs a token's first layer through a throwaway state, so that numba compiles (or loads from its
-    cache) the kernels for the types the engine passes when a policy loads, not at the first request."""
-    state = IterationState(topology, weights, memory, config)
-    rows = np.zeros(1, np.int64)
-    state.begin(IterationContext(0, rows, rows, False), None)
-    state.observe(RoutingEvent(0, np.arange(topology.top_k)[None], rows, rows))
+    """Runs a token's first layer through a throwaway state, alone (a decode: kernels.observe_one) and as
+    two rows (a prefill: the kernels one by one), so that numba compiles (or loads from its cache) the
+    kernels for the types the engine passes when a policy loads, not at the first request."""
+    for num_rows in (1, 2):
+        state = IterationState(topology, weights, memory, config)
+        rows = np.zeros(num_rows, np.int64)
+        state.begin(IterationContext(0, rows, rows, False), None)
+        state.observe(RoutingEvent(0, np.tile(np.arange(topology.top_k), (num_rows, 1)), rows, rows))
 
 
 class SequenceHistory:
@@ -122,7 +125,7 @@ class IterationState:
         self.next_use = np.zeros((L, E))  # [L, E] the layer, counted from this token's first, of each next use
         self.epoch = 0  # bumped when every row of next_use changes (begin); observe(c) changes rows c..c+2
         # (observe comes for every layer in order, as the contract says: a layer skipped would stay 'ahead')
-        self._keyed, self._recorded = False, []
+        self._keyed, self._recorded, self._one_call = False, [], False
         self._every = self._last = np.zeros(0, np.int64)  # [T] every row; [S] those the next iteration follows
         self._before = np.zeros((0, 0), np.int64)  # [T, k] the experts routed at the last layer observed
         self._routed = np.zeros((0, L, E), np.float32)  # [T, L, E]
@@ -156,6 +159,8 @@ class IterationState:
         following[:, :, 4 * E:] = memory_rows(self.memory, after)  # the next token is not known yet
         self._window_recall = ahead[:, :, 2 * E:3 * E].copy() if self.config.cut_recall else self._window_recall
         self._fix(ahead, following, tokens)
+        self._one_call = T == 1 and self.config.cut_recall and self.weights.out is None  # kernels.observe_one
+        self._pre = np.empty((T, NUM_BUCKETS, self.weights.bias.shape[-1]), np.float32)  # [T, 3, U] its scratch
         every = (slice(None), START)
         pre = pre_activation(self.weights, ahead[:, :L], tokens[:, None], every, first_row=2 * E)  # [T, L, U]
         probs = sigmoid(head(self.weights, pre, every))  # [T, L, E]
@@ -184,13 +189,20 @@ class IterationState:
         now = np.asarray(event.expert_ids, np.int64)  # [T, k]
         if len(now) != len(self.rows):
             raise RowsMismatchError(len(now), len(self.rows), c)
-        self._routed[self._row_index, c, now] = 1.0
-        pre = self._fixed[c].copy()  # [T, 3, U]
-        kernels.add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
-        if self.config.cut_recall:
-            self._cut_recall(c, now, pre)
-        logits = head(self.weights, pre, c)  # [T, 3, E]: the weights of cut c
-        kernels.absorb(logits, self._every, self._last, c, self.fresh, self.ahead, self.next, self.next_use)
+        if self._one_call:  # the usual decode: one compiled call
+            history = self.rows[0]
+            kernels.observe_one(self._routed, self._pre, self._fixed, self.weights.dense, now, self._before,
+                                self._steps, c, history.ring, history.count, self._shared, self.config.recall_beta,
+                                self._window_recall, self._every, self._last, self.fresh, self.ahead, self.next,
+                                self.next_use)
+        else:
+            self._routed[self._row_index, c, now] = 1.0
+            pre = self._fixed[c].copy()  # [T, 3, U]
+            kernels.add_routed(pre, self.weights.dense[c], now, self._before, self._steps)
+            if self.config.cut_recall:
+                self._cut_recall(c, now, pre)
+            logits = head(self.weights, pre, c)  # [T, 3, E]: the weights of cut c
+            kernels.absorb(logits, self._every, self._last, c, self.fresh, self.ahead, self.next, self.next_use)
         self._before, self.layer_now = now, c
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):

@@ -145,15 +145,21 @@ from moestream.policies.default.state import compiled
 from moestream.trace.format import load_trace
 from moestream.trace.replay import decode_stream, prefill
 
+from moestream.cache import ExpertCache
+from moestream.policies.driver import PolicyDriver
+from moestream.sim.overhead import LayerTimer
+
 trace = load_trace(sys.argv[2])
 policy = Default(trace.topology, predictor_dir=sys.argv[1])
-names = ("add_routed", "absorb", "expect", "add_cut_recall")  # those state.py calls (union_into also inside absorb)
+# those state.py calls (union_into also inside absorb), the duel's and the eviction's
+names = ("add_routed", "absorb", "expect", "add_cut_recall", "observe_one", "duel_observe", "largest", "refresh")
 counts = [len(getattr(compiled(), name).signatures) for name in names]
 assert min(counts) > 0, counts
+eviction = policy.make_eviction("device")
+driver = PolicyDriver(policy, [eviction])
+timer = LayerTimer(driver, ExpertCache(trace.topology.total_experts // 2, eviction), trace.topology.num_layers)
 for it in list(prefill(trace))[:2] + list(decode_stream(trace))[:30]:
-    policy.predictor.begin_iteration(it.ctx)
-    for event in it.events:
-        policy.predictor.observe(event)
+    driver.run_iteration(it, timer)
 assert [len(getattr(compiled(), name).signatures) for name in names] == counts, "compiled during a request"
 """
 
