@@ -268,10 +268,10 @@ def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
               f"{m['replay_seconds']:.1f}"] for name, by_ratio in results.items() for ratio, m in by_ratio.items()]
     rows = [m for by_ratio in results.values() for m in by_ratio.values()]
     if any("host_compute" in m for m in rows):
-        columns[-1:-1] = ["misses host / device", "stall saved ms/tok"]
+        columns[-1:-1] = ["misses host/dev", "saved ms/tok"]
         for cell, m in zip(cells, rows):
             saving = m["host_compute"]
             ratio = saving["off_stall_over_stall"]
-            cell[-1:-1] = [f"{saving['host_computed_misses']} / {saving['device_computed_misses']}",
-                           f"{saving['stall_saved_ms_per_token']:.3f} ({fmt(ratio, '{:.2f}x')} vs off)"]
+            cell[-1:-1] = [f"{saving['host_computed_misses']}/{saving['device_computed_misses']}",
+                           f"{saving['stall_saved_ms_per_token']:.3f} ({fmt(ratio, '{:.2f}x')})"]
     report_console(REPORT_WIDTH).print(rich_table(f"moestream sim ({protocol})", columns, cells))

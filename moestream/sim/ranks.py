@@ -54,8 +54,9 @@ class RanksConfig:
     expert_parallel_placement: str = setting(
         "round-robin", "which rank owns each expert: round-robin, or balanced (from --train's routing, else the "
         "replayed trace's); the engine's setting of the same name", metavar="NAME")
-    hidden_bytes: int = setting(0, "bytes of one token's hidden state on the network (2 x hidden size); 0: the "
-                                   "synthetic:NAME shape's", minimum=0)
+    hidden_bytes: int = setting(0, "bytes of one token's hidden state (2 x hidden size), on the network and on a "
+                                   "--host-compute row's trip; 0: the synthetic:NAME shape's (host compute without "
+                                   "one: estimated from the expert size)", minimum=0)
 
 
 @dataclass(frozen=True)
