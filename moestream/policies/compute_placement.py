@@ -114,13 +114,14 @@ class FinishTime(ComputeRule):
 def finish_ms(device: Sequence[Candidate], host: Sequence[Candidate], hit_rows: Sequence[int], other_misses: int,
               costs: ComputeCosts) -> float:
     """The layer's finish under the cost model: the device computes its hits, then each miss once its copy
-    has landed (copies one after another, behind the misses from disk); the host computes its own."""
+    has landed (copies one after another, behind the copies of the misses from disk, whose disk reads and
+    compute are left out: they are the same whatever the placement); the host computes its own."""
     clock = sum(costs.device_ms(rows) for rows in hit_rows)
     landed = other_misses * costs.copy_ms()
     for candidate in device:
         landed += costs.copy_ms()
         clock = max(clock, landed) + costs.device_ms(candidate.rows)
-    clock = max(clock, landed)  # the misses from disk compute too, after they land
+    clock = max(clock, landed)
     return max(clock, sum(costs.host_ms(c.rows) for c in host))
 
 
