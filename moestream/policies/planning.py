@@ -73,12 +73,10 @@ class BandwidthAwarePlanner(IdleAwarePlanner):
 
     - each read starts when the link has moved its backlog and the reads kept before it; one that would
       start after the next layer needs its experts is left to the next plan (which replaces this one);
-    - what it saves, if its expert is needed (probability: the score): the wait of a demand read started
-      when its layer needs it, less what is still left of this read then: one read if it lands in time,
-      else (need - start) of it (a read that lands late still overlaps the wait it would otherwise cause);
+    - one that cannot land before its layer needs it is dropped (it would not save a read, only delay);
     - one that runs past the next layer's start delays that layer's demand loads, if it has any (their
       probability: 1 - exp(-expected misses), from the predictions of that layer): kept only if what it
-      saves (score x the wait above) exceeds that expected delay;
+      saves (score x one read) exceeds that expected delay;
     - with `victim_waits` (the eviction's expected waits, in the same units as `wait(key)`), one whose
       own expected wait is longer than its victim's is dropped: evicting the victim would cost a read to
       bring it back before the prefetch is used, if ever.
@@ -106,8 +104,9 @@ class BandwidthAwarePlanner(IdleAwarePlanner):
             if start >= next_ms:
                 break  # starts after the next plan replaces this one
             finish = start + read_ms
-            saved_ms = min(read_ms, link.need_ms(ahead) - start)  # > 0: start < next_ms <= need_ms(ahead)
-            if score * saved_ms <= (1.0 - math.exp(-misses)) * max(0.0, finish - next_ms):
+            if finish > link.need_ms(ahead):
+                continue  # cannot land in time
+            if score * read_ms <= (1.0 - math.exp(-misses)) * max(0.0, finish - next_ms):
                 continue  # saves less than it delays the next layer's demand loads
             if victims is not None and self.wait(key) >= victims[len(kept)]:
                 continue  # its victim is expected back sooner than it is needed
