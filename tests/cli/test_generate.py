@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 import moestream
 from moestream.cli import main
@@ -177,38 +176,12 @@ def _unsupported(path):
     return f"'llama' has no MoE experts in transformers {transformers.__version__}"
 
 
-def _rewrite_holding(path, name: str, change) -> None:
-    """Rewrites the shard that holds `name` and the index to match, as a checkpoint downloaded without
-    moestream's manifest would be."""
-    index_file = path / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())
-    shard = index["weight_map"][name]
-    tensors = load_file(path / shard)
-    change(tensors)
-    save_file(tensors, path / shard, metadata={"format": "pt"})
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard} | dict.fromkeys(tensors, shard)
-    index_file.write_text(json.dumps(index))
-    (path / "moestream-manifest.json").unlink()
-
-
-def _missing_expert(path):
-    name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    _rewrite_holding(path, name, lambda tensors: tensors.pop(name))
-    return f"missing expert tensor {name}"
-
-
-def _unexpected(path):
-    name = "model.layers.1.mlp.gate.weight"
-    _rewrite_holding(path, name, lambda tensors: tensors.update({"model.layers.1.mlp.extra.weight": tensors[name].clone()}))
-    return "unexpected tensor model.layers.1.mlp.extra.weight"
-
-
 def _garbage(path):
     _shard(path).write_bytes(b"not a safetensors file at all")
     return _shard(path).name
 
 
-@pytest.mark.parametrize("damage", [_truncate, _missing_shard, _unsupported, _garbage, _missing_expert, _unexpected])
+@pytest.mark.parametrize("damage", [_truncate, _missing_shard, _unsupported, _garbage])
 def test_a_damaged_checkpoint_is_one_error_line(model_dir, tmp_path, capsys, damage):
     path = shutil.copytree(model_dir, tmp_path / "damaged")
     named = damage(path)
