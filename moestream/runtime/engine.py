@@ -45,7 +45,7 @@ from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.finite import FiniteFlags
-from moestream.runtime.host_compute import host_compute_for
+from moestream.runtime.host_compute import check_host_compute, host_compute_for
 from moestream.runtime.host_reads import HostReads, upload
 from moestream.runtime.loader import dense_modules, expert_decoder, generation_config, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
@@ -99,6 +99,7 @@ class Engine:
         if self.config.device == "cpu":
             bound_shape_caches()
         self.checkpoint: CheckpointIndex = build_index(model_dir)
+        check_host_compute(self.config, self.checkpoint.codec is not None)
         self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
         self._background = offload_predictor(self.policy, not self.config.background_predictor,  # before observers()
                                              self.config.transfer_timeout_s)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from moestream.errors import MoestreamError
 from moestream.policies.compute_placement import Candidate, ComputeCosts, ComputeRule, compute_rule
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows
@@ -96,6 +97,14 @@ class HostCompute:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def check_host_compute(config, quantized: bool) -> None:
+    """Refuses host compute of quantized experts (their decoder's scratch lives on the compute device, one
+    set for the model), before anything opens."""
+    if quantized and config.host_compute != "off":
+        raise MoestreamError(f"--host-compute {config.host_compute}: quantized experts are not computed on the "
+                             "host yet; use --host-compute off")
 
 
 def host_compute_for(config, store) -> HostCompute | None:

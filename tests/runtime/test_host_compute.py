@@ -67,3 +67,9 @@ def test_tokens_are_transformers_tokens_with_misses_computed_on_the_host(checkpo
     assert result.token_ids == reference_generate(auto_class(family).from_pretrained(path).eval(), prompts, 5, pad_id)
     if rule == "share:1":
         assert result.metrics.host_computed > 0
+
+
+def test_quantized_experts_are_refused_in_one_line(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", num_layers=2, quant="fp8")
+    with pytest.raises(MoestreamError, match="--host-compute default: quantized experts"):
+        Engine(path, EngineConfig(expert_budget="0.25", host_budget="0.5", direct_io=False, host_compute="default"))
