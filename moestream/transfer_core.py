@@ -79,17 +79,22 @@ class TransferCore(Generic[Record]):
         self.device.pin(keys)
         found = [self.lookup(key) for key in keys]
         missed = [key for key, f in zip(keys, found) if f == MISS]
+        self.admit_demands(missed, keys)
+        return [key for key, f in zip(keys, found) if f == LATE], missed
+
+    def admit_demands(self, keys: list[ExpertKey], pinned: list[ExpertKey]) -> None:
+        """Admits each key as a demand load; on CacheFullError those admitted leave the tier again, the
+        pins of `pinned` are released, and the error goes on."""
         admitted = []
         try:
-            for key in missed:
+            for key in keys:
                 self.admit_demand(key)
                 admitted.append(key)
         except CacheFullError:
             for key in admitted:
                 self.forget(key)
-            self.device.unpin(keys)
+            self.device.unpin(pinned)
             raise
-        return [key for key, f in zip(keys, found) if f == LATE], missed
 
     def admit_demand(self, key: ExpertKey) -> None:
         """A missed expert's slot, evicting by policy any unpinned expert (releasing the plan's pins,

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moestream.cache import CacheFullError
 from moestream.policies.compute_placement import Candidate, ComputeCosts, ComputeRule, compute_rule
 from moestream.sim.config import SimConfig
 from moestream.sim.transfers import QUEUED
@@ -85,15 +84,6 @@ class HostCompute:
         on_host = [key for key in missed if key in chosen]
         device.unpin(on_host)
         to_load = [key for key in missed if key not in chosen]
-        admitted = []
-        try:
-            for key in to_load:
-                core.admit_demand(key)
-                admitted.append(key)
-        except CacheFullError:
-            for key in admitted:
-                core.forget(key)
-            device.unpin([key for key in needed if key not in chosen])
-            raise
+        core.admit_demands(to_load, [key for key in needed if key not in chosen])
         host_ms = sum(self.costs.host_ms(int(rows[key.expert])) for key in on_host)
         return Placed(late, to_load, on_host, host_ms)

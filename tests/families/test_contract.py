@@ -10,11 +10,12 @@ import torch
 import transformers
 
 from moestream.checkpoint.index import build_index
-from moestream.checkpoint.layout import ExpertLocation
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES, adapter_for, derive, supported
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.loader import load_model
+from moestream.topology import ExpertKey
+from tests.quant.slots import read_slot
 from tests.runtime.conftest import PROMPTS, reference_generate
 
 SUPPORTED = supported()
@@ -38,15 +39,6 @@ def reference(tiny_checkpoint):
     return get
 
 
-def read_slot(location: ExpertLocation) -> torch.Tensor:
-    data = bytearray()
-    for segment in location.segments:
-        with open(segment.file, "rb") as handle:
-            handle.seek(segment.offset)
-            data += handle.read(segment.nbytes)
-    return torch.frombuffer(data, dtype=torch.uint8)  # [expert_bytes]
-
-
 @pytest.mark.parametrize("family", SUPPORTED)
 def test_the_checkpoint_loads_in_transformers_and_its_layout_is_the_models(reference, family):
     path, model, info = reference(family)
@@ -58,7 +50,7 @@ def test_the_checkpoint_loads_in_transformers_and_its_layout_is_the_models(refer
     assert index.topology.num_experts == 8 and index.topology.top_k == adapter.top_k(model.config)
     for block in (index.blocks[0], index.blocks[-1]):
         for expert in (0, 7):
-            views = index.experts.views(read_slot(index.experts.locations[(block.moe_index, expert)]))
+            views = index.experts.views(read_slot(index, ExpertKey(block.moe_index, expert)))
             module = experts[block.experts_path]
             if adapter.uses_experts_registry:
                 assert set(views) == {name for name, _ in module.named_parameters(recurse=False)}
