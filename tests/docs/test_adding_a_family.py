@@ -1,7 +1,6 @@
 """The worked example of docs/adding-a-family.md is real: without its declaration the small Jamba
 model fails; read from the page and registered, the engine's tokens are transformers' tokens."""
 
-import re
 from pathlib import Path
 
 import pytest
@@ -11,15 +10,14 @@ from moestream.checkpoint.make_model import make_model
 from moestream.checkpoint.spec import ModelSpec
 from moestream.families import FAMILIES, FamilyAdapter
 from moestream.runtime import Engine, EngineConfig
+from tests.docs.pages import DOCS, python_example
 from tests.runtime.conftest import PROMPTS, reference_generate
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "adding-a-family.md"
+PAGE = DOCS / "adding-a-family.md"
 
 
 def example_source() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
-    assert len(blocks) == 1, "the page holds one Python example"
-    return blocks[0]
+    return python_example(PAGE)
 
 
 @pytest.fixture

@@ -1,8 +1,6 @@
 """The worked example of docs/adding-a-policy.md is real: read from the page, registered, and run
 through the same contract suite as every registered policy, plus its own behaviour."""
 
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,15 +8,14 @@ import pytest
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
 from moestream.topology import ExpertKey
+from tests.docs.pages import DOCS, python_example
 from tests.policies.test_contracts import POLICY_CHECKS, TOPOLOGY, contract_trace
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "adding-a-policy.md"
+PAGE = DOCS / "adding-a-policy.md"
 
 
 def example_source() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
-    assert len(blocks) == 1, "the page holds one Python example"
-    return blocks[0]
+    return python_example(PAGE)
 
 
 @pytest.fixture
