@@ -21,6 +21,7 @@ from moestream.settings import check, setting
 
 _DEVICE = re.compile(r"(?P<type>cpu|cuda)(:(?P<index>\d+))?")
 _CUDA_DRIVERS = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")  # the driver's library on Linux, Windows
+QUANT_KERNELS = ("exact", "packed-cpu")  # moestream.quant.kernels.QUANT_KERNELS, named here without torch
 
 
 def parse_device(device) -> str:
@@ -109,6 +110,11 @@ class EngineConfig:
                                        "placement that ends the layer soonest by the measured costs); keeps a host "
                                        "tier apart on the CPU", metavar="RULE")
     host_threads: int = setting(1, "threads that compute experts on the host (with --host-compute)")
+    quant_kernel: str = setting("exact", "how quantized experts compute: exact (decoded into the compute dtype, then "
+                                         "the MLP: bit for bit transformers' model with the experts dequantized) or "
+                                         "packed-cpu (GPTQ int4/int8 experts from their packed bytes on the CPU, as "
+                                         "`quantize --layout gptq` writes them: faster, but not bit-identical, so "
+                                         "tokens may differ)", metavar="KERNEL")
 
     def __post_init__(self):
         from moestream.policies import POLICIES  # imported here: the CLI's parser stays light
@@ -117,6 +123,8 @@ class EngineConfig:
 
         check(self)
         compute_rule(self.host_compute)  # refuses an unknown rule naming the flag
+        if self.quant_kernel not in QUANT_KERNELS:
+            raise MoestreamError(f"unknown --quant-kernel {self.quant_kernel!r}; choose from {', '.join(QUANT_KERNELS)}")
         if not 1 <= self.host_threads <= available_cores():
             raise MoestreamError(f"--host-threads {self.host_threads}: must be between 1 and this machine's "
                                  f"{available_cores()} cores")
@@ -147,7 +155,7 @@ class BatchingConfig:
         "first token (default 0: at the next step)", minimum=0)
 
     def __post_init__(self):
-        from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
+        from moestream.runtime.scheduling.token_scheduler import TOKEN_SCHEDULERS
 
         check(self)
         if self.token_scheduler not in TOKEN_SCHEDULERS:

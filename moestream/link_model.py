@@ -51,14 +51,15 @@ class ModelledLink:
 
     # -- admissions ------------------------------------------------------------------------------
     def need(self, key: ExpertKey) -> None:
-        """A layer looked key up and found it in the tier or on its way: a read of it not yet started
-        becomes demand."""
+        """A layer looked key up and found it in the tier or on its way: a read of it not yet done becomes
+        demand (the layer waits for it); one not yet started also goes ahead of the reads not started."""
         self._at(key.layer)
         for read in self.reads:
-            if read.key == key and not read.demand and read.left == self.expert_bytes:
-                self.reads.remove(read)
+            if read.key == key and not read.demand:
                 read.demand = True
-                self._insert_demand(read)
+                if read.left == self.expert_bytes:
+                    self.reads.remove(read)
+                    self._insert_demand(read)
                 return
 
     def demand(self, key: ExpertKey) -> None:

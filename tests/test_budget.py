@@ -59,7 +59,7 @@ def test_a_size_only_budget_suggests_sizes_only():
     (["generate", "--prompt", "hi", "--expert-budget", "200%"], "--expert-budget: '200%' is more than all the experts"),
     (["generate", "--prompt", "hi", "--host-budget", "1.5"], "--host-budget: '1.5' is more than all the experts"),
     (["serve", "--kv-budget", "abc"], "--kv-budget: cannot read 'abc': use a size like 512MiB"),
-    (["bench", "streaming", "--small", "--budgets", "0.25,200%"], "--budgets: '200%' is more than all the experts"),
+    (["bench", "engine", "--streaming", "--small", "--budgets", "0.25,200%"], "--budgets: '200%' is more than all the experts"),
     (["bench", "engine", "--small", "--budgets", "abc"], "--budgets: cannot read 'abc'"),
 ])
 def test_every_refused_budget_flag_is_one_line_naming_it(tiny_checkpoint, capsys, argv, message):

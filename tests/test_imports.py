@@ -99,3 +99,13 @@ def test_module_imports_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_no_product_module_imports_the_lab_or_the_command_line():
+    """The lab (moestream.bench) and the command line (moestream.cli, and __main__ that starts it) sit above the
+    product: no other module imports either."""
+    known = module_names()
+    above = ("moestream.bench", "moestream.cli", "moestream.__main__")
+    below = {name: path for name, path in known.items() if not name.startswith(above)}
+    found = {name: sorted(m for m in imported(path, known) if m.startswith(above)) for name, path in below.items()}
+    assert {name: up for name, up in found.items() if up} == {}

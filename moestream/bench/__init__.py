@@ -1,5 +1,6 @@
-"""Benchmarks: each module (or package) here adds one `moestream bench KIND` (its `add_parser`); below,
-the flags and steps several of them share."""
+"""Benchmarks: each module (or package) here adds one `moestream bench KIND` (its `add_parser`), but tools/,
+what they measure with; below, the flags and steps several of them share. The lab: no module outside it
+but the command line imports it, and it imports no command."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def add_run_flags(parser, max_new_tokens: int, json_help: str = "write the figur
 def check_run_flags(args, least_tokens: int = 1) -> None:
     """Refuses, naming the flag, --max-new-tokens below least_tokens, --threads below 1 and, where the bench
     takes them, an unknown --device (or CUDA where there is none) and a --replay-routing that is no file."""
-    from moestream.cli import at_least
+    from moestream.checks import at_least
     from moestream.config import EngineConfig
     from moestream.errors import MoestreamError
 
@@ -44,8 +45,8 @@ def check_run_flags(args, least_tokens: int = 1) -> None:
 def model_dir(args, announce: bool = False) -> Path:
     """--model (refused in one line unless a checkpoint directory), else the demo checkpoint; announce: print
     its checkpoint_line first."""
-    from moestream.cli.demo import demo_checkpoint
-    from moestream.cli.generate import require_checkpoint_dir
+    from moestream.checkpoint.demo import demo_checkpoint
+    from moestream.checks import require_checkpoint_dir
 
     if args.model is not None:
         require_checkpoint_dir(args.model)
@@ -89,26 +90,6 @@ def comma_list(text: str, flag: str, kind=str, known=None) -> list:
     if unknown:
         raise MoestreamError(f"{flag}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     return values
-
-
-def rich_table(title: str, columns, rows, left: tuple[str, ...] = (), no_wrap: bool = False, **options):
-    """A rich Table of text rows: the columns named in left (else the first) left-justified, the others
-    right, wrapped unless no_wrap; options: the Table's (caption, ...)."""
-    from rich.table import Table
-
-    table = Table(title=title, **options)
-    for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if column in left or not (left or i) else "right", no_wrap=no_wrap)
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
-def fmt(value, pattern) -> str:
-    """The value in pattern (a format string, or a function of the value), "-" for None."""
-    if value is None:
-        return "-"
-    return pattern(value) if callable(pattern) else pattern.format(value)
 
 
 def budget_list(text: str, flag: str = "--budgets") -> list[str]:

@@ -53,7 +53,7 @@ def run(args) -> int:
 
 def _cases(args) -> list[tuple[str, str, int]]:
     """(shape, dtype, tokens) of every case; MoestreamError naming the flag on bad input."""
-    from moestream.cli import at_least
+    from moestream.checks import at_least
 
     shapes = comma_list(args.shapes, "--shapes", known=SHAPES)
     dtypes = comma_list(args.dtypes, "--dtypes", known=DTYPES)

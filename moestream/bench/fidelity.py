@@ -5,7 +5,10 @@ rows and what its policy saw; the simulator replays exactly those with the same 
 and predictors run inline (as the simulator does), under a cost model calibrated from an on-demand LRU
 run at the same budget or given as `--cost-model measured:PATH`. Decode hit rate must agree within 0.03
 and stall per token within 15% (ok/missed, never asserted); `--sync` compares the on-demand path, the
-default the asynchronous one with cache-aware reordering.
+default the asynchronous one with cache-aware reordering. `--host-compute RULE`: both keep every expert in
+a host tier and compute the misses the rule places there; the simulator takes the engine's measured host
+compute costs and its host copy link, and the choice at every layer step must be the same (placements:
+ok/missed).
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
+from moestream.bench import (
+    add_model_flags,
+    add_run_flags,
+    check_run_flags,
+    model_dir,
+    write_figures,
+)
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments
 
@@ -28,7 +37,8 @@ def add_parser(kinds) -> None:
     add_run_flags(parser, 32, "write the figures and the cost model here")
     parser.add_argument("--budget", default="0.25", help="expert budget")
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
-    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "link_gbps", "layer_ms"))
+    add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "link_gbps", "layer_ms",
+                                              "host_compute", "host_threads"))
     parser.set_defaults(handler=run)
 
 
@@ -40,10 +50,10 @@ def run(args) -> int:
 
 
 def compare(args) -> dict:
-    from moestream.bench.engine.spec import RunSpec
     from moestream.bench.engine.isolation import run_isolated
+    from moestream.bench.engine.spec import RunSpec
+    from moestream.checkpoint.demo import PROMPTS
     from moestream.checkpoint.index import build_index
-    from moestream.cli.demo import PROMPTS
 
     check_run_flags(args, least_tokens=2)
     model = model_dir(args, announce=True)
@@ -52,7 +62,9 @@ def compare(args) -> dict:
                    prompts=PROMPTS, max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir),
                    link_gbps=args.link_gbps, layer_ms=args.layer_ms,  # the planner's link: the same on both sides
-                   background_predictor=False, keep_embeddings=True)  # inline, as the simulator: the module doc
+                   background_predictor=False, keep_embeddings=True,  # inline, as the simulator: the module doc
+                   host_compute=args.host_compute, host_threads=args.host_threads,
+                   host_budget="100%" if args.host_compute != "off" else "0")
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
     simulated = _simulate(args, spec, engine, topology, cost)
@@ -60,11 +72,11 @@ def compare(args) -> dict:
             "mode": "sync" if args.sync else "async", "reorder": args.reorder,
             "replay_routing": args.replay_routing,
             "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
-                                              "decode_tokens", "expert_hits", "expert_misses", "expert_read_ms",
-                                              "experts_per_read_batch", "read_batch_line_ms",
+                                              "host_bytes_per_token", "decode_tokens", "expert_hits", "expert_misses",
+                                              "expert_read_ms", "experts_per_read_batch", "read_batch_line_ms",
                                               "routed_expert_ms", "peak_rss_mib")},
             "simulator": simulated, "agreement": agreement(engine, simulated),
-            "cost_model": dataclasses.asdict(cost)}
+            "cost_model": dataclasses.asdict(cost)} | _placed(engine, simulated)
 
 
 def _cost_model(args, spec, engine: dict, topology):
@@ -76,16 +88,24 @@ def _cost_model(args, spec, engine: dict, topology):
 
     if args.cost_model:
         return get_cost_model(args.cost_model)
-    calibration = spec if spec.sync and spec.policy == "lru" else dataclasses.replace(spec, sync=True, policy="lru",
-                                                                                       reorder=True)
+    itself = spec.sync and spec.policy == "lru" and spec.host_compute == "off"
+    calibration = spec if itself else dataclasses.replace(spec, sync=True, policy="lru", reorder=True,
+                                                          host_compute="off", host_budget="0")
     disk_bw = disk_figures(Path(spec.model), spec.direct_io)["bandwidth"]
     return calibrate(topology, engine if calibration == spec else run_isolated(calibration), disk_bw)
 
 
 def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     from moestream.bench.engine.runners import make_policy
-    from moestream.bench.engine.simulated import engine_iterations, replayed, sim_ratio, simulate
+    from moestream.bench.engine.simulated import (
+        engine_iterations,
+        replayed,
+        sim_ratio,
+        simulate,
+    )
     from moestream.link_model import LinkFigures
+    from moestream.policies.compute_placement import ComputeCosts
+    from moestream.topology import ExpertKey
     from moestream.trace.format import load_trace
 
     run = replayed(load_trace(args.replay_routing), engine["iterations"], engine["prefill"], topology,
@@ -93,9 +113,25 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     policy = make_policy(spec, topology)
     order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
     figures = LinkFigures(spec.link_gbps, spec.layer_ms, spec.reorder) if spec.link_gbps > 0 else None
+    host_costs = engine.get("host_costs") and ComputeCosts(**engine["host_costs"])
+    if host_costs:  # every expert in host RAM, copied up over the engine's measured link
+        cost = cost.with_overrides(host_holds_all=True, host_to_device_gbps=host_costs.link_bytes_per_ms / 1e6,
+                                   host_to_device_latency_ms=0.0, demand_batch_ms=0.0)  # copies, not reads
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
                     expert_order=order, modelled_link=figures is not None,
-                    link_figures=figures)  # the engine's link, or none where its planner had none
+                    link_figures=figures,  # the engine's link, or none where its planner had none
+                    host_compute=spec.host_compute, compute_costs=host_costs or None,
+                    warm=[ExpertKey(*key) for key in engine.get("warm_device", ())])
+
+
+def _placed(engine: dict, simulated: dict) -> dict:
+    """Where host compute ran: the layer steps whose host experts the simulator chose as the engine did."""
+    if "host_placements" not in engine:
+        return {}
+    ours, theirs = engine["host_placements"], simulated.get("host_placements", [])
+    same = sum(a == b for a, b in zip(ours, theirs))
+    return {"placements": {"layer_steps": len(ours), "same": same, "host_experts": sum(len(e) for _, e in ours),
+                           "agree": "ok" if same == len(ours) == len(theirs) else "missed"}}
 
 
 def agreement(engine: dict, simulated: dict) -> dict:
@@ -122,8 +158,13 @@ def _print(document: dict) -> None:
     print(f"{'stall ms/tok':14}{engine['stall_ms_per_token']:>10.2f}{sim['stall_ms_per_token']:>12.2f}   gap {gap} "
           f"(within {STALL_TOLERANCE:.0%}): {agree['stall']}")
     print(f"{'TPOT ms':14}{engine['tpot_ms']:>10.2f}{sim['tpot_ms']:>12.2f}   (informational)")
-    print(f"{'KiB/tok':14}{engine['bytes_per_token'] / 1024:>10.0f}{sim['bytes_per_token'] / 1024:>12.0f}")
+    moved = engine["bytes_per_token"] + engine["host_bytes_per_token"]  # from disk and from the host tier
+    print(f"{'KiB/tok':14}{moved / 1024:>10.0f}{sim['bytes_per_token'] / 1024:>12.0f}")
     print(f"{'peak RSS MiB':14}{engine['peak_rss_mib']:>10.0f}")
+    placed = document.get("placements")
+    if placed:
+        print(f"host compute: {placed['same']} of {placed['layer_steps']} layer steps placed as the engine did "
+              f"({placed['host_experts']} experts on the engine's host): {placed['agree']}")
     if engine["expert_read_ms"]:
         cost = document["cost_model"]
         print(f"engine reads: {engine['expert_read_ms']:.2f} ms per expert, {engine['experts_per_read_batch']:.1f} "

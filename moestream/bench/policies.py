@@ -13,12 +13,12 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from moestream.bench import comma_list, rich_table, write_figures
+from moestream.bench import comma_list, write_figures
 from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
 from moestream.policies import POLICIES
-from moestream.report import report_console
+from moestream.report import report_console, rich_table
 from moestream.sim.compare import CompareConfig, Comparison, compare
 from moestream.sim.cost import PRESETS
 from moestream.trace.format import load_trace
@@ -70,7 +70,7 @@ def run(args) -> int:
 
 
 def _traces(args):
-    from moestream.cli.predict_eval import split_trace
+    from moestream.eval.prediction import split_trace
     from moestream.sim.compare import head_tokens
 
     path = args.trace or _dev_trace()
@@ -161,7 +161,7 @@ def default_losses(result: Comparison):
 
 
 def _plot(result: Comparison, plot_dir: Path) -> None:
-    from moestream.sim.plots import plot_results
+    from moestream.bench.tools.plots import plot_results
 
     for protocol, by_cost in result.replays.items():
         for cost, by_policy in by_cost.items():

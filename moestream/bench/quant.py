@@ -3,8 +3,12 @@ for checkpoints of one model stored differently (bf16/fp32, int8, int4): bytes r
 up from the host tier per token, hit rate, stall and TPOT with `default` (or --policy) and on-demand LRU,
 each a fresh cold process as in `bench engine` (with --host-budget, a host tier of that share too, filled
 before timing: bench/engine/host.py); and each checkpoint's decode cost per expert beside its MLP (the
-family's `ExpertMath`, one row, the expert of MoE layer 0), on --device with --threads. Prints figures;
-asserts nothing.
+family's `ExpertMath`, one row, the expert of MoE layer 0), on --device with --threads.
+
+With --quant-kernel K (not exact), for each checkpoint K covers: its MLP per expert from the packed bytes,
+and its closeness to the exact path (the reference): the exact path's greedy continuation of each of the
+first --prompts demo prompts, then both teacher-forced on it, all resident, and their next-token
+distributions compared (top-1 agreement, mean KL, max abs logit error). Prints figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ import time
 from pathlib import Path
 
 from moestream.bench import add_run_flags, check_run_flags, comma_list, write_figures
-from moestream.cli import at_least
-from moestream.threads import torch_threads
+from moestream.checks import at_least
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.settings import add_arguments
+from moestream.threads import torch_threads
 
 REPEATS = 20
 
@@ -33,7 +37,8 @@ def add_parser(kinds) -> None:
     parser.add_argument("--budget", type=float, default=0.25, help="share of the first checkpoint's expert bytes")
     parser.add_argument("--prompts", type=int, default=1, help="the first N demo prompts")
     add_run_flags(parser, 12)
-    add_arguments(parser, EngineConfig, only=("device", "host_budget", "policy", "replay_routing", "direct_io"))
+    add_arguments(parser, EngineConfig, only=("device", "host_budget", "policy", "replay_routing", "direct_io",
+                                              "quant_kernel"))
     parser.set_defaults(handler=run, policy="default")  # the asynchronous policy beside on-demand LRU
 
 
@@ -72,23 +77,30 @@ def _check_policy(args, topology) -> None:
 def decode_cost(model: Path, device: str, threads: int) -> tuple[float, float]:
     """(decode ms, MLP ms) of one expert of MoE layer 0 on `device`, one row, `threads` torch threads;
     decode 0 unquantized."""
-    import torch
-
     from moestream.checkpoint.index import build_index
-    from moestream.eval.quant_error import read_expert
     from moestream.runtime.layer_experts import expert_mlp
-    from moestream.runtime.loader import compute_dtype, expert_decoder
+    from moestream.runtime.loader import expert_decoder
 
     with torch_threads(threads):
         checkpoint = build_index(model)
-        dtype = compute_dtype(checkpoint.config)
-        views = checkpoint.experts.views(read_expert(checkpoint.experts.locations[(0, 0)]).to(device))
+        views, math, x = _one_expert(checkpoint, device)
         decoder = expert_decoder(checkpoint, device)
         decode = (lambda: views) if decoder is None else (lambda: decoder(views))
-        math, weights = expert_math(checkpoint), decode()
-        x = torch.randn(1, checkpoint.config.get_text_config().hidden_size, dtype=dtype, device=device)  # [1, H]
+        weights = decode()
         decode_ms = _timed(decode, device) if decoder is not None else 0.0
         return decode_ms, _timed(lambda: expert_mlp(math, x, weights), device)
+
+
+def _one_expert(checkpoint, device: str):
+    """(the slot views of expert 0 of MoE layer 0 on `device`, the family's `ExpertMath`, a random row [1, H])."""
+    import torch
+
+    from moestream.eval.quant_error import read_expert
+    from moestream.runtime.loader import compute_dtype
+
+    views = checkpoint.experts.views(read_expert(checkpoint.experts.locations[(0, 0)]).to(device))
+    hidden = checkpoint.config.get_text_config().hidden_size
+    return views, expert_math(checkpoint), torch.randn(1, hidden, dtype=compute_dtype(checkpoint.config), device=device)
 
 
 def expert_math(checkpoint):
@@ -102,6 +114,79 @@ def expert_math(checkpoint):
     if checkpoint.adapter.uses_experts_registry:
         return FusedExpertMath(module)
     return EXPERT_SWAPS.create(type(module).__name__, module, None)  # no binding: only its math is called
+
+
+def kernel_figures(model: Path, args) -> dict:
+    """--quant-kernel's figures on one checkpoint: {} for exact; why it does not cover the checkpoint; or its
+    MLP ms per expert (one row, as decode_cost) and its closeness to the exact path."""
+    from moestream.checkpoint.demo import PROMPTS
+    from moestream.checkpoint.index import build_index
+    from moestream.quant.kernels import QUANT_KERNELS
+    from moestream.runtime.loader import expert_decoder
+
+    if args.quant_kernel == "exact":
+        return {}
+    checkpoint = build_index(model)
+    kernel = QUANT_KERNELS.create(args.quant_kernel)
+    reason = kernel.refusal(checkpoint, args.device)
+    if reason is not None:
+        return {"kernel": args.quant_kernel, "kernel_refusal": reason}
+    with torch_threads(args.threads):
+        views, math, x = _one_expert(checkpoint, args.device)
+        packed = kernel(expert_decoder(checkpoint, args.device), checkpoint)
+        mlp_ms = _timed(lambda: packed.mlp(math, x, views), args.device)
+    error = closeness(model, args.quant_kernel, PROMPTS[: args.prompts], args.max_new_tokens, args.threads)
+    return {"kernel": args.quant_kernel, "kernel_mlp_ms": mlp_ms, "kernel_positions": error.positions,
+            "kernel_top1_agreement": error.top1_agreement, "kernel_mean_kl": error.mean_kl,
+            "kernel_max_abs_logit_error": error.max_abs_logit_error}
+
+
+class Forced:
+    """A TokenSampler that keeps each step's next-token logits [V] and chooses the given tokens (None: the
+    argmax: greedy)."""
+
+    cancelled = False
+
+    def __init__(self, tokens: list[int] | None = None):
+        self.tokens, self.logits = tokens, []
+
+    def choose(self, logits) -> int:
+        self.logits.append(logits.float().clone())
+        return int(logits.argmax()) if self.tokens is None else self.tokens[len(self.logits) - 1]
+
+    def stop_reason(self, output_ids: list[int]) -> str | None:
+        return None
+
+
+def closeness(model: Path, kernel: str, prompts, new_tokens: int, threads: int):
+    """QuantError of `kernel` against the exact path on one checkpoint, all resident: the exact path's
+    greedy continuation of each prompt, then the kernel teacher-forced on it."""
+    from moestream.eval.quant_error import compare
+
+    reference = forced_logits(model, "exact", prompts, [None] * len(prompts), new_tokens, threads)
+    tokens = [[int(step.argmax()) for step in logits] for logits in reference]
+    return compare(reference, forced_logits(model, kernel, prompts, tokens, new_tokens, threads))
+
+
+def forced_logits(model: Path, kernel: str, prompts, tokens, new_tokens: int, threads: int) -> list:
+    """Per prompt, the next-token logits [new_tokens, V] of its sequence choosing `tokens` (None: greedy),
+    one sequence at a time, every expert resident, experts computed by `kernel`."""
+    import torch
+
+    from moestream.runtime import Engine
+    from moestream.runtime.scheduling.scheduler import StaticBatches
+
+    config = EngineConfig(expert_budget="1.0", quant_kernel=kernel, num_threads=threads, direct_io=False)
+    logits = []
+    with Engine(model, config) as engine:
+        for prompt, forced in zip(prompts, tokens, strict=True):
+            sampler = Forced(forced)
+            scheduler = engine.scheduler(StaticBatches(1))
+            scheduler.add(engine.new_sequence(engine.encode(prompt), new_tokens, sampler, ignore_eos=True))
+            while engine.step(scheduler) is not None:
+                pass
+            logits.append(torch.stack(sampler.logits))  # [new_tokens, V]
+    return logits
 
 
 def _timed(call, device: str) -> float:
@@ -120,8 +205,8 @@ def _timed(call, device: str) -> float:
 def measure(args) -> list[dict]:
     from moestream.bench.engine.isolation import run_isolated
     from moestream.bench.engine.spec import RunSpec
+    from moestream.checkpoint.demo import PROMPTS
     from moestream.checkpoint.index import build_index
-    from moestream.cli.demo import PROMPTS
 
     models = _models(args)
     reference = build_index(models[0]).topology
@@ -132,6 +217,9 @@ def measure(args) -> list[dict]:
     for model in models:
         topology = build_index(model).topology
         decode_ms, mlp_ms = decode_cost(model, args.device, args.threads)
+        kernel = kernel_figures(model, args)
+        if kernel:
+            print(_kernel_line(model, kernel, decode_ms + mlp_ms), flush=True)
         for policy, sync in ((args.policy, False), ("lru", True)):  # on-demand: --sync LRU
             spec = RunSpec(model=str(model), budget=budget, policy=policy, sync=sync, prompts=PROMPTS[: args.prompts],
                            max_new_tokens=args.max_new_tokens, replay_routing=args.replay_routing,
@@ -140,7 +228,7 @@ def measure(args) -> list[dict]:
             result = run_isolated(spec)
             rows.append({"model": str(model), "expert_bytes": topology.expert_bytes, "policy": policy, "sync": sync,
                          "budget": budget, "host_budget": host, "device": args.device, "threads": args.threads,
-                         "decode_ms": decode_ms, "mlp_ms": mlp_ms} | result)
+                         "decode_ms": decode_ms, "mlp_ms": mlp_ms} | kernel | result)
             print(_line(rows[-1]), flush=True)
     return rows
 
@@ -166,6 +254,16 @@ def _line(row: dict) -> str:
             f"hit rate {row['hit_rate']:.2f}, stall {row['stall_ms_per_token']:7.1f} ms/token, "
             f"TPOT {row['tpot_ms']:7.1f} ms; expert {row['expert_bytes'] / 2**20:.2f} MiB, "
             f"decode {row['decode_ms']:.2f} ms beside its MLP {row['mlp_ms']:.2f} ms")
+
+
+def _kernel_line(model: Path, figures: dict, exact_ms: float) -> str:
+    head = f"{model.name:>16} --quant-kernel {figures['kernel']}"
+    if "kernel_refusal" in figures:
+        return f"{head}: not measured: {figures['kernel_refusal']}"
+    return (f"{head}: MLP {figures['kernel_mlp_ms']:.2f} ms per expert from the packed bytes (decode + MLP "
+            f"{exact_ms:.2f}); against the exact path over {figures['kernel_positions']} next-token distributions: "
+            f"top-1 agreement {100 * figures['kernel_top1_agreement']:.1f}%, mean KL {figures['kernel_mean_kl']:.3g} "
+            f"nats, max abs logit error {figures['kernel_max_abs_logit_error']:.4f}")
 
 
 def print_ratios(rows: list[dict]) -> None:

@@ -70,7 +70,7 @@ def _policies(text: str, predictor_dir) -> list[str]:
 
 def run(args) -> int:
     rates, policies, batching = _check(args)
-    from moestream.serving import workload
+    from moestream.bench.tools import workload
 
     model = model_dir(args, announce=True)
     data = resolve_data_dir(args.data_dir)
@@ -93,8 +93,7 @@ def run(args) -> int:
 
 def _check(args) -> tuple[list[float], list[str], BatchingConfig]:
     """--rates, --policies and the batching flags; MoestreamError naming a bad flag."""
-    from moestream.cli import at_least
-    from moestream.cli.serve import require_serve_extra
+    from moestream.checks import at_least, require_serve_extra
 
     read_flags(EngineConfig, args)
     batching = from_args(BatchingConfig, args)
@@ -149,11 +148,11 @@ def _sustained(figures: dict, limit_ms: float) -> bool:
 
 def _serve_and_replay(model: Path, budget: Budget, policy: str, rate: float, trace, prompts, args, batching) -> dict:
     """One server run: a fresh engine (budget, policy), the trace replayed at rate; its figures."""
+    from moestream.bench.tools import loadgen, workload
     from moestream.policies import POLICIES
     from moestream.policies.trained import TrainedPolicy
     from moestream.runtime import Engine
     from moestream.runtime.replay import REPLAY_LABEL
-    from moestream.serving import loadgen, workload
     from moestream.serving.server import Server
     from moestream.serving.worker import WorkerConfig
 

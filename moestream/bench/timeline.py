@@ -126,10 +126,10 @@ def _record(args) -> tuple[Tracer, StepStarts, dict[str, float]]:
     from moestream.bench.engine.host import fill_tiers
     from moestream.bench.engine.runners import make_policy
     from moestream.bench.engine.spec import RunSpec, shards
+    from moestream.bench.tools.bandwidth import drop_page_cache
+    from moestream.checkpoint.demo import PROMPTS
     from moestream.checkpoint.index import build_index
-    from moestream.cli.demo import PROMPTS
     from moestream.runtime import Engine, EngineConfig
-    from moestream.store.bandwidth import drop_page_cache
 
     torch.set_num_threads(args.threads)
     model = str(model_dir(args, announce=True))

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
-from moestream.cli import at_least
 from moestream.bench.serving import memory_figures, memory_text
-from moestream.procfs import status_mib
-from moestream.data_dir import resolve_data_dir
+from moestream.checks import at_least
 from moestream.config import BatchingConfig, EngineConfig
+from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
+from moestream.procfs import status_mib
 from moestream.settings import add_arguments, from_args, read_flags
 
 
@@ -40,8 +40,8 @@ def run(args) -> int:
     at_least(1, {"--num-seqs": args.num_seqs, "--max-tokens": args.max_tokens, "--prompt-words": args.prompt_words})
     read_flags(EngineConfig, args)
     from_args(BatchingConfig, args)  # refuses bad batching flags before the model loads
-    from moestream.serving import workload
-    from moestream.serving.token_scheduler import TOKEN_SCHEDULERS
+    from moestream.bench.tools import workload
+    from moestream.runtime.scheduling.token_scheduler import TOKEN_SCHEDULERS
 
     schedulers = comma_list(args.schedulers, "--schedulers", known=TOKEN_SCHEDULERS.names())
     model = model_dir(args)

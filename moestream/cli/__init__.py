@@ -45,13 +45,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def at_least(least, values: dict, strict: bool = False) -> None:
-    """Refuses a flag (key) whose value is below `least` (strict: not above it); None is not given."""
-    for flag, value in values.items():
-        if value is not None and not (value > least if strict else value >= least):
-            raise MoestreamError(f"{flag} must be {'>' if strict else '>='} {least}, got {value}")
-
-
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser, with every subcommand, or only the one argv names."""
     parser = Parser(prog="moestream", description=DESCRIPTION)

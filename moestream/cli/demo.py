@@ -7,25 +7,24 @@ tokens are exactly the resident ones, and what offloading costs."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from moestream.cli import at_least
-from moestream.cli.generate import (PROMPT_ALLOWANCE, Throughput, check_budgets, check_engine_flags, report,
-                                    resolve_auto_budgets, totals)
+from moestream.checkpoint.demo import PROMPTS, demo_checkpoint
+from moestream.checks import at_least
+from moestream.cli.generate import (
+    PROMPT_ALLOWANCE,
+    Throughput,
+    check_budgets,
+    check_engine_flags,
+    report,
+    resolve_auto_budgets,
+    totals,
+)
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments, from_args
 
-PROMPTS = (
-    "The quickest way to learn a new programming language is",
-    "def fibonacci(n):\n    ",
-    "Mixture-of-experts models route every token to",
-    "Once upon a time, in a city built on a river,",
-)
-DEMO_NAME = "demo-deepseek-v2-lite"
 REPORT_WIDTH = 100  # columns of the table when printing to a file or pipe
-SMALL_NAME = "demo-small"
 
 
 def add_parser(commands) -> None:
@@ -36,28 +35,6 @@ def add_parser(commands) -> None:
     parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # a tiny demo model, for tests
     add_arguments(parser, EngineConfig)
     parser.set_defaults(handler=run)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream")
-
-
-def demo_checkpoint(small: bool = False) -> Path:
-    """The demo checkpoint in the cache directory, written on first use (small: its topology shrunk
-    to 3 layers (2 MoE) of 16 experts, for tests)."""
-    from dataclasses import replace
-
-    from moestream.checkpoint.make_model import make_model
-    from moestream.checkpoint.spec import demo_spec
-
-    path, spec = cache_dir() / (SMALL_NAME if small else DEMO_NAME), demo_spec()
-    if small:
-        spec = replace(spec, num_layers=3, num_experts=16, hidden_size=64, intermediate_size=64, vocab_size=512,
-                       max_shard_bytes=None)
-    if not (path / "config.json").is_file():
-        print(f"creating the demo checkpoint in {path} (first use only)")
-        make_model(spec, path, progress=True)
-    return path
 
 
 def run(args) -> int:

@@ -14,9 +14,9 @@ from pathlib import Path
 from statistics import fmean
 
 from moestream.budget import Budget
-from moestream.cli import at_least
+from moestream.checks import at_least, require_checkpoint_dir
 from moestream.config import EngineConfig
-from moestream.errors import BudgetError, CheckpointError, MoestreamError
+from moestream.errors import BudgetError, MoestreamError
 from moestream.memory_plan import AUTO
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args, read_flags
@@ -40,16 +40,6 @@ def add_parser(commands) -> None:
     parser.add_argument("--record-hidden", action="store_true",
                         help="include router inputs and token embeddings in the trace")
     parser.set_defaults(handler=run, runs_on_ranks=True)
-
-
-def require_checkpoint_dir(path: Path) -> None:
-    """Refuses a checkpoint path that is not a directory with a config.json (no heavy imports)."""
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{path} is a file: pass the checkpoint's directory")
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"no config.json in checkpoint directory {path}")
 
 
 def check_engine_flags(args) -> None:

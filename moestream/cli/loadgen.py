@@ -8,8 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from moestream.cli.serve import require_serve_extra
-from moestream.cli import at_least
+from moestream.checks import at_least, check_loopback, require_serve_extra
 
 
 def add_parser(commands) -> None:
@@ -42,10 +41,10 @@ def run(args) -> int:
     import asyncio
 
     from moestream.atomic import write_json
+    from moestream.bench.tools import loadgen, workload
     from moestream.data_dir import resolve_data_dir
-    from moestream.serving import loadgen, workload
 
-    loadgen.check_loopback(args.url)
+    check_loopback(args.url)
     data = resolve_data_dir(args.data_dir)
     print(data.describe(), file=sys.stderr)
     trace = workload.read_trace(workload.trace_path(args.trace, data.path))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moestream.checkpoint.spec import PRESETS, QUANT_WIDTH_MULTIPLE, ModelSpec, quant_families
-from moestream.cli import at_least
+from moestream.checks import at_least
 from moestream.errors import CheckpointError
 
 HELP = {

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moestream.cli import at_least
-from moestream.cli.generate import PROMPT_ALLOWANCE, require_checkpoint_dir
+from moestream.checks import at_least, require_checkpoint_dir
+from moestream.cli.generate import PROMPT_ALLOWANCE
 from moestream.config import EngineConfig
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args

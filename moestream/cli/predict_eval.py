@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moestream.atomic import write_json
 from moestream.config import EngineConfig
-from moestream.eval.prediction import EvalError, LeadTimeCost, evaluate_policy
+from moestream.eval.prediction import LeadTimeCost, evaluate_policy, split_trace
 from moestream.settings import add_arguments
 from moestream.sim.cost import DEFAULT_COST_MODEL, get_cost_model
 
@@ -63,19 +63,6 @@ def run(args) -> int:
         write_json(result, args.json)
     print_report(result)
     return 0
-
-
-def split_trace(trace, fraction: float, seed: int):
-    """(train, test): a seeded --test-fraction of the trace's sequences held out; refuses a split that
-    leaves either side empty."""
-    if not 0.0 < fraction < 1.0:
-        raise EvalError(f"--test-fraction must lie in (0, 1), got {fraction}")
-    if len(trace.sequence_ids()) < 2:
-        raise EvalError("--test-fraction needs a trace with at least two sequences")
-    train, test = trace.split(fraction, seed)
-    if not train.num_tokens:
-        raise EvalError(f"--test-fraction {fraction} leaves no sequence to train on")
-    return train, test
 
 
 def print_report(result: dict) -> None:

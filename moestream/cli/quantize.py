@@ -1,14 +1,13 @@
-"""`moestream quantize --model DIR --format int8|int4 [--group-size G] --out DIR2`: a copy whose routed
-experts are quantized (compressed-tensors layouts; the dense part as it is), written atomically with
-its manifest, then its error against the source on the demo's prompts."""
+"""`moestream quantize --model DIR --format int8|int4 [--group-size G] [--layout L] --out DIR2`: a copy whose
+routed experts are quantized (compressed-tensors layouts, or GPTQ's; the dense part as it is), written
+atomically with its manifest, then its error against the source on the demo's prompts."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from moestream.cli import at_least
-from moestream.cli.generate import require_checkpoint_dir
+from moestream.checks import at_least, require_checkpoint_dir
 from moestream.errors import MoestreamError
 
 BITS = {"int4": 4, "int8": 8}
@@ -21,6 +20,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--format", required=True, choices=sorted(BITS), help="bits per expert weight")
     parser.add_argument("--group-size", type=int, help=f"inputs per scale (default: int4 {INT4_GROUP} or the largest "
                                                        "power of two dividing the experts' widths, int8 one per row)")
+    parser.add_argument("--layout", default="compressed-tensors", choices=("compressed-tensors", "gptq"),
+                        help="how the integers are packed: compressed-tensors (default) or gptq, packed along the "
+                             "inputs, which --quant-kernel packed-cpu computes from")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must be absent or empty)")
     parser.add_argument("--workers", type=int, default=2, help="threads quantizing tensors")
     parser.add_argument("--no-error", action="store_true",
@@ -35,10 +37,10 @@ def _scheme(args, checkpoint):
 
     bits = BITS[args.format]
     at_least(1, {"--group-size": args.group_size})
-    scheme = IntScheme(bits, args.group_size)
+    scheme = IntScheme(bits, args.group_size, args.layout)
     if args.group_size is None and bits < 8:
         widths = {checkpoint.tensors[name].shape[-1] for name in expert_weights(checkpoint, IntScheme(bits, None))}
-        scheme = IntScheme(bits, math.gcd(INT4_GROUP, *widths))
+        scheme = IntScheme(bits, math.gcd(INT4_GROUP, *widths), args.layout)
     expert_weights(checkpoint, scheme)  # every input error before the progress bar
     return scheme
 
@@ -67,7 +69,7 @@ def run(args) -> int:
 
 
 def print_error(source: Path, quantized: Path, tokens: int) -> None:
-    from moestream.cli.demo import PROMPTS
+    from moestream.checkpoint.demo import PROMPTS
     from moestream.eval.quant_error import measure_error
 
     error = measure_error(source, quantized, PROMPTS, tokens)

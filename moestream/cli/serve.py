@@ -10,6 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
+from moestream.checks import require_serve_extra
 from moestream.cli.generate import check_budgets, check_engine_flags, resolve_auto_budgets
 from moestream.config import EngineConfig, WorkerConfig
 from moestream.errors import MoestreamError
@@ -34,17 +35,6 @@ def add_parser(commands) -> None:
     add_arguments(parser, EngineConfig)
     add_arguments(parser, ParallelConfig)
     parser.set_defaults(handler=run, runs_on_ranks=True)
-
-
-def require_serve_extra() -> None:
-    """Refuses in one line when the server's libraries (the `serve` extra) are not installed."""
-    import importlib.util
-
-    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client", "httpx")
-               if importlib.util.find_spec(name) is None]
-    if missing:
-        raise MoestreamError(f"this command needs the serve extra: pip install 'moestream[serve]' "
-                             f"({', '.join(missing)} missing)")
 
 
 def check_access(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:

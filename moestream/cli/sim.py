@@ -17,10 +17,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from moestream.atomic import write_json
-from moestream.bench import comma_list, fmt, rich_table
-from moestream.cli import at_least
+from moestream.bench import comma_list
+from moestream.checks import at_least
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
+from moestream.report import fmt, rich_table
 from moestream.settings import add_arguments, from_args
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def run(args) -> int:
     configs = [_config(args, ratio) for ratio in ratios]
     ranks = from_args(RanksConfig, args)
     if ranks.ranks is not None:
-        from moestream.sim.scaling import check_flags
+        from moestream.bench.tools.scaling import check_flags
 
         check_flags(ranks, args)
     at_least(1, {"--max-tokens": args.max_tokens})
@@ -108,14 +109,15 @@ def run(args) -> int:
     trace, train = _traces(args)
     policies = {name: _prepared(name, trace, train, args) for name in names}  # every refusal before any run
     if ranks.ranks is not None:
-        from moestream.sim.scaling import run_ranks
+        from moestream.bench.tools.scaling import run_ranks
 
         return run_ranks(args, ranks, trace, train, policies, configs)
     results = {name: _run_policy(name, policy, trace, configs, args) for name, policy in policies.items()}
+    _against_oracle(results)
     if args.json is not None:
         write_json(_document(args, configs[0], trace, results), args.json)
     if args.plot is not None:
-        from moestream.sim.plots import plot_results
+        from moestream.bench.tools.plots import plot_results
 
         plot_results(results, args.plot, f"{args.trace.name}: {args.protocol} protocol")
     _print_table(results, args.protocol)
@@ -218,6 +220,16 @@ def _run_policy(name: str, policy, trace, configs, args) -> dict[float, dict]:
     return results
 
 
+def _against_oracle(results: dict[str, dict[float, dict]]) -> None:
+    """With `oracle` among the policies, each policy's bytes per token over the oracle's at its ratio
+    (`bytes_vs_oracle`)."""
+    oracle = results.get("oracle")
+    for by_ratio in results.values() if oracle else ():
+        for ratio, metrics in by_ratio.items():
+            moved, least = metrics["bytes_per_token"], oracle[ratio]["bytes_per_token"]
+            metrics["bytes_vs_oracle"] = moved / least if moved is not None and least else None
+
+
 def _saving(rule: str, metrics: dict, off: dict) -> dict:
     """What computing misses on the host under rule did against off (all on the device)."""
     stall, off_stall = metrics["stall_ms_per_token"], off["stall_ms_per_token"]
@@ -267,6 +279,10 @@ def _print_table(results: dict[str, dict[float, dict]], protocol: str) -> None:
               fmt(m["wasted_prefetch_ratio"], "{:.1%}"), fmt(m["late_prefetch_ratio"], "{:.1%}"),
               f"{m['replay_seconds']:.1f}"] for name, by_ratio in results.items() for ratio, m in by_ratio.items()]
     rows = [m for by_ratio in results.values() for m in by_ratio.values()]
+    if any("bytes_vs_oracle" in m for m in rows):
+        columns.insert(columns.index("MB/tok") + 1, "/ oracle")
+        for cell, m in zip(cells, rows):
+            cell.insert(columns.index("/ oracle"), fmt(m["bytes_vs_oracle"], "{:.2f}x"))
     if any("host_compute" in m for m in rows):
         columns[-1:-1] = ["misses host/dev", "saved ms/tok"]
         for cell, m in zip(cells, rows):

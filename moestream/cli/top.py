@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 
-from moestream.bench import fmt
 from moestream.budget import format_bytes
+from moestream.checks import check_loopback, require_serve_extra
 from moestream.errors import MoestreamError
+from moestream.report import fmt
 
 REFRESH_S = 1.0
 HEATMAP_STEPS = 60  # the most recent steps shown
@@ -40,15 +41,11 @@ def check_url(url: str) -> None:
 
 
 def run(args) -> int:
-    from moestream.cli.serve import require_serve_extra
-
     check_url(args.url)
     require_serve_extra()
     import httpx
     from rich.console import Console
     from rich.live import Live
-
-    from moestream.serving.loadgen import check_loopback
 
     check_loopback(args.url, "--url: top only watches")
     with httpx.Client(base_url=args.url, timeout=5.0,

@@ -8,6 +8,7 @@ before l routes, after a GateInputObserver saw l's router input. The predicted s
 experts by score > 0 (ties to the lower id); a TraceScorer is scored a whole trace at a time by the same
 rule. GOODPRED (ProMoE) = precision x fetch_rate, the share of a top_k prediction whose transfers finish
 within D layers of compute: min(1, floor(D * layer_compute_ms / transfer_ms) / top_k), 0 at the gate.
+`split_trace` holds a seeded share of a trace's sequences out as the test trace.
 """
 
 from __future__ import annotations
@@ -250,3 +251,16 @@ def evaluate_policy(
     counts = evaluate_predictor(policy.predictor, test, horizon_layers)
     rate = fetch_rate(horizon_layers, cost.layer_compute_ms, cost.transfer_ms, test.topology.top_k)
     return {"predictor": name, "num_tokens": test.num_tokens} | summarize(counts, horizon_layers, rate)
+
+
+def split_trace(trace: Trace, fraction: float, seed: int):
+    """(train, test): a seeded --test-fraction of the trace's sequences held out; refuses a split that
+    leaves either side empty."""
+    if not 0.0 < fraction < 1.0:
+        raise EvalError(f"--test-fraction must lie in (0, 1), got {fraction}")
+    if len(trace.sequence_ids()) < 2:
+        raise EvalError("--test-fraction needs a trace with at least two sequences")
+    train, test = trace.split(fraction, seed)
+    if not train.num_tokens:
+        raise EvalError(f"--test-fraction {fraction} leaves no sequence to train on")
+    return train, test

@@ -39,16 +39,14 @@ class Hello:
 
 
 def run_ranks(args) -> int:
-    """The command on rank 0 (args.ranks set), the follower's loop on the others (the command's own
-    `rank_follower`, default `follow_ranks`; `ranks_device` overrides the device the ranks join on)."""
-    ranks = join_ranks(getattr(args, "ranks_device", None) or args.device,
-                       getattr(args, "transfer_timeout_s", EngineConfig.transfer_timeout_s))
+    """The command on rank 0 (args.ranks set), the follower's loop (`follow_ranks`) on the others."""
+    ranks = join_ranks(args.device, args.transfer_timeout_s)
     try:
         if ranks.leads:
             args.ranks = ranks
             return int(args.handler(args) or 0)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which drains, then stops the rest
-        return getattr(args, "rank_follower", follow_ranks)(ranks)
+        return follow_ranks(ranks)
     finally:
         leave_ranks()
 
@@ -97,9 +95,9 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
         engine.close()
 
 
-def follow_ranks(ranks: RankContext, observers=(), prepare: Callable | None = None) -> int:
-    """A follower: opens its engine from rank 0's hello (observers: beside its policy's), passes it to
-    prepare (if given) and runs rank 0's steps until it closes."""
+def follow_ranks(ranks: RankContext, observers=()) -> int:
+    """A follower: opens its engine from rank 0's hello (observers: beside its policy's) and runs rank 0's
+    steps until it closes."""
     from moestream.checkpoint.index import build_index
     from moestream.runtime import Engine
 
@@ -108,8 +106,6 @@ def follow_ranks(ranks: RankContext, observers=(), prepare: Callable | None = No
     with _opened(ranks, lambda: Engine(hello.model, rank_config(hello.config, hello.placement, ranks.rank,
                                                                 build_index(hello.model).topology, ranks.device),
                                        shard=shard, observers=observers)) as engine:
-        if prepare is not None:
-            prepare(engine)
         follow(engine, shard)
     return 0
 

@@ -22,7 +22,7 @@ from moestream.parallel.mirror import CacheMirror
 from moestream.parallel.ranks import RankContext
 from moestream.parallel.shard import ExpertShard
 from moestream.runtime.runner import Sequence
-from moestream.runtime.scheduler import ScheduledBatch
+from moestream.runtime.scheduling.scheduler import ScheduledBatch
 
 STEP, STATS, STOP, HEARTBEAT = "step", "stats", "stop", "heartbeat"
 HEARTBEATS_PER_TIMEOUT = 4  # an idle rank 0 sends something at least this often per transfer timeout

@@ -1,7 +1,7 @@
 """Where a device-tier miss computes: on the device once its bytes have crossed the link (as always), or
-on the host, from the host slot that already holds it, its rows sent down and its result sent back. A
-rule (`COMPUTE_RULES`, by name) decides per layer step from a cost model (`ComputeCosts`); the engine
-and the simulator carry the choice out and know no rule.
+on the host, from the host slot that already holds it or from a host buffer its disk read lands in, its
+rows sent down and its result sent back. A rule (`COMPUTE_RULES`, by name) decides per layer step from a
+cost model (`ComputeCosts`); the engine and the simulator carry the choice out and know no rule.
 
 - `off`: every miss computes on the device (moestream's behaviour before this choice existed);
 - `share:F`: a fixed share F of the misses computes on the host, the ones with the fewest rows first
@@ -10,15 +10,17 @@ and the simulator carry the choice out and know no rule.
   computes its hits while the link brings its misses, then those; the host computes its misses beside
   it. Misses go to the host, cheapest first, while that lowers the finish time.
 
-Only misses whose bytes are in the host tier are candidates (a disk read lands in the host tier first
-only where there is one). Knows no store, engine, clock or torch.
+The candidates (`layer_candidates`, the engine's and the simulator's alike) are the misses in the host
+tier, then up to DISK_CANDIDATES misses that are only on disk: computed on the host, such a miss is read
+into a buffer of host compute's own and never copied up (its read is the same on either path, so the
+rules weigh the copy it saves). Knows no store, engine, clock or torch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 from moestream.errors import MoestreamError
 from moestream.registry import Registry
@@ -43,20 +45,32 @@ class ComputeCosts:
         return self.expert_bytes / self.link_bytes_per_ms
 
     def host_ms(self, rows: int) -> float:
-        """One expert's MLP on the host, its rows there and back: the slower of streaming its weights and
-        its arithmetic, plus the rows over the link both ways."""
-        work = max(self.expert_bytes / self.host_bytes_per_ms, 2.0 * rows * self.expert_params / self.host_flops_per_ms)
+        """One expert's MLP on the host, its rows there and back: streaming its weights, then each row's
+        arithmetic (a sum, not the roofline's max: a CPU's MLP at 24 rows costs 1.7x its one-row time, not
+        1x, docs/measurements/host-compute.md), plus the rows over the link both ways."""
+        work = self.expert_bytes / self.host_bytes_per_ms + 2.0 * rows * self.expert_params / self.host_flops_per_ms
         return work + 2.0 * rows * self.row_bytes / self.link_bytes_per_ms
 
     def device_ms(self, rows: int) -> float:
-        return max(self.expert_bytes / self.device_bytes_per_ms,
-                   2.0 * rows * self.expert_params / self.device_flops_per_ms)
+        return self.expert_bytes / self.device_bytes_per_ms + 2.0 * rows * self.expert_params / self.device_flops_per_ms
+
+
+DISK_CANDIDATES = 8  # misses only on disk offered to the host per layer step (each needs a host buffer)
 
 
 @dataclass(frozen=True)
 class Candidate:
     key: ExpertKey
     rows: int  # its (token, k) rows in this step
+    from_disk: bool = False  # only on disk: read into a host buffer if placed on the host
+
+
+def layer_candidates(misses: Sequence[ExpertKey], rows: Callable[[ExpertKey], int],
+                     in_host: Callable[[ExpertKey], bool]) -> list[Candidate]:
+    """A layer step's candidates, in the misses' order: those in the host tier and the first DISK_CANDIDATES
+    of the others."""
+    on_disk = [key for key in misses if not in_host(key)][:DISK_CANDIDATES]
+    return [Candidate(key, rows(key), key in on_disk) for key in misses if in_host(key) or key in on_disk]
 
 
 class ComputeRule:

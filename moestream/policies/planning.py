@@ -9,7 +9,6 @@ from typing import Any, Callable, Sequence
 from moestream.policies.contracts import PLANNERS, CacheView, LinkState, Prediction, PrefetchPlanner, TransferRequest
 from moestream.topology import ExpertKey
 
-
 Candidate = tuple[ExpertKey, float, float, int]  # key, priority, score, layers ahead
 Priority = Callable[[float, int, int], Any]  # (score, layer, layers ahead) -> priority (larger goes first)
 
@@ -73,10 +72,14 @@ class BandwidthAwarePlanner(IdleAwarePlanner):
 
     - each read starts when the link has moved its backlog and the reads kept before it; one that would
       start after the next layer needs its experts is left to the next plan (which replaces this one);
-    - one that cannot land before its layer needs it is dropped (it would not save a read, only delay);
+    - what it saves, if its expert is needed (probability: the score), is the wait of a demand read
+      started when its layer needs it, less what is left of this read then: one read if it lands in
+      time, else (need - start); a read that lands late still shortens the wait it would otherwise cause;
     - one that runs past the next layer's start delays that layer's demand loads, if it has any (their
-      probability: 1 - exp(-expected misses), from the predictions of that layer): kept only if what it
-      saves (score x one read) exceeds that expected delay;
+      probability: 1 - exp(-expected misses), from the predictions of that layer); a read for that layer
+      delays them only where its own expert is not needed (1 - score), and then only the others (their
+      expected misses less its score). It is kept only if what it saves (score x the wait above) exceeds
+      that expected delay;
     - with `victim_waits` (the eviction's expected waits, in the same units as `wait(key)`), one whose
       own expected wait is longer than its victim's is dropped: evicting the victim would cost a read to
       bring it back before the prefetch is used, if ever.
@@ -104,9 +107,8 @@ class BandwidthAwarePlanner(IdleAwarePlanner):
             if start >= next_ms:
                 break  # starts after the next plan replaces this one
             finish = start + read_ms
-            if finish > link.need_ms(ahead):
-                continue  # cannot land in time
-            if score * read_ms <= (1.0 - math.exp(-misses)) * max(0.0, finish - next_ms):
+            saved_ms = min(read_ms, link.need_ms(ahead) - start)  # > 0: start < next_ms <= need_ms(ahead)
+            if finish > next_ms and score * saved_ms <= holds_up(score, ahead, misses) * (finish - next_ms):
                 continue  # saves less than it delays the next layer's demand loads
             if victims is not None and self.wait(key) >= victims[len(kept)]:
                 continue  # its victim is expected back sooner than it is needed
@@ -114,6 +116,15 @@ class BandwidthAwarePlanner(IdleAwarePlanner):
             start = finish
             misses -= score if ahead == 1 else 0.0
         return kept
+
+
+def holds_up(score: float, ahead: int, misses: float) -> float:
+    """The chance that a read running past the next layer's start holds up that layer's demand loads
+    (misses: their expected number): that they exist; for a read of that layer, that its own expert is
+    not needed (needed, it is one of them) and the others exist."""
+    if ahead == 1:
+        return (1.0 - score) * (1.0 - math.exp(-max(0.0, misses - score)))
+    return 1.0 - math.exp(-misses)
 
 
 def expected_misses(predictions: Sequence[Prediction], view: CacheView) -> float:

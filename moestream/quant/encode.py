@@ -1,8 +1,14 @@
-"""Quantizing one dense linear weight [O, I] into compressed-tensors' symmetric integer layouts (what
-`moestream quantize` writes; `compressed_tensors.py` decodes them): scale = absmax of each group of G
-inputs / ((2**b - 1) / 2), in the weight's dtype; q = clamp(round(w / scale), -2**(b-1), 2**(b-1) - 1).
-int4 is packed ("pack-quantized": weight_packed, weight_scale, weight_shape); int8 stays int8
-("int-quantized": weight, weight_scale). Knows no checkpoint, family or runtime.
+"""Quantizing one dense linear weight [O, I] into symmetric integer layouts (what `moestream quantize`
+writes; `compressed_tensors.py` and `gptq.py` decode them): scale = absmax of each group of G inputs /
+((2**b - 1) / 2), in the weight's dtype; q = clamp(round(w / scale), -2**(b-1), 2**(b-1) - 1).
+
+Two layouts of the same integers and scales:
+- "compressed-tensors" (the default): int4 packed along I ("pack-quantized": weight_packed [O, I/8],
+  weight_scale [O, I/G], weight_shape); int8 as it is ("int-quantized": weight, weight_scale);
+- "gptq" (GPTQ's checkpoint_format "gptq", desc_act false, sym): qweight [I/(32/b), O] packed along I,
+  scales [I/G, O], qzeros [I/G, O/(32/b)] (2**(b-1) - 1 each: GPTQ stores zero - 1), g_idx [I]. Its
+  words run along the outputs, as the `packed-cpu` kernel reads them (quant/packed_cpu.py).
+Knows no checkpoint, family or runtime.
 """
 
 from __future__ import annotations
@@ -12,20 +18,28 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.quant import packing
-from moestream.quant.compressed_tensors import INT, METHOD, PACKED
+from moestream.quant import compressed_tensors, gptq, packing
+
+LAYOUTS = ("compressed-tensors", "gptq")
 
 
 @dataclass(frozen=True)
 class IntScheme:
-    """A symmetric integer weight-only scheme: bits per weight and inputs per scale (None: per channel)."""
+    """A symmetric integer weight-only scheme: bits per weight, inputs per scale (None: per channel) and
+    the layout it is written in (LAYOUTS)."""
 
     bits: int
     group_size: int | None
+    layout: str = "compressed-tensors"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise MoestreamError(f"unknown quantized layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
 
     @property
     def format(self) -> str:
-        return PACKED if self.bits < 8 else INT
+        """compressed-tensors' format of these experts (the compressed-tensors layout)."""
+        return compressed_tensors.PACKED if self.bits < 8 else compressed_tensors.INT
 
     def groups(self, inputs: int) -> int:
         """Scales per output row for `inputs` columns; MoestreamError if G does not divide them."""
@@ -37,36 +51,55 @@ class IntScheme:
     def suffixes(self, shape: tuple[int, int], dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The tensors one [O, I] linear is written as: disk suffix -> (shape, dtype)."""
         rows, cols = shape
+        if self.layout == "gptq":
+            return self._gptq_suffixes(rows, cols, dtype)
         scale = (rows, self.groups(cols))
-        if self.format == PACKED:
+        if self.format == compressed_tensors.PACKED:
             return {"weight_packed": ((rows, cols // packing.per_word(self.bits)), torch.int32),
                     "weight_scale": (scale, dtype), "weight_shape": ((2,), torch.int64)}
         return {"weight": (shape, torch.int8), "weight_scale": (scale, dtype)}
 
+    def _gptq_suffixes(self, rows: int, cols: int, dtype: torch.dtype) -> dict:
+        per_word, groups = packing.per_word(self.bits), self.groups(cols)
+        if rows % per_word or cols % per_word:
+            raise MoestreamError(f"quantize --layout gptq: the experts' widths {rows} and {cols} cannot be packed "
+                                 f"{per_word} to a word")
+        return {"qweight": ((cols // per_word, rows), torch.int32), "qzeros": ((groups, rows // per_word), torch.int32),
+                "scales": ((groups, rows), dtype), "g_idx": ((cols,), torch.int32)}
+
     def quantization_config(self) -> dict:
         """The config.json field that declares these experts (transformers and vLLM read it)."""
+        if self.layout == "gptq":
+            return dict(quant_method=gptq.METHOD, bits=self.bits, group_size=self.group_size or -1, desc_act=False,
+                        sym=True, checkpoint_format="gptq")
         weights = dict(num_bits=self.bits, type="int", symmetric=True, dynamic=False, actorder=None,
                        strategy="group" if self.group_size else "channel", group_size=self.group_size,
                        observer="minmax")
         group = dict(targets=["re:.*experts.*"], weights=weights, input_activations=None,
                      output_activations=None, format=self.format)
-        return dict(quant_method=METHOD, format=self.format, quantization_status="compressed",
+        return dict(quant_method=compressed_tensors.METHOD, format=self.format, quantization_status="compressed",
                     config_groups={"group_0": group}, ignore=["lm_head"], kv_cache_scheme=None)
 
 
 def quantize(weight: torch.Tensor, scheme: IntScheme, suffix: str) -> torch.Tensor:
     """The tensor `suffix` (e.g. "weight_packed") of one linear weight [O, I] quantized by `scheme`."""
     rows, cols = weight.shape
+    half = 1 << (scheme.bits - 1)
     if suffix == "weight_shape":
         return torch.tensor([rows, cols], dtype=torch.int64)
+    if suffix == "g_idx":
+        return torch.arange(cols, dtype=torch.int32) // (scheme.group_size or cols)
+    if suffix == "qzeros":  # zero point 2**(b-1) everywhere, stored minus one
+        return packing.pack(torch.full((scheme.groups(cols), rows), half - 1), scheme.bits, dim=1)
     scale = _scale(weight, scheme)  # [O, g] in weight's dtype
-    if suffix == "weight_scale":
-        return scale
-    half = 1 << (scheme.bits - 1)
+    if suffix in ("weight_scale", "scales"):
+        return scale if suffix == "weight_scale" else scale.T.contiguous()
     grouped = weight.float().view(rows, scale.shape[1], -1) / scale.float().unsqueeze(-1)  # [O, g, G]
     ints = grouped.round_().clamp_(-half, half - 1).view(rows, cols).to(torch.int32)
     if suffix == "weight":
         return ints.to(torch.int8)
+    if suffix == "qweight":
+        return packing.pack((ints + half).T, scheme.bits, dim=0)  # [I / (32 / b), O]
     return packing.pack(ints + half, scheme.bits, dim=1)
 
 

@@ -1,7 +1,7 @@
 """The offloading engine: a checkpoint's dense part on the compute device, its experts in the store,
 routing events for the policy, and `step`, the one forward pass of every way of generating.
 
-`step(scheduler)` is schedule -> forward -> postprocess: the scheduler (runtime/scheduler.py) picks
+`step(scheduler)` is schedule -> forward -> postprocess: the scheduler (runtime/scheduling/scheduler.py) picks
 the sequences and the cache they run over; the runner plans the iteration's inputs (a `StepPlan`),
 the engine announces it to observers (`IterationContext`) and lets the policy predict, the runner
 runs the model (each MoE layer publishes its routing, fetches misses and computes); the scheduler
@@ -41,11 +41,12 @@ from moestream.policies import POLICIES
 from moestream.policies.contracts import Observer, Policy, TransferRequest
 from moestream.policies.driver import PolicyDriver
 from moestream.progress import progress_bar
+from moestream.quant.kernels import quant_kernel
 from moestream.runtime import kv
 from moestream.runtime.background import offload_predictor
 from moestream.runtime.experts import attach_replay, bind_experts
 from moestream.runtime.finite import FiniteFlags
-from moestream.runtime.host_compute import check_host_compute, host_compute_for
+from moestream.runtime.host_compute import host_compute_for
 from moestream.runtime.host_reads import HostReads, upload
 from moestream.runtime.loader import dense_modules, expert_decoder, generation_config, load_model
 from moestream.runtime.metrics import GenerationMetrics, StepClock
@@ -54,7 +55,7 @@ from moestream.runtime.onednn import NativeGemv, bound_shape_caches
 from moestream.runtime.publisher import Publisher
 from moestream.runtime.replay import ReplayError, RoutingReplay, load_replay
 from moestream.runtime.runner import NO_TOKEN_LIMIT, RUNNERS, BatchCache, ModelRunner, Sequence, StepPlan, TokenSampler
-from moestream.runtime.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches, eos_ids
+from moestream.runtime.scheduling.scheduler import BatchingRule, ScheduledBatch, Scheduler, StaticBatches, eos_ids
 from moestream.runtime.sharding import ALONE, Shard, StepAnnouncer
 from moestream.store.config import StoreConfig
 from moestream.store.factory import open_store
@@ -99,7 +100,7 @@ class Engine:
         if self.config.device == "cpu":
             bound_shape_caches()
         self.checkpoint: CheckpointIndex = build_index(model_dir)
-        check_host_compute(self.config, self.checkpoint.codec is not None)
+        quant = quant_kernel(self.config.quant_kernel, self.checkpoint, self.config.device)  # refuses what it can't run
         self.policy = policy or _make_policy(self.config, self.checkpoint.topology)
         self._background = offload_predictor(self.policy, not self.config.background_predictor,  # before observers()
                                              self.config.transfer_timeout_s)
@@ -114,10 +115,11 @@ class Engine:
         self.store.model_link(modelled_link(self.config, self.checkpoint.topology))
         self.reads = HostReads()  # every device-to-host read of a step goes through it (runtime/host_reads.py)
         self.finite = FiniteFlags.of_layers(self.checkpoint.topology.moe_layer_ids, self.config.device, self.reads)
+        decode = quant(expert_decoder(self.checkpoint, self.config.device), self.checkpoint)
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
-                                        decode=expert_decoder(self.checkpoint, self.config.device), tracer=self.tracer,
+                                        decode=decode, tracer=self.tracer,
                                         reads=self.reads, finite=self.finite)
-        self.experts.host = host_compute_for(self.config, self.store)
+        self.experts.host = host_compute_for(self.config, self.store, expert_decoder(self.checkpoint, "cpu"))
         self._hooks: list = []
         self._native = NativeGemv(self.config.native_gemv, self.config.device)
         self.runner: ModelRunner | None = None
@@ -282,9 +284,9 @@ class Engine:
                         "of %d leave no more", context - num_prompt, num_prompt, context)
         return context - num_prompt
 
-    def scheduler(self, rule: BatchingRule) -> Scheduler:
-        """A scheduler of sequences on this engine, batched by the rule."""
-        return Scheduler(rule, self._eos_ids(), self.end_sequence)
+    def scheduler(self, rule: BatchingRule, **options) -> Scheduler:
+        """A scheduler of sequences on this engine, batched by the rule (options: its admission, ...)."""
+        return Scheduler(rule, self._eos_ids(), self.end_sequence, **options)
 
     def step(self, scheduler: Scheduler) -> StepOutput | None:
         """One schedule -> forward -> postprocess (None: nothing to run). If the forward pass raises,

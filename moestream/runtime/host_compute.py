@@ -1,13 +1,16 @@
 """Experts computed where their host bytes are: the mechanism behind `--host-compute`.
 
 For a layer step, `HostCompute.place` asks the rule (`moestream.policies.compute_placement`) which
-device-tier misses held in the host tier compute on the host, given the cost model measured when the
-engine opens (`measure_costs`: the link's copy rate, the expert MLP's rate on the host with its threads
-and on the device). `start` pins those experts' host slots and runs their MLPs on a pool of host threads
-(their rows copied down to the host there, not on the compute thread), from typed views of the host
-slots, with the same math and kernel as the device, so each expert's output is bit-identical to
-the device's where both are the CPU's kernels; `HostWork.result` hands back the [S, H] rows, which the
-caller takes in place of the device's for those rows. Knows no rule by name and no policy.
+device-tier misses compute on the host, given the cost model measured when the engine opens
+(`measure_costs`: the link's copy rate, the expert MLP's rate on the host with its threads and on the
+device), and pins the host slots of those in the host tier. `start` runs their MLPs on a pool of host
+threads (their rows copied down to the host there, not on the compute thread), from typed views of the
+host slots, or of buffers of its own for misses only on disk, read there (`ExpertStore.read_direct`: they
+enter no tier and cross no link); quantized experts are decoded by a decoder of the host's own. The math
+and kernel are the device's, so each expert's output is bit-identical to the device's where both are the
+CPU's kernels; `HostWork.result` hands back the [S, H] rows, which the caller takes in place of the
+device's for those rows. Where `placements` is a list (a caller that compares with the simulator sets it),
+each layer step's choice is appended to it. Knows no rule by name and no policy.
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ from typing import Callable
 
 import torch
 
-from moestream.errors import MoestreamError
-from moestream.policies.compute_placement import Candidate, ComputeCosts, ComputeRule, compute_rule
+from moestream.policies.compute_placement import ComputeCosts, ComputeRule, compute_rule, layer_candidates
 from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.layer_experts import LAYER_KERNELS, LayerRows
 from moestream.topology import ExpertKey
@@ -39,13 +41,17 @@ class HostWork:
 
 
 class HostCompute:
-    def __init__(self, rule: ComputeRule, num_threads: int, store, device: str, costs: ComputeCosts | None = None):
-        """costs: the cost model's figures (None: measured by `calibrate` at the first layer)."""
-        self.rule, self.store, self.device, self.costs = rule, store, device, costs
+    def __init__(self, rule: ComputeRule, num_threads: int, store, device: str, costs: ComputeCosts | None = None,
+                 decode: Callable[[Weights], Weights] | None = None):
+        """costs: the cost model's figures (None: measured by `calibrate` at the first layer); decode: where the
+        experts are quantized, a decoder whose scratch is on the host and used by the host's work alone."""
+        self.rule, self.store, self.device, self.costs, self.decode = rule, store, device, costs, decode
         self.views: Callable[[torch.Tensor], Weights] = store.index.views
         self.num_threads = num_threads
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="moestream-host-compute")
         self.num_computed = 0  # experts computed on the host since the last take_count
+        self.placements: list[tuple[int, tuple[int, ...]]] | None = None  # a list: each layer step's host experts
+        self.buffers: list[torch.Tensor] = []  # where misses only on disk are read (at most DISK_CANDIDATES)
 
     def calibrate(self, math: ExpertMath, hidden: torch.Tensor, decode: Callable[[Weights], Weights] | None) -> None:
         """Measures the cost model on an expert of zeros laid out as the checkpoint's."""
@@ -55,17 +61,27 @@ class HostCompute:
         self.costs = measure_costs(weights, math, hidden[:1], self.device, self.store.topology.expert_bytes,
                                    self.num_threads)
 
-    def place(self, keys: list[ExpertKey], rows: dict[int, int]) -> dict[ExpertKey, torch.Tensor]:
-        """The layer's experts (keys) the rule sends to the host, their host slots pinned at once (before
-        the device's fetch may evict from the host tier); rows: each expert's row count."""
+    def place(self, keys: list[ExpertKey], rows: dict[int, int]) -> dict[ExpertKey, torch.Tensor | None]:
+        """The layer's experts (keys) the rule sends to the host: their host slots, pinned at once (before the
+        device's fetch may evict from the host tier), or None for a miss only on disk (read by `start`'s
+        work); rows: each expert's row count."""
         device, host = self.store.resident("device"), self.store.resident("host")
-        candidates = [Candidate(k, rows[k.expert]) for k in keys if k not in device and k in host]
-        if not candidates:
+        misses = [k for k in keys if k not in device]
+        candidates = layer_candidates(misses, lambda k: rows[k.expert], host.__contains__)
+        chosen = frozenset()
+        if candidates:
+            hits = [rows[k.expert] for k in keys if k in device]
+            chosen = self.rule.place(candidates, hits, len(misses) - len(candidates), self.costs)
+        if self.placements is not None and keys:
+            self.placements.append((keys[0].layer, tuple(sorted(key.expert for key in chosen))))
+        if not chosen:
             return {}
-        hits = [rows[k.expert] for k in keys if k in device]
-        others = sum(1 for k in keys if k not in device and k not in host)
-        chosen = self.rule.place(candidates, hits, others, self.costs)
-        return self.store.hold_host([k for k in keys if k in chosen]) if chosen else {}
+        held = self.store.hold_host([c.key for c in candidates if c.key in chosen and not c.from_disk])
+        return held | {c.key: None for c in candidates if c.key in chosen and c.from_disk}
+
+    def release(self, slots: dict[ExpertKey, torch.Tensor | None]) -> None:
+        """`place`'s pins given back (where its experts will not be computed)."""
+        self.store.release_host([key for key, slot in slots.items() if slot is not None])
 
     def start(self, slots: dict[ExpertKey, torch.Tensor], math: ExpertMath, rows: LayerRows,
               spans: dict[int, tuple[int, int]], kernel: str) -> HostWork:
@@ -82,14 +98,25 @@ class HostCompute:
     def _compute(self, keys, slots, math, rows: LayerRows, spans, kernel: str) -> torch.Tensor:
         try:
             host = LayerRows(math, rows.inputs.to("cpu"), rows.scale.to("cpu"), rows.order.to("cpu"), rows.num_rows,
-                             rows.out_dtype, rows.decode)
+                             rows.out_dtype, self.decode)
             layer = LAYER_KERNELS.create(kernel, host)
+            read = 0
             for key in keys:
-                layer.add(self.views(slots[key]), *spans[key.expert])
+                slot = slots[key]
+                if slot is None:  # only on disk: read into a buffer of ours
+                    slot, read = self._buffer(read), read + 1
+                    self.store.read_direct(key, slot)
+                layer.add(self.views(slot), *spans[key.expert])
             layer.flush()
             return layer.result()  # [S, H] on the host
         finally:
-            self.store.release_host(keys)
+            self.release(slots)
+
+    def _buffer(self, number: int) -> torch.Tensor:
+        """The number-th buffer an expert read from disk lands in (made on first use, kept)."""
+        while len(self.buffers) <= number:
+            self.buffers.append(torch.empty(self.store.topology.expert_bytes, dtype=torch.uint8))
+        return self.buffers[number]
 
     def take_count(self) -> int:
         count, self.num_computed = self.num_computed, 0
@@ -99,19 +126,12 @@ class HostCompute:
         self.pool.shutdown(wait=True)
 
 
-def check_host_compute(config, quantized: bool) -> None:
-    """Refuses host compute of quantized experts (their decoder's scratch lives on the compute device, one
-    set for the model), before anything opens."""
-    if quantized and config.host_compute != "off":
-        raise MoestreamError(f"--host-compute {config.host_compute}: quantized experts are not computed on the "
-                             "host yet; use --host-compute off")
-
-
-def host_compute_for(config, store) -> HostCompute | None:
-    """The engine's host compute for its EngineConfig (None: --host-compute off)."""
+def host_compute_for(config, store, decode: Callable[[Weights], Weights] | None) -> HostCompute | None:
+    """The engine's host compute for its EngineConfig (None: --host-compute off); decode: quantized experts'
+    decoder with its scratch on the host, the host's own (the device's scratch is the compute thread's)."""
     if config.host_compute == "off":
         return None
-    return HostCompute(compute_rule(config.host_compute), config.host_threads, store, config.device)
+    return HostCompute(compute_rule(config.host_compute), config.host_threads, store, config.device, decode=decode)
 
 
 def measure_costs(weights: Weights, math: ExpertMath, hidden: torch.Tensor, device: str, expert_bytes: int,
@@ -132,12 +152,13 @@ def measure_costs(weights: Weights, math: ExpertMath, hidden: torch.Tensor, devi
 
 def _mlp_rates(weights: Weights, math: ExpertMath, hidden: torch.Tensor, expert_bytes: int,
                params: int) -> tuple[float, float]:
-    """(weight bytes per ms at one row, flops per ms at 64 rows) of one expert's MLP where `hidden` is."""
+    """(weight bytes per ms at one row, flops per ms of each row beyond it, up to 64) of one expert's MLP where
+    `hidden` is: the two terms of `ComputeCosts`' sum."""
     one, many = hidden.new_zeros(1, hidden.shape[-1]), hidden.new_zeros(64, hidden.shape[-1])
     device = str(hidden.device)
     stream_ms = _best_ms(lambda: math.down(math.act(math.up(one, weights)), weights), device)
     compute_ms = _best_ms(lambda: math.down(math.act(math.up(many, weights)), weights), device)
-    return expert_bytes / stream_ms, 2.0 * 64 * params / compute_ms
+    return expert_bytes / stream_ms, 2.0 * 63 * params / max(compute_ms - stream_ms, 1e-6)
 
 
 def _best_ms(run: Callable[[], object], device: str, repeats: int = 3) -> float:

@@ -60,6 +60,15 @@ class LayerRows:
         """The weights an expert's MLP reads: its slot views, or their decoding right now."""
         return views if self.decode is None else self.decode(views)
 
+    def mlp(self, views: Weights, start: int, end: int) -> torch.Tensor:
+        """One expert's MLP without its post stage over its sorted rows [start, end) -> [n, H]: by the decode's
+        own `mlp(math, rows, views)` where it has one (a kernel that reads the quantized views itself,
+        quant/kernels.py), else over `weights(views)`."""
+        own = getattr(self.decode, "mlp", None)
+        if own is not None:
+            return own(self.math, self.inputs[start:end], views)
+        return expert_mlp(self.math, self.inputs[start:end], self.weights(views))
+
 
 class LayerExperts(Protocol):
     def add(self, weights: Weights, start: int, end: int) -> None:
@@ -108,8 +117,7 @@ class StreamedLayer:
         self.outputs: torch.Tensor | None = None  # [R, H], filled expert by expert
 
     def add(self, weights: Weights, start: int, end: int) -> None:
-        mlp = expert_mlp(self.rows.math, self.rows.inputs[start:end], self.rows.weights(weights))
-        self.put(slice(start, end), mlp)
+        self.put(slice(start, end), self.rows.mlp(weights, start, end))
 
     def put(self, where: slice | torch.Tensor, out: torch.Tensor) -> None:
         """Experts' outputs [n, H] (before post) of the sorted rows `where`."""
@@ -136,7 +144,7 @@ class PerExpertLayer:
 
     def add(self, weights: Weights, start: int, end: int) -> None:
         r = self.rows
-        out = r.math.post(expert_mlp(r.math, r.inputs[start:end], r.weights(weights))) * r.scale[start:end]  # [n, H]
+        out = r.math.post(r.mlp(weights, start, end)) * r.scale[start:end]  # [n, H]
         self.out[r.order[start:end]] = out
 
     def flush(self) -> None:

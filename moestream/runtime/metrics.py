@@ -1,11 +1,9 @@
-"""What one generation run measured: latency per phase and the expert store's traffic; clocks of a run."""
+"""What one generation run measured: latency per phase and the expert store's traffic; a run's clock."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-
-from moestream.policies.contracts import Observer
 
 
 @dataclass(frozen=True)
@@ -44,21 +42,3 @@ class StepClock:
         if len(self.marks) < 2:
             return 0.0
         return (self.marks[-1] - self.marks[0]) * 1e3 / (len(self.marks) - 1)
-
-
-class CpuClock(Observer):
-    """Process CPU time at the start of every step and at the end of the last one."""
-
-    def __init__(self):
-        self.marks: list[float] = []
-
-    def begin_iteration(self, ctx=None) -> None:
-        self.marks.append(time.process_time())
-
-    def end_sequence(self, seq_id: int = 0) -> None:
-        self.marks.append(time.process_time())
-
-    def tpot_ms(self) -> float:
-        """CPU time per decode step: from the start of step 1 to the end of the last step."""
-        steps = len(self.marks) - 2
-        return (self.marks[-1] - self.marks[1]) * 1e3 / steps if steps > 0 else 0.0

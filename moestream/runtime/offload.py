@@ -38,11 +38,18 @@ from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import FiniteFlags, check_finite, layer_places
 from moestream.runtime.host_compute import HostCompute
 from moestream.runtime.host_reads import HostReads, upload
-from moestream.runtime.layer_experts import LAYER_KERNELS, Groups, LayerRows, default_kernel, num_groups
+from moestream.runtime.layer_experts import (
+    LAYER_KERNELS,
+    Groups,
+    LayerRows,
+    default_kernel,
+    num_groups,
+)
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.runtime.sharding import Shard
 from moestream.topology import ExpertKey
 from moestream.tracer import LaneTotal, Tracer, since
+
 
 class Prefetcher:
     """After a layer's routing: the driver's transfer requests for the layers ahead, into the device tier
@@ -199,7 +206,7 @@ class OffloadedExperts:
             first = self.store.fetch(groups[0], chosen) if groups else None  # 2. this layer's misses first
         except BaseException:
             if on_host:
-                self.store.release_host(on_host)
+                self.host.release(on_host)
             raise
         try:
             if self.prefetcher is not None:

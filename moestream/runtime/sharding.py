@@ -13,7 +13,7 @@ import torch
 from moestream.topology import ExpertKey
 
 if TYPE_CHECKING:
-    from moestream.runtime.scheduler import ScheduledBatch
+    from moestream.runtime.scheduling.scheduler import ScheduledBatch
 
 
 class Shard(Protocol):

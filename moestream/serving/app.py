@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from moestream.checkpoint.tokenizer import load_tokenizer
 from moestream.errors import MoestreamError
-from moestream.serving.batching import KvBudgetError
+from moestream.runtime.scheduling.scheduler import KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.live import LiveStats
 from moestream.serving.protocol import ChatBody, CompletionBody, chunk, error_json, response, usage_chunk

@@ -1,17 +1,21 @@
-"""The offline Python API in the spirit of vLLM: `LLM(model_dir, **engine options).generate(prompts,
-SamplingParams(...))` -> one `RequestOutput` per prompt. The prompts are added to the engine's
-scheduler, which runs them in static batches of max_batch_size, and it steps until all have ended.
-Under routing replay (replay_routing=TRACE) every output says so (`replayed`)."""
+"""The offline Python API in the spirit of vLLM: `LLM(model_dir, **options).generate(prompts,
+SamplingParams(...))` -> one `RequestOutput` per prompt. Options are EngineConfig's and BatchingConfig's
+fields. The prompts are added to the scheduler the server's batcher uses (`open_scheduler`): it admits
+them while max_num_seqs and the KV budget allow, the rest when others end, and batches them as the
+server does (continuously where the model allows); the engine steps until all have ended. Under
+routing replay (replay_routing=TRACE) every output says so (`replayed`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Sequence as Seq
 
+from moestream.config import BatchingConfig
 from moestream.errors import MoestreamError
 from moestream.runtime import Engine, EngineConfig
-from moestream.runtime.scheduler import StaticBatches
+from moestream.runtime.scheduling.continuous import open_scheduler
+from moestream.runtime.scheduling.scheduler import seq_positions
 from moestream.serving.sampling import SamplingParams, SequenceSampler
 
 
@@ -28,12 +32,17 @@ class RequestOutput:
 class LLM:
     """A checkpoint served offline with its experts offloaded; close() (or a with block) releases it."""
 
-    def __init__(self, model_dir: str | Path, max_batch_size: int = 16, **engine_options):
-        """engine_options: EngineConfig fields (expert_budget, host_budget, policy, device, ...)."""
-        if max_batch_size < 1:
-            raise MoestreamError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.max_batch_size = max_batch_size
-        self.engine = Engine(model_dir, EngineConfig(**engine_options))
+    def __init__(self, model_dir: str | Path, **options):
+        """options: EngineConfig fields (expert_budget, host_budget, policy, device, ...) and BatchingConfig
+        fields (max_batch_size, max_num_seqs, kv_budget_bytes, token_scheduler, ...)."""
+        batching = {name: options.pop(name) for name in _BATCHING if name in options}
+        self.batching = BatchingConfig(**batching)
+        self.engine = Engine(model_dir, EngineConfig(**options))
+        try:
+            self.scheduler = open_scheduler(self.engine, self.batching)
+        except BaseException:
+            self.engine.close()
+            raise
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -44,23 +53,34 @@ class LLM:
         decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         seqs = [self.engine.new_sequence(ids, p.max_tokens, SequenceSampler(p, decode), p.ignore_eos)
                 for ids, p in zip(self.engine.prompt_ids(prompts), params)]
-        scheduler = self.engine.scheduler(StaticBatches(self.max_batch_size))
         for seq in seqs:
-            scheduler.add(seq)
-        while self.engine.step(scheduler) is not None:
-            pass
+            self.scheduler.admission.check(seq_positions(seq))  # all refused before any runs
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+            while self.engine.step(self.scheduler) is not None:
+                pass
+        finally:  # what an error or an interrupt left ends here, not in the next call
+            for seq in [s for s in seqs if not s.finished]:
+                self.scheduler.finish(seq, "abort")
         replayed = self.engine.replay is not None
         return [RequestOutput(prompt, s.sampler.text(s.output_ids), list(s.output_ids), s.finish_reason,
                               len(s.prompt_ids), replayed) for prompt, s in zip(prompts, seqs)]
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.scheduler.close()
+        finally:
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_BATCHING = {f.name for f in fields(BatchingConfig)}
 
 
 def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:

@@ -17,8 +17,9 @@ from typing import Callable
 
 from moestream.config import WorkerConfig
 from moestream.errors import MoestreamError
+from moestream.runtime.scheduling.scheduler import KvBudgetError
 from moestream.serving import logs
-from moestream.serving.batching import Batcher, KvBudgetError
+from moestream.serving.batching import Batcher
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.metrics import ServerMetrics
 
@@ -38,7 +39,7 @@ class EngineWorker:
         self._head: Request | None = None  # taken from the queue, waiting for room
         self.batcher = Batcher(engine, self.config.batching, self.update)
         self.metrics = ServerMetrics(self._queue.qsize, lambda: len(self.batcher.requests),
-                                     lambda: self.batcher.reserved_bytes)
+                                     lambda: self.batcher.scheduler.reserved_bytes)
         self.step_listeners: list[Callable[[], None]] = []  # called on the engine thread after each step
         self._stop = threading.Event()
         self._periodic, self._num_finished = logs.Periodic(host_compute=engine.config.host_compute != "off"), 0

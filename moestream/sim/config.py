@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from moestream.errors import MoestreamError
 from moestream.link_model import LinkFigures
-from moestream.policies.compute_placement import compute_rule
+from moestream.policies.compute_placement import ComputeCosts, compute_rule
 from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
 from moestream.topology import Topology
 
@@ -40,6 +40,7 @@ class SimConfig:
     link_figures: LinkFigures | None = None  # instead, the link an engine was given (its --link-gbps, --layer-ms)
     host_compute: str = "off"  # where host-tier misses compute: a rule of moestream.policies.compute_placement
     hidden_bytes: int = 0  # one token's hidden state (2 x hidden size), a host-computed row's trip; 0: estimated
+    compute_costs: ComputeCosts | None = None  # host compute's figures as an engine measured them; None: the cost's
 
     def __post_init__(self):
         if not 0.0 < self.cache_ratio <= 1.0:
@@ -59,7 +60,7 @@ class SimConfig:
         if self.hidden_bytes < 0:
             raise SimConfigError(f"hidden_bytes must be >= 0, got {self.hidden_bytes}")
         compute_rule(self.host_compute)  # a bad rule: MoestreamError naming --host-compute
-        if self.host_compute != "off" and not self.cost.computes_on_host:
+        if self.host_compute != "off" and not (self.cost.computes_on_host or self.given_host_costs):
             raise SimConfigError(f"--host-compute {self.host_compute}: cost model {self.cost.name!r} has no host that "
                                  "holds experts or no host-compute figures (host_expert_gbps, host_tflops, "
                                  "device_expert_gbps, device_tflops)")
@@ -67,6 +68,11 @@ class SimConfig:
             raise SimConfigError(
                 f"unknown protocol eviction {self.protocol_eviction!r}; known: {', '.join(PROTOCOL_EVICTIONS)}"
             )
+
+    @property
+    def given_host_costs(self) -> bool:
+        """Host compute's figures given (an engine's), for a host that holds every expert."""
+        return self.compute_costs is not None and self.cost.host_holds_all
 
     @property
     def has_host_tier(self) -> bool:

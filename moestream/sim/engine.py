@@ -62,7 +62,10 @@ class StreamSimulator:
             return config.link_figures.model(topo)
         cost, nbytes = config.cost, topo.expert_bytes
         layer_ms = cost.layer_compute_ms
-        tail_ms = layer_ms if config.expert_order == "loaded" else min(cost.routed_expert_ms, layer_ms) or layer_ms
+        # a layer waits what computing its experts as they land leaves, then computes its whole layer_ms
+        # (_stall_ms, _compute_layer): it ends layer_ms - (top_k - 1) x one expert's compute after its last landing
+        expert_ms = min(cost.routed_expert_ms, layer_ms / topo.top_k)
+        tail_ms = layer_ms if config.expert_order == "loaded" else layer_ms - (topo.top_k - 1) * expert_ms
         return ModelledLink(nbytes / self.device_link.transfer_ms, layer_ms, nbytes, topo.num_layers, tail_ms)
 
     def run(self, iterations: Iterable[Iteration]) -> StreamCounters:
@@ -95,9 +98,10 @@ class StreamSimulator:
             self._layer = None
 
     def _compute_layer(self, needed: list[ExpertKey], lands: dict[ExpertKey, float], on_host: list[ExpertKey],
-                       host_ms: float, num_tokens: int) -> None:
+                       host_ms: float, held: list[ExpertKey], num_tokens: int) -> None:
         """The device computes the layer (its whole compute_ms) once its experts allow; the host its own
-        misses beside it from the routing on: the layer ends when both are done (sim.host_compute)."""
+        misses beside it from the routing on (held: those pinned in the host tier): the layer ends when both
+        are done (sim.host_compute)."""
         compute_ms = self._layer_ms(num_tokens, len(needed))
         stall_ms = self._stall_ms(needed, lands, num_tokens, compute_ms, on_host)
         ready_ms = self.now + max(stall_ms, host_ms - compute_ms)
@@ -108,8 +112,8 @@ class StreamSimulator:
         end_ms = ready_ms + compute_ms
         self._advance(end_ms)
         self.device.unpin([key for key in needed if key not in on_host] if on_host else needed)
-        if on_host and self.host is not None:
-            self.host.unpin(on_host)
+        if held and self.host is not None:
+            self.host.unpin(held)
         self.now = end_ms
 
     def wait_until(self, until_ms: float) -> None:
@@ -141,16 +145,19 @@ class StreamSimulator:
             done += expert_ms
         return waited
 
-    def _gather(self, layer: int, needed: list[ExpertKey], expert_ids) -> tuple[dict, list[ExpertKey], float]:
+    def _gather(self, layer: int, needed: list[ExpertKey], expert_ids) -> tuple[dict, list, float, list]:
         """The core's lookups (pinning the layer's experts); start demand loads. Returns when each expert not
-        in place lands, the misses the host computes and the host lane's time for them."""
-        on_host, host_ms = [], 0.0
+        in place lands, the misses the host computes, the host lane's time for them and those of them it
+        holds in the host tier (the others it reads from disk)."""
+        on_host, host_ms, held = [], 0.0, []
         if self.host_compute is None:
             late, missed = self.core.fetch_layer(needed)
         else:
             placed = self.host_compute.fetch_layer(self.core, needed, expert_ids, self._in_host, self.core.moving)
             late, missed, on_host, host_ms = placed.late, placed.missed, placed.on_host, placed.host_ms
-            self._compute_on_host(on_host)
+            held = [key for key in on_host if key not in placed.from_disk]
+            self._compute_on_host(held)
+            self.counters.host_computed += len(placed.from_disk)
         lands, demands = {}, set(missed)
         for key in late:
             transfer = self.core.moving[key]
@@ -166,7 +173,7 @@ class StreamSimulator:
             lands.update(zip(keys, self._load_on_demand(keys)))
         self.counters.layers.hits[layer] += len(needed) - len(missed) - len(on_host)
         self.counters.layers.accesses[layer] += len(needed)
-        return lands, on_host, host_ms
+        return lands, on_host, host_ms, held
 
     def _in_host(self, key: ExpertKey) -> bool:
         """key's bytes are ready in host memory (every expert is when host DRAM holds them all)."""

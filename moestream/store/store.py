@@ -155,6 +155,19 @@ class ExpertStore:
                 self._host.cache.access(key)
             return {key: self._chain.slot(self._host, key) for key in held}
 
+    def read_direct(self, key: ExpertKey, dst: torch.Tensor) -> None:
+        """Reads key's bytes from the checkpoint into dst (1-D uint8 host memory, one expert), checked as the
+        disk link's reads are: a read beside the tiers, into no slot (host compute of a miss only on disk)."""
+        key = as_key(key)
+        self.reader.read(self.index.locations[key].segments, dst)
+        if self.integrity is not None:
+            check = self.integrity.begin(key)
+            check.update(dst)
+            if not check.done:
+                raise TransferError(f"reading expert {tuple(key)} from disk gave fewer bytes than it has")
+        with self._lock:
+            self._chain.stats.bytes_read["disk"] += self.index.topology.expert_bytes
+
     def release_host(self, keys: Iterable[ExpertKey]) -> None:
         with self._lock:
             if self._host is not None:

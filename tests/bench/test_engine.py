@@ -28,7 +28,7 @@ def small_bench(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_engine")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MOESTREAM_CACHE", str(root))
-        from moestream.cli.demo import demo_checkpoint
+        from moestream.checkpoint.demo import demo_checkpoint
 
         topology = build_index(demo_checkpoint(small=True)).topology
         trace = root / "trace.npz"

@@ -134,3 +134,16 @@ def test_an_engine_without_stall_agrees_only_with_a_simulator_without_stall():
 
 def test_a_fidelity_run_without_enough_tokens_is_a_user_error(tmp_path):
     assert main(["bench", "fidelity", "--replay-routing", str(tmp_path / "t.npz"), "--max-new-tokens", "1"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule, mode", [("share:0.5", "--sync"), ("default", "--no-reorder")])
+def test_host_compute_is_placed_as_the_engine_placed_it(small_trace, tmp_path, capsys, rule, mode):
+    """Every expert in a host tier, the misses the rule names computed there: the simulator, given the engine's
+    measured host compute costs and its warm device tier, names the same experts at every layer step."""
+    record = fidelity(small_trace, tmp_path / "host.json", "--host-compute", rule, mode)
+    placed = record["placements"]
+    assert placed["host_experts"] > 0 and placed["layer_steps"] > 0
+    assert placed["same"] == placed["layer_steps"] and placed["agree"] == "ok"
+    assert record["agreement"]["hit_rate_gap"] == pytest.approx(0.0)
+    assert "layer steps placed as the engine did" in capsys.readouterr().out

@@ -1,9 +1,9 @@
 """`moestream bench integrity` prints the cost of the digest check beside the disk read, and of the finite check."""
 
 from moestream.bench.integrity import measure_digest_check, measure_finite_check
+from moestream.checkpoint.demo import SMALL_NAME
 from moestream.checkpoint.index import build_index
 from moestream.cli import main
-from moestream.cli.demo import SMALL_NAME
 
 
 def test_bench_integrity_prints_both_costs(tmp_path, monkeypatch, capsys):

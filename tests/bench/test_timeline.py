@@ -5,8 +5,8 @@ import json
 import pytest
 
 from moestream.bench.timeline import TIMELINE_LANES
+from moestream.checkpoint.demo import demo_checkpoint
 from moestream.cli import main
-from moestream.cli.demo import demo_checkpoint
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from moestream.checkpoint.demo import DEMO_NAME, SMALL_NAME, cache_dir
 from moestream.checkpoint.make_model import make_config
 from moestream.checkpoint.spec import demo_spec
 from moestream.cli import main
-from moestream.cli.demo import DEMO_NAME, SMALL_NAME, cache_dir
 
 
 def test_the_default_demo_model_is_the_issues_topology():

@@ -37,6 +37,21 @@ def test_json_has_a_block_per_policy_with_the_contract_keys(traces, tmp_path, ca
     assert "belady" in capsys.readouterr().out
 
 
+def test_with_the_oracle_every_policy_s_bytes_are_weighed_against_its(traces, tmp_path, capsys):
+    test, _ = traces
+    out = tmp_path / "r.json"
+    assert main(["sim", "--trace", str(test), "--policy", "lru,oracle", "--cache-ratio", "0.25,0.5", "--json",
+                 str(out)]) == 0
+    policies = json.loads(out.read_text())["policies"]
+    for ratio in ("0.25", "0.5"):
+        lru, oracle = policies["lru"]["by_ratio"][ratio], policies["oracle"]["by_ratio"][ratio]
+        assert lru["bytes_vs_oracle"] == pytest.approx(lru["bytes_per_token"] / oracle["bytes_per_token"])
+        assert lru["bytes_vs_oracle"] >= 1.0 and oracle["bytes_vs_oracle"] == 1.0
+    assert "/ oracle" in capsys.readouterr().out
+    assert main(["sim", "--trace", str(test), "--policy", "lru", "--cache-ratio", "0.25", "--json", str(out)]) == 0
+    assert "bytes_vs_oracle" not in json.loads(out.read_text())["policies"]["lru"]  # no oracle, no ratio
+
+
 def test_several_ratios_protocols_modes_and_a_plot(traces, tmp_path):
     test, _ = traces
     out, png = tmp_path / "r.json", tmp_path / "r.png"

@@ -21,7 +21,7 @@ from moestream.parallel.launch import follow_ranks, leading_engine
 from moestream.parallel.ranks import RankFailure, join_ranks, leave_ranks
 from moestream.policies.contracts import Observer
 from moestream.runtime import Engine
-from moestream.runtime.scheduler import StaticBatches
+from moestream.runtime.scheduling.scheduler import StaticBatches
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 MAX_TOKENS = [6, 3]  # the second row ends first and stays in the static batch

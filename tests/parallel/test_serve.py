@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from moestream import LLM, SamplingParams
-from moestream.cli.demo import demo_checkpoint
+from moestream.checkpoint.demo import demo_checkpoint
 from tests.parallel.procs import marked, new_mark
 from tests.parallel.test_expert_parallel import ROOT, environment, free_port
 

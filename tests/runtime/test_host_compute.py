@@ -3,9 +3,11 @@ tokens (every miss forced to the host, and the default rule) and the flags' bad 
 
 import pytest
 
+from moestream.checkpoint.quantize import quantize_checkpoint
 from moestream.cli import main
 from moestream.errors import MoestreamError
 from moestream.policies.compute_placement import Candidate, ComputeCosts, compute_rule, finish_ms
+from moestream.quant.encode import IntScheme
 from moestream.runtime import Engine, EngineConfig
 from moestream.topology import ExpertKey
 from tests.runtime.conftest import PROMPTS, auto_class, reference_generate
@@ -69,7 +71,37 @@ def test_tokens_are_transformers_tokens_with_misses_computed_on_the_host(checkpo
         assert result.metrics.host_computed > 0
 
 
-def test_quantized_experts_are_refused_in_one_line(tiny_checkpoint):
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_misses_only_on_disk_are_read_into_host_buffers_and_computed_there(checkpoint, sync):
+    """No host tier: every miss is only on disk; share:1 sends the first DISK_CANDIDATES of a layer's to the
+    host, which reads each into a buffer of its own: the tokens stay transformers'."""
+    path = checkpoint("mixtral")
+    off, on_host = (_generate(path, rule, sync, host_budget="0") for rule in ("off", "share:1"))
+    assert on_host.metrics.host_computed > 0 and off.metrics.host_computed == 0
+    assert on_host.token_ids == off.token_ids
+    with Engine(path, EngineConfig(expert_budget="0.25", direct_io=False)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        pad_id = engine.pad_id
+    assert on_host.token_ids == reference_generate(auto_class("mixtral").from_pretrained(path).eval(), prompts, 5,
+                                                   pad_id)
+
+
+def _generate(path, rule: str, sync: bool, host_budget: str = "0.5"):
+    config = EngineConfig(expert_budget="0.25", host_budget=host_budget, direct_io=False, sync=sync,
+                          host_compute=rule)
+    with Engine(path, config) as engine:
+        return engine.generate([engine.encode(p) for p in PROMPTS], max_new_tokens=5)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_experts_decode_on_the_host_into_the_device_path_tokens(tiny_checkpoint, tmp_path_factory, fmt, sync):
+    """Every miss decoded and computed on the host (its own decoder's scratch, beside the compute thread's):
+    the tokens of the all-device path, which the quantized suite checks against transformers."""
     path = tiny_checkpoint("qwen3_moe", num_layers=2, quant="fp8")
-    with pytest.raises(MoestreamError, match="--host-compute default: quantized experts"):
-        Engine(path, EngineConfig(expert_budget="0.25", host_budget="0.5", direct_io=False, host_compute="default"))
+    if fmt == "int4":
+        source, path = tiny_checkpoint("qwen3_moe", num_layers=2), tmp_path_factory.mktemp("int4") / "q"
+        quantize_checkpoint(source, path, IntScheme(4, 32))
+    on_host = _generate(path, "share:1", sync)
+    assert on_host.metrics.host_computed > 0
+    assert on_host.token_ids == _generate(path, "off", sync).token_ids

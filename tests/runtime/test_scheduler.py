@@ -5,7 +5,7 @@ before the next step; a static batch keeps its ended rows until all have ended, 
 import torch
 
 from moestream.runtime.runner import Sequence
-from moestream.runtime.scheduler import Scheduler, StaticBatches
+from moestream.runtime.scheduling.scheduler import Scheduler, StaticBatches
 
 EOS = 7
 

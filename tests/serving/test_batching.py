@@ -4,10 +4,11 @@ family); sequences that leave end their policy state."""
 
 import pytest
 
+from moestream.config import BatchingConfig
 from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
-from moestream.runtime.scheduler import StaticBatches
-from moestream.serving.batching import Batcher, BatchingConfig, KvBudgetError
+from moestream.runtime.scheduling.scheduler import KvBudgetError, StaticBatches
+from moestream.serving.batching import Batcher
 from moestream.serving.generation import Request
 from moestream.serving.sampling import SamplingParams
 from tests.conftest import SAMPLE_FAMILIES
@@ -75,10 +76,11 @@ def test_admission_respects_max_num_seqs_and_the_kv_budget(serving_checkpoint):
         first, second, third = (_request(p, 4) for p in PROMPTS[:3])
         batcher = Batcher(engine, BatchingConfig(max_batch_size=2, kv_budget_bytes=10**9),
                                     lambda r, d, n: None)
-        need = [batcher.need_bytes(r) for r in (first, second, third)]
-        assert need[0] == (len(PROMPTS[0]) + 4) * batcher.bytes_per_token > 0
+        admission = batcher.scheduler.admission
+        need = [admission.need_bytes(len(r.prompt_ids) + r.params.max_tokens) for r in (first, second, third)]
+        assert need[0] == (len(PROMPTS[0]) + 4) * admission.bytes_per_token > 0
         batcher.admit(first)
-        assert batcher.reserved_bytes == need[0] and batcher.can_admit(second)
+        assert batcher.scheduler.reserved_bytes == need[0] and batcher.can_admit(second)
         batcher.admit(second)
         assert not batcher.can_admit(third)  # both sequences' places taken
         tight = Batcher(engine, BatchingConfig(max_batch_size=4, kv_budget_bytes=need[0] + need[1] - 1),
@@ -100,10 +102,10 @@ def test_the_kv_bytes_per_token_are_exact_before_the_first_prefill(tiny_checkpoi
         if not engine.runner_class.per_sequence_cache:
             pytest.skip(f"{family} is served by static batches: no KV budget")
         batcher = Batcher(engine, BatchingConfig(), lambda r, d, n: None)
-        before = batcher.bytes_per_token
+        before = batcher.scheduler.admission.bytes_per_token
         seq = batcher.admit(_request(PROMPTS[2], 3))
         batcher.step()  # the prompt's prefill
-        lengths, held = batcher.cached_lengths(), batcher.cached_bytes()
+        lengths, held = batcher.scheduler.cached_lengths(), batcher.scheduler.cached_bytes()
         batcher.close()
     assert lengths == {seq.seq_id: len(PROMPTS[2])}
     assert before > 0 and before * len(PROMPTS[2]) == held
@@ -122,7 +124,8 @@ def test_leaving_sequences_end_their_state_and_free_their_cache(serving_checkpoi
         cancelled.cancel()
         while batcher.step():
             pass
-        assert batcher.requests == [] and batcher.reserved_bytes == 0 and batcher.cached_lengths() == {}
+        scheduler = batcher.scheduler
+        assert batcher.requests == [] and scheduler.reserved_bytes == 0 and scheduler.cached_lengths() == {}
         assert sorted(ends.ended) == sorted(ids)
         reasons = [d.finish_reason for r, d in deltas if d.finished]
         assert sorted(reasons) == ["abort", "length"]
@@ -134,7 +137,7 @@ def test_an_encoder_decoder_model_is_batched_statically_without_a_kv_budget(tiny
     with _engine(tiny_checkpoint("switch_transformers", num_layers=2)) as engine:
         batcher = Batcher(engine, BatchingConfig(kv_budget_bytes=1), lambda r, d, n: None)
         assert isinstance(batcher.scheduler.rule, StaticBatches) and batcher.paths is None
-        assert batcher.bytes_per_token == 0 and batcher.fits(_request(PROMPTS[0], 500))
+        assert batcher.scheduler.admission.bytes_per_token == 0 and batcher.fits(_request(PROMPTS[0], 500))
         batcher.close()
 
 
@@ -199,7 +202,7 @@ def test_the_kv_probe_at_start_takes_no_replayed_rows(serving_checkpoint, replay
     config = EngineConfig(expert_budget="0.5", direct_io=False, replay_routing=str(replay_trace))
     with Engine(serving_checkpoint, config) as engine:
         batcher = Batcher(engine, BatchingConfig(), lambda request, delta, new: None)
-        assert batcher.bytes_per_token > 0
+        assert batcher.scheduler.admission.bytes_per_token > 0
         assert engine.replay.cursor == 0 and engine.replay.rows_used == 0  # served requests start at row 0
         batcher.close()
 
@@ -213,11 +216,12 @@ def test_a_finished_sequence_s_kv_cache_is_held_no_more(serving_checkpoint):
         while not short.finished:
             batcher.step()
             running = [s for s in (short, long) if not s.finished]
-            assert batcher.cached_lengths() == {s.seq_id: len(s.prompt_ids) + len(s.output_ids) - 1 for s in running}
-        assert len(short.output_ids) == 3 and short.seq_id not in batcher.cached_lengths()
+            cached = {s.seq_id: len(s.prompt_ids) + len(s.output_ids) - 1 for s in running}
+            assert batcher.scheduler.cached_lengths() == cached
+        assert len(short.output_ids) == 3 and short.seq_id not in batcher.scheduler.cached_lengths()
         while batcher.step():
             pass
-        assert batcher.cached_lengths() == {} and len(long.output_ids) == 6
+        assert batcher.scheduler.cached_lengths() == {} and len(long.output_ids) == 6
         batcher.close()
 
 
@@ -228,7 +232,7 @@ def test_models_with_recurrent_state_are_served_by_static_batches(tiny_checkpoin
         assert not engine.per_sequence_cache
         alone = [engine.generate([p], max_new_tokens=n).token_ids[0] for p, n in zip(PROMPTS[:3], MAX_TOKENS)]
         batcher = Batcher(engine, BatchingConfig(max_batch_size=2), lambda request, delta, new: None)
-        assert isinstance(batcher.scheduler.rule, StaticBatches) and batcher.bytes_per_token == 0
+        assert isinstance(batcher.scheduler.rule, StaticBatches) and batcher.scheduler.admission.bytes_per_token == 0
         seqs = _drive(batcher, [_request(p, n) for p, n in zip(PROMPTS[:3], MAX_TOKENS)], joins=[0, 0, 1])
         batcher.close()
     assert [s.output_ids for s in seqs] == alone

@@ -1,14 +1,17 @@
 """The offline API: greedy equals the engine's argmax, seeds repeat, stop strings end and are trimmed,
-outputs under routing replay say so."""
+outputs under routing replay say so; prompts beyond max_num_seqs or the KV budget run continuously
+through the server's scheduler, with the tokens they get alone."""
 
-import sys
 import subprocess
+import sys
 
 import pytest
 
 from moestream import LLM, SamplingParams
 from moestream.errors import MoestreamError
+from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
+from moestream.runtime.scheduling.scheduler import KvBudgetError
 
 PROMPTS = ["The cat sat on", "def add(a, b):"]
 
@@ -92,3 +95,50 @@ def test_outputs_under_routing_replay_are_labelled(llm, serving_checkpoint, repl
     assert not any(o.replayed for o in llm.generate(PROMPTS, SamplingParams(max_tokens=2)))
     with LLM(serving_checkpoint, expert_budget="0.5", direct_io=False, replay_routing=str(replay_trace)) as replayed:
         assert all(o.replayed for o in replayed.generate(PROMPTS, SamplingParams(max_tokens=2)))
+
+
+class Steps(Observer):
+    """The sequences of each step, in order, and whether it was a prefill."""
+
+    def __init__(self):
+        self.steps = []
+
+    def begin_iteration(self, ctx):
+        self.steps.append((ctx.is_prefill, set(ctx.seq_ids.tolist())))
+
+
+def test_more_prompts_than_sequences_run_continuously_with_their_tokens_alone(serving_checkpoint):
+    """Five prompts, two sequences at most: a prompt is admitted and prefilled when another ends, while
+    the other still decodes; each gets the tokens it gets alone."""
+    prompts = [[5, 9, 2, 7], [11, 3], [8, 8, 1, 4, 6, 2, 9], [4], [13, 2, 2]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 2, 4, 7, 3)]
+    steps = Steps()
+    with LLM(serving_checkpoint, expert_budget="0.5", direct_io=False, max_batch_size=2, max_num_seqs=2) as llm:
+        alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+        llm.engine.add_observer(steps)
+        together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert together == alone
+    assert max(len(seqs) for _, seqs in steps.steps) <= 2
+    prefills = [index for index, (is_prefill, _) in enumerate(steps.steps) if is_prefill]
+    assert len(prefills) > 1 and prefills[0] == 0  # later prompts prefilled mid-way ...
+    decoding = steps.steps[prefills[1] - 1][1]
+    assert len(decoding) == 2 and not decoding <= steps.steps[prefills[1] + 1][1]  # ... after one of two ended
+    assert any(decoding & seqs for _, seqs in steps.steps[prefills[1] + 1:])  # while the other went on
+
+
+def test_the_kv_budget_queues_prompts_and_refuses_one_that_never_fits(serving_checkpoint):
+    """A budget of one sequence runs them one at a time, with their tokens; a prompt over the whole
+    budget is refused before anything runs, as the server refuses it."""
+    prompts = [[5, 9, 2, 7], [11, 3], [4]]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(serving_checkpoint, expert_budget="0.5", direct_io=False) as llm:
+        alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+        per_token = llm.scheduler.admission.bytes_per_token
+    steps = Steps()
+    with LLM(serving_checkpoint, expert_budget="0.5", direct_io=False, kv_budget_bytes=8 * per_token) as llm:
+        llm.engine.add_observer(steps)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+        assert max(len(seqs) for _, seqs in steps.steps) == 1  # 4 + 4 positions each: one at a time
+        with pytest.raises(KvBudgetError, match="over the budget"):
+            llm.generate([[4], [5] * 5], params)
+        assert llm.scheduler.seqs == [] and llm.scheduler.queued == []

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from moestream import LLM, SamplingParams
+from moestream.config import BatchingConfig
 from moestream.policies.contracts import Observer
-from moestream.serving.batching import BatchingConfig
 from moestream.serving.server import Server
 from moestream.serving.worker import WorkerConfig
 
@@ -186,7 +186,7 @@ def test_a_run_leaves_no_tasks_threads_or_running_sequences(engine):
             threading.Event().wait(0.05)
         assert server.tasks() == idle
         assert "moestream_running_sequences 0.0" in metrics and "moestream_queue_depth 0.0" in metrics
-        assert server.worker.batcher.reserved_bytes == 0
+        assert server.worker.batcher.scheduler.reserved_bytes == 0
     assert _threads() <= threads
     assert engine.driver.observers == observers  # the batcher's routing-path observer left with it
 

@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from moestream import LLM, SamplingParams
+from moestream.config import BatchingConfig
 from moestream.runtime import Engine, EngineConfig
-from moestream.serving.batching import BatchingConfig
+from moestream.runtime.scheduling.scheduler import StaticBatches
 from moestream.serving.server import Server
-from moestream.runtime.scheduler import StaticBatches
 from moestream.serving.worker import WorkerConfig
 
 PROMPTS = ["The cat sat on", "Experts route tokens", "Once upon a time", "1, 2, 3,"]

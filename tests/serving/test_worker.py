@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from moestream.config import BatchingConfig
 from moestream.errors import MoestreamError
-from moestream.serving.batching import BatchingConfig, KvBudgetError
+from moestream.runtime.scheduling.scheduler import KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.sampling import SamplingParams
 from moestream.serving.worker import EngineWorker, Overloaded, WorkerConfig
@@ -95,7 +96,7 @@ def test_a_request_hears_first_whether_it_got_in(make_worker):
     while worker.batcher.step():
         pass
     assert admitted[0] == Admitted() and all(isinstance(e, TextDelta) for e in admitted[1:]) and admitted[-1].finished
-    per_token = worker.batcher.bytes_per_token  # a budget that holds 3 tokens: a request, not this one of 5
+    per_token = worker.batcher.scheduler.admission.bytes_per_token  # a budget of 3 tokens: a request, not this one
     tight = make_worker(max_wait_ms=0, batching=BatchingConfig(kv_budget_bytes=3 * per_token))
     tight.submit(_request(refused))
     assert tight.admit() == []

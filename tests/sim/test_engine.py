@@ -5,13 +5,13 @@ import pytest
 
 from moestream.errors import BudgetError
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Predictor
+from moestream.policies.contracts import Prediction, Predictor
 from moestream.policies.planning import BandwidthAwarePlanner, ScorePlanner
 from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows
-from tests.synthetic import synthetic_trace
 from tests.sim import tiny
+from tests.synthetic import synthetic_trace
 
 
 def run(policy, trace, **config):
@@ -233,16 +233,25 @@ def test_bounds_order_on_real_routing(deepseek_dev_path):
     assert m["lru"]["tpot_ratio_vs_resident"] > 1.0
 
 
-def test_on_a_saturated_link_speculation_that_cannot_land_in_time_is_dropped_and_delays_no_demand():
+class Unsure(tiny.ScriptedPredictor):
+    """The scripted predictions, each with probability 0.2."""
+
+    def predict(self, layer_now: int, horizon_layers: int) -> list[Prediction]:
+        return [p._replace(score=0.2) for p in super().predict(layer_now, horizon_layers)]
+
+
+def test_on_a_saturated_link_unlikely_speculation_that_cannot_land_in_time_is_dropped_and_delays_no_demand():
     """Every layer misses and its 1 ms demand load leaves 0.5 ms of compute: a prefetch of the next layer
     cannot land in time. Planned blind, each (wrong) one starts and the next layer's demand load waits
-    behind it; the bandwidth-aware planner drops them, and no demand load waits for speculation."""
+    behind it; the bandwidth-aware planner weighs each (p 0.2: it would save 0.2 x 0.5 ms, and delay the
+    layer's other loads 0.8 x 0.55 x 0.5 ms) and drops it, and no demand load waits for speculation."""
     topo = tiny.topology(num_layers=3)
     trace = tiny.trace([[[[0], [1], [2]], [[3], [2], [1]]]], topo)
     wrong = {1: [3], 2: [0]}  # never the expert the layer routes to
 
     def policy(planner):
         made = tiny.scripted(topo, wrong)
+        made.predictor = Unsure(topo, wrong)
         made.planner = planner
         return made
 
@@ -294,3 +303,19 @@ def test_the_planner_sees_the_engines_link_figures_where_given():
     assert (seen[None].bytes_per_ms, seen[None].layer_ms) != (3.0e6, 4.0)
     given = seen[LinkFigures(gbps=3.0, layer_ms=4.0)]
     assert (given.bytes_per_ms, given.layer_ms) == (3.0e6, 4.0)
+
+
+def test_the_planners_link_ends_a_layer_when_the_simulator_does_where_experts_compute_as_they_land():
+    """With routed_expert_ms a layer computes its experts as they land, waits what that leaves, then its
+    whole compute: its two demand loads land at 1 and 2 ms, expert 0 computes 1..1.5 ms and expert 1 from
+    2 ms, so it waits 1.5 ms and ends at 3.5 ms, 1.5 ms after its last landing. The planner's link says so
+    (a link that ended it one expert's compute after the last landing planned on 2.5 ms)."""
+    topo = tiny.topology(top_k=2)
+    trace = tiny.trace([[[[0, 1], [2, 3]]]], topo)
+    policy = tiny.scripted(topo, {1: [2]})
+    policy.planner = Recording()
+    cost = tiny.cost(compute_ms=2.0).with_overrides(routed_expert_ms=0.5)
+    m = run(policy, trace, cache_ratio=0.5, cost=cost, horizon_layers=1)
+    assert policy.planner.links[0].next_need_ms == pytest.approx(1.5 + 2.0)
+    # layer 1: (1, 2), prefetched 2..3 ms, computes from 3.5 ms; (1, 3) lands at 4.5 ms: 0.5 ms more
+    assert m["stall_ms"] == pytest.approx(1.5 + 0.5)

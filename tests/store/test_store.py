@@ -362,3 +362,19 @@ def test_a_fetch_of_experts_that_have_all_landed_asks_the_store_nothing_more(mak
         with pytest.raises(TypeError):
             list(missed.ready())
         assert asked == [[K(1, 0)]]
+
+
+def test_a_direct_read_fills_a_buffer_checked_and_counted_and_enters_no_tier(checkpoint):
+    """Host compute's read of a miss only on disk: its bytes in the caller's buffer, checked as the links'
+    reads are, counted as disk bytes, and in neither tier."""
+    eb = checkpoint.index.topology.expert_bytes
+    integrity = RecordingIntegrity(eb, damaged=(K(1, 2),))
+    config = StoreConfig(3 * eb, 3 * eb, "cpu", True)
+    with ExpertStore(checkpoint.index, config, LRUPolicy(), LRUPolicy(), integrity) as store:
+        buffer = torch.zeros(eb, dtype=torch.uint8)
+        store.read_direct(K(0, 1), buffer)
+        assert_holds_expert(checkpoint, buffer, K(0, 1))
+        assert integrity.checked == [K(0, 1)] and store.stats().bytes_read["disk"] == eb
+        assert K(0, 1) not in store.resident("device") | store.resident("host") | store.in_flight()
+        with pytest.raises(CheckpointError, match="damaged"):
+            store.read_direct(K(1, 2), buffer)

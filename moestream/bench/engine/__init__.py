@@ -8,22 +8,24 @@ filled before the timed steps (host.py); `--host-compute RULES` runs each async 
 miss in the host tier computed there (the share of misses computed on the host, the bytes copied up and the
 tracer's host compute lane per token). Every run is a fresh process, cold; `--memory-cap` reruns each
 under a cgroup limit (isolation.py). Targets are ok/missed, never asserted; `--json` also writes the
-calibrated cost model for `moestream sim`.
+calibrated cost model for `moestream sim`. Two modes run instead: `--expert-parallel N`, N ranks against one
+process (parallel.py), and `--streaming`, the disk while the engine streams from it (streaming.py).
 """
 
 from __future__ import annotations
 
 import sys
 
-from moestream.bench import add_model_flags, add_run_flags, write_figures
+from moestream.bench import add_model_flags, add_run_flags, model_dir, write_figures
+from moestream.checkpoint.demo import PROMPTS
 from moestream.config import EngineConfig
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments
 
 BUDGETS = "0.1,0.25,0.5"
-DEMO_PROMPTS = 4  # len(moestream.cli.demo.PROMPTS), not imported here: the parser stays light
 DESIGNS = "moe-infinity,expertflow,fmoe,promoe"  # each design's own policy (the paper systems)
 WARMUP_STEPS = 3
+REPEATS = 4  # --streaming's
 
 
 def add_parser(kinds) -> None:
@@ -31,8 +33,8 @@ def add_parser(kinds) -> None:
                                              "the physical limit")
     add_model_flags(parser)
     add_run_flags(parser, 16, "write the figures (and the calibrated cost model) here")
-    parser.add_argument("--prompts", type=int, default=DEMO_PROMPTS, metavar="N",
-                        help=f"the first N of the {DEMO_PROMPTS} demo prompts (default all)")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), metavar="N",
+                        help=f"the first N of the {len(PROMPTS)} demo prompts (default all)")
     parser.add_argument("--memory-cap", metavar="auto|MiB",
                         help="run each offloaded run again under a cgroup memory limit (v2, or v1's memory "
                              "controller): auto (floor + dense + budget + 64 MiB) or MiB")
@@ -55,57 +57,53 @@ def add_parser(kinds) -> None:
     parser.add_argument("--expert-parallel", type=int, default=0, metavar="N",
                         help="instead: N ranks (torchrun) against one process at the same and at 1/N of the memory")
     add_arguments(parser, ParallelConfig, skip=("expert_parallel_plan",))
-    parser.set_defaults(handler=run, runs_on_ranks=True, rank_follower=_follow, ranks_device="cpu")
+    parser.add_argument("--streaming", action="store_true",
+                        help="instead: the disk while the engine streams experts from it cold (each budget's "
+                             "on-demand reads, a serving prefill at the first and at the least budget) beside "
+                             "sequential reads of it")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="--streaming: repetitions; figures are medians")
+    parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    """The bench; under torchrun (args.ranks: rank 0), every run on every rank (ranked.py)."""
+    from moestream.bench.engine.plan import measure
     from moestream.bench.engine.report import print_report
     from moestream.errors import MoestreamError
+    from moestream.parallel.ranks import launched
 
-    ranks = getattr(args, "ranks", None)
+    if launched():
+        raise MoestreamError("bench engine starts its ranks itself (--expert-parallel N): run it without torchrun")
+    if args.expert_parallel and args.streaming:
+        raise MoestreamError("--expert-parallel and --streaming are two modes of bench engine: give one")
     if args.expert_parallel:
-        if ranks is not None:
-            raise MoestreamError("--expert-parallel: bench engine starts its ranks itself: run it without torchrun")
         return _expert_parallel(args)
-    document = _measure(args, ranks)
+    if args.streaming:
+        return _streaming(args)
+    document = measure(args)
     print_report(document, args)
     write_figures(document, args.json)
     return 0
 
 
-def _measure(args, ranks) -> dict:
-    import contextlib
-
-    from moestream.bench.engine.plan import measure
-    from moestream.bench.engine.ranked import ranked_runner, stop_runs
-    from moestream.parallel.ranks import RankFailure
-
-    if ranks is None:
-        return measure(args)
-    try:
-        document = measure(args, ranked_runner(ranks), ranks.world_size)
-    except BaseException:
-        with contextlib.suppress(RankFailure):  # the first error is the one to report
-            stop_runs(ranks)
-        raise
-    stop_runs(ranks)
-    return document | {"expert_parallel": {"world_size": ranks.world_size,
-                                           "placement": args.expert_parallel_placement}}
-
-
-def _follow(ranks) -> int:
-    from moestream.bench.engine.ranked import follow_runs
-
-    return follow_runs(ranks)
-
-
 def _expert_parallel(args) -> int:
     from moestream.bench.engine.parallel import measure_parallel, print_parallel
-    from moestream.cli import at_least
+    from moestream.checks import at_least
 
     at_least(1, {"--expert-parallel": args.expert_parallel})
     document = measure_parallel(args, lambda line: print(line, file=sys.stderr, flush=True))
     print_parallel(document)
+    write_figures(document, args.json)
+    return 0
+
+
+def _streaming(args) -> int:
+    from moestream.bench.engine.plan import check_flags
+    from moestream.bench.engine.streaming import measure_streaming, print_streaming
+    from moestream.checks import at_least
+
+    budgets, _ = check_flags(args)
+    at_least(1, {"--repeats": args.repeats})
+    document = measure_streaming(args, model_dir(args), budgets)
+    print_streaming(document)
     write_figures(document, args.json)
     return 0

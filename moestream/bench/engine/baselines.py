@@ -1,7 +1,8 @@
 """The baselines of `bench engine`, each a run kind of `RUNS` beside our engine's: plain transformers with
 every weight in memory ("transformers": the all-resident reference of issue 44, on every device), and
 transformers with accelerate's disk offload at the same memory ("hf-accelerate": the CPU baseline). Each
-returns the figures of `spec.summarize` and the tokens it generated.
+returns the figures of `spec.summarize` and the tokens it generated. `PlainModel` is the first's model and
+greedy step loop.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from moestream.bench.engine.runners import RUNS
+from moestream.bench.engine.runners import RUNS, CpuClock
 from moestream.bench.engine.spec import Counters, RunSpec, dense_bytes, shards, step_times_ms, summarize
 from moestream.budget import Budget
 
@@ -18,23 +19,66 @@ __all__ = ["RUNS"]
 OURS_ONLY = {"stall_ms_per_token": None, "hit_rate": None, "host_bytes_per_token": None}  # no store of ours
 
 
+class PlainModel:
+    """The unmodified transformers model in the checkpoint's dtype, every weight in memory, its own experts
+    implementation, run by the engine's greedy step loop (outside `generate`, with the KV cache)."""
+
+    def __init__(self, model_dir: Path, device: str):
+        import transformers
+
+        from moestream.checkpoint.index import build_index
+        from moestream.runtime.scheduling.scheduler import eos_ids
+
+        self.checkpoint = build_index(model_dir)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        auto_class = getattr(transformers, self.checkpoint.adapter.auto_class)
+        self.model = auto_class.from_pretrained(model_dir, dtype="auto").to(device).eval()
+        self.eos = eos_ids(self.model.generation_config)
+        self.device = device
+
+    def decode(self, prompt: str, max_new_tokens: int):
+        """(the greedy new token ids, a StepClock marked at the end of each step with the device synchronized,
+        a CpuClock of the steps)."""
+        import torch
+
+        from moestream.runtime.metrics import StepClock
+        from moestream.runtime.publisher import Publisher
+        from moestream.runtime.runner import RUNNERS, BatchCache, Sequence
+
+        seqs = [Sequence(0, list(self.tokenizer(prompt)["input_ids"]))]
+        runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, Publisher(), 0, self.device)
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.startswith("cuda") else (lambda: None)
+        clock, cpu, cache = StepClock(), CpuClock(), BatchCache()
+        with torch.inference_mode():
+            plan = runner.prefill(0, seqs)
+            while plan is not None:
+                cpu.begin_iteration()
+                seqs[0].output_ids.append(int(runner.run(plan, cache).argmax(dim=-1)[0]))
+                done = seqs[0].output_ids[-1] in self.eos or len(seqs[0].output_ids) >= max_new_tokens
+                if done:
+                    cpu.end_sequence()
+                sync()
+                clock.mark()
+                plan = None if done else runner.decode(len(clock.marks), seqs, cache)
+        return seqs[0].output_ids, clock, cpu
+
+
 @RUNS.register("transformers")
 class PlainTransformersRun:
     """The checkpoint as plain transformers (its dtype, its own experts implementation, every weight loaded
-    normally on the device; `bench streaming`'s PlainModel): a greedy decode loop with the KV cache outside
-    `generate`, each step timed with the device synchronized, one generation per prompt."""
+    normally on the device; PlainModel): a greedy decode loop with the KV cache outside `generate`, each step
+    timed with the device synchronized (and in process CPU time), one generation per prompt."""
 
-    def run(self, spec: RunSpec, ranks=None) -> dict:
-        from moestream.bench.streaming import PlainModel
-
+    def run(self, spec: RunSpec) -> dict:
         model = PlainModel(Path(spec.model), spec.device)
         counters, token_ids = Counters(), []
         for prompt in spec.prompts:
-            ids, clock, _ = model.decode(prompt, spec.max_new_tokens)
+            ids, clock, cpu = model.decode(prompt, spec.max_new_tokens)
             counters.ttft_ms.append(clock.ttft_ms)
             if len(ids) > 1:
                 counters.tpot_ms.append(clock.tpot_ms)
             counters.step_ms.append(step_times_ms(clock.marks))
+            counters.cpu_step_ms.append(step_times_ms(cpu.marks[1:]))
             counters.decode_tokens += len(ids) - 1
             counters.prompt_tokens += len(model.tokenizer(prompt)["input_ids"])
             token_ids.append(ids)
@@ -51,11 +95,11 @@ class HfAccelerateRun:
     is the model's own (no replay without patching transformers); offloaded modules hold a whole layer's experts, so the bytes
     read do not depend on routing."""
 
-    def run(self, spec: RunSpec, ranks=None) -> dict:
+    def run(self, spec: RunSpec) -> dict:
         import transformers
 
+        from moestream.bench.tools.bandwidth import drop_page_cache
         from moestream.checkpoint.index import build_index
-        from moestream.store.bandwidth import drop_page_cache
 
         topology = build_index(spec.model).topology
         memory = dense_bytes(spec.model, topology) + sum(Budget.parse(budget).resolve(topology.total_expert_bytes)

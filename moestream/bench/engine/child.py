@@ -4,8 +4,7 @@
 floor (Python + torch + transformers imported, with the family's modeling module, before anything is
 loaded), drops the checkpoint from the page cache, loads, drops it again (the dense part shares files
 with experts), generates each prompt in turn and writes the figures (JSON) to OUT. `run_spec` is the
-same run in this process. Started with a rank's environment (bench engine under torchrun), it is one
-rank of the run (ranked.py).
+same run in this process.
 
 Figures per token are over the decode steps (what TPOT times): an observer snapshots the store's
 counters when each prompt's first decode step begins. Stall: on the synchronous path every expert
@@ -23,8 +22,8 @@ from pathlib import Path
 from moestream.bench.engine.spec import RunSpec, peak_rss_mib
 
 
-def run_spec(spec: RunSpec, ranks=None) -> dict:
-    """The run's figures (ranks: this process is rank 0 of the run's ranks, ranked.py)."""
+def run_spec(spec: RunSpec) -> dict:
+    """The run's figures."""
     import torch
 
     from moestream.bench.engine.baselines import RUNS  # ours and the baselines
@@ -32,7 +31,7 @@ def run_spec(spec: RunSpec, ranks=None) -> dict:
     import_model_code(Path(spec.model))
     floor = peak_rss_mib()
     torch.set_num_threads(spec.threads)
-    result = RUNS.create(spec.kind).run(spec, ranks)
+    result = RUNS.create(spec.kind).run(spec)
     return result | {"floor_rss_mib": floor, "peak_rss_mib": peak_rss_mib()}
 
 
@@ -49,13 +48,8 @@ def import_model_code(model: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from moestream.bench.engine.ranked import run_in_child
-    from moestream.parallel.ranks import launched
-
     spec_path, out_path = map(Path, argv)
-    spec = RunSpec.from_json(spec_path.read_text())
-    result = run_in_child(spec, run_spec) if launched() else run_spec(spec)
-    out_path.write_text(json.dumps(result))
+    out_path.write_text(json.dumps(run_spec(RunSpec.from_json(spec_path.read_text()))))
     return 0
 
 

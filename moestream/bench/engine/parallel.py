@@ -28,7 +28,7 @@ GENERATE_SLACK_MIB = 192  # the memory cap: floor + dense part + budget + this (
 def measure_parallel(args, say) -> dict:
     """The runs' figures; say(line) tells, at once, why the runs go uncapped where they must."""
     from moestream.bench import comma_list, model_dir
-    from moestream.cli.demo import PROMPTS
+    from moestream.checkpoint.demo import PROMPTS
 
     model = model_dir(args)
     budgets = comma_list(args.budgets, "--budgets", float)
@@ -113,7 +113,7 @@ def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: 
     """One run's figures from generate's --json (every prompt's record), and each process's cgroup peak."""
     from moestream.bench.engine.isolation import RunFailed, call, cgroup_peak_mib, rank_cgroups
     from moestream.bench.engine.spec import shards
-    from moestream.store.bandwidth import drop_page_cache
+    from moestream.bench.tools.bandwidth import drop_page_cache
 
     drop_page_cache(shards(model))
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
@@ -131,8 +131,6 @@ def _generate(args, model: Path, prompts: Path, ranks: int, budget: float, out: 
 
 def summary(records: list[dict]) -> dict:
     """TPOT (median over prompts) and per rank: hit rate, disk bytes and combine seconds per generated token."""
-    from moestream.bench.engine.runners import summed_report
-
     tokens = max(sum(len(r["token_ids"]) for r in records), 1)
     reports = [r["expert_parallel"] for r in records if r.get("expert_parallel")] or [  # one process: one "rank"
         {"ranks": [{"hits": r["expert_hits"], "misses": r["expert_misses"], "bytes_read": r["bytes_read"],
@@ -141,6 +139,18 @@ def summary(records: list[dict]) -> dict:
             "per_rank": [{"hit_rate": r["hit_rate"], "disk_bytes_per_token": r["bytes_read"].get("disk", 0) / tokens,
                           "combine_ms_per_token": r["combine_s"] * 1e3 / tokens}
                          for r in summed_report(reports)["ranks"]]}
+
+
+def summed_report(reports: list[dict]) -> dict:
+    """Every rank's figures (moestream.parallel.launch.expert_parallel_report) summed over generations."""
+    ranks = []
+    for per_rank in zip(*(report["ranks"] for report in reports)):
+        hits, misses = sum(r["hits"] for r in per_rank), sum(r["misses"] for r in per_rank)
+        read = {tier: sum(r["bytes_read"].get(tier, 0) for r in per_rank) for tier in per_rank[0]["bytes_read"]}
+        ranks.append(per_rank[0] | {"hits": hits, "misses": misses, "bytes_read": read,
+                                    "hit_rate": hits / max(hits + misses, 1),
+                                    "combine_s": sum(r["combine_s"] for r in per_rank)})
+    return reports[0] | {"ranks": ranks}
 
 
 def print_parallel(document: dict) -> None:

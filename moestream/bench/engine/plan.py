@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from moestream.bench import budget_list, check_run_flags, checkpoint_summary, model_dir, split_names
-from moestream.bench.engine.spec import RunSpec, dense_bytes
 from moestream.bench.engine.isolation import MIB, RunFailed, cap_method, cap_support, run_isolated
+from moestream.bench.engine.spec import RunSpec, dense_bytes
 from moestream.errors import MoestreamError
 
 HF = "hf-accelerate"
@@ -62,16 +62,15 @@ def host_rules(text: str) -> tuple[str, ...]:
     return rules
 
 
-def measure(args, run=run_isolated, world_size: int = 1) -> dict:
-    """The bench's document; each run through `run` (spec, memory cap) -> figures: one fresh process, or
-    one on each of world_size ranks (ranked.py; each rank's cap is for its 1/world_size of the budget)."""
+def measure(args, run=run_isolated) -> dict:
+    """The bench's document; each run through `run` (spec, memory cap) -> figures: one fresh process."""
     from moestream.bench.engine.host import copy_gbps
     from moestream.bench.integrity import report_integrity
+    from moestream.checkpoint.demo import PROMPTS
     from moestream.checkpoint.index import build_index
-    from moestream.cli.demo import PROMPTS
     from moestream.memory_plan import check_host_room, sizes_of
 
-    budgets, host = _check(args)
+    budgets, host = check_flags(args)
     rules = host_rules(args.host_compute)
     model = model_dir(args)
     index = build_index(model)
@@ -87,14 +86,14 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
     disk = disk_figures(Path(model), args.direct_io)
     resident = run(dataclasses.replace(base, preload=True))
     progress("all resident", "1.0", resident)
-    plain, skipped = _plain_run(args, base, run, world_size)
+    plain, skipped = _plain_run(args, base, run)
     dense_mib = dense_bytes(model, topology) / MIB
     h2d = copy_gbps(topology.expert_bytes, args.device) * 1e9 if host_mib else None
     context = {"resident": resident, "disk_bw": disk["bandwidth"], "topology": topology, "dense_mib": dense_mib,
-               "cap": _cap(args), "run": run, "world_size": world_size, "host_mib": host_mib,
+               "cap": _cap(args), "run": run, "host_mib": host_mib,
                "link_bw": h2d if _bytes(host, topology) >= topology.total_expert_bytes else None}
     base = dataclasses.replace(base, host_budget=host, layer_ms=resident["tpot_ms"] / topology.num_layers)
-    run_list, skipped_budgets = _run_list(args, budgets, world_size, rules)
+    run_list, skipped_budgets = _run_list(args, budgets, rules)
     skipped += skipped_budgets
     results = []
     for budget in budgets:
@@ -119,10 +118,9 @@ def measure(args, run=run_isolated, world_size: int = 1) -> dict:
             "oracle_bytes_per_token": oracle, "host_compute": list(rules), "host_threads": args.host_threads}
 
 
-def _plain_run(args, base: RunSpec, run, world_size: int) -> tuple[dict | None, list[dict]]:
+def _plain_run(args, base: RunSpec, run) -> tuple[dict | None, list[dict]]:
     """Plain transformers all resident (baselines.py), or why not: (its figures, the skipped note)."""
-    reason = ("not run with --no-transformers" if args.no_transformers else "not run under torchrun: plain "
-              "transformers is a one-process baseline" if world_size > 1 else None)
+    reason = "not run with --no-transformers" if args.no_transformers else None
     label = {"policy": PLAIN, "budget": "1.0", "mode": "plain", "memory_cap_mib": None}
     if reason is None:
         try:
@@ -137,24 +135,28 @@ def _plain_run(args, base: RunSpec, run, world_size: int) -> tuple[dict | None, 
 
 def versus_transformers(resident: dict, plain: dict | None, args) -> dict | None:
     """Our all-resident run against plain transformers': steady TPOT (each prompt's decode steps after the
-    first --warmup-steps) and whether the tokens are the same (not compared under --replay-routing, where our
-    engine follows the trace's routing); None where transformers did not run."""
+    first --warmup-steps), also in process CPU time, and whether the tokens are the same (not compared under
+    --replay-routing, where our engine follows the trace's routing); None where transformers did not run."""
     if plain is None:
         return None
     ours, theirs = resident["steady_tpot_ms"], plain["steady_tpot_ms"]
+    our_cpu, their_cpu = resident["steady_cpu_tpot_ms"], plain["steady_cpu_tpot_ms"]
     return {"warmup_steps": args.warmup_steps, "resident_steady_tpot_ms": ours, "transformers_steady_tpot_ms": theirs,
-            "ratio": ours / theirs if ours and theirs else None, "dtype": plain["dtype"],
-            "experts_implementation": plain["experts_implementation"],
+            "ratio": _ratio(ours, theirs), "resident_steady_cpu_tpot_ms": our_cpu,
+            "transformers_steady_cpu_tpot_ms": their_cpu, "cpu_ratio": _ratio(our_cpu, their_cpu),
+            "dtype": plain["dtype"], "experts_implementation": plain["experts_implementation"],
             "same_tokens": None if args.replay_routing else resident["token_ids"] == plain["token_ids"]}
 
 
-def _run_list(args, budgets: list[str], world_size: int,
-              rules: tuple[str, ...] = ("off",)) -> tuple[list[Job], list[dict]]:
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours and theirs else None
+
+
+def _run_list(args, budgets: list[str], rules: tuple[str, ...] = ("off",)) -> tuple[list[Job], list[dict]]:
     """The jobs of each budget, and the notes of those not run: transformers + accelerate's disk offload
-    (a one-process CPU baseline) is not run with --device cuda or under torchrun (nor with --no-hf)."""
+    (the CPU baseline) is not run with --device cuda (nor with --no-hf)."""
     reason = ("not run with --device cuda: accelerate's disk offload is the CPU baseline"
-              if args.device.startswith("cuda") else "not run under torchrun: accelerate's disk offload is a "
-              "one-process baseline" if world_size > 1 else None)
+              if args.device.startswith("cuda") else None)
     if args.no_hf:
         return jobs(args.designs, rules), []
     if reason is None:
@@ -163,12 +165,11 @@ def _run_list(args, budgets: list[str], world_size: int,
                                  "reason": reason} for budget in budgets]
 
 
-def _check(args) -> tuple[list[str], str]:
+def check_flags(args) -> tuple[list[str], str]:
     """The budgets and the host budget (RunSpec's text), each flag checked."""
     from moestream.bench.engine.host import budget_text
-    from moestream.cli import at_least
-    from moestream.cli.demo import PROMPTS
-
+    from moestream.checkpoint.demo import PROMPTS
+    from moestream.checks import at_least
     from moestream.threads import available_cores
 
     check_run_flags(args)
@@ -193,8 +194,8 @@ def _bytes(budget: str, topology) -> int:
 def disk_figures(model: Path, direct_io: bool) -> dict:
     """Cold O_DIRECT figures of the largest shard: sequential bandwidth (the better of two ways) and
     random experts read a decode step's top_k in flight together, as the engine reads its misses."""
+    from moestream.bench.tools.bandwidth import cold_read_samples
     from moestream.checkpoint.index import build_index
-    from moestream.store.bandwidth import cold_read_samples
 
     shard = max(model.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     index = build_index(model).experts
@@ -301,7 +302,7 @@ def _cap_bytes(context: dict, budget_mib: float) -> int:
         return int(cap["requested"]) * MIB
     floor = context["resident"]["floor_rss_mib"]
     held_mib = budget_mib + context["host_mib"]
-    return int((floor + context["dense_mib"] + held_mib / context["world_size"] + CAP_SLACK_MIB) * MIB)
+    return int((floor + context["dense_mib"] + held_mib + CAP_SLACK_MIB) * MIB)
 
 
 def _limits(budgets: list[str], run, cost, context: dict) -> tuple[dict[str, float], dict[str, float]]:
@@ -338,4 +339,4 @@ def _row(job: Job, budget: str, result: dict, limit: float | None, topology) -> 
              "host_budget_mib": result.get("host_budget_mib", 0.0), "mode": job.mode, "host_compute": job.host_compute}
             | {key: result[key] for key in ROW_FIGURES} | {"limit_tpot_ms": limit}
             | {key: result.get(key) for key in ROW_EXTRAS}
-            | {key: result[key] for key in ("floor_rss_mib", "expert_parallel") if key in result})
+            | ({"floor_rss_mib": result["floor_rss_mib"]} if "floor_rss_mib" in result else {}))

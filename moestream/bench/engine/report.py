@@ -4,7 +4,7 @@ issues' targets as ok/missed (never asserted)."""
 
 from __future__ import annotations
 
-from moestream.bench import fmt, rich_table
+from moestream.report import fmt, rich_table
 
 TARGET_BUDGET = 0.25
 LIMIT_TARGET = 1.25  # default TPOT / physical limit, at most (issue 34)
@@ -57,8 +57,9 @@ def versus_transformers_line(document: dict) -> str | None:
         return head + (f"not measured: no prompt decoded more than {plain['warmup_steps']} steps "
                        "(raise --max-new-tokens)")
     verdict = "ok" if ratio <= PLAIN_TARGET and plain["same_tokens"] is not False else "missed"
+    cpu = "" if plain.get("cpu_ratio") is None else f"; in CPU time {plain['cpu_ratio']:.2f}x"
     return (head + f"moestream {ours:.2f} ms, transformers {theirs:.2f} ms: {ratio:.2f}x (target <= {PLAIN_TARGET}x "
-            f"with the same tokens): {verdict}; {tokens}")
+            f"with the same tokens): {verdict}{cpu}; {tokens}")
 
 
 def host_line(document: dict) -> str | None:
@@ -144,8 +145,6 @@ def print_report(document: dict, args) -> None:
                   f"{document['dense_mib']:.0f} MiB, cold O_DIRECT sequential read {document['disk_bw_gbps']:.2f} GB/s")
     for budget, moved in document.get("oracle_bytes_per_token", {}).items():
         console.print(_bytes_line(budget, moved, document["runs"]))
-    for line in rank_lines(document):
-        console.print(line)
     cap = document["memory_cap"]
     if cap["requested"] is not None:
         console.print(f"memory cap {cap['requested']}: {'applied' if cap['applied'] else 'NOT applied'} "
@@ -159,23 +158,6 @@ def print_report(document: dict, args) -> None:
             console.print(line)
     for name, verdict in targets(document).items():
         console.print(f"target at 25%: {name}: {verdict}")
-
-
-def rank_lines(document: dict) -> list[str]:
-    """Under torchrun: what the table shows (rank 0's store), and each run's figures on every rank."""
-    from moestream.budget import format_bytes
-
-    parallel = document.get("expert_parallel")
-    if parallel is None:
-        return []
-    lines = [f"expert parallelism: {parallel['world_size']} ranks, placement {parallel['placement']}; the table's "
-             "hit rate and bytes are rank 0's (its experts, decode steps); each rank's, whole run (prefill too):"]
-    for run in document["runs"]:
-        ranks = "; ".join(f"rank {r['rank']} {100 * r['hit_rate']:.1f}% hits, "
-                          f"{format_bytes(r['bytes_read'].get('disk', 0))} read, combine {r['combine_s'] * 1e3:.0f} ms"
-                          for r in run["expert_parallel"]["ranks"])
-        lines.append(f"  {run['policy']} {run['mode']} at {run['budget']:g}: {ranks}")
-    return lines
 
 
 def _table(document: dict, args):

@@ -7,6 +7,7 @@ before generating.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from moestream.bench.engine.spec import Counters, RunSpec, shards, step_times_ms, summarize
@@ -19,11 +20,29 @@ RUNS: Registry = Registry("bench engine run kind")
 HOST_LANE = "host compute"  # the tracer's lane of a layer step's experts computed on the host (runtime/offload.py)
 
 
+class CpuClock(Observer):
+    """Process CPU time at the start of every step and at the end of the last one."""
+
+    def __init__(self):
+        self.marks: list[float] = []
+
+    def begin_iteration(self, ctx=None) -> None:
+        self.marks.append(time.process_time())
+
+    def end_sequence(self, seq_id: int = 0) -> None:
+        self.marks.append(time.process_time())
+
+    def tpot_ms(self) -> float:
+        """CPU time per decode step: from the start of step 1 to the end of the last step."""
+        steps = len(self.marks) - 2
+        return (self.marks[-1] - self.marks[1]) * 1e3 / steps if steps > 0 else 0.0
+
+
 class DecodeMeter(Observer):
     """Snapshots the store's counters and the engine tracer's totals when a generation's first decode
-    step begins, and notes the time each step begins and the generation ends; keeps each iteration's token
-    ids, strings and, if asked (keep_embeddings), embeddings where the engine gave them (what the policy
-    saw, for the simulator)."""
+    step begins, and notes the time (wall and CPU) each step begins and the generation ends; keeps each
+    iteration's token ids, strings and, if asked (keep_embeddings), embeddings where the engine gave them
+    (what the policy saw, for the simulator)."""
 
     def __init__(self, store, tracer, keep_embeddings: bool = False, host_count=lambda: 0):
         """host_count() -> the experts computed on the host that the engine has not yet handed to a
@@ -39,12 +58,14 @@ class DecodeMeter(Observer):
         self.tokens: list[list[str]] = []  # their strings (empty where the engine has no tokenizer)
         self.embeddings: list[list[list[float]]] = []  # [T, H] each (empty where no observer asked for them)
         self.marks: list[float] = []  # this generation's: when each step began, and when it ended
+        self.cpu = CpuClock()  # the same, in process CPU time
 
     def start(self) -> None:
-        self.steps, self.decode_tokens, self.at_decode, self.marks = 0, 0, None, []
+        self.steps, self.decode_tokens, self.at_decode, self.marks, self.cpu = 0, 0, None, [], CpuClock()
 
     def begin_iteration(self, ctx) -> None:
         self.marks.append(time.perf_counter())
+        self.cpu.begin_iteration()
         self.steps += 1
         self.token_ids.append(ctx.token_ids.tolist())
         self.tokens.append(list(ctx.tokens or ()))
@@ -58,6 +79,7 @@ class DecodeMeter(Observer):
 
     def end_sequence(self, seq_id: int) -> None:
         self.marks.append(time.perf_counter())
+        self.cpu.end_sequence()
 
     def add_decode(self, counters: Counters, end, host_computed: int = 0) -> None:
         """Adds the decode steps' counters (the store's at the end minus at the first decode step);
@@ -86,6 +108,7 @@ class DecodeMeter(Observer):
         counters.host_lane_spans += lane.spans
         counters.decode_tokens += self.decode_tokens
         counters.step_ms.append(step_times_ms(self.marks[1:]))  # each step begins as the one before ends
+        counters.cpu_step_ms.append(step_times_ms(self.cpu.marks[1:]))
 
 
 def make_policy(spec: RunSpec, topology):
@@ -102,39 +125,35 @@ def make_policy(spec: RunSpec, topology):
 
 @RUNS.register("engine")
 class EngineRun:
-    """Our engine on the spec's prompts, one generation per prompt; on ranks (ranks given: this is rank 0
-    of a run under torchrun, ranked.py), rank 0's engine, with every rank's figures summed over the
-    generations (`expert_parallel`)."""
+    """Our engine on the spec's prompts, one generation per prompt."""
 
-    def run(self, spec: RunSpec, ranks=None) -> dict:
+    def run(self, spec: RunSpec) -> dict:
+        from moestream.bench.tools.bandwidth import drop_page_cache
         from moestream.checkpoint.index import build_index
-        from moestream.policies.trained import matching_directory
-        from moestream.runtime import EngineConfig
-        from moestream.store.bandwidth import drop_page_cache
+        from moestream.runtime import Engine, EngineConfig
 
         drop_page_cache(shards(spec.model))
         policy = make_policy(spec, build_index(spec.model).topology)
-        trained = matching_directory(policy, spec.predictor_dirs)  # for the other ranks, which make their own
         config = EngineConfig(device=spec.device, expert_budget=spec.budget, host_budget=spec.host_budget,
-                              direct_io=spec.direct_io, sync=spec.sync,
-                              policy=spec.policy, predictor_dir=None if trained is None else str(trained),
+                              direct_io=spec.direct_io, sync=spec.sync, policy=spec.policy,
                               replay_routing=spec.replay_routing, reorder=spec.reorder, link_gbps=spec.link_gbps,
                               layer_ms=spec.layer_ms, background_predictor=spec.background_predictor,
                               native_gemv=spec.native_gemv, num_threads=spec.threads,
                               host_compute=spec.host_compute, host_threads=spec.host_threads)
-        with _engine(spec, config, policy, ranks) as engine:
-            prepare(engine, spec, ranks)
+        with Engine(spec.model, config, policy=policy) as engine:
+            prepare(engine, spec)
             return self._generate(engine, spec)
 
     def _generate(self, engine, spec: RunSpec) -> dict:
-        from moestream.parallel.launch import expert_parallel_report
-
         host = engine.experts.host  # None: --host-compute off
+        if host is not None:
+            host.placements = []  # each layer step's, for bench fidelity
+        warm = sorted(engine.store.resident("device"))  # left by the warm-up (prepare), in the order it brought them
         meter = DecodeMeter(engine.store, engine.tracer, spec.keep_embeddings,
                             (lambda: host.num_computed) if host is not None else (lambda: 0))
         counters = Counters()
         engine.add_observer(meter)
-        stall_ms, prefill, token_ids, parallel = 0.0, [], [], []
+        stall_ms, prefill, token_ids = 0.0, [], []
         for prompt in spec.prompts:
             meter.start()
             result = engine.generate([prompt], spec.max_new_tokens)
@@ -147,7 +166,6 @@ class EngineRun:
             stall_ms += _decode_stall_ms(metrics, spec, engine.store.stats(), meter, counters)
             prefill += [True] + [False] * (meter.steps - 1)
             token_ids.append(result.token_ids[0])
-            parallel.append(expert_parallel_report(engine))  # None on one process
         replay = engine.replay
         if replay is not None and not replay.recorded_all:
             raise MoestreamError("bench engine: the run took more iterations than the routing replay records")
@@ -161,49 +179,29 @@ class EngineRun:
             "token_ids": token_ids,
             "device_slots": engine.store.device_slots,
             "host_slots": engine.store.host_slots,
-        } | ({"iteration_embeddings": meter.embeddings} if spec.keep_embeddings else {}) | (
-            {} if parallel[0] is None else {"expert_parallel": summed_report(parallel)})
+            "warm_device": [[key.layer, key.expert] for key in warm],
+        } | _placements(host) | ({"iteration_embeddings": meter.embeddings} if spec.keep_embeddings else {})
 
 
-def prepare(engine, spec: RunSpec, ranks=None) -> None:
-    """Between opening an engine and generating, on every rank: the preload of an all-resident run, the
-    host tier's fill of a run with a host budget (host.py), the checkpoint's pages dropped, and on ranks a
-    wait for all (one done preloading first would time out waiting for the first step)."""
+def _placements(host) -> dict:
+    """Host compute's choice at each layer step and the cost figures it chose by (none: --host-compute off)."""
+    if host is None:
+        return {}
+    return {"host_placements": [[layer, list(experts)] for layer, experts in host.placements],
+            "host_costs": dataclasses.asdict(host.costs) if host.costs is not None else None}
+
+
+def prepare(engine, spec: RunSpec) -> None:
+    """Between opening an engine and generating: the preload of an all-resident run, the host tier's fill of
+    a run with a host budget (host.py), and the checkpoint's pages dropped."""
     from moestream.bench.engine.host import fill_tiers
-    from moestream.parallel.ranks import wait_for_all
-    from moestream.store.bandwidth import drop_page_cache
+    from moestream.bench.tools.bandwidth import drop_page_cache
 
     if spec.preload:
         engine.preload()
     if Budget.parse(spec.host_budget).resolve(engine.checkpoint.topology.total_expert_bytes):
         fill_tiers(engine)
     drop_page_cache(shards(spec.model))
-    if ranks is not None:
-        wait_for_all(ranks, "the preloading of the experts")
-
-
-def summed_report(reports: list[dict]) -> dict:
-    """Every rank's figures (moestream.parallel.launch.expert_parallel_report) summed over generations."""
-    ranks = []
-    for per_rank in zip(*(report["ranks"] for report in reports)):
-        hits, misses = sum(r["hits"] for r in per_rank), sum(r["misses"] for r in per_rank)
-        read = {tier: sum(r["bytes_read"].get(tier, 0) for r in per_rank) for tier in per_rank[0]["bytes_read"]}
-        ranks.append(per_rank[0] | {"hits": hits, "misses": misses, "bytes_read": read,
-                                    "hit_rate": hits / max(hits + misses, 1),
-                                    "combine_s": sum(r["combine_s"] for r in per_rank)})
-    return reports[0] | {"ranks": ranks}
-
-
-def _engine(spec: RunSpec, config, policy, ranks):
-    from moestream.parallel.config import ParallelConfig
-    from moestream.parallel.launch import leading_engine
-    from moestream.runtime import Engine
-
-    if ranks is None:
-        return Engine(spec.model, config, policy=policy)
-    parallel = ParallelConfig(expert_parallel_placement=spec.expert_parallel_placement,
-                              expert_parallel_trace=spec.expert_parallel_trace)
-    return leading_engine(spec.model, config, parallel, ranks, policy=policy)
 
 
 def _decode_stall_ms(metrics, spec: RunSpec, end, meter: DecodeMeter, counters: Counters) -> float:

@@ -16,7 +16,7 @@ from moestream.policies.contracts import Policy
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import CostModel
 from moestream.sim.engine import StreamSimulator
-from moestream.topology import Topology
+from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import Iteration, decode_stream, iteration
 from moestream.trace.schema import Trace
 
@@ -75,14 +75,20 @@ def sim_ratio(device_slots: int, topology: Topology) -> float:
 
 
 def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
-             expert_order: str = "ready", modelled_link: bool = True, link_figures=None) -> dict:
+             expert_order: str = "ready", modelled_link: bool = True, link_figures=None,
+             host_compute: str = "off", compute_costs=None, warm: list[ExpertKey] = ()) -> dict:
     """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
-    hit rate, stall and bytes per token, TPOT. expert_order, modelled_link, link_figures: SimConfig's
-    ("loaded" for a --sync engine; no modelled link where the engine ran without one, the engine's own
-    figures where it ran with them)."""
+    hit rate, stall and bytes per token, TPOT, and where host compute runs, its choice at every layer step
+    (prefill's too, as the engine's `host_placements`). expert_order, modelled_link, link_figures,
+    host_compute, compute_costs: SimConfig's ("loaded" for a --sync engine; no modelled link where the engine
+    ran without one, the engine's own figures where it ran with them). warm: what the engine's device tier
+    held when it began (its warm-up's), admitted in that order first."""
     sim = StreamSimulator(policy, SimConfig(cache_ratio=ratio, cost=cost, expert_order=expert_order,
-                                            modelled_link=modelled_link, link_figures=link_figures))
-    decode = {"hits": 0, "accesses": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
+                                            modelled_link=modelled_link, link_figures=link_figures,
+                                            host_compute=host_compute, compute_costs=compute_costs))
+    for key in warm:
+        sim.device.admit(key)
+    decode = {"hits": 0, "accesses": 0, "on_host": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
     for it in iterations:
         before = _snapshot(sim)
         sim.run([it])
@@ -93,17 +99,19 @@ def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: 
             decode[name] += after[name] - before[name]
     tokens = max(decode["tokens"], 1)
     return {
-        "hit_rate": decode["hits"] / decode["accesses"] if decode["accesses"] else 1.0,
+        "hit_rate": decode["hits"] / lookups if (lookups := decode["accesses"] - decode["on_host"]) else 1.0,
         "stall_ms_per_token": decode["stall_ms"] / tokens,
         "bytes_per_token": decode["bytes"] / tokens,
         "tpot_ms": decode["ms"] / max(decode["steps"], 1),
         "decode_tokens": decode["tokens"],
-    }
+    } | ({} if sim.host_compute is None else {
+        "host_placements": [[layer, list(experts)] for layer, experts in sim.host_compute.placements]})
 
 
 def _snapshot(sim: StreamSimulator) -> dict:
     counters = sim.counters
     return {"hits": counters.layers.total_hits, "accesses": counters.layers.total_accesses,
+            "on_host": counters.host_computed,  # not the device's lookups, as in the engine's hit rate
             "stall_ms": counters.stall_ms, "bytes": sim.device_link.bytes_moved, "tokens": counters.num_tokens,
             "ms": sim.now, "steps": counters.num_iterations}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from moestream.procfs import status_mib
 from moestream.read_fit import ReadBatchFit
 
+
 @dataclass(frozen=True)
 class RunSpec:
     model: str
@@ -38,8 +39,6 @@ class RunSpec:
     layer_ms: float = 0.0
     background_predictor: bool = True  # EngineConfig.background_predictor (bench fidelity: False)
     keep_embeddings: bool = False  # keep each iteration's embeddings a policy saw (bench fidelity replays them)
-    expert_parallel_placement: str = "round-robin"  # under torchrun (ranked.py): ParallelConfig's settings
-    expert_parallel_trace: str | None = None
     host_compute: str = "off"  # EngineConfig.host_compute: where a device-tier miss in the host tier computes
     host_threads: int = 1  # EngineConfig.host_threads
 
@@ -75,6 +74,7 @@ class Counters:
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
     step_ms: list[list[float]] = field(default_factory=list)  # each generation's decode steps
+    cpu_step_ms: list[list[float]] = field(default_factory=list)  # the same in process CPU time
 
 
 def step_times_ms(marks: list[float]) -> list[float]:
@@ -118,6 +118,7 @@ def summarize(counters: Counters, stall_ms: float, transfer_ms: float, warmup_st
         # the mean decode step, over the tokens the stall per token is a part of (calibrate subtracts it)
         "decode_ms_per_token": sum(map(sum, counters.step_ms)) / tokens if counters.step_ms else None,
         "steady_tpot_ms": steady_tpot_ms(counters.step_ms, warmup_steps),
+        "steady_cpu_tpot_ms": steady_tpot_ms(counters.cpu_step_ms, warmup_steps),
         "hit_rate": counters.hits / lookups if lookups else 1.0,
         "stall_ms_per_token": stall_ms / tokens,
         "overlap": max(0.0, 1.0 - stall_ms / transfer_ms) if transfer_ms > 0 else None,

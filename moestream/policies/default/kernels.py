@@ -3,12 +3,14 @@ eviction's ranking, each in a call or a few.
 
 The same arithmetic as the numpy forms (up to float32 rounding: sums in another order, and
 1 / (1 + exp(-x)) for scipy's expit) in one pass each: `add_routed` (the weight rows of the one-hot
-routed blocks), `absorb` (probabilities, the batch's union, the expected next uses; `union_into` and
-`expect` serve begin too) and `add_cut_recall` (a row's recall gain, features.recall_weights);
+routed blocks), `absorb` (probabilities, the batch's union, the reuse state's update (`reuse_row`:
+reuse.inputs and the chances of reuse.py's model) and the expected next uses; `union_into` and `expect`
+serve begin too) and `add_cut_recall` (a row's recall gain, features.recall_weights);
 `observe_one` runs those three for a decode's one row in one call, in the same order. The duel's
 (`duel_observe`) and the eviction's (`largest`, `refresh`) decide exactly as the Python they replaced
 (tests/policies/default/test_decision_path.py keeps it). Compiled on first use and cached on disk.
-Knows arrays and the block order of the features (model.NUM_BLOCKS), not events, caches or policies.
+Knows arrays, the block order of the features (model.NUM_BLOCKS) and reuse.py's inputs, not events, caches or
+policies.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from moestream.policies.default import reuse
 from moestream.policies.default.model import NUM_BLOCKS
 
 CUR, BEFORE, PREV, RECALL, SHARE = 0, 1, 2, 4, 5  # blocks of the features (model.py), each E rows of dense
@@ -86,28 +89,83 @@ def union_into(out, probs, rows):
 
 
 @_compile
-def expect(next_use, ahead, following, first, stop, passed):
-    """next_use [L, E] of layers first..stop-1: l + L(1 - p)/q for a layer still ahead in this token,
-    l + L/q for the layer `passed` (or none: -1), p = ahead[l], q = following[l] floored at 1e-4."""
+def expect(next_use, ahead, state, first, stop, passed):
+    """next_use [L, E] of layers first..stop-1: l + L x the wait in iterations, from the reuse state [rows,
+    L, E] (reuse.py): its PASSED wait for the layer `passed` (or none: -1), and (1 - p) x its AHEAD wait for
+    a layer still ahead in this token, p = ahead[l]."""
     num_layers = next_use.shape[0]
     for layer in range(first, stop):
         for e in range(next_use.shape[1]):
-            wait = 1.0 if layer == passed else 1.0 - np.float64(ahead[layer, e])
-            next_use[layer, e] = layer + wait / np.float64(max(following[layer, e], np.float32(1e-4))) * num_layers
+            if layer == passed:
+                wait = state[reuse.PASSED, layer, e]
+            else:
+                wait = (1.0 - np.float64(ahead[layer, e])) * state[reuse.AHEAD, layer, e]
+            next_use[layer, e] = layer + wait * num_layers
+
+
+AGE_EDGES, DECAYS = np.array(reuse.AGE_EDGES, np.float64), np.array(reuse.DECAYS)
+FIRST_LOG = 1 + len(reuse.AGE_EDGES)  # the averages' logs among reuse.inputs
 
 
 @_compile
-def absorb(logits, every, last, c, fresh, ahead, following, next_use):
+def waits(s1, s2, s4, s8):
+    """(passed, ahead) in iterations from the survival at reuse.HORIZONS (the chance of no use within 1, 2,
+    4, 8): the expected wait to the next use, counted as 8 if it is later (sum of the survival from 0 to 7,
+    geometric between the horizons); and the same past the next iteration if it does not use the expert,
+    (passed - 1) / s1."""
+    s1, s2, s4, s8 = max(s1, 1e-12), max(s2, 1e-12), max(s4, 1e-12), max(s8, 1e-12)
+    fall = np.sqrt(np.sqrt(s8 / s4))  # per iteration from 4 to 8
+    passed = 1.0 + s1 + s2 + np.sqrt(s2 * s4) + s4 * (1.0 + fall + fall * fall + fall * fall * fall)
+    return passed, (passed - 1.0) / s1
+
+
+@_compile
+def reuse_row(state, weights, now, c, q):
+    """The reuse state [rows, L, E] (reuse.py) at layer c once it has routed: the age and the averages take
+    the experts of now [T, k] (any row's) as this iteration's use; PASSED and AHEAD the `waits` of the
+    chances weights[c] ([H, F], non-decreasing over the horizons) give from reuse.inputs, q [E] the routing
+    model's probability for the next token."""
+    num_experts, edges = state.shape[2], AGE_EDGES.shape[0]
+    used = np.zeros(num_experts, np.bool_)
+    for t in range(now.shape[0]):
+        for j in range(now.shape[1]):
+            used[now[t, j]] = True
+    w, logs, survive = weights[c], np.empty(DECAYS.shape[0]), np.empty(weights.shape[1])
+    for e in range(num_experts):
+        age = 0.0 if used[e] else state[reuse.AGE, c, e] + 1.0
+        state[reuse.AGE, c, e] = age
+        bucket = 0
+        while bucket + 1 < edges and age >= AGE_EDGES[bucket + 1]:
+            bucket += 1
+        for d in range(DECAYS.shape[0]):
+            average = DECAYS[d] * state[reuse.FIRST_EMA + d, c, e] + (1.0 - DECAYS[d]) * used[e]
+            state[reuse.FIRST_EMA + d, c, e] = average
+            logs[d] = np.log(average + reuse.EMA_FLOOR)
+        p = min(max(np.float64(q[e]), reuse.PROB_FLOOR), 1.0 - reuse.PROB_FLOOR)
+        logit, chance = np.log(p) - np.log1p(-p), 0.0
+        for h in range(w.shape[0]):
+            z = w[h, 0] * logit + w[h, 1 + bucket]
+            for d in range(DECAYS.shape[0]):
+                z += w[h, FIRST_LOG + d] * logs[d]
+            chance = max(chance, 1.0 / (1.0 + np.exp(-z)))
+            survive[h] = 1.0 - chance
+        state[reuse.PASSED, c, e], state[reuse.AHEAD, c, e] = waits(survive[0], survive[1], survive[2], survive[3])
+
+
+@_compile
+def absorb(logits, every, last, c, fresh, ahead, following, next_use, now, state, weights):
     """From the logits [T, 3, E] of cut c: fresh [3, E] = the union of every row's probabilities for
     buckets 0 and 1 (c+1, c+2) and of the `last` rows' for START (the next token's c); ahead[c+1],
-    ahead[c+2] (below L) and following[c] take them, and `expect` renews next_use of rows c..c+2."""
+    ahead[c+2] (below L) and following[c] take them, the reuse state takes layer c (`reuse_row`, now [T, k]
+    routed there, weights the reuse model's) and `expect` renews next_use of rows c..c+2."""
     probs = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))  # [T, 3, E]
     union_into(fresh[:2], probs[:, :2], every)
     union_into(fresh[2:], probs[:, 2:], last)
     num_ahead = min(2, ahead.shape[0] - 1 - c)
     ahead[c + 1:c + 1 + num_ahead] = fresh[:num_ahead]
     following[c] = fresh[2]
-    expect(next_use, ahead, following, c, c + 1 + num_ahead, c)
+    reuse_row(state, weights, now, c, following[c])
+    expect(next_use, ahead, state, c, c + 1 + num_ahead, c)
 
 
 @_compile
@@ -142,19 +200,19 @@ def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_
 
 @_compile
 def observe_one(routed, pre, fixed, dense, now, before, steps, c, ring, count, shared, beta, window_recall, every,
-                last, fresh, ahead, following, next_use):
+                last, fresh, ahead, following, next_use, state, weights):
     """state.IterationState.observe of layer c in one call, for an iteration of one row and the linear
     model with the cut recall: marks now [1, k] in routed [1, L, E]; pre [1, 3, U] = fixed[c] plus
     add_routed's and add_cut_recall's parts (dense [L, 3, 7E, U]; the row's ring, count, shared[0]
-    and window_recall[0]); absorb takes pre as the logits. The same arithmetic, in the same order, as
-    those calls one by one."""
+    and window_recall[0]); absorb takes pre as the logits (and the reuse state and weights). The same
+    arithmetic, in the same order, as those calls one by one."""
     for j in range(now.shape[1]):
         routed[0, c, now[0, j]] = 1.0
     pre[:] = fixed[c]
     add_routed(pre, dense[c], now, before, steps)
     num_ahead = min(2, ahead.shape[0] - 1 - c)
     add_cut_recall(pre[0, :num_ahead], ring, count, now[0], shared[0], c, beta, window_recall[0], dense[c])
-    absorb(pre, every, last, c, fresh, ahead, following, next_use)
+    absorb(pre, every, last, c, fresh, ahead, following, next_use, now, state, weights)
 
 
 @_compile

@@ -24,6 +24,7 @@ from moestream.policies.contracts import (
     Prediction,
     PrefetchPlanner,
 )
+from moestream.policies.default import reuse
 from moestream.policies.default.features import (
     TraceFeatures,
     build_vocabulary,
@@ -68,6 +69,7 @@ class DefaultPredictor(TrainablePredictor):
         super().__init__(topology, config, train)
         self.weights: DefaultWeights | None = None
         self.memory: np.ndarray | None = None  # [2V, L, E] uint8 the token memory (features.TokenMemory)
+        self.reuse: np.ndarray | None = None  # [L, H, F] float32 the reuse model's weights (reuse.py)
         self.vocab: dict[str, int] = {}
         self.key_kind = ""  # "tokens", "token_ids" or "" (the training trace had no token keys)
         self.state: IterationState | None = None
@@ -85,13 +87,13 @@ class DefaultPredictor(TrainablePredictor):
         keys, self.key_kind = token_keys(trace)
         self.vocab = build_vocabulary(keys, self.config.min_token_count)
         tokens = self._indices(keys, trace.num_tokens)
-        self.weights, self.memory, self.losses = train_weights(trace, tokens, len(self.vocab) + 1, self.config,
-                                                               self.train_config)
+        self.weights, self.memory, self.reuse, self.losses = train_weights(trace, tokens, len(self.vocab) + 1,
+                                                                           self.config, self.train_config)
         self._trace = None
         self._ready()
 
     def tensors(self) -> dict[str, np.ndarray]:
-        return self.weights.arrays() | {"memory": self.memory}
+        return self.weights.arrays() | {"memory": self.memory, "reuse": self.reuse}
 
     def write_tensors(self, path: Path) -> None:
         from safetensors.numpy import save_file
@@ -109,6 +111,7 @@ class DefaultPredictor(TrainablePredictor):
         tensors = dict(tensors)
         self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
         self.memory = self._checked_memory(tensors.pop("memory", None))
+        self.reuse = self._checked_reuse(tensors.pop("reuse", None))
         self.weights = DefaultWeights(**tensors)
         self._trace = None
         self._ready()
@@ -122,6 +125,15 @@ class DefaultPredictor(TrainablePredictor):
             raise ValueError(f"its token memory is {found}, this version reads uint8 {list(shape)}: it was "
                              f"saved by an older moestream; retrain it with `moestream train-predictor --kind {KIND}`")
         return memory
+
+    def _checked_reuse(self, weights: np.ndarray | None) -> np.ndarray:
+        """The saved reuse model, if it has this version's shape (else ValueError)."""
+        shape = (self.topology.num_layers, len(reuse.HORIZONS), reuse.NUM_INPUTS)
+        if weights is None or weights.shape != shape:
+            found = "none" if weights is None else str(list(weights.shape))
+            raise ValueError(f"its reuse model is {found}, this version reads {list(shape)}: it was saved by an older "
+                             f"moestream; retrain it with `moestream train-predictor --kind {KIND}`")
+        return weights
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E]: what predict() gives for each row's `layer`, horizon_layers positions earlier."""
@@ -153,13 +165,13 @@ class DefaultPredictor(TrainablePredictor):
     # -- online ----------------------------------------------------------------------------
     def reset(self) -> None:
         self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.memory,
-                                                                      self.config)
+                                                                      self.reuse, self.config)
 
     def _ready(self) -> None:
         """A new model: fresh online state, and the kernels compiled for it (state.warm_up, duel.warm_up and
         the eviction's)."""
         self.reset()
-        warm_up(self.topology, self.weights, self.memory, self.config)
+        warm_up(self.topology, self.weights, self.memory, self.reuse, self.config)
         warm_up_duel(self.topology, self.state)
         table = np.zeros((self.topology.num_layers, self.topology.num_experts))
         compiled().largest(table.ravel(), np.zeros(1, np.int64))

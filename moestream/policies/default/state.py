@@ -19,6 +19,7 @@ import numpy as np
 
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.default import reuse
 from moestream.policies.default.features import memory_index, memory_rows
 from moestream.policies.default.model import (
     NUM_BUCKETS,
@@ -56,12 +57,13 @@ def last_rows(seq_ids: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True]) if len(seq_ids) else np.zeros(0, np.int64)
 
 
-def warm_up(topology: Topology, weights: DefaultWeights, memory: np.ndarray, config: DefaultConfig) -> None:
+def warm_up(topology: Topology, weights: DefaultWeights, memory: np.ndarray, reuse_weights: np.ndarray,
+            config: DefaultConfig) -> None:
     """Runs a token's first layer through a throwaway state, alone (a decode: kernels.observe_one) and as
     two rows (a prefill: the kernels one by one), so that numba compiles (or loads from its cache) the
     kernels for the types the engine passes when a policy loads, not at the first request."""
     for num_rows in (1, 2):
-        state = IterationState(topology, weights, memory, config)
+        state = IterationState(topology, weights, memory, reuse_weights, config)
         rows = np.zeros(num_rows, np.int64)
         state.begin(IterationContext(0, rows, rows, False), None)
         state.observe(RoutingEvent(0, np.tile(np.arange(topology.top_k), (num_rows, 1)), rows, rows))
@@ -112,8 +114,10 @@ class SequenceHistory:
 class IterationState:
     """Probabilities of the current iteration's layers and of the next token, for predict and eviction."""
 
-    def __init__(self, topology: Topology, weights: DefaultWeights, memory: np.ndarray, config: DefaultConfig):
+    def __init__(self, topology: Topology, weights: DefaultWeights, memory: np.ndarray, reuse_weights: np.ndarray,
+                 config: DefaultConfig):
         self.topology, self.weights, self.memory, self.config = topology, weights, memory, config  # memory [2V, L, E]
+        self.reuse_weights = reuse_weights  # [L, H, F] reuse.py's model
         L, E = topology.num_layers, topology.num_experts
         self.sequences: dict[int, SequenceHistory] = {}
         self.rows: list[SequenceHistory] = []
@@ -123,6 +127,7 @@ class IterationState:
         self.next = np.zeros((L, E), np.float32)  # [L, E] the next token's layers (filled as layers pass)
         self.fresh = np.zeros((NUM_BUCKETS, E), np.float32)  # [3, E] from cut c = layer_now >= 0: c+1, c+2, next c
         self.next_use = np.zeros((L, E))  # [L, E] the layer, counted from this token's first, of each next use
+        self.reuse = reuse.initial_state(L, E)  # [rows, L, E] the stream's ages and averages, the waits (reuse.py)
         self.epoch = 0  # bumped when every row of next_use changes (begin); observe(c) changes rows c..c+2
         # (observe comes for every layer in order, as the contract says: a layer skipped would stay 'ahead')
         self._keyed, self._recorded, self._one_call = False, [], False
@@ -167,7 +172,7 @@ class IterationState:
         compiled().union_into(self.start, probs, self._every)  # [L, E]
         compiled().union_into(self.next, probs, self._last)
         self.ahead[:] = self.start
-        compiled().expect(self.next_use, self.ahead, self.next, 0, L, -1)
+        compiled().expect(self.next_use, self.ahead, self.reuse, 0, L, -1)
         self.epoch += 1
 
     def _fix(self, ahead: np.ndarray, following: np.ndarray, tokens: np.ndarray) -> None:
@@ -194,7 +199,7 @@ class IterationState:
             kernels.observe_one(self._routed, self._pre, self._fixed, self.weights.dense, now, self._before,
                                 self._steps, c, history.ring, history.count, self._shared, self.config.recall_beta,
                                 self._window_recall, self._every, self._last, self.fresh, self.ahead, self.next,
-                                self.next_use)
+                                self.next_use, self.reuse, self.reuse_weights)
         else:
             self._routed[self._row_index, c, now] = 1.0
             pre = self._fixed[c].copy()  # [T, 3, U]
@@ -202,7 +207,8 @@ class IterationState:
             if self.config.cut_recall:
                 self._cut_recall(c, now, pre)
             logits = head(self.weights, pre, c)  # [T, 3, E]: the weights of cut c
-            kernels.absorb(logits, self._every, self._last, c, self.fresh, self.ahead, self.next, self.next_use)
+            kernels.absorb(logits, self._every, self._last, c, self.fresh, self.ahead, self.next, self.next_use, now,
+                           self.reuse, self.reuse_weights)
         self._before, self.layer_now = now, c
         if c == L - 1:
             for history, routed_token, token in zip(self.rows, self._routed, self._recorded):

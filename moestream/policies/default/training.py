@@ -1,4 +1,5 @@
-"""Training of the lean routing model: torch over the same `logits` function the numpy path runs.
+"""Training of the lean routing model: torch over the same `logits` function the numpy path runs; then
+reuse.py's model on its leave-one-out probabilities.
 
 Every step takes a minibatch of rows and every (target layer, horizon bucket) pair at once, each
 row's token memory without the row itself; binary cross-entropy, so the outputs are probabilities.
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moestream.policies.default import reuse
 from moestream.policies.default.features import TokenMemory, TraceFeatures, memory_index
 from moestream.policies.default.model import (
     NUM_BLOCKS,
@@ -19,6 +21,7 @@ from moestream.policies.default.model import (
     DefaultConfig,
     DefaultWeights,
     logits,
+    sigmoid,
 )
 from moestream.predictors.configs import TrainConfig
 
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 
 TOKEN_DROPOUT = 0.1  # share of training rows whose token is shown as unknown
 INIT_STD = 0.05  # initial spread of the hidden layer's weights
+REUSE_ROWS = 6000  # rows of the trace the reuse model is fitted on (at most)
+CHUNK_ROWS = 512  # rows whose probabilities the reuse model's training computes at once
 
 
 def pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -57,9 +62,9 @@ def pair_features(features: TraceFeatures, cuts: np.ndarray, targets: np.ndarray
 
 
 def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: DefaultConfig,
-                  train: TrainConfig) -> tuple[DefaultWeights, np.ndarray, list[float]]:
-    """Fits the model on the trace's rows (tokens: their vocabulary indices); returns numpy weights,
-    the token memory's table and each epoch's mean loss."""
+                  train: TrainConfig) -> tuple[DefaultWeights, np.ndarray, np.ndarray, list[float]]:
+    """Fits the model on the trace's rows (tokens: their vocabulary indices), then reuse.py's on them;
+    returns numpy weights, the token memory's table, the reuse model's weights and each epoch's mean loss."""
     import torch
     from moestream.progress import progress_bar
 
@@ -106,4 +111,31 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: D
         log.info("default epoch %d: loss %.4f", len(losses), losses[-1])
     bar.close()
     trained = DefaultWeights(**{name: t.detach().numpy().copy() for name, t in weights.arrays().items()})
-    return trained, features.memory, losses
+    starts = np.flatnonzero(buckets == START)
+    reuse_weights = train_reuse(trained, features, memory, recall[:, starts], targets[starts], rng)
+    return trained, features.memory, reuse_weights, losses
+
+
+def train_reuse(weights: DefaultWeights, features: TraceFeatures, memory: TokenMemory, recall: np.ndarray,
+                targets: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """reuse.py's weights, fitted at up to REUSE_ROWS rows that a token of their sequence follows, in the
+    trace's stream (recall [N, L, E]: the START pairs' of `targets`)."""
+    following = np.flatnonzero(features.prev >= 0)  # rows whose previous row is of their sequence
+    chosen = np.sort(rng.choice(following, min(REUSE_ROWS, len(following)), replace=False))
+    q = np.concatenate([next_token_probs(weights, features, memory, recall, targets, chunk)
+                        for chunk in np.array_split(chosen, max(1, -(-len(chosen) // CHUNK_ROWS)))])
+    rows = features.prev[chosen]
+    age, ema = reuse.stream_inputs(features.hot, rows)
+    return reuse.fit(q, age, ema, reuse.next_use_distance(features.hot, rows))
+
+
+def next_token_probs(weights: DefaultWeights, features: TraceFeatures, memory: TokenMemory, recall: np.ndarray,
+                     targets: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[B, L, E]: the START probabilities of rows as the previous row's iteration predicts them (their token
+    not known yet), each row's token memory without the row itself."""
+    vocab_size = len(memory.counts)
+    shown = np.zeros(len(rows), np.int64)
+    known = memory.without(features.hot[rows], memory_index(shown, features.before[rows], vocab_size))
+    cuts = np.full(len(targets), -1)
+    x = pair_features(features, cuts, targets, rows, recall, known)
+    return sigmoid(logits(weights, x, shown[:, None], (targets, np.full(len(targets), START))))

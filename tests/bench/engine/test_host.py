@@ -67,6 +67,7 @@ def test_the_all_resident_run_is_compared_with_plain_transformers(small_host_ben
     assert versus["transformers_steady_tpot_ms"] == plain["steady_tpot_ms"]
     text = " ".join(stdout.split())  # the report wraps its lines
     assert "all resident vs plain transformers" in text and f"{versus['ratio']:.2f}x" in text
+    assert versus["cpu_ratio"] > 0 and f"in CPU time {versus['cpu_ratio']:.2f}x" in text
 
 
 def test_a_sync_run_without_the_warm_up_reads_its_misses_from_disk(tiny_checkpoint):

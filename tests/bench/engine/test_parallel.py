@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from moestream.bench.engine import isolation, parallel
-from moestream.bench.engine.parallel import summary
-from moestream.bench.engine.runners import summed_report
+from moestream.bench.engine.parallel import summary, summed_report
+from moestream.cli import main
 
 
 def record(tokens: int, tpot_ms: float, ranks: list[tuple[int, int, int, float]] | None = None) -> dict:
@@ -97,7 +97,7 @@ def test_bench_engine_expert_parallel_caps_every_process(tmp_path):
     assert "cap MiB" in done.stdout
 
 
-def test_under_torchrun_each_rank_is_summed_over_the_generations_of_a_run():
+def test_each_rank_is_summed_over_the_generations_of_a_run():
     def report(rank_figures):
         return {"world_size": 2, "placement": "balanced", "backend": "gloo", "ranks": [
             {"rank": r, "hits": h, "misses": m, "bytes_read": {"disk": d, "host": 0}, "combine_s": 0.5,
@@ -107,3 +107,10 @@ def test_under_torchrun_each_rank_is_summed_over_the_generations_of_a_run():
     assert (got["world_size"], got["placement"]) == (2, "balanced")
     assert [(r["rank"], r["hits"], r["misses"], r["hit_rate"], r["bytes_read"]["disk"], r["combine_s"])
             for r in got["ranks"]] == [(0, 4, 4, 0.5, 110, 1.0), (1, 2, 6, 0.25, 110, 1.0)]
+
+
+def test_bench_engine_under_torchrun_is_refused_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["bench", "engine", "--small"]) == 2
+    assert "run it without torchrun" in capsys.readouterr().err

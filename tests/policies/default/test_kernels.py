@@ -6,7 +6,10 @@ import sys
 import numpy as np
 import pytest
 
-from moestream.policies.default.kernels import absorb, add_cut_recall, add_routed, expect, union_into
+from scipy.special import expit
+
+from moestream.policies.default import reuse
+from moestream.policies.default.kernels import absorb, add_cut_recall, add_routed, expect, reuse_row, union_into, waits
 
 E, U, L = 8, 8, 5
 
@@ -47,19 +50,62 @@ def test_union_is_the_chance_that_some_row_needs_the_expert():
     assert not out.any()  # no rows: nothing is needed
 
 
+def random_reuse_state(rng) -> np.ndarray:
+    state = reuse.initial_state(L, E)
+    state[reuse.AGE] = rng.choice([0.0, 1.0, 3.0, 7.0, 40.0, reuse.NEVER], size=(L, E))
+    state[reuse.FIRST_EMA:reuse.PASSED] = rng.uniform(size=(len(reuse.DECAYS), L, E))
+    state[reuse.PASSED:] = rng.uniform(1.0, 20.0, size=(2, L, E))
+    return state
+
+
 def test_expect_waits_for_layers_ahead_and_for_the_next_token_at_the_layer_passed():
     rng = np.random.default_rng(2)
-    ahead, following = rng.uniform(size=(2, L, E)).astype(np.float32)
-    following[3, 0] = 0.0  # floored at 1e-4
+    ahead = rng.uniform(size=(L, E)).astype(np.float32)
+    state = random_reuse_state(rng)
     next_use = np.full((L, E), -1.0)
-    expect(next_use, ahead, following, 2, 4, 2)
-    q = np.maximum(following, np.float32(1e-4)).astype(np.float64)
-    layers = np.arange(L)[:, None]
-    np.testing.assert_allclose(next_use[2], 2 + L / q[2])
-    np.testing.assert_allclose(next_use[3], 3 + L * (1 - ahead[3].astype(np.float64)) / q[3])
+    expect(next_use, ahead, state, 2, 4, 2)
+    passed, later = state[reuse.PASSED], state[reuse.AHEAD]
+    np.testing.assert_allclose(next_use[2], 2 + L * passed[2])  # only the next iterations can need it
+    np.testing.assert_allclose(next_use[3], 3 + L * (1 - ahead[3].astype(np.float64)) * later[3])
     assert (next_use[[0, 1, 4]] == -1.0).all()  # rows outside first..stop stay
-    expect(next_use, ahead, following, 0, L, -1)
-    np.testing.assert_allclose(next_use, layers + L * (1 - ahead.astype(np.float64)) / q)
+    expect(next_use, ahead, state, 0, L, -1)
+    np.testing.assert_allclose(next_use, np.arange(L)[:, None] + L * (1 - ahead.astype(np.float64)) * later)
+
+
+@pytest.mark.parametrize("q", [0.02, 0.3, 0.9])
+def test_the_waits_of_a_geometric_survival_are_its_mean_up_to_the_last_horizon(q):
+    """Use at rate q an iteration: the expected wait counted as 8 if later, sum(S(k), k < 8), and past an
+    iteration that missed it, sum(S(k), 1 <= k < 8) / S(1)."""
+    passed, ahead = waits(*[(1 - q) ** h for h in reuse.HORIZONS])
+    assert passed == pytest.approx((1 - (1 - q) ** 8) / q) and ahead == pytest.approx((1 - (1 - q) ** 7) / q)
+
+
+def test_waits_grow_as_the_survival_does():
+    low, high = waits(0.5, 0.3, 0.2, 0.1), waits(0.6, 0.5, 0.4, 0.35)
+    assert low[0] < high[0] and low[1] < high[1]
+
+
+def test_reuse_row_keeps_the_stream_s_inputs_and_turns_the_model_s_chances_into_waits():
+    """reuse.inputs of the updated age and averages, the chances made non-decreasing over the horizons,
+    kernels.waits of their survival; the other layers stay."""
+    rng = np.random.default_rng(5)
+    state = random_reuse_state(rng)
+    weights = rng.normal(size=(L, len(reuse.HORIZONS), reuse.NUM_INPUTS)).astype(np.float32)
+    q = rng.uniform(size=E).astype(np.float32)
+    now, c = np.array([[1, 4], [4, 6]]), 2
+    before = state.copy()
+    reuse_row(state, weights, now, c, q)
+    used = np.isin(np.arange(E), now)
+    decays = np.array(reuse.DECAYS)[:, None]
+    np.testing.assert_array_equal(state[reuse.AGE, c], np.where(used, 0.0, before[reuse.AGE, c] + 1))
+    ema = decays * before[reuse.FIRST_EMA:reuse.PASSED, c] + (1 - decays) * used
+    np.testing.assert_allclose(state[reuse.FIRST_EMA:reuse.PASSED, c], ema)
+    x = reuse.inputs(q, state[reuse.AGE, c], ema)  # [E, F]
+    survive = 1 - np.maximum.accumulate(expit(x @ weights[c].T.astype(np.float64)), axis=1)  # [E, H]
+    want = np.array([waits(*row) for row in survive])  # [E, 2]
+    np.testing.assert_allclose(state[reuse.PASSED:, c].T, want, rtol=1e-9)
+    others = np.arange(L) != c
+    np.testing.assert_array_equal(state[:, others], before[:, others])
 
 
 @pytest.mark.parametrize("c", [0, L - 2, L - 1])
@@ -70,8 +116,11 @@ def test_absorb_fills_the_cut_s_layers_and_the_next_token_s(c):
     fresh, ahead, following = (np.zeros((n, E), np.float32) for n in (3, L, L))
     ahead_before, following_before = rng.uniform(size=(2, L, E)).astype(np.float32)
     ahead[:], following[:] = ahead_before, following_before
-    next_use = np.zeros((L, E))
-    absorb(logits, np.arange(3), np.array([2]), c, fresh, ahead, following, next_use)
+    next_use, state = np.zeros((L, E)), random_reuse_state(rng)
+    weights = rng.normal(size=(L, len(reuse.HORIZONS), reuse.NUM_INPUTS)).astype(np.float32)
+    want_state = state.copy()
+    now = np.array([[0, 3], [5, 3], [2, 7]])
+    absorb(logits, np.arange(3), np.array([2]), c, fresh, ahead, following, next_use, now, state, weights)
     for bucket in (0, 1):  # every row's union
         np.testing.assert_allclose(fresh[bucket], 1 - np.prod(1 - probs[:, bucket], axis=0), rtol=1e-5)
     np.testing.assert_allclose(fresh[2], probs[2, 2], rtol=1e-5)  # the next token: the last row alone
@@ -79,11 +128,12 @@ def test_absorb_fills_the_cut_s_layers_and_the_next_token_s(c):
     want_ahead, want_following = ahead_before.copy(), following_before.copy()
     want_ahead[c + 1:c + 1 + ahead_now], want_following[c] = fresh[:ahead_now], fresh[2]
     assert np.array_equal(ahead, want_ahead) and np.array_equal(following, want_following)
-    q = np.maximum(want_following, np.float32(1e-4)).astype(np.float64)
-    wait = L * (1 - want_ahead.astype(np.float64)) / q
-    wait[c] = L / q[c]  # the layer just passed: only the next token can need it
+    reuse_row(want_state, weights, now, c, want_following[c])  # layer c's reuse, from the next token's c
+    np.testing.assert_array_equal(state, want_state)
+    wait = (1 - want_ahead.astype(np.float64)) * state[reuse.AHEAD]
+    wait[c] = state[reuse.PASSED, c]  # the layer just passed: only the next tokens can need it
     rows = slice(c, c + 1 + ahead_now)
-    np.testing.assert_allclose(next_use[rows], np.arange(L)[rows, None] + wait[rows])
+    np.testing.assert_allclose(next_use[rows], np.arange(L)[rows, None] + L * wait[rows])
     assert not np.delete(next_use, np.arange(L)[rows], axis=0).any()  # the other rows stay
 
 

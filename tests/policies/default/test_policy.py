@@ -40,14 +40,7 @@ def test_eviction_keeps_the_experts_it_expects_sooner(policy, traces):
     for key in keys:
         cache.admit(key)
     victim = eviction.victim(keys)
-    assert wait[victim] == wait.max()
-    L, c = TOPOLOGY.num_layers, 1
-    q = np.maximum(predictor.state.next, 1e-4)
-    passed = np.arange(L) <= c  # only the next token can use them: layers until it reaches l, then L/q per use
-    np.testing.assert_allclose(wait[passed], (np.arange(L)[passed] - c)[:, None] + L / q[passed], rtol=1e-5)
-    ahead = ~passed
-    p = predictor.state.ahead[ahead]
-    np.testing.assert_allclose(wait[ahead], (np.arange(L)[ahead] - c)[:, None] + (1 - p) * L / q[ahead], rtol=1e-5)
+    assert wait[victim] == wait.max()  # the waits themselves: test_reuse.py
 
 
 def test_without_a_trained_model_it_stops_with_what_to_pass(traces):

@@ -57,6 +57,20 @@ def test_a_directory_with_an_older_token_memory_asks_to_retrain(policy, tmp_path
         POLICIES.create("default", TOPOLOGY, predictor_dir=directory)
 
 
+def test_a_directory_without_the_reuse_model_asks_to_retrain(policy, tmp_path):
+    import pytest
+    from safetensors.numpy import load_file, save_file
+
+    from moestream.policies.trained import PredictorFileError
+
+    directory = policy.save(tmp_path / "old")
+    tensors = load_file(str(directory / "weights.safetensors"))
+    del tensors["reuse"]  # saved before eviction waited by reuse distance
+    save_file(tensors, str(directory / "weights.safetensors"))
+    with pytest.raises(PredictorFileError, match="reuse model is none.*retrain"):
+        POLICIES.create("default", TOPOLOGY, predictor_dir=directory)
+
+
 def test_the_token_memory_is_a_map_of_the_file_and_the_rest_is_read(policy, tmp_path):
     import mmap
 

@@ -1,6 +1,6 @@
 """The results figure is a PNG written in place."""
 
-from moestream.sim.plots import plot_results
+from moestream.bench.tools.plots import plot_results
 
 
 def test_plot_writes_a_png(tmp_path):

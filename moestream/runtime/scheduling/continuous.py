@@ -1,5 +1,7 @@
-"""Continuous batching, as a batching rule of the engine's scheduler (runtime/scheduler.py):
-sequences join and leave the running set between steps (docs/design.md, Scheduling).
+"""Continuous batching, as a batching rule of the scheduler (scheduler.py): sequences join and leave
+the running set between steps (docs/design.md, Scheduling); and `open_scheduler`, the scheduler of a
+`BatchingConfig` that the server's batcher and `LLM` drive: continuous batches with the KV budget
+where the runner keeps per-sequence caches, else static batches without one.
 
 Each step is one prefill of waiting prompts or the decode of one batch of running sequences, which
 the token scheduler groups; each sequence keeps its own KV cache, merged into a decode batch's cache
@@ -15,10 +17,11 @@ from typing import Callable
 
 import numpy as np
 
+from moestream.config import BatchingConfig
 from moestream.runtime import kv
 from moestream.runtime.runner import BatchCache, Sequence
-from moestream.runtime.scheduler import ScheduledBatch
-from moestream.serving.token_scheduler import RoutingPaths, TokenScheduler
+from moestream.runtime.scheduling.scheduler import Admission, ScheduledBatch, Scheduler, StaticBatches
+from moestream.runtime.scheduling.token_scheduler import TOKEN_SCHEDULERS, RoutingPaths, TokenScheduler
 
 
 @dataclass
@@ -106,3 +109,17 @@ class ContinuousBatches:
         group = self._groups[self._turn % len(self._groups)]
         self._turn += 1
         return [by_id[i] for i in group]
+
+
+def open_scheduler(engine, config: BatchingConfig, clock: Callable[[], float] = time.perf_counter) -> Scheduler:
+    """A scheduler on the engine under the config: at most num_seqs sequences; continuous batches
+    with the KV budget where the runner keeps per-sequence caches (their routing paths observed until
+    it closes), else static batches without one. clock: that of Sequence.arrived."""
+    if not engine.per_sequence_cache:
+        return engine.scheduler(StaticBatches(config.max_batch_size), admission=Admission(config.num_seqs))
+    admission = Admission(config.num_seqs, config.kv_budget_bytes, engine.kv_bytes_per_token())
+    paths = RoutingPaths(engine.checkpoint.topology)
+    rule = ContinuousBatches(config.max_batch_size, config.prefill_token_budget, config.max_prefill_delay_ms,
+                             TOKEN_SCHEDULERS.create(config.token_scheduler), paths, engine.config.device, clock)
+    engine.add_observer(paths)
+    return engine.scheduler(rule, admission=admission, paths=paths, detach=lambda: engine.remove_observer(paths))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moestream.events import IterationContext, RoutingEvent
-from moestream.serving.token_scheduler import TOKEN_SCHEDULERS, RoutingPaths
+from moestream.runtime.scheduling.token_scheduler import TOKEN_SCHEDULERS, RoutingPaths
 from moestream.topology import Topology
 
 NUM_LAYERS, NUM_EXPERTS = 4, 8

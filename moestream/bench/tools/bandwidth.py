@@ -1,8 +1,9 @@
 """Cold read bandwidth of the disk tier, measured with the store's own DiskReader.
 
-Used by `moestream bench streaming` and `bench engine` to report what the disk delivers (bench engine:
-the O_DIRECT bandwidth of its physical limit). Files are dropped from the page cache first and read with O_DIRECT where the filesystem
-allows it, so the figures are disk figures, not memory copies. `cold_read_samples` takes one sample
+Used by `moestream bench engine` to report what the disk delivers (the O_DIRECT bandwidth of its
+physical limit; under --streaming, the reference its streaming is held against). Files are dropped from
+the page cache first and read with O_DIRECT where the filesystem allows it, so the figures are disk
+figures, not memory copies. `cold_read_samples` takes one sample
 of each way of reading: a file front to back (the sequential reference, two ways), random experts a
 decode step's top_k at a time, and a layer pass (every expert of a few layers, one batch per layer,
 as the store reads a layer whose tokens route to all its experts); a `ColdReadLog` keeps the samples

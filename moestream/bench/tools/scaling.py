@@ -44,7 +44,7 @@ def run_ranks(args, flags: RanksConfig, trace, train, policies: dict, configs: l
     if args.json is not None:
         write_json(_document(args, flags, configs[0], trace, results) | {"hidden_bytes": hidden}, args.json)
     if args.plot is not None:
-        from moestream.sim.plots import plot_scaling
+        from moestream.bench.tools.plots import plot_scaling
 
         title = f"{args.trace.name}: {flags.expert_parallel_placement} placement, {flags.network} network"
         plot_scaling(results, args.plot, title)

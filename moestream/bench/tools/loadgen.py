@@ -10,16 +10,14 @@ import asyncio
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 import numpy as np
 
 from moestream.atomic import atomic_path
-from moestream.errors import MoestreamError
-from moestream.serving.workload import PlannedRequest
+from moestream.bench.tools.workload import PlannedRequest
+from moestream.checks import check_loopback
 
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 PERCENTILES = (50, 90, 99)
 
 
@@ -37,13 +35,6 @@ class Measured:
 class Slo:
     ttft_s: float = 2.0
     tpot_s: float = 0.2
-
-
-def check_loopback(url: str, refusal: str = "loadgen only targets") -> None:
-    """Refuses a URL whose host is not this machine; `refusal` begins the message (the command's words)."""
-    host = urlparse(url).hostname
-    if host not in LOOPBACK_HOSTS:
-        raise MoestreamError(f"{refusal} servers on this machine (127.0.0.1, localhost, ::1), not {host!r}")
 
 
 async def _one(client: httpx.AsyncClient, request: PlannedRequest, start: float, model: str | None) -> Measured:

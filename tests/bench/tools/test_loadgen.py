@@ -6,10 +6,15 @@ import statistics
 
 import pytest
 
+from moestream.bench.tools.workload import TraceRequest, plan, prompt_texts, read_trace, trace_path
 from moestream.cli import main
 from moestream.runtime import Engine, EngineConfig
 from moestream.serving.server import Server
-from moestream.serving.workload import TraceRequest, plan, prompt_texts, read_trace, trace_path
+
+
+@pytest.fixture(scope="module")
+def serving_checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("qwen2_moe", num_layers=2)  # the serving tests' checkpoint
 
 
 def _azure(path, rows):

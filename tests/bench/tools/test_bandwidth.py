@@ -2,11 +2,25 @@ import math
 
 import pytest
 
+from moestream.bench.tools.bandwidth import (
+    COLD_READ_METHODS,
+    LAYERS_PER_PASS,
+    ColdReadLog,
+    cold_read_samples,
+    drop_page_cache,
+    expert_stream_bandwidth,
+    layer_pass,
+    random_experts,
+    sequential_read_bandwidth,
+)
 from moestream.errors import CheckpointError
-from moestream.store.bandwidth import (COLD_READ_METHODS, LAYERS_PER_PASS, ColdReadLog, cold_read_samples,
-                                      drop_page_cache, expert_stream_bandwidth, layer_pass, random_experts,
-                                      sequential_read_bandwidth)
 from moestream.topology import ExpertKey
+from tests.store.conftest import TinyCheckpoint, write_checkpoint
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> TinyCheckpoint:
+    return write_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("direct_io", [True, False])

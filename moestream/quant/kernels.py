@@ -1,0 +1,105 @@
+"""How quantized experts compute, by name (`EngineConfig.quant_kernel`, `--quant-kernel`):
+
+- "exact" (the default, and the reference): each expert decoded into the compute dtype right before its
+  MLP (`ExpertDecoder`), bit for bit transformers' model with the same experts dequantized;
+- "packed-cpu" (quant/packed_cpu.py): GPTQ experts computed from their packed bytes on the CPU, no dense
+  copy written; faster, not bit-identical (the engine logs so when it starts).
+
+`quant_kernel(name, checkpoint, device)` refuses, in one line, a kernel asked for what it does not cover
+(naming the format and the kernels that cover it), before anything is loaded; the kernel it returns turns
+the engine's `ExpertDecoder` into what the experts call (`LayerRows.decode`). Knows codecs and the
+checkpoint's index, not stores, policies or the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from moestream.errors import MoestreamError
+from moestream.quant import compressed_tensors, gptq
+from moestream.quant.codec import ExpertCodec
+from moestream.quant.decoder import ExpertDecoder
+from moestream.quant.packed_cpu import PackedExperts
+from moestream.registry import Registry
+
+if TYPE_CHECKING:
+    from moestream.checkpoint.index import CheckpointIndex
+
+log = logging.getLogger(__name__)
+
+
+def format_of(codec: ExpertCodec | None) -> str:
+    """The experts' format in words: "gptq int4", "compressed-tensors pack-quantized int4", "mxfp4", ..."""
+    if codec is None:
+        return "unquantized"
+    bits = getattr(codec, "bits", None)
+    words = (codec.registry_name, getattr(codec, "format", None), f"int{bits}" if bits else None)
+    return " ".join(word for word in words if word)
+
+
+class QuantKernel:
+    """A way of computing quantized experts: `covers` the formats it reads, `refusal` why it cannot run a
+    checkpoint (None: it can), `__call__` what the experts call, from the engine's decoder (None for an
+    unquantized checkpoint)."""
+
+    registry_name: str
+
+    def covers(self, codec: ExpertCodec | None) -> bool:
+        return True
+
+    def refusal(self, checkpoint: "CheckpointIndex", device: str) -> str | None:
+        return None
+
+    def __call__(self, decoder: ExpertDecoder | None, checkpoint: "CheckpointIndex"):
+        return decoder
+
+
+QUANT_KERNELS: Registry[QuantKernel] = Registry("quantized expert kernel")
+
+
+@QUANT_KERNELS.register("exact")
+class ExactKernel(QuantKernel):
+    """Decode into the compute dtype, then the MLP: every format, every device."""
+
+
+@QUANT_KERNELS.register("packed-cpu")
+class PackedCpuKernel(QuantKernel):
+    """GPTQ int4 and int8 experts (desc_act false) from their packed bytes, on the CPU."""
+
+    def covers(self, codec: ExpertCodec | None) -> bool:
+        return isinstance(codec, gptq.GptqCodec)
+
+    def refusal(self, checkpoint: "CheckpointIndex", device: str) -> str | None:
+        codec, name = checkpoint.codec, f"--quant-kernel {self.registry_name}"
+        if isinstance(codec, compressed_tensors.CompressedTensorsCodec):
+            return (f"{name} reads GPTQ's layout, and these experts are {format_of(codec)}, the layout `moestream "
+                    f"quantize` writes without --layout gptq: re-run `moestream quantize --format int{codec.bits} "
+                    "--layout gptq` on the unquantized checkpoint, or use --quant-kernel exact")
+        if not self.covers(codec):
+            return f"{name} does not cover {format_of(codec)} experts; kernels that cover them: {covering(codec)}"
+        if device != "cpu":
+            return f"{name} computes on the CPU, not --device {device}; kernels that cover it: exact"
+        if not checkpoint.adapter.uses_experts_registry:
+            return (f"{name} computes transformers' experts modules, and {checkpoint.adapter.model_type}'s are "
+                    "moestream's own; kernels that cover them: exact")
+        return None
+
+    def __call__(self, decoder: ExpertDecoder | None, checkpoint: "CheckpointIndex") -> PackedExperts:
+        log.warning("moestream: --quant-kernel %s computes the experts from their packed bytes: not bit-identical "
+                    "to the exact path (--quant-kernel exact), so tokens may differ", self.registry_name)
+        return PackedExperts(decoder, {p.param: p.shape for p in checkpoint.experts.layout}, checkpoint.codec.bits)
+
+
+def covering(codec: ExpertCodec | None) -> str:
+    """The kernels that cover a checkpoint's experts, comma separated."""
+    return ", ".join(name for name in QUANT_KERNELS.names() if QUANT_KERNELS.create(name).covers(codec))
+
+
+def quant_kernel(name: str, checkpoint: "CheckpointIndex", device: str) -> QuantKernel:
+    """The kernel `name` for this checkpoint on `device`; MoestreamError, one line, where it cannot run it."""
+    kernel = QUANT_KERNELS.create(name)
+    reason = kernel.refusal(checkpoint, device)
+    if reason is not None:
+        raise MoestreamError(reason)
+    return kernel

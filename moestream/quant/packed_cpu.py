@@ -1,0 +1,176 @@
+"""The `packed-cpu` kernel: GPTQ experts (4 or 8 bits, desc_act false; what `moestream quantize --layout
+gptq` writes) computed on the CPU from their packed bytes, no dense copy of the expert written.
+
+GPTQ packs each word along the inputs (qweight [I / (32 / b), O]), so a word row holds 32 / b inputs of
+every output column, and a product x [M, I] -> [M, O] runs with the outputs in the vector lanes: for each
+word row w and each of its values j, acc[m, o] += q[(32 / b) w + j, o] * x[m, (32 / b) w + j], the integer
+taken out of its word in a register and the sum in float32; at each group's end, out[m, o] += scale[g, o]
+* (acc[m, o] - zero[g, o] * sum of x[m] over the group). numba compiles the loops (cached on disk).
+
+Not bit-identical to the exact path (decode into the compute dtype, then F.linear): each weight is
+(q - zero) * scale exactly, never rounded to the compute dtype, and the sums run in another order. Rows
+beyond `MAX_ROWS` per expert (long prefills) go the exact way, where one decode serves them all: the kernel's
+cost grows with the rows (0.3-0.45 ms a row for a half-width expert), GPTQ's decode costs 20-50 ms an expert
+(docs/measurements/quant-cpu-kernel.md).
+Knows codecs and `ExpertMath`'s stages, not stores, policies or the runtime.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import float32, int32, types
+from numba.extending import overload
+
+from moestream.errors import CheckpointError
+from moestream.quant.codec import Tensors
+from moestream.quant.decoder import ExpertDecoder
+
+MAX_ROWS = 64  # rows of one expert computed from its packed bytes; more are decoded (see the docstring)
+
+
+def _compile(function):
+    """numba.njit without the GIL (the store's threads run meanwhile, as beside torch's products), cached on
+    disk where numba finds a writable place (else compiled in each process)."""
+    options = dict(fastmath=True, boundscheck=False, nogil=True)
+    try:
+        return numba.njit(cache=True, **options)(function)
+    except RuntimeError:  # numba's "no locator available": a read-only install without a cache directory
+        return numba.njit(**options)(function)
+
+
+def _group_kernel(bits: int):
+    """The compiled loop that sums one group of `bits`-bit GPTQ words: (words [I / (32 / b), O] int32, x [M, I]
+    float32, first, last, acc [M, O]) -> acc = x[:, first (32 / b): last (32 / b)] times the values of word
+    rows [first, last) (each word's values lowest first). `bits` is a constant of the compiled code, so that
+    the shifts are, and the loop over the outputs runs in vector lanes."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+
+    def group(words, x, first, last, acc):
+        m = int32(mask)
+        acc[:, :] = 0
+        for w in range(first, last):
+            row = words[w]
+            for r in range(x.shape[0]):
+                xr, ar, at = x[r], acc[r], per_word * w
+                for o in range(row.shape[0]):
+                    a = ar[o]
+                    for j in range(per_word):
+                        a += float32(int32((row[o] >> (bits * j)) & m)) * xr[at + j]
+                    ar[o] = a
+
+    return _compile(group)
+
+
+_int4_group, _int8_group = _group_kernel(4), _group_kernel(8)
+
+
+@_compile
+def _zeros(packed, bits, out):
+    """out [O] = the GPTQ zero points (stored minus one) of one group's packed row [O / (32 / b)], as floats."""
+    mask = (1 << bits) - 1
+    per_word = 32 // bits
+    for k in range(packed.shape[0]):
+        word = packed[k]
+        for j in range(per_word):
+            out[k * per_word + j] = float32(((word >> (bits * j)) + 1) & mask)
+
+
+@_compile
+def gptq_product(words, scales, zeros, bits, x, out, col):
+    """out[:, col: col + O] = x [M, I] (float32) times GPTQ's weight: words [I / (32 / b), O] int32, scales
+    [g, O] (float32, or int16: bf16's bits), zeros [g, O / (32 / b)] int32 (stored minus one), groups of
+    I / g inputs in order."""
+    groups, outs = scales.shape
+    per_group = words.shape[0] // groups
+    inputs = per_group * (32 // bits)  # of a group
+    acc = np.empty((x.shape[0], outs), np.float32)
+    zero, scale = np.empty(zeros.shape[1] * (32 // bits), np.float32), np.empty(outs, np.float32)
+    out[:, col: col + outs] = 0
+    for g in range(groups):
+        if bits == 4:
+            _int4_group(words, x, g * per_group, (g + 1) * per_group, acc)
+        else:
+            _int8_group(words, x, g * per_group, (g + 1) * per_group, acc)
+        _zeros(zeros[g], bits, zero)
+        widen(scales[g], scale)
+        for r in range(x.shape[0]):
+            x_sum = x[r, g * inputs: (g + 1) * inputs].sum()
+            orow, arow = out[r, col: col + outs], acc[r]
+            for o in range(outs):
+                orow[o] += scale[o] * (arow[o] - zero[o] * x_sum)
+
+
+def widen(values: np.ndarray, out: np.ndarray) -> None:
+    """out [O] float32 = values [O]: floats, or int16 holding bf16's bits (a float32's high half)."""
+    out[:] = (values.astype(np.int32) << 16).view(np.float32) if values.dtype == np.int16 else values
+
+
+@overload(widen)
+def _widen(values, out):
+    """widen compiled for the values' type, chosen when gptq_product is compiled."""
+    if values.dtype == types.int16:
+        def from_bf16(values, out):
+            bits = out.view(np.int32)
+            for o in range(values.shape[0]):
+                bits[o] = int32(values[o]) << 16
+        return from_bf16
+
+    def from_float(values, out):
+        for o in range(values.shape[0]):
+            out[o] = values[o]
+    return from_float
+
+
+class PackedExperts:
+    """A GPTQ checkpoint's experts for `packed-cpu`: called with an expert's slot views it decodes them as
+    its `ExpertDecoder` does (whoever needs dense weights); `mlp` computes the expert's MLP from them."""
+
+    def __init__(self, decoder: ExpertDecoder, layout: dict[str, tuple[int, ...]], bits: int):
+        """layout: the slot's part shapes by name ("{param}.{j}.{role}", roles of gptq.ROLES); CheckpointError
+        where a linear's GPTQ tensors do not agree (the kernel reads them unchecked)."""
+        self.decoder, self.bits = decoder, bits
+        self.linears = {param: linears_of(layout, param, bits) for param in decoder.scratch}
+        self.outs = {param: weight.shape[0] for param, weight in decoder.scratch.items()}
+
+    def __call__(self, parts: Tensors) -> Tensors:
+        return self.decoder(parts)
+
+    def mlp(self, math, rows: torch.Tensor, parts: Tensors) -> torch.Tensor:
+        """One expert's MLP without its post stage, `math` a transformers experts module's (FusedExpertMath):
+        rows [n, H] -> [n, H] in rows' dtype."""
+        if rows.shape[0] > MAX_ROWS:
+            weights = self.decoder(parts)
+            return math.down(math.act(math.up(rows, weights)), weights)
+        up = self.project(rows, parts, math.up_name)  # [n, 2I] or [n, I]
+        return self.project(math.act(up), parts, "down_proj")  # [n, H]
+
+    def project(self, x: torch.Tensor, parts: Tensors, param: str) -> torch.Tensor:
+        """x [n, in] times the dense weight `param` of an expert's parts -> [n, out] in x's dtype."""
+        inputs = x.float().numpy()  # [n, in]
+        out = np.empty((x.shape[0], self.outs[param]), dtype=np.float32)  # [n, out]
+        for q, scale, zero, row in self.linears[param]:
+            gptq_product(parts[q].numpy(), as_numpy(parts[scale]), parts[zero].numpy(), self.bits, inputs, out, row)
+        return torch.from_numpy(out).to(x.dtype)
+
+
+def linears_of(layout: dict[str, tuple[int, ...]], param: str, bits: int) -> list[tuple[str, str, str, int]]:
+    """(q, scale and zero part names, first output row) of each linear of `param`, in row order."""
+    per_word = 32 // bits
+    found, row = [], 0
+    numbers = sorted({int(name.split(".")[-2]) for name in layout if name.startswith(f"{param}.")})
+    for j in numbers:
+        names = tuple(f"{param}.{j}.{role}" for role in ("q", "scale", "zero"))
+        (words, outs), (groups, scaled), zeros = (layout[name] for name in names)
+        if scaled != outs or zeros != (groups, -(-outs // per_word)) or words % groups:
+            raise CheckpointError(f"gptq: the tensors of expert linear {param}.{j} do not agree: qweight "
+                                  f"{(words, outs)}, scales {(groups, scaled)}, qzeros {zeros}")
+        found.append((*names, row))
+        row += outs
+    return found
+
+
+def as_numpy(scale: torch.Tensor) -> np.ndarray:
+    """Scales as gptq_product reads them: bf16 as its bits (int16, no copy), others as float32."""
+    return scale.view(torch.int16).numpy() if scale.dtype == torch.bfloat16 else scale.float().numpy()
