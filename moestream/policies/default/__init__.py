@@ -2,6 +2,7 @@
 
 - model.py: settings, weights and the one forward pass (numpy online, torch in training)
 - features.py: the model's inputs for whole traces; state.py: the same inputs kept online
+- reuse.py: the chance of reuse 1 to 8 iterations ahead, which the eviction's expected waits come from
 - training.py: torch training (imported lazily); storage.py: reading the weights without torch
 - policy.py: predictor, eviction and the registered policy; timing.py: `python -m` figures
 """

@@ -104,33 +104,31 @@ def expect(next_use, ahead, state, first, stop, passed):
 
 
 AGE_EDGES, DECAYS = np.array(reuse.AGE_EDGES, np.float64), np.array(reuse.DECAYS)
-FIRST_LOG = 1 + len(reuse.AGE_EDGES)  # the averages' logs among reuse.inputs
+FIRST_AVERAGE = 1 + len(reuse.AGE_EDGES)  # the averages among reuse.inputs
 
 
 @_compile
 def waits(s1, s2, s4, s8):
     """(passed, ahead) in iterations from the survival at reuse.HORIZONS (the chance of no use within 1, 2,
-    4, 8): the expected wait to the next use, counted as 8 if it is later (sum of the survival from 0 to 7,
-    geometric between the horizons); and the same past the next iteration if it does not use the expert,
+    4, 8): the expected wait to the next use, counted as 8 if it is later (the survival summed from 0 to 7,
+    linear between the horizons); and the same past the next iteration if it does not use the expert,
     (passed - 1) / s1."""
-    s1, s2, s4, s8 = max(s1, 1e-12), max(s2, 1e-12), max(s4, 1e-12), max(s8, 1e-12)
-    fall = np.sqrt(np.sqrt(s8 / s4))  # per iteration from 4 to 8
-    passed = 1.0 + s1 + s2 + np.sqrt(s2 * s4) + s4 * (1.0 + fall + fall * fall + fall * fall * fall)
-    return passed, (passed - 1.0) / s1
+    passed = 1.0 + s1 + 1.5 * s2 + 3.0 * s4 + 1.5 * s8
+    return passed, (passed - 1.0) / max(s1, 1e-12)
 
 
 @_compile
-def reuse_row(state, weights, now, c, q):
+def reuse_row(state, weights, now, c, logit):
     """The reuse state [rows, L, E] (reuse.py) at layer c once it has routed: the age and the averages take
     the experts of now [T, k] (any row's) as this iteration's use; PASSED and AHEAD the `waits` of the
-    chances weights[c] ([H, F], non-decreasing over the horizons) give from reuse.inputs, q [E] the routing
-    model's probability for the next token."""
+    chances weights[c] ([H, F], non-decreasing over the horizons) give from reuse.inputs, logit [E] the
+    routing model's for the next token."""
     num_experts, edges = state.shape[2], AGE_EDGES.shape[0]
     used = np.zeros(num_experts, np.bool_)
     for t in range(now.shape[0]):
         for j in range(now.shape[1]):
             used[now[t, j]] = True
-    w, logs, survive = weights[c], np.empty(DECAYS.shape[0]), np.empty(weights.shape[1])
+    w, averages, survive = weights[c], np.empty(DECAYS.shape[0]), np.empty(weights.shape[1])
     for e in range(num_experts):
         age = 0.0 if used[e] else state[reuse.AGE, c, e] + 1.0
         state[reuse.AGE, c, e] = age
@@ -138,15 +136,13 @@ def reuse_row(state, weights, now, c, q):
         while bucket + 1 < edges and age >= AGE_EDGES[bucket + 1]:
             bucket += 1
         for d in range(DECAYS.shape[0]):
-            average = DECAYS[d] * state[reuse.FIRST_EMA + d, c, e] + (1.0 - DECAYS[d]) * used[e]
-            state[reuse.FIRST_EMA + d, c, e] = average
-            logs[d] = np.log(average + reuse.EMA_FLOOR)
-        p = min(max(np.float64(q[e]), reuse.PROB_FLOOR), 1.0 - reuse.PROB_FLOOR)
-        logit, chance = np.log(p) - np.log1p(-p), 0.0
+            averages[d] = DECAYS[d] * state[reuse.FIRST_EMA + d, c, e] + (1.0 - DECAYS[d]) * used[e]
+            state[reuse.FIRST_EMA + d, c, e] = averages[d]
+        clipped, chance = min(max(np.float64(logit[e]), -reuse.LOGIT_LIMIT), reuse.LOGIT_LIMIT), 0.0
         for h in range(w.shape[0]):
-            z = w[h, 0] * logit + w[h, 1 + bucket]
+            z = w[h, 0] * clipped + w[h, 1 + bucket]
             for d in range(DECAYS.shape[0]):
-                z += w[h, FIRST_LOG + d] * logs[d]
+                z += w[h, FIRST_AVERAGE + d] * averages[d]
             chance = max(chance, 1.0 / (1.0 + np.exp(-z)))
             survive[h] = 1.0 - chance
         state[reuse.PASSED, c, e], state[reuse.AHEAD, c, e] = waits(survive[0], survive[1], survive[2], survive[3])
@@ -157,14 +153,20 @@ def absorb(logits, every, last, c, fresh, ahead, following, next_use, now, state
     """From the logits [T, 3, E] of cut c: fresh [3, E] = the union of every row's probabilities for
     buckets 0 and 1 (c+1, c+2) and of the `last` rows' for START (the next token's c); ahead[c+1],
     ahead[c+2] (below L) and following[c] take them, the reuse state takes layer c (`reuse_row`, now [T, k]
-    routed there, weights the reuse model's) and `expect` renews next_use of rows c..c+2."""
+    routed there, weights the reuse model's, the logit of following[c]: one row's own) and `expect` renews
+    next_use of rows c..c+2."""
     probs = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))  # [T, 3, E]
     union_into(fresh[:2], probs[:, :2], every)
     union_into(fresh[2:], probs[:, 2:], last)
     num_ahead = min(2, ahead.shape[0] - 1 - c)
     ahead[c + 1:c + 1 + num_ahead] = fresh[:num_ahead]
     following[c] = fresh[2]
-    reuse_row(state, weights, now, c, following[c])
+    if last.shape[0] == 1:
+        logit = logits[last[0], 2]
+    else:  # the union's, kept inside (0, 1)
+        union = np.minimum(np.maximum(fresh[2], np.float32(1e-30)), np.float32(1.0 - 1e-7))
+        logit = np.log(union) - np.log1p(-union)
+    reuse_row(state, weights, now, c, logit)
     expect(next_use, ahead, state, c, c + 1 + num_ahead, c)
 
 

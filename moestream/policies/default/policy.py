@@ -2,8 +2,9 @@
 (docs/default-policy.md).
 
 - Prediction: state.IterationState; prefetch: planning.BandwidthAwarePlanner; eviction: DefaultEviction,
-  the resident expert with the longest expected wait to its next use; while recency beats the model
-  on this routing, the duel (duel.py) evicts LRU and plans no speculation.
+  the resident expert with the longest expected wait to its next use (reuse.py's model of reuse 1 to 8
+  iterations ahead; every routed expert is one size, so the bytes to bring one back weigh all alike);
+  while recency beats the model on this routing, the duel (duel.py) evicts LRU and plans no speculation.
 Without a trained model it refuses to run (UntrainedPolicyError): it never silently acts as LRU.
 Knows the policy contract, not the mechanism, time or bytes.
 """
@@ -25,6 +26,8 @@ from moestream.policies.contracts import (
     PrefetchPlanner,
 )
 from moestream.policies.default import reuse
+from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
+from moestream.policies.default.duel import warm_up as warm_up_duel
 from moestream.policies.default.features import (
     TraceFeatures,
     build_vocabulary,
@@ -38,8 +41,6 @@ from moestream.policies.default.model import (
     sigmoid,
     weight_index,
 )
-from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
-from moestream.policies.default.duel import warm_up as warm_up_duel
 from moestream.policies.default.state import IterationState, compiled, warm_up
 from moestream.policies.default.storage import load_arrays
 from moestream.policies.planning import BandwidthAwarePlanner

@@ -3,11 +3,11 @@
 
 Per (layer, horizon), a logistic model over one expert's inputs at a layer just routed (`inputs`): the
 routing model's probability for the next token there (its logit), the iterations since the expert was
-last routed there (one-hot over AGE_EDGES: 0 is this one, the last bucket 17 or more, or never), and the
-log of its use averaged over the stream at each of DECAYS. The stream's inputs count iterations, whichever
+last routed there (one-hot over AGE_EDGES: 0 is this one, the last bucket 17 or more, or never), and its
+use averaged over the stream at each of DECAYS. The stream's inputs count iterations, whichever
 sequence routed them, as the cache sees them. The online state keeps the same inputs and turns the
-chances into expected waits (kernels.reuse_row, kernels.waits: the survival geometric between the horizons,
-a use past the last one counted at it, where the model knows nothing more); `fit` trains the model, numpy's
+chances into expected waits (kernels.reuse_row, kernels.waits: the survival linear between the horizons, a
+use past the last one counted at it, where the model knows nothing more); `fit` trains the model, numpy's
 Newton steps.
 Knows arrays, not events, caches or the routing model's weights.
 """
@@ -20,10 +20,9 @@ from scipy.special import expit
 HORIZONS = (1, 2, 4, 8)  # iterations ahead: the chance of a use within each
 AGE_EDGES = (0, 1, 2, 3, 5, 9, 17)  # first age of each bucket of iterations since the last use
 DECAYS = (0.5, 0.8, 0.95)  # of the stream's averages of each expert's use
-NUM_INPUTS = 1 + len(AGE_EDGES) + len(DECAYS)  # the logit, the age buckets, the averages' logs
+NUM_INPUTS = 1 + len(AGE_EDGES) + len(DECAYS)  # the logit, the age buckets, the averages
 NEVER = float(1 << 20)  # the age of an expert not routed yet
-EMA_FLOOR = 1e-3  # added before the log of an average
-PROB_FLOOR = 1e-4  # the routing model's probability is clipped to [floor, 1 - floor] before its logit
+LOGIT_LIMIT = 9.0  # the routing model's logit is clipped to [-limit, limit]
 AGE, FIRST_EMA = 0, 1  # rows of the online state (kernels.reuse_row): the age, then one average per decay
 PASSED, AHEAD = FIRST_EMA + len(DECAYS), FIRST_EMA + len(DECAYS) + 1  # then the expected waits (below)
 NUM_ROWS = AHEAD + 1
@@ -36,14 +35,13 @@ def initial_state(num_layers: int, num_experts: int) -> np.ndarray:
     return state
 
 
-def inputs(q: np.ndarray, age: np.ndarray, ema: np.ndarray) -> np.ndarray:
-    """[..., NUM_INPUTS] float64 from q [...] (the routing model's next-token probability), age [...] and
+def inputs(logit: np.ndarray, age: np.ndarray, ema: np.ndarray) -> np.ndarray:
+    """[..., NUM_INPUTS] float64 from logit [...] (the routing model's for the next token), age [...] and
     ema [D, ...] (the averages at DECAYS)."""
-    q = np.clip(q.astype(np.float64), PROB_FLOOR, 1.0 - PROB_FLOOR)
     bucket = np.searchsorted(np.array(AGE_EDGES), age, side="right") - 1
     ages = (bucket[..., None] == np.arange(len(AGE_EDGES))).astype(np.float64)
-    logs = np.log(np.moveaxis(ema, 0, -1).astype(np.float64) + EMA_FLOOR)
-    return np.concatenate([(np.log(q) - np.log1p(-q))[..., None], ages, logs], axis=-1)
+    averages = np.moveaxis(ema, 0, -1).astype(np.float64)
+    return np.concatenate([np.clip(logit, -LOGIT_LIMIT, LOGIT_LIMIT)[..., None], ages, averages], axis=-1)
 
 
 def stream_inputs(hot: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,15 +71,15 @@ def next_use_distance(hot: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def fit(q: np.ndarray, age: np.ndarray, ema: np.ndarray, distance: np.ndarray, iterations: int = 10,
+def fit(logit: np.ndarray, age: np.ndarray, ema: np.ndarray, distance: np.ndarray, iterations: int = 10,
         ridge: float = 1e-3) -> np.ndarray:
-    """weights [L, H, F] float32 from the `inputs` of B rows (q, age [B, L, E], ema [D, B, L, E]) and
+    """weights [L, H, F] float32 from the `inputs` of B rows (logit, age [B, L, E], ema [D, B, L, E]) and
     distance [B, L, E] (the labels: a use within each horizon), one ridge logistic regression per (layer,
     horizon) by Newton's steps."""
-    L = q.shape[1]
+    L = logit.shape[1]
     weights = np.zeros((L, len(HORIZONS), NUM_INPUTS))
     for layer in range(L):
-        x = inputs(q[:, layer], age[:, layer], ema[:, :, layer]).reshape(-1, NUM_INPUTS)
+        x = inputs(logit[:, layer].astype(np.float64), age[:, layer], ema[:, :, layer]).reshape(-1, NUM_INPUTS)
         for h, horizon in enumerate(HORIZONS):
             weights[layer, h] = _logistic(x, (distance[:, layer] <= horizon).ravel(), iterations, ridge)
     return weights.astype(np.float32)

@@ -5,9 +5,11 @@ compiled loops of kernels.py); docs/default-policy.md ("Online", "Cost of a deci
 begin() predicts every layer from the tokens' start (bucket START) and fixes every cut's part of the
 pre-activation that the token's own routing does not change; observe(c) adds the routed blocks'
 part and predicts c+1, c+2 and the next token's layer c (a decode's one row, with the shipped linear
-model and its cut recall: one compiled call, kernels.observe_one). A batch's probability for an expert is the
-chance that at least one row needs it; for the next token's layers, of the rows that end their
-sequence's part of the iteration. Knows arrays and events, not caches.
+model and its cut recall: one compiled call, kernels.observe_one), and the reuse state of layer c: the
+stream's ages and averages, and the expected waits of reuse.py's model, from which next_use (the eviction's
+ranking) is renewed. A batch's probability for an expert is the chance that at least one row needs it; for
+the next token's layers, of the rows that end their sequence's part of the iteration. Knows arrays and
+events, not caches.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens
     micros, allocated = layer_micros(policy, trace, cache_ratio, horizon, max_tokens, traced=middle)
     history = SequenceHistory(policy.config.window_tokens, topology.num_layers, topology.num_experts)
     sequence_bytes = sum(a.nbytes for a in vars(history).values() if isinstance(a, np.ndarray))
-    model_bytes = predictor.weights.num_bytes + predictor.memory.nbytes
+    model_bytes = predictor.weights.num_bytes + predictor.memory.nbytes + predictor.reuse.nbytes
     return Figures(micros, model_bytes, sequence_bytes, allocated)
 
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
           f"mean {micros.mean():.1f} µs, p90 {np.percentile(micros, 90):.1f} µs per layer decision")
     print(f"lru, same replay: median {np.median(lru):.1f} µs; default minus lru: "
           f"{np.median(micros) - np.median(lru):.1f} µs per layer decision")
-    print(f"model: {figures.model_bytes / 2**20:.2f} MiB of weights and token memory; state per sequence: "
+    print(f"model: {figures.model_bytes / 2**20:.2f} MiB of weights, token memory and reuse model; state per sequence: "
           f"{figures.sequence_bytes / 2**10:.0f} KiB; one policy call of a layer decision allocates at most "
           f"{figures.decision_alloc_bytes / 2**10:.1f} KiB (tracemalloc peak)")
     return 0

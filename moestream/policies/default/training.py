@@ -21,7 +21,6 @@ from moestream.policies.default.model import (
     DefaultConfig,
     DefaultWeights,
     logits,
-    sigmoid,
 )
 from moestream.predictors.configs import TrainConfig
 
@@ -66,6 +65,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: D
     """Fits the model on the trace's rows (tokens: their vocabulary indices), then reuse.py's on them;
     returns numpy weights, the token memory's table, the reuse model's weights and each epoch's mean loss."""
     import torch
+
     from moestream.progress import progress_bar
 
     torch.manual_seed(train.seed)
@@ -122,20 +122,20 @@ def train_reuse(weights: DefaultWeights, features: TraceFeatures, memory: TokenM
     trace's stream (recall [N, L, E]: the START pairs' of `targets`)."""
     following = np.flatnonzero(features.prev >= 0)  # rows whose previous row is of their sequence
     chosen = np.sort(rng.choice(following, min(REUSE_ROWS, len(following)), replace=False))
-    q = np.concatenate([next_token_probs(weights, features, memory, recall, targets, chunk)
-                        for chunk in np.array_split(chosen, max(1, -(-len(chosen) // CHUNK_ROWS)))])
+    logit = np.concatenate([next_token_logits(weights, features, memory, recall, targets, chunk)
+                            for chunk in np.array_split(chosen, max(1, -(-len(chosen) // CHUNK_ROWS)))])
     rows = features.prev[chosen]
     age, ema = reuse.stream_inputs(features.hot, rows)
-    return reuse.fit(q, age, ema, reuse.next_use_distance(features.hot, rows))
+    return reuse.fit(logit, age, ema, reuse.next_use_distance(features.hot, rows))
 
 
-def next_token_probs(weights: DefaultWeights, features: TraceFeatures, memory: TokenMemory, recall: np.ndarray,
-                     targets: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """[B, L, E]: the START probabilities of rows as the previous row's iteration predicts them (their token
-    not known yet), each row's token memory without the row itself."""
+def next_token_logits(weights: DefaultWeights, features: TraceFeatures, memory: TokenMemory, recall: np.ndarray,
+                      targets: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[B, L, E]: the START logits of rows as the previous row's iteration predicts them (their token not
+    known yet), each row's token memory without the row itself."""
     vocab_size = len(memory.counts)
     shown = np.zeros(len(rows), np.int64)
     known = memory.without(features.hot[rows], memory_index(shown, features.before[rows], vocab_size))
     cuts = np.full(len(targets), -1)
     x = pair_features(features, cuts, targets, rows, recall, known)
-    return sigmoid(logits(weights, x, shown[:, None], (targets, np.full(len(targets), START))))
+    return logits(weights, x, shown[:, None], (targets, np.full(len(targets), START)))

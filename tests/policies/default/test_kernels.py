@@ -5,7 +5,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from scipy.special import expit
 
 from moestream.policies.default import reuse
@@ -72,12 +71,14 @@ def test_expect_waits_for_layers_ahead_and_for_the_next_token_at_the_layer_passe
     np.testing.assert_allclose(next_use, np.arange(L)[:, None] + L * (1 - ahead.astype(np.float64)) * later)
 
 
-@pytest.mark.parametrize("q", [0.02, 0.3, 0.9])
-def test_the_waits_of_a_geometric_survival_are_its_mean_up_to_the_last_horizon(q):
-    """Use at rate q an iteration: the expected wait counted as 8 if later, sum(S(k), k < 8), and past an
-    iteration that missed it, sum(S(k), 1 <= k < 8) / S(1)."""
-    passed, ahead = waits(*[(1 - q) ** h for h in reuse.HORIZONS])
-    assert passed == pytest.approx((1 - (1 - q) ** 8) / q) and ahead == pytest.approx((1 - (1 - q) ** 7) / q)
+@pytest.mark.parametrize("survival", [(0.9, 0.8, 0.6, 0.2), (0.5, 0.5, 0.5, 0.5), (0.0, 0.0, 0.0, 0.0)])
+def test_the_waits_sum_the_survival_up_to_the_last_horizon(survival):
+    """The expected wait counted as 8 if later, sum(S(k), k < 8), S linear between the horizons; past an
+    iteration that missed the expert, sum(S(k), 1 <= k < 8) / S(1)."""
+    at = np.interp(np.arange(8), (0, *reuse.HORIZONS), (1.0, *survival))  # S(0) .. S(7)
+    passed, ahead = waits(*survival)
+    assert passed == pytest.approx(at.sum())
+    assert ahead == pytest.approx(at[1:].sum() / max(survival[0], 1e-12))
 
 
 def test_waits_grow_as_the_survival_does():
@@ -91,21 +92,34 @@ def test_reuse_row_keeps_the_stream_s_inputs_and_turns_the_model_s_chances_into_
     rng = np.random.default_rng(5)
     state = random_reuse_state(rng)
     weights = rng.normal(size=(L, len(reuse.HORIZONS), reuse.NUM_INPUTS)).astype(np.float32)
-    q = rng.uniform(size=E).astype(np.float32)
+    logit = rng.normal(scale=5.0, size=E).astype(np.float32)  # some past the clip
     now, c = np.array([[1, 4], [4, 6]]), 2
     before = state.copy()
-    reuse_row(state, weights, now, c, q)
+    reuse_row(state, weights, now, c, logit)
     used = np.isin(np.arange(E), now)
     decays = np.array(reuse.DECAYS)[:, None]
     np.testing.assert_array_equal(state[reuse.AGE, c], np.where(used, 0.0, before[reuse.AGE, c] + 1))
     ema = decays * before[reuse.FIRST_EMA:reuse.PASSED, c] + (1 - decays) * used
     np.testing.assert_allclose(state[reuse.FIRST_EMA:reuse.PASSED, c], ema)
-    x = reuse.inputs(q, state[reuse.AGE, c], ema)  # [E, F]
+    x = reuse.inputs(logit.astype(np.float64), state[reuse.AGE, c], ema)  # [E, F]
     survive = 1 - np.maximum.accumulate(expit(x @ weights[c].T.astype(np.float64)), axis=1)  # [E, H]
     want = np.array([waits(*row) for row in survive])  # [E, 2]
     np.testing.assert_allclose(state[reuse.PASSED:, c].T, want, rtol=1e-9)
     others = np.arange(L) != c
     np.testing.assert_array_equal(state[:, others], before[:, others])
+
+
+def test_absorb_gives_the_reuse_state_the_logit_of_the_last_rows_union():
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(3, 3, E)).astype(np.float32)
+    fresh, ahead, following = (np.zeros((n, E), np.float32) for n in (3, L, L))
+    state, weights = random_reuse_state(rng), rng.normal(size=(L, len(reuse.HORIZONS), reuse.NUM_INPUTS))
+    want = state.copy()
+    now, last = np.array([[0, 3], [5, 3], [2, 7]]), np.array([0, 2])
+    absorb(logits, np.arange(3), last, 1, fresh, ahead, following, np.zeros((L, E)), now, state, weights)
+    union = fresh[2].astype(np.float64)
+    reuse_row(want, weights, now, 1, np.log(union) - np.log1p(-union))
+    np.testing.assert_allclose(state, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("c", [0, L - 2, L - 1])
@@ -128,7 +142,7 @@ def test_absorb_fills_the_cut_s_layers_and_the_next_token_s(c):
     want_ahead, want_following = ahead_before.copy(), following_before.copy()
     want_ahead[c + 1:c + 1 + ahead_now], want_following[c] = fresh[:ahead_now], fresh[2]
     assert np.array_equal(ahead, want_ahead) and np.array_equal(following, want_following)
-    reuse_row(want_state, weights, now, c, want_following[c])  # layer c's reuse, from the next token's c
+    reuse_row(want_state, weights, now, c, logits[2, 2])  # layer c's reuse, from the last row's next token
     np.testing.assert_array_equal(state, want_state)
     wait = (1 - want_ahead.astype(np.float64)) * state[reuse.AHEAD]
     wait[c] = state[reuse.PASSED, c]  # the layer just passed: only the next tokens can need it

@@ -38,16 +38,16 @@ def test_stream_inputs_and_distances_are_the_stream_s_at_each_row():
 def test_the_fitted_chances_are_calibrated_and_follow_the_age():
     """On a stream where each expert comes back after a fixed number of iterations, the model's chances
     average what happens, and one just used is far less likely back next iteration than in eight."""
-    N, L, E = 400, 2, 6
+    N, L = 400, 2
     period = np.array([2, 3, 4, 5, 7, 9])
     hot = (np.arange(N)[:, None, None] % period == 0) & np.ones((1, L, 1), bool)  # [N, L, E]
     rows = np.arange(20, N - 10)
     age, ema = reuse.stream_inputs(hot, rows)
     distance = reuse.next_use_distance(hot, rows)
-    q = np.full(age.shape, 0.3)  # a routing model that knows nothing
-    weights = reuse.fit(q, age, ema, distance)
+    logit = np.zeros(age.shape)  # a routing model that knows nothing
+    weights = reuse.fit(logit, age, ema, distance)
     assert weights.shape == (L, len(reuse.HORIZONS), reuse.NUM_INPUTS)
-    x = reuse.inputs(q[:, 0], age[:, 0], ema[:, :, 0])  # [B, E, F]
+    x = reuse.inputs(logit[:, 0], age[:, 0], ema[:, :, 0])  # [B, E, F]
     chances = expit(x @ weights[0].T.astype(np.float64))  # [B, E, H]
     for h, horizon in enumerate(reuse.HORIZONS):
         assert abs(chances[..., h].mean() - (distance[:, 0] <= horizon).mean()) < 0.02
