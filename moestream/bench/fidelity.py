@@ -16,13 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moestream.bench import (
-    add_model_flags,
-    add_run_flags,
-    check_run_flags,
-    model_dir,
-    write_figures,
-)
+from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
 from moestream.config import EngineConfig
 from moestream.settings import add_arguments
 
@@ -97,12 +91,7 @@ def _cost_model(args, spec, engine: dict, topology):
 
 def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     from moestream.bench.engine.runners import make_policy
-    from moestream.bench.engine.simulated import (
-        engine_iterations,
-        replayed,
-        sim_ratio,
-        simulate,
-    )
+    from moestream.bench.engine.simulated import engine_iterations, replayed, sim_ratio, simulate
     from moestream.link_model import LinkFigures
     from moestream.policies.compute_placement import ComputeCosts
     from moestream.topology import ExpertKey
@@ -113,14 +102,14 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     policy = make_policy(spec, topology)
     order = "loaded" if spec.sync else "ready" if spec.reorder else "given"  # as the engine computes a layer
     figures = LinkFigures(spec.link_gbps, spec.layer_ms, spec.reorder) if spec.link_gbps > 0 else None
-    host_costs = engine.get("host_costs") and ComputeCosts(**engine["host_costs"])
-    if host_costs:  # every expert in host RAM, copied up over the engine's measured link
+    host_costs = ComputeCosts(**engine["host_costs"]) if engine.get("host_costs") else None
+    if host_costs is not None:  # every expert in host RAM, copied up over the engine's measured link
         cost = cost.with_overrides(host_holds_all=True, host_to_device_gbps=host_costs.link_bytes_per_ms / 1e6,
                                    host_to_device_latency_ms=0.0, demand_batch_ms=0.0)  # copies, not reads
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
                     expert_order=order, modelled_link=figures is not None,
                     link_figures=figures,  # the engine's link, or none where its planner had none
-                    host_compute=spec.host_compute, compute_costs=host_costs or None,
+                    host_compute=spec.host_compute, compute_costs=host_costs,
                     warm=[ExpertKey(*key) for key in engine.get("warm_device", ())])
 
 

@@ -118,7 +118,7 @@ class Engine:
         decode = quant(expert_decoder(self.checkpoint, self.config.device), self.checkpoint)
         self.experts = OffloadedExperts(self.store, self.publisher, self.prefetcher, self.config.reorder, shard=shard,
                                         decode=decode, tracer=self.tracer, reads=self.reads, finite=self.finite)
-        self.experts.host = host_compute_for(self.config, self.store, expert_decoder(self.checkpoint, "cpu"))
+        self.experts.host = host_compute_for(self.config, self.store, lambda: expert_decoder(self.checkpoint, "cpu"))
         self._hooks: list = []
         self._native = NativeGemv(self.config.native_gemv, self.config.device)
         self.runner: ModelRunner | None = None

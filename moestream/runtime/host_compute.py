@@ -83,7 +83,7 @@ class HostCompute:
         """`place`'s pins given back (where its experts will not be computed)."""
         self.store.release_host([key for key, slot in slots.items() if slot is not None])
 
-    def start(self, slots: dict[ExpertKey, torch.Tensor], math: ExpertMath, rows: LayerRows,
+    def start(self, slots: dict[ExpertKey, torch.Tensor | None], math: ExpertMath, rows: LayerRows,
               spans: dict[int, tuple[int, int]], kernel: str) -> HostWork:
         """Computes the held experts (`place`'s) on the host threads; their pins go when they are done."""
         held = list(slots)
@@ -126,12 +126,14 @@ class HostCompute:
         self.pool.shutdown(wait=True)
 
 
-def host_compute_for(config, store, decode: Callable[[Weights], Weights] | None) -> HostCompute | None:
-    """The engine's host compute for its EngineConfig (None: --host-compute off); decode: quantized experts'
-    decoder with its scratch on the host, the host's own (the device's scratch is the compute thread's)."""
+def host_compute_for(config, store, host_decoder: Callable[[], Callable | None]) -> HostCompute | None:
+    """The engine's host compute for its EngineConfig (None: --host-compute off); host_decoder() makes quantized
+    experts' decoder with its scratch on the host, the host's own (the device's scratch is the compute thread's),
+    only where host compute runs."""
     if config.host_compute == "off":
         return None
-    return HostCompute(compute_rule(config.host_compute), config.host_threads, store, config.device, decode=decode)
+    return HostCompute(compute_rule(config.host_compute), config.host_threads, store, config.device,
+                       decode=host_decoder())
 
 
 def measure_costs(weights: Weights, math: ExpertMath, hidden: torch.Tensor, device: str, expert_bytes: int,

@@ -38,13 +38,7 @@ from moestream.runtime.expert_math import ExpertMath, Weights
 from moestream.runtime.finite import FiniteFlags, check_finite, layer_places
 from moestream.runtime.host_compute import HostCompute
 from moestream.runtime.host_reads import HostReads, upload
-from moestream.runtime.layer_experts import (
-    LAYER_KERNELS,
-    Groups,
-    LayerRows,
-    default_kernel,
-    num_groups,
-)
+from moestream.runtime.layer_experts import LAYER_KERNELS, Groups, LayerRows, default_kernel, num_groups
 from moestream.runtime.publisher import Publisher, Routing
 from moestream.runtime.sharding import Shard
 from moestream.topology import ExpertKey

@@ -5,11 +5,12 @@ experts), then a few only on disk (`layer_candidates`: one placed on the host is
 at disk_to_host's time, and enters no tier) are candidates; the config's rule
 (`moestream.policies.compute_placement`) names those that compute on the host. They are not copied to
 the device tier (no link transfer, no device-tier slot) but take `ComputeCosts.host_ms(rows)` each, one
-after another, on a host lane that starts when the layer is routed and runs beside the device's compute; the layer ends when both lanes are done. Rows per expert are
-the layer's (token, k) routing rows. The cost figures are the cost model's (its host and device rates,
-its host -> device link) with the topology's expert size, or an engine's measured ones
-(`SimConfig.compute_costs`, as `bench fidelity` gives them); each layer step's choice is kept in
-`placements`, in the engine's form (`moestream.runtime.host_compute`). Knows no policy.
+after another, on a host lane that starts when the layer is routed and runs beside the device's compute;
+the layer ends when both lanes are done. Rows per expert are the layer's (token, k) routing rows. The
+cost figures are the cost model's (its host and device rates, its host -> device link) with the
+topology's expert size, or an engine's measured ones (`SimConfig.compute_costs`, as `bench fidelity`
+gives them); each layer step's choice is kept in `placements`, in the engine's form
+(`moestream.runtime.host_compute`). Knows no policy.
 """
 
 from __future__ import annotations
