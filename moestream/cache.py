@@ -10,8 +10,8 @@ from collections import Counter
 from collections.abc import Container, Sequence
 from typing import Iterable, Iterator
 
+from moestream.contracts import EvictionPolicy
 from moestream.errors import BudgetError
-from moestream.policies.contracts import EvictionPolicy
 from moestream.topology import ExpertKey
 
 

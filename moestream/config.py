@@ -18,7 +18,6 @@ from moestream.errors import BudgetError, MoestreamError
 from moestream.memory_plan import AUTO
 from moestream.settings import check, setting
 
-
 _DEVICE = re.compile(r"(?P<type>cpu|cuda)(:(?P<index>\d+))?")
 _CUDA_DRIVERS = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")  # the driver's library on Linux, Windows
 QUANT_KERNELS = ("exact", "packed-cpu")  # moestream.quant.kernels.QUANT_KERNELS, named here without torch
@@ -53,6 +52,16 @@ def _has_cuda_driver() -> bool:
             continue
         return True
     return False
+
+
+def store_rules(device_budget, host_budget, device, name: str) -> tuple[Budget, Budget, str]:
+    """The budgets of the two tiers (a Budget or its text) and the device, as the store reads them, or one
+    line naming `name` (the device budget's field) saying why not: the rules of the store's settings, applied
+    by EngineConfig and by a StoreConfig made in Python alike."""
+    device_budget, host_budget = Budget.parse(device_budget), Budget.parse(host_budget)
+    if device_budget.ratio == 0.0:
+        raise BudgetError(f"{name}: a device budget ratio must be in (0, 1], got 0")
+    return device_budget, host_budget, parse_device(device)
 
 
 def tier_budget(text: str, flag: str) -> "Budget | str":
@@ -128,11 +137,9 @@ class EngineConfig:
         if not 1 <= self.host_threads <= available_cores():
             raise MoestreamError(f"--host-threads {self.host_threads}: must be between 1 and this machine's "
                                  f"{available_cores()} cores")
-        object.__setattr__(self, "expert_budget", Budget.parse(self.expert_budget))
-        object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
-        object.__setattr__(self, "device", parse_device(self.device))
-        if self.expert_budget.ratio == 0.0:
-            raise BudgetError("expert_budget: a ratio must be in (0, 1], got 0")
+        rules = store_rules(self.expert_budget, self.host_budget, self.device, "expert_budget")
+        for name, value in zip(("expert_budget", "host_budget", "device"), rules):
+            object.__setattr__(self, name, value)
         if POLICIES.get(self.policy).offline:
             raise MoestreamError(f"policy {self.policy!r} needs the future routing of a trace; "
                                  "it runs in the simulator only")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from moestream.policies.contracts import LinkState
+from moestream.contracts import LinkState
 from moestream.topology import ExpertKey, Topology
 
 

@@ -18,14 +18,20 @@ from moestream.errors import MoestreamError
 
 def setting(default, help: str, **meta) -> Field:
     """A field with its flag's help text and metadata: flag, short (a one-letter alias), parse, minimum,
-    above, metavar."""
+    above, metavar, choices, type (of a flag whose default is None), shown (the default's text in a flag)."""
     return field(default=default, metadata=meta | {"help": help})
 
 
-def same_as(cls, name: str) -> Field:
-    """A field with the default and bounds of `cls`'s field `name` (a setting another config repeats)."""
+def same_as(cls, name: str, **meta) -> Field:
+    """A field with the default and bounds of `cls`'s field `name` (a setting another config repeats),
+    `meta` (help, flag...) replacing its metadata; `same_as` records where it was declared."""
     declared = cls.__dataclass_fields__[name]
-    return field(default=declared.default, metadata=declared.metadata)
+    return field(default=declared.default, metadata=dict(declared.metadata) | meta | {"same_as": (cls, name)})
+
+
+def default_of(cls, name: str):
+    """The default of `cls`'s field `name`: a keyword default that repeats a setting refers to it."""
+    return cls.__dataclass_fields__[name].default
 
 
 def check(config) -> None:
@@ -84,9 +90,11 @@ def _add(parser: argparse.ArgumentParser, f: Field) -> None:
     if isinstance(f.default, bool):
         parser.add_argument(*names, dest=f.name, action="store_false" if f.default else "store_true", help=meta["help"])
         return
-    kind = None if "parse" in meta or f.default is None else type(f.default)
-    parser.add_argument(*names, dest=f.name, default=f.default, type=kind, help=meta["help"],
-                        metavar=meta.get("metavar") or flag[2:].upper().replace("-", "_"))
+    kind = meta.get("type") or (None if "parse" in meta or f.default is None else type(f.default))
+    default = meta["shown"](f.default) if "shown" in meta else f.default  # a text that `parse` reads back
+    choices = meta.get("choices")
+    parser.add_argument(*names, dest=f.name, default=default, type=kind, choices=choices, help=meta["help"],
+                        metavar=meta.get("metavar") or (None if choices else flag[2:].upper().replace("-", "_")))
 
 
 def _name_flags(message: str, cls) -> str:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from moestream.cache import CacheFullError, ExpertCache
+from moestream.contracts import CacheView, LinkState
 from moestream.link_model import ModelledLink
-from moestream.policies.contracts import CacheView, LinkState
 from moestream.topology import ExpertKey
 
 HIT, LATE, MISS = "hit", "late", "miss"

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "moestream"
 TORCH_FREE = (
     "moestream.policies",
-    "moestream.policies.contracts",
+    "moestream.contracts",
     "moestream.policies.driver",
     "moestream.policies.baselines",
     "moestream.policies.bounds",

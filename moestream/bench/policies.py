@@ -10,7 +10,7 @@ prompts it has never seen. Prints tables, writes JSON and PNG plots.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moestream.bench import comma_list, write_figures
@@ -19,8 +19,8 @@ from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
 from moestream.policies import POLICIES
 from moestream.report import report_console, rich_table
+from moestream.settings import add_arguments, from_args, same_as, setting
 from moestream.sim.compare import CompareConfig, Comparison, compare
-from moestream.sim.cost import PRESETS
 from moestream.trace.format import load_trace
 
 log = logging.getLogger(__name__)
@@ -28,20 +28,38 @@ DEV_TRACE = Path("routing") / "deepseek-v2-lite" / "puffin_dev.npz"
 REPORT_WIDTH = 160  # columns of the report when printing to a file or pipe
 
 
+def _comma(kind=str, shown=str) -> dict:
+    """The `parse` and `shown` of a flag that lists `kind`s, comma-separated."""
+    return {"parse": lambda text, flag: tuple(comma_list(text, flag, kind)),
+            "shown": lambda values: ",".join(map(shown, values))}
+
+
+@dataclass(frozen=True)
+class PoliciesFlags:
+    """`bench policies`' settings: the held-out split, and CompareConfig's (its defaults, these flags)."""
+
+    test_fraction: float = setting(0.2, "held-out prompts when --train is absent")
+    seed: int = setting(0, "seed of the held-out split")
+    cache_ratios: tuple[float, ...] = same_as(CompareConfig, "cache_ratios", help="device slots / routed experts",
+                                              **_comma(float, "{:.2f}".format))
+    cost_models: tuple[str, ...] = same_as(CompareConfig, "cost_models",
+                                           help="cost model presets of the stream protocol", **_comma())
+    protocols: tuple[str, ...] = same_as(CompareConfig, "protocols", help="replay protocols", **_comma())
+    horizons: tuple[int, ...] = same_as(CompareConfig, "horizons", help="prediction horizons (layers ahead)",
+                                        **_comma(int))
+    num_workers: int = same_as(CompareConfig, "num_workers", help="replays run at once", flag="--workers")
+
+
 def add_parser(kinds) -> None:
     parser = kinds.add_parser("policies", help="compare every policy on a routing trace")
     parser.add_argument("--trace", type=Path, help="test trace (default: ../shared/data dev trace)")
     parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek npz trace")
     parser.add_argument("--train", type=Path, help="training trace (default: 80%% of --trace's prompts)")
-    parser.add_argument("--test-fraction", type=float, default=0.2, help="held-out prompts when --train is absent")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    add_arguments(parser, PoliciesFlags, only=("test_fraction", "seed"))
     parser.add_argument("--policies", help="comma-separated names (default: every registered policy)")
-    parser.add_argument("--cache-ratios", default="0.05,0.10,0.25,0.50", help="device slots / routed experts")
-    parser.add_argument("--cost-models", default=",".join(PRESETS), help="cost model presets of the stream protocol")
-    parser.add_argument("--protocols", default="stream,moe-beyond", help="replay protocols")
-    parser.add_argument("--horizons", default="1,2,3,4,5,6,7,8", help="prediction horizons (layers ahead)")
+    add_arguments(parser, PoliciesFlags, only=("cache_ratios", "cost_models", "protocols", "horizons"))
     parser.add_argument("--max-test-tokens", type=int, help="replay only the first held-out prompts up to this many tokens")
-    parser.add_argument("--workers", type=int, default=2, help="replays run at once")
+    add_arguments(parser, PoliciesFlags, only=("num_workers",))
     parser.add_argument("--predictor-dir", action="append", default=[], metavar="DIR",
                         help="a trained predictor (train-predictor) used instead of fitting its kind; repeatable")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -51,14 +69,12 @@ def add_parser(kinds) -> None:
 
 def run(args) -> int:
     train, test = _traces(args)
+    flags = from_args(PoliciesFlags, args)
     config = CompareConfig(
         policies=tuple(comma_list(args.policies, "--policies") if args.policies else POLICIES.names()),
-        cache_ratios=tuple(comma_list(args.cache_ratios, "--cache-ratios", float)),
-        cost_models=tuple(comma_list(args.cost_models, "--cost-models")),
-        protocols=tuple(comma_list(args.protocols, "--protocols")),
-        horizons=tuple(comma_list(args.horizons, "--horizons", int)),
-        num_workers=args.workers,
         predictor_dirs=tuple(args.predictor_dir),
+        **{name: getattr(flags, name) for name in ("cache_ratios", "cost_models", "protocols", "horizons",
+                                                  "num_workers")},
     )
     result = compare(train, test, config)
     reuse = reuse_profile(test)

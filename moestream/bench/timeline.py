@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from moestream.bench import add_model_flags, add_run_flags, check_run_flags, model_dir, write_figures
 from moestream.bench.engine.runners import HOST_LANE
 from moestream.config import EngineConfig
+from moestream.contracts import Observer
 from moestream.errors import MoestreamError
-from moestream.policies.contracts import Observer
 from moestream.settings import add_arguments
 from moestream.tracer import LANES, Span, Tracer, busy_s, overlap_s
 

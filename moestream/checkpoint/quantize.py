@@ -28,6 +28,7 @@ from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import MoestreamError
 from moestream.quant.codec import method_of
 from moestream.quant.encode import IntScheme, quantize
+from moestream.quant.kernels import LAYOUT_KEY, LAYOUT_VERSION
 from moestream.quant.linears import WEIGHT
 
 COPIED_SUFFIXES = (".safetensors", ".tmp")
@@ -106,9 +107,10 @@ def _write(checkpoint: CheckpointIndex, scheme: IntScheme, directory: Path, work
 
 
 def _copy_files(source: Path, directory: Path, scheme: IntScheme) -> None:
-    """config.json with the quantization_config, and every other non-weight file as it is."""
+    """config.json with the quantization_config (marked with the layout version), and every other non-weight file as it is."""
     config = json.loads((source / "config.json").read_text())
-    write_json(config | {"quantization_config": scheme.quantization_config()}, directory / "config.json")
+    declared = scheme.quantization_config() | {LAYOUT_KEY: LAYOUT_VERSION}
+    write_json(config | {"quantization_config": declared}, directory / "config.json")
     for path in source.iterdir():
         if path.is_file() and path.name not in SKIPPED and not path.name.endswith(COPIED_SUFFIXES):
             shutil.copy2(path, directory / path.name)

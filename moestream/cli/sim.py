@@ -13,40 +13,36 @@ import copy
 import logging
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moestream.atomic import write_json
 from moestream.bench import comma_list
 from moestream.checks import at_least
-from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.report import fmt, rich_table
-from moestream.settings import add_arguments, from_args
+from moestream.settings import add_arguments, from_args, setting
+from moestream.sim import PRESETS, PROTOCOLS
+from moestream.sim.cost import DEFAULT_COST_MODEL
 
 log = logging.getLogger(__name__)
 
 REPORT_WIDTH = 140  # columns of the table when printing to a file or pipe
-COST_FLAGS = {  # flag dest -> (CostModel field (None: the link that fills the device tier), help)
-    "layer_compute_ms": ("layer_compute_ms", "compute of one MoE layer, one decode token"),
-    "expert_compute_ms": ("expert_compute_ms", "compute of each further distinct expert"),
-    "token_compute_ms": ("token_compute_ms", "compute of each further token"),
-    "routed_expert_ms": ("routed_expert_ms", "one routed expert's compute for one token"),
-    "link_gbps": (None, "bandwidth of the link that fills the device tier (GB/s)"),
-    "link_latency_ms": (None, "per-transfer latency of that link"),
-    "disk_gbps": ("disk_to_host_gbps", "disk -> host bandwidth (GB/s)"),
-    "disk_latency_ms": ("disk_to_host_latency_ms", "disk -> host per-transfer latency"),
-    "host_expert_gbps": ("host_expert_gbps", "--host-compute: the host's expert-MLP weight streaming (GB/s)"),
-    "host_tflops": ("host_tflops", "--host-compute: the host's expert-MLP arithmetic (TFLOP/s)"),
-    "device_expert_gbps": ("device_expert_gbps", "--host-compute: the device's expert weight streaming (GB/s)"),
-    "device_tflops": ("device_tflops", "--host-compute: the device's expert arithmetic (TFLOP/s)"),
-}
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How `moestream sim` replays a trace, beside each replay's SimConfig: the protocol and the cost model."""
+
+    protocol: str = setting("stream", "stream: one token stream in time; moe-beyond: the MoE-Beyond study's scoring",
+                            choices=PROTOCOLS.names())
+    cost_model: str = setting(DEFAULT_COST_MODEL, f"a preset ({', '.join(sorted(PRESETS))}) or measured:PATH (a "
+                                                  "calibration written by `moestream bench engine --json` or `bench "
+                                                  "fidelity --json`)")
 
 
 def add_parser(commands) -> None:
-    from moestream.sim import PRESETS, PROTOCOLS
-    from moestream.sim.config import EXPERT_ORDERS, MODES, PROTOCOL_EVICTIONS, SimConfig
-    from moestream.sim.cost import DEFAULT_COST_MODEL
+    from moestream.sim.config import CostOverrides, SimConfig
     from moestream.sim.ranks import RanksConfig
 
     parser = commands.add_parser("sim", help="replay a routing trace through policies in the simulator")
@@ -57,38 +53,15 @@ def add_parser(commands) -> None:
                         help="replay only the trace's first whole sequences holding N tokens (default: all)")
     parser.add_argument("--policy", required=True, metavar="NAME[,NAME...]", help="registered policies")
     parser.add_argument("--cache-ratio", required=True, metavar="R[,R...]", help="device slots / routed experts, in (0, 1] (or 25%%)")
-    parser.add_argument("--protocol", default="stream", choices=PROTOCOLS.names(),
-                        help="stream: one token stream in time; moe-beyond: the MoE-Beyond study's scoring")
-    parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
-                        help=f"a preset ({', '.join(sorted(PRESETS))}) or measured:PATH (a calibration written "
-                             f"by `moestream bench engine --json` or `bench fidelity --json`)")
+    add_arguments(parser, ReplayConfig)
     parser.add_argument("--train", type=Path, help="trace to fit the policies on (default: none, unfitted)")
     parser.add_argument("--train-tokens", type=Path, help="tokens jsonl of a DeepSeek --train npz")
     parser.add_argument("--predictor-dir", type=Path, action="append", default=[], metavar="DIR",
                         help="a trained predictor (train-predictor) for the policies of its kind; repeatable")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="hit rate vs ratio and per layer, as PNG")
-    add_arguments(parser, EngineConfig, only=("horizon_layers",))
-    flags = {  # SimConfig field -> (flag, choices, help); the default and its type are SimConfig's
-        "mode": ("--mode", MODES, "workload of the stream protocol"),
-        "batch_size": ("--batch-size", None, "sequences per iteration (--mode batched)"),
-        "host_cache_ratio": ("--host-ratio", None, "host-tier share of experts (GPU presets)"),
-        "seed": ("--seed", None, "seed of the moe-beyond pool refills"),
-        "warmup_tokens": ("--warmup-tokens", None, "unscored tokens per prompt (moe-beyond)"),
-        "protocol_eviction": ("--protocol-eviction", PROTOCOL_EVICTIONS, "moe-beyond eviction"),
-        "expert_order": ("--expert-order", EXPERT_ORDERS, "how a layer's experts compute beside their loads (with "
-                         "--routed-expert-ms): ready (the engine's reordering), given (--no-reorder), loaded (--sync)"),
-        "host_compute": ("--host-compute", None, "where misses in host memory compute (stream protocol): off (all on "
-                         "the device), share:F (a share F of them on the host, fewest rows first) or default (the "
-                         "placement with the earliest modelled finish); beside each policy, the misses each side "
-                         "took and the stall saved against off")}
-    for field, (flag, choices, text) in flags.items():
-        default = SimConfig.__dataclass_fields__[field].default
-        parser.add_argument(flag, dest=field, type=type(default), default=default, choices=choices, help=text,
-                            metavar=None if choices else flag[2:].upper().replace("-", "_"))
-    cost = parser.add_argument_group("cost-model overrides")
-    for dest, (_, text) in COST_FLAGS.items():
-        cost.add_argument("--" + dest.replace("_", "-"), type=float, help=text)
+    add_arguments(parser, SimConfig, skip=("hidden_bytes",))  # RanksConfig's group shows it
+    add_arguments(parser.add_argument_group("cost-model overrides"), CostOverrides)
     add_arguments(parser.add_argument_group("expert parallelism"), RanksConfig)
     parser.set_defaults(handler=run)
 
@@ -172,11 +145,10 @@ def _config(args, ratio: float):
     from dataclasses import fields
 
     from moestream.sim import SimConfig, get_cost_model
+    from moestream.sim.config import CostOverrides
     from moestream.sim.synthetic import SYNTHETIC_PREFIX, shape_of
 
-    cost = get_cost_model(args.cost_model)
-    cost = cost.with_overrides(**{field or f"{cost.device_link}_{dest.removeprefix('link_')}": getattr(args, dest)
-                                  for dest, (field, _) in COST_FLAGS.items()})
+    cost = from_args(CostOverrides, args).apply(get_cost_model(args.cost_model))
     flags = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}  # add_parser's
     if not flags.get("hidden_bytes") and str(args.trace).startswith(SYNTHETIC_PREFIX):
         flags["hidden_bytes"] = shape_of(str(args.trace)).hidden_bytes  # a host-computed row's size
@@ -242,7 +214,7 @@ def _saving(rule: str, metrics: dict, off: dict) -> dict:
 
 def _learns(policy) -> bool:
     """The policy or its predictor overrides fit()."""
-    from moestream.policies.contracts import Policy, Predictor
+    from moestream.contracts import Policy, Predictor
 
     return type(policy).fit is not Policy.fit or type(policy.predictor).fit is not Predictor.fit
 

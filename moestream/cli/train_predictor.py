@@ -11,6 +11,7 @@ import dataclasses
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from moestream.atomic import make_readable, staging_dir
@@ -18,8 +19,28 @@ from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
+from moestream.settings import add_arguments, from_args, same_as, setting
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class TrainFlags:
+    """train-predictor's settings: TrainConfig's (its defaults, these flags), the held-out split, the output."""
+
+    num_epochs: int = same_as(TrainConfig, "num_epochs", help="training epochs", flag="--epochs")
+    seed: int = same_as(TrainConfig, "seed", help="seed of initialisation and shuffling")
+    batch_size: int = same_as(TrainConfig, "batch_size", help="tokens per minibatch")
+    learning_rate: float = same_as(TrainConfig, "learning_rate", help="AdamW learning rate", flag="--lr")
+    num_threads: int = same_as(TrainConfig, "num_threads", help="torch threads while training", flag="--threads")
+    holdout: float = setting(0.0, "fraction of sequences held out (seeded split) and evaluated, not trained on")
+    split_seed: int = setting(0, "seed of the --holdout split")
+    force: bool = setting(False, "replace an existing --out directory")
+    no_progress: bool = setting(False, "no progress bar")  # the command shows one (a TrainConfig made in Python not)
+
+    def train_config(self) -> TrainConfig:
+        names = ("num_epochs", "seed", "batch_size", "learning_rate", "num_threads")
+        return TrainConfig(progress=not self.no_progress, **{name: getattr(self, name) for name in names})
 
 
 def trainable_kinds() -> list[str]:
@@ -33,18 +54,10 @@ def add_parser(commands) -> None:
     parser.add_argument("--trace", required=True, type=Path, help="routing trace (.npz)")
     parser.add_argument("--tokens", type=Path, help="tokens jsonl of a DeepSeek routing npz")
     parser.add_argument("--out", required=True, type=Path, help="directory to write the trained predictor to")
-    parser.add_argument("--epochs", type=int, help=f"training epochs (default {TrainConfig.num_epochs})")
-    parser.add_argument("--seed", type=int, help="seed of initialisation and shuffling (default 0)")
-    parser.add_argument("--batch-size", type=int, help=f"tokens per minibatch (default {TrainConfig.batch_size})")
-    parser.add_argument("--lr", type=float, help=f"AdamW learning rate (default {TrainConfig.learning_rate})")
-    parser.add_argument("--threads", type=int, help="torch threads while training (default 1)")
+    add_arguments(parser, TrainFlags, only=("num_epochs", "seed", "batch_size", "learning_rate", "num_threads"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a field of the design's config (e.g. window_tokens=8, num_distances=2); repeatable")
-    parser.add_argument("--holdout", type=float, default=0.0,
-                        help="fraction of sequences held out (seeded split) and evaluated, not trained on")
-    parser.add_argument("--split-seed", type=int, default=0, help="seed of the --holdout split")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_arguments(parser, TrainFlags, skip=("num_epochs", "seed", "batch_size", "learning_rate", "num_threads"))
     parser.set_defaults(handler=run)
 
 
@@ -60,7 +73,7 @@ def run(args) -> int:
     config = parse_overrides(cls.config_class(), args.set)
     trace = load_trace(args.trace, args.tokens)
     train_trace, test_trace = trace.split(args.holdout, args.split_seed) if args.holdout else (trace, None)
-    policy = cls(trace.topology, config=config, train=_train_config(args))
+    policy = cls(trace.topology, config=config, train=from_args(TrainFlags, args).train_config())
     start = time.perf_counter()
     policy.fit(train_trace)
     seconds = time.perf_counter() - start
@@ -96,12 +109,6 @@ def _convert(key: str, text: str, kind: type):
         return kind(text)
     except ValueError:
         raise MoestreamError(f"--set {key}={text}: expected a {kind.__name__}") from None
-
-
-def _train_config(args) -> TrainConfig:
-    given = {"num_epochs": args.epochs, "seed": args.seed, "batch_size": args.batch_size,
-             "learning_rate": args.lr, "num_threads": args.threads}
-    return TrainConfig(progress=not args.no_progress, **{k: v for k, v in given.items() if v is not None})
 
 
 def _check_out(out: Path, force: bool) -> None:

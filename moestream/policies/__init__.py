@@ -1,16 +1,16 @@
 """Policies: predictors, eviction policies and planners, registered by name.
 
-The tree shows the architecture: `contracts` (what every policy implements, and the registries),
-`driver` (the one place that calls a policy, in order), building blocks (`eviction`, `planning`,
-`scored_eviction`, `routing_stats`, `trained`), and one package per kind of policy: `baselines`,
-`bounds` (offline), `designs` (published designs) and `default` (moestream's own).
+What every policy implements, and the registries, are `moestream.contracts` (re-exported here). The
+tree shows the architecture: `driver` (the one place that calls a policy, in order), building blocks
+(`eviction`, `planning`, `scored_eviction`, `routing_stats`, `trained`), and one package per kind of
+policy: `baselines`, `bounds` (offline), `designs` (published designs) and `default` (moestream's own).
 Importing this package imports every module and package in it, so each registers its classes;
 none of them imports torch (training code imports it when it runs).
 """
 
 import sys
 
-from moestream.policies.contracts import EVICTIONS, PLANNERS, POLICIES, Policy
+from moestream.contracts import EVICTIONS, PLANNERS, POLICIES, Policy
 from moestream.registry import import_submodules
 
 import_submodules(sys.modules[__name__])

@@ -1,4 +1,4 @@
-"""The one place that calls a policy, in the order `moestream.policies.contracts` gives, and times it.
+"""The one place that calls a policy, in the order `moestream.contracts` gives, and times it.
 
 Every consumer goes through a `PolicyDriver`: the simulator, predict-eval, the benchmark and the real
 engine (whose publisher fans its events out through it, and whose prefetcher asks it per layer).
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Protocol, Sequence
 
-from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import (
+from moestream.config import EngineConfig
+from moestream.contracts import (
     CacheView,
     EvictionPolicy,
     Observer,
@@ -22,6 +22,8 @@ from moestream.policies.contracts import (
     Prediction,
     TransferRequest,
 )
+from moestream.events import IterationContext, RoutingEvent
+from moestream.settings import default_of
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 from moestream.tracer import Tracer
@@ -39,7 +41,8 @@ class LayerMechanism(Protocol):
 
 class PolicyDriver:
     def __init__(self, policy: Policy, evictions: Sequence[EvictionPolicy] = (),
-                 observers: Sequence[Observer] = (), horizon_layers: int = 2, tracer: Tracer | None = None):
+                 observers: Sequence[Observer] = (), horizon_layers: int = default_of(EngineConfig, "horizon_layers"),
+                 tracer: Tracer | None = None):
         """tracer: where each call into the policy is reported, lane "policy" (None: a totals-only one)."""
         self.policy = policy
         self.horizon_layers = horizon_layers

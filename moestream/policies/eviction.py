@@ -6,8 +6,8 @@ import heapq
 from collections import Counter, OrderedDict
 from typing import Any, Sequence
 
+from moestream.contracts import EVICTIONS, EvictionPolicy
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import EVICTIONS, EvictionPolicy
 from moestream.topology import ExpertKey
 
 

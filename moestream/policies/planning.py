@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-from moestream.policies.contracts import PLANNERS, CacheView, LinkState, Prediction, PrefetchPlanner, TransferRequest
+from moestream.contracts import PLANNERS, CacheView, LinkState, Prediction, PrefetchPlanner, TransferRequest
 from moestream.topology import ExpertKey
 
 Candidate = tuple[ExpertKey, float, float, int]  # key, priority, score, layers ahead

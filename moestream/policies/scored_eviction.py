@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moestream.policies.contracts import EvictionPolicy
+from moestream.contracts import EvictionPolicy
 from moestream.topology import ExpertKey
 
 

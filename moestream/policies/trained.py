@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from moestream.atomic import atomic_path, write_json
+from moestream.contracts import Policy, Predictor
 from moestream.errors import MoestreamError
-from moestream.policies.contracts import Policy, Predictor
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import Topology
 

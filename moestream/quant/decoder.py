@@ -7,16 +7,27 @@ cannot overwrite weights still being read. Knows no store, policy or family.
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import torch
 
-from moestream.checkpoint.layout import PartView
 from moestream.quant.codec import ExpertCodec, Tensors
+
+
+class Part(Protocol):
+    """What the decoder reads of one part of the slot layout (the checkpoint's `PartView` is one)."""
+
+    @property
+    def param(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 class ExpertDecoder:
     """Turns one expert's slot views into the dense weights its ExpertMath reads (valid until the next call)."""
 
-    def __init__(self, codec: ExpertCodec, layout: tuple[PartView, ...], dtype: torch.dtype,
+    def __init__(self, codec: ExpertCodec, layout: Sequence[Part], dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         self.codec = codec
         shapes = codec.dense_shapes({p.param: p.shape for p in layout})

@@ -2,9 +2,12 @@
 
 - "exact" (the default, and the reference): each expert decoded into the compute dtype right before its
   MLP (`ExpertDecoder`), bit for bit transformers' model with the same experts dequantized;
-- "packed-cpu" (quant/packed_cpu.py): GPTQ experts computed from their packed bytes on the CPU, no dense
-  copy written; faster, not bit-identical (the engine logs so when it starts).
+- "packed-cpu" (quant/packed_formats.py): GPTQ, compressed-tensors int4 and int8, FP8 block and MXFP4 experts
+  computed from their stored bytes on the CPU, no dense copy written; faster, not bit-identical (the engine
+  logs so when it starts).
 
+`moestream quantize` marks what it writes with `LAYOUT_VERSION` (config.json's quantization_config, under
+`LAYOUT_KEY`); a kernel refuses a copy an older `quantize` marked with a lower one, saying to re-run it.
 `quant_kernel(name, checkpoint, device)` refuses, in one line, a kernel asked for what it does not cover
 (naming the format and the kernels that cover it), before anything is loaded; the kernel it returns turns
 the engine's `ExpertDecoder` into what the experts call (`LayerRows.decode`). Knows codecs and the
@@ -14,19 +17,29 @@ checkpoint's index, not stores, policies or the runtime.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 from moestream.errors import MoestreamError
-from moestream.quant import compressed_tensors, gptq
-from moestream.quant.codec import ExpertCodec
+from moestream.quant import packed_formats
+from moestream.quant.codec import ExpertCodec, quantization_config
 from moestream.quant.decoder import ExpertDecoder
-from moestream.quant.packed_cpu import PackedExperts
+from moestream.quant.packed_formats import PackedExperts
 from moestream.registry import Registry
 
-if TYPE_CHECKING:
-    from moestream.checkpoint.index import CheckpointIndex
+
+class QuantizedCheckpoint(Protocol):
+    """What a kernel reads of a checkpoint (`checkpoint.index.CheckpointIndex`)."""
+
+    path: Path
+    config: Any  # transformers' config
+    codec: ExpertCodec | None
+    adapter: Any  # its family adapter: model_type, uses_experts_registry
+    experts: Any  # its slot layout: experts.layout, each part's param and shape
 
 log = logging.getLogger(__name__)
+LAYOUT_KEY = "moestream_layout"
+LAYOUT_VERSION = 1  # of the layouts `moestream quantize` writes: raised when a kernel needs what an older one lacks
 
 
 def format_of(codec: ExpertCodec | None) -> str:
@@ -48,10 +61,10 @@ class QuantKernel:
     def covers(self, codec: ExpertCodec | None) -> bool:
         return True
 
-    def refusal(self, checkpoint: "CheckpointIndex", device: str) -> str | None:
+    def refusal(self, checkpoint: QuantizedCheckpoint, device: str) -> str | None:
         return None
 
-    def __call__(self, decoder: ExpertDecoder | None, checkpoint: "CheckpointIndex"):
+    def __call__(self, decoder: ExpertDecoder | None, checkpoint: QuantizedCheckpoint):
         return decoder
 
 
@@ -65,17 +78,18 @@ class ExactKernel(QuantKernel):
 
 @QUANT_KERNELS.register("packed-cpu")
 class PackedCpuKernel(QuantKernel):
-    """GPTQ int4 and int8 experts (desc_act false) from their packed bytes, on the CPU."""
+    """Experts in every format of `packed_formats.PACKED_FORMATS`, from their stored bytes, on the CPU."""
 
     def covers(self, codec: ExpertCodec | None) -> bool:
-        return isinstance(codec, gptq.GptqCodec)
+        return packed_formats.covers(codec)
 
-    def refusal(self, checkpoint: "CheckpointIndex", device: str) -> str | None:
+    def refusal(self, checkpoint: QuantizedCheckpoint, device: str) -> str | None:
         codec, name = checkpoint.codec, f"--quant-kernel {self.registry_name}"
-        if isinstance(codec, compressed_tensors.CompressedTensorsCodec):
-            return (f"{name} reads GPTQ's layout, and these experts are {format_of(codec)}, the layout `moestream "
-                    f"quantize` writes without --layout gptq: re-run `moestream quantize --format int{codec.bits} "
-                    "--layout gptq` on the unquantized checkpoint, or use --quant-kernel exact")
+        written = (quantization_config(checkpoint.config) or {}).get(LAYOUT_KEY, LAYOUT_VERSION)
+        if written < LAYOUT_VERSION:
+            return (f"{name}: --model {checkpoint.path} was written by an older `moestream quantize` (layout "
+                    f"{written}; this version reads {LAYOUT_VERSION}): re-run `moestream quantize` on the "
+                    "unquantized checkpoint, or use --quant-kernel exact")
         if not self.covers(codec):
             return f"{name} does not cover {format_of(codec)} experts; kernels that cover them: {covering(codec)}"
         if device != "cpu":
@@ -85,10 +99,10 @@ class PackedCpuKernel(QuantKernel):
                     "moestream's own; kernels that cover them: exact")
         return None
 
-    def __call__(self, decoder: ExpertDecoder | None, checkpoint: "CheckpointIndex") -> PackedExperts:
+    def __call__(self, decoder: ExpertDecoder | None, checkpoint: QuantizedCheckpoint) -> PackedExperts:
         log.warning("moestream: --quant-kernel %s computes the experts from their packed bytes: not bit-identical "
                     "to the exact path (--quant-kernel exact), so tokens may differ", self.registry_name)
-        return PackedExperts(decoder, {p.param: p.shape for p in checkpoint.experts.layout}, checkpoint.codec.bits)
+        return PackedExperts(decoder, checkpoint.codec, {p.param: p.shape for p in checkpoint.experts.layout})
 
 
 def covering(codec: ExpertCodec | None) -> str:
@@ -96,7 +110,7 @@ def covering(codec: ExpertCodec | None) -> str:
     return ", ".join(name for name in QUANT_KERNELS.names() if QUANT_KERNELS.create(name).covers(codec))
 
 
-def quant_kernel(name: str, checkpoint: "CheckpointIndex", device: str) -> QuantKernel:
+def quant_kernel(name: str, checkpoint: QuantizedCheckpoint, device: str) -> QuantKernel:
     """The kernel `name` for this checkpoint on `device`; MoestreamError, one line, where it cannot run it."""
     kernel = QUANT_KERNELS.create(name)
     reason = kernel.refusal(checkpoint, device)

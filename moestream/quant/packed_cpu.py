@@ -1,5 +1,5 @@
-"""The `packed-cpu` kernel: GPTQ experts (4 or 8 bits, desc_act false; what `moestream quantize --layout
-gptq` writes) computed on the CPU from their packed bytes, no dense copy of the expert written.
+"""`packed-cpu`'s loop over GPTQ's layout (4 or 8 bits, desc_act false; what `moestream quantize --layout
+gptq` writes), and `compile_loop`, how every loop of the kernel is compiled.
 
 GPTQ packs each word along the inputs (qweight [I / (32 / b), O]), so a word row holds 32 / b inputs of
 every output column, and a product x [M, I] -> [M, O] runs with the outputs in the vector lanes: for each
@@ -8,11 +8,8 @@ taken out of its word in a register and the sum in float32; at each group's end,
 * (acc[m, o] - zero[g, o] * sum of x[m] over the group). numba compiles the loops (cached on disk).
 
 Not bit-identical to the exact path (decode into the compute dtype, then F.linear): each weight is
-(q - zero) * scale exactly, never rounded to the compute dtype, and the sums run in another order. Rows
-beyond `MAX_ROWS` per expert (long prefills) go the exact way, where one decode serves them all: the kernel's
-cost grows with the rows (0.3-0.45 ms a row for a half-width expert), GPTQ's decode costs 20-50 ms an expert
-(docs/measurements/quant-cpu-kernel.md).
-Knows codecs and `ExpertMath`'s stages, not stores, policies or the runtime.
+(q - zero) * scale exactly, never rounded to the compute dtype, and the sums run in another order.
+Knows GPTQ's byte layout only: no codec object, store, policy or runtime.
 """
 
 from __future__ import annotations
@@ -23,14 +20,8 @@ import torch
 from numba import float32, int32, types
 from numba.extending import overload
 
-from moestream.errors import CheckpointError
-from moestream.quant.codec import Tensors
-from moestream.quant.decoder import ExpertDecoder
 
-MAX_ROWS = 64  # rows of one expert computed from its packed bytes; more are decoded (see the docstring)
-
-
-def _compile(function):
+def compile_loop(function):
     """numba.njit without the GIL (the store's threads run meanwhile, as beside torch's products), cached on
     disk where numba finds a writable place (else compiled in each process)."""
     options = dict(fastmath=True, boundscheck=False, nogil=True)
@@ -60,13 +51,13 @@ def _group_kernel(bits: int):
                         a += float32(int32((row[o] >> (bits * j)) & m)) * xr[at + j]
                     ar[o] = a
 
-    return _compile(group)
+    return compile_loop(group)
 
 
 _int4_group, _int8_group = _group_kernel(4), _group_kernel(8)
 
 
-@_compile
+@compile_loop
 def _zeros(packed, bits, out):
     """out [O] = the GPTQ zero points (stored minus one) of one group's packed row [O / (32 / b)], as floats."""
     mask = (1 << bits) - 1
@@ -77,7 +68,7 @@ def _zeros(packed, bits, out):
             out[k * per_word + j] = float32(((word >> (bits * j)) + 1) & mask)
 
 
-@_compile
+@compile_loop
 def gptq_product(words, scales, zeros, bits, x, out, col):
     """out[:, col: col + O] = x [M, I] (float32) times GPTQ's weight: words [I / (32 / b), O] int32, scales
     [g, O] (float32, or int16: bf16's bits), zeros [g, O / (32 / b)] int32 (stored minus one), groups of
@@ -121,54 +112,6 @@ def _widen(values, out):
         for o in range(values.shape[0]):
             out[o] = values[o]
     return from_float
-
-
-class PackedExperts:
-    """A GPTQ checkpoint's experts for `packed-cpu`: called with an expert's slot views it decodes them as
-    its `ExpertDecoder` does (whoever needs dense weights); `mlp` computes the expert's MLP from them."""
-
-    def __init__(self, decoder: ExpertDecoder, layout: dict[str, tuple[int, ...]], bits: int):
-        """layout: the slot's part shapes by name ("{param}.{j}.{role}", roles of gptq.ROLES); CheckpointError
-        where a linear's GPTQ tensors do not agree (the kernel reads them unchecked)."""
-        self.decoder, self.bits = decoder, bits
-        self.linears = {param: linears_of(layout, param, bits) for param in decoder.scratch}
-        self.outs = {param: weight.shape[0] for param, weight in decoder.scratch.items()}
-
-    def __call__(self, parts: Tensors) -> Tensors:
-        return self.decoder(parts)
-
-    def mlp(self, math, rows: torch.Tensor, parts: Tensors) -> torch.Tensor:
-        """One expert's MLP without its post stage, `math` a transformers experts module's (FusedExpertMath):
-        rows [n, H] -> [n, H] in rows' dtype."""
-        if rows.shape[0] > MAX_ROWS:
-            weights = self.decoder(parts)
-            return math.down(math.act(math.up(rows, weights)), weights)
-        up = self.project(rows, parts, math.up_name)  # [n, 2I] or [n, I]
-        return self.project(math.act(up), parts, "down_proj")  # [n, H]
-
-    def project(self, x: torch.Tensor, parts: Tensors, param: str) -> torch.Tensor:
-        """x [n, in] times the dense weight `param` of an expert's parts -> [n, out] in x's dtype."""
-        inputs = x.float().numpy()  # [n, in]
-        out = np.empty((x.shape[0], self.outs[param]), dtype=np.float32)  # [n, out]
-        for q, scale, zero, row in self.linears[param]:
-            gptq_product(parts[q].numpy(), as_numpy(parts[scale]), parts[zero].numpy(), self.bits, inputs, out, row)
-        return torch.from_numpy(out).to(x.dtype)
-
-
-def linears_of(layout: dict[str, tuple[int, ...]], param: str, bits: int) -> list[tuple[str, str, str, int]]:
-    """(q, scale and zero part names, first output row) of each linear of `param`, in row order."""
-    per_word = 32 // bits
-    found, row = [], 0
-    numbers = sorted({int(name.split(".")[-2]) for name in layout if name.startswith(f"{param}.")})
-    for j in numbers:
-        names = tuple(f"{param}.{j}.{role}" for role in ("q", "scale", "zero"))
-        (words, outs), (groups, scaled), zeros = (layout[name] for name in names)
-        if scaled != outs or zeros != (groups, -(-outs // per_word)) or words % groups:
-            raise CheckpointError(f"gptq: the tensors of expert linear {param}.{j} do not agree: qweight "
-                                  f"{(words, outs)}, scales {(groups, scaled)}, qzeros {zeros}")
-        found.append((*names, row))
-        row += outs
-    return found
 
 
 def as_numpy(scale: torch.Tensor) -> np.ndarray:

@@ -23,9 +23,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from moestream.contracts import Policy, Prediction, Predictor
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import Policy, Prediction, Predictor
 
 if TYPE_CHECKING:
     from moestream.trace.schema import Trace

@@ -36,9 +36,9 @@ from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import load_manifest
 from moestream.checkpoint.tokenizer import load_tokenizer
 from moestream.config import EngineConfig
+from moestream.contracts import Observer, Policy, TransferRequest
 from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Observer, Policy, TransferRequest
 from moestream.policies.driver import PolicyDriver
 from moestream.progress import progress_bar
 from moestream.quant.kernels import quant_kernel

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from moestream.contracts import Observer
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import Observer
 from moestream.policies.driver import PolicyDriver
 
 

@@ -35,9 +35,9 @@ from collections import deque
 import numpy as np
 import torch
 
+from moestream.contracts import Observer
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext
-from moestream.policies.contracts import Observer
 from moestream.runtime.host_reads import upload
 from moestream.topology import Topology
 from moestream.trace.schema import Trace

@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from moestream.policies.contracts import Observer
+from moestream.contracts import Observer
 from moestream.serving.metrics import gained
 
 PERCENTILES = (50, 90, 99)

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
+from moestream.config import EngineConfig
+from moestream.contracts import NullPredictor, Policy
 from moestream.errors import MoestreamError
 from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
-from moestream.policies.contracts import NullPredictor, Policy
 from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.progress import progress_bar
+from moestream.settings import same_as
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
 from moestream.sim.overhead import overhead_us_per_layer
@@ -47,12 +49,14 @@ class CompareError(MoestreamError):
 
 @dataclass(frozen=True)
 class CompareConfig:
+    """What `bench policies` compares (its flags refer to these defaults)."""
+
     policies: tuple[str, ...]
     cache_ratios: tuple[float, ...] = (0.05, 0.10, 0.25, 0.50)
     cost_models: tuple[str, ...] = tuple(PRESETS)
     protocols: tuple[str, ...] = ("stream", "moe-beyond")
     horizons: tuple[int, ...] = tuple(range(1, 9))
-    horizon_layers: int = 2  # look-ahead the replays ask of predictors
+    horizon_layers: int = same_as(EngineConfig, "horizon_layers")  # look-ahead the replays ask of predictors
     num_prediction_tokens: int = 4000  # test tokens scored for precision/recall/F1 per horizon
     num_overhead_tokens: int = 200  # test tokens timed for per-layer overhead
     num_workers: int = 2

@@ -1,15 +1,18 @@
 """Settings of one simulation: cache budget, cost model, workload mode, prediction horizon.
 
-Plain, validated data; the CLI maps its flags onto it. Knows no policy and no trace.
+Plain, validated data; `moestream sim`'s flags are generated from its fields (moestream.settings), each
+declared once. Knows no policy and no trace.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.link_model import LinkFigures
 from moestream.policies.compute_placement import ComputeCosts, compute_rule
+from moestream.settings import same_as, setting
 from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
 from moestream.topology import Topology
 
@@ -24,22 +27,33 @@ class SimConfigError(MoestreamError):
 
 @dataclass(frozen=True)
 class SimConfig:
+    """The settings of one replay; those with help text are `moestream sim`'s flags (moestream.settings)."""
+
     cache_ratio: float  # device-tier slots as a fraction of all routed experts, in (0, 1]
     cost: CostModel = field(default_factory=lambda: get_cost_model(DEFAULT_COST_MODEL))
-    mode: str = "decode"  # decode: one token per iteration; prefill: a prompt; batched: B sequences
-    batch_size: int = 1  # sequences per iteration in batched mode
-    horizon_layers: int = 2  # how many MoE layers ahead the predictor is asked about
-    host_cache_ratio: float = 1.0  # host-tier slots as a fraction of all experts (GPU presets)
-    seed: int = 0  # MoE-Beyond protocol: the random refill of the pool at each prompt
-    warmup_tokens: int = 10  # MoE-Beyond protocol: unscored tokens at the start of each prompt
-    protocol_eviction: str = "lru"  # MoE-Beyond protocol: "lru" (the study's) or the policy's own
-    expert_order: str = "ready"  # how a layer's experts compute beside their loads (EXPERT_ORDERS; sim.engine)
+    horizon_layers: int = same_as(EngineConfig, "horizon_layers")  # how far ahead the predictor is asked
+    # decode: one token per iteration; prefill: a prompt; batched: B sequences
+    mode: str = setting("decode", "workload of the stream protocol", choices=MODES)
+    batch_size: int = setting(1, "sequences per iteration (--mode batched)")
+    host_cache_ratio: float = setting(1.0, "host-tier share of experts (GPU presets)", flag="--host-ratio")
+    seed: int = setting(0, "seed of the moe-beyond pool refills")  # the random refill of the pool at each prompt
+    warmup_tokens: int = setting(10, "unscored tokens per prompt (moe-beyond)")
+    protocol_eviction: str = setting("lru", "moe-beyond eviction", choices=PROTOCOL_EVICTIONS)  # lru: the study's
+    expert_order: str = setting("ready", "how a layer's experts compute beside their loads (with --routed-expert-ms): "
+                                         "ready (the engine's reordering), given (--no-reorder), loaded (--sync)",
+                                choices=EXPERT_ORDERS)  # sim.engine
     device_slots: int = 0  # device-tier slots if not cache_ratio of all experts (one rank of several); 0: the ratio's
     host_slots: int = 0  # host-tier slots if not host_cache_ratio of all experts; 0: the ratio's
     modelled_link: bool = True  # the planner sees the cost model's link (off: an engine without --link-gbps)
     link_figures: LinkFigures | None = None  # instead, the link an engine was given (its --link-gbps, --layer-ms)
-    host_compute: str = "off"  # where host-tier misses compute: a rule of moestream.policies.compute_placement
-    hidden_bytes: int = 0  # one token's hidden state (2 x hidden size), a host-computed row's trip; 0: estimated
+    host_compute: str = same_as(  # a rule of moestream.policies.compute_placement
+        EngineConfig, "host_compute", metavar=None,
+        help="where misses in host memory compute (stream protocol): off (all on the device), share:F (a share F of "
+             "them on the host, fewest rows first) or default (the placement with the earliest modelled finish); "
+             "beside each policy, the misses each side took and the stall saved against off")
+    hidden_bytes: int = setting(0, "bytes of one token's hidden state (2 x hidden size), on the network and on a "
+                                   "--host-compute row's trip; 0: the synthetic:NAME shape's (host compute without "
+                                   "one: estimated from the expert size)", minimum=0)
     compute_costs: ComputeCosts | None = None  # host compute's figures as an engine measured them; None: the cost's
 
     def __post_init__(self):
@@ -84,3 +98,34 @@ class SimConfig:
 
     def host_slots_of(self, topology: Topology) -> int:
         return self.host_slots or topology.slots_for_ratio(self.host_cache_ratio)
+
+
+@dataclass(frozen=True)
+class CostOverrides:
+    """`moestream sim`'s overrides of its cost model's figures (moestream.sim.cost.CostModel's fields of the
+    same names; link_*: those of the link that fills the device tier); None keeps the model's."""
+
+    layer_compute_ms: float | None = setting(None, "compute of one MoE layer, one decode token", type=float)
+    expert_compute_ms: float | None = setting(None, "compute of each further distinct expert", type=float)
+    token_compute_ms: float | None = setting(None, "compute of each further token", type=float)
+    routed_expert_ms: float | None = setting(None, "one routed expert's compute for one token", type=float)
+    link_gbps: float | None = setting(None, "bandwidth of the link that fills the device tier (GB/s)", type=float)
+    link_latency_ms: float | None = setting(None, "per-transfer latency of that link", type=float)
+    disk_to_host_gbps: float | None = setting(None, "disk -> host bandwidth (GB/s)", flag="--disk-gbps", type=float)
+    disk_to_host_latency_ms: float | None = setting(None, "disk -> host per-transfer latency",
+                                                    flag="--disk-latency-ms", type=float)
+    host_expert_gbps: float | None = setting(None, "--host-compute: the host's expert-MLP weight streaming (GB/s)",
+                                             type=float)
+    host_tflops: float | None = setting(None, "--host-compute: the host's expert-MLP arithmetic (TFLOP/s)",
+                                        type=float)
+    device_expert_gbps: float | None = setting(None, "--host-compute: the device's expert weight streaming (GB/s)",
+                                               type=float)
+    device_tflops: float | None = setting(None, "--host-compute: the device's expert arithmetic (TFLOP/s)",
+                                          type=float)
+
+    def apply(self, cost: CostModel) -> CostModel:
+        """cost with the given figures replaced (where the device tier fills from disk, --link-gbps and
+        --disk-gbps name one link: the latter wins)."""
+        link = {"link_gbps": f"{cost.device_link}_gbps", "link_latency_ms": f"{cost.device_link}_latency_ms"}
+        return cost.with_overrides(**{link.get(f.name, f.name): getattr(self, f.name) for f in fields(self)
+                                      if getattr(self, f.name) is not None})

@@ -15,9 +15,9 @@ import functools
 from typing import Callable, Iterable
 
 from moestream.cache import CacheFullError, ExpertCache
+from moestream.contracts import Policy, Prediction
 from moestream.errors import BudgetError
 from moestream.link_model import ModelledLink
-from moestream.policies.contracts import Policy, Prediction
 from moestream.policies.driver import PolicyDriver
 from moestream.sim.config import SimConfig
 from moestream.sim.host_compute import HostCompute

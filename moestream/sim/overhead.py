@@ -16,7 +16,7 @@ import copy
 import numpy as np
 
 from moestream.cache import CacheFullError, ExpertCache
-from moestream.policies.contracts import CacheView, Policy
+from moestream.contracts import CacheView, Policy
 from moestream.policies.driver import PolicyDriver, TimedEviction
 from moestream.topology import ExpertKey
 from moestream.trace.replay import decode_stream
@@ -47,19 +47,21 @@ class LayerTimer:
         self.seconds: list[float] = []
         self._counted = 0.0
         self._needed: list[ExpertKey] = []
+        self._protect: frozenset[ExpertKey] = frozenset()  # the layer's experts, as the engine's own: a set
 
     def routed(self, event, num_tokens: int) -> None:
         self._needed = [ExpertKey(event.layer, int(e)) for e in sorted(set(event.expert_ids.ravel().tolist()))]
+        self._protect = frozenset(self._needed)
         for key in self._needed:
             if self.cache.access(key) is None:
-                self.cache.admit(key, protect=self._needed)
+                self.cache.admit(key, protect=self._protect)
 
     def predicted(self, layer_now: int, predictions: list) -> None:
         if predictions:
             view = CacheView(self.cache.resident(), frozenset(), self.cache.capacity, layer_now, self.num_layers)
             for request in self.driver.plan(predictions, view):
                 try:
-                    self.cache.admit(request.key, protect=self._needed)
+                    self.cache.admit(request.key, protect=self._protect)
                 except CacheFullError:
                     break
         if layer_now >= 0:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator
 
+from moestream.contracts import Policy
 from moestream.errors import MoestreamError
-from moestream.policies.contracts import Policy
 from moestream.registry import Registry
 from moestream.sim.config import SimConfig
 from moestream.trace import replay

@@ -16,13 +16,14 @@ from typing import Iterable
 
 import numpy as np
 
+from moestream.contracts import Policy
 from moestream.errors import MoestreamError
 from moestream.events import RoutingEvent
+from moestream.parallel.config import ParallelConfig
 from moestream.parallel.placement import Placement
-from moestream.policies.contracts import Policy
+from moestream.settings import default_of, same_as, setting
 from moestream.sim.config import SimConfig
 from moestream.sim.engine import StreamSimulator
-from moestream.settings import setting
 from moestream.sim.network import NETWORKS, NO_NETWORK, NetworkLink
 from moestream.sim.protocols import REPLAYS, SimulationError, check_compatible
 from moestream.trace.replay import Iteration
@@ -51,19 +52,17 @@ class RanksConfig:
               "as --cache-ratio/--host-ratio of all experts) and print the scaling", parse=parse_ranks,
         metavar="N[,N...]")
     network: str = setting(NO_NETWORK, f"the link of each rank pair: {', '.join([NO_NETWORK, *NETWORKS])}")
-    expert_parallel_placement: str = setting(
-        "round-robin", "which rank owns each expert: round-robin, or balanced (from --train's routing, else the "
-        "replayed trace's); the engine's setting of the same name", metavar="NAME")
-    hidden_bytes: int = setting(0, "bytes of one token's hidden state (2 x hidden size), on the network and on a "
-                                   "--host-compute row's trip; 0: the synthetic:NAME shape's (host compute without "
-                                   "one: estimated from the expert size)", minimum=0)
+    expert_parallel_placement: str = same_as(
+        ParallelConfig, "expert_parallel_placement", help="which rank owns each expert: round-robin, or balanced "
+        "(from --train's routing, else the replayed trace's); the engine's setting of the same name")
+    hidden_bytes: int = same_as(SimConfig, "hidden_bytes")  # with --host-compute too: SimConfig's
 
 
 @dataclass(frozen=True)
 class RankSetup:
     placement: Placement
     network: NetworkLink | None = None  # None: messages cost nothing
-    hidden_bytes: int = 0  # one token's hidden state on the wire (2 x hidden size in bf16)
+    hidden_bytes: int = default_of(SimConfig, "hidden_bytes")  # one token's hidden state on the wire (2 x hidden size)
 
     @property
     def world_size(self) -> int:

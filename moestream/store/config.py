@@ -8,15 +8,16 @@ one token of one layer. This module knows nothing of policies, files or tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
 from moestream.budget import Budget, format_bytes
-from moestream.config import EngineConfig, parse_device
+from moestream.config import EngineConfig, store_rules
 from moestream.errors import BudgetError
 from moestream.settings import check, same_as
 from moestream.topology import Topology
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -38,21 +39,22 @@ class StoreConfig:
     transfer_timeout_s: float = same_as(EngineConfig, "transfer_timeout_s")
     keep_host_tier: bool = False  # a host tier apart even where it would join the device tier (host compute)
 
-    def __post_init__(self):
-        object.__setattr__(self, "device_budget", Budget.parse(self.device_budget))
-        object.__setattr__(self, "host_budget", Budget.parse(self.host_budget))
-        object.__setattr__(self, "device", parse_device(self.device))
-        if self.device_budget.ratio == 0.0:
-            raise BudgetError("the device budget ratio must be in (0, 1], got 0")
-        check(self)
+    validated: InitVar[bool] = False  # by EngineConfig, whose rules (store_rules, the bounds) these are
+
+    def __post_init__(self, validated: bool):
+        if not validated:
+            rules = store_rules(self.device_budget, self.host_budget, self.device, "device_budget")
+            for name, value in zip(("device_budget", "host_budget", "device"), rules):
+                object.__setattr__(self, name, value)
+            check(self)
 
     @classmethod
     def of(cls, config: EngineConfig) -> "StoreConfig":
-        """The store's settings among the engine's."""
+        """The store's settings among the engine's, which EngineConfig validated (not again here)."""
         return cls(device_budget=config.expert_budget, host_budget=config.host_budget, device=config.device,
                    direct_io=config.direct_io, asynchronous=not config.sync, chunk_bytes=config.chunk_bytes,
                    chunks_in_flight=config.chunks_in_flight, transfer_timeout_s=config.transfer_timeout_s,
-                   keep_host_tier=config.host_compute != "off")
+                   keep_host_tier=config.host_compute != "off", validated=True)
 
     @property
     def uses_cuda(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from moestream.checkpoint.layout import ExpertIndex, Integrity
-from moestream.policies.contracts import EvictionPolicy
+from moestream.contracts import EvictionPolicy
 from moestream.store.config import Budget, StoreConfig
 from moestream.store.executor import executor_for
 from moestream.store.store import ExpertStore

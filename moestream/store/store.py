@@ -42,8 +42,8 @@ import torch
 
 from moestream.cache import CacheFullError
 from moestream.checkpoint.layout import ExpertIndex, Integrity
+from moestream.contracts import CacheView, EvictionPolicy, TransferRequest
 from moestream.link_model import ModelledLink
-from moestream.policies.contracts import CacheView, EvictionPolicy, TransferRequest
 from moestream.store.chain import LinkChain
 from moestream.store.config import StoreConfig
 from moestream.store.disk import DiskReader

@@ -15,8 +15,8 @@ import torch
 
 from moestream.cache import ExpertCache
 from moestream.checkpoint.layout import ExpertIndex
+from moestream.contracts import EvictionPolicy
 from moestream.errors import CheckpointError
-from moestream.policies.contracts import EvictionPolicy
 from moestream.store.config import StoreConfig
 from moestream.store.pool import SlotPool
 from moestream.topology import ExpertKey, Topology

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moestream.contracts import Observer
 from moestream.errors import TraceError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import Observer
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
 

@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from moestream.contracts import Prediction, Predictor
 from moestream.errors import TraceError
 from moestream.eval.prediction import (
     EvalError,
@@ -14,10 +15,9 @@ from moestream.eval.prediction import (
     fetch_rate,
 )
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Prediction, Predictor
 from moestream.topology import Topology
-from tests.synthetic import synthetic_trace
 from tests.policies.online import OnlineOnly
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4, 5), num_experts=8, top_k=2, expert_bytes=1000)
 BASELINES = ("static", "cooccur", "token", "token-cooccur")

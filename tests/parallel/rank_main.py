@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from moestream.config import EngineConfig
+from moestream.contracts import Observer
 from moestream.parallel.config import ParallelConfig
 from moestream.parallel.launch import follow_ranks, leading_engine
 from moestream.parallel.ranks import RankFailure, join_ranks, leave_ranks
-from moestream.policies.contracts import Observer
 from moestream.runtime import Engine
 from moestream.runtime.scheduling.scheduler import StaticBatches
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moestream.config import EngineConfig
-from moestream.policies.contracts import Policy, Prediction, Predictor
+from moestream.contracts import Policy, Prediction, Predictor
 from moestream.runtime import Engine
 from moestream.topology import ExpertKey
 

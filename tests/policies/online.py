@@ -1,7 +1,7 @@
 """A predictor wrapper that hides a predictor's whole-trace scoring, so that evaluation goes
 through the online hooks (begin_iteration, observe, end_sequence, predict)."""
 
-from moestream.policies.contracts import Predictor
+from moestream.contracts import Predictor
 
 
 class OnlineOnly(Predictor):

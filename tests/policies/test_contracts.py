@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from moestream.cache import ExpertCache
+from moestream.contracts import CacheView
 from moestream.policies import EVICTIONS, POLICIES
-from moestream.policies.contracts import CacheView
 from moestream.policies.driver import PolicyDriver
-from moestream.predictors.configs import TrainConfig
 from moestream.policies.trained import TrainedPolicy
+from moestream.predictors.configs import TrainConfig
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import get_cost_model
 from moestream.sim.protocols import simulate

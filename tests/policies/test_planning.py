@@ -1,7 +1,7 @@
 """ScorePlanner: non-resident predictions above a score floor, by scaled score / layers ahead; IdleAwarePlanner:
 a lower floor while nothing moves to the tier; BandwidthAwarePlanner: only the reads the modelled link affords."""
 
-from moestream.policies.contracts import CacheView, LinkState, Prediction
+from moestream.contracts import CacheView, LinkState, Prediction
 from moestream.policies.planning import BandwidthAwarePlanner, IdleAwarePlanner, ScorePlanner
 from moestream.topology import ExpertKey
 

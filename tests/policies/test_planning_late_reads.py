@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from moestream.policies.contracts import CacheView, LinkState, Prediction
+from moestream.contracts import CacheView, LinkState, Prediction
 from moestream.policies.planning import BandwidthAwarePlanner
 from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey

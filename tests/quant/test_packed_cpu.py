@@ -18,7 +18,8 @@ from moestream.errors import CheckpointError
 from moestream.quant import CODECS, codec_for, gptq
 from moestream.quant.decoder import ExpertDecoder
 from moestream.quant.encode import IntScheme, quantize
-from moestream.quant.packed_cpu import MAX_ROWS, PackedExperts, gptq_product
+from moestream.quant.packed_cpu import gptq_product
+from moestream.quant.packed_formats import MAX_ROWS, PackedExperts
 from tests.quant import reference
 from tests.quant.test_compressed_tensors import packing_pack
 
@@ -92,7 +93,7 @@ def packed_expert(bits: int, group: int) -> tuple[dict, PackedExperts]:
     parts, shapes = gptq_expert(bits, group)
     codec = CODECS.create(gptq.METHOD, {"bits": bits, "group_size": group, "desc_act": False})
     layout = tuple(SimpleNamespace(param=name, shape=shape) for name, shape in shapes.items())
-    return parts, PackedExperts(ExpertDecoder(codec, layout, torch.bfloat16), shapes, bits)
+    return parts, PackedExperts(ExpertDecoder(codec, layout, torch.bfloat16), codec, shapes)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -140,4 +141,4 @@ def test_a_linear_whose_gptq_tensors_disagree_is_refused_before_the_kernel_reads
     decoder = ExpertDecoder(codec, tuple(SimpleNamespace(param=n, shape=s) for n, s in shapes.items()), torch.bfloat16)
     shapes["down_proj.0.scale"] = (4, HIDDEN + 8)  # more output columns than its qweight has
     with pytest.raises(CheckpointError, match=r"expert linear down_proj\.0 do not agree"):
-        PackedExperts(decoder, shapes, 4)
+        PackedExperts(decoder, codec, shapes)

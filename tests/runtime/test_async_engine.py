@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
+import moestream.runtime.engine as engine_module
 from moestream.checkpoint.index import build_index
+from moestream.contracts import Observer
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Observer
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.runtime import Engine, EngineConfig
-import moestream.runtime.engine as engine_module
 from moestream.store import ExpertStore, ThreadedExecutor
 from moestream.store.transfer import TransferError
 from moestream.trace.recorder import TraceRecorder

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
+from moestream.contracts import Prediction, Predictor
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Prediction, Predictor
 from moestream.runtime.background import BackgroundPredictor, BackgroundTimeout, offload_predictor
 from moestream.topology import Topology
 from moestream.trace.replay import batched_decode

@@ -8,9 +8,9 @@ import torch
 from threadpoolctl import threadpool_info
 
 from moestream.checkpoint.index import build_index
+from moestream.contracts import Observer
 from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Observer
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.runtime import Engine, EngineConfig
@@ -225,7 +225,7 @@ def test_an_engine_on_the_cpu_bounds_onednn_s_shape_caches_unless_the_user_did(c
 
 def test_the_planner_sees_the_modelled_link_of_the_runs_fixed_figures(checkpoint):
     """--link-gbps and --layer-ms give the planner's view a modelled link (none without them)."""
-    from moestream.policies.contracts import Policy, Prediction, Predictor, PrefetchPlanner
+    from moestream.contracts import Policy, Prediction, Predictor, PrefetchPlanner
 
     class NextLayer(Predictor):
         def predict(self, layer_now, horizon_layers):

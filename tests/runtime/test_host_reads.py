@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moestream.runtime
-from moestream.policies.contracts import Observer
+from moestream.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.host_reads import HostReads
 

@@ -4,7 +4,7 @@ only for observers that read them."""
 import numpy as np
 import torch
 
-from moestream.policies.contracts import Observer
+from moestream.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.offload import RowPlan, expert_compute
 from moestream.tracer import Tracer, since

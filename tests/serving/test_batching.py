@@ -5,7 +5,7 @@ family); sequences that leave end their policy state."""
 import pytest
 
 from moestream.config import BatchingConfig
-from moestream.policies.contracts import Observer
+from moestream.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.scheduling.scheduler import KvBudgetError, StaticBatches
 from moestream.serving.batching import Batcher

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from moestream import LLM, SamplingParams
+from moestream.contracts import Observer
 from moestream.errors import MoestreamError
-from moestream.policies.contracts import Observer
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.scheduling.scheduler import KvBudgetError
 

@@ -10,7 +10,7 @@ import pytest
 
 from moestream import LLM, SamplingParams
 from moestream.config import BatchingConfig
-from moestream.policies.contracts import Observer
+from moestream.contracts import Observer
 from moestream.serving.server import Server
 from moestream.serving.worker import WorkerConfig
 

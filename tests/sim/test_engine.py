@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from moestream.contracts import Prediction, Predictor
 from moestream.errors import BudgetError
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Prediction, Predictor
 from moestream.policies.planning import BandwidthAwarePlanner, ScorePlanner
 from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey, Topology

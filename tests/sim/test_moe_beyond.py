@@ -1,12 +1,12 @@
 """The MoE-Beyond hit-rate protocol: warm-up, pool size, pushes, and the order of predictions."""
 
+from moestream.contracts import Prediction, Predictor
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Prediction, Predictor
 from moestream.sim import SimConfig, simulate
 from moestream.sim.moe_beyond import pool_slots
 from moestream.topology import Topology
-from tests.synthetic import synthetic_trace
 from tests.sim import tiny
+from tests.synthetic import synthetic_trace
 
 
 def moe_beyond(policy, trace, **config):

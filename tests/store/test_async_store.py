@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from moestream.policies.contracts import TransferRequest
+from moestream.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.store.disk import DiskReader

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from moestream.policies.contracts import TransferRequest
+from moestream.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, InlineExecutor, StoreConfig, ThreadedExecutor
 from moestream.topology import ExpertKey

@@ -4,8 +4,8 @@ import torch
 
 from moestream.cache import CacheFullError
 from moestream.checkpoint.layout import ExpertIndex, ExpertLocation
+from moestream.contracts import TransferRequest
 from moestream.errors import BudgetError, CheckpointError
-from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.store.disk import DiskReader

@@ -6,7 +6,7 @@ host tier), and disk -> staging slot -> device slot (the CUDA store's path witho
 
 import pytest
 
-from moestream.policies.contracts import TransferRequest
+from moestream.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.store.disk import DiskReader

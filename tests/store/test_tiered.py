@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
+from moestream.contracts import TransferRequest
 from moestream.errors import CheckpointError
-from moestream.policies.contracts import TransferRequest
 from moestream.policies.eviction import LRUPolicy
 from moestream.store import ExpertStore, StoreConfig
 from moestream.store.streams import CpuLink

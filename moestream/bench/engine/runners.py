@@ -12,8 +12,8 @@ import time
 
 from moestream.bench.engine.spec import Counters, RunSpec, shards, step_times_ms, summarize
 from moestream.budget import Budget
+from moestream.contracts import Observer
 from moestream.errors import MoestreamError
-from moestream.policies.contracts import Observer
 from moestream.registry import Registry
 
 RUNS: Registry = Registry("bench engine run kind")

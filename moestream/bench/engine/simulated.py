@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moestream.policies.contracts import Policy
+from moestream.contracts import Policy
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import CostModel
 from moestream.sim.engine import StreamSimulator

@@ -13,16 +13,16 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from moestream.contracts import (
+    POLICIES,
+    EvictionPolicy,
+    Policy,
+)
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.baselines.row_scores import (
     BaselineConfig,
     EvidencePredictor,
     StaticPredictor,
-)
-from moestream.policies.contracts import (
-    POLICIES,
-    EvictionPolicy,
-    Policy,
 )
 from moestream.policies.eviction import LRUPolicy, NarrowingEviction
 from moestream.policies.routing_stats import (

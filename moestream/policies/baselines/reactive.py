@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moestream.policies.contracts import EVICTIONS, POLICIES, EvictionPolicy, Policy
+from moestream.contracts import EVICTIONS, POLICIES, EvictionPolicy, Policy
 
 
 @POLICIES.register("lru")

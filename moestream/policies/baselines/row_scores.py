@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moestream.contracts import Prediction, Predictor
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import Prediction, Predictor
 from moestream.policies.routing_stats import (
     calibration_sample,
     fit_evidence_scale,

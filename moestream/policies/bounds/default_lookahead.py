@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moestream.contracts import POLICIES, EvictionPolicy, Observer
 from moestream.policies.bounds.offline import FutureIndex, FutureTracker, LookaheadEviction
-from moestream.policies.contracts import POLICIES, EvictionPolicy, Observer
 from moestream.policies.default import Default
 from moestream.topology import Topology
 

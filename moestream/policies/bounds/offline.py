@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moestream.contracts import POLICIES, EvictionPolicy, Policy, Prediction, Predictor
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import POLICIES, EvictionPolicy, Policy, Prediction, Predictor
 from moestream.policies.eviction import LRUPolicy, NarrowingEviction, PriorityIndex
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows

@@ -4,7 +4,7 @@
 - features.py: the model's inputs for whole traces; state.py: the same inputs kept online
 - reuse.py: the chance of reuse 1 to 8 iterations ahead, which the eviction's expected waits come from
 - training.py: torch training (imported lazily); storage.py: reading the weights without torch
-- policy.py: predictor, eviction and the registered policy; timing.py: `python -m` figures
+- policy.py: predictor, eviction and the registered policy (its decision cost: moestream/bench/decision_cost.py)
 """
 
 from moestream.policies.default.policy import Default

@@ -15,8 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from moestream.events import RoutingEvent
-from moestream.policies.contracts import (
+from moestream.contracts import (
     CacheView,
     EvictionPolicy,
     Observer,
@@ -24,6 +23,7 @@ from moestream.policies.contracts import (
     PrefetchPlanner,
     TransferRequest,
 )
+from moestream.events import RoutingEvent
 from moestream.policies.default.state import IterationState, compiled
 from moestream.policies.eviction import NarrowingEviction
 from moestream.topology import ExpertKey, Topology

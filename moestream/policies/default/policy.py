@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from moestream.errors import MoestreamError
-from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import (
+from moestream.contracts import (
     POLICIES,
     EvictionPolicy,
     Observer,
     Prediction,
     PrefetchPlanner,
 )
+from moestream.errors import MoestreamError
+from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default import reuse
 from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
 from moestream.policies.default.duel import warm_up as warm_up_duel

@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from moestream.errors import MoestreamError
-from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import (
+from moestream.contracts import (
     EVICTIONS,
     POLICIES,
     CacheView,
@@ -30,6 +28,8 @@ from moestream.policies.contracts import (
     PrefetchPlanner,
     TransferRequest,
 )
+from moestream.errors import MoestreamError
+from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.eviction import LRUPolicy
 from moestream.policies.planning import ranked
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy

@@ -7,7 +7,7 @@ and the GOODPRED metric that picks how far ahead to predict.
   routing-only traces, reads the multi-hot experts of layers i-k-w+1 .. i-k instead.
 - Planner: speculative prefetches in a low priority band; on-demand loads always go first. Chunked
   prefetch, early preemption and cache-aware reordering are engine mechanisms, not the policy's.
-- GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): `goodpred_table`.
+- GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): measured by moestream.eval.goodpred.
 Knows routing events and hidden states as arrays, not time, bytes or torch modules (imported lazily).
 """
 
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from moestream.contracts import POLICIES, Prediction, PrefetchPlanner
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import POLICIES, Prediction, PrefetchPlanner
 from moestream.policies.planning import ScorePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import ConfigError, TrainConfig
@@ -228,28 +228,3 @@ class PromoeRouting(Promoe):
     def make_predictor(self) -> PromoePredictor:
         return RoutingWindowPredictor(self.topology, self.config, self.train_config)
 
-
-@dataclass(frozen=True)
-class GoodPred:
-    layer: int  # target MoE layer i
-    distance: int  # k: predicted from layer i-k
-    accuracy: float  # mean share of a token's true top-k found in its predicted top-k
-    fetch_rate: float  # share of a top-k prediction that k layers of compute can fetch in time
-    goodpred: float  # accuracy x fetch_rate
-
-
-def goodpred_table(
-    predictor: PromoePredictor, trace: "Trace", layer_compute_ms: float, transfer_ms: float
-) -> list[GoodPred]:
-    """GOODPRED(i, k) for every target layer i and trained distance k on a held-out trace, with
-    moestream.eval.prediction's fetch rate (transfer_ms: one expert over the link that fills the tier)."""
-    from moestream.eval.prediction import fetch_rate
-
-    k_top, rows = trace.topology.top_k, []
-    actual = expert_mask(trace.experts, trace.topology.num_experts)  # [N, L, E]
-    for k in range(1, predictor.num_distances + 1):
-        hits = top_k_mask(predictor.trace_probabilities(trace, k), k_top) & actual[:, k:]  # [N, L-k, E]
-        accuracy = hits.sum(axis=-1).mean(axis=0) / k_top  # [L-k]
-        rate = fetch_rate(k, layer_compute_ms, transfer_ms, k_top)
-        rows += [GoodPred(i + k, k, float(a), rate, float(a) * rate) for i, a in enumerate(accuracy)]
-    return rows

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
+from moestream.contracts import Observer
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import Observer
 from moestream.registry import Registry
 from moestream.topology import Topology
 

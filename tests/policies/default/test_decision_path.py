@@ -1,7 +1,8 @@
 """The compiled decision path of `default` decides exactly as the straightforward Python it replaced,
 which this module keeps as the reference: the duel's ghosts (kernels.duel_observe), the victims set
 aside (kernels.largest), a decode's observe in one call (kernels.observe_one) and predict's records.
-Also: the timing tool replays through a PolicyDriver, as `bench policies` does."""
+Also: `bench decision-cost` (moestream.bench.decision_cost) replays through a PolicyDriver, as `bench policies`
+does."""
 
 import copy
 import types
@@ -10,10 +11,11 @@ from collections import OrderedDict, deque
 import numpy as np
 import pytest
 
+from moestream.bench import decision_cost
 from moestream.cache import CacheFullError, ExpertCache
+from moestream.contracts import CacheView, Observer, Prediction
 from moestream.events import RoutingEvent
-from moestream.policies.contracts import CacheView, Observer, Prediction
-from moestream.policies.default import kernels, timing
+from moestream.policies.default import kernels
 from moestream.policies.default.duel import Duel, DuelEviction
 from moestream.policies.default.policy import DefaultEviction
 from moestream.policies.driver import PolicyDriver
@@ -279,12 +281,12 @@ def test_the_timing_tool_replays_through_the_driver_as_the_bench_does(policy, tr
 
     trace, L = traces[1], policy.topology.num_layers
     tokens = sum(1 for _ in decode_stream(trace))
-    micros, allocated = timing.layer_micros(copy.deepcopy(policy), trace, 0.1, 2, tokens, traced=L + 2)
+    micros, allocated = decision_cost.layer_micros(copy.deepcopy(policy), trace, 0.1, 2, tokens, traced=L + 2)
     assert len(micros) == tokens * L and allocated > 0  # every layer decision, one traced
     assert overhead_us_per_layer(policy, trace, 2) > 0  # the bench's figure over the same replay
     policy.save(tmp_path / "default")
     save_trace(trace, tmp_path / "trace.npz")
-    assert timing.main(["--predictor-dir", str(tmp_path / "default"), "--trace", str(tmp_path / "trace.npz"),
-                        "--max-tokens", "20"]) == 0
+    assert decision_cost.main(["--predictor-dir", str(tmp_path / "default"), "--trace", str(tmp_path / "trace.npz"),
+                               "--max-tokens", "20"]) == 0
     printed = capsys.readouterr().out
     assert f"{20 * L} layer decisions" in printed and "default minus lru" in printed

@@ -3,8 +3,8 @@ the eviction and the planner follow the leader, and the default policy wires it 
 
 import numpy as np
 
+from moestream.contracts import CacheView, EvictionPolicy, Prediction, PrefetchPlanner, TransferRequest
 from moestream.events import RoutingEvent
-from moestream.policies.contracts import CacheView, EvictionPolicy, Prediction, PrefetchPlanner, TransferRequest
 from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
 from moestream.policies.default.model import DefaultConfig
 from moestream.topology import ExpertKey, Topology

@@ -1,16 +1,16 @@
 import numpy as np
 import pytest
 
+from moestream.contracts import CacheView, Prediction
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
-from moestream.policies.contracts import CacheView, Prediction
-from moestream.policies.eviction import LRUPolicy
 from moestream.policies.designs.expertflow import (
     CorrectionEviction,
     LayerOrderPlanner,
     batch_path_accuracy,
 )
+from moestream.policies.eviction import LRUPolicy
 from moestream.policies.trained import PredictorFileError
 from moestream.predictors.configs import RoutingPathConfig, TrainConfig
 from moestream.predictors.paths import expert_mask, top_k_mask

@@ -5,9 +5,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from moestream.contracts import CacheView
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
-from moestream.policies.contracts import CacheView
 from moestream.policies.designs.moe_infinity.eams import build_collection, sequence_eams, unit_rows
 from moestream.policies.designs.moe_infinity.policy import (
     MoEInfinityConfig,

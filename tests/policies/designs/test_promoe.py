@@ -2,11 +2,12 @@
 import numpy as np
 import pytest
 
+from moestream.contracts import CacheView, Prediction
 from moestream.errors import MoestreamError, TraceError
+from moestream.eval.goodpred import goodpred_table
 from moestream.events import RoutingEvent
 from moestream.policies import POLICIES
-from moestream.policies.contracts import CacheView, Prediction
-from moestream.policies.designs.promoe import PromoeConfig, SpeculativePlanner, goodpred_table
+from moestream.policies.designs.promoe import PromoeConfig, SpeculativePlanner
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.paths import expert_mask, top_k_mask
 from moestream.topology import ExpertKey, Topology

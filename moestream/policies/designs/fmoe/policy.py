@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import (
+from moestream.contracts import (
     POLICIES,
     EvictionPolicy,
     Policy,
@@ -38,6 +37,7 @@ from moestream.policies.contracts import (
     Predictor,
     PrefetchPlanner,
 )
+from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.designs.fmoe.maps import (
     MapStore,
     Match,

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import numpy as np
 
-from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.contracts import (
+from moestream.contracts import (
     POLICIES,
     CacheView,
     EvictionPolicy,
@@ -40,6 +39,7 @@ from moestream.policies.contracts import (
     PrefetchPlanner,
     TransferRequest,
 )
+from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.designs.moe_infinity.eams import (
     EAMCollection,
     build_collection,

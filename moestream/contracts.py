@@ -16,6 +16,9 @@ Call order for every iteration (one token per sequence in decode, a whole prompt
 plan() is called only with a non-empty prediction list. fit() and prepare() run before a replay,
 never during one. Predictors must answer predict() without changing their state: the driver may
 ask more often than a consumer uses the answer.
+
+A top-level module, so the cache, traces, stores and simulator that speak these types import nothing of
+moestream.policies; the registries at the bottom are filled by importing moestream.policies.
 """
 
 from __future__ import annotations

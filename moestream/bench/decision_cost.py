@@ -1,6 +1,6 @@
-"""`python -m moestream.policies.default.timing`: what one layer decision of a trained
-`default` costs on this machine, measured as `bench policies` measures it, and the memory its model
-and one decision take.
+"""`moestream bench decision-cost` (also `python -m moestream.bench.decision_cost`): what one layer decision
+of a trained `default` costs on this machine, measured as `bench policies` measures it, and the memory its
+model and one decision take.
 
 The replay is `bench policies`' own (`moestream.sim.overhead`): a `PolicyDriver` calls the policy
 (observe, predict, plan, each a span of its tracer) and a `LayerTimer` serves each layer's experts
@@ -24,11 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from moestream.cache import ExpertCache
+from moestream.config import EngineConfig
+from moestream.contracts import Policy
 from moestream.policies import POLICIES
-from moestream.policies.contracts import Policy
 from moestream.policies.default.policy import Default
 from moestream.policies.default.state import SequenceHistory
 from moestream.policies.driver import PolicyDriver, TimedEviction
+from moestream.settings import add_arguments
 from moestream.sim.overhead import LayerTimer
 from moestream.trace.format import load_trace
 from moestream.trace.replay import decode_stream
@@ -128,16 +130,24 @@ def measure(policy: Default, trace, cache_ratio: float, horizon: int, max_tokens
     return Figures(micros, model_bytes, sequence_bytes, allocated)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moestream.policies.default.timing", description=__doc__)
+def add_parser(kinds) -> None:
+    parser = kinds.add_parser("decision-cost", help="µs and memory of one layer decision of a trained default",
+                              description=__doc__)
+    add_flags(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_flags(parser) -> None:
     parser.add_argument("--predictor-dir", required=True, help="a trained default directory")
     parser.add_argument("--trace", required=True, help="routing trace (.npz) to replay")
     parser.add_argument("--tokens", help="tokens jsonl of a DeepSeek routing npz")
     parser.add_argument("--max-tokens", type=int, default=2000, help="tokens to replay (default 2000)")
     parser.add_argument("--cache-ratio", type=float, default=0.1, help="device slots / routed experts (default "
                         "0.1, as `bench policies` times)")
-    parser.add_argument("--horizon-layers", type=int, default=2, help="(default 2, as `bench policies`)")
-    args = parser.parse_args(argv)
+    add_arguments(parser, EngineConfig, only=("horizon_layers",))
+
+
+def run(args) -> int:
     trace = load_trace(args.trace, args.tokens)
     policy = Default(trace.topology, predictor_dir=args.predictor_dir)
     figures = measure(policy, trace, args.cache_ratio, args.horizon_layers, args.max_tokens)
@@ -152,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{figures.sequence_bytes / 2**10:.0f} KiB; one policy call of a layer decision allocates at most "
           f"{figures.decision_alloc_bytes / 2**10:.1f} KiB (tracemalloc peak)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moestream.bench.decision_cost", description=__doc__)
+    add_flags(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
