@@ -23,7 +23,7 @@ TORCH_FREE = (
     "moestream.policies.designs",
     "moestream.policies.default",
     "moestream.sim",
-    "moestream.sim.compare",
+    "moestream.bench.tools.compare",
     "moestream.sim.ranks",
     "moestream.parallel.placement",
     "moestream.eval.prediction",

@@ -2,7 +2,7 @@
 of a trained `default` costs on this machine, measured as `bench policies` measures it, and the memory its
 model and one decision take.
 
-The replay is `bench policies`' own (`moestream.sim.overhead`): a `PolicyDriver` calls the policy
+The replay is `bench policies`' own (`moestream.bench.tools.overhead`): a `PolicyDriver` calls the policy
 (observe, predict, plan, each a span of its tracer) and a `LayerTimer` serves each layer's experts
 from a device tier of --cache-ratio of the experts (demand loads first, the layer's own experts
 protected), admits the plan's prefetches, and reads each layer decision's time from the tracer, the
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moestream.bench.tools.overhead import LayerTimer
 from moestream.cache import ExpertCache
 from moestream.config import EngineConfig
 from moestream.contracts import Policy
@@ -31,7 +32,6 @@ from moestream.policies.default.policy import Default
 from moestream.policies.default.state import SequenceHistory
 from moestream.policies.driver import PolicyDriver, TimedEviction
 from moestream.settings import add_arguments
-from moestream.sim.overhead import LayerTimer
 from moestream.trace.format import load_trace
 from moestream.trace.replay import decode_stream
 from moestream.tracer import Tracer
@@ -106,7 +106,7 @@ class TracedTimer(LayerTimer):
 
 def layer_micros(policy: Policy, trace, cache_ratio: float, horizon: int, max_tokens: int,
                  traced: int = -1) -> tuple[np.ndarray, int]:
-    """µs of each layer decision over the first max_tokens decode tokens of trace (sim.overhead's replay),
+    """µs of each layer decision over the first max_tokens decode tokens of trace (bench.tools.overhead's replay),
     and the allocation figure of the `traced`-th decision (0 if none)."""
     topology = trace.topology
     eviction = policy.make_eviction("device")

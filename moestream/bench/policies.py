@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moestream.bench import comma_list, write_figures
+from moestream.bench.tools.compare import CompareConfig, Comparison, compare
 from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.eval.reuse import ReuseProfile, reuse_profile
 from moestream.policies import POLICIES
 from moestream.report import report_console, rich_table
 from moestream.settings import add_arguments, from_args, same_as, setting
-from moestream.sim.compare import CompareConfig, Comparison, compare
 from moestream.trace.format import load_trace
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def run(args) -> int:
 
 def _traces(args):
     from moestream.eval.prediction import split_trace
-    from moestream.sim.compare import head_tokens
+    from moestream.trace.replay import head_tokens
 
     path = args.trace or _dev_trace()
     trace = load_trace(path, args.tokens)

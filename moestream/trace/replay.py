@@ -93,3 +93,12 @@ def batched_rows(trace: Trace, batch_size: int) -> Iterator[tuple[np.ndarray, tu
         finished = tuple(slot[0] for slot in active if slot[1] == slot[2])
         active = [slot for slot in active if slot[1] < slot[2]]
         yield rows, finished
+
+
+def head_tokens(trace: Trace, num_tokens: int) -> Trace:
+    """The first whole sequences of trace holding at least num_tokens tokens (all, if fewer)."""
+    ends = np.array([end for _, _, end in trace.sequence_bounds()])
+    if not len(ends) or ends[-1] <= num_tokens:
+        return trace
+    last = int(np.searchsorted(ends, num_tokens))
+    return trace.take(np.arange(ends[last]))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from moestream.bench import decision_cost
+from moestream.bench.tools.overhead import LayerTimer
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.contracts import CacheView, Observer, Prediction
 from moestream.events import RoutingEvent
@@ -20,7 +21,6 @@ from moestream.policies.default.duel import Duel, DuelEviction
 from moestream.policies.default.policy import DefaultEviction
 from moestream.policies.driver import PolicyDriver
 from moestream.policies.eviction import LRUPolicy, NarrowingEviction
-from moestream.sim.overhead import LayerTimer
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream
 
@@ -169,7 +169,7 @@ def reference_policy(policy):
 
 
 class Recorder(LayerTimer):
-    """`bench policies`' replay (sim.overhead.LayerTimer) that writes down every decision: each layer's
+    """`bench policies`' replay (bench.tools.overhead.LayerTimer) that writes down every decision: each layer's
     predictions, requests and duel leader, and each admission with what it evicted."""
 
     def __init__(self, driver, cache, num_layers):
@@ -276,7 +276,7 @@ def test_largest_is_the_order_of_repeated_argmaxes():
 
 
 def test_the_timing_tool_replays_through_the_driver_as_the_bench_does(policy, traces, tmp_path, capsys):
-    from moestream.sim.overhead import overhead_us_per_layer
+    from moestream.bench.tools.overhead import overhead_us_per_layer
     from moestream.trace.format import save_trace
 
     trace, L = traces[1], policy.topology.num_layers

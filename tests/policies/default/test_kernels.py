@@ -211,7 +211,7 @@ from moestream.trace.replay import decode_stream, prefill
 
 from moestream.cache import ExpertCache
 from moestream.policies.driver import PolicyDriver
-from moestream.sim.overhead import LayerTimer
+from moestream.bench.tools.overhead import LayerTimer
 
 trace = load_trace(sys.argv[2])
 policy = Default(trace.topology, predictor_dir=sys.argv[1])

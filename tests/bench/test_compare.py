@@ -4,10 +4,11 @@ overhead, skipped policies, trained predictors loaded instead of fitted, and whe
 import numpy as np
 import pytest
 
-from moestream.cli import main
-from moestream.sim.compare import CompareConfig, CompareError, Comparison, compare, head_tokens
 from moestream.bench.policies import default_losses
+from moestream.bench.tools.compare import CompareConfig, CompareError, Comparison, compare
+from moestream.cli import main
 from moestream.topology import Topology
+from moestream.trace.replay import head_tokens
 from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1 << 20)
@@ -49,7 +50,7 @@ def test_a_trained_predictor_directory_replaces_fitting(traces, tmp_path):
     out = tmp_path / "ef"
     assert main(["train-predictor", "--kind", "expertflow", "--trace", str(path), "--out", str(out), "--epochs", "1",
                  "--set", "model_dim=16", "--set", "num_heads=2", "--set", "window_tokens=4", "--no-progress"]) == 0
-    from moestream.sim.compare import fit_policies
+    from moestream.bench.tools.compare import fit_policies
 
     config = _config(policies=("expertflow", "expertflow-nocorrect", "lru"), predictor_dirs=(str(out),))
     fitted = fit_policies(train, train, config, Comparison())
@@ -58,7 +59,7 @@ def test_a_trained_predictor_directory_replaces_fitting(traces, tmp_path):
 
 
 def test_a_predictor_kind_is_trained_once_and_shared_by_its_policies(traces):
-    from moestream.sim.compare import fit_policies
+    from moestream.bench.tools.compare import fit_policies
 
     train, _ = traces
     fitted = fit_policies(train, train, _config(policies=("expertflow", "expertflow-nocorrect")), Comparison())

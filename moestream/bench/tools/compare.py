@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-import numpy as np
-
+from moestream.bench.tools.overhead import overhead_us_per_layer
 from moestream.config import EngineConfig
 from moestream.contracts import NullPredictor, Policy
 from moestream.errors import MoestreamError
@@ -31,9 +30,9 @@ from moestream.progress import progress_bar
 from moestream.settings import same_as
 from moestream.sim.config import SimConfig
 from moestream.sim.cost import PRESETS, get_cost_model
-from moestream.sim.overhead import overhead_us_per_layer
 from moestream.sim.protocols import simulate
 from moestream.threads import torch_threads
+from moestream.trace.replay import head_tokens
 from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
@@ -167,12 +166,3 @@ def prediction_quality(policy: Policy, test: Trace, config: CompareConfig) -> di
         counts = evaluate_predictor(fresh.predictor, sample, horizon)
         quality[horizon] = {"precision": counts.precision(), "recall": counts.recall(), "f1": counts.f1()}
     return quality
-
-
-def head_tokens(trace: Trace, num_tokens: int) -> Trace:
-    """The first whole sequences of trace holding at least num_tokens tokens (all, if fewer)."""
-    ends = np.array([end for _, _, end in trace.sequence_bounds()])
-    if not len(ends) or ends[-1] <= num_tokens:
-        return trace
-    last = int(np.searchsorted(ends, num_tokens))
-    return trace.take(np.arange(ends[last]))

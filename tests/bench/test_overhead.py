@@ -2,9 +2,9 @@
 
 import time
 
+from moestream.bench.tools.overhead import overhead_us_per_layer
 from moestream.policies import POLICIES
 from moestream.policies.eviction import LRUPolicy
-from moestream.sim.overhead import overhead_us_per_layer
 from tests.sim import tiny
 from tests.synthetic import synthetic_trace
 
