@@ -3,8 +3,8 @@ derived from transformers' declarations (`base.py`), and one file per family onl
 derived, registered in `FAMILIES` by model_type.
 
 Importing this package imports every family file, then registers a plain adapter for each remaining
-model type. `adapter_for(config)` picks the adapter of a transformers config; nothing else in moestream
-names a family.
+model type. `adapter_for(config)` picks the adapter of a transformers config; no mechanism elsewhere in
+moestream branches on a family.
 """
 
 import sys
