@@ -75,7 +75,7 @@ class CompressedTensorsCodec(LinearCodec):
         q, scale = parts[f"{prefix}.q"], parts[f"{prefix}.scale"]
         rows = q.shape[0]
         zero = parts.get(f"{prefix}.zero")
-        zeros = None if zero is None else self._zeros(zero, rows)  # [O, I/G] signed
+        zeros = None if zero is None else self.zero_points(zero, rows)  # [O, I/G] signed
         if self.format == PACKED and self.bits == 4:
             packing.scaled_nibbles(q, scale, zeros, target[:rows], self._table_of)
             return rows
@@ -97,7 +97,8 @@ class CompressedTensorsCodec(LinearCodec):
             self._tables[key] = packing.nibble_table(*key)
         return self._tables[key]
 
-    def _zeros(self, zero: torch.Tensor, rows: int) -> torch.Tensor:
+    def zero_points(self, zero: torch.Tensor, rows: int) -> torch.Tensor:
+        """A linear's stored zero points -> [O, I / G] int32, signed (the format's offset taken off)."""
         if self.format == INT or zero.dtype != torch.int32:
             return zero.to(torch.int32)
         return (packing.unpack(zero, self.bits, dim=0) - (1 << (self.bits - 1)))[:rows]

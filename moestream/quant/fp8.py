@@ -63,7 +63,7 @@ def decode_into(weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor
     table = value_table(weight.device) if table is None else table
     work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
     torch.index_select(table, 0, weight.view(torch.uint8).reshape(-1).int(), out=work.view(-1))  # [R * C]
-    _scale_blocks(work, _as_scale(scale_inv), block)
+    _scale_blocks(work, as_scale(scale_inv), block)
     return work if work is out else out.copy_(work)
 
 
@@ -82,7 +82,7 @@ def decode(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
     return decode_into(weight, scale_inv, torch.empty(weight.shape, dtype=dtype, device=weight.device), block)
 
 
-def _as_scale(scale_inv: torch.Tensor) -> torch.Tensor:
+def as_scale(scale_inv: torch.Tensor) -> torch.Tensor:
     """Float32 scales; ue8m0 scales stored as uint8 bytes are 2 ** (byte - 127), as transformers reads them."""
     if scale_inv.dtype == torch.uint8:
         return torch.exp2(scale_inv.float() - 127.0)

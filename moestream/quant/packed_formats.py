@@ -91,8 +91,10 @@ class CompressedTensors(PackedFormat):
 
     def linears(self, codec, layout, param):
         packed = codec.format == compressed_tensors.PACKED
-        rows = packed_rows
-        loop = (rows.int4_words_product if codec.bits == 4 else rows.int8_words_product) if packed else rows.int8_rows_product
+        if packed:
+            loop = packed_rows.int4_words_product if codec.bits == 4 else packed_rows.int8_words_product
+        else:
+            loop = packed_rows.int8_rows_product
         offset = float(1 << (codec.bits - 1)) if packed else 0.0  # what pack-quantized adds to each value
         found = []
         for j in numbered(layout, param):
@@ -104,7 +106,7 @@ class CompressedTensors(PackedFormat):
             constant = np.full((outs, groups), offset, np.float32)
 
             def product(views, x, out, col, q=q, scale=scale, zero=zero, constant=constant, outs=outs):
-                shifts = constant if zero not in views else constant + codec._zeros(views[zero], outs).numpy()
+                shifts = constant if zero not in views else constant + codec.zero_points(views[zero], outs).numpy()
                 loop(views[q].numpy(), views[scale].float().numpy(), shifts, x, out, col)
             found.append(Linear(product, outs))
         return found
@@ -122,7 +124,7 @@ class Fp8Block(PackedFormat):
             rows, cols = codec.block or (outs, inputs)
 
             def product(views, x, out, col, weight=weight, scale=scale, rows=rows, cols=cols):
-                scales = fp8._as_scale(views[scale]).reshape(-(-views[weight].shape[0] // rows), -1).numpy()
+                scales = fp8.as_scale(views[scale]).reshape(-(-views[weight].shape[0] // rows), -1).numpy()
                 packed_rows.fp8_product(views[weight].view(torch.uint8).numpy(), scales, rows, cols, x, out, col)
             found.append(Linear(product, outs))
         return found

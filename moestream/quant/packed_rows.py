@@ -84,8 +84,8 @@ def int8_rows_product(values, scales, shifts, x, out, col):
     """values int8 [O, I] (compressed-tensors int-quantized), scales and shifts (zero points) [O, g] float32,
     x [M, I] float32 -> out[:, col: col + O]."""
     outs, inputs = values.shape
-    weights, value_scales, value_shifts = np.empty(inputs, np.float32), np.empty(inputs, np.float32), np.empty(
-        inputs, np.float32)
+    weights = np.empty(inputs, np.float32)
+    value_scales, value_shifts = np.empty(inputs, np.float32), np.empty(inputs, np.float32)
     for o in range(outs):
         row = values[o]
         _per_word(scales[o], shifts[o], value_scales, value_shifts)
@@ -132,7 +132,7 @@ def mxfp4_product(blocks, exponents, powers, x, out, col):
             even[m, k], odd[m, k] = x[m, 2 * k], x[m, 2 * k + 1]
     low, high = np.empty(size, np.int32), np.empty(size, np.int32)
     low_w, high_w = low.view(np.float32), high.view(np.float32)
-    byte_powers, unused = np.empty(size, np.float32), np.empty(size, np.float32)
+    byte_powers, unused = np.empty(size, np.float32), np.empty(size, np.float32)  # _per_word's shifts: unused
     group_powers = np.empty(groups, np.float32)
     for r in range(outs):
         codes = blocks[r].reshape(size)
@@ -147,7 +147,6 @@ def mxfp4_product(blocks, exponents, powers, x, out, col):
             high_w[k] *= byte_powers[k]
         for m in range(x.shape[0]):
             out[m, col + r] = _dot(low_w, even[m]) + _dot(high_w, odd[m])
-
 
 
 @compile_loop
