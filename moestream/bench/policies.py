@@ -15,9 +15,9 @@ from pathlib import Path
 
 from moestream.bench import comma_list, write_figures
 from moestream.bench.tools.compare import CompareConfig, Comparison, compare
+from moestream.bench.tools.reuse import ReuseProfile, reuse_profile
 from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
-from moestream.eval.reuse import ReuseProfile, reuse_profile
 from moestream.policies import POLICIES
 from moestream.report import report_console, rich_table
 from moestream.settings import add_arguments, from_args, same_as, setting

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from moestream.eval.reuse import TOKEN_SPANS, next_uses, reuse_profile
+from moestream.bench.tools.reuse import TOKEN_SPANS, next_uses, reuse_profile
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
 from tests.synthetic import synthetic_trace
