@@ -51,13 +51,9 @@ class LinearCodec:
 
     def dense_shapes(self, layout: Layout) -> dict[str, tuple[int, int]]:
         """Per dense param: its linears' [out, in] shapes stacked on out."""
-        count: dict[str, int] = {}
-        for name in layout:
-            param, linear, _ = name.rsplit(".", 2)
-            count[param] = max(count.get(param, 0), int(linear) + 1)
         shapes = {}
-        for param, linears in count.items():
-            each = [self.linear_shape(layout, f"{param}.{j}") for j in range(linears)]
+        for param in dict.fromkeys(name.rsplit(".", 2)[0] for name in layout):
+            each = [self.linear_shape(layout, f"{param}.{j}") for j in linear_numbers(layout, param)]
             shapes[param] = (sum(s[0] for s in each), each[0][1])
         return shapes
 
@@ -89,3 +85,8 @@ class LinearCodec:
                           dtype=dtype)
         self.decode_linear(parts, "dense.0", out)
         return out
+
+
+def linear_numbers(layout: Layout, param: str) -> list[int]:
+    """The linears j of the slot parts "{param}.{j}.{role}" of a layout, in order."""
+    return sorted({int(name.rsplit(".", 2)[1]) for name in layout if name.rsplit(".", 2)[0] == param})

@@ -19,6 +19,7 @@ from moestream.errors import CheckpointError
 from moestream.quant import compressed_tensors, fp8, mxfp4, packed_rows
 from moestream.quant.codec import ExpertCodec, Tensors
 from moestream.quant.decoder import ExpertDecoder
+from moestream.quant.linears import linear_numbers
 from moestream.quant.packed_cpu import as_numpy, gptq_product
 from moestream.registry import Registry
 
@@ -57,18 +58,13 @@ def covers(codec: ExpertCodec | None) -> bool:
     return name in PACKED_FORMATS and PACKED_FORMATS.create(name).covers(codec)
 
 
-def numbered(layout: Layout, param: str) -> list[int]:
-    """The linears j of the slot parts "{param}.{j}.{role}" (moestream.quant.linears), in order."""
-    return sorted({int(name.split(".")[-2]) for name in layout if name.startswith(f"{param}.")})
-
-
 @PACKED_FORMATS.register("gptq")
 class Gptq(PackedFormat):
     """qweight [I / (32 / b), O], scales [g, O], qzeros [g, O / (32 / b)] (stored minus one)."""
 
     def linears(self, codec, layout, param):
         found, per_word = [], 32 // codec.bits
-        for j in numbered(layout, param):
+        for j in linear_numbers(layout, param):
             q, scale, zero = (f"{param}.{j}.{role}" for role in ("q", "scale", "zero"))
             (words, outs), (groups, scaled), zeros = layout[q], layout[scale], layout[zero]
             if scaled != outs or zeros != (groups, -(-outs // per_word)) or words % groups:
@@ -97,7 +93,7 @@ class CompressedTensors(PackedFormat):
             loop = packed_rows.int8_rows_product
         offset = float(1 << (codec.bits - 1)) if packed else 0.0  # what pack-quantized adds to each value
         found = []
-        for j in numbered(layout, param):
+        for j in linear_numbers(layout, param):
             q, scale, zero = (f"{param}.{j}.{role}" for role in ("q", "scale", "zero"))
             outs, groups = layout[scale]
             if layout[q][0] != outs or (layout[q][1] * (32 // codec.bits if packed else 1)) % groups:
@@ -118,7 +114,7 @@ class Fp8Block(PackedFormat):
 
     def linears(self, codec, layout, param):
         found = []
-        for j in numbered(layout, param):
+        for j in linear_numbers(layout, param):
             weight, scale = (f"{param}.{j}.{role}" for role in fp8.ROLES)
             outs, inputs = codec.linear_shape(layout, f"{param}.{j}")  # checks the scales' grid
             rows, cols = codec.block or (outs, inputs)

@@ -46,7 +46,8 @@ def _words_kernel(bits: int):
         word_scales, word_shifts = np.empty(num_words, np.float32), np.empty(num_words, np.float32)
         for o in range(outs):
             row = words[o]
-            _per_word(scales[o], shifts[o], word_scales, word_shifts)
+            _spread(scales[o], word_scales)
+            _spread(shifts[o], word_shifts)
             for j in range(per_word):
                 at, shift = j * num_words, int32(bits * j)
                 for k in range(num_words):  # one long loop: short ones cost their set-up each
@@ -58,13 +59,13 @@ def _words_kernel(bits: int):
 
 
 @compile_loop
-def _per_word(scales, shifts, word_scales, word_shifts):
-    """One output row's group scales and shifts [g] -> one per word (or value) [W], groups in order."""
-    size = word_scales.shape[0] // scales.shape[0]
-    for g in range(scales.shape[0]):
-        scale, shift = scales[g], shifts[g]
+def _spread(groups, out):
+    """One output row's values per group [g] -> one per word (or value) [W], the groups in order."""
+    size = out.shape[0] // groups.shape[0]
+    for g in range(groups.shape[0]):
+        value = groups[g]
         for k in range(g * size, (g + 1) * size):
-            word_scales[k], word_shifts[k] = scale, shift
+            out[k] = value
 
 
 @compile_loop
@@ -88,7 +89,8 @@ def int8_rows_product(values, scales, shifts, x, out, col):
     value_scales, value_shifts = np.empty(inputs, np.float32), np.empty(inputs, np.float32)
     for o in range(outs):
         row = values[o]
-        _per_word(scales[o], shifts[o], value_scales, value_shifts)
+        _spread(scales[o], value_scales)
+        _spread(shifts[o], value_shifts)
         for i in range(inputs):
             weights[i] = (float32(row[i]) - value_shifts[i]) * value_scales[i]
         for m in range(x.shape[0]):
@@ -132,13 +134,13 @@ def mxfp4_product(blocks, exponents, powers, x, out, col):
             even[m, k], odd[m, k] = x[m, 2 * k], x[m, 2 * k + 1]
     low, high = np.empty(size, np.int32), np.empty(size, np.int32)
     low_w, high_w = low.view(np.float32), high.view(np.float32)
-    byte_powers, unused = np.empty(size, np.float32), np.empty(size, np.float32)  # _per_word's shifts: unused
+    byte_powers = np.empty(size, np.float32)
     group_powers = np.empty(groups, np.float32)
     for r in range(outs):
         codes = blocks[r].reshape(size)
         for g in range(groups):
             group_powers[g] = powers[exponents[r, g]]
-        _per_word(group_powers, group_powers, byte_powers, unused)
+        _spread(group_powers, byte_powers)
         for k in range(size):
             code = np.int32(codes[k])
             low[k], high[k] = _e2m1_bits(code & np.int32(15)), _e2m1_bits(np.int32(code >> np.int32(4)))
