@@ -1,6 +1,5 @@
-"""moestream: serve Mixture-of-Experts models whose experts live on SSD and in host RAM.
-
-`LLM` and `SamplingParams` are imported on first use, so that `import moestream` stays light."""
+"""moestream: serve Mixture-of-Experts models whose experts live on SSD and in host RAM. `LLM` and
+`SamplingParams` are imported on first use, so that `import moestream` stays light."""
 
 __version__ = "0.1.0"
 

@@ -54,8 +54,7 @@ def staging_dir(out: Path, label: str) -> Path:
 
 
 def check_output_file(path: Path | None, flag: str) -> None:
-    """Refuses an output file (given as `flag`) whose folder does not exist or that is a folder: a typo in
-    a path is named at once, not made into new folders at the end of a run."""
+    """Refuses an output file (`flag`) that is a folder or whose folder does not exist: a typo is named at once."""
     if path is None:
         return
     if path.is_dir():
@@ -72,8 +71,7 @@ def check_empty_dir(out: Path, error: type[MoestreamError] = MoestreamError, nam
 
 def publish_dir(out: Path, write: Callable[[Path], None], error: type[MoestreamError] = MoestreamError,
                 name: str = "output") -> Path:
-    """Fills a staging directory beside `out` with write(staging), then renames it to `out` (absent or
-    empty, checked before and after): `out` is whole or untouched, and nothing half-written is left."""
+    """Fills a staging directory with write(staging), then renames it to `out` (absent or empty): whole or untouched."""
     check_empty_dir(out, error, name)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(out, "partial")

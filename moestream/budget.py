@@ -1,8 +1,6 @@
-"""Memory budgets as the user writes them: a byte count or a ratio of all routed-expert bytes.
-
-Parsing needs no torch, so that the CLI refuses a bad budget before its heavy imports. How many
-expert slots a budget buys is the store's business (`moestream.store.config`).
-"""
+"""Memory budgets as the user writes them: a byte count or a ratio of all routed-expert bytes. Parsing
+needs no torch, so the CLI refuses a bad budget before its heavy imports; what a budget buys in slots is
+the store's business (`moestream.store.config`)."""
 
 from __future__ import annotations
 
@@ -11,11 +9,8 @@ from dataclasses import dataclass
 
 from moestream.errors import BudgetError
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*|%)\s*$")
 
 
@@ -70,9 +65,7 @@ class Budget:
 
     def resolve(self, total_bytes: int) -> int:
         """The budget in bytes, given the model's total routed-expert bytes."""
-        if self.size_bytes is not None:
-            return self.size_bytes
-        return int(round(total_bytes * self.ratio))
+        return self.size_bytes if self.size_bytes is not None else int(round(total_bytes * self.ratio))
 
     def __str__(self) -> str:
         return f"{self.ratio:g}" if self.ratio is not None else format_bytes(self.size_bytes)

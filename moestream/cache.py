@@ -1,8 +1,6 @@
-"""Residency of experts in a fixed number of slots: the mechanism every tier and the simulator share.
-
-The cache owns the key -> slot map, pins and free slots; it asks its eviction policy for a victim
-and tells it about inserts, accesses and removals. It knows no policy and moves no bytes.
-"""
+"""Residency of experts in a fixed number of slots: the mechanism every tier and the simulator share. The
+cache owns the key -> slot map, pins and free slots; it asks its eviction policy for a victim and tells it
+about inserts, accesses and removals. It knows no policy and moves no bytes."""
 
 from __future__ import annotations
 
@@ -49,10 +47,7 @@ class ExpertCache:
         return slot
 
     def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> tuple[int, ExpertKey | None]:
-        """A slot for key, evicting a victim (never a pinned or protected one) if full.
-
-        Returns (slot, evicted key or None); raises CacheFullError when no victim is allowed.
-        """
+        """(slot, evicted key or None), evicting a victim (never pinned or protected) if full; else CacheFullError."""
         if key in self._slots:
             return self._slots[key], None
         evicted = None if self._free else self._evict(protect)
@@ -88,9 +83,6 @@ class ExpertCache:
         """Every key holding a pin, resident or not (a pin left on a key that left is a leak)."""
         return frozenset(key for key, count in self._pins.items() if count > 0)
 
-    def is_pinned(self, key: ExpertKey) -> bool:
-        return self._pins[key] > 0
-
     def evictable(self) -> list[ExpertKey]:
         return list(Evictable(self._slots, self._pins))
 
@@ -108,11 +100,9 @@ class ExpertCache:
 
 
 class Evictable(Sequence):
-    """The resident keys that are neither pinned nor protected, as a read-only sequence.
-
-    Membership and truth cost O(1), not O(capacity), so an eviction policy that walks its own
-    order and tests `key in candidates` stays cheap; len, indexing and iteration build the list once.
-    """
+    """The resident keys that are neither pinned nor protected, as a read-only sequence. Membership and truth
+    cost O(1), not O(capacity), so an eviction policy that walks its own order and tests `key in candidates`
+    stays cheap; len, indexing and iteration build the list once."""
 
     def __init__(self, slots: dict, pins: Counter, protect: Container[ExpertKey] = ()):
         self._slots, self._pins, self._protect = slots, pins, protect

@@ -20,15 +20,11 @@ class MemoryCgroup:
     limit_file: str
     peak_file: str
 
-    @property
-    def usage_file(self) -> str:
-        return "memory.current" if self.version == 2 else "memory.usage_in_bytes"
-
     def headroom_bytes(self) -> int | None:
         """The limit less what the cgroup uses now, or None where it has no limit (or cannot be read)."""
         try:
             limit = (self.path / self.limit_file).read_text().strip()
-            used = int((self.path / self.usage_file).read_text())
+            used = int((self.path / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")).read_text())
         except (OSError, ValueError):
             return None
         return None if limit == "max" or int(limit) >= NO_LIMIT else max(0, int(limit) - used)
@@ -46,8 +42,7 @@ class MemoryCgroup:
 
 
 def own_cgroup(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> MemoryCgroup | None:
-    """This process's memory cgroup (v2, else v1's memory controller), or None without either.
-    `root` is where cgroups are mounted and `proc` this process's cgroup list (tests give others)."""
+    """This process's memory cgroup (v2, else v1's memory controller), or None; `root` and `proc`: for tests."""
     lines = proc.read_text().splitlines() if proc.is_file() else []
     if (root / "cgroup.controllers").is_file():
         path = next((line[3:] for line in lines if line.startswith("0::")), None)

@@ -1,7 +1,6 @@
 """Refusals that the commands and the benches share, made before any heavy import: a flag's value below
 its bound, a checkpoint path that is no checkpoint directory, the serve extra not installed, a server
-that is not on this machine. Each is one MoestreamError line that names the flag; knows no command.
-"""
+that is not on this machine. Each is one MoestreamError line that names the flag; knows no command."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Where the real data (routing traces, prompt sets, arrival traces) lies, whatever the working directory.
-
-In order: an explicit `--data-dir`, then `$MOESTREAM_DATA`, then `shared/data` beside the checkout that
-holds this package (a development install), then `../shared/data` from the working directory. The
-caller says which one was used; this module reads no data and knows no format.
-"""
+"""Where the real data (routing traces, prompt sets, arrival traces) lies, whatever the working directory: an
+explicit `--data-dir`, then `$MOESTREAM_DATA`, then `shared/data` beside the checkout that holds this package (a
+development install), then `../shared/data` from the working directory. Reads no data and knows no format."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""What the runtime tells policies as a batch moves through the model: plain, immutable records.
-
-Arrays are numpy on the host. Rows are tokens of the current iteration (one per sequence in decode,
-a whole prompt in prefill). Nothing here knows how the events are produced or consumed.
-"""
+"""What the runtime tells policies as a batch moves through the model: plain, immutable records. Arrays
+are numpy on the host; rows are tokens of the current iteration (one per sequence in decode, a whole prompt
+in prefill). Nothing here knows how the events are produced or consumed."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""A modelled link: the backlog of bytes admitted to the link that fills the device tier, advanced by a
-virtual clock of one MoE layer's compute per layer, that the planner's view reports (`LinkState`).
-
-The transfer core feeds it the same admissions in the engine and the simulator (`need`, `demand`,
-`speculate`, `drop`; docs/design.md, "The link as the planner sees it"), so both compute the same
-backlog. It reads no clock and no measurement, knows no policy, and is not what the real link does
-(its bandwidth and layer time are fixed figures of the run).
-"""
+"""A modelled link: the backlog of bytes admitted to the link that fills the device tier, advanced by a virtual
+clock of one MoE layer's compute per layer, that the planner's view reports (`LinkState`). The transfer core feeds
+it the same admissions in the engine and the simulator (docs/design.md, "The link as the planner sees it"), so
+both compute the same backlog. It reads no clock or measurement, knows no policy, and is not what the real link
+does (its bandwidth and layer time are fixed figures of the run)."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ from moestream.topology import ExpertKey, Topology
 
 @dataclass(frozen=True)
 class LinkFigures:
-    """A run's fixed figures of the disk link, as the engine is given them (`EngineConfig.link_gbps`,
-    `layer_ms`, `reorder`): one link model from them for the engine and for a simulator that must match it."""
+    """A run's fixed figures of the disk link (`EngineConfig`): one link model for the engine and a simulator alike."""
 
     gbps: float
     layer_ms: float

@@ -1,8 +1,7 @@
 """How much memory the experts can have, before anything is loaded: what is available (this cgroup's
 headroom or MemAvailable; on CUDA, the device's free memory), less the process floor, the dense part,
 the KV reservation and a margin. Sizes come from the config and the safetensors headers alone. Knows no
-policy and moves nothing; what a budget buys in slots is the store's business.
-"""
+policy and moves nothing; what a budget buys in slots is the store's business."""
 
 from __future__ import annotations
 
@@ -64,16 +63,11 @@ class MemoryPlan:
                 _tier("expert budget (device tier)", self.expert_budget_bytes, s)]
         if on_cuda:
             out.append(_tier("host budget (host tier)", self.host_budget_bytes, s))
-        out.append(self.bytes_per_token_line())
-        return out
-
-    def bytes_per_token_line(self) -> str:
-        s = self.sizes
         held = min(1.0, (self.expert_budget_bytes + self.host_budget_bytes) / s.total_expert_bytes)
         routed = s.num_moe_layers * s.top_k * s.expert_bytes
-        return (f"a token routes {format_bytes(routed)} of experts; with {100 * held:.0f}% of them held, about "
-                f"{format_bytes(int(routed * (1 - held)))} a token from disk if routing were uniform (LRU); "
-                "predictive policies on real routing read less, and `moestream sim` measures it on a trace")
+        return out + [f"a token routes {format_bytes(routed)} of experts; with {100 * held:.0f}% of them held, about "
+                      f"{format_bytes(int(routed * (1 - held)))} a token from disk if routing were uniform (LRU); "
+                      "predictive policies on real routing read less, and `moestream sim` measures it on a trace"]
 
 
 def _tier(label: str, num_bytes: int, sizes: ModelSizes) -> str:
@@ -96,23 +90,18 @@ def host_available() -> Available:
     return free if headroom is None or headroom >= free.num_bytes else Available(headroom, f"{group.label} headroom")
 
 
-def device_available(device: str) -> Available:
-    import torch
-
-    index = torch.device(device).index or 0
-    free, _ = torch.cuda.mem_get_info(index)
-    return Available(int(free), f"cuda:{index} free")
-
-
 def plan_memory(sizes: ModelSizes, device: str, kv_bytes: int, host: Available | None = None,
                 gpu: Available | None = None) -> MemoryPlan:
-    """The largest budgets that leave the floor, the dense part, the KV and a margin; refused when
-    not even one layer's routed experts for one token fit. `host` and `gpu` default to this machine's."""
+    """The largest budgets leaving floor, dense part, KV and margin; refused below one layer's top_k experts."""
     host = host or host_available()
     if not device.startswith("cuda"):
         left = host.num_bytes - FLOOR_BYTES - sizes.dense_bytes - kv_bytes - margin(host.num_bytes, False)
         return MemoryPlan(device, host, host, sizes, kv_bytes, _fit(left, sizes, host), 0)
-    gpu = gpu or device_available(device)
+    if gpu is None:
+        import torch
+
+        index = torch.device(device).index or 0
+        gpu = Available(int(torch.cuda.mem_get_info(index)[0]), f"cuda:{index} free")
     left = gpu.num_bytes - sizes.dense_bytes - kv_bytes - margin(gpu.num_bytes, True)
     expert = _fit(left, sizes, gpu)
     host_left = host.num_bytes - FLOOR_BYTES - margin(host.num_bytes, False)
@@ -145,8 +134,7 @@ def sizes_of(index) -> ModelSizes:
 
 
 def kv_bytes_per_token(config) -> int:
-    """Keys and values of one token in every attention layer, from the config (an estimate: caches
-    that compress, or sliding windows, hold less)."""
+    """Keys and values of one token in every attention layer (an estimate: compressed or windowed caches hold less)."""
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_decoder_layers", None) or config.num_layers
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None) or config.num_heads
     if getattr(config, "qk_nope_head_dim", None):  # latent attention: transformers caches full heads
@@ -166,10 +154,9 @@ def host_bytes(text, expert_bytes: int, num_experts: int) -> int:
 
 
 def check_host_room(text, sizes: ModelSizes, device: str, device_bytes: int, available=None, pin=None) -> None:
-    """Refuses (one line naming --host-budget and the figures) a host budget more than the memory left, or
-    whose pinned allocation fails on CUDA. sizes: the checkpoint's (`model_sizes`); device_bytes: the largest
-    device budget of the runs; available: the host memory (default: this machine's, `host_available`);
-    pin(num_bytes): allocates and frees that much pinned memory (default: torch's, on CUDA only)."""
+    """Refuses (one line naming --host-budget and the figures) a host budget more than the memory left, or whose
+    pinned allocation fails on CUDA. device_bytes: the largest device budget of the runs; available (the host's
+    memory, `host_available`) and pin(num_bytes) (allocate and free pinned memory): defaults for tests to replace."""
     wanted = host_bytes(text, sizes.expert_bytes, sizes.num_experts)
     if not wanted:
         return

@@ -1,9 +1,6 @@
-"""Progress bars that stay plain where output is not a terminal.
-
-On a terminal, `progress_bar(...)` is a tqdm bar redrawn in place. Elsewhere (a log file, a CI job, a
-pipe) it writes whole lines, at most one every `PLAIN_INTERVAL_S` seconds, with no carriage
-returns or cursor escapes. This module knows nothing of what is being counted.
-"""
+"""Progress bars that stay plain where output is not a terminal: a tqdm bar redrawn in place on a terminal,
+else whole lines, at most one every `PLAIN_INTERVAL_S` seconds, without carriage returns or cursor escapes
+(a log file, a CI job, a pipe). Knows nothing of what is being counted."""
 
 from __future__ import annotations
 
@@ -45,9 +42,8 @@ def progress_bar(iterable=None, *, stream=None, **options) -> tqdm:
 
 
 class DeferredBar:
-    """A progress_bar drawn only once its total is known, for work that learns its size first: start(total)
-    opens it, update(n) advances it; as a context manager it closes at the end. Never started, it draws
-    nothing (no size-less '0.00B' line before the work, or before a refusal)."""
+    """A progress_bar drawn only once start(total) gives its total; update(n) advances it; closes at a with-block's end.
+    Never started, it draws nothing (no size-less '0.00B' line before the work, or before a refusal)."""
 
     def __init__(self, **options):
         self.options, self.bar = options, None
@@ -73,8 +69,7 @@ class DeferredBar:
 
 
 def plain_foreign_bars() -> None:
-    """Where stderr is not a terminal, turn off transformers' and huggingface_hub's own bars ('Loading
-    weights', 'Writing model shards'), which would draw with cursor escapes. Call before they are
-    imported (a CLI's start); a value the user set is kept."""
+    """Where stderr is not a terminal, turns off transformers' and huggingface_hub's own bars (cursor escapes); call
+    before they are imported. A value the user set is kept."""
     if not sys.stderr.isatty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

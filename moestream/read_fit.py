@@ -1,9 +1,6 @@
-"""What a batch of expert reads costs, as a line: seconds = fixed + experts x per_expert.
-
-The synchronous store reads a layer's misses in one batch; keeping five running sums of its batches
-lets a benchmark fit that line by least squares over any span of a run (the sums at its end less
-those at its start), with no list that grows with the run. Knows numbers, not disks or experts.
-"""
+"""What a batch of expert reads costs, as a line: seconds = fixed + experts x per_expert. Five running sums
+of the synchronous store's batches (a layer's misses each) let a benchmark fit it by least squares over any
+span of a run (the sums at its end less those at its start). Knows numbers, not disks or experts."""
 
 from __future__ import annotations
 
@@ -33,10 +30,8 @@ class ReadBatchFit:
         return ReadBatchFit(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per expert) by least squares, over batches of at least two sizes; both
-        keep the batches' total time. A negative fixed part (noise around a line through the origin)
-        gives no fixed part and the mean time per expert; None without two sizes or with no positive
-        per-expert time."""
+        """(fixed seconds, seconds per expert) by least squares over batches of two sizes or more, keeping their total
+        time (None without, or with no positive per-expert time); a negative fixed part: none, the mean per expert."""
         n, spread = self.batches, self.batches * self.experts_sq - self.experts ** 2
         if n < 2 or spread <= 0:
             return None

@@ -1,6 +1,5 @@
-"""The console the CLI prints its tables on: rich's, on stdout, and wide enough for whole figures
-where stdout is a file or a pipe (rich would cut cells at 80 columns there); a table of text rows and
-a cell's text. Knows no figures."""
+"""The console the CLI prints its tables on: rich's, on stdout, and wide enough for whole figures where stdout is a
+file or a pipe (rich would cut cells at 80 columns there); a table of text rows and a cell's text. Knows no figures."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ def report_console(width: int):
 
 
 def rich_table(title: str, columns, rows, left: tuple[str, ...] = (), no_wrap: bool = False, **options):
-    """A rich Table of text rows: the columns named in left (else the first) left-justified, the others
-    right, wrapped unless no_wrap; options: the Table's (caption, ...)."""
+    """A rich Table of text rows: the `left` columns (else the first) left-justified, the others right."""
     from rich.table import Table
 
     table = Table(title=title, **options)

@@ -20,26 +20,15 @@ def available_cores() -> int:
 
 
 def compute_threads(requested: int, engine_threads: int, current: int) -> int:
-    """The threads compute should use: `requested` where given (> 0), else the available cores less the
-    `engine_threads` the engine runs beside compute (I/O links, a predictor), at least one and never
-    more than torch's `current` count (a count lowered by the user or a test is kept)."""
-    if requested > 0:
-        return requested
-    return max(1, min(current, available_cores() - engine_threads))
-
-
-def describe_threads(num_threads: int, engine_threads: int) -> str:
-    """The start-up line's words: compute's threads, the cores and what the engine keeps for itself."""
-    kept = f", {engine_threads} left to the engine's I/O and predictor threads" if engine_threads else ""
-    return (f"compute uses {num_threads} thread{'s' if num_threads != 1 else ''} "
-            f"({available_cores()} cores{kept}; --threads to change)")
+    """The threads compute should use: `requested` where > 0, else the available cores less `engine_threads` (I/O,
+    a predictor), at least one and at most torch's `current` count (a count lowered by the user or a test is kept)."""
+    return requested if requested > 0 else max(1, min(current, available_cores() - engine_threads))
 
 
 class ComputeThreads:
-    """While an engine is open (process-wide, put back by `restore`): torch computes on `num_threads`
-    threads (`compute_threads`), and numpy's BLAS on one, since the policy's numpy work runs between
-    torch's kernels on the compute thread and a second pool spinning beside torch's takes the cores its
-    kernels need (a prefill with a predicting policy ran twice as slow with torch on 2 threads)."""
+    """While an engine is open (process-wide, put back by `restore`): torch on `num_threads` threads, numpy's BLAS
+    on one, since the policy's numpy work runs between torch's kernels and a second spinning pool takes the cores
+    they need (a prefill with a predicting policy ran twice as slow with torch on 2 threads)."""
 
     def __init__(self, requested: int, engine_threads: int):
         import torch
@@ -57,13 +46,15 @@ class ComputeThreads:
         self._blas.restore_original_limits()
 
     def __str__(self) -> str:
-        return describe_threads(self.num_threads, self.engine_threads)
+        """The start-up line's words: compute's threads, the cores and what the engine keeps for itself."""
+        kept = f", {self.engine_threads} left to the engine's I/O and predictor threads" if self.engine_threads else ""
+        return (f"compute uses {self.num_threads} thread{'s' if self.num_threads != 1 else ''} "
+                f"({available_cores()} cores{kept}; --threads to change)")
 
 
 @contextmanager
 def torch_threads(num_threads: int) -> Iterator[None]:
-    """torch's intra-op thread count inside the block, restored after. Small models run fastest, and do
-    not stall on a shared machine, with one thread."""
+    """torch's intra-op thread count inside the block, restored after (small models run fastest on one)."""
     import torch
 
     before = torch.get_num_threads()

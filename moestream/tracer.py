@@ -1,12 +1,7 @@
-"""The one optional tracer: the engine's parts tell it what they did and when; counters and
-timelines are read from it.
-
-A part reports spans (lane, label, begin, end; `time.perf_counter` seconds) through `span()`, `call()` or
-`add()`; lanes: `LANES`. The tracer always sums each lane (`totals()`), and keeps the spans themselves
-only when asked (`keep_spans`), for a timeline; labels may be callables, built only then. Recording is
-thread-safe (each thread sums into its own totals, without a lock). Knows no policy, no store and no
-model: it only keeps what it is told.
-"""
+"""The one optional tracer: the engine's parts report spans (lane, label, begin, end; `time.perf_counter` seconds)
+through `span()`, `call()` or `add()`; it sums each lane (`totals()`) and keeps the spans only when asked
+(`keep_spans`), for a timeline (labels may be callables, built only then). Thread-safe: each thread sums into its
+own totals, without a lock. Knows no policy, store or model."""
 
 from __future__ import annotations
 
@@ -56,8 +51,7 @@ class Tracer:
         return _Timed(self, lane, label)
 
     def call(self, lane: str, label: Label, function: Callable, argument):
-        """function(argument), its time recorded as a span (also when it raises); returns what it returns.
-        Cheaper than `span` inside the span (e.g. for a cache's hooks): only the call itself."""
+        """function(argument), timed as a span (also when it raises); cheaper than `span` (e.g. for a cache's hooks)."""
         began = _clock()
         try:
             return function(argument)

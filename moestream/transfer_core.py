@@ -1,5 +1,5 @@
 """The transfer core: the bookkeeping of experts coming into the device tier, one clock-free object
-that the engine's stores (`moestream.store`) and the simulator (`moestream.sim.engine`) both drive.
+that the engine's stores (`moestream.store`) and the simulator (`moestream.bench.sim.engine`) both drive.
 
 Residency changes only at a layer's lookups (`fetch_layer`) and at a plan (`plan_view`,
 `admit_prefetches`, `end_plan`), never when bytes land (the rules: docs/design.md, "The transfer

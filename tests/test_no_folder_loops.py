@@ -60,4 +60,4 @@ def test_no_two_subpackages_import_each_other():
 
 def test_the_graph_reads_the_package():
     edges = package_edges(ROOT)
-    assert ("sim", "policies") in edges and ("checkpoint", "quant") in edges  # the simulator drives policies
+    assert ("bench", "policies") in edges and ("checkpoint", "quant") in edges  # the simulator drives policies

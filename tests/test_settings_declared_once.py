@@ -20,8 +20,9 @@ from moestream.cli import build_parser
 from moestream.settings import flag_of
 
 PACKAGE = Path(moestream.__file__).parent
-SETTINGS_MODULES = ("config", "store.config", "parallel.config", "sim.config", "sim.ranks", "bench.tools.compare",
-                    "predictors.configs", "cli.sim", "cli.train_predictor", "bench.policies")
+SETTINGS_MODULES = ("config", "store.config", "parallel.config", "bench.sim.config", "bench.sim.ranks",
+                    "bench.tools.compare", "predictors.configs", "bench.commands.sim", "cli.train_predictor",
+                    "bench.policies")
 HOMONYMS = {  # one name, two settings: each declared once
     "seed": "the moe-beyond pool's refill (SimConfig) and training's initialisation (TrainConfig)",
     "batch_size": "sequences per simulated iteration (SimConfig) and tokens per training minibatch (TrainConfig)",
@@ -29,9 +30,9 @@ HOMONYMS = {  # one name, two settings: each declared once
     "link_gbps": "the planner's modelled disk link (EngineConfig) and an override of the cost model's (CostOverrides)",
 }
 # modules that repeated a shared setting's default (issue 47): the settings' own and those that pass them on
-SOURCES = ("config.py", "store/config.py", "parallel/config.py", "sim/config.py", "sim/ranks.py", "bench/tools/compare.py",
-           "cli/sim.py", "cli/train_predictor.py", "cli/generate.py", "cli/serve.py", "policies/driver.py",
-           "bench/policies.py")
+SOURCES = ("config.py", "store/config.py", "parallel/config.py", "bench/sim/config.py", "bench/sim/ranks.py",
+           "bench/tools/compare.py", "bench/commands/sim.py", "cli/train_predictor.py", "cli/generate.py", "cli/serve.py",
+           "policies/driver.py", "bench/policies.py")
 COMMANDS = (["sim"], ["train-predictor"], ["bench", "policies"])
 
 

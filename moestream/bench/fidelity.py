@@ -8,7 +8,9 @@ and stall per token within 15% (ok/missed, never asserted); `--sync` compares th
 default the asynchronous one with cache-aware reordering. `--host-compute RULE`: both keep every expert in
 a host tier and compute the misses the rule places there; the simulator takes the engine's measured host
 compute costs and its host copy link, and the choice at every layer step must be the same (placements:
-ok/missed).
+ok/missed). `--host-budget B`: the engine's host tier (on the CPU a tier apart with --sync; otherwise it joins
+the device tier there); the simulator runs the same chain of links and host tier (`moestream.store.chain`),
+so what it compares is only the cost model.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def add_parser(kinds) -> None:
     add_model_flags(parser)
     add_run_flags(parser, 32, "write the figures and the cost model here")
     parser.add_argument("--budget", default="0.25", help="expert budget")
+    parser.add_argument("--host-budget", default="0", help="host-tier budget (the engine's --host-budget)")
     parser.add_argument("--cost-model", metavar="measured:PATH", help="a calibration (default: measure one now)")
     add_arguments(parser, EngineConfig, only=("policy", "sync", "reorder", "direct_io", "link_gbps", "layer_ms",
                                               "host_compute", "host_threads"))
@@ -51,18 +54,19 @@ def compare(args) -> dict:
 
     check_run_flags(args, least_tokens=2)
     model = model_dir(args, announce=True)
-    topology = build_index(model).topology
+    index = build_index(model)
+    topology = index.topology
     spec = RunSpec(model=str(model), budget=args.budget, policy=args.policy, sync=args.sync, reorder=args.reorder,
                    prompts=PROMPTS, max_new_tokens=args.max_new_tokens, threads=args.threads, direct_io=args.direct_io,
                    replay_routing=args.replay_routing, predictor_dirs=tuple(args.predictor_dir),
                    link_gbps=args.link_gbps, layer_ms=args.layer_ms,  # the planner's link: the same on both sides
                    background_predictor=False, keep_embeddings=True,  # inline, as the simulator: the module doc
                    host_compute=args.host_compute, host_threads=args.host_threads,
-                   host_budget="100%" if args.host_compute != "off" else "0")
+                   host_budget="100%" if args.host_compute != "off" else args.host_budget)
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
-    simulated = _simulate(args, spec, engine, topology, cost)
-    return {"model": str(model), "budget": args.budget, "policy": args.policy,
+    simulated = _simulate(args, spec, engine, topology, cost, len(next(iter(index.experts.locations.values())).segments))
+    return {"model": str(model), "budget": args.budget, "host_budget": args.host_budget, "policy": args.policy,
             "mode": "sync" if args.sync else "async", "reorder": args.reorder,
             "replay_routing": args.replay_routing,
             "engine": {k: engine[k] for k in ("hit_rate", "stall_ms_per_token", "tpot_ms", "bytes_per_token",
@@ -78,7 +82,7 @@ def _cost_model(args, spec, engine: dict, topology):
     when it is one: then the stall check tests the simulator's mechanism and miss counts, not its costs)."""
     from moestream.bench.engine.isolation import run_isolated
     from moestream.bench.engine.plan import calibrate, disk_figures
-    from moestream.sim.cost import get_cost_model
+    from moestream.bench.sim.cost import get_cost_model
 
     if args.cost_model:
         return get_cost_model(args.cost_model)
@@ -89,7 +93,8 @@ def _cost_model(args, spec, engine: dict, topology):
     return calibrate(topology, engine if calibration == spec else run_isolated(calibration), disk_bw)
 
 
-def _simulate(args, spec, engine: dict, topology, cost) -> dict:
+def _simulate(args, spec, engine: dict, topology, cost, num_expert_chunks: int) -> dict:
+    """The simulator on the engine's rows, tiers and chunks (one per weight matrix: the engine's default)."""
     from moestream.bench.engine.runners import make_policy
     from moestream.bench.engine.simulated import engine_iterations, replayed, sim_ratio, simulate
     from moestream.link_model import LinkFigures
@@ -106,8 +111,10 @@ def _simulate(args, spec, engine: dict, topology, cost) -> dict:
     if host_costs is not None:  # every expert in host RAM, copied up over the engine's measured link
         cost = cost.with_overrides(host_holds_all=True, host_to_device_gbps=host_costs.link_bytes_per_ms / 1e6,
                                    host_to_device_latency_ms=0.0, demand_batch_ms=0.0)  # copies, not reads
+    host_slots = engine["host_slots"] if host_costs is None else 0  # host compute: every expert in host RAM
     return simulate(policy, run, engine_iterations(run), sim_ratio(engine["device_slots"], topology), cost,
-                    expert_order=order, modelled_link=figures is not None,
+                    expert_order=order, modelled_link=figures is not None, host_slots=host_slots, sync=spec.sync,
+                    num_expert_chunks=num_expert_chunks,
                     link_figures=figures,  # the engine's link, or none where its planner had none
                     host_compute=spec.host_compute, compute_costs=host_costs,
                     warm=[ExpertKey(*key) for key in engine.get("warm_device", ())])
@@ -136,7 +143,8 @@ def agreement(engine: dict, simulated: dict) -> dict:
 def _print(document: dict) -> None:
     engine, sim, agree = document["engine"], document["simulator"], document["agreement"]
     print(f"[replayed routing from {document['replay_routing']}: figures are for measurement only]")
-    print(f"fidelity: {document['policy']} {document['mode']} at budget {document['budget']}, "
+    host = f", host budget {document['host_budget']}" if document["host_budget"] not in ("0", "0%") else ""
+    print(f"fidelity: {document['policy']} {document['mode']} at budget {document['budget']}{host}, "
           f"{engine['decode_tokens']} decode tokens, cost model {document['cost_model']['name']} "
           f"({document['cost_model']['layer_compute_ms']:.2f} ms per layer, "
           f"{document['cost_model']['disk_to_host_gbps']:.2f} GB/s expert reads)")

@@ -1,8 +1,6 @@
-"""The demo checkpoint and the prompts run on it: DeepSeek-V2-Lite's topology at reduced width with
-random weights (or, for tests, a small one), written to the cache directory ($MOESTREAM_CACHE, else
-~/.cache/moestream) on first use. Its text is noise; what runs on it shows what offloading costs.
-Knows no command.
-"""
+"""The demo checkpoint and the prompts run on it: DeepSeek-V2-Lite's topology at reduced width with random weights
+(or, for tests, a small one), written to the cache directory ($MOESTREAM_CACHE, else ~/.cache/moestream) on first use.
+Its text is noise; what runs on it shows what offloading costs. Knows no command."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ def cache_dir() -> Path:
 
 
 def demo_checkpoint(small: bool = False) -> Path:
-    """The demo checkpoint in the cache directory, written on first use (small: its topology shrunk
-    to 3 layers (2 MoE) of 16 experts, for tests)."""
+    """The demo checkpoint, written on first use (small: 3 layers (2 MoE) of 16 experts, for tests)."""
     from dataclasses import replace
 
     from moestream.checkpoint.make_model import make_model

@@ -1,13 +1,10 @@
-"""Index a checkpoint directory: its config, family adapter, where every routed expert's bytes are on
-disk (`ExpertIndex`), and which tensors are dense (everything else), all from safetensors headers.
+"""Index a checkpoint directory: its config, family adapter, where every routed expert's bytes are on disk
+(`ExpertIndex`), and which tensors are dense (everything else), all from safetensors headers.
 
-No expert bytes are read. For each expert, the adapter's `parts` name the disk tensors that, in order,
-fill the expert's slot; a tensor fused over experts ([E, ...]) contributes its contiguous slice [e].
-A quantized checkpoint's experts are laid out from its codec's on-disk parts (`moestream.quant`),
-widest dtype first so that every typed view of a slot is aligned. This module knows families only
-through `moestream.families.adapter_for`, quantization only through `codec_for`, and nothing of
-policies.
-"""
+For each expert, the adapter's `parts` name the disk tensors that, in order, fill its slot; a tensor fused over
+experts contributes its slice [e]. A quantized checkpoint's experts are laid out from its codec's disk parts,
+widest dtype first so that every typed view of a slot is aligned. Knows families only through `adapter_for`,
+quantization only through `codec_for`, and nothing of policies."""
 
 from __future__ import annotations
 
@@ -45,8 +42,7 @@ class CheckpointIndex:
         return self.experts.topology
 
     def is_expert_key(self, key: str) -> bool:
-        """Whether a model key is a routed expert parameter (the store's, never loaded dense): a fused
-        parameter of an experts implementation, or anything under a swapped experts module."""
+        """Whether a model key is a routed expert parameter (the store's), or under a swapped experts module."""
         owner, _, name = key.rpartition(".")
         if self.adapter.uses_experts_registry:
             return owner in self._experts_paths and name in self._expert_params
@@ -113,13 +109,6 @@ def _part_slices(part: ExpertPart, block: MoEBlock, expert: int, num_experts: in
     return shape, dtypes.pop(), segments
 
 
-def _transposed(part: ExpertPart, disk_shape: tuple[int, ...]) -> bool:
-    """Whether the checkpoint stores the part with its last two dimensions swapped (transformers then
-    transposes it on load): its shape is the memory shape swapped."""
-    swapped = (*disk_shape[:-2], disk_shape[-1], disk_shape[-2]) if len(disk_shape) >= 2 else disk_shape
-    return part.may_transpose and tuple(disk_shape) != part.shape and swapped == part.shape
-
-
 def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
     """Join segments that are back to back in the same file (fewer reads, same bytes)."""
     merged: list[Segment] = []
@@ -137,21 +126,16 @@ def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]], parts) -> 
     for part, (shape, dtype) in zip(parts, shapes_dtypes):
         if offset % dtype.itemsize:
             raise CheckpointError(f"part {part.param} ({dtype}) would start at unaligned slot offset {offset}")
-        transposed = _transposed(part, shape)  # the slot keeps the disk's bytes; the view swaps them back
+        # stored with its last two dimensions swapped (transformers transposes it on load): the slot keeps the
+        # disk's bytes, the view swaps them back
+        swapped = (*shape[:-2], shape[-1], shape[-2]) if len(shape) >= 2 else shape
+        transposed = part.may_transpose and tuple(shape) != part.shape and swapped == part.shape
         if transposed:
-            shape = (*shape[:-2], shape[-1], shape[-2])
+            shape = swapped
         view = PartView(part.param, shape, dtype, offset, transposed)
         views.append(view)
         offset += view.nbytes
     return tuple(views)
-
-
-def _widest_first(parts: tuple[ExpertPart, ...], block: MoEBlock, num_experts: int,
-                  tensors: dict[str, TensorInfo]) -> tuple[ExpertPart, ...]:
-    """The parts ordered by their dtype's width, widest first (stable): every part then starts at a slot
-    offset that its dtype divides."""
-    width = {p.param: _part_slices(p, block, 0, num_experts, tensors)[1].itemsize for p in parts}
-    return tuple(sorted(parts, key=lambda p: -width[p.param]))
 
 
 def _index_experts(adapter: FamilyAdapter, parts: tuple[ExpertPart, ...], config, blocks,
@@ -172,19 +156,9 @@ def _index_experts(adapter: FamilyAdapter, parts: tuple[ExpertPart, ...], config
             locations[key] = ExpertLocation(key, _merge([s for _, _, segs in found for s in segs]))
     layout = _layout(expected, parts)
     expert_bytes = sum(p.nbytes for p in layout)
-    covered = {
-        f"{b.disk_prefix}.{t.format(expert=e)}" for b in blocks for p in parts for t in p.disk
-        for e in range(num_experts)
-    }
+    covered = {f"{b.disk_prefix}.{t.format(expert=e)}" for b in blocks for p in parts for t in p.disk
+               for e in range(num_experts)}
     return ExpertIndex(adapter.topology(config, expert_bytes), locations, layout), covered
-
-
-def _dense_by_shard(tensors: dict[str, TensorInfo], expert_names: set[str]) -> dict[Path, tuple[str, ...]]:
-    dense: dict[Path, list[TensorInfo]] = {}
-    for info in tensors.values():
-        if info.name not in expert_names:
-            dense.setdefault(info.file, []).append(info)
-    return {file: tuple(t.name for t in sorted(infos, key=lambda t: t.offset)) for file, infos in dense.items()}
 
 
 def build_index(path: str | Path) -> CheckpointIndex:
@@ -196,10 +170,15 @@ def build_index(path: str | Path) -> CheckpointIndex:
     blocks = tuple(adapter.blocks(config))
     if not blocks:
         raise CheckpointError(f"the config in {path} declares no MoE layers")
-    codec = codec_for(config)
-    parts = adapter.expert_parts(config)
+    codec, parts, num_experts = codec_for(config), adapter.expert_parts(config), adapter.num_experts(config)
     if codec is not None:
-        parts = _widest_first(codec.disk_parts(parts), blocks[0], adapter.num_experts(config), tensors)
+        parts = codec.disk_parts(parts)  # widest dtype first (stable): each part starts where its dtype divides
+        width = {p.param: _part_slices(p, blocks[0], 0, num_experts, tensors)[1].itemsize for p in parts}
+        parts = tuple(sorted(parts, key=lambda p: -width[p.param]))
     experts, expert_names = _index_experts(adapter, parts, config, blocks, tensors)
-    return CheckpointIndex(path, config, adapter, blocks, experts, _dense_by_shard(tensors, expert_names), tensors,
-                           codec)
+    dense: dict[Path, list[TensorInfo]] = {}
+    for info in tensors.values():
+        if info.name not in expert_names:
+            dense.setdefault(info.file, []).append(info)
+    by_shard = {file: tuple(t.name for t in sorted(infos, key=lambda t: t.offset)) for file, infos in dense.items()}
+    return CheckpointIndex(path, config, adapter, blocks, experts, by_shard, tensors, codec)

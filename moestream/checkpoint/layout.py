@@ -1,8 +1,5 @@
-"""Where each expert's bytes are on disk and how a slot's bytes are viewed as compute tensors.
-
-Plain data shared by the checkpoint indexer (which fills it from safetensors headers), the store
-(which copies segments into slots) and the runtime (which views slots as weights).
-"""
+"""Where each expert's bytes are on disk and how a slot's bytes are viewed as compute tensors: plain data the
+checkpoint indexer fills from safetensors headers, the store copies into slots and the runtime views as weights."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ class ExpertLocation:
         return sum(s.nbytes for s in self.segments)
 
     def residue(self, block: int) -> int:
-        """Where a slot for these bytes should start modulo block so that the most of them are congruent
-        to their file offsets (O_DIRECT reads then land in place)."""
+        """The slot start modulo block that makes most bytes congruent to their file offsets (for O_DIRECT)."""
         congruent: dict[int, int] = {}  # residue -> bytes it makes congruent
         at = 0
         for seg in self.segments:
@@ -65,8 +61,7 @@ class ExpertIndex:
     layout: tuple[PartView, ...]  # the same for every expert of the model
 
     def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of one slot (a 1-D uint8 tensor of expert_bytes): no copy. The slot is viewed once
-        per dtype, then each part is one strided view of that (half the cost of slicing each part)."""
+        """Typed views of one slot (1-D uint8), no copy: the slot viewed once per dtype, each part strided from that."""
         typed: dict[torch.dtype, torch.Tensor] = {}
         views = {}
         for param, dtype, shape, strides, start in self._strided:

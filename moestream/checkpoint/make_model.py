@@ -1,13 +1,10 @@
 """Write a randomly initialised MoE checkpoint of any supported family, in the family's real on-disk
-format (the tensors transformers' save_pretrained writes), with a small byte-level BPE tokenizer and
-the integrity manifest (`moestream verify`'s).
+format (what save_pretrained writes), with a small byte-level BPE tokenizer and the integrity manifest.
 
-The model is never built in memory: tensor names, shapes and dtypes come from the model on the meta
-device, and each tensor is filled when the writer reaches it (`writer.py`), seeded by spec.seed and
-its name (norm weights 1, biases 0, noise where the family asks, else N(0, initializer_range) or T5's
-convention). Built in a temporary directory and renamed into place; with `spec.quant`, what the
-format's releases quantize is written quantized (`quantized.py`). Knows families only through their adapters.
-"""
+The model is never built in memory: names, shapes and dtypes come from the model on the meta device, and
+each tensor is filled when the writer reaches it (`writer.py`), seeded by spec.seed and its name. Built in a
+temporary directory renamed into place; with `spec.quant`, what the format's releases quantize is written
+quantized (`quantized.py`). Knows families only through their adapters."""
 
 from __future__ import annotations
 
@@ -24,7 +21,8 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from moestream.atomic import publish_dir, write_json
 from moestream.checkpoint import writer
 from moestream.checkpoint.quantized import QUANT_LAYOUTS, quantize_units
-from moestream.checkpoint.spec import ModelSpec, demo_spec
+from moestream.checkpoint.shards import INDEX_FILE
+from moestream.checkpoint.spec import ModelSpec
 from moestream.checkpoint.tokenizer import SpecialTokenIds, train_tokenizer
 from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
@@ -33,8 +31,6 @@ from moestream.families.tiny import TEXT_KEYS, Sizes
 from moestream.progress import progress_bar
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["ModelSpec", "demo_spec", "disk_tensors", "make_config", "make_model"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NOISE_STD = 0.05  # spread of the tensors a family asks to fill with noise (biases transformers zeroes)
@@ -70,9 +66,8 @@ def meta_model(spec: ModelSpec, config: PretrainedConfig) -> torch.nn.Module:
 
 
 def disk_tensors(model: torch.nn.Module) -> list[list[TensorPlan]]:
-    """The tensors save_pretrained writes for `model` (tied copies and ignored keys left out), in units
-    that writing keeps in one shard: a numbered layer's tensors are one unit (its fused experts saved
-    per expert, its projections merged or split as transformers saves them), any other tensor its own."""
+    """The tensors save_pretrained writes for `model` (tied copies, ignored keys left out), in units kept in one
+    shard: a numbered layer's tensors (as transformers saves them) are one unit, any other tensor its own."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -86,13 +81,15 @@ def disk_tensors(model: torch.nn.Module) -> list[list[TensorPlan]]:
         shape = tuple(tensor.shape)
         if name in transposed:
             shape = (*shape[:-2], shape[-1], shape[-2])
-        units.setdefault(_layer_of(name) or name, []).append(TensorPlan(name, shape, tensor.dtype))
+        parts = name.split(".")  # a unit: the prefix up to the first numbered component ("model.layers.3"), or name
+        number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        unit = name if number is None else ".".join(parts[: number + 1])
+        units.setdefault(unit, []).append(TensorPlan(name, shape, tensor.dtype))
     return list(units.values())
 
 
 def _published_transposed(model: torch.nn.Module) -> set[str]:
-    """Disk names of fused expert tensors that releases store transposed (transformers transposes them
-    on load where their shape says so; save_pretrained would keep the memory layout)."""
+    """Disk names of fused expert tensors releases store transposed (save_pretrained would keep the memory layout)."""
     from moestream.families import derive
 
     names = set()
@@ -101,13 +98,6 @@ def _published_transposed(model: torch.nn.Module) -> set[str]:
             part = derive.disk_part(model, path, param)
             names |= set(part.names) if part.transposed else set()
     return names
-
-
-def _layer_of(name: str) -> str | None:
-    """The name's prefix up to its first numbered component ("model.layers.3"), None if it has none."""
-    parts = name.split(".")
-    number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    return None if number is None else ".".join(parts[: number + 1])
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -149,9 +139,8 @@ def filler(spec: ModelSpec, config: PretrainedConfig) -> writer.Fill:
 
 
 def _scales(config: PretrainedConfig) -> Callable[[TensorPlan, str], float]:
-    """A tensor's std (its value for norm weights). Configs with an initializer_range: that std, norms 1.
-    T5's convention (initializer_factor F, as switch_transformers): norms F, embeddings, output head and
-    routers N(0, F), other weights N(0, F / sqrt(fan in))."""
+    """A tensor's std (its value for norm weights): with an initializer_range, that std and norms 1; else T5's
+    (initializer_factor F): norms F, embeddings, head and routers N(0, F), other weights N(0, F / sqrt(fan in))."""
     factor = getattr(config, "initializer_factor", None)
     if getattr(config, "initializer_range", None) or factor is None:
         std = float(getattr(config, "initializer_range", None) or DEFAULT_STD)
@@ -166,14 +155,8 @@ def _scales(config: PretrainedConfig) -> Callable[[TensorPlan, str], float]:
     return t5_scale
 
 
-def _quant_layout(spec: ModelSpec):
-    """The layout of spec.quant (checkpoint/quantized.py), or None for an unquantized checkpoint."""
-    return None if spec.quant is None else QUANT_LAYOUTS.create(spec.quant, spec)
-
-
 def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path, quantization_config: dict | None) -> None:
-    """config.json (with the format's quantization_config), generation_config.json and the tokenizer, as
-    save_pretrained writes them."""
+    """config.json (with quantization_config), generation_config.json and the tokenizer, as save_pretrained."""
     config = model.config
     config.architectures = [type(model).__name__]
     if quantization_config is not None:
@@ -184,21 +167,10 @@ def _write_metadata(spec: ModelSpec, model: torch.nn.Module, directory: Path, qu
     train_tokenizer(spec.tokenizer_vocab_size or spec.vocab_size).save_pretrained(directory)
 
 
-def write_weights(units: list[list[TensorPlan]], fill: writer.Fill, directory: Path, max_shard_bytes: int | None,
-                  workers: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
-    """The safetensors shards (and their index when there are several) of the units' tensors."""
-    shards = writer.plan_shards(units, max_shard_bytes)
-    names = writer.shard_names(len(shards))
-    for shard, name in zip(shards, names):
-        writer.write_shard(directory / name, shard, fill, workers, on_bytes)
-    if len(shards) > 1:
-        write_json(writer.index(shards, names), directory / writer.INDEX_FILE)
-
-
 def _write(spec: ModelSpec, directory: Path, progress: bool, workers: int) -> None:
     config = make_config(spec)  # config and tokenizer first: their errors come before any progress output
     model = meta_model(spec, config)
-    layout = _quant_layout(spec)
+    layout = None if spec.quant is None else QUANT_LAYOUTS.create(spec.quant, spec)
     _write_metadata(spec, model, directory, None if layout is None else layout.quantization_config())
     units, fill = disk_tensors(model), filler(spec, config)
     if layout is not None:
@@ -206,19 +178,21 @@ def _write(spec: ModelSpec, directory: Path, progress: bool, workers: int) -> No
     total = sum(tensor.nbytes for unit in units for tensor in unit)
     with progress_bar(total=total, desc=f"make-model {spec.family}", disable=not progress, unit="B",
                       unit_scale=True) as bar:
-        write_weights(units, fill, directory, spec.max_shard_bytes, workers, bar.update)
+        shards = writer.plan_shards(units, spec.max_shard_bytes)
+        names = writer.shard_names(len(shards))
+        for shard, name in zip(shards, names):
+            writer.write_shard(directory / name, shard, fill, workers, bar.update)
+        if len(shards) > 1:
+            write_json(writer.index(shards, names), directory / INDEX_FILE)
     with progress_bar(total=total, desc="manifest", disable=not progress, unit="B", unit_scale=True) as bar:
         # writes moestream-manifest.json: the digests of what was just written
         verify(directory, bar.update, on_start=lambda shard_bytes: bar.reset(total=shard_bytes))
 
 
-def default_workers() -> int:
-    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
-
 def make_model(spec: ModelSpec, out: str | Path, progress: bool = False, workers: int | None = None) -> Path:
-    """Write the checkpoint `spec` describes to directory `out` (absent or empty); returns `out`.
-    workers: threads filling tensors (default: the CPUs this process may use, at most 16)."""
-    out = publish_dir(Path(out), lambda tmp: _write(spec, tmp, progress, workers or default_workers()), CheckpointError)
+    """Write the checkpoint `spec` describes to `out` (absent or empty). workers: fill threads (default: CPUs, <=16)."""
+    workers = workers or max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                    else os.cpu_count() or 1))
+    out = publish_dir(Path(out), lambda tmp: _write(spec, tmp, progress, workers), CheckpointError)
     logger.info("wrote %s checkpoint to %s", spec.family, out)
     return out

@@ -1,15 +1,8 @@
-"""Per-expert digests of a checkpoint, and the check of an expert's bytes against them.
-
-`moestream verify` writes the manifest (`moestream-manifest.json`, beside the checkpoint's
-safetensors index) once it has checked the shards. An expert's bytes in its slot are the
-concatenation of pieces, each a whole tensor or one expert's slice of a tensor fused over experts;
-the manifest holds one xxh3-64 digest per piece, so that a mismatch names the shard, the tensor and
-the expert. The engine's store checks an expert's bytes as its disk reads deliver them, chunk by chunk
-in slot order, where they landed in host memory (`Manifest.begin`: an `ExpertCheck` hashes each piece
-as it completes); `Manifest.check(key, buffer)` checks a whole slot at once. Only host memory is hashed:
-a tensor on another device is refused, never read back. This module knows checkpoints' files and
-tensors, not tiers, runtimes or policies.
-"""
+"""Per-expert digests of a checkpoint (`moestream-manifest.json`, written by `moestream verify`), and the
+check of an expert's bytes against them: one xxh3-64 digest per piece of a slot (a whole tensor or one
+expert's slice of a fused one), so a mismatch names the shard, the tensor and the expert. The store checks
+bytes in slot order as its reads deliver them, in host memory only (`Manifest.begin`). Knows checkpoints'
+files and tensors, not tiers, runtimes or policies."""
 
 from __future__ import annotations
 
@@ -111,18 +104,15 @@ class Manifest:
             self.check(key, buffer)
 
     def save(self) -> Path:
-        experts = {
-            f"{key.layer}/{key.expert}": [[p.tensor, p.shard, p.file_offset, p.slot_offset, p.nbytes, f"{d:016x}"]
-                                          for p, d in zip(self.pieces[key], self.digests[key])]
-            for key in sorted(self.pieces)
-        }
+        experts = {f"{key.layer}/{key.expert}": [[p.tensor, p.shard, p.file_offset, p.slot_offset, p.nbytes,
+                                                  f"{d:016x}"] for p, d in zip(self.pieces[key], self.digests[key])]
+                   for key in sorted(self.pieces)}
         data = {"format": FORMAT, "version": VERSION, "hash": HASH, "shards": self.shards, "experts": experts}
         return write_json(data, self.path / MANIFEST_FILE)
 
 
 class ExpertCheck:
-    """One expert's bytes checked as they arrive, in slot order: each piece's digest once its last byte is
-    in (so a damaged piece fails the chunk that completes it), `done` once every piece has matched."""
+    """One expert's bytes checked in slot order as they arrive: each piece once complete; `done` once all matched."""
 
     def __init__(self, manifest: Manifest, key: ExpertKey):
         self._manifest, self._key = manifest, key
@@ -135,8 +125,7 @@ class ExpertCheck:
         return self._next == len(self._pieces)
 
     def update(self, data: torch.Tensor) -> None:
-        """The expert's next bytes (1-D uint8 on the CPU, or a numpy array); raises IntegrityError at the first
-        piece they complete that differs from its digest."""
+        """The expert's next bytes (1-D uint8); IntegrityError at the first piece they complete that differs."""
         data = host_bytes(data)
         pos = 0
         while pos < len(data):
@@ -156,8 +145,7 @@ class ExpertCheck:
 
 
 def host_bytes(data) -> np.ndarray:
-    """data's bytes as a numpy view: a tensor in host memory, or an array; a device tensor is refused (a
-    device slot is never read back to be hashed)."""
+    """data's bytes as a numpy view: a tensor in host memory, or an array; a device tensor is refused."""
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu":
             raise ValueError(f"expert bytes are checked in host memory, where they were read; got a tensor on "
@@ -187,19 +175,7 @@ def load_manifest(checkpoint: CheckpointIndex) -> Manifest | None:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"unreadable manifest {file} ({error}); run `moestream verify` again") from None
     pieces = expert_pieces(checkpoint)
-    _check_current(checkpoint, file, pieces, recorded, shards)
-    digests = {key: tuple(int(entry[5], 16) for entry in recorded[key]) for key in pieces}
-    return Manifest(checkpoint.path, pieces, digests, shards)
-
-
-def _key(name: str) -> ExpertKey:
-    layer, expert = name.split("/")
-    return ExpertKey(int(layer), int(expert))
-
-
-def _check_current(checkpoint: CheckpointIndex, file: Path, pieces, recorded, shards) -> None:
-    """The manifest describes these shards and this layout of every expert."""
-    for shard, info in shards.items():
+    for shard, info in shards.items():  # the manifest describes these shards and this layout of every expert
         size = (checkpoint.path / shard).stat().st_size if (checkpoint.path / shard).is_file() else None
         if size != info.get("bytes"):
             raise CheckpointError(f"manifest {file} is stale: shard {shard} has {size} bytes, the manifest "
@@ -209,3 +185,11 @@ def _check_current(checkpoint: CheckpointIndex, file: Path, pieces, recorded, sh
         if [tuple(entry[:5]) for entry in recorded.get(key, [])] != layout:
             raise CheckpointError(f"manifest {file} is stale: MoE layer {key.layer} expert {key.expert} "
                                   "is laid out differently; run `moestream verify` again")
+    digests = {key: tuple(int(entry[5], 16) for entry in recorded[key]) for key in pieces}
+    return Manifest(checkpoint.path, pieces, digests, shards)
+
+
+def _key(name: str) -> ExpertKey:
+    layer, expert = name.split("/")
+    return ExpertKey(int(layer), int(expert))
+

@@ -1,13 +1,8 @@
 """`moestream quantize`'s writer: a copy of a checkpoint whose routed experts are quantized into
-compressed-tensors' symmetric integer layouts (`encode.py`), the dense part byte for byte as it was.
-
-Each source shard becomes a shard of the same name holding the same tensors, each expert linear
-weight replaced by its quantized tensors; config.json gains the `quantization_config`; the other
-files (tokenizer, generation config) are copied; the manifest is written by `verify`. Everything is
-written in a staging directory beside the output and renamed into place, so a failed or interrupted
-run leaves nothing. Every input problem is found before the first byte is written. Knows families only
-through their adapter's parts.
-"""
+compressed-tensors' symmetric integer layouts (`encode.py`), the dense part byte for byte as it was: each
+shard keeps its name, config.json gains the `quantization_config`, other files are copied, `verify` writes
+the manifest. Written in a staging directory renamed into place once every input problem is ruled out.
+Knows families only through their adapter's parts."""
 
 from __future__ import annotations
 
@@ -23,6 +18,7 @@ from moestream.atomic import check_empty_dir, publish_dir, write_json
 from moestream.checkpoint import writer
 from moestream.checkpoint.index import CheckpointIndex, build_index
 from moestream.checkpoint.manifest import MANIFEST_FILE
+from moestream.checkpoint.shards import INDEX_FILE
 from moestream.checkpoint.verify import verify
 from moestream.checkpoint.writer import TensorPlan
 from moestream.errors import MoestreamError
@@ -32,7 +28,7 @@ from moestream.quant.kernels import LAYOUT_KEY, LAYOUT_VERSION
 from moestream.quant.linears import WEIGHT
 
 COPIED_SUFFIXES = (".safetensors", ".tmp")
-SKIPPED = (writer.INDEX_FILE, "config.json", MANIFEST_FILE)
+SKIPPED = (INDEX_FILE, "config.json", MANIFEST_FILE)
 
 
 def expert_weights(checkpoint: CheckpointIndex, scheme: IntScheme) -> dict[str, str]:
@@ -94,26 +90,20 @@ def filler(checkpoint: CheckpointIndex, scheme: IntScheme, sources: dict[str, tu
 
 def _write(checkpoint: CheckpointIndex, scheme: IntScheme, directory: Path, workers: int,
            on_bytes: Callable[[int], None]) -> None:
-    weights = expert_weights(checkpoint, scheme)
-    shards, sources = shard_plans(checkpoint, scheme, weights)
+    shards, sources = shard_plans(checkpoint, scheme, expert_weights(checkpoint, scheme))
     fill = filler(checkpoint, scheme, sources)
     names = [file.name for file in shards]
     for file, plans in shards.items():
         writer.write_shard(directory / file.name, plans, fill, workers, on_bytes)
-    if (checkpoint.path / writer.INDEX_FILE).is_file():
-        write_json(writer.index(list(shards.values()), names), directory / writer.INDEX_FILE)
-    _copy_files(checkpoint.path, directory, scheme)
-    verify(directory, lambda n: None)
-
-
-def _copy_files(source: Path, directory: Path, scheme: IntScheme) -> None:
-    """config.json with the quantization_config (marked with the layout version), and every other non-weight file as it is."""
-    config = json.loads((source / "config.json").read_text())
+    if (checkpoint.path / INDEX_FILE).is_file():
+        write_json(writer.index(list(shards.values()), names), directory / INDEX_FILE)
+    config = json.loads((checkpoint.path / "config.json").read_text())  # marked with the layout version
     declared = scheme.quantization_config() | {LAYOUT_KEY: LAYOUT_VERSION}
     write_json(config | {"quantization_config": declared}, directory / "config.json")
-    for path in source.iterdir():
+    for path in checkpoint.path.iterdir():  # every other non-weight file as it is
         if path.is_file() and path.name not in SKIPPED and not path.name.endswith(COPIED_SUFFIXES):
             shutil.copy2(path, directory / path.name)
+    verify(directory, lambda n: None)
 
 
 def check_out(out: Path) -> None:

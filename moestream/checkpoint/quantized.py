@@ -1,33 +1,26 @@
-"""make-model's quantized checkpoints, one `QuantLayout` per format in `QUANT_LAYOUTS` (by the name
-`--quant` takes): which of a model's disk tensors the format stores quantized, as which disk tensors, and
-the config's `quantization_config`, as the format's published checkpoints have them.
-
-A quantized tensor's values come from the dense tensor it replaces, drawn as make_model draws any tensor
-(seeded by the dense tensor's name), then encoded by the format's codec module: the checkpoint is the
-quantization of the unquantized one of the same seed. Each disk tensor of a format re-draws and re-encodes
-its source, so that tensors stay independent (any order, any worker). Knows formats and tensor names,
-no family by name and nothing of the runtime.
-"""
+"""make-model's quantized checkpoints, one `QuantLayout` per format in `QUANT_LAYOUTS` (by `--quant` name):
+which disk tensors the format stores quantized, as which tensors, and the config's `quantization_config`, as
+the format's published checkpoints have them. A quantized tensor's values are the encoding of the dense
+tensor it replaces (seeded by its name), re-drawn for each of its disk tensors so they stay independent (any
+order, any worker). Knows no family by name and nothing of the runtime."""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from moestream.checkpoint.writer import Fill, TensorPlan
 from moestream.checkpoint.spec import ModelSpec
+from moestream.checkpoint.writer import Fill, TensorPlan
 from moestream.quant import fp8, mxfp4
 from moestream.quant.encode import IntScheme, quantize
 from moestream.registry import Registry
 
 
 class QuantLayout:
-    """One format. Subclasses set `pattern` (the names of the dense tensors it quantizes) and implement
-    `planned` and `encode`, which return the same disk tensors in the same order."""
+    """One format: `pattern` names the dense tensors it quantizes; `planned` and `encode` give the same disk tensors."""
 
     pattern: ClassVar[str]  # re.search on a dense disk tensor's name
 
@@ -52,37 +45,27 @@ class QuantLayout:
 QUANT_LAYOUTS: Registry[QuantLayout] = Registry("quantized checkpoint format")
 
 
-@dataclass(frozen=True)
-class _Source:
-    dense: TensorPlan  # the tensor the model holds
-    index: int  # which of the format's disk tensors for it
-
-
 def quantize_units(layout: QuantLayout, units: list[list[TensorPlan]],
                    fill: Fill) -> tuple[list[list[TensorPlan]], Fill]:
-    """The model's disk tensors in units (make_model.disk_tensors) with the format's tensors in place of the
-    ones it quantizes, and the fill that gives them their values."""
-    sources: dict[str, _Source] = {}
+    """The units' disk tensors, the format's in place of those it quantizes, and the fill that gives their values."""
+    sources: dict[str, tuple[TensorPlan, int]] = {}  # disk name -> (dense tensor, which of its disk tensors)
     planned_units = []
     for unit in units:
         planned = []
         for tensor in unit:
             replacements = layout.planned(tensor) if layout.quantizes(tensor) else (tensor,)
             if replacements != (tensor,):
-                sources.update({plan.name: _Source(tensor, i) for i, plan in enumerate(replacements)})
+                sources.update({plan.name: (tensor, i) for i, plan in enumerate(replacements)})
             planned.extend(replacements)
         planned_units.append(planned)
-    return planned_units, _quantized_fill(layout, fill, sources)
 
-
-def _quantized_fill(layout: QuantLayout, fill: Fill, sources: dict[str, _Source]) -> Fill:
     def quantized(tensor: TensorPlan) -> torch.Tensor:
-        source = sources.get(tensor.name)
-        if source is None:
+        if tensor.name not in sources:
             return fill(tensor)
-        return layout.encode(source.dense, fill(source.dense))[source.index].contiguous()
+        dense, index = sources[tensor.name]
+        return layout.encode(dense, fill(dense))[index].contiguous()
 
-    return quantized
+    return planned_units, quantized
 
 
 @QUANT_LAYOUTS.register("mxfp4")
@@ -108,13 +91,10 @@ class Mxfp4Layout(QuantLayout):
 
 @QUANT_LAYOUTS.register("fp8")
 class Fp8Layout(QuantLayout):
-    """DeepSeek-V3's release (and the FP8 ones of DeepSeek-V3.2, GLM, Qwen3.x and MiniMax-M2): every linear
-    weight of the decoder layers (attention, its sparse-attention indexer, linear attention, dense MLPs,
-    shared and routed experts, whatever their names: q_proj, wq_b, w1) float8_e4m3fn with float32
-    `weight_scale_inv` per 128 x 128 block. As the releases keep them: embeddings, norms, the head, vision
-    towers and MTP layers (outside the decoder layers), routers (`gate`, `router`), Qwen's shared-expert
-    gate and linear-attention decay inputs (`in_proj_a`, `in_proj_b`, `in_proj_ba`) and the indexer's head
-    weights (`weights_proj`) as they are."""
+    """DeepSeek-V3's release (and the FP8 ones of DeepSeek-V3.2, GLM, Qwen3.x and MiniMax-M2): every linear weight of
+    the decoder layers (whatever their names: q_proj, wq_b, w1) float8_e4m3fn with float32 `weight_scale_inv` per
+    128 x 128 block, except routers, Qwen's shared-expert gate and linear-attention decay inputs and the indexer's
+    head weights (`kept`); embeddings, norms, the head, towers and MTP layers (outside the decoder) as they are."""
 
     # a decoder layer's linear weight, of a text model ("model.layers.N.") or of a multimodal model's
     # language model ("model.language_model.layers.N."); group 1 is the linear's own name
@@ -142,9 +122,8 @@ class Fp8Layout(QuantLayout):
 
 @QUANT_LAYOUTS.register("w4a16")
 class W4a16Layout(QuantLayout):
-    """llm-compressor's W4A16 (compressed-tensors "pack-quantized", moestream.quant.encode): each routed expert
-    linear as `weight_packed` int32 [O, I/8], `weight_scale` [O, I/G] and `weight_shape`, symmetric, groups of
-    G = 128 inputs (the largest divisor of 128 that divides the expert widths, in narrower test models)."""
+    """llm-compressor's W4A16 (compressed-tensors "pack-quantized"): each routed expert linear symmetric, in groups of
+    G = 128 inputs (the largest divisor of 128 dividing the expert widths, in narrower test models)."""
 
     pattern = r"\.experts\.\d+\.\w+\.weight$"
     group_size = 128

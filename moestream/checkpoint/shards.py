@@ -1,10 +1,7 @@
-"""Safetensors shards of a checkpoint directory, read from their headers only (no tensor bytes).
-
-A safetensors file is an 8-byte little-endian header length, a JSON header mapping tensor names to
-dtype, shape and data_offsets (relative to the end of the header), then the data. This module finds
-the shards (single file, or `model.safetensors.index.json`) and validates every header against the
-file size. It knows nothing about experts or families.
-"""
+"""Safetensors shards of a checkpoint directory, read from their headers only (an 8-byte little-endian
+length, then JSON: each tensor's dtype, shape and data_offsets after the header): finds the shards (single
+file, or `model.safetensors.index.json`) and validates every header against the file size. Knows nothing
+about experts or families."""
 
 from __future__ import annotations
 
@@ -22,20 +19,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -57,9 +43,8 @@ def _read_header_json(file: Path) -> tuple[dict, int, int]:
             raise CheckpointError(f"corrupt header in {file}: file is {file_size} bytes, too short for a header")
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-            raise CheckpointError(
-                f"corrupt header in {file}: header length {header_len} does not fit the file ({file_size} bytes)"
-            )
+            raise CheckpointError(f"corrupt header in {file}: header length {header_len} does not fit the file "
+                                  f"({file_size} bytes)")
         raw = handle.read(header_len)
     try:
         header = json.loads(raw)
@@ -82,9 +67,8 @@ def _tensor_info(file: Path, name: str, entry, data_start: int) -> TensorInfo:
     dtype = DTYPES[dtype_name]
     nbytes = math.prod(shape) * dtype.itemsize
     if begin < 0 or end - begin != nbytes:
-        raise CheckpointError(
-            f"corrupt header in {file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}"
-        )
+        raise CheckpointError(f"corrupt header in {file}: tensor {name!r} spans {end - begin} bytes, its shape "
+                              f"{shape} needs {nbytes}")
     return TensorInfo(name, file, dtype, shape, data_start + begin, nbytes)
 
 
@@ -95,9 +79,8 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     tensors = {name: _tensor_info(file, name, entry, data_start) for name, entry in header.items()}
     data_end = max((t.offset + t.nbytes for t in tensors.values()), default=data_start)
     if data_end > file_size:
-        raise CheckpointError(
-            f"truncated shard {file}: its header places tensors up to byte {data_end}, the file has {file_size}"
-        )
+        raise CheckpointError(f"truncated shard {file}: its header places tensors up to byte {data_end}, the file "
+                              f"has {file_size}")
     return tensors
 
 

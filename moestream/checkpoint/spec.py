@@ -1,8 +1,6 @@
 """What `moestream make-model` writes: a validated ModelSpec, the presets of real models' shapes
-(`PRESETS`), a width scale, and the demo checkpoint's settings.
-
-Light to import (no torch or transformers), so the CLI can build its parser quickly.
-"""
+(`PRESETS`), a width scale, and the demo checkpoint's settings. Light to import (no torch or
+transformers), so the CLI can build its parser quickly."""
 
 from __future__ import annotations
 
@@ -49,8 +47,8 @@ class ModelSpec:
         adapter = self.adapter()
         fixed = adapter.fixed_top_k
         if self.top_k is not None and fixed is not None and self.top_k != fixed:
-            raise CheckpointError(
-                f"family {self.family} routes each token to exactly {fixed} expert(s), not {self.top_k}")
+            raise CheckpointError(f"family {self.family} routes each token to exactly {fixed} expert(s), "
+                                  f"not {self.top_k}")
         if self.num_layers < 1 or self.num_experts < 1 or self.intermediate_size < 1:
             raise CheckpointError("num_layers, num_experts and intermediate_size must be >= 1")
         if not 1 <= self.resolved_top_k <= self.num_experts:
@@ -93,18 +91,9 @@ class ModelSpec:
 def demo_spec() -> ModelSpec:
     """DeepSeek-V2-Lite's topology (27 layers, layer 0 dense; 26 MoE layers of 64 routed experts, top-6,
     2 shared experts, greedy softmax routing) at reduced width: about 1.07 GiB of bf16 routed experts."""
-    return ModelSpec(
-        family="deepseek_v2",
-        num_layers=27,
-        num_experts=64,
-        top_k=6,
-        hidden_size=256,
-        intermediate_size=448,
-        vocab_size=1024,
-        dtype="bf16",
-        max_shard_bytes=256 * 2**20,
-        config_overrides=dict(n_shared_experts=2, topk_method="greedy", n_group=1, topk_group=1),
-    )
+    return ModelSpec(family="deepseek_v2", num_layers=27, num_experts=64, top_k=6, hidden_size=256,
+                     intermediate_size=448, vocab_size=1024, dtype="bf16", max_shard_bytes=256 * 2**20,
+                     config_overrides=dict(n_shared_experts=2, topk_method="greedy", n_group=1, topk_group=1))
 
 
 # DeepSeek-V2-Lite's config.json fields that shape the model (beyond ModelSpec's own): 27 layers, layer 0
@@ -124,11 +113,9 @@ WIDTH_FIELDS = ("num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q
 def deepseek_v2_lite_spec() -> ModelSpec:
     """DeepSeek-V2-Lite's full shape (bf16): 17.3 MB per routed expert, 28.8 GB of routed experts, about
     31.4 GB in all. The tokenizer is the packaged one (1024 tokens) under the real 102400-row embedding."""
-    return ModelSpec(
-        family="deepseek_v2", num_layers=27, num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1408,
-        vocab_size=102400, tokenizer_vocab_size=1024, dtype="bf16", max_shard_bytes=4 * 2**30,
-        config_overrides=dict(DEEPSEEK_V2_LITE_FIELDS),
-    )
+    return ModelSpec(family="deepseek_v2", num_layers=27, num_experts=64, top_k=6, hidden_size=2048,
+                     intermediate_size=1408, vocab_size=102400, tokenizer_vocab_size=1024, dtype="bf16",
+                     max_shard_bytes=4 * 2**30, config_overrides=dict(DEEPSEEK_V2_LITE_FIELDS))
 
 
 PRESETS = {"deepseek-v2-lite": deepseek_v2_lite_spec}
@@ -141,8 +128,7 @@ def preset_spec(name: str) -> ModelSpec:
 
 
 def width_scaled(spec: ModelSpec, factor: float) -> ModelSpec:
-    """The spec with its hidden width (and the attention widths that follow it: heads, LoRA ranks)
-    scaled by `factor`; experts keep their width. 0.5 on DeepSeek-V2-Lite: hidden 1024, 8.65 MB experts."""
+    """The spec with its hidden width (and the attention widths following it) scaled by `factor`; experts keep it."""
     if not 0.0 < factor <= 64.0:
         raise CheckpointError(f"width scale must be in (0, 64], got {factor}")
     hidden = max(16, int(round(spec.hidden_size * factor / 16)) * 16)

@@ -1,10 +1,6 @@
-"""A checkpoint's tokenizer: loading it (`load_tokenizer`, one line naming the directory and the file
-when it is missing or unusable) and, for test models, a small byte-level BPE tokenizer trained
-deterministically on the packaged text.
-
-The result is saved as a PreTrainedTokenizerFast (tokenizer.json + tokenizer_config.json), so
-`AutoTokenizer.from_pretrained(dir)` loads it offline. Byte-level: any text round-trips.
-"""
+"""A checkpoint's tokenizer: loading it (`load_tokenizer`, one line naming what is missing or unusable) and,
+for test models, a small byte-level BPE tokenizer (any text round-trips) trained deterministically on the
+packaged text, saved as a PreTrainedTokenizerFast that `AutoTokenizer.from_pretrained(dir)` loads offline."""
 
 from __future__ import annotations
 
@@ -43,31 +39,17 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
     if tokenizer.get_vocab_size() < vocab_size:
-        raise CheckpointError(
-            f"vocab size {vocab_size} is larger than the packaged corpus supports ({tokenizer.get_vocab_size()})"
-        )
+        raise CheckpointError(f"vocab size {vocab_size} is larger than the packaged corpus supports "
+                              f"({tokenizer.get_vocab_size()})")
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def write_tokenizer(directory: Path, vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train and save the tokenizer files into `directory` (which must exist)."""
-    tokenizer = train_tokenizer(vocab_size)
-    tokenizer.save_pretrained(directory)
-    return tokenizer
-
-
 def load_tokenizer(path: str | Path):
-    """The tokenizer of the checkpoint in `path` (transformers' AutoTokenizer); a CheckpointError in one line
-    naming the directory when it has no tokenizer file, or naming what is wrong with the one it has."""
+    """The tokenizer of the checkpoint in `path`; CheckpointError in one line when it is missing or unusable."""
     path = Path(path)
     if not any((path / name).is_file() for name in (TOKENIZER_FILE, *SLOW_TOKENIZER_FILES)):
         raise CheckpointError(f"checkpoint directory {path} has no {TOKENIZER_FILE} (the model's tokenizer)")

@@ -1,12 +1,7 @@
-"""Checks a checkpoint's shards once, e.g. after a download, and records per-expert digests.
-
-Each shard is read once, sequentially. Its sha256 is computed where a published digest exists to
-compare with: a Hugging Face cache snapshot links each large file to a blob named by its sha256.
-In the same pass every expert piece gets its xxh3-64 digest (`moestream.checkpoint.manifest`).
-Against an existing manifest those digests are compared; otherwise the manifest is written. A
-mismatch raises IntegrityError and writes nothing. This module knows files and digests, not
-runtimes or policies.
-"""
+"""Checks a checkpoint's shards once, e.g. after a download, and records per-expert digests: each shard is read
+once, sequentially; its sha256 is computed where a Hugging Face cache snapshot publishes one (the blob's name), and
+every expert piece gets its xxh3-64 digest (`manifest.py`), compared with an existing manifest or else written. A
+mismatch raises IntegrityError and writes nothing. Knows files and digests, not runtimes or policies."""
 
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ from typing import Callable
 import xxhash
 
 from moestream.checkpoint.index import build_index
-from moestream.checkpoint.manifest import (Manifest, IntegrityError, Piece, expert_pieces, load_manifest,
-                                           mismatch)
+from moestream.checkpoint.manifest import IntegrityError, Manifest, Piece, expert_pieces, load_manifest, mismatch
 from moestream.topology import ExpertKey
 
 CHUNK_BYTES = 16 * 2**20
@@ -53,15 +47,15 @@ def published_sha256(shard: Path) -> str | None:
 
 def verify(path: str | Path, on_bytes: Callable[[int], None] = lambda n: None, rewrite: bool = False,
            on_start: Callable[[int], None] = lambda total: None) -> VerifyReport:
-    """Checks every shard of the checkpoint in `path`: on_start(total bytes) once the headers are read,
-    then on_bytes(n) for each chunk read.
-
-    rewrite: record the digests afresh instead of comparing them with the manifest already there."""
+    """Checks every shard in `path` (on_start(total bytes), on_bytes(n) per chunk); rewrite: record digests afresh."""
     began = time.perf_counter()
     checkpoint = build_index(Path(path))  # damaged headers and truncated shards fail here
     previous = None if rewrite else load_manifest(checkpoint)
     pieces = expert_pieces(checkpoint)
-    by_shard = _by_shard(pieces)
+    by_shard: dict[str, list[tuple[ExpertKey, int, Piece]]] = {}  # each shard's (expert, piece number, piece)
+    for key, found in pieces.items():
+        for number, piece in enumerate(found):
+            by_shard.setdefault(piece.shard, []).append((key, number, piece))
     shards = sorted({info.file for info in checkpoint.tensors.values()})
     on_start(sum(shard.stat().st_size for shard in shards))
     digests: dict[tuple[ExpertKey, int], int] = {}
@@ -76,22 +70,17 @@ def verify(path: str | Path, on_bytes: Callable[[int], None] = lambda n: None, r
     manifest = Manifest(checkpoint.path, pieces,
                         {key: tuple(digests[key, n] for n in range(len(found))) for key, found in pieces.items()},
                         records)
-    if previous is not None:
-        _compare(previous, manifest)
-    else:
+    if previous is None:
         manifest.save()
+    damaged = [] if previous is None else [(key, piece, got, want) for key, found in pieces.items() for piece, got, want
+                                           in zip(found, manifest.digests[key], previous.digests[key]) if got != want]
+    if damaged:  # the first damaged expert, and how many are damaged in all
+        others = len({key for key, *_ in damaged}) - 1
+        more = f" (and {others} more damaged expert{'s' if others != 1 else ''})" if others else ""
+        raise IntegrityError(mismatch(checkpoint.path, *damaged[0], also=more))
     published = sum(record["sha256"] is not None for record in records.values())
     return VerifyReport(checkpoint.path, len(shards), published, len(pieces),
                         sum(s.stat().st_size for s in shards), time.perf_counter() - began, previous is None)
-
-
-def _by_shard(pieces: dict[ExpertKey, tuple[Piece, ...]]) -> dict[str, list[tuple[ExpertKey, int, Piece]]]:
-    """Each shard's pieces as (expert, piece number, piece)."""
-    by_shard: dict[str, list[tuple[ExpertKey, int, Piece]]] = {}
-    for key, found in pieces.items():
-        for number, piece in enumerate(found):
-            by_shard.setdefault(piece.shard, []).append((key, number, piece))
-    return by_shard
 
 
 def _scan(shard: Path, pieces: list[tuple[ExpertKey, int, Piece]], with_sha256: bool,
@@ -122,12 +111,3 @@ def _scan(shard: Path, pieces: list[tuple[ExpertKey, int, Piece]], with_sha256: 
 def _end(piece: Piece) -> int:
     return piece.file_offset + piece.nbytes
 
-
-def _compare(previous: Manifest, current: Manifest) -> None:
-    """Raises naming the first damaged expert and how many are damaged in all."""
-    damaged = [(key, piece, got, want) for key, found in current.pieces.items()
-               for piece, got, want in zip(found, current.digests[key], previous.digests[key]) if got != want]
-    if damaged:
-        others = len({key for key, *_ in damaged}) - 1
-        more = f" (and {others} more damaged expert{'s' if others != 1 else ''})" if others else ""
-        raise IntegrityError(mismatch(current.path, *damaged[0], also=more))

@@ -1,13 +1,8 @@
-"""Writes safetensors shards a tensor at a time, so a checkpoint larger than memory can be written.
-
-safetensors' own writer takes a whole shard's tensors at once (and copies each); this writes the
-same format (an 8-byte header length, a JSON header padded to 8 bytes, then the tensors' bytes back
-to back) from a header planned ahead, producing each tensor only when its turn comes: a few
-workers produce the next tensors while the file is written, so memory holds a few tensors, never a
-shard. Within a shard, tensors go widest element first (then by name), as safetensors orders them,
-so that every tensor starts aligned to its element size. Knows tensors' names, shapes and dtypes,
-not what fills them or which model they belong to.
-"""
+"""Writes safetensors shards a tensor at a time, so a checkpoint larger than memory can be written: the
+same format as safetensors' own writer (which takes a whole shard), from a header planned ahead, a few
+workers producing the next tensors as the file is written. Tensors go widest element first (then by name),
+as safetensors orders them, so each starts aligned. Knows tensors' names, shapes and dtypes, not what fills
+them or which model they belong to."""
 
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from moestream.checkpoint.shards import DTYPES, INDEX_FILE, SINGLE_FILE
+from moestream.checkpoint.shards import DTYPES, SINGLE_FILE
 
 HEADER_ALIGN = 8
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -45,9 +40,8 @@ Fill = Callable[[TensorPlan], torch.Tensor]  # the tensor's values: contiguous, 
 
 
 def plan_shards(units: list[list[TensorPlan]], max_shard_bytes: int | None) -> list[list[TensorPlan]]:
-    """Units of tensors (each kept in one shard: e.g. the tensors one fused in-memory tensor is saved as),
-    in order, cut into shards of at most max_shard_bytes; a unit larger than the limit gets a shard of
-    its own. None: one shard."""
+    """Units of tensors (each kept in one shard), in order, cut into shards of at most max_shard_bytes (None: one
+    shard); a unit larger than the limit gets a shard of its own."""
     shards: list[list[TensorPlan]] = [[]]
     size = 0
     for unit in units:
@@ -62,9 +56,7 @@ def plan_shards(units: list[list[TensorPlan]], max_shard_bytes: int | None) -> l
 
 def shard_names(count: int) -> list[str]:
     """File names transformers gives shards: one model.safetensors, else model-0000i-of-0000n."""
-    if count == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
 def file_order(shard: list[TensorPlan]) -> list[TensorPlan]:

@@ -1,9 +1,8 @@
 """The `moestream` command. Each module in this package adds one subcommand through add_parser().
 
-Only the module of the command being run is imported (all of them for help or an unknown command),
-so that errors in arguments come back before the heavy imports of other commands. Every subcommand's
-handler is `args.handler(args) -> int`. User errors (MoestreamError) become one line on stderr and exit
-code 2, never a traceback.
+Only the module of the command being run is imported (all of them for help or an unknown command), so
+argument errors come back before other commands' heavy imports. Every handler is `args.handler(args) ->
+int`. User errors (MoestreamError) become one line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -34,14 +33,13 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser whose subcommands' help shows defaults too (subparsers take the parent's class)."""
+    """argparse's parser whose help (and subcommands') shows defaults."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpWithDefaults)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        """One line naming the flag (argparse's own messages do), not the whole usage."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

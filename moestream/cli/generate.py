@@ -43,9 +43,7 @@ def add_parser(commands) -> None:
 
 
 def check_engine_flags(args) -> None:
-    """Refuses a bad engine flag (every EngineConfig setting: device, policy, bounds), placement name or
-    --model (where given) before the heavy imports; budgets are checked against the checkpoint, and an
-    `auto` one once resolved, by `check_budgets`."""
+    """Refuses a bad engine flag, placement name or --model before the heavy imports (budgets: `check_budgets`)."""
     read_flags(EngineConfig, args)
     from_args(EngineConfig, args, **{name: 1.0 for name in ("expert_budget", "host_budget")
                                      if getattr(args, name) == AUTO})
@@ -55,9 +53,8 @@ def check_engine_flags(args) -> None:
 
 
 def check_budgets(args, model: Path) -> None:
-    """Refuses, from the checkpoint's safetensors headers and before anything loads, a device budget that
-    cannot serve one token of one layer, and a host budget more than the memory left (or, on CUDA, that
-    cannot be pinned)."""
+    """Refuses, from the safetensors headers before anything loads, a device budget that cannot serve one
+    token of one layer and a host budget over the memory left (or, on CUDA, that cannot be pinned)."""
     from moestream.checkpoint.index import build_index
     from moestream.memory_plan import check_host_room, sizes_of
     from moestream.store.config import StoreConfig
@@ -106,8 +103,7 @@ def run(args) -> int:
 
 
 def summary(records: list[dict], rates: "Throughput") -> str:
-    """One line of figures over every prompt: tokens, TTFT, TPOT, prompt and generation tokens/s, expert
-    hit rate, bytes read."""
+    """One line of figures over every prompt."""
     from moestream.budget import format_bytes
 
     tokens, t = sum(len(r["token_ids"]) for r in records), totals(records)
@@ -170,8 +166,7 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def _generate(args, prompts: list[str]) -> tuple[list[dict], Throughput]:
-    """Runs the prompts in batches: one JSON record per prompt, and the run's throughput (the trace
-    saved if asked)."""
+    """Runs the prompts in batches: one JSON record per prompt, and the run's throughput."""
     from moestream.parallel.launch import open_engine
 
     recording = args.record_trace is not None
@@ -227,8 +222,10 @@ def _run_batch(engine, batch: list[str], max_new_tokens: int):
     streamer, streamed = TextStreamer(engine.tokenizer, skip_special_tokens=True), []
 
     def stream(new) -> None:
+        import torch
+
         streamed.append(len(new))
-        streamer.put(_tensor(new))
+        streamer.put(torch.tensor([t for t in new if t is not None], dtype=torch.long))
 
     try:
         result = engine.generate(batch, max_new_tokens=max_new_tokens, on_tokens=stream)
@@ -238,27 +235,12 @@ def _run_batch(engine, batch: list[str], max_new_tokens: int):
     return result
 
 
-def _tensor(tokens: list[int | None]):
-    import torch
-
-    return torch.tensor([t for t in tokens if t is not None], dtype=torch.long)
-
-
 def report(result, row: int) -> dict:
     """The JSON record of one prompt of a generation result."""
     m = result.metrics
-    return {
-        "text": result.texts[row],
-        "token_ids": result.token_ids[row],
-        "ttft_ms": m.ttft_ms,
-        "tpot_ms": m.tpot_ms,
-        "expert_hits": m.expert_hits,
-        "expert_misses": m.expert_misses,
-        "bytes_read": dict(m.bytes_read),
-        "replayed": result.replayed,
-        "stall_ms": m.stall_ms,
-        "transfer_ms": m.transfer_ms,
-    }
+    return {"text": result.texts[row], "token_ids": result.token_ids[row], "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms,
+            "expert_hits": m.expert_hits, "expert_misses": m.expert_misses, "bytes_read": dict(m.bytes_read),
+            "replayed": result.replayed, "stall_ms": m.stall_ms, "transfer_ms": m.transfer_ms}
 
 
 def _recorder(engine, args):

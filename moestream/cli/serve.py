@@ -38,8 +38,7 @@ def add_parser(commands) -> None:
 
 
 def check_access(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
-    """Refuses an empty --api-key (an unset $KEY would open the server), and no key on an address other
-    than loopback unless --allow-unauthenticated says so."""
+    """Refuses an empty --api-key, and no key off loopback without --allow-unauthenticated."""
     if api_key is not None and not api_key.strip():
         raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one "
                              "(loopback only)")

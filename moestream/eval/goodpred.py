@@ -1,9 +1,6 @@
 """ProMoE's GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k) of a trained `promoe` predictor on a held-out
 trace: for every target MoE layer i and trained distance k, the share of a token's true top-k that the
-prediction from layer i-k finds, times the share of a top-k prediction that k layers of compute fetch in
-time (`moestream.eval.prediction.fetch_rate`). Measurement only: the policy (policies/designs/promoe.py)
-does not import it.
-"""
+prediction from layer i-k finds, times `prediction.fetch_rate`. Measurement only: the policy does not import it."""
 
 from __future__ import annotations
 
@@ -27,11 +24,9 @@ class GoodPred:
     goodpred: float  # accuracy x fetch_rate
 
 
-def goodpred_table(
-    predictor: PromoePredictor, trace: Trace, layer_compute_ms: float, transfer_ms: float
-) -> list[GoodPred]:
-    """GOODPRED(i, k) for every target layer i and trained distance k on a held-out trace (transfer_ms: one
-    expert over the link that fills the tier)."""
+def goodpred_table(predictor: PromoePredictor, trace: Trace, layer_compute_ms: float,
+                   transfer_ms: float) -> list[GoodPred]:
+    """GOODPRED(i, k) for every target layer i and trained distance k (transfer_ms: one expert over the link)."""
     k_top, rows = trace.topology.top_k, []
     actual = expert_mask(trace.experts, trace.topology.num_experts)  # [N, L, E]
     for k in range(1, predictor.num_distances + 1):

@@ -1,20 +1,17 @@
-"""Offline accuracy of a predictor: precision, recall, F1 and GOODPRED of predicting each
-(token, layer)'s experts D layers ahead, on a test trace replayed as one decode stream.
+"""Offline accuracy of a predictor: precision, recall, F1 and GOODPRED of predicting each (token, layer)'s experts
+D layers ahead, on a test trace replayed as one decode stream.
 
-Horizon D >= 1: token t's layer l gets `predict(layer_now=l-D, horizon_layers=D)`, the call before
-t's first layer when l-D = -1, and when l-D < -1 the call at layer L+l-D of the sequence's previous
-token (tokens_ahead=1; a first token uses its own layer_now=-1 call). D = 0 (at the gate): the call
-before l routes, after a GateInputObserver saw l's router input. The predicted set is the top_k
-experts by score > 0 (ties to the lower id); a TraceScorer is scored a whole trace at a time by the same
-rule. GOODPRED (ProMoE) = precision x fetch_rate, the share of a top_k prediction whose transfers finish
-within D layers of compute: min(1, floor(D * layer_compute_ms / transfer_ms) / top_k), 0 at the gate.
-`split_trace` holds a seeded share of a trace's sequences out as the test trace.
-"""
+Horizon D >= 1: token t's layer l gets `predict(layer_now=l-D, horizon_layers=D)`, the call before t's first
+layer when l-D = -1, and when l-D < -1 the call at layer L+l-D of the sequence's previous token (tokens_ahead=1;
+a first token uses its own layer_now=-1 call). D = 0 (at the gate): the call before l routes, after a
+GateInputObserver saw l's router input. The predicted set is the top_k experts by score > 0 (ties to the lower
+id); a TraceScorer is scored a whole trace at a time by the same rule. GOODPRED (ProMoE) = precision x fetch_rate."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -72,9 +69,7 @@ def fetch_rate(horizon_layers: int, layer_compute_ms: float, transfer_ms: float,
     """Share of a top_k prediction that can arrive in time with horizon_layers of lead."""
     if horizon_layers <= 0:
         return 0.0
-    if transfer_ms <= 0:
-        return 1.0
-    return min(1.0, math.floor(horizon_layers * layer_compute_ms / transfer_ms) / top_k)
+    return 1.0 if transfer_ms <= 0 else min(1.0, math.floor(horizon_layers * layer_compute_ms / transfer_ms) / top_k)
 
 
 def check_horizon(horizon_layers: int, num_layers: int) -> None:
@@ -88,33 +83,25 @@ def evaluate_predictor(predictor: Predictor, test: Trace, horizon_layers: int) -
     check_horizon(horizon_layers, topology.num_layers)
     counts = PredictionCounts(*(np.zeros(topology.num_layers, dtype=np.int64) for _ in range(3)))
     at_gate = horizon_layers == 0 and isinstance(predictor, GateInputObserver) and test.hidden is not None
-    if isinstance(predictor, TraceScorer) and not at_gate:
-        _count_scored(predictor, test, max(1, horizon_layers), counts)
+    if isinstance(predictor, TraceScorer) and not at_gate:  # the whole trace at a time, by the same rule
+        k = topology.top_k
+        for layer in range(topology.num_layers):
+            scores = predictor.score_rows(test, layer, max(1, horizon_layers))  # [N, E]
+            top = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # [N, k]
+            kept = np.take_along_axis(scores, top, axis=1) > 0  # [N, k]
+            hit = (top[:, :, None] == test.experts[:, layer][:, None, :]).any(axis=2) & kept  # experts [N, K]
+            counts.hits[layer] += int(hit.sum())
+            counts.predicted[layer] += int(kept.sum())
+            counts.actual[layer] += test.num_tokens * k
     else:
         sets = _gate_sets(predictor, test) if horizon_layers == 0 else _ahead_sets(predictor, test, horizon_layers)
         for row, by_layer in sets:
-            for layer, experts in by_layer.items():
-                _add(counts, layer, experts, test.experts[row, layer])
+            for layer, predicted in by_layer.items():
+                actual = test.experts[row, layer]
+                counts.hits[layer] += int(np.isin(predicted, actual).sum())
+                counts.predicted[layer] += len(predicted)
+                counts.actual[layer] += len(actual)
     return counts
-
-
-def _add(counts: PredictionCounts, layer: int, predicted: np.ndarray, actual: np.ndarray) -> None:
-    counts.hits[layer] += int(np.isin(predicted, actual).sum())
-    counts.predicted[layer] += len(predicted)
-    counts.actual[layer] += len(actual)
-
-
-def _count_scored(predictor: TraceScorer, test: Trace, horizon_layers: int, counts: PredictionCounts) -> None:
-    k = test.topology.top_k
-    for layer in range(test.topology.num_layers):
-        scores = predictor.score_rows(test, layer, horizon_layers)  # [N, E]
-        top = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # [N, k]
-        kept = np.take_along_axis(scores, top, axis=1) > 0  # [N, k]
-        actual = test.experts[:, layer]  # [N, K]
-        hit = (top[:, :, None] == actual[:, None, :]).any(axis=2) & kept
-        counts.hits[layer] += int(hit.sum())
-        counts.predicted[layer] += int(kept.sum())
-        counts.actual[layer] += test.num_tokens * k
 
 
 def top_experts(predictions: list[Prediction], layer: int, tokens_ahead: int, k: int) -> np.ndarray:
@@ -157,7 +144,8 @@ class _AheadSets:
 
 def _ahead_sets(predictor: Predictor, test: Trace, horizon: int) -> Iterator[tuple[int, dict[int, np.ndarray]]]:
     """(row, {layer: predicted experts}) for every token of the decode stream, horizon >= 1."""
-    driver = PolicyDriver(_Predicting(predictor), horizon_layers=horizon)
+    alone = SimpleNamespace(predictor=predictor, observers=lambda: [predictor])  # the predictor as a policy
+    driver = PolicyDriver(alone, horizon_layers=horizon)
     collect = _AheadSets(test.topology, horizon)
     for it in decode_stream(test):
         seq = int(it.ctx.seq_ids[0])
@@ -167,16 +155,6 @@ def _ahead_sets(predictor: Predictor, test: Trace, horizon: int) -> Iterator[tup
         for finished in it.finished:
             collect.pending.pop(finished, None)
         yield int(it.rows[0]), collect.sets
-
-
-class _Predicting:
-    """A predictor alone, seen by the driver as a policy."""
-
-    def __init__(self, predictor: Predictor):
-        self.predictor = predictor
-
-    def observers(self) -> list[Predictor]:
-        return [self.predictor]
 
 
 def _gate_sets(predictor: Predictor, test: Trace) -> Iterator[tuple[int, dict[int, np.ndarray]]]:
@@ -209,19 +187,12 @@ def check_compatible(train: Trace, test: Trace, needs: tuple[str, ...], name: st
 
 
 def summarize(counts: PredictionCounts, horizon_layers: int, rate: float) -> dict:
-    precision = counts.precision()
-    return {
-        "horizon_layers": horizon_layers,
-        "precision": precision,
-        "recall": counts.recall(),
-        "f1": counts.f1(),
-        "goodpred": precision * rate,
-        "fetch_rate": rate,
-        "num_predicted": int(counts.predicted.sum()),
-        "per_layer_f1": [counts.f1(layer) for layer in range(len(counts.hits))],
-        "per_layer_precision": [counts.precision(layer) for layer in range(len(counts.hits))],
-        "per_layer_recall": [counts.recall(layer) for layer in range(len(counts.hits))],
-    }
+    precision, layers = counts.precision(), range(len(counts.hits))
+    return {"horizon_layers": horizon_layers, "precision": precision, "recall": counts.recall(), "f1": counts.f1(),
+            "goodpred": precision * rate, "fetch_rate": rate, "num_predicted": int(counts.predicted.sum()),
+            "per_layer_f1": [counts.f1(layer) for layer in layers],
+            "per_layer_precision": [counts.precision(layer) for layer in layers],
+            "per_layer_recall": [counts.recall(layer) for layer in layers]}
 
 
 @dataclass(frozen=True)
@@ -236,9 +207,8 @@ class LeadTimeCost:
             raise EvalError("layer_compute_ms and transfer_ms must be >= 0")
 
 
-def evaluate_policy(
-    name: str, train: Trace, test: Trace, horizon_layers: int, cost: LeadTimeCost, **policy_kwargs
-) -> dict:
+def evaluate_policy(name: str, train: Trace, test: Trace, horizon_layers: int, cost: LeadTimeCost,
+                    **policy_kwargs) -> dict:
     """Fit policy `name` (built with policy_kwargs) on train, evaluate its predictor on test."""
     check_horizon(horizon_layers, test.topology.num_layers)
     policy_class = POLICIES.get(name)
@@ -254,8 +224,7 @@ def evaluate_policy(
 
 
 def split_trace(trace: Trace, fraction: float, seed: int):
-    """(train, test): a seeded --test-fraction of the trace's sequences held out; refuses a split that
-    leaves either side empty."""
+    """(train, test): a seeded --test-fraction of the trace's sequences held out, neither side empty."""
     if not 0.0 < fraction < 1.0:
         raise EvalError(f"--test-fraction must lie in (0, 1), got {fraction}")
     if len(trace.sequence_ids()) < 2:

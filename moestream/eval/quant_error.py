@@ -1,13 +1,9 @@
-"""How far a quantized copy's outputs are from its source: next-token distributions of the source
-model (transformers' own, dense) and of the same model with every routed expert replaced by the
-copy's decoding, both teacher-forced on the source's greedy continuation of each prompt. Figures:
-top-1 agreement, mean KL(source || quantized) and max abs logit error over every position. Where the
-source's best logits tie exactly (bf16 logits of a random model do), its argmax is arbitrary among them, so
-the copy agrees by choosing any of them.
-
-One model is in memory at a time: the source's logits are taken, then its experts are overwritten
-in place by the decoded ones. Knows checkpoints and codecs, not stores, runtimes or policies.
-"""
+"""How far a quantized copy's outputs are from its source: next-token distributions of the source model (transformers'
+own, dense) and of the same model with every routed expert replaced by the copy's decoding, both teacher-forced on the
+source's greedy continuation of each prompt. Figures: top-1 agreement (where the source's best logits tie, as bf16
+logits of a random model do, any of them agrees), mean KL(source || quantized) and max abs logit error over every
+position. One model is in memory at a time: its experts are overwritten in place once the source's logits are taken.
+Knows checkpoints and codecs, not stores, runtimes or policies."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""Model families: every model type transformers declares experts for (`catalog.py`), each an adapter
-derived from transformers' declarations (`base.py`), and one file per family only for what cannot be
-derived, registered in `FAMILIES` by model_type.
-
-Importing this package imports every family file, then registers a plain adapter for each remaining
-model type. `adapter_for(config)` picks the adapter of a transformers config; no mechanism elsewhere in
-moestream branches on a family.
-"""
+"""Model families: every model type transformers declares experts for (`catalog.py`), each an adapter derived
+from transformers' declarations (`base.py`), plus one file per family only for what cannot be derived,
+registered in `FAMILIES` by model_type. Importing this package imports every family file, then registers a
+plain adapter for each remaining model type. `adapter_for(config)` picks a config's adapter; no mechanism
+elsewhere in moestream branches on a family."""
 
 import sys
 

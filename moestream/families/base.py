@@ -1,16 +1,12 @@
-"""What a model family is to moestream: where its MoE blocks live, how an expert is laid out in a slot and
-on disk, and its counts. By default all of it is derived from transformers (`derive.py`): the blocks are
-the experts implementations of the model built on the meta device, the layout is the checkpoint
-conversion mapping's, the counts come from the experts modules and the config. A family file declares
-only what cannot be derived (a router's fixed top-k, tensors a test model fills with noise, a small
-test config's fields, the quantized formats its releases come in, or why it cannot work); the engine
-and the store read adapters and know no family by name.
+"""What a model family is to moestream: where its MoE blocks live, how an expert is laid out in a slot and on disk,
+and its counts, by default all derived from transformers (`derive.py`). A family file declares only what cannot be
+derived (a router's fixed top-k, tensors a test model fills with noise, a small test config's fields, the quantized
+formats its releases come in, or why it cannot work); the engine and the store know no family by name.
 
-Slot layout: an expert's slot is the concatenation, in `parts` order, of the per-expert slices of the
-experts module's fused parameters (e.g. gate_up_proj[e] then down_proj[e]), each in the checkpoint's
-dtype. On disk, a part is filled by the listed tensors in order (e.g. w1 then w3 fill gate_up_proj[e]),
-each a contiguous byte range of a safetensors file, or slice [e] of a tensor fused over experts.
-"""
+Slot layout: an expert's slot is the concatenation, in `parts` order, of the per-expert slices of the experts
+module's fused parameters (e.g. gate_up_proj[e] then down_proj[e]), each in the checkpoint's dtype. On disk, a part
+is filled by the listed tensors in order (e.g. w1 then w3 fill gate_up_proj[e]), each a contiguous byte range of a
+safetensors file, or slice [e] of a tensor fused over experts."""
 
 from __future__ import annotations
 
@@ -28,11 +24,17 @@ SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # a block's sh
 
 
 class GeneratingClass:
-    """The auto class that generates text for the family's model type (transformers' auto mappings),
-    looked up when first read, on the class or an instance: importing the families stays light."""
+    """The auto class that generates text for the model type, looked up when first read (the import stays light)."""
 
     def __get__(self, instance, owner) -> str:
         return catalog.generating_class(owner.model_type) or "AutoModelForCausalLM"
+
+
+class RegisteredName:
+    """The name a class is registered under in `FAMILIES`, read on the class or an instance."""
+
+    def __get__(self, instance, owner) -> str:
+        return owner.registry_name
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,9 @@ class Layout:
 
 
 class FamilyAdapter:
-    """A family as transformers declares it. Subclasses (family files) set class attributes and override
-    only what cannot be derived."""
+    """A family as transformers declares it; family files set class attributes, override what is not derived."""
 
-    model_type: ClassVar[str]
+    model_type: ClassVar[str] = RegisteredName()  # the model type it is registered under
     auto_class: ClassVar[str] = GeneratingClass()  # a name in transformers; a family file may set one
     uses_experts_registry: ClassVar[bool] = True  # False: the engine swaps the experts module
     fixed_top_k: ClassVar[int | None] = None  # the family's router only supports this top-k
@@ -122,8 +123,7 @@ class FamilyAdapter:
         return int(declared) if declared else 1
 
     def init_values(self, name: str, shape: tuple[int, ...], dtype):
-        """A test model's values for a tensor that transformers sets on load whatever the checkpoint holds
-        (None: the usual random fill)."""
+        """A test model's values for a tensor transformers sets on load whatever the checkpoint holds (None: random)."""
         return None
 
     def expert_parts(self, config) -> tuple[ExpertPart, ...]:
@@ -155,13 +155,9 @@ class FamilyAdapter:
         return list(self.layout(config).blocks)
 
     def topology(self, config, expert_bytes: int) -> Topology:
-        return Topology(
-            moe_layer_ids=tuple(self.moe_layer_ids(config)),
-            num_experts=self.num_experts(config),
-            top_k=self.top_k(config),
-            expert_bytes=expert_bytes,
-            num_shared_experts=self.num_shared_experts(config),
-        )
+        return Topology(moe_layer_ids=tuple(self.moe_layer_ids(config)), num_experts=self.num_experts(config),
+                        top_k=self.top_k(config), expert_bytes=expert_bytes,
+                        num_shared_experts=self.num_shared_experts(config))
 
     def tiny_config_kwargs(self, sizes: tiny.Sizes) -> dict:
         """Config fields of a small model for `moestream make-model`: the family's defaults shrunk."""

@@ -1,7 +1,6 @@
 """The model types transformers declares MoE experts for: every model whose modeling file decorates an
 experts class with `@use_experts_implementation`, and the auto class that generates text with each.
-Read from the installed transformers (its source files: importing this module imports none of it); knows no family.
-"""
+Read from the installed transformers (its source files: importing this module imports none of it); knows no family."""
 
 from __future__ import annotations
 
@@ -30,21 +29,14 @@ def experts_model_types() -> tuple[str, ...]:
 
 @functools.cache
 def generating_class(model_type: str) -> str | None:
-    """The auto class that generates text for `model_type` from the published checkpoint's config, None
-    if none does: a causal LM built on the model type's own config (not on its text part alone, which
-    a multimodal release does not publish), else a multimodal one."""
+    """The auto class that generates text for `model_type` from the published config, None if none does: a causal
+    LM on the model type's own config (a multimodal release publishes no text part alone), else a multimodal one."""
+    import transformers
     from transformers.models.auto import modeling_auto
 
     for auto_class, mapping in GENERATING:
         name = getattr(modeling_auto, mapping, {}).get(model_type)
-        if name is not None and _config_type(name) in (model_type, None):
+        config_class = getattr(getattr(transformers, name, None), "config_class", None) if name else None
+        if name is not None and getattr(config_class, "model_type", None) in (model_type, None):
             return auto_class
     return None
-
-
-def _config_type(class_name: str) -> str | None:
-    """The model_type of a model class's config class (None if it declares none)."""
-    import transformers
-
-    config_class = getattr(getattr(transformers, class_name, None), "config_class", None)
-    return getattr(config_class, "model_type", None)

@@ -1,8 +1,7 @@
-"""DeepSeek-OCR-2: a DeepSeek-V2 text decoder (standard attention) behind a SAM + Qwen2 vision tower.
-Which decoder layers are MoE is a per-layer list (`mlp_layer_types`) its config leaves None, so a small
-test model gets one dense first layer and MoE after it; the tower's two nested configs (SAM ViT, Qwen2
-encoder), which the generic shrink does not reach, are made one small layer each. The tower is never run
-for text generation."""
+"""DeepSeek-OCR-2: a DeepSeek-V2 text decoder behind a SAM + Qwen2 vision tower (never run for text
+generation). Its per-layer MoE list (`mlp_layer_types`) is None in the config, so a small test model gets one
+dense first layer and MoE after it; the tower's two nested configs, which the generic shrink does not
+reach, are made one small layer each."""
 
 from moestream.families import tiny
 from moestream.families.base import FAMILIES, FamilyAdapter
@@ -15,7 +14,6 @@ ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_at
 
 @FAMILIES.register("deepseek_ocr2")
 class DeepseekOcr2Adapter(FamilyAdapter):
-    model_type = "deepseek_ocr2"
 
     def tiny_config_kwargs(self, sizes: tiny.Sizes) -> dict:
         kwargs = super().tiny_config_kwargs(sizes)
@@ -23,6 +21,5 @@ class DeepseekOcr2Adapter(FamilyAdapter):
         kwargs["text_config"] |= dict(
             mlp_layer_types=["dense" if i == 0 and layers > 1 else "sparse" for i in range(layers)])
         vision = kwargs["vision_config"]
-        vision |= dict(sam_config=vision["sam_config"] | SAM,
-                       encoder_config=vision["encoder_config"] | ENCODER)
+        vision |= dict(sam_config=vision["sam_config"] | SAM, encoder_config=vision["encoder_config"] | ENCODER)
         return kwargs

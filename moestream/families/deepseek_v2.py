@@ -6,5 +6,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("deepseek_v2")
 class DeepseekV2Adapter(FamilyAdapter):
-    model_type = "deepseek_v2"
     tiny_fields = dict(q_lora_rank=None, topk_method="group_limited_greedy")

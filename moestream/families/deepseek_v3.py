@@ -6,7 +6,6 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("deepseek_v3")
 class DeepseekV3Adapter(FamilyAdapter):
-    model_type = "deepseek_v3"
     noise_init = ("mlp.gate.e_score_correction_bias",)
     tiny_fields = dict(n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
     quant_formats = ("fp8",)

@@ -6,5 +6,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("deepseek_v32")
 class DeepseekV32Adapter(FamilyAdapter):
-    model_type = "deepseek_v32"
     quant_formats = ("fp8",)

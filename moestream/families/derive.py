@@ -1,14 +1,11 @@
 """A family's expert layout derived from what transformers declares: the model built on the meta device
-(every module that is an experts implementation, `@use_experts_implementation`, is a MoE block), and the
-checkpoint conversion mapping (`revert_weight_conversion`: the disk tensors each fused expert parameter
-is saved as, and the disk name of every dense tensor).
+(every `@use_experts_implementation` module is a MoE block), and the checkpoint conversion mapping
+(`revert_weight_conversion`: the disk tensors of each fused expert parameter and every dense tensor's name).
 
-An expert part can be read as bytes only if the disk tensors of one expert, concatenated, are the bytes
-of its slice of the fused parameter, or that slice transposed (a strided view of the slot); `disk_part`
-checks that on a small tensor of known values, so a layout transformers interleaves or dequantizes on
-load is refused with its reason, never read wrong.
-Knows no family by name and nothing of the store or the engine.
-"""
+An expert part is read as bytes only if one expert's disk tensors, concatenated, are the bytes of its slice of
+the fused parameter, or of that slice transposed; `disk_part` checks that on a small tensor of known values, so
+a layout transformers interleaves or dequantizes on load is refused with its reason, never read wrong. Knows no
+family by name, nor the store or the engine."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ PROBE_DIMS = (4, 6, 10)  # its other dimensions: even, distinct, so a transpose 
 
 @dataclass(frozen=True)
 class DiskPart:
-    """One fused expert parameter as a checkpoint stores it: the disk tensors of expert {expert}, in the
-    order their bytes fill its slice, or one tensor over all experts (`fused`)."""
+    """One fused expert parameter as stored: expert {expert}'s disk tensors, in slice order, or one over all experts."""
 
     param: str
     names: tuple[str, ...]  # full disk names with {expert}
@@ -45,31 +41,25 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 
 
 def text_part(model: torch.nn.Module) -> torch.nn.Module:
-    """The module that writes a model's text: the model, or the thinker of a wrapper without a forward of
-    its own (Qwen3-Omni, whose talker speaks)."""
+    """The module that writes a model's text: the model, or the thinker of a wrapper without a forward (Qwen3-Omni)."""
     import torch
 
-    if type(model).forward is torch.nn.Module.forward and isinstance(getattr(model, "thinker", None),
-                                                                      torch.nn.Module):
-        return model.thinker
-    return model
+    wrapper = type(model).forward is torch.nn.Module.forward
+    return model.thinker if wrapper and isinstance(getattr(model, "thinker", None), torch.nn.Module) else model
 
 
 def experts_of_text(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """`experts_modules` of the text decoder (a multimodal model's towers may route too; Qwen3-Omni's
-    talker does), with their paths in the whole model."""
+    """`experts_modules` of the text decoder (not a tower's, nor Qwen3-Omni's talker), paths in the whole model."""
     text = text_part(model)
     if text.config.get_text_config() is not text.config:
         text = text.get_decoder()
     prefix = next(name for name, module in model.named_modules() if module is text)
-    return [(path, module) for path, module in experts_modules(model)
-            if not prefix or path.startswith(f"{prefix}.")]
+    return [(path, module) for path, module in experts_modules(model) if not prefix or path.startswith(f"{prefix}.")]
 
 
 def towers(model: torch.nn.Module) -> tuple[str, ...]:
-    """Paths of the modules that generating text from input ids never runs: beside the text decoder of a
-    multimodal model, its vision and audio towers and projectors (and an omni model's talker); the
-    embeddings and the output head are kept. None for a text model."""
+    """Paths of the modules that generating text from input ids never runs: a multimodal model's towers and
+    projectors beside its text decoder (and an omni model's talker), not the embeddings or the head; () for text."""
     text = text_part(model)
     if text is model and text.config.get_text_config() is text.config:
         return ()
@@ -82,14 +72,11 @@ def towers(model: torch.nn.Module) -> tuple[str, ...]:
         parent = model.get_submodule(parent_path) if parent_path else model
         for name, child in parent.named_children():
             child_path = f"{parent_path}.{name}" if parent_path else name
-            if child_path != path and child not in keep and not any(k is not None and _holds(child, k) for k in keep):
+            if child_path != path and child not in keep and not any(
+                    m is k for k in keep if k is not None for m in child.modules()):
                 found.append(child_path)
         path = parent_path
     return tuple(found)
-
-
-def _holds(module: torch.nn.Module, inner: torch.nn.Module) -> bool:
-    return any(m is inner for m in module.modules())
 
 
 def layer_number(path: str) -> int:
@@ -101,8 +88,7 @@ def layer_number(path: str) -> int:
 
 
 def meta_model(config, auto_class: str) -> torch.nn.Module:
-    """The model of `config` on the meta device: its structure and parameter names, no memory. Built
-    from a copy: building a model writes into its config (dtype, attention implementation)."""
+    """The model of `config` on the meta device, built from a copy (building a model writes into its config)."""
     import torch
     import transformers
 
@@ -111,23 +97,8 @@ def meta_model(config, auto_class: str) -> torch.nn.Module:
         return getattr(transformers, auto_class).from_config(config, dtype=config.dtype or torch.float32).eval()
 
 
-def _reverted(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return revert_weight_conversion(model, state)
-
-
-def _probe(shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor of distinct values shaped like an [E, ...] parameter, at probe size."""
-    import torch
-
-    dims = (PROBE_EXPERTS, *PROBE_DIMS[: len(shape) - 1])
-    return torch.arange(torch.Size(dims).numel(), dtype=torch.float32).reshape(dims)
-
-
 def _templates(names: list[str]) -> tuple[str, ...]:
-    """The names of one expert with {expert} at the path component that numbers the experts, in the order
-    they first appear; every template must be found once for each probe expert."""
+    """One expert's names with {expert} where experts are numbered, in first-seen order (found per probe expert)."""
     width = {len(name.split(".")) for name in names}
     for position in range(min(width)):
         split = [name.split(".") for name in names]
@@ -145,11 +116,13 @@ def _templates(names: list[str]) -> tuple[str, ...]:
 def disk_part(model: torch.nn.Module, path: str, param: str) -> DiskPart:
     """How the checkpoint stores `param` of the experts module at `path`, checked on probe values."""
     import torch
+    from transformers.core_model_loading import revert_weight_conversion
 
     key = f"{path}.{param}"
-    value = _probe(tuple(getattr(model.get_submodule(path), param).shape))
+    dims = (PROBE_EXPERTS, *PROBE_DIMS[: getattr(model.get_submodule(path), param).dim() - 1])  # probe size
+    value = torch.arange(torch.Size(dims).numel(), dtype=torch.float32).reshape(dims)  # distinct values
     try:
-        disk = _reverted(model, {key: value})
+        disk = revert_weight_conversion(model, {key: value})
     except Exception as error:  # a converter that cannot run at probe size: a reason, not a crash
         raise CheckpointError(f"the conversion of {key} cannot be derived: {type(error).__name__}: {error}") from None
     if len(disk) == 1:
@@ -168,22 +141,16 @@ def disk_part(model: torch.nn.Module, path: str, param: str) -> DiskPart:
     return DiskPart(param, templates, False)
 
 
-def common_prefix(names: list[str]) -> str:
-    """The longest dotted prefix every name shares (without its trailing dot)."""
+def block_prefix(names: list[str], experts_path: str) -> str:
+    """The MoE block's prefix on disk: the longest dotted prefix the names share, without the experts module's
+    own name (so that parts read "experts.{expert}.w1.weight" under "model.layers.3.block_sparse_moe")."""
     split = [name.split(".")[:-1] for name in names]  # a name's last component is never the prefix
-    prefix = []
+    shared = []
     for components in zip(*split):
         if len(set(components)) != 1 or "{expert}" in components[0]:
             break
-        prefix.append(components[0])
-    return ".".join(prefix)
-
-
-def block_prefix(names: list[str], experts_path: str) -> str:
-    """The MoE block's prefix on disk: what the names share, without the experts module's own name
-    (so that parts read "experts.{expert}.w1.weight" under "model.layers.3.block_sparse_moe")."""
-    prefix = common_prefix(names)
-    leaf = experts_path.rpartition(".")[2]
+        shared.append(components[0])
+    prefix, leaf = ".".join(shared), experts_path.rpartition(".")[2]
     return prefix.rpartition(".")[0] if prefix.endswith(f".{leaf}") else prefix
 
 
@@ -192,9 +159,8 @@ def relative(names: tuple[str, ...], prefix: str) -> tuple[str, ...]:
 
 
 class DenseConversion:
-    """The dense tensors' disk names as transformers' loading renames them, and the tensors it merges on
-    load (a `WeightConverter`: fused projections, stacked convolutions) collected and converted by that
-    same converter."""
+    """The dense tensors' disk names as transformers' loading renames them, and the tensors it merges on load (a
+    `WeightConverter`: fused projections, stacked convolutions) collected and converted by that same converter."""
 
     def __init__(self, model: torch.nn.Module, skip: tuple[str, ...] = ()):
         """skip: module paths whose tensors are not loaded (`towers`)."""
@@ -215,8 +181,7 @@ class DenseConversion:
         return bool(self._skip) and key.startswith(self._skip)
 
     def rename(self, disk_name: str) -> tuple[str, str | None]:
-        """(model key, the converter pattern it matched or None: loaded as it is). A disk name that is
-        already the model's key stays so (a rename meant for another tensor may match it too)."""
+        """(model key, matched converter pattern or None). A disk name that is already a model key stays so."""
         from transformers.core_model_loading import rename_source_key
 
         key, merged = rename_source_key(disk_name, self._renamings, self._converters, self._model.base_model_prefix,

@@ -6,6 +6,5 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("diffusion_gemma")
 class DiffusionGemmaAdapter(FamilyAdapter):
-    model_type = "diffusion_gemma"
     refused = ("block-diffusion generation: it denoises a canvas of tokens with bidirectional attention, "
                "not one next token at a time")

@@ -7,6 +7,5 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("dots1")
 class Dots1Adapter(FamilyAdapter):
-    model_type = "dots1"
     noise_init = ("mlp.gate.e_score_correction_bias",)
     tiny_fields = dict(n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True)

@@ -1,11 +1,10 @@
 """dots3-note: a multi-head-latent-attention text decoder whose sliding-window layers are wider than its
 sparse-attention ones (`per_layer_config`: more heads, wider latents, head_dim = qk_nope + qk_rope), with
-vision and audio towers. A small test model keeps that: its sliding-window layers' overrides are set
-small but unlike the other layers', and its window (8) and the indexer's budget (8 tokens) are shorter
-than the longer test prompts, so that both bite; the towers' adapters are joined at the small widths (their input at the tower's width, their output at
-the text's). Its router adds an e_score_correction_bias (transformers zeroes it, so a test model fills it
-with noise). The small vision tower's one layer is dense: a release's vision tower has MoE layers too, which the
-derived layout leaves out (only the text decoder's experts are offloaded)."""
+vision and audio towers. A small test model keeps that (its sliding-window overrides small but unlike the
+other layers'); its window and the indexer's budget (8 tokens each) are shorter than the longer test prompts,
+so that both bite; the towers' adapters join at the small widths. Its router's e_score_correction_bias
+(zeroed by transformers) is filled with noise. The small vision tower's one layer is dense (only the text
+decoder's experts are offloaded)."""
 
 from moestream.families import tiny
 from moestream.families.base import FAMILIES, FamilyAdapter
@@ -16,10 +15,8 @@ SLIDING = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk
 
 @FAMILIES.register("dots3_note")
 class Dots3NoteAdapter(FamilyAdapter):
-    model_type = "dots3_note"
     noise_init = ("mlp.gate.e_score_correction_bias",)
-    tiny_fields = dict(index_topk=8,
-                       sliding_window=8)
+    tiny_fields = dict(index_topk=8, sliding_window=8)
 
     def tiny_config_kwargs(self, sizes: tiny.Sizes) -> dict:
         kwargs = super().tiny_config_kwargs(sizes)

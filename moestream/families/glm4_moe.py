@@ -5,5 +5,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("glm4_moe")
 class Glm4MoeAdapter(FamilyAdapter):
-    model_type = "glm4_moe"
     quant_formats = ("fp8",)

@@ -7,6 +7,5 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("glm4v_moe")
 class Glm4vMoeAdapter(FamilyAdapter):
-    model_type = "glm4v_moe"
     tiny_fields = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                                             mrope_section=[2, 1, 1]))

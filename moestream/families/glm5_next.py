@@ -1,9 +1,7 @@
-"""GLM-5.3-Flash (glm5_next): its sparse-attention (DSA) layers use no rotary embedding
-(qk_rope_head_dim 0, which the config requires and the generic shrink would widen); its router adds an
-e_score_correction_bias (transformers zeroes it, so a test model fills it with noise). A small test
-model: one dense first layer and MoE after it
-(the default schedule has three dense layers); the indexer keeps 2 pools of 2 tokens, fewer than the
-longer test prompts hold, so that selection bites; the vision merger's width is shrunk too."""
+"""GLM-5.3-Flash (glm5_next): its sparse-attention (DSA) layers use no rotary embedding (qk_rope_head_dim 0,
+which the config requires and the generic shrink would widen); its router's e_score_correction_bias (zeroed
+by transformers) is filled with noise. A small test model: one dense first layer, MoE after it; the indexer
+keeps 2 pools of 2 tokens, fewer than the longer test prompts hold; the vision merger is shrunk too."""
 
 from moestream.families import tiny
 from moestream.families.base import FAMILIES, FamilyAdapter
@@ -11,7 +9,6 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("glm5_next")
 class Glm5NextAdapter(FamilyAdapter):
-    model_type = "glm5_next"
     noise_init = ("mlp.gate.e_score_correction_bias",)
     tiny_fields = dict(qk_rope_head_dim=0, index_topk=4, index_kpool=2)
 

@@ -6,5 +6,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("glm_moe_dsa")
 class GlmMoeDsaAdapter(FamilyAdapter):
-    model_type = "glm_moe_dsa"
     quant_formats = ("fp8",)

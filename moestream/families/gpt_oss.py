@@ -6,11 +6,8 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("gpt_oss")
 class GptOssAdapter(FamilyAdapter):
-    model_type = "gpt_oss"
     noise_init = ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "mlp.router.bias")
-    tiny_fields = dict(
-        sliding_window=16,
-        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
-                             truncate=False, original_max_position_embeddings=128),
-    )
+    tiny_fields = dict(sliding_window=16, rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=128))
     quant_formats = ("mxfp4",)

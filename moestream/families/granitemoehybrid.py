@@ -6,7 +6,6 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("granitemoehybrid")
 class GraniteMoeHybridAdapter(FamilyAdapter):
-    model_type = "granitemoehybrid"
 
     def tiny_config_kwargs(self, sizes):
         kinds = ["linear_attention"] * (sizes.num_layers - 1) + ["full_attention"]

@@ -9,6 +9,5 @@ INTERLEAVED = ("its releases interleave each expert's gate and up rows (w13_weig
 
 @FAMILIES.register("inkling2")
 class Inkling2Adapter(FamilyAdapter):
-    model_type = "inkling2"
     refused = INTERLEAVED
 

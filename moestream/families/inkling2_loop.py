@@ -6,5 +6,4 @@ from moestream.families.inkling2 import INTERLEAVED
 
 @FAMILIES.register("inkling2_loop")
 class Inkling2LoopAdapter(FamilyAdapter):
-    model_type = "inkling2_loop"
     refused = INTERLEAVED + " (and dequantizes NVFP4/MXFP8 experts)"

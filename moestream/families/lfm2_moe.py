@@ -8,7 +8,6 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("lfm2_moe")
 class Lfm2MoeAdapter(FamilyAdapter):
-    model_type = "lfm2_moe"
     noise_init = ("feed_forward.expert_bias",)
 
     def tiny_config_kwargs(self, sizes: tiny.Sizes) -> dict:

@@ -1,11 +1,10 @@
-"""What `moestream families` shows for each model type: whether it loads (or why not), how its experts
-lie on disk, one expert's bytes at the published shape (the config class's defaults, which are a
-released model's), and the quantized formats its layout loads and its releases come in. Derived as
-the engine derives it; knows no family by name.
-"""
+"""What `moestream families` shows for each model type: whether it loads (or why not), how its experts lie on disk, one
+expert's bytes at the published shape (the config class's defaults, which are a released model's), and the quantized
+formats its layout loads and its releases come in. Derived as the engine derives it; knows no family by name."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moestream.families import FAMILIES
@@ -35,13 +34,10 @@ def describe(parts: tuple[ExpertPart, ...]) -> str:
 
 
 def loadable_formats(parts: tuple[ExpertPart, ...]) -> tuple[str, ...]:
-    """Quantized methods whose codecs read this layout: per-expert linear weights take the linear codecs,
-    tensors fused over experts take MXFP4's."""
+    """Quantized methods whose codecs read this layout: linear codecs per-expert weights, MXFP4 fused ones."""
     if all(not p.fused_on_disk and all(t.endswith(".weight") for t in p.disk) for p in parts):
         return ("compressed-tensors", "fp8", "gptq")
-    if all(p.fused_on_disk and not p.may_transpose for p in parts):
-        return ("mxfp4",)
-    return ()
+    return ("mxfp4",) if all(p.fused_on_disk and not p.may_transpose for p in parts) else ()
 
 
 def published_configs(model_type: str):
@@ -77,16 +73,9 @@ def row(model_type: str) -> FamilyRow:
             continue
         layout, loads = describe(parts), loadable_formats(parts)
         if all(module_shapes):
-            expert_bytes = sum(_numel(shape) for shape in module_shapes) * PUBLISHED_DTYPE_BYTES
+            expert_bytes = sum(math.prod(shape) for shape in module_shapes) * PUBLISHED_DTYPE_BYTES
         break
     return FamilyRow(model_type, None, layout, expert_bytes, loads, published)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
 
 
 def rows() -> list[FamilyRow]:

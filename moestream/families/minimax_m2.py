@@ -6,5 +6,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("minimax_m2")
 class MiniMaxM2Adapter(FamilyAdapter):
-    model_type = "minimax_m2"
     quant_formats = ("fp8",)

@@ -5,5 +5,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("mixtral")
 class MixtralAdapter(FamilyAdapter):
-    model_type = "mixtral"
     quant_formats = ("w4a16",)

@@ -7,7 +7,6 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("muse_spark")
 class MuseSparkAdapter(FamilyAdapter):
-    model_type = "muse_spark"
     tiny_fields = dict(sliding_window=16)
 
     def tiny_config_kwargs(self, sizes):

@@ -5,5 +5,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("phimoe")
 class PhimoeAdapter(FamilyAdapter):
-    model_type = "phimoe"
     fixed_top_k = 2

@@ -6,5 +6,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("qwen3_5_moe")
 class Qwen3_5MoeAdapter(FamilyAdapter):
-    model_type = "qwen3_5_moe"
     quant_formats = ("fp8",)

@@ -5,6 +5,5 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("qwen3_moe")
 class Qwen3MoeAdapter(FamilyAdapter):
-    model_type = "qwen3_moe"
     tiny_fields = dict(norm_topk_prob=True)
     quant_formats = ("fp8", "w4a16")

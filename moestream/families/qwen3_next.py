@@ -6,5 +6,4 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("qwen3_next")
 class Qwen3NextAdapter(FamilyAdapter):
-    model_type = "qwen3_next"
     quant_formats = ("fp8",)

@@ -1,14 +1,13 @@
-"""Qwen3-Omni MoE: the thinker generates the text; the talker, which speaks it, is left out of a small test
-model (`enable_audio_output=False`, as the Thinking release). The thinker's config class lacks the
-vision-start token id its multimodal positions read (the releases' config.json carry it), and its audio
-tower (Whisper-style field names) and the vision tower's deepstack taps are shrunk to one small layer."""
+"""Qwen3-Omni MoE: the thinker generates the text; the talker is left out of a small test model
+(`enable_audio_output=False`, as the Thinking release). The thinker's config class lacks the vision-start
+token id its multimodal positions read (the releases' config.json carry it); its audio tower and the vision
+tower's deepstack taps are shrunk to one small layer."""
 
 from moestream.families.base import FAMILIES, FamilyAdapter
 
 
 @FAMILIES.register("qwen3_omni_moe")
 class Qwen3OmniMoeAdapter(FamilyAdapter):
-    model_type = "qwen3_omni_moe"
 
     def tiny_config_kwargs(self, sizes):
         kwargs = super().tiny_config_kwargs(sizes)

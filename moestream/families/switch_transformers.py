@@ -1,8 +1,6 @@
-"""Switch Transformers: an encoder-decoder whose every other block has a top-1 sparse MLP of
-`expert_{e}` modules (wi, wo). MoE layers are numbered over encoder blocks, then decoder blocks.
-The experts module is a ModuleDict, not an experts implementation, so nothing of it is derived: this
-file declares its layout and the engine swaps the module instead of using the experts registry.
-"""
+"""Switch Transformers: an encoder-decoder whose every other block has a top-1 sparse MLP of `expert_{e}` modules
+(wi, wo), MoE layers numbered over encoder blocks, then decoder blocks. The experts module is a ModuleDict, not an
+experts implementation: this file declares its layout and the engine swaps the module."""
 
 from moestream.families.base import FAMILIES, ExpertPart, FamilyAdapter, MoEBlock
 from moestream.families.tiny import Sizes
@@ -13,12 +11,9 @@ FF_SUBLAYER = {"encoder": 1, "decoder": 2}
 
 @FAMILIES.register("switch_transformers")
 class SwitchTransformersAdapter(FamilyAdapter):
-    model_type = "switch_transformers"
     auto_class = "AutoModelForSeq2SeqLM"
-    parts = (
-        ExpertPart("wi", ("experts.expert_{expert}.wi.weight",)),
-        ExpertPart("wo", ("experts.expert_{expert}.wo.weight",)),
-    )
+    parts = (ExpertPart("wi", ("experts.expert_{expert}.wi.weight",)),
+             ExpertPart("wo", ("experts.expert_{expert}.wo.weight",)))
     uses_experts_registry = False
     fixed_top_k = 1
 
@@ -37,12 +32,8 @@ class SwitchTransformersAdapter(FamilyAdapter):
     def _sparse_blocks(self, config) -> list[tuple[str, int]]:
         stacks = (("encoder", config.num_layers, config.encoder_sparse_step),
                   ("decoder", config.num_decoder_layers, config.decoder_sparse_step))
-        return [
-            (stack, block)
-            for stack, num_blocks, step in stacks
-            for block in range(num_blocks)
-            if step > 0 and (block % step == 1 or step == 1)
-        ]
+        return [(stack, block) for stack, num_blocks, step in stacks for block in range(num_blocks)
+                if step > 0 and (block % step == 1 or step == 1)]
 
     def moe_layer_ids(self, config) -> list[int]:
         offset = {"encoder": 0, "decoder": config.num_layers}
@@ -50,25 +41,17 @@ class SwitchTransformersAdapter(FamilyAdapter):
 
     def blocks(self, config) -> list[MoEBlock]:
         pairs = zip(self._sparse_blocks(config), self.moe_layer_ids(config))
-        result = []
-        for index, ((stack, block), layer_id) in enumerate(pairs):
-            prefix = f"{stack}.block.{block}.layer.{FF_SUBLAYER[stack]}.mlp"
-            result.append(MoEBlock(index, layer_id, prefix, f"{prefix}.experts"))
-        return result
+        prefixes = [(f"{stack}.block.{block}.layer.{FF_SUBLAYER[stack]}.mlp", layer) for (stack, block), layer in pairs]
+        return [MoEBlock(index, layer_id, prefix, f"{prefix}.experts")
+                for index, (prefix, layer_id) in enumerate(prefixes)]
 
     def tiny_config_kwargs(self, sizes: Sizes) -> dict:
         num_heads = max(1, sizes.hidden_size // 16)
         return dict(
-            vocab_size=sizes.vocab_size,
-            d_model=sizes.hidden_size,
-            d_ff=sizes.intermediate_size,
-            d_kv=sizes.hidden_size // num_heads,
-            num_heads=num_heads,
-            num_layers=sizes.num_layers,
-            num_decoder_layers=sizes.num_layers,
-            num_sparse_encoder_layers=max(1, sizes.num_layers // 2),
-            num_sparse_decoder_layers=max(1, sizes.num_layers // 2),
-            num_experts=sizes.num_experts,
+            vocab_size=sizes.vocab_size, d_model=sizes.hidden_size, d_ff=sizes.intermediate_size,
+            d_kv=sizes.hidden_size // num_heads, num_heads=num_heads, num_layers=sizes.num_layers,
+            num_decoder_layers=sizes.num_layers, num_sparse_encoder_layers=max(1, sizes.num_layers // 2),
+            num_sparse_decoder_layers=max(1, sizes.num_layers // 2), num_experts=sizes.num_experts,
             expert_capacity=4096,  # no token dropped at test sizes; a smaller capacity drops tokens
             router_jitter_noise=0.0,
             tie_word_embeddings=False,  # tied, a random T5 predicts its input token again and again

@@ -1,8 +1,6 @@
-"""A small test model's config for any family: the family's config class defaults, its size fields shrunk
-by name (the names transformers' configs use for widths, head counts, expert counts and per-layer
-lists), so that `moestream make-model` writes a checkpoint of seconds for any model type. What a
-family's config validates beyond these names goes in its file's `tiny_fields`. Knows no family by name.
-"""
+"""A small test model's config for any family: the config class defaults with their size fields (widths, head,
+expert and layer counts, per-layer lists) shrunk by name, so `moestream make-model` writes a checkpoint of seconds
+for any model type; what a config validates beyond them goes in the family's `tiny_fields`. Knows no family."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ class Sizes:
 
 
 def expert_groups(num_experts: int, top_k: int) -> tuple[int, int]:
-    """(n_group, topk_group) that make group-limited routing bite: groups of at least max(2, top_k)
-    experts, enough groups kept to hold top_k experts; (1, 1) if none fits."""
+    """(n_group, topk_group) making group-limited routing bite: groups of >= max(2, top_k); (1, 1) if none fit."""
     least = max(2, top_k)
     for n_group in (4, 2):
         size = num_experts // n_group
@@ -42,12 +39,10 @@ def expert_groups(num_experts: int, top_k: int) -> tuple[int, int]:
 def _widths(present: dict, sizes: Sizes) -> dict:
     """Small values of the size fields, by name (the caller keeps those the config has)."""
     heads = max(1, sizes.hidden_size // 16)
-    default_heads = present.get("num_attention_heads")
-    default_kv = present.get("num_key_value_heads")
+    default_heads, default_kv = present.get("num_attention_heads"), present.get("num_key_value_heads")
     grouped = isinstance(default_heads, int) and isinstance(default_kv, int) and default_kv < default_heads
     expert_width = sizes.intermediate_size
-    fields = dict(
-        hidden_size=sizes.hidden_size, num_hidden_layers=sizes.num_layers, vocab_size=sizes.vocab_size,
+    fields = dict(hidden_size=sizes.hidden_size, num_hidden_layers=sizes.num_layers, vocab_size=sizes.vocab_size,
         num_attention_heads=heads, num_key_value_heads=heads // 2 if grouped and heads % 2 == 0 else heads,
         head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
         kv_lora_rank=max(16, sizes.hidden_size // 4), qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
@@ -57,8 +52,7 @@ def _widths(present: dict, sizes: Sizes) -> dict:
         mamba_d_state=16, ssm_state_size=16, mamba_d_head=16, mamba_head_dim=16, n_groups=1,
         mamba_n_heads=2 * sizes.hidden_size // 16, mamba_num_heads=2 * sizes.hidden_size // 16, mamba_expand=2,
         expand=2, mamba_chunk_size=16, chunk_size=16, mamba_dt_rank=max(1, sizes.hidden_size // 16),
-        dense_intermediate_size=2 * expert_width, o_lora_rank=16, o_groups=2,
-    )
+        dense_intermediate_size=2 * expert_width, o_lora_rank=16, o_groups=2)
     if present.get("q_lora_rank"):
         fields["q_lora_rank"] = max(16, sizes.hidden_size // 2)
     has_expert_width = any(present.get(f) is not None for f in EXPERT_WIDTH_FIELDS)
@@ -72,8 +66,7 @@ def _widths(present: dict, sizes: Sizes) -> dict:
 
 
 def layer_list(values: list, num_layers: int) -> list:
-    """The first num_layers entries of a per-layer list, every kind it names kept (the last entries
-    give way to kinds the first ones miss)."""
+    """The first num_layers entries of a per-layer list, the last giving way to kinds the first ones miss."""
     kept = list(values[:num_layers])
     missing = [kind for kind in dict.fromkeys(values) if kind not in kept]
     if missing and len(missing) < num_layers:
@@ -113,8 +106,7 @@ def shrink_fields(present: dict, sizes: Sizes) -> dict:
         if isinstance(present.get(name), list) and len(present[name]) >= sizes.num_layers:
             fields[name] = layer_list(present[name], sizes.num_layers)
     if isinstance(present.get("per_layer_config"), dict):  # per-layer overrides of layers that remain
-        fields["per_layer_config"] = {k: v for k, v in present["per_layer_config"].items()
-                                      if int(k) < sizes.num_layers}
+        fields["per_layer_config"] = {k: v for k, v in present["per_layer_config"].items() if int(k) < sizes.num_layers}
     for name in ("rope_parameters", "rope_scaling"):
         if present.get(name) is not None:
             rope_dim = fields.get("qk_rope_head_dim", fields.get("head_dim", 16))
@@ -123,8 +115,7 @@ def shrink_fields(present: dict, sizes: Sizes) -> dict:
 
 
 def shrink(model_type: str, sizes: Sizes, text_fields: dict | None = None) -> dict:
-    """Config kwargs (for AutoConfig.for_model) of a small model of `model_type`: the text model's size
-    fields (and `text_fields`, a family's own), under `text_config` for a multimodal config."""
+    """Config kwargs of a small `model_type`: the text model's size fields and `text_fields` (nested if multimodal)."""
     from transformers import AutoConfig
 
     return _nested(AutoConfig.for_model(model_type).to_dict(), sizes, text_fields or {})
@@ -137,8 +128,7 @@ def text_kwargs(present: dict, fields: dict) -> dict:
 
 
 def _nested(present: dict, sizes: Sizes, text_fields: dict) -> dict:
-    """A config dict shrunk: the text model's fields where it has them, every sub-config (a vision or
-    audio tower, a text config) shrunk too, and what joins a tower to the text at the text's width."""
+    """A config dict shrunk: the text model's fields, every sub-config (tower, text config), the joins at text width."""
     subs = {k: v for k, v in present.items() if isinstance(v, dict) and "model_type" in v}
     if not subs:
         return shrink_fields(present, sizes) | text_fields

@@ -6,7 +6,6 @@ from moestream.families.base import FAMILIES, FamilyAdapter
 
 @FAMILIES.register("zaya")
 class ZayaAdapter(FamilyAdapter):
-    model_type = "zaya"
     fixed_top_k = 1
 
     def init_values(self, name, shape, dtype):

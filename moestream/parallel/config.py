@@ -1,6 +1,5 @@
 """The settings of expert parallelism, declared once (the CLI's flags are generated from them). They
-take effect under torchrun (moestream.parallel.launch); one process ignores them. Imports no torch.
-"""
+take effect under torchrun (moestream.parallel.launch); one process ignores them. Imports no torch."""
 
 from __future__ import annotations
 

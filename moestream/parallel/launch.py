@@ -1,11 +1,9 @@
 """Expert parallelism from the command line: the ranks that torchrun started, each with its engine.
 
-`run_ranks(args)` joins the ranks. Rank 0 runs the command as one process would; its `open_engine`
-places the experts, sends every rank the checkpoint, the engine's settings and the placement, and
-leads each step (moestream.parallel.steps). The other ranks open their engine over the experts they
-own (`follow_ranks`) and follow until rank 0 closes; each rank's budgets are its own
-(moestream.parallel.plan). Rank 0 alone prints and writes. Knows no particular command.
-"""
+`run_ranks(args)` joins the ranks. Rank 0 runs the command as one process would; its `open_engine` places the
+experts, sends every rank the checkpoint, the settings and the placement, and leads each step (`steps.py`). The
+others open their engine over the experts they own (`follow_ranks`) and follow until rank 0 closes; each rank's
+budgets are its own (`plan.py`). Rank 0 alone prints and writes. Knows no command."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ from moestream.parallel.placement import Placement
 from moestream.parallel.plan import placement_of, plan_lines, rank_config
 from moestream.parallel.ranks import RankContext, RankFailure, join_ranks, leave_ranks
 from moestream.parallel.shard import ExpertShard
-from moestream.parallel.steps import Leader, follow
+from moestream.parallel.steps import Leader, broadcast, follow
 from moestream.settings import from_args
 
 
@@ -75,7 +73,7 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
         placement.save(parallel.expert_parallel_plan)
     if on_plan is not None:
         on_plan(plan_lines(placement, topology, stats))
-    _send(ranks, Hello(str(Path(model)), config, placement))
+    broadcast(ranks, Hello(str(Path(model)), config, placement), "the start of the run", ranks.control)
     shard = ExpertShard(placement, ranks)
     leader = Leader(shard)
     engine = _opened(ranks, lambda: Engine(model, rank_config(config, placement, 0, topology, ranks.device), shard=shard,
@@ -96,12 +94,11 @@ def leading_engine(model, config: EngineConfig, parallel: ParallelConfig, ranks:
 
 
 def follow_ranks(ranks: RankContext, observers=()) -> int:
-    """A follower: opens its engine from rank 0's hello (observers: beside its policy's) and runs rank 0's
-    steps until it closes."""
+    """A follower: opens its engine from rank 0's hello (observers: beside its policy's), runs rank 0's steps."""
     from moestream.checkpoint.index import build_index
     from moestream.runtime import Engine
 
-    hello = _send(ranks, None)
+    hello = broadcast(ranks, None, "the start of the run", ranks.control)
     shard = ExpertShard(hello.placement, ranks)
     with _opened(ranks, lambda: Engine(hello.model, rank_config(hello.config, hello.placement, ranks.rank,
                                                                 build_index(hello.model).topology, ranks.device),
@@ -118,13 +115,6 @@ def expert_parallel_report(engine) -> dict | None:
     shard = engine.steps.shard
     return {"world_size": len(stats), "placement": shard.placement.name, "backend": dist.get_backend(shard.ranks.steps),
             "ranks": [dataclasses.asdict(s) | {"hit_rate": s.hits / max(s.hits + s.misses, 1)} for s in stats]}
-
-
-def _send(ranks: RankContext, hello: Hello | None) -> Hello:
-    box = [hello]
-    with ranks.collective("the start of the run"):
-        dist.broadcast_object_list(box, src=0, group=ranks.control)
-    return box[0]
 
 
 def _opened(ranks: RankContext, build: Callable):

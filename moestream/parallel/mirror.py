@@ -1,11 +1,9 @@
 """A follower rank's copies of the KV caches that rank 0's batching rule holds.
 
-Rank 0 numbers each batch cache on its first step (`StepMessage.cache_id`); a follower keeps the cache
-of each number with its sequences. A known number runs over its cache; a new prefill starts an empty one;
-a new decode batch is merged from its sequences' own caches, each cut out of the cache that held it when
-first needed (the same tensors as rank 0's earlier cut: a cache is not written between its last step and
-its cut). A cache whose sequences have all ended is dropped. Knows no scheduler, rule or model.
-"""
+Rank 0 numbers each batch cache on its first step (`StepMessage.cache_id`); a follower keeps each number's cache
+with its sequences. A new prefill starts an empty one; a new decode batch is merged from its sequences' own caches,
+each cut out of the cache that held it (the same tensors as rank 0's cut: a cache is not written between its last
+step and its cut); a cache whose sequences all ended is dropped. Knows no scheduler, rule or model."""
 
 from __future__ import annotations
 
@@ -47,16 +45,10 @@ class CacheMirror:
         if message.is_prefill:
             return BatchCache(kv.empty_cache() if message.empty_kv else None)
         for seq_id in seq_ids:
-            if seq_id not in self.own:
-                self._cut(seq_id)
+            if seq_id not in self.own:  # cut the cache holding it into its live sequences' own caches
+                held = self.held.pop(next(n for n, h in self.held.items() if seq_id in h.seq_ids))
+                for row_id, cut in zip(held.seq_ids, kv.split(held.cache.kv, held.cache.mask.sum(-1).tolist())):
+                    if row_id in held.alive:
+                        self.own[row_id] = cut
         cache, mask = kv.merge([self.own.pop(seq_id) for seq_id in seq_ids])
         return BatchCache(cache, mask.to(self.device))
-
-    def _cut(self, seq_id: int) -> None:
-        """Cuts the cache holding the sequence into its live sequences' own caches."""
-        number = next(n for n, h in self.held.items() if seq_id in h.seq_ids)
-        held = self.held.pop(number)
-        lengths = held.cache.mask.sum(-1).tolist()
-        for row_id, cut in zip(held.seq_ids, kv.split(held.cache.kv, lengths)):
-            if row_id in held.alive:
-                self.own[row_id] = cut

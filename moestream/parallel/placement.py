@@ -1,10 +1,6 @@
-"""Expert placement: which rank owns each routed expert of each MoE layer.
-
-A placement is computed once from a Topology, the number of ranks and, for the placements that
-use them, a routing trace's activation statistics; it is a plain dataclass that is saved and loaded
-as JSON. Every expert is owned by exactly one rank. This module must not know how ranks talk, how
-experts are loaded or timed, nor import torch.
-"""
+"""Expert placement: which rank owns each routed expert of each MoE layer, computed once from a Topology,
+the number of ranks and, for some, a routing trace's activation statistics; saved and loaded as JSON. Must
+not know how ranks talk, how experts are loaded or timed, nor import torch."""
 
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ class Placement:
                 for expert, owner in enumerate(row)}
 
     def fits(self, topology: Topology) -> bool:
-        return len(self.owners) == topology.num_layers and all(
-            len(row) == topology.num_experts for row in self.owners)
+        return len(self.owners) == topology.num_layers and all(len(row) == topology.num_experts for row in self.owners)
 
     def rank_loads(self, counts: np.ndarray) -> np.ndarray:
         """Expected routed rows per rank and layer, [L, R], from activation counts [L, E]."""
@@ -127,10 +122,9 @@ class RoundRobin(Placer):
 
 @PLACEMENTS.register("balanced")
 class Balanced(Placer):
-    """Per layer, experts in decreasing activation count go greedily to the rank whose expected load
-    plus co-activation with the experts it already holds is least, at most ceil(E / R) experts per
-    rank, so every rank holds the same bytes within one expert and co-activated experts are spread.
-    Ties go to the lowest rank, so the result is deterministic."""
+    """Per layer, experts in decreasing activation count go greedily to the rank whose expected load plus
+    co-activation with the experts it holds is least, at most ceil(E / R) experts per rank (the same bytes within
+    one expert); ties to the lowest rank."""
 
     needs_stats = True
 

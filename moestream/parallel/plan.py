@@ -1,11 +1,6 @@
-"""A run's expert placement from its settings, what each rank owns, and each rank's own budgets.
-
-`placement_of` makes the placement that the settings name (reading the routing trace of one that
-needs activation counts); `plan_lines` says what each rank owns (printed by rank 0 and by `moestream
-plan`); `rank_config` gives a rank its settings: a budget ratio is of the bytes of the experts it owns,
-so that N ranks at 0.25 hold together what one process at 0.25 holds, and a size is its own memory.
-Imports no torch.distributed; knows no engine.
-"""
+"""A run's expert placement from its settings, what each rank owns, and each rank's own budgets: a budget
+ratio is of the bytes of the experts the rank owns (N ranks at 0.25 hold together what one process at 0.25
+holds), a size is its own memory. Imports no torch.distributed; knows no engine."""
 
 from __future__ import annotations
 

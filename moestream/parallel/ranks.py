@@ -1,14 +1,6 @@
 """The ranks of one run: this process's place among those that `torchrun` started, and the three process
-groups every collective of expert parallelism goes through.
-
-`join_ranks` reads torchrun's environment and joins the ranks however far apart they start (on a loaded
-machine one may reach the rendezvous many seconds after another), then opens a group (NCCL where each
-rank has a GPU of its own, else gloo) for each layer's combine and a gloo group for rank 0's step
-announcements, both timing out after the transfer timeout, and a gloo group for what may wait as long as
-it takes. A failed
-collective becomes one `RankFailure` naming this rank and what it waited for. The state lives in the
-`RankContext` handed around; this module knows no engine, placement or model.
-"""
+groups every collective of expert parallelism goes through (see `join_ranks`). A failed collective becomes
+one `RankFailure` naming this rank and what it waited for. Knows no engine, placement or model."""
 
 from __future__ import annotations
 
@@ -68,14 +60,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_all(ranks: RankContext, what: str) -> None:
-    """Waits until every rank is here, without the transfer timeout (the control group)."""
-    import torch.distributed as dist
-
-    with ranks.collective(what):
-        dist.barrier(group=ranks.control)
-
-
 def rank_device(device: str) -> str:
     """A CUDA device per local rank (cuda: LOCAL_RANK modulo the devices), else the device as given."""
     import torch
@@ -87,9 +71,8 @@ def rank_device(device: str) -> str:
 
 
 def step_backend(device: str) -> str:
-    """NCCL where each rank of this node has a GPU of its own; gloo on CPUs, and where ranks share a GPU
-    (NCCL refuses two ranks of one communicator on one device; gloo's all-reduce of CUDA tensors goes
-    through host memory)."""
+    """NCCL where each rank of this node has a GPU of its own; gloo on CPUs, and where ranks share a GPU (NCCL refuses
+    two ranks of one communicator on one device; gloo's all-reduce of CUDA tensors goes through host memory)."""
     import torch
 
     if not device.startswith("cuda"):
@@ -98,7 +81,9 @@ def step_backend(device: str) -> str:
 
 
 def join_ranks(device: str, timeout_s: float) -> RankContext:
-    """Joins the process group that torchrun set up (see the module doc)."""
+    """Joins the ranks however far apart they start (on a loaded machine, many seconds), then opens a group for
+    each layer's combine (NCCL where each rank has a GPU of its own, else gloo) and a gloo group for rank 0's
+    announcements, both with the transfer timeout, and a gloo group for what may wait as long as it takes."""
     import torch
     import torch.distributed as dist
 

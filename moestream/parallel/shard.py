@@ -1,12 +1,9 @@
 """One rank's experts and the combine of a MoE layer's routed rows across ranks.
 
-Every rank routes the same tokens alike; the owner of an expert computes its (token, k) rows exactly
-as one process does into their places of a [S = T * K, H] buffer, other rows zero, and `combine` is an
-all-reduce SUM. It is exact: each row is nonzero on one rank, and x + 0 == x in IEEE arithmetic (NaN
-and infinities too; only -0 + 0 = +0, which the sum over k and the residual add make alike) in any
-order of addition, so each row holds the owner's bits, and the rows' sum over k in the engine's fixed
-order equals one process's bit for bit. This module knows no store, policy or scheduler.
-"""
+Every rank routes the same tokens alike; an expert's owner computes its (token, k) rows into their places of a
+[S = T * K, H] buffer, other rows zero, and `combine` is an all-reduce SUM, exact: each row is nonzero on one rank
+and x + 0 == x in any order (-0 + 0 = +0 aside, which the sum over k and the residual add make alike).
+Knows no store, policy or scheduler."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ class ExpertShard:
     """The experts one rank owns under a placement, and the layer combine (timed)."""
 
     def __init__(self, placement: Placement, ranks: RankContext):
-        self.ranks = ranks
-        self.placement = placement
+        self.ranks, self.placement = ranks, placement
         self.owned = np.asarray(placement.owners) == ranks.rank  # [L, E] bool
         self.combine_s = 0.0  # time in `combine`, this rank
 

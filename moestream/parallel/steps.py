@@ -1,13 +1,9 @@
 """One step across ranks: rank 0 schedules and announces each forward pass; the others run it too.
 
-Before every forward pass, rank 0's `Leader` (the engine's `StepAnnouncer`) broadcasts a `StepMessage`
-(each row's sequence and its new tokens, the sequences ended, whether the cache is new) on the
-announcement group, which times out after the transfer timeout; an idle rank 0 sends a heartbeat every
-quarter of it, which every rank answers, so a hung or dead rank is noticed by the others. The other ranks
-`follow`: they mirror the sequences, run the same pass over their copy of the batch's KV cache
-(`CacheMirror`) and join each MoE layer's combine, until `Leader.close`. Statistics of every rank are
-gathered on request. The followers know no batching rule, request or sampler: rank 0 alone chooses tokens.
-"""
+Before every forward pass, rank 0's `Leader` (the engine's `StepAnnouncer`) broadcasts a `StepMessage`; an idle
+rank 0 sends a heartbeat every quarter of the transfer timeout, which every rank answers, so a hung or dead rank is
+noticed. The others `follow`: they run the same pass over their copy of the batch's KV cache (`CacheMirror`) and
+join each MoE layer's combine, until `Leader.close`. Rank 0 alone chooses tokens: followers know no batching rule."""
 
 from __future__ import annotations
 
@@ -58,10 +54,11 @@ class RankStats:
     owned_experts: int
 
 
-def _broadcast(ranks: RankContext, message: StepMessage | None, what: str) -> StepMessage:
+def broadcast(ranks: RankContext, message, what: str, group=None):
+    """Rank 0's message on every rank (the others pass None), over `group` (default: the announcement group)."""
     box = [message]
     with ranks.collective(what):
-        dist.broadcast_object_list(box, src=0, group=ranks.announce)
+        dist.broadcast_object_list(box, src=0, group=ranks.announce if group is None else group)
     return box[0]
 
 
@@ -131,7 +128,7 @@ class Leader:
         """Broadcasts a message of this kind, with the sequences ended and the statistics reset since the last."""
         message = StepMessage(kind, self._ended, self._reset, **fields)
         self._ended, self._reset = [], False
-        _broadcast(self.shard.ranks, message, what)
+        broadcast(self.shard.ranks, message, what)
         self._last_sent = time.monotonic()
 
     def _update(self, seq: Sequence) -> SeqUpdate:
@@ -161,7 +158,7 @@ def follow(engine, shard: ExpertShard) -> None:
     handlers = {STATS: lambda message: _gather(engine, shard),
                 HEARTBEAT: lambda message: _answer_heartbeat(shard.ranks),
                 STEP: lambda message: _step(engine, message, [_mirrored(seqs, u) for u in message.seqs], mirror)}
-    while (message := _broadcast(shard.ranks, None, "the wait for rank 0's next step")).kind != STOP:
+    while (message := broadcast(shard.ranks, None, "the wait for rank 0's next step")).kind != STOP:
         for seq_id in message.ended:
             engine.end_sequence(seq_id)
             seqs.pop(seq_id, None)

@@ -1,11 +1,8 @@
-"""Policies: predictors, eviction policies and planners, registered by name.
-
-What every policy implements, and the registries, are `moestream.contracts` (re-exported here). The
-tree shows the architecture: `driver` (the one place that calls a policy, in order), building blocks
-(`eviction`, `planning`, `scored_eviction`, `routing_stats`, `trained`), and one package per kind of
-policy: `baselines`, `bounds` (offline), `designs` (published designs) and `default` (moestream's own).
-Importing this package imports every module and package in it, so each registers its classes;
-none of them imports torch (training code imports it when it runs).
+"""Policies: predictors, eviction policies and planners, registered by name (the contract and registries:
+`moestream.contracts`, re-exported here). `driver` is the one place that calls a policy; building blocks
+are `eviction`, `planning`, `routing_stats` and `trained`; one package per kind of policy: `baselines`,
+`bounds` (offline), `designs` (published) and `default` (moestream's own). Importing this package imports
+every module in it, so each registers its classes; none imports torch (training imports it when it runs).
 """
 
 import sys

@@ -1,19 +1,17 @@
-"""Where a device-tier miss computes: on the device once its bytes have crossed the link (as always), or
-on the host, from the host slot that already holds it or from a host buffer its disk read lands in, its
-rows sent down and its result sent back. A rule (`COMPUTE_RULES`, by name) decides per layer step from a
-cost model (`ComputeCosts`); the engine and the simulator carry the choice out and know no rule.
+"""Where a device-tier miss computes: on the device once its bytes have crossed the link, or on the host
+(from its host slot, or a host buffer its disk read lands in), its rows sent down and its result back. A
+rule (`COMPUTE_RULES`) decides per layer step from a cost model (`ComputeCosts`); the engine and the
+simulator carry the choice out and know no rule.
 
-- `off`: every miss computes on the device (moestream's behaviour before this choice existed);
-- `share:F`: a fixed share F of the misses computes on the host, the ones with the fewest rows first
-  (as llama.cpp's `--moe-cache-cpu-share`);
-- `default`: the placement that minimises the layer's finish time under the cost model: the device
-  computes its hits while the link brings its misses, then those; the host computes its misses beside
-  it. Misses go to the host, cheapest first, while that lowers the finish time.
+- `off`: every miss computes on the device;
+- `share:F`: a share F of the misses computes on the host, fewest rows first (llama.cpp's
+  `--moe-cache-cpu-share`);
+- `default`: misses go to the host, cheapest first, while that lowers the layer's modelled finish time
+  (the device computes its hits while the link brings its misses, then those; the host beside it).
 
-The candidates (`layer_candidates`, the engine's and the simulator's alike) are the misses in the host
-tier, then up to DISK_CANDIDATES misses that are only on disk: computed on the host, such a miss is read
-into a buffer of host compute's own and never copied up (its read is the same on either path, so the
-rules weigh the copy it saves). Knows no store, engine, clock or torch.
+The candidates (`layer_candidates`) are the misses in the host tier, then up to DISK_CANDIDATES only on
+disk (read into a host compute buffer, never copied up: the rules weigh the copy it saves). Knows no store,
+engine, clock or torch.
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ class ComputeCosts:
         return self.expert_bytes / self.link_bytes_per_ms
 
     def host_ms(self, rows: int) -> float:
-        """One expert's MLP on the host, its rows there and back: streaming its weights, then each row's
-        arithmetic (a sum, not the roofline's max: a CPU's MLP at 24 rows costs 1.7x its one-row time, not
-        1x, docs/measurements/host-compute.md), plus the rows over the link both ways."""
+        """One expert's MLP on the host, plus its rows over the link both ways: streaming its weights, then
+        each row's arithmetic (a sum, not the roofline's max: docs/measurements/host-compute.md)."""
         work = self.expert_bytes / self.host_bytes_per_ms + 2.0 * rows * self.expert_params / self.host_flops_per_ms
         return work + 2.0 * rows * self.row_bytes / self.link_bytes_per_ms
 
@@ -67,8 +64,7 @@ class Candidate:
 
 def layer_candidates(misses: Sequence[ExpertKey], rows: Callable[[ExpertKey], int],
                      in_host: Callable[[ExpertKey], bool]) -> list[Candidate]:
-    """A layer step's candidates, in the misses' order: those in the host tier and the first DISK_CANDIDATES
-    of the others."""
+    """A layer step's candidates, in order: those in the host tier and the first DISK_CANDIDATES others."""
     on_disk = [key for key in misses if not in_host(key)][:DISK_CANDIDATES]
     return [Candidate(key, rows(key), key in on_disk) for key in misses if in_host(key) or key in on_disk]
 
@@ -80,8 +76,7 @@ class ComputeRule:
 
     def place(self, candidates: Sequence[Candidate], hit_rows: Sequence[int], other_misses: int,
               costs: ComputeCosts) -> frozenset[ExpertKey]:
-        """candidates: misses in the host tier; hit_rows: the rows of each device-tier hit; other_misses:
-        misses that must cross the link anyway (from disk). -> the candidates to compute on the host."""
+        """The candidates to compute on the host (hit_rows: each device hit's; other_misses: to cross anyway)."""
         raise NotImplementedError
 
 
@@ -127,9 +122,8 @@ class FinishTime(ComputeRule):
 
 def finish_ms(device: Sequence[Candidate], host: Sequence[Candidate], hit_rows: Sequence[int], other_misses: int,
               costs: ComputeCosts) -> float:
-    """The layer's finish under the cost model: the device computes its hits, then each miss once its copy
-    has landed (copies one after another, behind the copies of the misses from disk, whose disk reads and
-    compute are left out: they are the same whatever the placement); the host computes its own."""
+    """The layer's modelled finish: the device computes its hits, then each miss once its copy has landed
+    (behind the other misses' copies; what every placement shares is left out); the host computes its own."""
     clock = sum(costs.device_ms(rows) for rows in hit_rows)
     landed = other_misses * costs.copy_ms()
     for candidate in device:

@@ -1,12 +1,9 @@
 """The one place that calls a policy, in the order `moestream.contracts` gives, and times it.
 
-Every consumer goes through a `PolicyDriver`: the simulator, predict-eval, the benchmark and the real
-engine (whose publisher fans its events out through it, and whose prefetcher asks it per layer).
-`run_iteration` walks a replayed `Iteration` and calls a `LayerMechanism` at the two points where the
-mechanism acts; the engine, driven by the model's forward pass, calls the same steps one by one. Every
-call into the policy is a span of the tracer's lane "policy" (the engine's `decide` is one span;
-`TimedEviction` does the same for a cache's eviction hooks), so every policy is measured the same way.
-This module knows the contract, not any policy, cache, link or clock of the mechanism.
+Every consumer (simulator, predict-eval, benchmark, engine) goes through a `PolicyDriver`. `run_iteration`
+walks a replayed `Iteration`, calling a `LayerMechanism` where the mechanism acts; the engine calls the
+same steps one by one. Every call into the policy is a span of the tracer's lane "policy" (`TimedEviction`
+does the same for a cache's eviction hooks). Knows the contract, not any policy, cache, link or clock.
 """
 
 from __future__ import annotations
@@ -14,14 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Protocol, Sequence
 
 from moestream.config import EngineConfig
-from moestream.contracts import (
-    CacheView,
-    EvictionPolicy,
-    Observer,
-    Policy,
-    Prediction,
-    TransferRequest,
-)
+from moestream.contracts import CacheView, EvictionPolicy, Observer, Policy, Prediction, TransferRequest
 from moestream.events import IterationContext, RoutingEvent
 from moestream.settings import default_of
 from moestream.topology import ExpertKey
@@ -79,8 +69,8 @@ class PolicyDriver:
             return self.policy.planner.plan(predictions, view)
 
     def decide(self, layer_now: int, view: Callable[[int], CacheView]) -> list[TransferRequest]:
-        """The engine's per-layer entry point, one span: predict(layer_now), then the planner's requests
-        against view(layer_now), the tier as it is then (nothing predicted: no request, no view built)."""
+        """The engine's per-layer entry point, one span: predict, then plan against view(layer_now) (built
+        only if something was predicted)."""
         requests: list[TransferRequest] = []
         with self.tracer.span("policy", lambda: f"after layer {layer_now}: {len(requests)} requests"):
             predictions = self.policy.predictor.predict(layer_now, self.horizon_layers) if self.horizon_layers else []
@@ -105,8 +95,7 @@ class PolicyDriver:
 
 
 class TimedEviction(EvictionPolicy):
-    """Forwards the cache's hooks to an eviction policy and reports the time each takes to the tracer,
-    lane "policy"."""
+    """Forwards the cache's hooks to an eviction policy, timing each in the tracer's lane "policy"."""
 
     def __init__(self, inner: EvictionPolicy, tracer: Tracer):
         self.inner, self.tracer = inner, tracer

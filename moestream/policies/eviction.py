@@ -1,10 +1,14 @@
-"""Eviction policies that need nothing but the accesses they see."""
+"""Eviction policies that need nothing but the accesses they see, and the base of those that evict by a
+score. None knows the tier or what a score means."""
 
 from __future__ import annotations
 
 import heapq
+from abc import abstractmethod
 from collections import Counter, OrderedDict
 from typing import Any, Sequence
+
+import numpy as np
 
 from moestream.contracts import EVICTIONS, EvictionPolicy
 from moestream.events import IterationContext, RoutingEvent
@@ -40,8 +44,7 @@ class LRUPolicy(EvictionPolicy):
 
 
 class NarrowingEviction(EvictionPolicy):
-    """Passes every hook to an inner policy; a subclass changes one decision (e.g. narrows the candidates the
-    inner one chooses from, or which policy chooses)."""
+    """Passes every hook to an inner policy; a subclass changes one decision (e.g. narrows the candidates)."""
 
     def __init__(self, inner: EvictionPolicy):
         self.inner = inner
@@ -104,10 +107,7 @@ class PriorityIndex:
 
 @EVICTIONS.register("lfu")
 class LFUPolicy(EvictionPolicy):
-    """Evicts the expert accessed least often over the whole run; ties go to the least recent.
-
-    A PriorityIndex of (count, last touch) keeps a victim O(log n).
-    """
+    """Evicts the expert accessed least often over the run, ties to the least recent (a victim: O(log n))."""
 
     def __init__(self):
         self._counts: Counter[ExpertKey] = Counter()
@@ -133,3 +133,90 @@ class LFUPolicy(EvictionPolicy):
     def _touch(self, key: ExpertKey) -> None:
         self._clock += 1
         self._index.set(key, (self._counts[key], self._clock))
+
+
+class ScoredEviction(EvictionPolicy):
+    """Evicts the lowest score, ties to the least recently used (MoE-Infinity, fMoE subclass it). The [L, E]
+    scores are computed once per change of their inputs, the residents then heaped as (score, recency stamp,
+    row); a victim is the first entry still current and allowed; stale entries are dropped when met."""
+
+    def __init__(self):
+        self._index: dict[ExpertKey, int] = {}  # resident key -> row of the arrays below
+        self._keys: list[ExpertKey | None] = []  # row -> key (None: a free row)
+        self._rows = np.zeros((0, 3), dtype=np.int64)  # [R, (layer, expert, stamp)]; stamp -1: free
+        self._free: list[int] = []
+        self._clock = 0
+        self._inputs: tuple = ()  # score_inputs() when the scores were computed
+        self._scores: np.ndarray | None = None  # [L, E]
+        self._heap: list[tuple[float, int, int]] | None = None  # (score, stamp, row), lazily pruned
+
+    @abstractmethod
+    def score_matrix(self) -> np.ndarray:
+        """[L, E] retention score of every expert now; the lowest resident one goes first."""
+
+    @abstractmethod
+    def score_inputs(self) -> tuple:
+        """The objects score_matrix() reads, compared by identity: a subclass replaces them, never mutates."""
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self._touch(key)
+
+    def on_access(self, key: ExpertKey) -> None:
+        self._touch(key)
+
+    def on_remove(self, key: ExpertKey) -> None:
+        row = self._index.pop(key, None)
+        if row is not None:
+            self._keys[row] = None
+            self._rows[row, 2] = -1
+            self._free.append(row)
+
+    def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
+        heap, rows, passed, found = self._current_heap(), self._rows, [], None
+        while heap:
+            score, stamp, row = heap[0]
+            if rows[row, 2] != stamp:  # touched again or removed since this entry
+                heapq.heappop(heap)
+            elif self._keys[row] in candidates:
+                found = self._keys[row]
+                break
+            else:  # pinned or protected now: it stays for later victims
+                passed.append(heapq.heappop(heap))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return candidates[0] if found is None else found  # None: only keys this policy never saw
+
+    def _current_heap(self) -> list[tuple[float, int, int]]:
+        inputs = self.score_inputs()
+        stale = len(inputs) != len(self._inputs) or any(a is not b for a, b in zip(inputs, self._inputs))
+        if stale or self._heap is None:
+            if stale or self._scores is None:
+                self._scores, self._inputs = self.score_matrix(), inputs
+            live = np.flatnonzero(self._rows[:, 2] >= 0)  # [n] rows of resident keys
+            layers, experts, stamps = self._rows[live].T
+            self._heap = list(zip(self._scores[layers, experts].tolist(), stamps.tolist(), live.tolist()))
+            heapq.heapify(self._heap)
+        return self._heap
+
+    def _touch(self, key: ExpertKey) -> None:
+        self._clock += 1
+        row = self._index.get(key)
+        if row is None:
+            row = self._new_row()
+            self._index[key] = row
+            self._keys[row] = key
+            self._rows[row, :2] = key
+        self._rows[row, 2] = self._clock
+        if self._heap is not None and len(self._heap) > 4 * max(len(self._index), 16):
+            self._heap = None  # mostly stale entries (a run of hits): rebuilt at the next victim
+        elif self._heap is not None:
+            heapq.heappush(self._heap, (float(self._scores[key]), self._clock, row))
+
+    def _new_row(self) -> int:
+        if self._free:
+            return self._free.pop()
+        grown = max(64, 2 * len(self._rows))
+        self._free = list(range(grown - 1, len(self._rows) - 1, -1))
+        self._keys += [None] * (grown - len(self._rows))
+        self._rows = np.vstack([self._rows, np.full((grown - len(self._rows), 3), -1, dtype=np.int64)])
+        return self._free.pop()

@@ -15,8 +15,8 @@ Priority = Callable[[float, int, int], Any]  # (score, layer, layers ahead) -> p
 
 def ranked(predictions: Sequence[Prediction], view: CacheView, priority: Priority,
            min_score: float = 0.0) -> list[Candidate]:
-    """The predicted experts scoring above min_score, neither resident nor in flight, each at its best
-    priority; the highest first, then by key; at most view.capacity."""
+    """Predicted experts above min_score, not resident or in flight, at their best priority, highest first
+    (then by key), at most view.capacity."""
     best: dict[tuple, tuple] = {}
     resident, in_flight, layer_now, num_layers = view.resident, view.in_flight, view.layer_now, view.num_layers
     for layer, expert, score, tokens_ahead in predictions:
@@ -33,11 +33,8 @@ def ranked(predictions: Sequence[Prediction], view: CacheView, priority: Priorit
 
 @PLANNERS.register("score")
 class ScorePlanner(PrefetchPlanner):
-    """Requests predicted experts that are not resident, by score discounted with distance.
-
-    priority = scale x score / layers_ahead; at most `capacity` requests, none with a score at or
-    below min_score; equal priorities go by key.
-    """
+    """Requests predicted experts not resident: priority = scale x score / layers_ahead, at most `capacity`,
+    none scoring at or below min_score; equal priorities go by key."""
 
     def __init__(self, min_score: float = 0.0, scale: float = 1.0):
         self.min_score, self.scale = min_score, scale
@@ -67,22 +64,17 @@ VictimWaits = Callable[[int, int], list[float]]  # (capacity, count) -> the wait
 
 
 class BandwidthAwarePlanner(IdleAwarePlanner):
-    """IdleAwarePlanner where the view has no link; where it has one (`CacheView.link`), every predicted
-    expert by score / layers ahead, keeping only the reads the link can afford, in that order:
+    """IdleAwarePlanner where the view has no link; with one (`CacheView.link`), every predicted expert by
+    score / layers ahead, keeping only the reads the link can afford, in that order:
 
-    - each read starts when the link has moved its backlog and the reads kept before it; one that would
-      start after the next layer needs its experts is left to the next plan (which replaces this one);
-    - what it saves, if its expert is needed (probability: the score), is the wait of a demand read
-      started when its layer needs it, less what is left of this read then: one read if it lands in
-      time, else (need - start); a read that lands late still shortens the wait it would otherwise cause;
-    - one that runs past the next layer's start delays that layer's demand loads, if it has any (their
-      probability: 1 - exp(-expected misses), from the predictions of that layer); a read for that layer
-      delays them only where its own expert is not needed (1 - score), and then only the others (their
-      expected misses less its score). It is kept only if what it saves (score x the wait above) exceeds
-      that expected delay;
-    - with `victim_waits` (the eviction's expected waits, in the same units as `wait(key)`), one whose
-      own expected wait is longer than its victim's is dropped: evicting the victim would cost a read to
-      bring it back before the prefetch is used, if ever.
+    - each read starts once the link's backlog and the reads kept before it are done; one that would start
+      after the next layer needs its experts is left to the next plan;
+    - if needed (probability: the score) it saves min(one read, need - start) of a demand read's wait;
+    - one running past the next layer's start may delay that layer's demand loads (probability
+      1 - exp(-expected misses); for a read of that layer, only where its own expert is not needed): it is
+      kept only if what it saves exceeds that expected delay;
+    - with `victim_waits` (the eviction's, in `wait(key)`'s units), one whose own expected wait is longer
+      than its victim's is dropped: the victim would be read back before the prefetch is used.
     No threshold is tuned: the score is the predictor's probability, the rest are the link's figures.
     """
 
@@ -120,17 +112,15 @@ class BandwidthAwarePlanner(IdleAwarePlanner):
 
 def holds_up(score: float, ahead: int, misses: float) -> float:
     """The chance that a read running past the next layer's start holds up that layer's demand loads
-    (misses: their expected number): that they exist; for a read of that layer, that its own expert is
-    not needed (needed, it is one of them) and the others exist."""
+    (misses: their expected number); for a read of that layer, only if its own expert is not needed."""
     if ahead == 1:
         return (1.0 - score) * (1.0 - math.exp(-max(0.0, misses - score)))
     return 1.0 - math.exp(-misses)
 
 
 def expected_misses(predictions: Sequence[Prediction], view: CacheView) -> float:
-    """Expected demand loads of the layer after the routed one: its predicted experts neither resident nor
-    in flight, by probability, plus the probability mass its predictions leave out (experts predicted
-    nowhere are taken as missing)."""
+    """Expected demand loads of the next layer: its predicted experts neither resident nor in flight, by
+    probability, plus the probability mass its predictions leave out."""
     layer_now, num_layers = view.layer_now, view.num_layers
     missing = total = 0.0
     count = 0

@@ -1,8 +1,6 @@
-"""Routing statistics learned from a trace, shared by the predictive baselines.
-
-Layer popularity, layer-to-layer co-occurrence across a stream of (token, layer) positions, and
-per-token expert frequencies, each turned into calibrated scores: the probability that a token
-routes to an expert. Numpy only; no events, no policy logic.
+"""Routing statistics learned from a trace, shared by the predictive baselines: layer popularity,
+co-occurrence across a stream of (token, layer) positions and per-token expert frequencies, each turned
+into the probability that a token routes to an expert. Numpy only; no events, no policy logic.
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def fit_evidence_scale(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], max_steps: int = 25) -> float:
-    """The a minimising the log loss of sigmoid(prior + a * evidence) (convex in a), by Newton.
-
-    samples: (evidence [N, E], prior logit [E], routed [N, E] bool) per layer. Naive-Bayes sums of
-    correlated evidence are overconfident; a < 1 tempers them into calibrated probabilities.
-    """
+    """The a minimising the log loss of sigmoid(prior + a * evidence) (convex in a), by Newton; samples:
+    (evidence [N, E], prior logit [E], routed [N, E] bool) per layer. a < 1 tempers overconfident sums."""
     scale = 1.0
     for _ in range(max_steps):
         grad = hess = 0.0
@@ -86,12 +81,8 @@ class Evidence:
 
 
 class Cooccurrence:
-    """P(expert b at stream position g + lag | expert a at position g), by g's layer and lag.
-
-    Positions run through a sequence's tokens layer by layer, so lags past the last layer reach
-    the next token. Lags up to max_lag are counted directly; longer ones are chained through the
-    one-step tables. Several pieces of evidence combine as independent (naive Bayes) in log-odds.
-    """
+    """P(expert b at stream position g + lag | expert a at position g), by g's layer and lag: lags past the
+    last layer reach the next token; those past max_lag are chained. Evidence combines as naive Bayes."""
 
     def __init__(self, popularity: np.ndarray, tables: np.ndarray):
         self.popularity = popularity  # [L, E]
@@ -111,23 +102,16 @@ class Cooccurrence:
                 tables[layer, lag - 1] = _conditional(src, dst, popularity[(layer + lag) % num_layers])
         return cls(popularity, tables)
 
-    @property
-    def max_lag(self) -> int:
-        return self.tables.shape[1]
-
     def table(self, layer: int, lag: int) -> np.ndarray:
         """[E, E]: row a gives P(b at the target | a at `layer`), `lag` positions later."""
-        if lag <= self.max_lag:
+        max_lag = self.tables.shape[1]
+        if lag <= max_lag:
             return self.tables[layer, lag - 1]
         if (layer, lag) not in self._chained:
-            num_layers, k = self.popularity.shape[0], self._top_k
-            mid = (layer + self.max_lag) % num_layers
-            self._chained[layer, lag] = (self.tables[layer, -1] / k) @ self.table(mid, lag - self.max_lag)
+            num_layers, k = self.popularity.shape[0], float(self.popularity[0].sum())  # k: top_k
+            mid = (layer + max_lag) % num_layers
+            self._chained[layer, lag] = (self.tables[layer, -1] / k) @ self.table(mid, lag - max_lag)
         return self._chained[layer, lag]
-
-    @property
-    def _top_k(self) -> float:
-        return float(self.popularity[0].sum())
 
     def evidence(self, evidence: list[Evidence], target_layer: int, num_rows: int) -> np.ndarray:
         """[T, E]: summed log-odds evidence over the layer's popularity (0 for rows without any)."""
@@ -197,8 +181,7 @@ class TokenFrequencies:
         return np.fromiter((self.vocab.get(key, -1) for key in keys), dtype=np.int64, count=len(keys))
 
     def score(self, rows: np.ndarray, layer: int, exclude: np.ndarray | None = None) -> np.ndarray:
-        """[T, E] for vocabulary rows (-1: unseen, gets the popularity). exclude [T, K]: each row's
-        own experts, left out of its token's counts (leave-one-out scoring of training rows)."""
+        """[T, E] for vocabulary rows (-1: unseen: the popularity); exclude [T, K]: left out (leave-one-out)."""
         prior = self.popularity[layer]
         seen = rows >= 0
         scores = np.tile(prior, (len(rows), 1))

@@ -1,10 +1,8 @@
-"""Predictors trained offline, their saved form, and the policy base that trains, saves and loads them.
+"""Predictors trained offline, their saved form, and the policy base that trains, saves and loads them
+(the torch models live in moestream.predictors, imported lazily).
 
-The torch models themselves live in moestream.predictors and are imported lazily.
-
-A trained predictor directory holds `weights.safetensors` (the model's tensors) and
-`predictor.json` (its kind, topology, configuration and anything else needed to rebuild it, such as
-a vocabulary). Ablations of a design share its predictor kind, so they load the same directory.
+A trained predictor directory holds `weights.safetensors` and `predictor.json` (kind, topology, config and
+anything else needed to rebuild it). Ablations share their design's kind, so they load the same directory.
 """
 
 from __future__ import annotations
@@ -39,8 +37,8 @@ class PredictorFileError(MoestreamError):
 
 
 class TrainablePredictor(Predictor):
-    """A predictor with a model learned by fit() and kept as tensors plus JSON metadata; `model` is a torch
-    module here (a predictor with another kind of model overrides is_trained, tensors and the two ends)."""
+    """A predictor with a model learned by fit(), kept as tensors plus JSON metadata; `model` is a torch
+    module (another kind of model overrides is_trained, tensors and the tensor files' two ends)."""
 
     kind: ClassVar[str] = ""  # the saved model's kind; a directory loads only into the same kind
 
@@ -75,55 +73,12 @@ class TrainablePredictor(Predictor):
         ...
 
     def write_tensors(self, path: Path) -> None:
-        """Writes tensors() as safetensors."""
         from safetensors.torch import save_file
-
         save_file({name: t.detach().contiguous().cpu() for name, t in self.tensors().items()}, str(path))
 
     def read_tensors(self, path: Path) -> dict[str, "torch.Tensor"]:
         from safetensors.torch import load_file
-
         return load_file(path)
-
-
-def save_predictor(predictor: TrainablePredictor, directory: str | Path) -> Path:
-    """Writes the predictor's two files into directory (created if needed), each atomically."""
-    if not predictor.is_trained:
-        raise MoestreamError(f"the {predictor.kind} predictor is not trained yet; fit it before saving")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with atomic_path(directory / WEIGHTS_FILE) as path:
-        predictor.write_tensors(path)
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "kind": predictor.kind,
-        "topology": predictor.topology.to_dict(),
-        "train": predictor.train_config.to_dict(),
-        "losses": predictor.losses,
-    } | predictor.meta()
-    write_json(meta, directory / META_FILE)
-    return directory
-
-
-def load_predictor(predictor: TrainablePredictor, directory: str | Path) -> None:
-    """Restores a predictor saved by save_predictor, after checking it fits this predictor."""
-    from safetensors import SafetensorError
-
-    directory = Path(directory)
-    meta = read_meta(directory)
-    if meta.get("kind") != predictor.kind:
-        raise PredictorFileError(f"{directory} holds a {meta.get('kind')!r} predictor, not {predictor.kind!r}")
-    check_topology(meta.get("topology"), predictor.topology, directory)
-    try:
-        tensors = predictor.read_tensors(directory / WEIGHTS_FILE)
-    except (OSError, SafetensorError, ValueError, KeyError) as error:
-        raise PredictorFileError(f"cannot read {directory / WEIGHTS_FILE}: {error}") from error
-    try:
-        predictor.restore(tensors, meta)
-        predictor.train_config = TrainConfig(**meta.get("train", {}))
-    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # RuntimeError: tensors of other shapes
-        raise PredictorFileError(f"{directory} does not hold a usable {predictor.kind} predictor ({error})") from error
-    predictor.losses = list(meta.get("losses", []))
 
 
 def read_meta(directory: Path) -> dict:
@@ -148,17 +103,13 @@ def check_topology(saved_dict, wanted: Topology, directory: Path) -> None:
     if not saved.routes_like(wanted):
         shape = (saved.num_layers, saved.num_experts, saved.top_k)
         expected = (wanted.num_layers, wanted.num_experts, wanted.top_k)
-        raise PredictorFileError(
-            f"{directory} was trained for (layers, experts, top_k) = {shape}, this model has {expected}"
-        )
+        raise PredictorFileError(f"{directory} was trained for (layers, experts, top_k) = {shape}, "
+                                 f"this model has {expected}")
 
 
 class TrainedPolicy(Policy):
-    """A policy whose predictor is learned offline: fit() trains it, save()/load() keep it.
-
-    Built with predictor_dir=DIR, the policy loads a trained predictor and fit() leaves it as it
-    is; that is how the simulator and predict-eval use a directory from `moestream train-predictor`.
-    """
+    """A policy whose predictor is learned offline: fit() trains it, save()/load() keep it. Built with
+    predictor_dir=DIR, it loads a trained predictor (`moestream train-predictor`'s) and fit() keeps it."""
 
     config_class: ClassVar[type] = object  # the design's config dataclass
     predictor: TrainablePredictor
@@ -179,11 +130,38 @@ class TrainedPolicy(Policy):
         self.predictor.fit(trace)
 
     def save(self, directory: str | Path) -> Path:
-        return save_predictor(self.predictor, directory)
+        """Writes the predictor's two files into directory (created if needed), each atomically."""
+        predictor = self.predictor
+        if not predictor.is_trained:
+            raise MoestreamError(f"the {predictor.kind} predictor is not trained yet; fit it before saving")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_path(directory / WEIGHTS_FILE) as path:
+            predictor.write_tensors(path)
+        meta = {"format_version": FORMAT_VERSION, "kind": predictor.kind, "topology": predictor.topology.to_dict(),
+                "train": predictor.train_config.to_dict(), "losses": predictor.losses}
+        write_json(meta | predictor.meta(), directory / META_FILE)
+        return directory
 
     def load(self, directory: str | Path) -> None:
-        """Loads a saved predictor; its saved config becomes the policy's, planner included."""
-        load_predictor(self.predictor, directory)
+        """Loads a saved predictor after checking it fits; its saved config becomes the policy's, planner included."""
+        from safetensors import SafetensorError
+        predictor, directory = self.predictor, Path(directory)
+        meta = read_meta(directory)
+        if meta.get("kind") != predictor.kind:
+            raise PredictorFileError(f"{directory} holds a {meta.get('kind')!r} predictor, not {predictor.kind!r}")
+        check_topology(meta.get("topology"), predictor.topology, directory)
+        try:
+            tensors = predictor.read_tensors(directory / WEIGHTS_FILE)
+        except (OSError, SafetensorError, ValueError, KeyError) as error:
+            raise PredictorFileError(f"cannot read {directory / WEIGHTS_FILE}: {error}") from error
+        try:
+            predictor.restore(tensors, meta)
+            predictor.train_config = TrainConfig(**meta.get("train", {}))
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:  # RuntimeError: tensors of other shapes
+            error_text = f"{directory} does not hold a usable {predictor.kind} predictor ({error})"
+            raise PredictorFileError(error_text) from error
+        predictor.losses = list(meta.get("losses", []))
         self.config = self.loaded_config(self.predictor.config)
         self.planner = self.make_planner()
         self.pretrained = True
@@ -194,11 +172,7 @@ class TrainedPolicy(Policy):
 
 
 def load_matching(policy: Policy, directories: Sequence[str | Path]) -> Path | None:
-    """Loads into a trained policy the first directory that holds its predictor's kind.
-
-    Ablations share their design's kind, so one directory serves them all. Returns the directory
-    loaded, or None (an untrained policy, or no directory of its kind).
-    """
+    """Loads into a trained policy the first directory of its predictor's kind; returns it (None: none)."""
     directory = matching_directory(policy, directories)
     if directory is not None:
         policy.load(directory)

@@ -1,7 +1,5 @@
-"""Quantized experts: codecs by quantization method (`CODECS`, contract in `codec.py`).
-
-Importing this package imports every codec module in it, so that each registers itself.
-"""
+"""Quantized experts: codecs by quantization method (`CODECS`, contract in `codec.py`). Importing this package
+imports every codec module in it, so that each registers itself."""
 
 import sys
 

@@ -1,12 +1,10 @@
 """The contract of quantized experts: an `ExpertCodec` per quantization method, registered in `CODECS`
 under the method's name (`quantization_config.quant_method` of the checkpoint's config.json).
 
-A quantized expert stays in its on-disk format in every tier: its slot is the concatenation of the
-parts `disk_parts` names, viewed as typed tensors; right before an expert's MLP, `decode` writes the
-dense weights into scratch the caller allocated once (shapes from `dense_shapes`). Quantized dense
-tensors are grouped by `dense_groups` and decoded once at load (docs/design.md, "Quantized experts").
-This module knows no family, store, policy or runtime; codecs know their format and nothing else.
-"""
+A quantized expert stays in its on-disk format in every tier: its slot is the concatenation of the parts
+`disk_parts` names; right before an expert's MLP, `decode` writes the dense weights into scratch the caller
+allocated once (`dense_shapes`). Quantized dense tensors are decoded once at load (docs/design.md,
+"Quantized experts"). Codecs know their format only: no family, store, policy or runtime."""
 
 from __future__ import annotations
 
@@ -23,17 +21,15 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 class ExpertCodec(Protocol):
-    """One quantization method. Built with the checkpoint config's `quantization_config` (a dict);
-    raises CheckpointError from __init__ for a variant it does not support (naming it)."""
+    """One quantization method, built with the config's `quantization_config`; CheckpointError if unsupported."""
 
     registry_name: ClassVar[str]  # the method name it is registered under (set by CODECS.register)
 
     def __init__(self, quantization_config: Mapping[str, Any]) -> None: ...
 
     def disk_parts(self, parts: Sequence[ExpertPart]) -> tuple[ExpertPart, ...]:
-        """The family's dense parts -> the quantized on-disk parts of one expert, in slot order (a part
-        left unquantized is returned as it is). Each returned part's `disk` names its tensors with
-        {expert}, relative to the block prefix, as `ExpertPart` does."""
+        """The family's dense parts -> one expert's quantized on-disk parts, in slot order (an unquantized part as it
+        is), each part's `disk` naming its tensors with {expert}, relative to the block prefix, as `ExpertPart` does."""
 
     def dense_shapes(self, layout: Mapping[str, tuple[int, ...]]) -> Shapes:
         """Per-expert shapes of the quantized parts (by slot part name) -> per-expert shape of each dense
@@ -45,9 +41,8 @@ class ExpertCodec(Protocol):
         place, plus the parts left unquantized, as they are. Must not keep references to `parts`."""
 
     def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
-        """Quantized dense (non-expert) tensors among the checkpoint's dense disk names: dense disk name
-        it decodes to -> {role: disk name of each of its quantized tensors}. Names in no group load as
-        they are. Codecs whose checkpoints keep the dense part unquantized return {}."""
+        """Quantized dense tensors among the checkpoint's dense disk names: dense name it decodes to -> {role: disk name
+        of each quantized tensor}. Names in no group load as they are; unquantized dense parts: {}."""
 
     def decode_dense(self, tensors: Tensors, dtype: torch.dtype) -> torch.Tensor:
         """One group of `dense_groups` ({role: tensor}) -> the dense tensor in `dtype`."""
@@ -81,8 +76,7 @@ def quantization_config(config) -> dict | None:
 
 
 def codec_for(config) -> ExpertCodec | None:
-    """The codec of a checkpoint's config, None when it is not quantized; CheckpointError naming the method
-    and the supported ones when moestream cannot read it."""
+    """The codec of a checkpoint's config, None when unquantized; CheckpointError naming an unsupported method."""
     qconfig = quantization_config(config)
     if qconfig is None:
         return None

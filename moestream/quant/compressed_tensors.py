@@ -1,14 +1,10 @@
 """compressed-tensors' integer weight layouts (llm-compressor's output, vLLM's W4A16/W8A16 loader):
-
 - "pack-quantized": `weight_packed` int32 [O, I / (32 / b)] (b-bit values + 2**(b-1), first in the
   lowest bits), `weight_scale` [O, I / G] (G: group size; I for per channel), `weight_zero_point`
   when asymmetric (int32 [O / (32 / b), I / G] packed along O the same way), `weight_shape` [2];
-- "int-quantized": `weight` int8 [O, I], `weight_scale` [O, I / G], `weight_zero_point` when asymmetric
-  (int8 [O, I / G]).
-
-A weight is (q - zero_point) * scale, group by group along I. Activations stay in the compute dtype
-(W4A16, W8A16). Knows no family or runtime.
-"""
+- "int-quantized": `weight` int8 [O, I], `weight_scale` [O, I / G], `weight_zero_point` (int8 [O, I / G]).
+A weight is (q - zero_point) * scale, group by group along I; activations stay in the compute dtype.
+Knows no family or runtime."""
 
 from __future__ import annotations
 
@@ -51,7 +47,6 @@ class CompressedTensorsCodec(LinearCodec):
         self.format, weights = weights_scheme(quantization_config)
         self.bits = int(weights.get("num_bits", 4))
         self.symmetric = bool(weights.get("symmetric", True))
-        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # int4 lookup tables
         if self.format == PACKED:
             packing.per_word(self.bits)
         if weights.get("actorder") not in (None, False) and weights.get("actorder") != "weight":
@@ -77,25 +72,13 @@ class CompressedTensorsCodec(LinearCodec):
         zero = parts.get(f"{prefix}.zero")
         zeros = None if zero is None else self.zero_points(zero, rows)  # [O, I/G] signed
         if self.format == PACKED and self.bits == 4:
-            packing.scaled_nibbles(q, scale, zeros, target[:rows], self._table_of)
+            packing.scaled_nibbles(q, scale, zeros, target[:rows], packing.nibble_table)
             return rows
-        ints = self._ints(q)  # [O, I] signed
+        ints = q if self.format == INT else packing.unpack(q, self.bits, dim=1) - (1 << (self.bits - 1))  # [O, I]
         if zeros is not None:
             ints = ints - zeros.repeat_interleave(ints.shape[1] // zeros.shape[1], dim=1)
         packing.scaled(ints, scale, target[:rows])
         return rows
-
-    def _ints(self, q: torch.Tensor) -> torch.Tensor:
-        if self.format == INT:
-            return q
-        return packing.unpack(q, self.bits, dim=1) - (1 << (self.bits - 1))
-
-    def _table_of(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """nibble_table(dtype, device), built once per (dtype, device)."""
-        key = (dtype, device)
-        if key not in self._tables:
-            self._tables[key] = packing.nibble_table(*key)
-        return self._tables[key]
 
     def zero_points(self, zero: torch.Tensor, rows: int) -> torch.Tensor:
         """A linear's stored zero points -> [O, I / G] int32, signed (the format's offset taken off)."""

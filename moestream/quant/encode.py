@@ -1,15 +1,11 @@
 """Quantizing one dense linear weight [O, I] into symmetric integer layouts (what `moestream quantize`
 writes; `compressed_tensors.py` and `gptq.py` decode them): scale = absmax of each group of G inputs /
-((2**b - 1) / 2), in the weight's dtype; q = clamp(round(w / scale), -2**(b-1), 2**(b-1) - 1).
-
-Two layouts of the same integers and scales:
+((2**b - 1) / 2), in the weight's dtype; q = clamp(round(w / scale), -2**(b-1), 2**(b-1) - 1), laid out as
 - "compressed-tensors" (the default): int4 packed along I ("pack-quantized": weight_packed [O, I/8],
   weight_scale [O, I/G], weight_shape); int8 as it is ("int-quantized": weight, weight_scale);
-- "gptq" (GPTQ's checkpoint_format "gptq", desc_act false, sym): qweight [I/(32/b), O] packed along I,
-  scales [I/G, O], qzeros [I/G, O/(32/b)] (2**(b-1) - 1 each: GPTQ stores zero - 1), g_idx [I]. Its
-  words run along the outputs, as the `packed-cpu` kernel reads them (quant/packed_cpu.py).
-Knows no checkpoint, family or runtime.
-"""
+- "gptq" (checkpoint_format "gptq", desc_act false, sym): qweight [I/(32/b), O] packed along I, scales
+  [I/G, O], qzeros [I/G, O/(32/b)] (2**(b-1) - 1 each: GPTQ stores zero - 1), g_idx [I]; its words run
+  along the outputs, as the `packed-cpu` kernel reads them. Knows no checkpoint, family or runtime."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ LAYOUTS = ("compressed-tensors", "gptq")
 
 @dataclass(frozen=True)
 class IntScheme:
-    """A symmetric integer weight-only scheme: bits per weight, inputs per scale (None: per channel) and
-    the layout it is written in (LAYOUTS)."""
+    """A symmetric integer weight-only scheme: bits, inputs per scale (None: per channel), layout (LAYOUTS)."""
 
     bits: int
     group_size: int | None

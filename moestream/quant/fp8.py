@@ -3,18 +3,14 @@ transformers' finegrained FP8 integration reads them.
 
 A linear weight `X.weight` [R, C] is stored in float8_e4m3fn beside `X.weight_scale_inv` float32
 [ceil(R/bm), ceil(C/bn)], one scale per bm x bn block (`quantization_config.weight_block_size`, [128, 128];
-the last block of a row or column may be partial): W = float(q) * scale_inv of its block. Without
-weight_block_size the scale is one per tensor. Every linear layer of the decoder is FP8 (attention, dense
-MLPs, shared and routed experts); embeddings, norms, routers and the output head are not.
-
-`Fp8Codec` decodes one expert's weights into scratch (each source tensor into its rows of the fused weight:
-gate_proj then up_proj into gate_up_proj) and the dense FP8 weights once at load, with transformers'
-arithmetic (the product in float32, then cast), so weights equal transformers' dequantized model's bit for
-bit. `encode` is the inverse that writers use. Knows the format only: no family, store or runtime.
-"""
+the last block of a row or column may be partial), or one per tensor: W = float(q) * scale_inv of its block.
+`Fp8Codec` decodes experts into scratch and dense FP8 weights once at load, with transformers' arithmetic
+(the product in float32, then cast), bit for bit its dequantized model; `encode` is the inverse. Knows the
+format only: no family, store or runtime."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -35,14 +31,11 @@ DEFAULT_BLOCK = (128, 128)
 
 def scale_grid(shape: Sequence[int], block: Sequence[int] | None) -> tuple[int, ...]:
     """The shape of the scales of a weight of `shape` [R, C]: () per tensor, else [ceil(R/bm), ceil(C/bn)]."""
-    if block is None:
-        return ()
-    return tuple(math.ceil(size / step) for size, step in zip(shape, block))
+    return () if block is None else tuple(math.ceil(size / step) for size, step in zip(shape, block))
 
 
 def encode(weight: torch.Tensor, block: Sequence[int] | None = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [R, C] -> (float8_e4m3fn [R, C], float32 scale_inv of scale_grid): each block's largest
-    magnitude maps to 448."""
+    """weight [R, C] -> (float8_e4m3fn [R, C], float32 scale_inv): each block's largest magnitude maps to 448."""
     values = weight.float()
     amax = _block_reduce(values.abs(), block)  # [ceil(R/bm), ceil(C/bn)] or []
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
@@ -50,6 +43,7 @@ def encode(weight: torch.Tensor, block: Sequence[int] | None = DEFAULT_BLOCK) ->
     return quantized, scale_inv
 
 
+@functools.cache  # built once per device; read-only
 def value_table(device: torch.device | str = "cpu") -> torch.Tensor:
     """[256] float32: the value of every float8_e4m3fn byte."""
     return torch.arange(256, dtype=torch.uint8, device=device).view(FP8).float()
@@ -57,23 +51,18 @@ def value_table(device: torch.device | str = "cpu") -> torch.Tensor:
 
 def decode_into(weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor, block: Sequence[int] | None,
                 table: torch.Tensor | None = None) -> torch.Tensor:
-    """weight fp8 [R, C] and its scales -> out [R, C] (contiguous, its dtype), in place: the float32 product,
-    then cast, as transformers' dequantization. `table`: value_table() on the weight's device (a 1-D gather is
-    several times faster than converting float8 on the CPU)."""
+    """weight fp8 [R, C] and its scales -> out [R, C] (contiguous), in place: the float32 product, then cast, as
+    transformers'. `table`: value_table() on the weight's device (a gather beats converting float8 on the CPU)."""
     table = value_table(weight.device) if table is None else table
     work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
     torch.index_select(table, 0, weight.view(torch.uint8).reshape(-1).int(), out=work.view(-1))  # [R * C]
-    _scale_blocks(work, as_scale(scale_inv), block)
-    return work if work is out else out.copy_(work)
-
-
-def _scale_blocks(values: torch.Tensor, scale: torch.Tensor, block: Sequence[int] | None) -> None:
-    """values [R, C] *= the scale of each one's block, in place (a broadcast over whole blocks when they tile)."""
-    if block is not None and values.shape[0] % block[0] == 0 and values.shape[1] % block[1] == 0:
+    scale = as_scale(scale_inv)  # work *= the scale of each one's block: a broadcast where whole blocks tile
+    if block is not None and work.shape[0] % block[0] == 0 and work.shape[1] % block[1] == 0:
         grid = scale.shape
-        values.view(grid[0], block[0], grid[1], block[1]).mul_(scale.view(grid[0], 1, grid[1], 1))
+        work.view(grid[0], block[0], grid[1], block[1]).mul_(scale.view(grid[0], 1, grid[1], 1))
     else:
-        values.mul_(_expand(scale, values.shape, block))
+        work.mul_(_expand(scale, work.shape, block))
+    return work if work is out else out.copy_(work)
 
 
 def decode(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
@@ -84,9 +73,7 @@ def decode(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
 
 def as_scale(scale_inv: torch.Tensor) -> torch.Tensor:
     """Float32 scales; ue8m0 scales stored as uint8 bytes are 2 ** (byte - 127), as transformers reads them."""
-    if scale_inv.dtype == torch.uint8:
-        return torch.exp2(scale_inv.float() - 127.0)
-    return scale_inv.float()
+    return torch.exp2(scale_inv.float() - 127.0) if scale_inv.dtype == torch.uint8 else scale_inv.float()
 
 
 def _expand(scale: torch.Tensor, shape: Sequence[int], block: Sequence[int] | None) -> torch.Tensor:
@@ -110,9 +97,8 @@ def _block_reduce(values: torch.Tensor, block: Sequence[int] | None) -> torch.Te
 
 @CODECS.register(METHOD)
 class Fp8Codec(LinearCodec):
-    """FP8 experts: linear j of a part P (gate_proj.weight, then up_proj.weight, of gate_up_proj) becomes the
-    slot parts `P.j.weight` and `P.j.weight_scale_inv` (moestream.quant.linears); decoding writes its rows of
-    P. Dense FP8 weights are decoded at load."""
+    """FP8 experts: linear j of a part P (gate_proj.weight, then up_proj.weight, of gate_up_proj) becomes the slot
+    parts `P.j.weight` and `P.j.weight_scale_inv`; decoding writes its rows of P. Dense FP8 weights decode at load."""
 
     method, roles = METHOD, {role: role for role in ROLES}
 
@@ -124,7 +110,6 @@ class Fp8Codec(LinearCodec):
         if block is not None and (len(block) != 2 or min(block) < 1):
             raise CheckpointError(f"fp8 weight_block_size must be two positive sizes, got {block}")
         self.block = None if block is None else (int(block[0]), int(block[1]))
-        self._tables: dict[torch.device, torch.Tensor] = {}
 
     def linear_shape(self, layout: Mapping[str, tuple[int, ...]], prefix: str) -> tuple[int, int]:
         shape = layout[f"{prefix}.{WEIGHT}"]
@@ -133,13 +118,8 @@ class Fp8Codec(LinearCodec):
 
     def decode_linear(self, parts: Tensors, prefix: str, target: torch.Tensor) -> int:
         weight = parts[f"{prefix}.{WEIGHT}"]  # [R, C] fp8
-        decode_into(weight, parts[f"{prefix}.{SCALE}"], target[: weight.shape[0]], self.block, self._table(weight))
+        decode_into(weight, parts[f"{prefix}.{SCALE}"], target[: weight.shape[0]], self.block)
         return weight.shape[0]
-
-    def _table(self, weight: torch.Tensor) -> torch.Tensor:
-        if weight.device not in self._tables:
-            self._tables[weight.device] = value_table(weight.device)
-        return self._tables[weight.device]
 
     def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
         present = set(names)

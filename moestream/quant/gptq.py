@@ -1,9 +1,7 @@
-"""GPTQ's layout (AutoGPTQ / GPTQModel checkpoint_format "gptq", desc_act false), per linear [O, I]:
-`qweight` int32 [I / (32 / b), O] (b-bit values packed along I, first in the lowest bits), `qzeros`
-int32 [I / G, O / (32 / b)] (packed along O, each stored as zero - 1), `scales` [I / G, O] and `g_idx`
-int32 [I] (i // G without act-order). Weight[o, i] = scales[g, o] * (q[i, o] - ((qzeros[g, o] + 1) mod
-2**b)) with g = g_idx[i]. Knows no family or runtime.
-"""
+"""GPTQ's layout (AutoGPTQ / GPTQModel checkpoint_format "gptq", desc_act false), per linear [O, I]: `qweight` int32
+[I / (32 / b), O] (b-bit values packed along I, first in the lowest bits), `qzeros` int32 [I / G, O / (32 / b)]
+(packed along O, each stored as zero - 1), `scales` [I / G, O], `g_idx` int32 [I] (i // G without act-order):
+Weight[o, i] = scales[g, o] * (q[i, o] - ((qzeros[g, o] + 1) mod 2**b)), g = g_idx[i]. Knows no family or runtime."""
 
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """How quantized experts compute, by name (`EngineConfig.quant_kernel`, `--quant-kernel`):
-
 - "exact" (the default, and the reference): each expert decoded into the compute dtype right before its
   MLP (`ExpertDecoder`), bit for bit transformers' model with the same experts dequantized;
 - "packed-cpu" (quant/packed_formats.py): GPTQ, compressed-tensors int4 and int8, FP8 block and MXFP4 experts
-  computed from their stored bytes on the CPU, no dense copy written; faster, not bit-identical (the engine
-  logs so when it starts).
+  computed from their stored bytes on the CPU, no dense copy written; faster, not bit-identical (logged).
 
-`moestream quantize` marks what it writes with `LAYOUT_VERSION` (config.json's quantization_config, under
-`LAYOUT_KEY`); a kernel refuses a copy an older `quantize` marked with a lower one, saying to re-run it.
-`quant_kernel(name, checkpoint, device)` refuses, in one line, a kernel asked for what it does not cover
-(naming the format and the kernels that cover it), before anything is loaded; the kernel it returns turns
-the engine's `ExpertDecoder` into what the experts call (`LayerRows.decode`). Knows codecs and the
-checkpoint's index, not stores, policies or the runtime.
-"""
+A kernel refuses a copy an older `moestream quantize` marked with a lower `LAYOUT_VERSION`. `quant_kernel`
+refuses, in one line and before anything is loaded, a kernel asked for what it does not cover; the kernel it
+returns turns the engine's `ExpertDecoder` into what the experts call (`LayerRows.decode`). Knows codecs and
+the checkpoint's index, not stores, policies or the runtime."""
 
 from __future__ import annotations
 
@@ -52,9 +47,8 @@ def format_of(codec: ExpertCodec | None) -> str:
 
 
 class QuantKernel:
-    """A way of computing quantized experts: `covers` the formats it reads, `refusal` why it cannot run a
-    checkpoint (None: it can), `__call__` what the experts call, from the engine's decoder (None for an
-    unquantized checkpoint)."""
+    """A way of computing quantized experts: `covers` the formats it reads, `refusal` why it cannot run a checkpoint
+    (None: it can), `__call__` what the experts call, from the engine's decoder (None for an unquantized checkpoint)."""
 
     registry_name: str
 

@@ -1,8 +1,7 @@
 """Per-linear quantized layouts (compressed-tensors, GPTQ, FP8): `LinearCodec`, the codec methods they share.
 A family's dense part, e.g. gate_up_proj made of w1 then w3, becomes one slot part per (linear, quantized
 tensor), named "{param}.{linear}.{role}"; decoding writes linear j's rows of the dense weight. Knows no
-format's arithmetic, no family and no runtime.
-"""
+format's arithmetic, no family and no runtime."""
 
 from __future__ import annotations
 
@@ -18,10 +17,9 @@ Layout = Mapping[str, tuple[int, ...]]
 
 
 class LinearCodec:
-    """A subclass gives `method`, `roles` (slot role -> disk suffix of each quantized tensor of one linear),
-    `marker` (the role whose tensor marks a quantized dense linear), `linear_shape` (the [out, in] shape of
-    the linear "{param}.{j}" of a slot layout) and `decode_linear` (writes that linear into the first rows
-    of its target and says how many)."""
+    """A subclass gives `method`, `roles` (slot role -> disk suffix of each quantized tensor of a linear), `marker`
+    (the role marking a quantized dense linear), `linear_shape` ([out, in] of the linear "{param}.{j}") and
+    `decode_linear` (writes that linear into its target's first rows and says how many)."""
 
     method: ClassVar[str]
     marker: ClassVar[str]
@@ -66,8 +64,7 @@ class LinearCodec:
         return dict(out)
 
     def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
-        """"{stem}.weight" -> {role: "{stem}.{suffix}"} for every stem that has a `marker` tensor (roles whose
-        tensor is absent are left out)."""
+        """"{stem}.weight" -> {role: "{stem}.{suffix}"} of each stem with a `marker` tensor (absent roles left out)."""
         present = set(names)
         suffix = f".{self.roles[self.marker]}"
         groups = {}

@@ -1,20 +1,17 @@
-"""MXFP4 experts (OCP microscaling FP4), as GPT-OSS publishes them and transformers'
-`integrations/mxfp4.py` reads them.
-
-A weight W [..., R, C] (C a multiple of 32) is stored as two tensors:
+"""MXFP4 experts (OCP microscaling FP4), as GPT-OSS publishes them and transformers' `integrations/mxfp4.py`
+reads them. A weight W [..., R, C] (C a multiple of 32) is stored as two tensors:
 - `*_blocks` uint8 [..., R, C/32, 16]: e2m1 codes, two per byte, column 2j in the low nibble, 2j+1 in the high;
 - `*_scales` uint8 [..., R, C/32]: one e8m0 exponent per 32 values, the scale 2 ** (s - 127).
 The dense weight that the model holds is the transpose [..., C, R] (GPT-OSS: gate_up_proj [H, 2I] is stored as
-blocks [2I, H/32, 16], down_proj [I, H] as blocks [H, I/32, 16]). Experts are fused over experts on disk
-([E, ...]); biases stay unquantized.
+blocks [2I, H/32, 16]). Experts are fused over experts on disk ([E, ...]); biases stay unquantized.
 
-`Mxfp4Codec` decodes one expert's blocks and scales into scratch, with transformers' arithmetic (a lookup of
-the e2m1 value in the compute dtype, then ldexp), so its weights equal transformers' dequantized model's bit
-for bit. `encode` is the inverse that writers use. Knows the format only: no family, store or runtime.
-"""
+`Mxfp4Codec` decodes with transformers' arithmetic (a lookup of the e2m1 value in the compute dtype, then
+ldexp), bit for bit its dequantized model; `encode` is the inverse. Knows the format only: no family, store
+or runtime."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -46,6 +43,7 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exponent + BIAS).to(torch.uint8)
 
 
+@functools.cache  # built once per (dtype, device); read-only
 def nibble_tables(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """([256], [256]): the e2m1 value of every byte's low nibble and of its high nibble, in `dtype`."""
     values = torch.tensor(E2M1, dtype=dtype, device=device)
@@ -60,10 +58,9 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def decode_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                 tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """blocks uint8 [R, G, 16], scales uint8 [R, G] -> out [G*32, R] (the model's layout, contiguous), filled in
-    place; `tables` are nibble_tables(work_dtype(out.dtype)). Each value is its e2m1 value times 2 ** (s - 127),
-    an exact product rounded once to out's dtype, as transformers' ldexp. The bytes are transposed first (a
-    quarter of the output's bytes), then each nibble is a 1-D gather straight into the model's layout."""
+    """blocks uint8 [R, G, 16], scales uint8 [R, G] -> out [G*32, R] (the model's layout, contiguous), in place;
+    `tables`: nibble_tables(work_dtype(out.dtype)). Each value is its e2m1 value times 2 ** (s - 127) rounded once,
+    as transformers' ldexp: the bytes transposed first, then each nibble a 1-D gather into the model's layout."""
     rows, groups, half = blocks.shape
     work = out if out.dtype == tables[0].dtype else torch.empty(out.shape, dtype=tables[0].dtype, device=out.device)
     codes = blocks.view(rows, groups * half).T.contiguous().view(-1).int()  # [G*16 * R]: byte (c/2, r)
@@ -92,7 +89,7 @@ class Mxfp4Codec(DenseUnquantized):
     (the expert's slices of the disk tensors `P_blocks`, `P_scales`); bias parts stay as they are."""
 
     def __init__(self, quantization_config: Mapping[str, Any]) -> None:
-        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        pass  # every MXFP4 config reads alike
 
     def disk_parts(self, parts: Sequence[ExpertPart]) -> tuple[ExpertPart, ...]:
         quantized = []
@@ -122,12 +119,7 @@ class Mxfp4Codec(DenseUnquantized):
     def decode(self, parts: Tensors, out: Tensors) -> Tensors:
         weights = dict(out)
         for param, dense in out.items():
-            decode_into(parts[param + BLOCKS], parts[param + SCALES], dense, self._tables_of(dense))
+            decode_into(parts[param + BLOCKS], parts[param + SCALES], dense,
+                        nibble_tables(work_dtype(dense.dtype), dense.device))
         weights.update({name: part for name, part in parts.items() if not name.endswith((BLOCKS, SCALES))})
         return weights
-
-    def _tables_of(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (work_dtype(dense.dtype), dense.device)
-        if key not in self._tables:
-            self._tables[key] = nibble_tables(*key)
-        return self._tables[key]

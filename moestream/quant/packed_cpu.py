@@ -1,16 +1,12 @@
 """`packed-cpu`'s loop over GPTQ's layout (4 or 8 bits, desc_act false; what `moestream quantize --layout
 gptq` writes), and `compile_loop`, how every loop of the kernel is compiled.
 
-GPTQ packs each word along the inputs (qweight [I / (32 / b), O]), so a word row holds 32 / b inputs of
-every output column, and a product x [M, I] -> [M, O] runs with the outputs in the vector lanes: for each
-word row w and each of its values j, acc[m, o] += q[(32 / b) w + j, o] * x[m, (32 / b) w + j], the integer
-taken out of its word in a register and the sum in float32; at each group's end, out[m, o] += scale[g, o]
-* (acc[m, o] - zero[g, o] * sum of x[m] over the group). numba compiles the loops (cached on disk).
-
-Not bit-identical to the exact path (decode into the compute dtype, then F.linear): each weight is
-(q - zero) * scale exactly, never rounded to the compute dtype, and the sums run in another order.
-Knows GPTQ's byte layout only: no codec object, store, policy or runtime.
-"""
+GPTQ packs each word along the inputs (qweight [I / (32 / b), O]), so a product x [M, I] -> [M, O] runs with
+the outputs in the vector lanes: for each word row w and each of its values j, acc[m, o] += q[(32 / b) w + j,
+o] * x[m, (32 / b) w + j] in float32; at each group's end, out[m, o] += scale[g, o] * (acc[m, o] - zero[g, o]
+* sum of x[m] over the group). Not bit-identical to the exact path: each weight is (q - zero) * scale
+exactly, never rounded to the compute dtype, and the sums run in another order. Knows GPTQ's byte layout
+only: no codec object, store, policy or runtime."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from numba.extending import overload
 
 
 def compile_loop(function):
-    """numba.njit without the GIL (the store's threads run meanwhile, as beside torch's products), cached on
-    disk where numba finds a writable place (else compiled in each process)."""
+    """numba.njit without the GIL (the store's threads run meanwhile), cached on disk where numba can write."""
     options = dict(fastmath=True, boundscheck=False, nogil=True)
     try:
         return numba.njit(cache=True, **options)(function)

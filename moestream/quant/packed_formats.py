@@ -1,11 +1,9 @@
 """What `packed-cpu` computes an expert with, format by format: each format (registered in `PACKED_FORMATS`
 under its codec's method) names the linears of a dense weight, each a product from the slot's quantized views
-into its columns of the output, by the loops of packed_cpu.py (GPTQ) and packed_rows.py (the layouts stored
-by output row). `PackedExperts` is what the experts call: one expert's MLP from its views, or, beyond
-`MAX_ROWS` rows (long prefills), the exact way, where one decode serves every row: the loops' cost grows with
-the rows, a decode's does not (docs/measurements/quant-cpu-kernel.md).
-Knows codecs' layouts and `ExpertMath`'s stages, not stores, policies or the runtime.
-"""
+into its columns of the output (loops of packed_cpu.py and packed_rows.py). `PackedExperts` is what the experts
+call; beyond `MAX_ROWS` rows (long prefills) it decodes, as a decode's cost does not grow with the rows
+(docs/measurements/quant-cpu-kernel.md). Knows codecs' layouts and `ExpertMath`'s stages, not stores,
+policies or the runtime."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ class Linear:
 
 
 class PackedFormat:
-    """A stored format `packed-cpu` reads: `covers` the variants of its codec it computes, `linears` the
-    products of the dense weight `param` (the name `ExpertMath` reads), in column order."""
+    """A format `packed-cpu` reads: the codec variants it `covers`, the `linears` of dense weight `param` in order."""
 
     registry_name: str
 
@@ -79,8 +76,7 @@ class Gptq(PackedFormat):
 
 @PACKED_FORMATS.register("compressed-tensors")
 class CompressedTensors(PackedFormat):
-    """pack-quantized int4 and int8 words [O, I / (32 / b)] and int-quantized int8 [O, I]; scales [O, I / G],
-    zero points where asymmetric."""
+    """pack-quantized int4/int8 words [O, I / (32 / b)], int-quantized int8 [O, I]; scales [O, I / G], zero points."""
 
     def covers(self, codec):
         return codec.bits in (4, 8) and (codec.format == compressed_tensors.PACKED or codec.bits == 8)
@@ -140,12 +136,10 @@ class Mxfp4(PackedFormat):
 
 
 class PackedExperts:
-    """A checkpoint's experts for `packed-cpu`: called with an expert's slot views it decodes them as its
-    `ExpertDecoder` does (for whoever needs dense weights); `mlp` computes the expert's MLP from them."""
+    """A checkpoint's experts for `packed-cpu`: called with slot views it decodes them; `mlp` computes from them."""
 
     def __init__(self, decoder: ExpertDecoder, codec: ExpertCodec, layout: Layout):
-        """layout: the slot's part shapes by name; CheckpointError where a linear's tensors do not agree (the
-        loops read them unchecked)."""
+        """layout: the slot's part shapes by name; CheckpointError where a linear's parts disagree (read unchecked)."""
         self.decoder = decoder
         fmt = PACKED_FORMATS.create(codec.registry_name)
         self.linears = {param: fmt.linears(codec, layout, param) for param in decoder.scratch}
@@ -154,8 +148,7 @@ class PackedExperts:
         return self.decoder(parts)
 
     def mlp(self, math, rows: torch.Tensor, parts: Tensors) -> torch.Tensor:
-        """One expert's MLP without its post stage, `math` a transformers experts module's (FusedExpertMath):
-        rows [n, H] -> [n, H] in rows' dtype."""
+        """One expert's MLP without its post stage (`math`: a FusedExpertMath): rows [n, H] -> [n, H], rows' dtype."""
         if rows.shape[0] > MAX_ROWS:
             weights = self.decoder(parts)
             return math.down(math.act(math.up(rows, weights)), weights)
@@ -163,8 +156,7 @@ class PackedExperts:
         return self.project(math.act(up), parts, "down_proj")  # [n, H]
 
     def project(self, x: torch.Tensor, parts: Tensors, param: str) -> torch.Tensor:
-        """x [n, in] times the dense weight `param` of an expert's parts (plus its bias, where it has one)
-        -> [n, out] in x's dtype."""
+        """x [n, in] times the dense weight `param` of an expert's parts (plus its bias) -> [n, out], x's dtype."""
         inputs = np.ascontiguousarray(x.float().numpy())  # [n, in]
         linears = self.linears[param]
         out = np.empty((x.shape[0], sum(linear.outs for linear in linears)), dtype=np.float32)  # [n, out]

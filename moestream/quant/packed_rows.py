@@ -1,21 +1,13 @@
-"""`packed-cpu`'s loops over layouts stored output row by output row, each read where it lies: no dense
-copy of an expert is written.
-
+"""`packed-cpu`'s loops over layouts stored output row by output row, each read where it lies:
 - compressed-tensors pack-quantized (`words` int32 [O, I / (32 / b)], each value + 2**(b-1), lowest first)
   and int-quantized (int8 [O, I]), per group of G inputs a scale [O, I / G] and an optional zero point;
 - FP8 block (float8_e4m3fn [O, I] read as bytes, one float32 scale per bm x bn block);
 - MXFP4 (uint8 blocks [R, C / 32, 16], two e2m1 codes a byte, one e8m0 exponent [R, C / 32] per 32).
 
-Each product takes one output row at a time: its stored bytes become float32 weights in a buffer of one row
-(a few KiB, in L1: never a copy of the expert), by integer arithmetic in vector lanes (shifts and masks; FP8
-and e2m1 codes through their bits placed in a float32's, the subnormals converted apart), scaled group by
-group; then one dot product with each row of x. x is rearranged once per call where a row's values interleave
-(a word's j-th value beside the next word's; MXFP4's even and odd columns), so both loops run over
-consecutive memory, and FP8's block scales multiply x (they are shared by a block of output rows). Not
-bit-identical to decode-then-matmul: the weights are never rounded to the compute dtype and the sums run in
-another order.
-Knows byte layouts only: no codec, checkpoint, store or runtime.
-"""
+Each product turns one output row at a time into float32 weights in a one-row buffer (in L1) by integer
+arithmetic in vector lanes, then takes one dot product with each row of x (rearranged once per call where a
+row's values interleave). Not bit-identical to decode-then-matmul: weights are never rounded to the compute
+dtype and the sums run in another order. Knows byte layouts only: no codec, checkpoint, store or runtime."""
 
 from __future__ import annotations
 

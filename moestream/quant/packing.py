@@ -1,11 +1,11 @@
 """Integer packing shared by the W4A16 layouts: values of `bits` bits packed into int32 words, the
 first value in the lowest bits (compressed-tensors' `pack_to_int32`, GPTQ's qweight and qzeros), the
 grouped scale-and-shift that turns integers into weights, and its 4-bit shortcut: a table lookup from
-the packed words straight into the compute dtype. Knows no checkpoint, family or runtime.
-"""
+the packed words straight into the compute dtype. Knows no checkpoint, family or runtime."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -21,8 +21,7 @@ def per_word(bits: int) -> int:
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words packed along `dim` -> their unsigned values (int32, in [0, 2**bits)), `dim` widened
-    by per_word(bits)."""
+    """int32 words packed along `dim` -> their unsigned values (int32), `dim` widened by per_word(bits)."""
     count = per_word(bits)
     shifts = torch.arange(0, WORD_BITS, bits, dtype=torch.int32, device=packed.device)  # [count]
     moved = packed.movedim(dim, -1)  # [..., n]
@@ -30,6 +29,7 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(*moved.shape[:-1], moved.shape[-1] * count).movedim(-1, dim)
 
 
+@functools.cache  # built once per (dtype, device); read-only
 def nibble_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """decode_nibbles' lookup table for a 2- or 4-byte float dtype: [2**K] int64, K = 32 / its bytes (16 for
     bf16 and fp16, 8 for fp32). Entry k holds the K / 4 4-bit values of key k, lowest first, each minus 8
@@ -72,8 +72,7 @@ def scaled_nibbles(packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tenso
 
 
 def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unsigned values in [0, 2**bits) -> int32 words packed along `dim` (its size a multiple of
-    per_word(bits))."""
+    """Unsigned values in [0, 2**bits) -> int32 words packed along `dim` (its size a multiple of per_word(bits))."""
     count = per_word(bits)
     moved = values.movedim(dim, -1).to(torch.int64)  # [..., n * count]
     if moved.shape[-1] % count:
@@ -86,9 +85,8 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def scaled(ints: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """ints [O, N] (zero points already taken off) times scale [O, N / G] group by group along N -> out
-    [O, N], each weight rounded once from its exact product (computed in out's dtype when the scale
-    has it, else in float32)."""
+    """ints [O, N] (zero points already taken off) times scale [O, N / G] group by group along N -> out [O, N], each
+    weight rounded once from its exact product (computed in out's dtype when the scale has it, else in float32)."""
     rows, cols = out.shape
     groups = scale.shape[-1]
     if scale.dtype == out.dtype:  # in place: one conversion pass, one multiplication pass

@@ -1,19 +1,12 @@
 """Runs a predictor off the critical path: events go to a worker thread, predict() answers at once.
 
-`BackgroundPredictor` wraps any `Predictor`. begin_iteration / observe / end_sequence are queued for
-the worker, in order. predict(layer_now, horizon) queues a request for that prediction and returns
-the latest one the worker has completed, rebased to the caller's position: a result computed at an
-earlier layer or iteration loses the layers the caller has already passed. flush() waits until the
-worker has caught up; after it, predict() at the same position returns exactly what the wrapped
-predictor returns on the synchronous path. With synchronous=True every call runs inline: the
-simulator, tests, and `bench fidelity`'s engine (what the worker has finished depends on the clock).
-The queue is bounded (`max_pending`): a worker that falls behind makes the caller wait (no event may
-be dropped), and every wait, for room in the queue, flush() or close(), gives up after `timeout_s`
-with a `BackgroundTimeout` instead of hanging.
-
-`offload_predictor(policy)` is the engine's hook: it wraps the predictor of a policy whose class sets
-`Policy.predicts_in_background`, and leaves other policies alone. This module knows no policy by
-name, and nothing of what the wrapped predictor computes.
+`BackgroundPredictor` wraps any `Predictor`: begin_iteration / observe / end_sequence are queued for the
+worker in order; predict(layer_now, horizon) queues a request and returns the latest completed one,
+rebased to the caller's position (layers already passed are dropped). After flush(), predict() returns
+exactly what the wrapped predictor would. synchronous=True runs every call inline (the simulator, tests,
+`bench fidelity`). The queue is bounded (`max_pending`): no event is dropped, the caller waits, and every
+wait gives up after `timeout_s` with a `BackgroundTimeout`. `offload_predictor(policy)` wraps the
+predictor of a policy that sets `Policy.predicts_in_background`. Knows no policy by name.
 """
 
 from __future__ import annotations
@@ -104,7 +97,6 @@ class BackgroundPredictor(Predictor):
         self._latest = self._requested = None
 
     def flush(self) -> None:
-        """Wait until the worker has handled every queued event and request."""
         if self._thread is not None:
             done = threading.Event()
             self._put((_signal, done))
@@ -113,8 +105,8 @@ class BackgroundPredictor(Predictor):
         self._raise_worker_error()
 
     def close(self) -> None:
-        """Stop the worker thread after the queued work; the wrapper then runs inline. A worker that does
-        not stop in time is kept (the wrapper stays asynchronous, so no call runs beside it)."""
+        """Stop the worker after the queued work; the wrapper then runs inline (one that does not stop in time
+        is kept, and the wrapper stays asynchronous)."""
         if self._thread is not None:
             self._put(_STOP)
             self._thread.join(self.timeout_s)
@@ -177,10 +169,7 @@ class BackgroundPredictor(Predictor):
 
 
 def offload_predictor(policy: Policy, synchronous: bool = False, timeout_s: float = 60.0) -> BackgroundPredictor | None:
-    """Wrap the predictor of a policy that asks for it (Policy.predicts_in_background); else None.
-
-    Call before the policy's observers are collected: Policy.observers() then lists the wrapper.
-    """
+    """Wrap the predictor of a policy that asks for it, else None; call before collecting its observers."""
     if not policy.predicts_in_background:
         return None
     if isinstance(policy.predictor, BackgroundPredictor):

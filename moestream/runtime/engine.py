@@ -1,21 +1,15 @@
 """The offloading engine: a checkpoint's dense part on the compute device, its experts in the store,
 routing events for the policy, and `step`, the one forward pass of every way of generating.
 
-`step(scheduler)` is schedule -> forward -> postprocess: the scheduler (runtime/scheduling/scheduler.py) picks
-the sequences and the cache they run over; the runner plans the iteration's inputs (a `StepPlan`),
-the engine announces it to observers (`IterationContext`) and lets the policy predict, the runner
-runs the model (each MoE layer publishes its routing, fetches misses and computes); the scheduler
-then appends the tokens and ends sequences. `generate` (greedy batches), the `LLM` API and the
-server all add sequences to a scheduler and loop on `step`. The policy is taken by registry name;
-the engine knows no policy, no family and no request.
+`step(scheduler)` is schedule -> forward -> postprocess: the scheduler picks the sequences and their
+cache; the runner plans the inputs (`StepPlan`), the engine announces it (`IterationContext`) and lets
+the policy predict, the runner runs the model (each MoE layer publishes its routing, fetches misses and
+computes); the scheduler appends the tokens and ends sequences. `generate`, the `LLM` API and the server
+all loop on `step`. The engine knows no policy (taken by registry name), no family and no request.
 
-Under expert parallelism the engine is one rank's (runtime/sharding.py): its `Shard`'s experts only, and
-on the scheduling rank a `StepAnnouncer` hears of each forward pass and ended sequence first.
-
-On the CPU, the engine bounds oneDNN's per-shape caches (`moestream.runtime.onednn`; process-wide,
-before the first matmul, unless the user set them). While an engine is open, torch computes on
-`config.num_threads` threads (by default the cores its own I/O and predictor threads leave) and numpy's
-BLAS on one (`moestream.threads.ComputeThreads`; process-wide, restored by close).
+Under expert parallelism the engine is one rank's (runtime/sharding.py). On the CPU it bounds oneDNN's
+per-shape caches (runtime/onednn.py); while open, torch computes on `config.num_threads` threads and
+numpy's BLAS on one (`moestream.threads.ComputeThreads`; process-wide, restored by close).
 """
 
 from __future__ import annotations
@@ -83,17 +77,14 @@ class StepOutput:
 
 
 class Engine:
-    """One checkpoint served with its experts offloaded; `generate` runs greedy batches on it.
-
-    Observers given here (or through add_observer) see every iteration context and routing event
-    beside the policy's own; close() (or a with block) releases the store's files and threads."""
+    """One checkpoint served with its experts offloaded. Observers (here or add_observer) see every
+    iteration context and routing event beside the policy's; close() releases the store's files and threads."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
                  observers: Seq[Observer] = (), progress: bool = False, policy: Policy | None = None,
                  shard: Shard | None = None, steps: StepAnnouncer | None = None, tracer: Tracer | None = None):
-        """policy: an already built (e.g. fitted) policy instead of config.policy by name; shard: the
-        experts this rank owns (None: all); steps: told of every forward pass (the scheduling rank);
-        tracer: what the engine's parts report their work to (None: a totals-only one)."""
+        """policy: a built (e.g. fitted) policy instead of config.policy; shard: the experts this rank owns
+        (None: all); steps: told of every forward pass; tracer: where parts report (None: totals only)."""
         self.config = config or EngineConfig()
         self.tracer = tracer if tracer is not None else Tracer()
         self.shard, self.steps = shard, steps or ALONE
@@ -126,8 +117,9 @@ class Engine:
         self._seq_counter = itertools.count()
         self._step_counter = itertools.count()
         self.replay: RoutingReplay | None = None
+        beside = int(self._background is not None and not self._background.synchronous)  # a predictor thread
         self.threads = ComputeThreads(self.config.num_threads,  # after the policy's imports
-                                      self.store.executor.num_threads + _runs_beside(self._background))
+                                      self.store.executor.num_threads + beside)
         try:
             self.model = self._load_model(progress)
             self.runner = RUNNERS.create(self.checkpoint.adapter.auto_class, self.model, self.publisher,
@@ -140,7 +132,6 @@ class Engine:
             raise
 
     def _load_model(self, progress: bool) -> torch.nn.Module:
-        """The dense part on the device, every experts module bound to the store."""
         model = load_model(self.checkpoint, self.config.device, progress)
         model.generation_config = generation_config(self.checkpoint)
         self._hooks = bind_experts(model, self.checkpoint, self.experts, self.config.publish_gate_probs)
@@ -152,7 +143,6 @@ class Engine:
         return model
 
     def _replay(self) -> RoutingReplay | None:
-        """The routing replay of config.replay_routing, attached to every experts module, or None."""
         if self.config.replay_routing is None:
             return None
         if not self.records_traces:
@@ -174,11 +164,10 @@ class Engine:
     @property
     def records_traces(self) -> bool:
         """Whether routing events cover each iteration's tokens at every MoE layer (trace recording)."""
-        return RUNNERS.get(self.checkpoint.adapter.auto_class).records_traces
+        return self.runner_class.records_traces
 
     def preload(self, progress: bool = False) -> int:
-        """Fills the device tier with experts in layer order (all of them when the budget allows; done
-        at start-up when it does), a layer at a time. Returns how many were brought in."""
+        """Fills the device tier with experts in layer order, a layer at a time; how many were brought in."""
         keys = self.owned_keys()[: self.store.device_slots]
         brought = 0
         with progress_bar(total=len(keys), desc="loading experts", unit="expert", disable=not progress) as bar:
@@ -195,7 +184,6 @@ class Engine:
         return keys if self.shard is None else [key for key in keys if self.shard.owns(key)]
 
     def reset_stats(self) -> None:
-        """Zeroes the store's hits, misses and bytes read (on every rank)."""
         self.store.reset_stats()
         self.steps.reset_stats()
 
@@ -211,9 +199,7 @@ class Engine:
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], max_new_tokens: int = 32,
                  on_tokens: Callable[[list[int | None]], None] | None = None) -> GenerationResult:
-        """Greedy generation for a batch of prompts (text, or token ids), one static batch.
-
-        on_tokens: called after each step with each prompt's new token (None once it has finished)."""
+        """Greedy generation for prompts (text or ids) as one static batch; on_tokens gets each step's tokens."""
         if max_new_tokens < 1:
             raise MoestreamError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         seqs = [self.new_sequence(ids, max_new_tokens) for ids in self.prompt_ids(prompts)]
@@ -229,7 +215,6 @@ class Engine:
         return self._result(seqs, clock, isinstance(prompts[0], str))
 
     def close(self) -> None:
-        """Releases everything it holds, each step even if one before it failed."""
         try:
             for hook in self._hooks:
                 hook.remove()
@@ -261,14 +246,12 @@ class Engine:
 
     def new_sequence(self, prompt_ids: list[int], max_tokens: int = NO_TOKEN_LIMIT,
                      sampler: TokenSampler | None = None, ignore_eos: bool = False) -> Sequence:
-        """A sequence with a fresh id (sampler None: greedy), held to the model's context length: a
-        prompt as long as the context is refused, and max_tokens is capped to what is left of it."""
+        """A sequence with a fresh id (sampler None: greedy); max_tokens is capped to the context left."""
         return Sequence(next(self._seq_counter), list(prompt_ids), self._within_context(len(prompt_ids), max_tokens),
                         sampler, ignore_eos)
 
     @property
     def context_len(self) -> int | None:
-        """The model's context length (max_position_embeddings), None where it has none."""
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
     def _within_context(self, num_prompt: int, max_tokens: int) -> int:
@@ -284,21 +267,18 @@ class Engine:
         return context - num_prompt
 
     def scheduler(self, rule: BatchingRule, **options) -> Scheduler:
-        """A scheduler of sequences on this engine, batched by the rule (options: its admission, ...)."""
-        return Scheduler(rule, self._eos_ids(), self.end_sequence, **options)
+        return Scheduler(rule, eos_ids(self.model.generation_config), self.end_sequence, **options)
 
     def step(self, scheduler: Scheduler) -> StepOutput | None:
-        """One schedule -> forward -> postprocess (None: nothing to run). If the forward pass raises,
-        the batch stays the scheduler's `in_flight`."""
+        """One schedule -> forward -> postprocess (None: nothing to run); a batch that raises stays `in_flight`."""
         batch = scheduler.schedule()
         if batch is None:
             return None
         return StepOutput(batch, scheduler.postprocess(batch, self._forward(batch)))
 
     def kv_bytes_per_token(self) -> int:
-        """The KV cache bytes of one token, from a prefill of one token that no request sees and that
-        takes no replayed routing: exact whatever the family and the installed transformers keep
-        (DeepSeek's attention caches its compressed latents), where a formula over the config is not."""
+        """The KV cache bytes of one token, measured by a one-token prefill outside replay: exact where a
+        formula over the config is not (DeepSeek's attention caches its compressed latents)."""
         seq = self.new_sequence([self.pad_id])
         batch = ScheduledBatch(True, [seq], BatchCache(kv.empty_cache()))
         try:
@@ -310,20 +290,17 @@ class Engine:
         return cache.num_bytes
 
     def end_sequence(self, seq_id: int) -> None:
-        """Ends a sequence's per-sequence state in the policy and observers."""
         self.publisher.end_sequence(seq_id)
         self.steps.ended(seq_id)
 
     # -- steps -----------------------------------------------------------------------------------
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The batch's forward pass, announced to the other ranks first."""
         self.steps.announce(batch, self.replay is not None and self.replay.is_paused)
         return self.forward(batch)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The batch's forward pass: next-token logits [B, V] on the host (the step's one read beside its
-        layers'); its cache holds its past after it."""
+        """Next-token logits [B, V] on the host (the step's one read beside its layers')."""
         step, seqs = next(self._step_counter), batch.seqs
         with torch.inference_mode():
             plan = self.runner.prefill(step, seqs) if batch.is_prefill else self.runner.decode(step, seqs, batch.cache)
@@ -334,7 +311,6 @@ class Engine:
             return logits  # [B, V] on the host, checked
 
     def _begin(self, plan: StepPlan) -> None:
-        """Announces the iteration to observers and lets the policy predict before the first layer."""
         ctx = plan.ctx
         self.finite.begin()
         self.experts.resident_hits.zero_()  # a step that raised may have left counts
@@ -362,7 +338,6 @@ class Engine:
     # -- inputs ----------------------------------------------------------------------------------
 
     def prompt_ids(self, prompts) -> list[list[int]]:
-        """Each prompt's token ids (text is encoded), refused if empty or outside the vocabulary."""
         if isinstance(prompts, str) or not prompts:
             raise MoestreamError("generate needs a non-empty list of prompts")
         ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -374,20 +349,12 @@ class Engine:
                 raise MoestreamError(f"prompt token ids must lie in [0, {vocab})")
         return ids
 
-    def _eos_ids(self) -> set[int]:
-        return eos_ids(self.model.generation_config)
-
     @property
     def pad_id(self) -> int:
         """The token that left-pads shorter prompts of a batch."""
         pad = self.model.generation_config.pad_token_id
         pad = self.model.config.get_text_config().pad_token_id if pad is None else pad
-        return int(pad) if pad is not None else min(self._eos_ids(), default=0)
-
-
-def _runs_beside(background) -> int:
-    """The threads a policy's background predictor runs beside compute (0 or 1)."""
-    return int(background is not None and not background.synchronous)
+        return int(pad) if pad is not None else min(eos_ids(self.model.generation_config), default=0)
 
 
 def _make_policy(config: EngineConfig, topology) -> Policy:

@@ -1,14 +1,12 @@
 """How transformers reaches the offloaded experts: the "moestream" experts implementation, the
 module swap for families without registry support, and the router taps that feed gate probabilities.
 
-`ExpertsInterface.register("moestream", ...)` adds our forward to transformers' experts registry;
-a model selects it with `set_experts_implementation("moestream")`. Each bound experts module
-carries a `LayerBinding` (its MoE-layer index and the `OffloadedExperts` mechanism) that the forward
-reads. Where every expert is resident and no observer reads routing events, the forward is transformers'
-own (the implementation the model had) over `ResidentExperts`, the layer's views of the slot pool.
-Families whose experts are not registry-dispatched get a replacement module, looked up by the original
-class name in `EXPERT_SWAPS`. A block's shared experts run as it starts (`LaunchedFirst`). Nothing here
-knows a policy.
+`ExpertsInterface.register("moestream", ...)` adds our forward to transformers' experts registry. Each
+bound experts module carries a `LayerBinding` (its MoE-layer index and the `OffloadedExperts`). Where
+every expert is resident and unobserved, the forward is transformers' own over `ResidentExperts`, views
+of the slot pool. Families whose experts are not registry-dispatched get a replacement module from
+`EXPERT_SWAPS` (by the original class name). A block's shared experts run as it starts (`LaunchedFirst`).
+Nothing here knows a policy.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ class LayerBinding:
 
 
 class ResidentExperts:
-    """An experts module as transformers' experts forward reads it, its weights [E, ...] the layer's
-    views of the slot pool (every expert resident): no copy, and transformers' own computation."""
+    """An experts module whose weights [E, ...] are the layer's views of the slot pool (no copy)."""
 
     def __init__(self, module: torch.nn.Module, weights: dict[str, torch.Tensor]):
         self._module, self._weights = module, weights
@@ -81,8 +78,8 @@ EXPERT_SWAPS: Registry[torch.nn.Module] = Registry("experts module swap")
 
 @EXPERT_SWAPS.register("SwitchTransformersExperts")
 class OneHotDenseExperts(torch.nn.Module):
-    """Replaces a ModuleDict of `expert_{e}` dense-act-dense MLPs (wi, act, wo) called with a one-hot
-    dispatch mask, as SwitchTransformers' sparse MLP does; a row of zeros is a dropped token."""
+    """Replaces SwitchTransformers' ModuleDict of `expert_{e}` MLPs (wi, act, wo), called with a one-hot
+    dispatch mask (a row of zeros: a dropped token)."""
 
     def __init__(self, original: torch.nn.ModuleDict, binding: LayerBinding):
         super().__init__()
@@ -141,10 +138,8 @@ SHARED_NAMES = ("shared_experts", "shared_expert")  # a MoE block's shared exper
 
 
 class LaunchedFirst(torch.nn.Module):
-    """A MoE block's shared experts, run as the block starts (a forward pre-hook on the block), so that
-    the device computes them while the host waits for the routed experts' routing; the block's own call
-    on the same rows (its input, or that input flattened to [T, H]) gets that result, any other call
-    computes. The same module on the same rows: the same bits."""
+    """A MoE block's shared experts, run as the block starts (a pre-hook) so the device computes them while
+    the host waits for the routing; the block's call on the same rows gets that result (the same bits)."""
 
     def __init__(self, shared: torch.nn.Module):
         super().__init__()
@@ -156,7 +151,6 @@ class LaunchedFirst(torch.nn.Module):
             self._early = (args[0], self.shared(args[0]))
 
     def done(self, *hook_args) -> None:
-        """After the block, whatever it did (a forward hook that runs on errors too): nothing is kept."""
         self._early = None
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -167,13 +161,12 @@ class LaunchedFirst(torch.nn.Module):
 
 
 def _same_rows(first: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether x is `first` itself or `first` flattened to [T, H] (the same memory, contiguous)."""
     return (x.is_contiguous() and x.data_ptr() == first.data_ptr() and x.shape[-1] == first.shape[-1]
             and x.numel() == first.numel())
 
 
 def launch_shared_first(block: torch.nn.Module) -> list:
-    """Swaps the block's shared experts for a `LaunchedFirst`; the hooks' handles (none without them)."""
+    """Swaps the block's shared experts for a `LaunchedFirst`; the hooks' handles."""
     for name in SHARED_NAMES:
         shared = getattr(block, name, None)
         if isinstance(shared, torch.nn.Module):
@@ -185,8 +178,7 @@ def launch_shared_first(block: torch.nn.Module) -> list:
 
 
 def bind_experts(model: torch.nn.Module, checkpoint, experts: OffloadedExperts, tap_routers: bool) -> list:
-    """Points every MoE layer's experts at `experts` (registry or swap), its shared experts launched first;
-    returns the hooks' handles (shared experts, routers)."""
+    """Points every MoE layer's experts at `experts` (registry or swap); returns the hooks' handles."""
     adapter, hooks = checkpoint.adapter, []
     num_experts = checkpoint.topology.num_experts
     hidden_size = model.config.get_text_config().hidden_size

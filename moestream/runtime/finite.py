@@ -1,11 +1,9 @@
 """Stops generation at the first NaN or infinity in an expert layer's output or in the logits.
 
-Damaged weights (bytes flipped on disk, a NaN in a tensor) otherwise decode as silent garbage:
-argmax over NaN logits is token 0. One reduction per checked tensor and step; its cost per token
-is printed by `moestream bench integrity`. In the engine (`FiniteFlags`) each reduction writes a flag
-on the device, and the step's flags come to the host in one read with the logits, so the check adds
-no wait of its own; the first bad place of the step is named. `check_finite` checks one tensor at
-once. This module knows tensors and where they came from, not checkpoints, tiers or policies.
+Damaged weights otherwise decode as silent garbage (argmax over NaN logits is token 0). `FiniteFlags`
+writes one flag per checked tensor on the device, read with the logits, so the check adds no wait; the
+first bad place is named (its cost: `moestream bench integrity`). `check_finite` checks one tensor at
+once. Knows tensors, not checkpoints, tiers or policies.
 """
 
 from __future__ import annotations
@@ -34,13 +32,11 @@ class FiniteFlags:
     host with the logits (one read) and raises for the first place marked non-finite."""
 
     def __init__(self, places: list[str], device: torch.device | str, reads: HostReads):
-        """places: the words naming each flag's place (its index in `mark`)."""
         self.places, self.reads = places, reads
         self._flags = torch.ones(len(places) + 1, dtype=torch.bool, device=device)  # the last: the logits
 
     @classmethod
     def of_layers(cls, moe_layer_ids, device: torch.device | str, reads: HostReads) -> "FiniteFlags":
-        """Flags for each MoE layer's routed experts' output (decoder layer ids given) and the logits."""
         return cls(layer_places(moe_layer_ids), device, reads)
 
     def mark(self, place: int, values: torch.Tensor) -> torch.Tensor:
@@ -49,12 +45,11 @@ class FiniteFlags:
         return values
 
     def begin(self) -> None:
-        """A step starts: every flag true (a step that raised may have left one false)."""
-        self._flags.fill_(True)
+        self._flags.fill_(True)  # a step that raised may have left one false
 
     def read(self, logits: torch.Tensor, *more: torch.Tensor) -> tuple[np.ndarray | torch.Tensor, ...]:
-        """The logits [B, V] on the host (float32, a tensor) and `more` (numpy), in one read; raises for the
-        first place of the step that was not finite."""
+        """The logits [B, V] on the host (float32 tensor) and `more` (numpy) in one read; raises for the first
+        place of the step that was not finite."""
         self.mark(len(self.places), logits)
         host_logits, flags, *rest = self.reads.read(logits.float(), self._flags, *more)
         bad = np.flatnonzero(~flags)

@@ -1,16 +1,12 @@
 """Experts computed where their host bytes are: the mechanism behind `--host-compute`.
 
 For a layer step, `HostCompute.place` asks the rule (`moestream.policies.compute_placement`) which
-device-tier misses compute on the host, given the cost model measured when the engine opens
-(`measure_costs`: the link's copy rate, the expert MLP's rate on the host with its threads and on the
-device), and pins the host slots of those in the host tier. `start` runs their MLPs on a pool of host
-threads (their rows copied down to the host there, not on the compute thread), from typed views of the
-host slots, or of buffers of its own for misses only on disk, read there (`ExpertStore.read_direct`: they
-enter no tier and cross no link); quantized experts are decoded by a decoder of the host's own. The math
-and kernel are the device's, so each expert's output is bit-identical to the device's where both are the
-CPU's kernels; `HostWork.result` hands back the [S, H] rows, which the caller takes in place of the
-device's for those rows. Where `placements` is a list (a caller that compares with the simulator sets it),
-each layer step's choice is appended to it. Knows no rule by name and no policy.
+device-tier misses compute on the host, given the cost model `measure_costs` takes when the engine
+opens, and pins their host slots. `start` runs their MLPs on host threads from views of those slots, or
+of its own buffers for misses only on disk (`ExpertStore.read_direct`: no tier, no link). The math and
+kernel are the device's, so outputs are bit-identical where both are the CPU's; `HostWork.result` gives
+the [S, H] rows that replace the device's. Where `placements` is a list, each layer step's choice is
+appended. Knows no rule by name and no policy.
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ class HostWork:
 class HostCompute:
     def __init__(self, rule: ComputeRule, num_threads: int, store, device: str, costs: ComputeCosts | None = None,
                  decode: Callable[[Weights], Weights] | None = None):
-        """costs: the cost model's figures (None: measured by `calibrate` at the first layer); decode: where the
-        experts are quantized, a decoder whose scratch is on the host and used by the host's work alone."""
+        """costs: None: measured by `calibrate` at the first layer; decode: a quantized decoder with host scratch."""
         self.rule, self.store, self.device, self.costs, self.decode = rule, store, device, costs, decode
         self.views: Callable[[torch.Tensor], Weights] = store.index.views
         self.num_threads = num_threads
@@ -54,7 +49,6 @@ class HostCompute:
         self.buffers: list[torch.Tensor] = []  # where misses only on disk are read (at most DISK_CANDIDATES)
 
     def calibrate(self, math: ExpertMath, hidden: torch.Tensor, decode: Callable[[Weights], Weights] | None) -> None:
-        """Measures the cost model on an expert of zeros laid out as the checkpoint's."""
         slot = torch.zeros(self.store.topology.expert_bytes, dtype=torch.uint8)
         views = self.views(slot)
         weights = {k: v.clone() for k, v in (decode(views) if decode is not None else views).items()}
@@ -62,9 +56,8 @@ class HostCompute:
                                    self.num_threads)
 
     def place(self, keys: list[ExpertKey], rows: dict[int, int]) -> dict[ExpertKey, torch.Tensor | None]:
-        """The layer's experts (keys) the rule sends to the host: their host slots, pinned at once (before the
-        device's fetch may evict from the host tier), or None for a miss only on disk (read by `start`'s
-        work); rows: each expert's row count."""
+        """The experts the rule sends to the host: their host slots, pinned before the device's fetch may
+        evict them, or None for a miss only on disk; rows: each expert's row count."""
         device, host = self.store.resident("device"), self.store.resident("host")
         misses = [k for k in keys if k not in device]
         candidates = layer_candidates(misses, lambda k: rows[k.expert], host.__contains__)
@@ -80,12 +73,10 @@ class HostCompute:
         return held | {c.key: None for c in candidates if c.key in chosen and c.from_disk}
 
     def release(self, slots: dict[ExpertKey, torch.Tensor | None]) -> None:
-        """`place`'s pins given back (where its experts will not be computed)."""
         self.store.release_host([key for key, slot in slots.items() if slot is not None])
 
     def start(self, slots: dict[ExpertKey, torch.Tensor | None], math: ExpertMath, rows: LayerRows,
               spans: dict[int, tuple[int, int]], kernel: str) -> HostWork:
-        """Computes the held experts (`place`'s) on the host threads; their pins go when they are done."""
         held = list(slots)
         mask = torch.zeros(rows.num_rows, dtype=torch.bool, device=rows.inputs.device)
         for key in held:
@@ -113,7 +104,6 @@ class HostCompute:
             self.release(slots)
 
     def _buffer(self, number: int) -> torch.Tensor:
-        """The number-th buffer an expert read from disk lands in (made on first use, kept)."""
         while len(self.buffers) <= number:
             self.buffers.append(torch.empty(self.store.topology.expert_bytes, dtype=torch.uint8))
         return self.buffers[number]
@@ -127,9 +117,7 @@ class HostCompute:
 
 
 def host_compute_for(config, store, host_decoder: Callable[[], Callable | None]) -> HostCompute | None:
-    """The engine's host compute for its EngineConfig (None: --host-compute off); host_decoder() makes quantized
-    experts' decoder with its scratch on the host, the host's own (the device's scratch is the compute thread's),
-    only where host compute runs."""
+    """The engine's host compute (None: --host-compute off); host_decoder() makes a decoder with host scratch."""
     if config.host_compute == "off":
         return None
     return HostCompute(compute_rule(config.host_compute), config.host_threads, store, config.device,
@@ -138,8 +126,7 @@ def host_compute_for(config, store, host_decoder: Callable[[], Callable | None])
 
 def measure_costs(weights: Weights, math: ExpertMath, hidden: torch.Tensor, device: str, expert_bytes: int,
                   num_threads: int) -> ComputeCosts:
-    """The cost model's figures, measured once: one expert's MLP (its dense weights on the host) at 1 and
-    64 rows of `hidden`'s width and dtype, on the host and on the device, and a copy of its bytes up."""
+    """The cost model, measured once: one expert's MLP at 1 and 64 rows on host and device, and a copy up."""
     params = sum(v.numel() for v in weights.values())
     host_stream, host_flops = _mlp_rates(weights, math, hidden.to("cpu"), expert_bytes, params)
     device_weights = {name: v.to(device) for name, v in weights.items()}
@@ -154,8 +141,7 @@ def measure_costs(weights: Weights, math: ExpertMath, hidden: torch.Tensor, devi
 
 def _mlp_rates(weights: Weights, math: ExpertMath, hidden: torch.Tensor, expert_bytes: int,
                params: int) -> tuple[float, float]:
-    """(weight bytes per ms at one row, flops per ms of each row beyond it, up to 64) of one expert's MLP where
-    `hidden` is: the two terms of `ComputeCosts`' sum."""
+    """(weight bytes per ms at one row, flops per ms of each row beyond it) of one expert's MLP."""
     one, many = hidden.new_zeros(1, hidden.shape[-1]), hidden.new_zeros(64, hidden.shape[-1])
     device = str(hidden.device)
     stream_ms = _best_ms(lambda: math.down(math.act(math.up(one, weights)), weights), device)
@@ -167,12 +153,11 @@ def _best_ms(run: Callable[[], object], device: str, repeats: int = 3) -> float:
     """The fastest of a few runs, in ms (after one warm-up)."""
     run()
     best = float("inf")
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda device: None
     for _ in range(repeats):
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         began = time.perf_counter()
         run()
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         best = min(best, (time.perf_counter() - began) * 1e3)
     return max(best, 1e-6)

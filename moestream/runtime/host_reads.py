@@ -1,12 +1,9 @@
 """The one way the engine reads device tensors on the host, and the count of those reads.
 
-A read of a CUDA tensor on the host waits for every kernel queued before it: each one drains the GPU's
-queue. The engine reads once per MoE layer (its routing, with whatever the observers need of it) and
-once per step (the logits, with the step's finite flags); everything else it needs on the host it
-builds there. `HostReads.read` takes every tensor of one such read: on CUDA it copies each into a
-pinned buffer without blocking and waits once, on one event; on the CPU the tensors already are on
-the host. `upload` sends what the host built to the device without waiting. Knows no model, store or
-policy.
+A host read of a CUDA tensor drains the GPU's queue, so the engine reads once per MoE layer (its
+routing) and once per step (logits and finite flags). `HostReads.read` copies every tensor of one read
+into pinned buffers and waits once; `upload` sends host arrays to the device without waiting. Knows no
+model, store or policy.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Per-sequence KV caches for batches whose membership changes between steps.
 
-A `SeqCache` holds one sequence's keys and values at every attention layer, without padding. A
-batch cache is built by left-padding the sequences' caches to the longest and concatenating them
-along the batch dimension (`merge`); when the batch changes, `split` cuts each row's own tokens back out.
-Left padding keeps each row's tokens contiguous and right-aligned, so attention masks, position ids
-and sliding windows (measured as distances) see exactly what a sequence run alone sees. The caches
-are transformers' `DynamicCache` with full layers; this module knows no model, policy or server.
+A `SeqCache` holds one sequence's keys and values at every attention layer, without padding; `merge`
+left-pads them to the longest and concatenates along the batch, `split` cuts each row's tokens back out.
+Left padding keeps each row's tokens contiguous and right-aligned, so masks, position ids and sliding
+windows see exactly what a sequence run alone sees. Knows no model, policy or server.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ def mergeable(model) -> bool:
 
 
 def empty_cache() -> DynamicCache:
-    """A cache for a prefill whose result `split` can cut (full layers, no sliding-window trimming)."""
-    return DynamicCache()
+    return DynamicCache()  # full layers, no sliding-window trimming: `split` can cut its result
 
 
 def merge(caches: list[SeqCache]) -> tuple[DynamicCache, torch.Tensor]:
@@ -68,7 +65,7 @@ def merge(caches: list[SeqCache]) -> tuple[DynamicCache, torch.Tensor]:
 
 
 def split(cache: DynamicCache, lengths: list[int]) -> list[SeqCache]:
-    """Each row's last lengths[row] positions of the batch cache, copied so the batch can be freed."""
+    """Each row's last lengths[row] positions, copied so the batch can be freed."""
     out = []
     for row, length in enumerate(lengths):
         layers = [(layer.keys[row: row + 1, :, -length:].clone(), layer.values[row: row + 1, :, -length:].clone())
@@ -78,7 +75,6 @@ def split(cache: DynamicCache, lengths: list[int]) -> list[SeqCache]:
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """[1, H, L, D] -> [1, H, width, D] with zeros before the sequence's own positions."""
     missing = width - tensor.shape[-2]
     if missing == 0:
         return tensor

@@ -1,31 +1,19 @@
 """A MoE layer's routed experts in one call: every expert's MLP over its rows, from typed views of its slot.
 
-The caller sorts the layer's used (token, k) rows by expert and opens a `LayerExperts` over them
-(`open_layer`); it then hands over each expert's slot views and row span as the expert's bytes are in
-place (`add`), calls `flush` before it releases the experts added, and takes the weighted rows,
-scattered back to their (token, k) places, from `result` (once). Kernels, registered by name in
-`LAYER_KERNELS`:
+The caller sorts the layer's used (token, k) rows by expert, opens a kernel over them, `add`s each
+expert's slot views and row span as its bytes land, calls `flush` before releasing them, and takes the
+weighted rows, scattered to their (token, k) places, from `result` (once). Kernels (`LAYER_KERNELS`):
+"stream" (CPU default) computes each expert as it is added, overlapping the bytes still landing, and
+runs the row-wise tail once per layer; "grouped" (CUDA default) runs each projection of the collected
+experts as one grouped GEMM over a strided view of their evenly spaced slots, else streams them;
+"per-expert" is the former path, kept as the bench's reference.
 
-- "stream" (the CPU default): each expert's two matrix products and its activation run as it is
-  added, into one [R, H] buffer, so that compute overlaps the bytes still landing; the row-wise tail
-  (post, routing weights, scatter) runs once per layer instead of once per expert.
-- "grouped" (the CUDA default, where torch has a grouped GEMM): `add` only collects; `flush` runs each
-  projection of every collected expert as one grouped matrix product over a strided view of their
-  slots (device slots are evenly spaced: at every budget, the view spans the slots between the layer's
-  first and last), and falls back to "stream" where they are not (host slots start at their file
-  offsets' residues) or where torch has no grouped GEMM for the device.
-- "per-expert": the former path, each expert's whole MLP, weighting and scatter on its own; kept as
-  the reference the bench compares against.
-
-Exactness: each expert's matrix products see exactly the rows that transformers' grouped_mm gives
-that expert (its CPU kernel is a loop of the same matrix product per expert), the activation and
-post are row-wise, and the caller sums the [T, K, H] result over k as transformers does, whatever
-order the experts arrived in. fp32 weights whose slot start is not 16-byte aligned are computed from
-an aligned copy: MKL's single-row (gemv) product rounds differently on such addresses (measured:
-4- and 8-byte offsets change the last bits; 16, 32 and 64 do not), while transformers' parameters
-are aligned. Quantized experts (`LayerRows.decode` set) are decoded into reusable scratch right before
-their MLP, one at a time (so "grouped" streams them). Knows no store, policy, family or quantization
-format.
+Exactness: each expert's products see exactly the rows transformers' grouped_mm gives it, activation and
+post are row-wise, and the caller sums over k as transformers does, whatever the arrival order. fp32
+weights whose slot start is not 16-byte aligned are computed from an aligned copy: MKL's gemv rounds
+differently on such addresses (4- and 8-byte offsets change the last bits; 16, 32 and 64 do not).
+Quantized experts (`LayerRows.decode`) are decoded into reusable scratch right before their MLP, one at
+a time. Knows no store, policy, family or quantization format.
 """
 
 from __future__ import annotations
@@ -46,8 +34,6 @@ ALIGN_BYTES = 16  # fp32 weights at other addresses are copied (see the module d
 
 @dataclass(frozen=True)
 class LayerRows:
-    """A layer's used rows sorted by expert: what every kernel computes over."""
-
     math: ExpertMath
     inputs: torch.Tensor  # [R, H] hidden state of each used (token, k) row, sorted by expert
     scale: torch.Tensor  # [R, 1] routing weight of each row
@@ -57,13 +43,11 @@ class LayerRows:
     decode: Callable[[Weights], Weights] | None = None  # quantized slot views -> dense weights (scratch)
 
     def weights(self, views: Weights) -> Weights:
-        """The weights an expert's MLP reads: its slot views, or their decoding right now."""
         return views if self.decode is None else self.decode(views)
 
     def mlp(self, views: Weights, start: int, end: int) -> torch.Tensor:
-        """One expert's MLP without its post stage over its sorted rows [start, end) -> [n, H]: by the decode's
-        own `mlp(math, rows, views)` where it has one (a kernel that reads the quantized views itself,
-        quant/kernels.py), else over `weights(views)`."""
+        """One expert's MLP without post over its sorted rows [start, end) -> [n, H]; by the decode's own
+        `mlp(math, rows, views)` where it has one (quant/kernels.py)."""
         own = getattr(self.decode, "mlp", None)
         if own is not None:
             return own(self.math, self.inputs[start:end], views)
@@ -85,7 +69,7 @@ LAYER_KERNELS: Registry[LayerExperts] = Registry("layer experts kernel")
 
 
 def aligned(weights: Weights) -> Weights:
-    """The views, with a 16-byte-aligned copy of each fp32 one that is not (exactness, see above)."""
+    """The views, each misaligned fp32 one copied aligned (exactness, see above)."""
     if all(w.dtype != torch.float32 or w.data_ptr() % ALIGN_BYTES == 0 for w in weights.values()):
         return weights
     return {name: w.clone() if w.dtype == torch.float32 and w.data_ptr() % ALIGN_BYTES else w
@@ -99,7 +83,6 @@ def expert_mlp(math: ExpertMath, rows: torch.Tensor, weights: Weights) -> torch.
 
 
 def zeros(rows: LayerRows) -> torch.Tensor:
-    """[S, H] zeros of the result's dtype."""
     return torch.zeros(rows.num_rows, rows.inputs.shape[-1], dtype=rows.out_dtype, device=rows.inputs.device)
 
 
@@ -120,7 +103,6 @@ class StreamedLayer:
         self.put(slice(start, end), self.rows.mlp(weights, start, end))
 
     def put(self, where: slice | torch.Tensor, out: torch.Tensor) -> None:
-        """Experts' outputs [n, H] (before post) of the sorted rows `where`."""
         if self.outputs is None:
             self.outputs = out.new_empty(self.rows.inputs.shape[0], out.shape[-1])  # [R, H]
         self.outputs[where] = out
@@ -155,9 +137,8 @@ class PerExpertLayer:
 
 
 def stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """One [G, ...] strided view over tensors of one storage spaced evenly apart (G >= len(views), the
-    i-th at group (offset_i - offset_0) / step), or None where they are not. Sparse ones are taken: a layer's
-    experts among all the slots of a pool span at most the pool, and groups without rows cost nothing."""
+    """One [G, ...] strided view over tensors of one storage spaced evenly apart (G >= len(views); groups
+    without rows cost nothing), or None where they are not."""
     first = views[0]
     offsets = [v.storage_offset() for v in views]
     low = min(offsets)
@@ -176,8 +157,7 @@ def stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def grouped_ready(device: torch.device) -> bool:
-    """Whether torch has a grouped GEMM for this device: CUDA of compute capability 8.0 or later, or a CPU
-    with torch 2.9 or later (a loop of the same per-group product in C++, as transformers calls it)."""
+    """Whether torch has a grouped GEMM here: CUDA of capability 8.0 or later, or a CPU with torch >= 2.9."""
     if grouped_mm() is None:
         return False
     if device.type == "cuda":
@@ -209,8 +189,7 @@ class Groups:
 
 @LAYER_KERNELS.register("grouped")
 class GroupedLayer:
-    """`add` collects; `flush` runs each projection of the collected experts as one grouped GEMM over
-    strided views of their slots (CUDA), else streams them."""
+    """`add` collects; `flush` runs them as grouped GEMMs over strided views of their slots, else streams."""
 
     def __init__(self, rows: LayerRows):
         self.rows = rows
@@ -237,8 +216,7 @@ class GroupedLayer:
         return rows.decode is None and isinstance(rows.math, GroupedExpertMath) and grouped_ready(rows.inputs.device)
 
     def _run(self, groups: Groups, pending: list[tuple[Weights, int, int]]) -> None:
-        """Each collected expert's (first row, rows, group) goes up without a wait; the rows by group, each
-        row's group and the groups' offsets are built from them on the device (no read)."""
+        """The rows by group, their groups and offsets are built on the device from the spans (no read)."""
         device = self.rows.inputs.device
         ranked = sorted(range(len(pending)), key=groups.of_expert.__getitem__)  # experts in group order
         spans = np.array([(pending[i][1], pending[i][2] - pending[i][1], groups.of_expert[i]) for i in ranked])
@@ -256,12 +234,9 @@ class GroupedLayer:
 
 
 def num_groups(groups: Groups) -> int:
-    """G: the groups of the stacked views."""
     return next(iter(groups.stacked.values())).shape[0]
 
 
 def default_kernel(device: torch.device) -> str:
-    """The LAYER_KERNELS name for a device: "grouped" on CUDA with a grouped GEMM (copies land on streams,
-    so waiting for a group's experts costs the host nothing), else "stream" (a CPU computes each
-    expert while the next one's bytes land)."""
+    """The LAYER_KERNELS name for a device: "grouped" on CUDA with a grouped GEMM, else "stream"."""
     return "grouped" if device.type == "cuda" and grouped_ready(device) else "stream"

@@ -1,17 +1,11 @@
 """Builds a transformers model whose dense part is real and whose routed experts never leave disk.
 
-The skeleton is built on the meta device (no memory); then every dense tensor of the checkpoint is
-read (its own byte range only, with readahead off, so that loading the dense part reads no expert
-bytes), renamed as transformers' loading renames it (`families.derive.DenseConversion`) and placed on the compute device one at a time; tied weights
-are tied and non-persistent buffers (rotary inverse frequencies) are computed on the device by the
-model's own initialiser. Dense tensors a quantized checkpoint stores quantized are decoded by its
-codec (`dense_groups`, `decode_dense`) as they are read. The routed experts' parameters stay on meta:
-the experts implementation computes from the store's slots instead. A multimodal model's towers
-(vision, audio: `families.derive.towers`), which generating text from input ids never runs, are not read
-and stay on meta too. Shared experts are ordinary
-dense modules. The output head gets its input with standard strides (`head_input_hook`). `dense_modules`
-finds the dense modules by role from transformers' decoder layout (no family by name).
-This module knows no policy and names no family.
+The skeleton is built on the meta device; every dense tensor is then read (its own byte range, readahead
+off, so no expert bytes are read), renamed as transformers' loading does (`DenseConversion`), decoded
+by the codec where stored quantized, and placed on the device one at a time; tied weights are tied and
+non-persistent buffers computed by the model's initialiser. Routed experts and multimodal towers
+(`towers`, never run for text) stay on meta. `dense_modules` finds dense modules by role from the
+decoder layout. Knows no policy and names no family.
 """
 
 from __future__ import annotations
@@ -36,12 +30,10 @@ log = logging.getLogger(__name__)
 
 
 def compute_dtype(config) -> torch.dtype:
-    """The dtype the model computes in: its config's, else float32."""
     return getattr(config, "dtype", None) or torch.float32
 
 
 def build_skeleton(checkpoint: CheckpointIndex) -> torch.nn.Module:
-    """The model of the checkpoint's family on the meta device, in eval mode."""
     auto_class = getattr(transformers, checkpoint.adapter.auto_class)
     dtype = compute_dtype(checkpoint.config)
     with torch.device("meta"):
@@ -102,7 +94,7 @@ def _load_file(model, checkpoint: CheckpointIndex, file: Path, names, conversion
 
 def _load_quantized(model, checkpoint: CheckpointIndex, name: str, group: dict[str, str], key: str,
                     device: str) -> set[str]:
-    """One dense tensor stored quantized: its tensors read, decoded by the codec, assigned as `name`."""
+    """One dense tensor stored quantized, read and decoded by the codec."""
     tensors = {}
     for role, disk_name in group.items():
         info = checkpoint.tensors[disk_name]
@@ -119,7 +111,6 @@ def _load_quantized(model, checkpoint: CheckpointIndex, name: str, group: dict[s
 
 
 def _read_tensor(fd: int, info: TensorInfo) -> torch.Tensor:
-    """The tensor's bytes read from its own range of the file."""
     data = bytearray(info.nbytes)
     view, got = memoryview(data), 0
     while got < info.nbytes:
@@ -163,7 +154,7 @@ def _ignored_on_load(model: torch.nn.Module, key: str) -> bool:
 
 
 def materialize_buffers(model: torch.nn.Module, device: str) -> None:
-    """Computes non-persistent buffers left on meta (e.g. rotary inv_freq) on `device`."""
+    """Computes non-persistent buffers left on meta (e.g. rotary inv_freq)."""
     owners = {}
     skip = tuple(f"{path}." for path in towers(model))
     for name, buffer in model.named_buffers():
@@ -185,7 +176,6 @@ def materialize_buffers(model: torch.nn.Module, device: str) -> None:
 
 
 def load_model(checkpoint: CheckpointIndex, device: str, progress: bool = False) -> torch.nn.Module:
-    """The checkpoint's model with its dense part on `device` and its routed experts on meta."""
     context = torch.cuda.device(device) if torch.device(device).type == "cuda" else nullcontext()
     with context:
         model = build_skeleton(checkpoint)
@@ -203,8 +193,8 @@ DENSE_ROLES = {"self_attn": "attention", "SelfAttention": "attention", "EncDecAt
 
 
 def dense_modules(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
-    """role -> the model's modules of that role, in model order: "attention" (a layer's `self_attn`, or T5's),
-    "shared experts", "dense mlp" (a layer's `mlp` with no routed experts) and "head" (the output embeddings)."""
+    """role -> the model's modules of that role, in order: "attention", "shared experts", "dense mlp" (an
+    `mlp` without routed experts) and "head"."""
     roles: dict[str, list[torch.nn.Module]] = {}
     for name, module in model.named_modules():
         suffix = name.rsplit(".", 1)[-1]
@@ -220,15 +210,14 @@ def dense_modules(model: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
 
 
 def head_input_hook(module: torch.nn.Module, args: tuple) -> tuple:
-    """Gives the output head's input standard strides. At prefill it is the hidden states' last row
-    (logits_to_keep=1), a [B, 1, H] view whose batch stride is T * H; torch's CPU bf16 linear takes
-    a slow path for it that copies the weight: 6.6 s and +208 MiB for a [102400, 1024] head, against
-    0.1 s. The copy costs B * H elements and gives bit-identical logits."""
+    """Gives the output head's input standard strides: at prefill a [B, 1, H] view of batch stride T * H
+    sends torch's CPU bf16 linear down a path that copies the weight (6.6 s, +208 MiB for a [102400, 1024]
+    head, against 0.1 s). The copy costs B * H elements; the logits are bit-identical."""
     return (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
 
 
 def expert_decoder(checkpoint: CheckpointIndex, device: str) -> ExpertDecoder | None:
-    """The decoder of a quantized checkpoint's experts (scratch on the compute device), None if unquantized."""
+    """The decoder of a quantized checkpoint's experts (scratch on `device`), None if unquantized."""
     if checkpoint.codec is None:
         return None
     return ExpertDecoder(checkpoint.codec, checkpoint.experts.layout, compute_dtype(checkpoint.config), device)

@@ -1,27 +1,14 @@
 """One MoE layer's experts, served from the expert store: the engine's expert path in one place.
 
-`OffloadedExperts.forward` is that path, in this order: the routing comes to the host in the layer's
-one read (`HostReads`: the expert ids, and what observers of routing events need) and is published;
-the layer's experts are fetched (pinned; the misses go to the head of the transfer queue, ahead of
-speculative work, and stale speculative transfers of the layer are dropped); the policy plans the
-prefetch of later layers (`Prefetcher`: predict -> plan -> enqueue; with the asynchronous store it
-only queues transfers, so it never waits for bytes); then the experts compute. The routing event
-is built only when some observer overrides `Observer.observe` (reactive policies, e.g. plain LRU,
-read none, and building it costs as much as a layer's bookkeeping).
-
-Cache-aware reordering: experts compute as their bytes are in place, resident ones first, then
-those in flight as they land (`reorder=False`: in expert order, waiting for each). The layer's
-routed experts run as one `LayerExperts` (`moestream.runtime.layer_experts`, a kernel chosen by
-name or by the device): each expert's rows, sorted by expert, go through its MLP from typed views of
-its slot, and the weighted rows land in their own places of a [T * K, H] buffer, which is summed
-over k as transformers does. No expert's result depends on another's or on the order of arrival, so
-outputs are bit-identical whatever the order. When a layer's experts exceed the device tier, they
-run in groups that fit it. This module knows no policy or family by name.
-
-Under expert parallelism a `Shard` (moestream.parallel) says which experts this process owns: a
-layer computes only the rows of those (the others stay zero), the shard combines the [T * K, H] rows
-of every process before the sum over k, and the prefetcher drops requests for experts owned
-elsewhere. Without a shard every expert is this process's.
+`OffloadedExperts.forward`, in order: the routing comes to the host in the layer's one read (`HostReads`)
+and is published (the event is built only when some observer overrides `Observer.observe`); the layer's
+experts are fetched (pinned; misses ahead of speculative work); the policy plans later layers' prefetch
+(`Prefetcher`: it only queues transfers, never waits for bytes); then the experts compute, resident ones
+first, the others as they land (`reorder=False`: in expert order), as one `LayerExperts` kernel whose
+weighted rows land in a [T * K, H] buffer summed over k as transformers does. No expert's result depends
+on the order of arrival, so outputs are bit-identical. Experts beyond the device tier run in groups that
+fit it. Under expert parallelism a `Shard` says which experts this process owns: only their rows are
+computed, and the shard combines every process's rows before the sum. Knows no policy or family by name.
 """
 
 from __future__ import annotations
@@ -46,8 +33,7 @@ from moestream.tracer import LaneTotal, Tracer, since
 
 
 class Prefetcher:
-    """After a layer's routing: the driver's transfer requests for the layers ahead, into the device tier
-    (those of experts this process owns, under a shard)."""
+    """After a layer's routing: the driver's transfer requests for the layers ahead (owned ones, under a shard)."""
 
     def __init__(self, driver: PolicyDriver, store, shard: Shard | None = None):
         self.driver = driver
@@ -65,20 +51,17 @@ class Prefetcher:
 
 
 def modelled_link(config, topology) -> ModelledLink | None:
-    """The planner's model of the disk link from a run's fixed figures (EngineConfig.link_gbps, layer_ms;
-    None without both; `LinkFigures`). Fixed figures: the model reads no clock."""
+    """The planner's model of the disk link from EngineConfig.link_gbps and layer_ms (None without both)."""
     if config.link_gbps <= 0 or config.layer_ms <= 0:
         return None
     return LinkFigures(config.link_gbps, config.layer_ms, config.reorder).model(topology)
 
 
 class RowPlan:
-    """A layer's used (token, k) rows [R of S = T * K], sorted by expert id: the order on the device
-    (built there from the expert ids, which the host never sends back), each expert's span on the host
-    (from the ids it read). Each expert's rows keep their (token, k) order, whatever the experts' order."""
+    """A layer's used (token, k) rows [R of S = T * K], stably sorted by expert id: the order on the device
+    (built there from the device's ids), each expert's span on the host (from the ids it read)."""
 
     def __init__(self, ids: np.ndarray, used: np.ndarray, device_ids: torch.Tensor, num_experts: int):
-        """ids [S] and used [S] on the host; device_ids: the same ids on the device."""
         self.num_rows = ids.size
         self._counts = np.bincount(ids[used], minlength=num_experts)  # [E]
         self._ends = ends = np.cumsum(self._counts)  # [E]
@@ -86,15 +69,13 @@ class RowPlan:
         self.order = torch.argsort(key, stable=True)[: int(ends[-1])]  # [R] on the device
 
     def span(self, expert: int) -> tuple[int, int]:
-        """Where the expert's rows lie in the sorted order."""
         end = int(self._ends[expert])
         return end - int(self._counts[expert]), end
 
 
 def expert_compute(now: dict[str, LaneTotal], before: dict[str, LaneTotal]) -> tuple[int, float]:
-    """The routed expert MLPs run between two `Tracer.totals()` copies, and the compute thread's seconds
-    in the layers' expert work (theirs, lane "experts", and the grouped or row-wise rest, lane "layer"),
-    for calibrating the simulator (`bench fidelity`; on CUDA: their launches)."""
+    """The expert MLPs run between two `Tracer.totals()` copies and the seconds of lanes "experts" and
+    "layer" (the layers' expert work), for calibrating the simulator (`bench fidelity`)."""
     experts = since(now, before, "experts")
     return experts.spans, experts.seconds + since(now, before, "layer").seconds
 
@@ -116,10 +97,9 @@ class OffloadedExperts:
                  kernel: str | None = None, decode: Callable[[Weights], Weights] | None = None,
                  shard: Shard | None = None, tracer: Tracer | None = None, reads: HostReads | None = None,
                  finite: FiniteFlags | None = None):
-        """decode: a quantized slot's views -> the dense weights of its MLP (into scratch), None: unquantized;
-        tracer: where each expert MLP (lane "experts") and the layer's other expert work ("layer") are
-        reported (None: a totals-only one); reads: what counts its device-to-host reads; finite: where
-        each layer's output is checked (None: at once, in its own read)."""
+        """decode: a quantized slot's views -> dense weights (None: unquantized); tracer: where expert MLPs
+        (lane "experts") and other expert work ("layer") are reported; finite: where each layer's output is
+        checked (None: at once, in its own read)."""
         self.reads = reads if reads is not None else HostReads()
         self.finite = finite if finite is not None else _CheckedAtOnce(store.topology.moe_layer_ids, self.reads)
         self.store = store
@@ -138,9 +118,8 @@ class OffloadedExperts:
         self._max_views = 2 * max(store.device_slots, 1)  # a slot's address moves with its expert's file offset
 
     def resident_weights(self, layer: int) -> Weights | None:
-        """The layer's experts as [E, ...] views of the device pool, where every expert of the model stays
-        resident, no one reads routing events, nothing is quantized or sharded and the slots lie evenly
-        apart in expert order; else None (the offloaded path runs). Kept once found."""
+        """The layer's experts as [E, ...] views of the device pool where all are resident, unobserved,
+        unquantized, unsharded and evenly laid out in expert order; else None (the offloaded path runs)."""
         if self.shard is not None or self.decode is not None or self.publisher.observed:
             return None
         if layer not in self._resident:
@@ -153,7 +132,7 @@ class OffloadedExperts:
         return self._resident[layer]
 
     def count_resident(self, top_k_index: torch.Tensor) -> None:
-        """Counts, on the device, the distinct experts a layer that ran as all resident used (its lookups)."""
+        """Counts on the device the distinct experts an all-resident layer used (its lookups)."""
         num_experts, active = self.store.topology.num_experts, self.publisher.rows(top_k_index.shape[0]).active
         ids = top_k_index if active.all() else top_k_index.masked_fill(  # [T, K]
             ~upload(active, top_k_index.device)[:, None], num_experts)
@@ -167,7 +146,6 @@ class OffloadedExperts:
         return count
 
     def take_host_computed(self) -> int:
-        """Experts computed on the host since the last call."""
         return self.host.take_count() if self.host is not None else 0
 
     def close(self) -> None:
@@ -193,7 +171,8 @@ class OffloadedExperts:
         if self.shard is not None:
             used &= self.shard.owned_rows(layer, ids)  # the other rows are other processes'
         keys = [ExpertKey(layer, int(e)) for e in np.unique(ids[used])]
-        on_host = self.host.place(keys, self._counts(ids[used])) if self.host is not None else {}  # pinned
+        counts = {int(e): int(n) for e, n in zip(*np.unique(ids[used], return_counts=True))}  # rows by expert
+        on_host = self.host.place(keys, counts) if self.host is not None else {}  # pinned
         groups = self.store.streaming_groups([key for key in keys if key not in on_host] if on_host else keys)
         chosen = [key for group in groups for key in group]
         try:
@@ -212,13 +191,12 @@ class OffloadedExperts:
                 first.release()
         if self.shard is not None:
             out = self.shard.combine(layer, out)  # [S, H], each row from the one process that owns its expert
-        return self._combined(layer, out.view(num_tokens, top_k, -1), hidden.dtype)
+        return self.finite.mark(layer, out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype))  # [T, H]
 
     def _read(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               kept: torch.Tensor | None) -> tuple[Routing, np.ndarray | None]:
-        """The layer's routing on the host in one read: the expert ids, the rows kept (where some are
-        dropped) and, where an observer reads routing events, the weights and what it asks for (the
-        routing's weights None: no one observes)."""
+        """The layer's routing on the host in one read: ids, kept rows and, where observed, what observers read
+        (weights None: no one observes)."""
         logits = self._router_logits.pop(layer, None)
         observed = self.publisher.observed
         wanted = {"ids": top_k_index, "kept": kept}
@@ -230,20 +208,10 @@ class OffloadedExperts:
         routing = Routing(read["ids"], read.get("weights"), read.get("hidden"), read.get("probs"))
         return routing, read.get("kept")
 
-    def _combined(self, layer: int, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The one place after a layer's expert outputs [T, K, H] are combined (summed over k) -> [T, H];
-        a non-finite result marks the layer's flag, which the step reads with its logits."""
-        return self.finite.mark(layer, out.sum(dim=1).to(dtype))
-
-    def _counts(self, used_ids: np.ndarray) -> dict[int, int]:
-        """Rows of each expert the layer step routes to."""
-        experts, counts = np.unique(used_ids, return_counts=True)
-        return {int(expert): int(count) for expert, count in zip(experts, counts, strict=True)}
-
     def _compute(self, math: ExpertMath, hidden: torch.Tensor, top_k_weights: torch.Tensor, plan: RowPlan,
                  groups: list[list[ExpertKey]], first, on_host: dict[ExpertKey, torch.Tensor]) -> torch.Tensor:
-        """Every used (token, k) row through its expert, weighted -> [S, H] (unused rows zero); the experts
-        on_host compute on the host meanwhile, and their rows are theirs."""
+        """Every used (token, k) row through its expert, weighted -> [S, H] (unused rows zero); on_host's
+        experts compute on the host meanwhile."""
         order = plan.order  # [R]
         top_k = plan.num_rows // hidden.shape[0]
         rows = LayerRows(math, hidden[order // top_k], top_k_weights.reshape(-1)[order, None], order,
@@ -259,7 +227,6 @@ class OffloadedExperts:
 
     def _on_device(self, rows: LayerRows, plan: RowPlan, kernel: str, groups: list[list[ExpertKey]],
                    first) -> torch.Tensor:
-        """The groups' experts computed from device slots -> [S, H] (their rows; the others zero)."""
         layer = LAYER_KERNELS.create(kernel, rows)
         for number, group in enumerate(groups):
             fetch = first if number == 0 else self.store.fetch(group, [key for g in groups for key in g])
@@ -275,8 +242,7 @@ class OffloadedExperts:
             return layer.result()  # [S, H]
 
     def _slot_views(self, slot: torch.Tensor) -> Weights:
-        """Typed views of a slot, kept for the slot addresses used most recently (an address serves
-        every expert placed there)."""
+        """Typed views of a slot, cached by address for the most recent ones."""
         address = slot.data_ptr()
         views = self._views.get(address)
         if views is None:

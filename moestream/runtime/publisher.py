@@ -1,10 +1,8 @@
 """Publishes what the runtime sees to its observers: iteration contexts, routing events, sequence ends.
 
-The engine tells the publisher which sequence and position each row of the next forward pass
-belongs to (a `RowContext`); the experts forward hands it each layer's routing, already on the host
-(read with the layer's expert ids), and it turns that into a `RoutingEvent` of the rows that really
-run (padding, finished and dropped tokens excluded). It knows no policy: it hands each event to a `PolicyDriver` (moestream.policies.driver), which calls
-the policy's observers and any others in the contract's order, and reports the time they take.
+The engine tells the publisher which sequence and position each row of the next forward pass belongs
+to (`RowContext`); the experts forward hands it each layer's routing, already on the host, and it builds
+a `RoutingEvent` of the rows that really run. It knows no policy: events go to a `PolicyDriver`.
 """
 
 from __future__ import annotations
@@ -37,13 +35,12 @@ class RowContext:
 
     @classmethod
     def single(cls, num_rows: int) -> "RowContext":
-        """One sequence of num_rows tokens at positions 0..num_rows-1 (a forward outside the engine)."""
         return cls(np.zeros(num_rows, np.int64), np.arange(num_rows), np.ones(num_rows, bool))
 
 
 @dataclass(frozen=True)
 class Routing:
-    """One layer's routing on the host, as the experts forward read it (every row of the layer)."""
+    """One layer's routing on the host (every row of the layer)."""
 
     expert_ids: np.ndarray  # [T, K] int64
     weights: np.ndarray  # [T, K] float32
@@ -97,7 +94,6 @@ class Publisher:
             self.driver.end_sequence(seq_id)
 
     def publish(self, layer: int, routing: Routing, rows: RowContext, active: np.ndarray) -> RoutingEvent:
-        """Builds the layer's event from the active rows [T] bool and hands it to every observer."""
         event = RoutingEvent(
             layer=layer,
             expert_ids=routing.expert_ids[active].astype(np.int64),  # [R, K]
@@ -113,6 +109,5 @@ class Publisher:
 
 
 def _observes(observer) -> bool:
-    """Whether an observer handles routing events (`Observer.observe` itself ignores them), so that a
-    layer builds its event only when someone reads it."""
+    """Whether an observer overrides `Observer.observe` (which ignores routing events)."""
     return getattr(observer.observe, "__func__", None) is not Observer.observe

@@ -1,29 +1,16 @@
 """Routing replay, for measurement only: the engine follows a recorded trace's routing instead of its
 router's, so that a random-weight checkpoint meets the routing of a trained model.
 
-Which rows: the trace is read as one token stream, in trace order. Each iteration takes the next
-rows, one per token it processes (its active rows, batch-major, as the model flattens them); every
-MoE layer of that iteration uses the same rows, at its own layer. Sequence boundaries of the trace
-and of the prompts are not aligned (a prompt of 9 tokens may take the tail of one recorded prompt
-and the head of the next): the point is real routing statistics, not a given prompt's routing.
+The trace is read as one token stream: each iteration takes the next rows, one per active token
+(batch-major), the same rows at every MoE layer; trace and prompt boundaries are not aligned (the point
+is real routing statistics). Running out wraps to the first row (counted in `wraps`, logged once). The
+last MAX_RECORDED_ITERATIONS iterations' rows are kept in `iterations` for a benchmark's simulator;
+`rows_used` counts every row. Steps inside `paused()` follow the router and take no rows.
 
-Running out of rows wraps around to the first row (and is logged once): a benchmark's token count
-is set by its prompts and flags, not by the trace, and wrapping keeps the recorded distribution
-(the number of wraps is kept in `wraps`, so a report can say so). Each iteration's rows are kept in
-`iterations` for a benchmark's simulator, the last MAX_RECORDED_ITERATIONS of them (a server that
-replays for days stays bounded); `rows_used` counts every row. Steps run inside `paused()` follow the
-router and take no rows (a measurement no request sees, such as serving's KV probe).
-
-Experts: the trace's experts replace the router's top-k of the active rows; padding rows keep the
-router's choice (they run no experts). Weights: the trace's gate weights when it has them, else the
-router's own top-k weights in their order, so their scale and normalisation stay the model's; which
-replayed expert gets which weight is then arbitrary, as the outputs under replay mean nothing. The
-router's full distribution (gate probabilities for policies that ask) stays the model's own.
-
-The replay is an observer (it learns each iteration's token count from `begin_iteration`) and the
-experts forward asks it for each layer's routing (`moestream.runtime.experts.attach_replay`; an
-iteration's rows of every layer go to the device once, at its first layer); it knows no policy and no
-store.
+The trace's experts replace the router's top-k of active rows (padding keeps the router's); weights are
+the trace's gate weights, else the router's own top-k weights in their order (the outputs under replay
+mean nothing). Gate probabilities stay the model's. The replay is an observer (`begin_iteration` gives
+the token count) that the experts forward asks for each layer's routing; it knows no policy and no store.
 """
 
 from __future__ import annotations
@@ -81,7 +68,6 @@ class RoutingReplay(Observer):
 
     @contextlib.contextmanager
     def paused(self):
-        """Steps run inside follow the router's own routing and take no rows."""
         self._paused = True
         try:
             yield
@@ -108,7 +94,6 @@ class RoutingReplay(Observer):
 
     @property
     def recorded_all(self) -> bool:
-        """Whether `iterations` still holds every iteration's rows."""
         return sum(len(rows) for rows in self.iterations) == self.rows_used
 
     def route(self, layer: int, active: np.ndarray, top_k_index: torch.Tensor,
@@ -133,13 +118,11 @@ class RoutingReplay(Observer):
         return index, replayed
 
     def _upload(self, rows: np.ndarray, active: np.ndarray, device: torch.device):
-        """The iteration's active rows, and its trace rows' experts and weights of every layer, on the device."""
         weights = None if self._weights is None else upload(self._weights[rows], device)
         return (upload(np.flatnonzero(active), device), upload(self._experts[rows].astype(np.int64), device), weights)
 
 
 def load_replay(path: str, model_topology: Topology) -> RoutingReplay:
-    """The replay of a trace file (a moestream trace or a DeepSeek routing npz) for this model."""
     from moestream.trace.format import load_trace
 
     return RoutingReplay(load_trace(path), model_topology, str(path))

@@ -62,11 +62,10 @@ class Sequence:
 
 @dataclass
 class BatchCache:
-    """One batch's past, owned by the scheduler: the model's KV cache (None: the runner makes one),
-    each row's cached positions [B, W] (decoder-only), and an encoder-decoder's encoder outputs."""
+    """One batch's past, owned by the scheduler."""
 
-    kv: Any = None
-    mask: torch.Tensor | None = None
+    kv: Any = None  # the model's KV cache (None: the runner makes one)
+    mask: torch.Tensor | None = None  # [B, W] each row's cached positions (an encoder-decoder's: its encoder's)
     encoder_outputs: Any = None
 
 
@@ -83,7 +82,6 @@ class StepPlan:
 
 def _rows_and_ctx(step: int, seqs: list[Sequence], input_ids: np.ndarray, positions: np.ndarray,
                   active: np.ndarray, is_prefill: bool) -> tuple[RowContext, IterationContext]:
-    """The rows of a plan from its host arrays [B, S] (nothing is read from the device)."""
     batch, width = input_ids.shape
     seq_ids = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), width)  # [B * S]
     rows = RowContext(seq_ids, positions.reshape(-1), active.reshape(-1))
@@ -102,32 +100,6 @@ def _active(seqs: list[Sequence]) -> np.ndarray:
     return np.array([[not s.finished] for s in seqs])  # [B, 1]
 
 
-def prefill_plan(step: int, seqs: list[Sequence], pad_id: int, device: str) -> StepPlan:
-    """All prompts at once, left padded as a tokenizer with padding_side='left' would."""
-    width = max(len(s.prompt_ids) for s in seqs)
-    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(seqs), width), dtype=np.int64)
-    for row, seq in enumerate(seqs):
-        ids[row, width - len(seq.prompt_ids):] = seq.prompt_ids
-        mask[row, width - len(seq.prompt_ids):] = 1
-    positions = np.where(mask == 0, 0, mask.cumsum(-1) - 1)  # [B, S]
-    rows, ctx = _rows_and_ctx(step, seqs, ids, positions, mask.astype(bool), True)
-    return StepPlan(step, True, upload(ids, device), upload(mask, device), upload(positions, device), rows, ctx)
-
-
-def decode_plan(step: int, seqs: list[Sequence], past_mask: torch.Tensor) -> StepPlan:
-    """One token per sequence after its cached positions, past_mask [B, W]: each row continues at
-    its own position, as `generate` extends a left-padded batch (or a batch merged from per-sequence
-    caches, runtime/kv.py). The host's positions of the running rows are their sequences' cached
-    tokens (a finished row's are never read), so the device's mask is not read."""
-    ids = _last_tokens(seqs)
-    cached = np.array([[len(s.prompt_ids) + len(s.output_ids) - 1] for s in seqs], dtype=np.int64)  # [B, 1]
-    positions = past_mask.sum(-1, keepdim=True)  # [B, 1] on the device: what the model sees
-    mask = torch.cat([past_mask, past_mask.new_ones((len(seqs), 1))], dim=-1)  # [B, W + 1]
-    rows, ctx = _rows_and_ctx(step, seqs, ids, cached, _active(seqs), False)
-    return StepPlan(step, False, upload(ids, past_mask.device), mask, positions, rows, ctx)
-
-
 class ModelRunner:
     """Runs plans through one model, over the batch cache it is handed; returns next-token logits [B, V]."""
 
@@ -141,17 +113,25 @@ class ModelRunner:
         self.device = device
 
     def prefill(self, step: int, seqs: list[Sequence]) -> StepPlan:
-        return prefill_plan(step, seqs, self.pad_id, self.device)
+        """All prompts at once, left padded as a tokenizer with padding_side='left' would."""
+        width = max(len(s.prompt_ids) for s in seqs)
+        ids = np.full((len(seqs), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(seqs), width), dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            ids[row, width - len(seq.prompt_ids):] = seq.prompt_ids
+            mask[row, width - len(seq.prompt_ids):] = 1
+        positions = np.where(mask == 0, 0, mask.cumsum(-1) - 1)  # [B, S]
+        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, mask.astype(bool), True)
+        device = self.device
+        return StepPlan(step, True, upload(ids, device), upload(mask, device), upload(positions, device), rows, ctx)
 
     def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
         raise NotImplementedError
 
     def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
-        """Runs the plan; the cache holds the batch's past after it."""
         raise NotImplementedError
 
     def _forward(self, rows: RowContext, module: torch.nn.Module | None = None, **inputs):
-        """Calls the model (or one of its parts) with the publisher told which rows it runs."""
         self.publisher.set_rows(rows)
         try:
             return (module or self.model)(**inputs)
@@ -163,7 +143,6 @@ RUNNERS: Registry[ModelRunner] = Registry("model runner")
 
 
 def _next_logits(out) -> torch.Tensor:
-    """The logits [B, V] of each row's next token (on the device; the engine reads them, checked)."""
     return out.logits[:, -1, :].float()
 
 
@@ -178,7 +157,6 @@ def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
 
 
 def _returned_cache(out):
-    """The output's KV cache under either name (see `_cache_kwargs`)."""
     return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
@@ -190,7 +168,14 @@ class CausalRunner(ModelRunner):
     per_sequence_cache = True
 
     def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
-        return decode_plan(step, seqs, cache.mask)
+        """One token per sequence after its cached positions [B, W], each row at its own position, as
+        `generate` extends a left-padded batch; the host's positions are the sequences' cached tokens."""
+        ids, past_mask = _last_tokens(seqs), cache.mask
+        cached = np.array([[len(s.prompt_ids) + len(s.output_ids) - 1] for s in seqs], dtype=np.int64)  # [B, 1]
+        positions = past_mask.sum(-1, keepdim=True)  # [B, 1] on the device: what the model sees
+        mask = torch.cat([past_mask, past_mask.new_ones((len(seqs), 1))], dim=-1)  # [B, W + 1]
+        rows, ctx = _rows_and_ctx(step, seqs, ids, cached, _active(seqs), False)
+        return StepPlan(step, False, upload(ids, past_mask.device), mask, positions, rows, ctx)
 
     def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
         extra = {"logits_to_keep": 1} if _accepts(self.model, "logits_to_keep") else {}
@@ -209,20 +194,16 @@ class TextOfMultimodalRunner(CausalRunner):
 
 @RUNNERS.register("AutoModelForMultimodalLM")
 class TextOfOmniRunner(CausalRunner):
-    """The text part of a model that also takes audio or video, run on input ids alone: a wrapper with no
-    forward of its own (Qwen3-Omni) writes its text with its thinker."""
+    """The text part of a model that also takes audio or video (Qwen3-Omni: its thinker), on input ids alone."""
 
     def __init__(self, model: torch.nn.Module, publisher: Publisher, pad_id: int, device: str):
         super().__init__(text_part(model), publisher, pad_id, device)
 
 
-
 @RUNNERS.register("AutoModelForSeq2SeqLM")
 class Seq2SeqRunner(ModelRunner):
-    """Encodes the prompts in the prefill step, then decodes from the decoder start token.
-
-    Decoder rows are published at decoder positions (the start token is position 0). The encoder
-    and the decoder route different tokens, so an iteration is not one row per token: no traces."""
+    """Encodes the prompts in the prefill step, then decodes from the decoder start token (position 0). The
+    encoder and decoder route different tokens, so an iteration is not one row per token: no traces."""
 
     records_traces = False
 

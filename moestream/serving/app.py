@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from importlib import resources
 import time
 import uuid
+from importlib import resources
 
-from fastapi import Depends, FastAPI, Request as HttpRequest
+from fastapi import Depends, FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
@@ -62,8 +63,7 @@ class Frontend:
         return list(body.prompt)
 
     def chat_prompt(self, body: ChatBody) -> str:
-        """The checkpoint's chat template when its tokenizer has one, else one 'role: content' line each
-        and 'assistant:'."""
+        """The checkpoint's chat template, else one 'role: content' line each and 'assistant:'."""
         if self.tokenizer.chat_template:
             messages = [m.model_dump() for m in body.messages]
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -89,8 +89,7 @@ class Frontend:
         return params
 
     async def answer(self, body: CompletionBody | ChatBody, http: HttpRequest):
-        """The answer once the worker has admitted the request: a refusal (KV budget, queue wait) is
-        an error status, streamed or not, since no response has begun while the request waits."""
+        """The answer once the worker has admitted the request: a refusal is an error status, streamed or not."""
         chat = isinstance(body, ChatBody)
         prompt_ids = self.prompt_ids(body)
         params = self.check(body, prompt_ids)
@@ -147,9 +146,8 @@ class Frontend:
 
 
 async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest, worker: EngineWorker) -> bool:
-    """Waits for the request's first event: True once the worker admitted it, False (the request
-    cancelled) if its client left first. A refusal is raised as its ApiError, and so is an engine
-    thread that has stopped (503), which would never answer."""
+    """Waits for the request's first event: True once admitted, False (cancelled) if its client left first;
+    a refusal or a stopped engine thread is raised as an ApiError."""
     admitted = False
     try:
         while (event := await _next_event(events)) is None:
@@ -166,7 +164,6 @@ async def _admitted(request: Request, events: asyncio.Queue, http: HttpRequest, 
 
 
 async def _next_event(events: asyncio.Queue):
-    """The queue's next event, or None if none came within DISCONNECT_POLL_S."""
     try:
         return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
     except asyncio.TimeoutError:

@@ -1,10 +1,7 @@
 """Serving's batcher: requests in, text deltas out, over the engine's scheduler and step loop
-(docs/design.md, Scheduling).
-
-`admit` adds a request's sequence (with its own sampler) to the scheduler that `open_scheduler` makes
-of the BatchingConfig, the same one `LLM` drives; the scheduler says whether it has room (max_num_seqs
-and the KV budget). Each `step` is one `Engine.step`, after which each request gets its new text.
-No HTTP and no queue.
+(docs/design.md, Scheduling). `admit` adds a request's sequence (with its sampler) to the scheduler of
+the BatchingConfig (`open_scheduler`, as `LLM`'s); each `step` is one `Engine.step`, after which each
+request gets its new text. No HTTP and no queue.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""A request to generate and what it streams back: `Request` (a prompt, its sampling params and the
-callable that receives its events), `Admitted` (its first event once a batcher took it in), `TextDelta`
-(each step's new text) and `TextStream`, which releases text only where it is final (stop strings
-held back until they can no longer begin one). It knows no engine, no HTTP and no queue.
+"""A request to generate and what it streams back: `Request`, `Admitted` (its first event once a batcher
+took it in), `TextDelta` (each step's new text) and `TextStream`, which releases text only where it is
+final. Knows no engine, no HTTP and no queue.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from moestream.serving.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request's first event once the worker has taken it into the batcher (a refused request's
-    first event is the exception that refused it)."""
+    """A request's first event once the worker has taken it in (else the exception that refused it)."""
 
 
 @dataclass(frozen=True)
@@ -29,8 +27,7 @@ class TextDelta:
 
 @dataclass
 class Request:
-    """One sequence to generate. emit gets Admitted (or the refusal), then TextDelta records, or an
-    exception if its step failed."""
+    """One sequence to generate; emit gets Admitted (or the refusal), then TextDeltas or its step's error."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -50,8 +47,7 @@ class Request:
 
 
 class TextStream:
-    """The text of one sequence as it grows, released only where it is final (no partial character
-    and no possible beginning of a stop string at its end)."""
+    """One sequence's text, released only where final (no partial character or possible stop string at its end)."""
 
     def __init__(self, stop: tuple[str, ...]):
         self.hold = max((len(s) for s in stop), default=1) - 1

@@ -1,12 +1,10 @@
 """Live figures of a serving engine, for the dashboard and `moestream top`: one plain JSON-ready dict.
 
-`LiveStats` watches a running `EngineWorker` through public seams: as an engine observer and step
-listener, the store's `stats()`, `resident()`, `in_flight()` and the worker's Prometheus metrics (which
-also count the device-tier misses computed on the host, --host-compute). A
-layer's lookups are what the store's hit and miss counters gained between its routing event and the
-next event (or the step's end). Per-layer hit rates are a ring of the last `history` iterations; the
-rest is cumulative. Hooks run on the engine thread, `snapshot()` on any (one lock guards the ring).
-It knows no HTTP route and no policy.
+`LiveStats` watches a running `EngineWorker` through public seams (an engine observer and step listener,
+the store's `stats()`, `resident()`, `in_flight()`, the worker's metrics). A layer's lookups are what
+the store's counters gained between its routing event and the next. Per-layer hit rates are a ring of
+the last `history` iterations; the rest is cumulative. Hooks run on the engine thread, `snapshot()` on
+any (one lock guards the ring). Knows no HTTP route and no policy.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ class LiveStats(Observer):
         self.worker.step_listeners.append(self.end_step)
 
     def detach(self) -> None:
-        """Stops watching (after the worker's thread stopped): the engine keeps no reference to it."""
+        """Stops watching (after the worker's thread stopped)."""
         self.worker.engine.remove_observer(self)
         self.worker.step_listeners.remove(self.end_step)
 
@@ -105,8 +103,7 @@ class LiveStats(Observer):
                              "waiting": self._gauge("moestream_queue_depth")}}
 
     def _host_compute(self) -> dict:
-        """The rule (--host-compute), the device-tier misses computed on the host and their share of all
-        device-tier misses (None: no miss yet), as the worker's metrics counted them."""
+        """The rule, the misses computed on the host and their share of all misses (None: no miss yet)."""
         metrics = self.worker.metrics
         return {"rule": self.worker.engine.config.host_compute, "experts": metrics.num_host_computed,
                 "share": metrics.host_share()}
@@ -146,8 +143,7 @@ def _buckets(registry, name: str) -> list[tuple[float, float]]:
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
-    """The q-quantile of a cumulative histogram, linear within its bucket (as Prometheus'
-    histogram_quantile); the highest finite bound where it falls in the +Inf bucket."""
+    """The q-quantile of a cumulative histogram, as Prometheus' histogram_quantile computes it."""
     if not buckets or not buckets[-1][1]:
         return None
     rank, lower, below = q * buckets[-1][1], 0.0, 0.0

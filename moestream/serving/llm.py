@@ -1,9 +1,7 @@
 """The offline Python API in the spirit of vLLM: `LLM(model_dir, **options).generate(prompts,
-SamplingParams(...))` -> one `RequestOutput` per prompt. Options are EngineConfig's and BatchingConfig's
-fields. The prompts are added to the scheduler the server's batcher uses (`open_scheduler`): it admits
-them while max_num_seqs and the KV budget allow, the rest when others end, and batches them as the
-server does (continuously where the model allows); the engine steps until all have ended. Under
-routing replay (replay_routing=TRACE) every output says so (`replayed`)."""
+SamplingParams(...))` -> one `RequestOutput` per prompt (options: EngineConfig's and BatchingConfig's
+fields). The prompts go to the scheduler the server's batcher uses (`open_scheduler`), admitted and
+batched as the server does; under routing replay every output says so (`replayed`)."""
 
 from __future__ import annotations
 

@@ -38,14 +38,12 @@ def finished(number: int, request, finish_reason: str) -> None:
 
 
 def stopped(num_requests: int) -> None:
-    """The shutdown line: how many requests the server answered."""
     log.info("moestream: shut down after %d request%s", num_requests, "" if num_requests == 1 else "s")
 
 
 class Periodic:
-    """Every PERIOD_S while requests run or wait: running and waiting requests, tokens/s, the expert
-    hit rate and disk bytes/s over the period, and with host compute (--host-compute other than off) the
-    share of the period's device-tier misses computed on the host."""
+    """Every PERIOD_S while requests run or wait: running and waiting requests, tokens/s, the expert hit rate,
+    disk bytes/s and (with --host-compute) the share of misses computed on the host over the period."""
 
     def __init__(self, period_s: float = PERIOD_S, clock=time.perf_counter, host_compute: bool = False):
         self.period_s, self.clock, self.host_compute = period_s, clock, host_compute
@@ -55,7 +53,6 @@ class Periodic:
         self._tokens += count
 
     def host_computed(self, count: int) -> None:
-        """Device-tier misses computed on the host (no store lookup counts them)."""
         self._on_host += count
 
     def maybe_log(self, running: int, waiting: int, read_stats) -> None:

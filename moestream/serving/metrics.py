@@ -1,8 +1,6 @@
-"""The server's Prometheus metrics, in a registry of its own (no process-global state): request
-latencies (TTFT, TPOT), queue depth, running sequences and their reserved KV bytes, batch sizes, the
-expert store's hits per tier, bytes moved, prefetch precision/recall, and the device-tier misses computed
-on the host (--host-compute) with their share of all device-tier misses. It reads store statistics
-and knows no HTTP route or policy."""
+"""The server's Prometheus metrics, in a registry of its own: request latencies (TTFT, TPOT), queue
+depth, running sequences and their reserved KV bytes, batch sizes, the store's hits per tier, bytes
+moved, prefetch precision/recall, and misses computed on the host. Knows no HTTP route or policy."""
 
 from __future__ import annotations
 
@@ -48,10 +46,8 @@ class ServerMetrics:
         self._on_host = 0  # device-tier misses computed on the host, all observed
 
     def observe_store(self, stats, host_computed: int = 0) -> None:
-        """Adds what the store's cumulative statistics (a StoreStats) gained since the last call (all
-        of a count that went down: the statistics were reset in between, as a static batch's run does);
-        host_computed: the device-tier misses computed on the host since the last call (the engine's
-        `experts.take_host_computed()`: no store lookup counts them)."""
+        """Adds what the store's cumulative StoreStats gained since the last call (all of a count that went
+        down: reset in between); host_computed: misses computed on the host since the last call."""
         before, self._last = self._last, stats.copy()
         self._misses += gained(stats.misses, before.misses if before else 0)
         self.host_computed.inc(host_computed)

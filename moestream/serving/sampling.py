@@ -93,8 +93,7 @@ def stop_index(text: str, stop: tuple[str, ...]) -> int | None:
 
 @dataclass
 class SequenceSampler:
-    """One sequence's sampler (runtime/runner.py's TokenSampler): its tokens under its params, a
-    stop string or a cancellation (from any thread) ending it; max_tokens and EOS end it in the scheduler."""
+    """One sequence's TokenSampler (runtime/runner.py): a stop string or a cancellation (any thread) ends it."""
 
     params: SamplingParams
     decode: Callable[[list[int]], str]
@@ -105,7 +104,6 @@ class SequenceSampler:
         self.generator = _generator(self.params.seed)
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from logits [V]."""
         return int(logits.argmax()) if self.params.greedy else sample_token(logits, self.params, self.generator)
 
     def stop_reason(self, output_ids: list[int]) -> str | None:

@@ -62,18 +62,14 @@ class Server:
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=DRAIN_GRACE_S + 3)
         self._server = _DrainingServer(config, self.worker)
-        self.worker.on_failure = self._stop_serving
+        self.worker.on_failure = lambda: setattr(self._server, "should_exit", True)
         self._thread: threading.Thread | None = None
 
     def run(self, sock: socket.socket | None = None) -> None:
-        """Serves until interrupted (Ctrl-C, SIGTERM), on `sock` if given (see `bind`), or until the engine
-        fails: its error is raised then."""
+        """Serves until interrupted (Ctrl-C, SIGTERM) or the engine fails (its error is raised), on `sock` if given."""
         self._server.run(sockets=[sock] if sock is not None else None)
         if self.worker.failure is not None:
             raise self.worker.failure
-
-    def _stop_serving(self) -> None:
-        self._server.should_exit = True
 
     def start(self) -> "Server":
         """Serves on a background thread; returns once it accepts connections."""
@@ -92,7 +88,6 @@ class Server:
 
     @property
     def host(self) -> str:
-        """The address it binds."""
         return self._server.config.host
 
     @property

@@ -2,10 +2,10 @@
 (docs/design.md, Scheduling).
 
 Its loop admits waiting requests while the batcher has room (idle, the first waits up to max_wait_ms
-for company), fails those that waited over max_queue_wait_ms, and runs one engine step (idle, it tells
-the step announcer). A request's first event is `Admitted` or the exception that refused it; each
-step's text follows. A full queue raises `Overloaded`. An engine that fails stops the thread: its
-requests end, new ones are refused, `failure` holds the error and `on_failure` is called. No HTTP.
+for company), fails those that waited over max_queue_wait_ms, and runs one engine step. A request's
+first event is `Admitted` or the exception that refused it; each step's text follows. An engine that
+fails stops the thread: its requests end, new ones are refused, `failure` holds the error and
+`on_failure` is called. No HTTP.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ POLL_S = 0.05
 
 
 class Overloaded(MoestreamError):
-    """The server cannot take the request: its queue is full, it waited too long for room, or the
-    server is shutting down."""
+    """The server cannot take the request: queue full, waited too long for room, or shutting down."""
 
 
 class EngineWorker:
@@ -62,7 +61,6 @@ class EngineWorker:
             raise Overloaded(f"the request queue is full ({self.config.max_queue} waiting)") from None
 
     def close(self) -> None:
-        """Stops the thread after its current step; running and queued requests end."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
@@ -71,14 +69,12 @@ class EngineWorker:
         logs.stopped(self._num_finished)
 
     def drain(self, grace_s: float) -> None:
-        """Stops admitting (waiting and new requests get 'shutting down'); running requests may finish
-        within grace_s, then end with finish reason 'abort', and the engine thread stops. Any thread."""
+        """Stops admitting; running requests may finish within grace_s, then end ('abort'). Any thread."""
         self._drain_deadline = time.perf_counter() + grace_s
         self._draining.set()
 
     @property
     def alive(self) -> bool:
-        """Whether the engine thread runs (started and not stopped)."""
         return self._thread.is_alive()
 
     @property
@@ -118,8 +114,7 @@ class EngineWorker:
             self._periodic.maybe_log(len(self.batcher.requests), self._queue.qsize(), self.engine.store.stats)
 
     def _drained(self) -> bool:
-        """While draining: fails the waiting requests; once nothing runs or the grace period is over,
-        ends what still runs and says so."""
+        """While draining: fails waiting requests; True once nothing runs or the grace period is over."""
         self._fail_waiting()
         if self.batcher.requests and time.perf_counter() < self._drain_deadline:
             return False
@@ -132,8 +127,8 @@ class EngineWorker:
             request.emit(Overloaded("the server is shutting down"))
 
     def admit(self) -> list[Request]:
-        """Takes waiting requests in while the batcher has room; an idle engine waits up to POLL_S
-        for a first request, then up to max_wait_ms for others. Returns the requests taken in."""
+        """Takes waiting requests in while there is room; idle, it waits up to POLL_S for a first request,
+        then up to max_wait_ms for others."""
         self._drop_expired()
         idle = not self.batcher.requests
         admitted = self._admit_ready(block_s=POLL_S if idle else 0.0)
@@ -154,7 +149,6 @@ class EngineWorker:
         return admitted
 
     def _drop_expired(self) -> None:
-        """Fails the oldest waiting requests while they are cancelled or waited too long."""
         while (head := self._peek(0.0)) is not None and (head.cancelled or self._expired(head)):
             self._head = None
             self._admissible(head)  # fails it
@@ -163,7 +157,6 @@ class EngineWorker:
         return len(self.batcher.requests) < self.batcher.config.num_seqs
 
     def _peek(self, block_s: float) -> Request | None:
-        """The head request, taken from the queue (waiting up to block_s) if there is none yet."""
         if self._head is None:
             try:
                 self._head = self._queue.get(timeout=block_s) if block_s > 0 else self._queue.get_nowait()
@@ -184,7 +177,7 @@ class EngineWorker:
         return (time.perf_counter() - request.arrived) * 1e3 > self.config.max_queue_wait_ms
 
     def _admissible(self, request: Request) -> bool:
-        """Admits the request into the batcher, or fails it (cancelled, waited too long, too big)."""
+        """Admits the request, or fails it (cancelled, waited too long, too big)."""
         if request.cancelled:
             self.metrics.requests.labels("abort").inc()
             return False
@@ -201,8 +194,7 @@ class EngineWorker:
         return True
 
     def update(self, request: Request, delta: TextDelta, new_token: bool) -> None:
-        """Records the request's latencies and hands it its new text (new_token: False when a
-        sequence ends without one, e.g. cancelled between steps)."""
+        """Records latencies and hands the request its text (new_token: False when it ends without one)."""
         now = time.perf_counter()
         if new_token:
             request.num_tokens += 1

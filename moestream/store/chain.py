@@ -1,81 +1,175 @@
 """The chain of links that follows the store's tiers, and the one place a transfer is queued, lands,
-fails or is displaced.
+fails or is displaced: the mechanism the engine's store and the simulator both run.
 
 Links follow the tiers (`moestream.store.transfer`): disk -> device for one tier; disk -> host ->
 device where a host tier is kept apart (CUDA: pinned host slots below GPU memory). There a host hit
 goes straight to the copy queue; a miss takes a host slot, is read into it, then re-queued on the copy
 link with its demand and priority, so that one expert's read overlaps another's copy up. Every read is
-checked (integrity) where it lands in host memory, by the disk link's round (`read_round`), so a
-device slot is never read back. The host tier keeps the copy and evicts by its own policy; a host slot
-stays pinned while the disk writes it and until its copy up is issued; a read that reuses it waits
-for that copy (the slot's last reader, `SlotPool.last_read`), as a copy into a device slot waits on
-its stream for the compute that last read the slot (`read_by`). A landed expert's slot carries the
-event its readers wait for (`arrival`). A demand miss that finds every host slot pinned waits for a
-copy; a speculative one is refused unless the wait can move the copy itself (the inline executor):
-the one residency rule that may depend on the clock.
+checked (integrity) where it lands in host memory, by the disk link's round, so a device slot is never
+read back. The host tier keeps the copy and evicts by its own policy; a host slot stays pinned while
+the disk writes it and until its copy up is issued; a read that reuses it waits for that copy (the
+slot's last reader), as a copy into a device slot waits on its stream for the compute that last read
+the slot (`read_by`). A landed expert's slot carries the event its readers wait for (`arrival`). A
+demand miss that finds every host slot pinned waits for a copy; a speculative one is refused unless
+the wait can move the copy itself (the inline executor): the one residency rule that may depend on
+the clock.
 
-Residency is the transfer core's (`moestream.transfer_core`), which the chain drives: an expert is in
-the device tier from its admission, whether its bytes have landed or not. Life of a transfer: queued
-(in flight, until its bytes are in the device slot or their last copy there is issued), then landed, or failed (the expert leaves the
-tier, the error kept in `errors` for the thread that waits on it). A transfer whose expert the core
-evicts (`_displaced`) is cancelled if queued (a cancelled read frees its host slot, a cancelled copy
-keeps the host copy), else moved no further once its round ends. Everything here runs under the
-store's lock; it knows no thread, no policy and no device type.
+Calls: `fetch` (a layer's lookups: the queued speculation of its layer that the gate did not choose
+goes to the back (`defer`), its in-flight experts become demand where they are (`promote`)), `bring`
+(its misses queued as demand) and `prefetch` (a plan's admissions queued by priority). Residency is
+the transfer core's (`moestream.transfer_core`), which the chain drives: an expert is in the device
+tier from its admission, whether its bytes have landed or not. Life of a transfer: queued (in flight,
+until its bytes are in the device slot or their last copy there is issued), then landed, or failed
+(the expert leaves the tier, the error kept in `errors` for the thread that waits on it). A transfer
+whose expert the core evicts (`_displaced`) is cancelled if queued (a cancelled read frees its host
+slot, a cancelled copy keeps the host copy), else moved no further once its round ends. Slots and
+events are handles of the tiers' pools (`Tier`): the engine's are tensors and stream events, the
+simulator's move nothing. Everything here runs under the caller's lock; it knows no clock, no torch,
+no thread, no policy and no device type.
 """
 
 from __future__ import annotations
 
 import threading
-from functools import partial
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-import torch
-
-from moestream.checkpoint.layout import ExpertIndex, Integrity
+from moestream.cache import ExpertCache
 from moestream.errors import CheckpointError
-from moestream.store.disk import BLOCK_BYTES
-from moestream.store.pool import SlotPool
 from moestream.store.stats import StoreStats
-from moestream.store.streams import Event, Link
-from moestream.store.tiers import Tier
-from moestream.store.transfer import (DISK, H2D, LinkReports, Read, Transfer, TransferError, TransferLink,
-                                      TransferQueue, copy_round, pieces, read_round)
+from moestream.store.transfer import (
+    DISK,
+    H2D,
+    Errors,
+    Held,
+    LinkReports,
+    Transfer,
+    TransferError,
+    TransferLink,
+    TransferQueue,
+)
 from moestream.topology import ExpertKey
-from moestream.tracer import Tracer
 from moestream.transfer_core import TransferCore
 
-Wait = Callable[[Callable[[], bool], str, bool], bool]  # the store's wait: (ready, what, patient) -> ready
+if TYPE_CHECKING:
+    from moestream.checkpoint.layout import Integrity
+
+Wait = Callable[[Callable[[], bool], str, bool], bool]  # the executor's wait: (ready, what, patient) -> ready
+Parts = Callable[[ExpertKey], list]  # an expert's chunks, [(Segment, offset in its slot)] (`transfer.pieces`)
+Move = Callable[[Held], Errors]  # a link's copy function
+
+
+@dataclass
+class Tier:
+    """A tier: which experts it holds (its cache, by its eviction policy) and the slots their bytes are in (the
+    engine's `SlotPool`, the simulator's handles: slot, last_read, written, mark_read, mark_written)."""
+
+    cache: ExpertCache
+    pool: Any
+
+    def slot(self, key: ExpertKey, residue: int) -> Any:
+        """The resident key's slot, starting residue bytes into its row (disk reads land in place)."""
+        return self.pool.slot(self.cache.slot(key), residue)
 
 
 class LinkChain:
-    def __init__(self, index: ExpertIndex, tiers: tuple[Tier, Tier | None], chunk_bytes: int,
-                 integrity: Integrity | None, cond: threading.Condition, wait: Wait):
-        """tiers: the device tier and the host tier (None: none); chunk_bytes: the largest chunk of a
-        transfer (0: one per weight matrix); cond: the store's; wait: how the store waits for a host slot."""
-        self.index, self.chunk_bytes, self.integrity = index, chunk_bytes, integrity
+    def __init__(self, parts: Parts, residues: Mapping[ExpertKey, int], tiers: tuple[Tier, Tier | None],
+                 integrity: Integrity | None, cond: threading.Condition, wait: Wait, expert_bytes: int):
+        """parts: each expert's chunks; residues: where each expert's bytes start in its slot; tiers: the
+        device tier and the host tier (None: none); cond: the caller's; wait: how the caller waits (for a
+        host slot)."""
+        self._parts, self._residues, self.integrity, self.expert_bytes = parts, residues, integrity, expert_bytes
         self.device, self.host = tiers
         self.core: TransferCore[Transfer] = TransferCore(self.device.cache, self._displaced)
         self.stats = StoreStats()  # the counters the chain keeps (the store adds the core's and the times)
         self.errors: dict[ExpertKey, BaseException] = {}  # failures kept for the thread that waits on them
         self.links: dict[str, TransferLink] = {}
-        self._residues = _residues(index, self.device.cache.capacity)  # slot placement
         self._stale: set[ExpertKey] = set()  # host slots a dropped read still writes
         self._cond, self._wait = cond, wait
 
-    def make_links(self, read: Read, staging: SlotPool, link: Link, tracer: Tracer) -> list[TransferLink]:
-        """The chain of links that follows the tiers: disk -> device, or disk -> host -> device; staging:
-        the slots disk reads pass through on their way up (maybe none)."""
+    def make_links(self, read: Move, copy: Move) -> list[TransferLink]:
+        """The chain of links that follows the tiers: disk -> device, or disk -> host -> device (the copy
+        link only with a host tier); read and copy: their copy functions."""
         reads = LinkReports(self._landed, self._read_failed, self._read_released,
                             lambda experts, seconds: self.stats.read_fit.add(experts, seconds))
-        disk = TransferLink(DISK, TransferQueue(self.device.cache.capacity), partial(read_round, read, staging, link),
-                            reads, tracer)
-        chain = [disk]
+        chain = [TransferLink(DISK, TransferQueue(self.device.cache.capacity), read, reads)]
         if self.host is not None:
             copies = LinkReports(self._copied, self._copy_failed, self._copy_released)
-            chain.append(TransferLink(H2D, TransferQueue(self.device.cache.capacity), partial(copy_round, link), copies,
-                                      tracer))
+            chain.append(TransferLink(H2D, TransferQueue(self.device.cache.capacity), copy, copies))
         self.links = {link.lane: link for link in chain}
         return chain
+
+    # -- the calls -------------------------------------------------------------------------------
+
+    def fetch(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> tuple[list[ExpertKey], list[ExpertKey]]:
+        """A layer's lookups (the core's `fetch_layer`: wanted pinned, the misses admitted): first the
+        speculation of its layers that the gate did not choose is deferred, then the experts still on their
+        way are promoted to demand. Returns (late, missed): the misses are for `bring`."""
+        self.defer(wanted, chosen | set(wanted))
+        late, missed = self.core.fetch_layer(wanted)
+        self.promote(late)
+        return late, missed
+
+    def promote(self, late: Iterable[ExpertKey]) -> None:
+        """Experts on their way that a layer needs: demand, where they are queued or moving."""
+        for key in late:
+            self.reprioritise(key, demand=True)
+
+    def bring(self, wanted: list[ExpertKey], missed: list[ExpertKey]) -> None:
+        """Queues the misses as demand transfers; on failure the misses not queued leave the tier and the
+        layer's pins (wanted) go."""
+        queued = 0
+        try:
+            for key in missed:
+                self.enqueue(key, 0.0, demand=True)
+                queued += 1
+        except BaseException:
+            for key in missed[queued:]:
+                self.core.forget(key)
+            self.device.cache.unpin(wanted)
+            raise
+
+    def prefetch(self, priorities: dict[ExpertKey, float]) -> list[ExpertKey]:
+        """A plan's requests (priority by expert): admitted by the core best first, those admitted queued,
+        those under way already re-ranked. Returns those queued (one the chain refuses has left the tier);
+        on failure (e.g. Ctrl-C in an inline round) those not yet queued leave the tier."""
+        admitted = self.core.admit_prefetches(sorted(priorities, key=lambda key: -priorities[key]))
+        for key in priorities.keys() - set(admitted):  # under way already: its rank follows the new plan
+            self.reprioritise(key, priority=priorities[key])
+        brought, done = [], 0
+        try:
+            for key in admitted:
+                if self.enqueue(key, priorities[key], demand=False):
+                    brought.append(key)
+                done += 1
+        except BaseException:
+            for key in admitted[done:]:
+                self.core.forget(key)
+            raise
+        self.stats.prefetched += len(brought)
+        self.stats.prefetched_bytes += len(brought) * self.expert_bytes
+        return brought
+
+    def host_ready(self, key: ExpertKey) -> bool:
+        """key's bytes are whole in its host slot (none arriving, no dropped read still writing it)."""
+        if self.host is None or key not in self.host.cache or key in self._stale:
+            return False
+        transfer = self.core.moving.get(key)
+        return transfer is None or transfer.link != DISK
+
+    def hold_host(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
+        """Pins (and counts a use of) those of keys whose bytes are whole in the host tier; returns them."""
+        held = [key for key in keys if self.host_ready(key)]
+        if held:
+            self.host.cache.pin(held)
+            for key in held:
+                self.host.cache.access(key)
+        return held
+
+    def unstarted(self, key: ExpertKey) -> bool:
+        """key's transfer is queued on its first link and no chunk of it has moved."""
+        transfer = self.core.moving.get(key)
+        return transfer is not None and not (transfer.staged or transfer.held or transfer.next_chunk)
 
     def enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
         """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier).
@@ -98,17 +192,16 @@ class LinkChain:
         self._queue(key, DISK, self.host, priority, demand)
         return True
 
-    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool) -> None:
-        self._queue(key, H2D, self.device, priority, demand, src=self.slot(self.host, key))
+    def _queue_copy(self, key: ExpertKey, priority: float, demand: bool, staged: bool = False) -> None:
+        self._queue(key, H2D, self.device, priority, demand, src=self.slot(self.host, key), staged=staged)
 
-    def _queue(self, key: ExpertKey, lane: str, tier: Tier, priority: float, demand: bool,
-               src: torch.Tensor | None = None) -> None:
+    def _queue(self, key: ExpertKey, lane: str, tier: Tier, priority: float, demand: bool, src: Any = None,
+               staged: bool = False) -> None:
         """Queues key's bytes on the lane's link into its slot in tier, from src or the checkpoint (checked
         as they are read), after the slot's last reader."""
-        parts = pieces(self.index.locations[key].segments, self.chunk_bytes)
         check = self.integrity.begin(key) if lane == DISK and self.integrity is not None else None
-        transfer = Transfer(key, self.slot(tier, key), parts, src, priority=priority, demand=demand, link=lane,
-                            after=tier.pool.last_read(tier.cache.slot(key)), check=check)
+        transfer = Transfer(key, self.slot(tier, key), self._parts(key), src, priority=priority, demand=demand,
+                            link=lane, after=tier.pool.last_read(tier.cache.slot(key)), check=check, staged=staged)
         self.links[lane].queue.push(transfer)
         self.core.track(key, transfer)
         self._cond.notify_all()
@@ -141,7 +234,7 @@ class LinkChain:
             return
         self.stats.host_misses += 1
         if self.host is not None:  # on to the host -> device link, with its demand and priority
-            self._queue_copy(transfer.key, transfer.priority, transfer.demand)
+            self._queue_copy(transfer.key, transfer.priority, transfer.demand, staged=True)
             return
         self.core.landed(transfer.key, transfer)
         self._arrived(transfer)
@@ -150,7 +243,7 @@ class LinkChain:
         if not self.core.landed(copy.key, copy):
             return  # displaced, or forgotten by close()
         self._copy_released(copy)
-        self.stats.bytes_read["host"] += self.index.topology.expert_bytes
+        self.stats.bytes_read["host"] += self.expert_bytes
         self._arrived(copy)
 
     def _arrived(self, transfer: Transfer) -> None:
@@ -163,7 +256,7 @@ class LinkChain:
         each chunk in host memory; a damaged expert failed there, before any slot holding it was used)."""
         if self.core.moving.get(transfer.key) is not transfer:
             return False  # displaced, or forgotten by close()
-        self.stats.bytes_read["disk"] += self.index.topology.expert_bytes
+        self.stats.bytes_read["disk"] += self.expert_bytes
         if transfer.check is not None and not transfer.check.done:
             self._read_failed(transfer, TransferError("its integrity check did not see every byte"))
             return False
@@ -227,27 +320,18 @@ class LinkChain:
 
     # -- under the lock: helpers ------------------------------------------------------------------
 
-    def arrival(self, key: ExpertKey) -> Event | None:
+    def arrival(self, key: ExpertKey) -> Any:
         """The event a reader of the landed key's device slot waits for (None: its bytes are there)."""
         return self.device.pool.written(self.device.cache.slot(key))
 
-    def read_by(self, keys: list[ExpertKey], event: Event) -> None:
+    def read_by(self, keys: list[ExpertKey], event: Any) -> None:
         """keys' device slots are last read by compute issued up to event: a copy into one waits for it."""
         for key in keys:
             slot = self.device.cache.slot(key)
             if slot is not None:  # not one that failed and left the tier
                 self.device.pool.mark_read(slot, event)
 
-    def slot(self, tier: Tier, key: ExpertKey) -> torch.Tensor:
+    def slot(self, tier: Tier, key: ExpertKey) -> Any:
         """key's slot in tier, placed so that its disk reads land in place."""
         return tier.slot(key, self._residues[key])
 
-
-def _residues(index: ExpertIndex, device_slots: int) -> dict[ExpertKey, int]:
-    """Where each expert's bytes start in its slot: congruent to its file offsets, so that O_DIRECT reads
-    land in place; but where the device tier holds every expert, at the slot's aligned start, so that a
-    layer's slots form one evenly spaced, aligned [E, ...] view (its experts run as transformers' own
-    forward), the reads' unaligned ends passing through staging once."""
-    if device_slots >= len(index.locations):
-        return dict.fromkeys(index.locations, 0)
-    return {key: index.residue(key, BLOCK_BYTES) for key in index.locations}

@@ -2,7 +2,8 @@
 thread per link beside compute (`ThreadedExecutor`).
 
 The store queues transfers and waits through its executor; the executor only runs the links' rounds
-(`TransferLink.take`, `move`, `finish`) and says how long the caller stalled. Inline, every call
+(`TransferLink.take`, `move`, `finish`), times each on its link's lane of the tracer and says how long
+the caller stalled (the simulator's executor, in virtual time: `moestream.bench.sim.clock`). Inline, every call
 returns with its transfers done: `queued` runs rounds until no link has work, and a wait ("a free
 host slot", an expert's bytes) runs the next round instead of blocking, last link first (its rounds
 free the host slots the first one fills); nothing is in flight between calls, and the caller's stall
@@ -16,11 +17,13 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from moestream.store.config import StoreConfig
-from moestream.store.transfer import DISK, H2D, TransferError, TransferLink
-from moestream.tracer import LaneTotal, Label, Tracer
+from moestream.store.transfer import DISK, H2D, Held, TransferError, TransferLink, label
+from moestream.tracer import Label, LaneTotal, Tracer
+
+if TYPE_CHECKING:
+    from moestream.store.config import StoreConfig
 
 IDLE_WAIT_S = 0.5  # how long an idle worker sleeps before it checks for stop again
 STOP_TIMEOUT_S = 30.0  # close() waits this long for each worker to finish its round
@@ -48,6 +51,10 @@ class Executor(ABC):
 
     def stop(self) -> None:
         """Stops whatever runs rounds beside the caller (outside the lock)."""
+
+    def _traced(self, link: TransferLink, held: Held, began: float) -> float:
+        """The round's span on its link's lane, from began (time.perf_counter) to now; its seconds."""
+        return self.tracer.add(link.lane, lambda: label(held), began, time.perf_counter())
 
     @property
     def num_threads(self) -> int:
@@ -85,12 +92,13 @@ class InlineExecutor(Executor):
         for link in reversed(self.links):
             held = link.take(None)
             if held:
+                began = time.perf_counter()
                 try:
                     errors = link.move(held)
                 except BaseException as error:  # e.g. Ctrl-C: the round's transfers fail, then it goes on up
-                    link.finish(held, {transfer: error for transfer, _ in held})
+                    link.finish(held, {transfer: error for transfer, _ in held}, self._traced(link, held, began))
                     raise
-                link.finish(held, errors)
+                link.finish(held, errors, self._traced(link, held, began))
                 return True
         return False
 
@@ -147,9 +155,11 @@ class ThreadedExecutor(Executor):
                 held = self._take(link)
                 if not held:
                     return
+            began = time.perf_counter()
             errors = link.move(held)
+            seconds = self._traced(link, held, began)
             with self.cond:
-                link.finish(held, errors)
+                link.finish(held, errors, seconds)
                 self.cond.notify_all()
 
     def _take(self, link: TransferLink):

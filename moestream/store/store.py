@@ -44,16 +44,17 @@ from moestream.cache import CacheFullError
 from moestream.checkpoint.layout import ExpertIndex, Integrity
 from moestream.contracts import CacheView, EvictionPolicy, TransferRequest
 from moestream.link_model import ModelledLink
-from moestream.store.chain import LinkChain
+from moestream.store.chain import LinkChain, Tier
 from moestream.store.config import StoreConfig
-from moestream.store.disk import DiskReader
+from moestream.store.copies import copy_round, read_round
+from moestream.store.disk import BLOCK_BYTES, DiskReader
 from moestream.store.executor import Executor, executor_for
 from moestream.store.fetch import Fetch
 from moestream.store.pool import SlotPool
 from moestream.store.stats import StoreStats
 from moestream.store.streams import Link, make_link
-from moestream.store.tiers import TIERS, Tier, as_key, check_index, make_tiers, staging_slots
-from moestream.store.transfer import DISK, H2D, TransferError
+from moestream.store.tiers import TIERS, as_key, check_index, make_tiers, staging_slots
+from moestream.store.transfer import DISK, H2D, TransferError, pieces
 from moestream.topology import ExpertKey, Topology
 from moestream.tracer import Tracer, expert_names, since
 
@@ -81,12 +82,15 @@ class ExpertStore:
         self._link = link or make_link(config.device)  # host -> device
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._chain = LinkChain(index, (self._device, self._host), config.chunk_bytes, integrity, self._cond, self._wait)
+        self._chain = LinkChain(lambda key: pieces(index.locations[key].segments, config.chunk_bytes),
+                                _residues(index, self.device_slots), (self._device, self._host), integrity,
+                                self._cond, self._wait, self.topology.expert_bytes)
         self._core = self._chain.core
         self.tracer = tracer or Tracer()
         self._since = self.tracer.totals()
         self._closed = False
-        links = self._chain.make_links(self._read, self._bounce, self._link, self.tracer)
+        links = self._chain.make_links(partial(read_round, self._read, self._bounce, self._link),
+                                       partial(copy_round, self._link))
         self.executor = executor or executor_for(config)
         self.executor.start(self._cond, links, self.tracer)
 
@@ -100,11 +104,13 @@ class ExpertStore:
         with self._lock:
             self._check_open()
             self._check_fits(wanted)
-            self._chain.defer(wanted, {as_key(k) for k in chosen} | set(wanted))
-            late, missed = self._core.fetch_layer(wanted)  # pinned until release
-            for key in late:  # on its way: promoted to demand (unless it failed meanwhile: next_ready raises)
-                self._chain.reprioritise(key, demand=True)
-            self._bring(wanted, missed)
+            late, missed = self._chain.fetch(wanted, {as_key(k) for k in chosen})  # pinned until release
+            self._chain.bring(wanted, missed)
+            try:
+                self.executor.queued(lambda: expert_names(wanted))
+            except BaseException:
+                self._device.cache.unpin(wanted)
+                raise
             landed = None if late or missed or any(key in self._chain.errors for key in wanted) else [
                 (key, self._chain.slot(self._device, key), self._chain.arrival(key)) for key in wanted]
         return Fetch(self, wanted, landed)  # landed: every slot handed over now (the lean path)
@@ -146,13 +152,7 @@ class ExpertStore:
         slots, to be read where they are (host compute); `release_host` unpins them."""
         with self._lock:
             self._check_open()
-            if self._host is None:
-                return {}
-            here = self._host.cache.resident() - {k for k, t in self._core.moving.items() if t.link == DISK}
-            held = [as_key(key) for key in keys if as_key(key) in here]
-            self._host.cache.pin(held)
-            for key in held:
-                self._host.cache.access(key)
+            held = self._chain.hold_host([as_key(key) for key in keys])
             return {key: self._chain.slot(self._host, key) for key in held}
 
     def read_direct(self, key: ExpertKey, dst: torch.Tensor) -> None:
@@ -179,13 +179,7 @@ class ExpertStore:
         Raises the failure of any of them that the executor has already moved."""
         with self._lock:
             self._check_open()
-            priorities = {as_key(r.key): r.priority for r in requests}
-            brought = self._core.admit_prefetches([as_key(r.key) for r in sorted(requests, key=lambda r: -r.priority)])
-            for key in priorities.keys() - set(brought):  # under way already: its rank follows the new plan
-                self._chain.reprioritise(key, priority=priorities[key])
-            brought = self._enqueue_prefetches(brought, priorities)
-            self._chain.stats.prefetched += len(brought)
-            self._chain.stats.prefetched_bytes += len(brought) * self.topology.expert_bytes
+            brought = self._chain.prefetch({as_key(r.key): r.priority for r in requests})
             self.executor.queued(lambda: "prefetch " + expert_names(brought))
             for key in brought:
                 if key in self._chain.errors:
@@ -323,36 +317,6 @@ class ExpertStore:
         """The disk reads of a round (self.reader, as callers may have wrapped it since)."""
         return self.reader.read_batch(batch)
 
-    def _bring(self, wanted: list[ExpertKey], missed: list[ExpertKey]) -> None:
-        """Queues the misses' transfers and hands them to the executor; on failure the misses not queued
-        leave the tier and the layer's pins go."""
-        queued = 0
-        try:
-            for key in missed:
-                self._chain.enqueue(key, 0.0, demand=True)
-                queued += 1
-            self.executor.queued(lambda: expert_names(wanted))
-        except BaseException:
-            for key in missed[queued:]:
-                self._core.forget(key)
-            self._device.cache.unpin(wanted)
-            raise
-
-    def _enqueue_prefetches(self, admitted: list[ExpertKey], priorities: dict[ExpertKey, float]) -> list[ExpertKey]:
-        """Queues the admitted prefetches; returns those queued (one the chain refuses has left the tier).
-        On failure (e.g. Ctrl-C in an inline round) the ones not yet queued leave the tier."""
-        brought, done = [], 0
-        try:
-            for key in admitted:
-                if self._chain.enqueue(key, priorities[key], demand=False):
-                    brought.append(key)
-                done += 1
-        except BaseException:
-            for key in admitted[done:]:
-                self._core.forget(key)
-            raise
-        return brought
-
     # -- under the lock: helpers ------------------------------------------------------------------
 
     def _first_ready(self, candidates: Sequence[ExpertKey]) -> ExpertKey | None:
@@ -388,3 +352,13 @@ class ExpertStore:
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
         return self._device if tier == "device" else self._host
+
+
+def _residues(index: ExpertIndex, device_slots: int) -> dict[ExpertKey, int]:
+    """Where each expert's bytes start in its slot: congruent to its file offsets, so that O_DIRECT reads
+    land in place; but where the device tier holds every expert, at the slot's aligned start, so that a
+    layer's slots form one evenly spaced, aligned [E, ...] view (its experts run as transformers' own
+    forward), the reads' unaligned ends passing through staging once."""
+    if device_slots >= len(index.locations):
+        return dict.fromkeys(index.locations, 0)
+    return {key: index.residue(key, BLOCK_BYTES) for key in index.locations}

@@ -18,7 +18,6 @@ import torch
 
 from moestream.registry import Registry
 
-
 LINKS: Registry[Link] = Registry("copy link")
 
 

@@ -1,38 +1,26 @@
 """The store's tiers of expert slots and the checks of what it is given.
 
-A `Tier` is an `ExpertCache` (which experts it holds, by its eviction policy) and the `SlotPool` their
-bytes are in; `make_tiers` builds the device tier and, where the budget buys any slots, the host tier
+A `Tier` (`moestream.store.chain`) is an `ExpertCache` (which experts it holds, by its eviction policy) and
+the `SlotPool` their bytes are in; `make_tiers` builds the device tier and, where the budget buys any slots, the host tier
 (pinned where it feeds a CUDA device). Staging slots carry disk reads up to a CUDA device tier that
 has no host tier. Knows no transfer, no thread and no policy by name.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
-
-import torch
 
 from moestream.cache import ExpertCache
 from moestream.checkpoint.layout import ExpertIndex
 from moestream.contracts import EvictionPolicy
 from moestream.errors import CheckpointError
+from moestream.store.chain import Tier
 from moestream.store.config import StoreConfig
 from moestream.store.pool import SlotPool
 from moestream.topology import ExpertKey, Topology
 
 TIERS = ("device", "host")
 STAGING_SLOTS = 8  # pinned slots between disk and a CUDA device tier when there is no host tier
-
-
-@dataclass
-class Tier:
-    cache: ExpertCache
-    pool: SlotPool
-
-    def slot(self, key: ExpertKey, residue: int) -> torch.Tensor:
-        """The resident key's slot, starting residue bytes into its row (disk reads land in place)."""
-        return self.pool.slot(self.cache.slot(key), residue)
 
 
 def make_tiers(config: StoreConfig, topology: Topology, device_eviction: EvictionPolicy,

@@ -8,40 +8,28 @@ re-prioritised and cancelled by key, and the queue never holds more than it was 
 
 A `TransferLink` is a queue, a copy function and the round between them: `take` (under the store's
 lock) takes every queued demand transfer whole, else up to `max_chunks` chunks from the head of the
-queue (all of them when None); `move` (outside the lock) moves them with the copy function, traced
-as one span on the link's lane; `finish` (under the lock) puts the unfinished transfers back, so
-that whatever ranks ahead now goes first (a demand waits at most one round behind speculative
-work), and reports each landed, failed or dropped transfer through `LinkReports`. The two copy
-functions: `read_round` (disk reads, all in flight together, through pinned staging slots and up a
-`Link` where there are any; each chunk checked (`Transfer.check`) where the read put it in host
-memory, on the thread that moves the round, before it goes further) and `copy_round` (host -> device
-copies issued on a `Link`). Stream order: a copy waits on its link's stream for the last reader of
-its destination (`Transfer.after`), and its event (`Transfer.event`) is what a reader of the slot
-waits for; the host waits for a copy only before it overwrites the copy's source (a staging slot, or
-a host slot whose transfer waits for `after` before its read). Where rounds run (the caller's thread,
-or a worker) is the executor's business (`moestream.store.executor`); a link knows no eviction, no
-policy and no tier.
+queue (all of them when None); `move` (outside the lock) moves them with the copy function; `finish`
+(under the lock) puts the unfinished transfers back, so that whatever ranks ahead now goes first (a
+demand waits at most one round behind speculative work), and reports each landed, failed or dropped
+transfer through `LinkReports`. Slots and events are handles the copy function reads (the engine's:
+`moestream.store.copies`; the simulator's move nothing). Where and when rounds run, and how long they
+take, is the executor's business (`moestream.store.executor`, `moestream.bench.sim.clock`); a link knows no
+clock, no torch, no eviction, no policy and no tier.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import logging
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
-from moestream.checkpoint.layout import ExpertCheck, Segment
 from moestream.errors import MoestreamError
-from moestream.store.pool import SlotPool
-from moestream.store.streams import Event, Link
-from moestream.tracer import Tracer, expert_names
 from moestream.topology import ExpertKey
+from moestream.tracer import expert_names
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # the checkpoint's records (its module imports torch)
+    from moestream.checkpoint.layout import ExpertCheck, Segment
 
 DISK, H2D = "disk", "h2d"  # the links (and their tracer lanes): disk -> slot, host slot -> device slot
 
@@ -56,9 +44,9 @@ class TransferError(MoestreamError):
 @dataclass(eq=False)
 class Transfer:
     key: ExpertKey
-    dst: torch.Tensor  # [expert bytes] uint8: the slot its bytes go to
+    dst: Any  # the slot its bytes go to (the engine's: a [expert bytes] uint8 tensor)
     parts: list[tuple[Segment, int]]  # its chunks: a piece of the checkpoint and where it lies in the slot
-    src: torch.Tensor | None = None  # [expert bytes] uint8: the host slot an H2D copy reads
+    src: Any = None  # the host slot an H2D copy reads
     priority: float = 0.0  # speculative ranking, higher first
     demand: bool = False  # the compute thread waits on it
     order: int = 0  # tie-break: first asked, first served
@@ -66,8 +54,9 @@ class Transfer:
     link: str = DISK  # which link moves it (its queue)
     held: bool = False  # a round is moving its chunks now (outside the lock)
     dropped: bool = False  # its expert left the tier: no chunk of it is moved again
-    after: Event | None = None  # dst's last reader: whatever writes dst waits for it
-    event: Event | None = None  # the last copy issued into dst (None: the bytes are there when moved)
+    after: Any = None  # dst's last reader, an event: whatever writes dst waits for it
+    event: Any = None  # the last copy issued into dst, an event (None: the bytes are there when moved)
+    staged: bool = False  # a copy up of the bytes its read just brought into the host tier (not its first link)
     check: ExpertCheck | None = None  # a disk read's integrity check, fed each chunk in host memory
 
     @property
@@ -93,7 +82,7 @@ def pieces(segments: Sequence[Segment], chunk_bytes: int) -> list[tuple[Segment,
         step = seg.nbytes if chunk_bytes <= 0 else chunk_bytes
         for start in range(0, seg.nbytes, step):
             n = min(step, seg.nbytes - start)
-            out.append((Segment(seg.file, seg.offset + start, n), at))
+            out.append((replace(seg, offset=seg.offset + start, nbytes=n), at))
             at += n
     return out
 
@@ -181,11 +170,9 @@ class LinkReports:
 class TransferLink:
     """One link: its queue, its copy function and its rounds (see the module doc)."""
 
-    def __init__(self, lane: str, queue: TransferQueue, move: Callable[[Held], Errors], reports: LinkReports,
-                 tracer: Tracer):
-        self.lane, self.queue, self.reports, self.tracer = lane, queue, reports, tracer
+    def __init__(self, lane: str, queue: TransferQueue, move: Callable[[Held], Errors], reports: LinkReports):
+        self.lane, self.queue, self.reports = lane, queue, reports
         self._move = move
-        self._seconds = 0.0  # the last round's
 
     def take(self, max_chunks: int | None) -> Held:
         """Under the lock: the next round (empty: nothing queued). Demand transfers are taken whole, all
@@ -203,17 +190,13 @@ class TransferLink:
         return taken
 
     def move(self, held: Held) -> Errors:
-        """Outside the lock: moves the round's chunks, traced on the link's lane; the transfers that failed."""
-        began = time.perf_counter()
-        try:
-            return self._move(held)
-        finally:
-            self._seconds = self.tracer.add(self.lane, lambda: _label(held), began, time.perf_counter())
+        """Outside the lock: moves the round's chunks; the transfers that failed."""
+        return self._move(held)
 
-    def finish(self, held: Held, errors: Errors) -> None:
+    def finish(self, held: Held, errors: Errors, seconds: float = 0.0) -> None:
         """Under the lock: each held transfer advanced, landed or failed, or back in the queue (whatever
-        ranks ahead now goes first; a dropped one is moved no further)."""
-        self.reports.rounds(len(held), self._seconds)
+        ranks ahead now goes first; a dropped one is moved no further); seconds: the round's."""
+        self.reports.rounds(len(held), seconds)
         for transfer, count in held:
             transfer.held = False
             if transfer.dropped:  # its expert left the tier: moved no further
@@ -229,75 +212,7 @@ class TransferLink:
                     self.queue.push(transfer, new=False)
 
 
-def _label(held: Held) -> str:
+def label(held: Held) -> str:
+    """A round's words on its lane: demand or speculative, and its experts."""
     demand = any(transfer.demand for transfer, _ in held)
     return f"{'demand' if demand else 'speculative'} {expert_names(t.key for t, _ in held)}"
-
-
-Read = Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int]  # a disk reader's read_batch
-
-
-def read_round(read: Read, staging: SlotPool, link: Link, held: Held) -> Errors:
-    """The disk link's copy function: the round's chunks read together, one request per transfer,
-    straight into their slots (host memory: each read first waits for its slot's last reader), or, with
-    staging slots (pinned; CUDA without a host tier), as many at a time into them and copied up the link
-    (the host waits only before it reuses a staging slot). Each chunk is checked where it landed in host
-    memory before it goes further; a failed check fails its transfer, a failed read every one."""
-    chunks = [(transfer, *transfer.piece(count)) for transfer, count in held]
-    errors: Errors = {}
-    size = staging.num_slots or len(chunks)
-    try:
-        for start in range(0, len(chunks), size):
-            group = chunks[start : start + size]
-            landed = _read_group(read, group, staging)
-            for j, ((transfer, _, part), host) in enumerate(zip(group, landed)):
-                if _checked(transfer, host, errors) and staging.num_slots:
-                    transfer.event = link.copy(transfer.dst[part], host, transfer.after)
-                    staging.mark_read(j, transfer.event)
-    except Exception as error:  # handed to the thread that waits on these experts
-        log.debug("a disk read of %d experts failed: %s", len(held), error)
-        return {transfer: error for transfer, _ in held}
-    return errors
-
-
-def _read_group(read: Read, group, staging: SlotPool) -> list[torch.Tensor]:
-    """Reads a group of chunks into host memory: their slots, or staging slots; returns where each landed."""
-    if not staging.num_slots:
-        for transfer, _, _ in group:
-            if transfer.after is not None:
-                transfer.after.synchronize()  # the copy up from this host slot (or compute) is done with it
-        landed = [transfer.dst[part] for transfer, _, part in group]
-    else:
-        landed = []
-        for j, (_, segments, part) in enumerate(group):
-            staging.wait_reads(j)  # the copy from this staging slot has run
-            landed.append(staging.slot(j, segments[0].offset)[: part.stop - part.start])  # congruent: in place
-    read([(segments, host) for (_, segments, _), host in zip(group, landed)])
-    return landed
-
-
-def _checked(transfer: Transfer, host: torch.Tensor, errors: Errors) -> bool:
-    """Feeds a chunk's bytes, in host memory, to its transfer's check; False (the error kept) if damaged."""
-    if transfer.check is None:
-        return True
-    try:
-        transfer.check.update(host)
-    except Exception as error:  # a damaged expert: its transfer fails, nothing of it goes further
-        errors[transfer] = error
-        return False
-    return True
-
-
-def copy_round(link: Link, held: Held) -> Errors:
-    """The host -> device link's copy function: issues the round's copies on the link, each after its
-    destination's last reader, and does not wait for them (a reader of the slot waits for the transfer's
-    event); a copy that fails to issue fails its expert."""
-    errors = {}
-    for copy, count in held:
-        _, part = copy.piece(count)
-        try:
-            copy.event = link.copy(copy.dst[part], copy.src[part], copy.after)
-        except Exception as error:  # handed to the thread that waits on this expert
-            log.debug("a host -> device copy of expert %s failed: %s", tuple(copy.key), error)
-            errors[copy] = error
-    return errors

@@ -1,12 +1,8 @@
-"""Importer for the DeepSeek-V2-Lite routing npz of the MoE-Beyond study, and its tokens jsonl.
-
-The npz holds `experts` [T, L, K] (uint8), `prompt_id` [T], `token_pos` [T] and `moe_layer_ids` [L];
-`<stem>_tokens.jsonl` beside it holds one line per prompt: prompt_id, n_tokens, tokens, text.
-Each prompt is teacher-forced text whose routing is causal, so it is exactly what decoding that
-text would route; the simulator replays each prompt as a decode stream. Every token is therefore
-stored with is_prefill=False (the source does not record where a prompt would end).
-This module knows the file layout only; `format.load_trace` decides when to call it.
-"""
+"""Importer for the DeepSeek-V2-Lite routing npz of the MoE-Beyond study (`experts` [T, L, K] uint8,
+`prompt_id` [T], `token_pos` [T], `moe_layer_ids` [L]), and its `<stem>_tokens.jsonl` (one line per prompt:
+prompt_id, n_tokens, tokens, text). Each prompt is teacher-forced text whose routing is causal, so every
+token is stored with is_prefill=False (the source does not record where a prompt would end). Knows the
+file layout only; `format.load_trace` decides when to call it."""
 
 from __future__ import annotations
 
@@ -29,45 +25,24 @@ NUM_SHARED_EXPERTS = 2
 EXPERT_BYTES = 3 * 2048 * 1408 * 2  # gate, up and down projections in bf16
 
 
-def is_deepseek(arrays: Mapping[str, np.ndarray]) -> bool:
-    return all(name in arrays for name in REQUIRED_ARRAYS)
-
-
-def topology_for(moe_layer_ids: np.ndarray, top_k: int) -> Topology:
-    """DeepSeek-V2-Lite: 64 routed experts per MoE layer plus 2 shared ones, bf16."""
-    try:
-        return Topology(
-            moe_layer_ids=tuple(int(i) for i in moe_layer_ids),
-            num_experts=NUM_EXPERTS,
-            top_k=top_k,
-            expert_bytes=EXPERT_BYTES,
-            num_shared_experts=NUM_SHARED_EXPERTS,
-        )
-    except ValueError as error:
-        raise TraceError(f"DeepSeek npz does not fit DeepSeek-V2-Lite ({error})") from None
-
-
 def trace_from_arrays(arrays: Mapping[str, np.ndarray], path: Path, tokens_path=None) -> Trace:
     experts, prompt_ids, positions = arrays["experts"], arrays["prompt_id"], arrays["token_pos"]
     layer_ids = arrays["moe_layer_ids"]
     if experts.ndim != 3 or layer_ids.ndim != 1 or experts.shape[1] != len(layer_ids):
         raise TraceError(f"experts has shape {experts.shape}, moe_layer_ids lists {layer_ids.shape} layers")
     _check_rows(experts, prompt_ids, positions)
-    topology = topology_for(layer_ids, experts.shape[2])
+    try:  # DeepSeek-V2-Lite: 64 routed experts per MoE layer plus 2 shared ones, bf16
+        topology = Topology(moe_layer_ids=tuple(int(i) for i in layer_ids), num_experts=NUM_EXPERTS,
+                            top_k=experts.shape[2], expert_bytes=EXPERT_BYTES, num_shared_experts=NUM_SHARED_EXPERTS)
+    except ValueError as error:
+        raise TraceError(f"DeepSeek npz does not fit DeepSeek-V2-Lite ({error})") from None
     if experts.size and int(experts.max()) >= topology.num_experts:
         raise TraceError(f"expert ids reach {int(experts.max())}, DeepSeek-V2-Lite has {topology.num_experts} experts")
     seqs = prompt_ids.astype(np.int32)
     tokens, texts = _read_tokens(path, tokens_path, seqs)
-    return Trace(
-        topology=topology,
-        experts=experts.astype(np.int16),  # [T, L, K]
-        seq_ids=seqs,
-        positions=positions.astype(np.int32),
-        is_prefill=np.zeros(len(seqs), dtype=bool),
-        tokens=tokens,
-        texts=texts,
-        source=f"deepseek-v2-lite:{path.name}",
-    )
+    return Trace(topology=topology, experts=experts.astype(np.int16), seq_ids=seqs,  # experts [T, L, K]
+                 positions=positions.astype(np.int32), is_prefill=np.zeros(len(seqs), dtype=bool), tokens=tokens,
+                 texts=texts, source=f"deepseek-v2-lite:{path.name}")
 
 
 def _check_rows(experts: np.ndarray, prompt_ids: np.ndarray, positions: np.ndarray) -> None:
@@ -95,7 +70,15 @@ def _read_tokens(path: Path, tokens_path, seq_ids: np.ndarray) -> tuple[list[str
         raise TraceError(f"tokens file not found: {tokens_path}")
     records = read_tokens_jsonl(tokens_path)
     ids, counts = np.unique(seq_ids, return_counts=True)
-    _check_agreement(records, dict(zip(ids.tolist(), counts.tolist())), tokens_path)
+    lengths = dict(zip(ids.tolist(), counts.tolist()))
+    missing, extra = sorted(set(lengths) - set(records)), sorted(set(records) - set(lengths))
+    if missing or extra:
+        raise TraceError(f"{tokens_path} disagrees with the npz: prompts missing from it {missing[:5]}, "
+                         f"prompts not in the npz {extra[:5]}")
+    for seq, count in lengths.items():
+        if len(records[seq][0]) != count:
+            raise TraceError(f"{tokens_path} disagrees with the npz: prompt {seq} has {len(records[seq][0])} tokens "
+                             f"there, {count} in the npz")
     order = [int(s) for s in seq_ids[np.r_[True, seq_ids[1:] != seq_ids[:-1]]]] if len(seq_ids) else []
     tokens = [token for seq in order for token in records[seq][0]]
     return tokens, {seq: records[seq][1] for seq in order}
@@ -121,25 +104,6 @@ def _parse_line(line: str, number: int, path: Path) -> tuple[int, list[str], str
     except (ValueError, KeyError, TypeError) as error:
         raise TraceError(f"{path}:{number}: not a tokens record ({error})") from None
     if not isinstance(tokens, list) or len(tokens) != count or not all(isinstance(t, str) for t in tokens):
-        raise TraceError(f"{path}:{number}: n_tokens is {count} but tokens holds {_describe(tokens)}")
+        held = f"{len(tokens)} entries" if isinstance(tokens, list) else type(tokens).__name__
+        raise TraceError(f"{path}:{number}: n_tokens is {count} but tokens holds {held}")
     return seq, tokens, str(record.get("text", ""))
-
-
-def _describe(tokens) -> str:
-    return f"{len(tokens)} entries" if isinstance(tokens, list) else type(tokens).__name__
-
-
-def _check_agreement(records: dict, lengths: dict[int, int], tokens_path: Path) -> None:
-    missing = sorted(set(lengths) - set(records))
-    extra = sorted(set(records) - set(lengths))
-    if missing or extra:
-        raise TraceError(
-            f"{tokens_path} disagrees with the npz: prompts missing from it {missing[:5]}, "
-            f"prompts not in the npz {extra[:5]}"
-        )
-    for seq, count in lengths.items():
-        if len(records[seq][0]) != count:
-            raise TraceError(
-                f"{tokens_path} disagrees with the npz: prompt {seq} has {len(records[seq][0])} tokens there, "
-                f"{count} in the npz"
-            )

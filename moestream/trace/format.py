@@ -1,10 +1,8 @@
 """The project's own routing-trace file: a versioned `.npz` archive, written atomically.
 
-`save_trace` writes format "moestream-trace" version 1 (see docs/trace-format.md); `load_trace`
-reads it or a DeepSeek routing npz (told apart by the archive's entries, never by the file name)
-and checks every array against the topology. Every problem with a file raises TraceError naming
-the file and the problem. This module knows the schema and the importers, not their consumers.
-"""
+`save_trace` writes format "moestream-trace" version 1 (docs/trace-format.md); `load_trace` reads it or a DeepSeek
+routing npz (told apart by the archive's entries, never the file name) and checks every array against the
+topology; every problem raises TraceError naming the file. Knows the schema and importers, not their consumers."""
 
 from __future__ import annotations
 
@@ -35,7 +33,9 @@ ZIP_MAGIC = b"PK\x03\x04"
 def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
     """Write `trace` to `path` (conventionally `*.npz`) atomically; returns the path."""
     path = Path(path)
-    header = json.dumps(_header(trace), sort_keys=True).encode("utf-8")
+    header = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, "topology": trace.topology.to_dict(),
+                         "num_tokens": trace.num_tokens, "source": trace.source,
+                         "writer": f"moestream {moestream.__version__}"}, sort_keys=True).encode("utf-8")
     arrays = {HEADER_KEY: np.frombuffer(header, dtype=np.uint8)} | _arrays(trace)
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         np.savez_compressed(handle, **arrays)
@@ -52,12 +52,10 @@ def load_trace(path: str | os.PathLike, tokens_path: str | os.PathLike | None = 
         if tokens_path is not None:
             raise TraceError(f"{path}: a tokens file applies only to DeepSeek routing npz files")
         return _checked(path, lambda: _trace_from_arrays(arrays, path))
-    if deepseek.is_deepseek(arrays):
+    if all(name in arrays for name in deepseek.REQUIRED_ARRAYS):
         return _checked(path, lambda: deepseek.trace_from_arrays(arrays, path, tokens_path))
-    raise TraceError(
-        f"{path}: unknown trace format (entries: {', '.join(sorted(arrays)) or 'none'}); "
-        f"expected a {FORMAT_NAME} file or a DeepSeek routing npz"
-    )
+    raise TraceError(f"{path}: unknown trace format (entries: {', '.join(sorted(arrays)) or 'none'}); "
+                     f"expected a {FORMAT_NAME} file or a DeepSeek routing npz")
 
 
 def read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -67,22 +65,16 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
     if path.is_dir():
         raise TraceError(f"{path} is a directory, not a trace file")
     if not zipfile.is_zipfile(path):
-        raise TraceError(f"{path}: {_why_not_zip(path)}")
+        with open(path, "rb") as handle:
+            start = handle.read(4)
+        why = ("empty file, not a trace" if not start else "not an npz (zip) archive" if start != ZIP_MAGIC
+               else "truncated or corrupt npz archive (no zip directory at its end)")
+        raise TraceError(f"{path}: {why}")
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {name: npz[name] for name in npz.files}
     except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, KeyError) as error:
         raise TraceError(f"{path}: corrupt npz archive ({error})") from None
-
-
-def _why_not_zip(path: Path) -> str:
-    with open(path, "rb") as handle:
-        start = handle.read(4)
-    if not start:
-        return "empty file, not a trace"
-    if start == ZIP_MAGIC:
-        return "truncated or corrupt npz archive (no zip directory at its end)"
-    return "not an npz (zip) archive"
 
 
 def _checked(path: Path, build) -> Trace:
@@ -92,25 +84,10 @@ def _checked(path: Path, build) -> Trace:
         raise TraceError(f"{path}: {error}") from None
 
 
-def _header(trace: Trace) -> dict:
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "topology": trace.topology.to_dict(),
-        "num_tokens": trace.num_tokens,
-        "source": trace.source,
-        "writer": f"moestream {moestream.__version__}",
-    }
-
-
 def _arrays(trace: Trace) -> dict[str, np.ndarray]:
     expert_dtype = np.uint8 if trace.topology.num_experts <= 256 else np.int16
-    arrays = {
-        "experts": trace.experts.astype(expert_dtype),  # [N, L, K]
-        "seq_ids": trace.seq_ids.astype(np.int32),  # [N]
-        "positions": trace.positions.astype(np.int32),  # [N]
-        "is_prefill": trace.is_prefill.astype(bool),  # [N]
-    }
+    arrays = {"experts": trace.experts.astype(expert_dtype), "seq_ids": trace.seq_ids.astype(np.int32),  # [N, L, K]
+              "positions": trace.positions.astype(np.int32), "is_prefill": trace.is_prefill.astype(bool)}  # [N] each
     if trace.token_ids is not None:
         arrays["token_ids"] = trace.token_ids.astype(np.int32)
     for name in FLOAT_ARRAYS:
@@ -156,23 +133,17 @@ def _read_header(arrays: Mapping[str, np.ndarray]) -> dict:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise TraceError(f"invalid {FORMAT_NAME} version {version!r}")
     if version > FORMAT_VERSION:
-        raise TraceError(
-            f"{FORMAT_NAME} version {version} is newer than this moestream reads "
-            f"(up to {FORMAT_VERSION}); upgrade moestream"
-        )
+        raise TraceError(f"{FORMAT_NAME} version {version} is newer than this moestream reads "
+                         f"(up to {FORMAT_VERSION}); upgrade moestream")
     return header
-
-
-def _topology(data) -> Topology:
-    try:
-        return Topology.from_dict(data)
-    except (TypeError, ValueError) as error:
-        raise TraceError(f"invalid topology in header ({error})") from None
 
 
 def _trace_from_arrays(arrays: Mapping[str, np.ndarray], path: Path) -> Trace:
     header = _read_header(arrays)
-    topology = _topology(header.get("topology"))
+    try:
+        topology = Topology.from_dict(header.get("topology"))
+    except (TypeError, ValueError) as error:
+        raise TraceError(f"invalid topology in header ({error})") from None
     missing = [name for name in REQUIRED_ARRAYS if name not in arrays]
     if missing:
         raise TraceError(f"missing required array(s): {', '.join(missing)}")
@@ -180,18 +151,12 @@ def _trace_from_arrays(arrays: Mapping[str, np.ndarray], path: Path) -> Trace:
     if header.get("num_tokens", n) != n:
         raise TraceError(f"header says {header['num_tokens']} tokens, seq_ids has {n}")
     check_arrays(arrays, topology, n)
-    return Trace(
-        topology=topology,
-        experts=arrays["experts"].astype(np.int16),
-        seq_ids=arrays["seq_ids"].astype(np.int32),
-        positions=arrays["positions"].astype(np.int32),
-        is_prefill=arrays["is_prefill"].astype(bool),
-        token_ids=arrays["token_ids"].astype(np.int32) if "token_ids" in arrays else None,
-        tokens=_tokens(arrays),
-        texts=_texts(arrays),
-        source=str(header.get("source") or path),
-        **{name: arrays[name].astype(np.float16) if name in arrays else None for name in FLOAT_ARRAYS},
-    )
+    return Trace(topology=topology, experts=arrays["experts"].astype(np.int16),
+                 seq_ids=arrays["seq_ids"].astype(np.int32), positions=arrays["positions"].astype(np.int32),
+                 is_prefill=arrays["is_prefill"].astype(bool),
+                 token_ids=arrays["token_ids"].astype(np.int32) if "token_ids" in arrays else None,
+                 tokens=_tokens(arrays), texts=_texts(arrays), source=str(header.get("source") or path),
+                 **{name: arrays[name].astype(np.float16) if name in arrays else None for name in FLOAT_ARRAYS})
 
 
 def check_arrays(arrays: Mapping[str, np.ndarray], topology: Topology, n: int) -> None:
@@ -209,25 +174,16 @@ def check_arrays(arrays: Mapping[str, np.ndarray], topology: Topology, n: int) -
             raise TraceError(f"{name} has shape {arrays[name].shape}, expected {ndim} dimensions and {n} rows")
     if "hidden" in arrays and arrays["hidden"].shape[1] != layers:
         raise TraceError(f"hidden has {arrays['hidden'].shape[1]} layers, topology has {layers}")
-    _check_dtypes(arrays)
-    check_expert_range(arrays["experts"], e)
-
-
-def _check_dtypes(arrays: Mapping[str, np.ndarray]) -> None:
     for name in ("experts", "seq_ids", "positions", "token_ids"):
         if name in arrays and arrays[name].dtype.kind not in "iu":
             raise TraceError(f"{name} must hold integers, found {arrays[name].dtype}")
     for name in FLOAT_ARRAYS:
         if name in arrays and arrays[name].dtype.kind != "f":
             raise TraceError(f"{name} must hold floats, found {arrays[name].dtype}")
-
-
-def check_expert_range(experts: np.ndarray, num_experts: int) -> None:
-    if experts.size and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
-        raise TraceError(
-            f"expert ids range over [{int(experts.min())}, {int(experts.max())}], "
-            f"outside the topology's [0, {num_experts - 1}]"
-        )
+    experts = arrays["experts"]
+    if experts.size and (int(experts.min()) < 0 or int(experts.max()) >= e):
+        raise TraceError(f"expert ids range over [{int(experts.min())}, {int(experts.max())}], "
+                         f"outside the topology's [0, {e - 1}]")
 
 
 def _tokens(arrays: Mapping[str, np.ndarray]) -> list[str] | None:

@@ -1,12 +1,9 @@
 """Records the engine's routing events into a Trace, as an Observer beside the policies.
 
-Each iteration (a prefill of many tokens, or one decode token per sequence of a batch) is held
-until its last MoE layer has routed, then its rows are filed under their sequences; `to_trace`
-groups rows by sequence (in order of first appearance) and orders them by position. Optional
-fields (gate weights/probs, hidden states, embeddings, token ids/strings) are kept when every
-recorded row carries them, else dropped with a log line. A sequence id reused after
-end_sequence gets a fresh id in the trace. Knows events and the schema, not the engine.
-"""
+Each iteration is held until its last MoE layer has routed, then its rows are filed under their sequences;
+`to_trace` groups rows by sequence (in order of first appearance), ordered by position. Optional fields are kept
+when every recorded row carries them, else dropped with a log line; a sequence id reused after end_sequence gets
+a fresh id. Knows events and the schema, not the engine."""
 
 from __future__ import annotations
 
@@ -41,15 +38,13 @@ class TraceRecorder(Observer):
         unknown = set(fields) - set(LAYER_FIELDS + ROW_FIELDS)
         if unknown:
             raise ValueError(f"unknown trace fields {sorted(unknown)}")
-        self.topology = topology
-        self.fields = tuple(fields)
-        self.source = source
+        self.topology, self.fields, self.source = topology, tuple(fields), source
         self.texts: dict[int, str] = {}
         self._ctx: IterationContext | None = None
         self._layers: dict[int, RoutingEvent] = {}
         self._open: dict[int, _Rows] = {}
         self._done: list[_Rows] = []
-        self._missing: set[str] = set()
+        self._missing: set[str] = set()  # optional fields some iteration lacked, and fields some had
         self._present: set[str] = set()
         self._num_sequences = 0
 
@@ -63,10 +58,8 @@ class TraceRecorder(Observer):
         if not 0 <= event.layer < self.topology.num_layers or event.layer in self._layers:
             raise TraceError(f"unexpected routing event for MoE layer {event.layer} at step {self._ctx.step}")
         if event.expert_ids.shape != (self._ctx.num_tokens, self.topology.top_k):
-            raise TraceError(
-                f"layer {event.layer} routed {event.expert_ids.shape}, "
-                f"expected ({self._ctx.num_tokens}, {self.topology.top_k})"
-            )
+            raise TraceError(f"layer {event.layer} routed {event.expert_ids.shape}, "
+                             f"expected ({self._ctx.num_tokens}, {self.topology.top_k})")
         self._layers[event.layer] = event
 
     def end_sequence(self, seq_id: int) -> None:
@@ -92,9 +85,8 @@ class TraceRecorder(Observer):
             return
         if len(self._layers) != self.topology.num_layers:
             if self._layers:
-                raise TraceError(
-                    f"step {self._ctx.step} routed {len(self._layers)} of {self.topology.num_layers} MoE layers"
-                )
+                raise TraceError(f"step {self._ctx.step} routed {len(self._layers)} of {self.topology.num_layers} "
+                                 "MoE layers")
             self._ctx = None
             return
         rows = self._iteration_rows()
@@ -108,11 +100,9 @@ class TraceRecorder(Observer):
 
     def _iteration_rows(self) -> dict:
         ctx, events = self._ctx, [self._layers[layer] for layer in range(self.topology.num_layers)]
-        rows = {
-            "experts": np.stack([e.expert_ids for e in events], axis=1).astype(np.int16),  # [T, L, K]
-            "positions": np.asarray(ctx.positions, dtype=np.int32),
-            "is_prefill": np.full(ctx.num_tokens, ctx.is_prefill),
-        }
+        rows = {"experts": np.stack([e.expert_ids for e in events], axis=1).astype(np.int16),  # [T, L, K]
+                "positions": np.asarray(ctx.positions, dtype=np.int32),
+                "is_prefill": np.full(ctx.num_tokens, ctx.is_prefill)}
         for name in self.fields:
             value = self._field(name, ctx, events)
             if value is None:
@@ -138,20 +128,17 @@ class TraceRecorder(Observer):
         keep = [name for name in self.fields if name not in self._missing and chunks]
         for name in sorted(self._present & self._missing):
             log.warning("trace field %s was missing from some iterations: not recorded", name)
-        data = {name: _cat(chunks, name) for name in ("experts", "positions", "is_prefill", *keep)}
+        data = {name: np.concatenate([c[name] for c in chunks]) if chunks else None
+                for name in ("experts", "positions", "is_prefill", *keep)}
         empty = (0, self.topology.num_layers, self.topology.top_k)
-        return Trace(
-            topology=self.topology,
-            experts=data["experts"] if chunks else np.zeros(empty, dtype=np.int16),
-            seq_ids=np.repeat(np.asarray(seq_ids, dtype=np.int32), counts).astype(np.int32),
-            positions=data["positions"] if chunks else np.zeros(0, np.int32),
-            is_prefill=data["is_prefill"] if chunks else np.zeros(0, bool),
-            token_ids=data.get("token_ids"),
-            tokens=None if "tokens" not in data else [str(t) for t in data["tokens"]],
-            texts={s: self.texts[s] for s in seq_ids if s in self.texts},
-            source=self.source or "moestream recorder",
-            **{name: data.get(name) for name in ("gate_weights", "gate_probs", "hidden", "embeddings")},
-        )
+        return Trace(topology=self.topology, experts=data["experts"] if chunks else np.zeros(empty, dtype=np.int16),
+                     seq_ids=np.repeat(np.asarray(seq_ids, dtype=np.int32), counts).astype(np.int32),
+                     positions=data["positions"] if chunks else np.zeros(0, np.int32),
+                     is_prefill=data["is_prefill"] if chunks else np.zeros(0, bool), token_ids=data.get("token_ids"),
+                     tokens=None if "tokens" not in data else [str(t) for t in data["tokens"]],
+                     texts={s: self.texts[s] for s in seq_ids if s in self.texts},
+                     source=self.source or "moestream recorder",
+                     **{name: data.get(name) for name in ("gate_weights", "gate_probs", "hidden", "embeddings")})
 
 
 def _take(rows: dict, pick: np.ndarray) -> dict:
@@ -161,10 +148,6 @@ def _take(rows: dict, pick: np.ndarray) -> dict:
 def _concat(chunks: list[dict]) -> dict:
     names = set.intersection(*(set(c) for c in chunks))
     return {name: np.concatenate([c[name] for c in chunks]) for name in names}
-
-
-def _cat(chunks: list[dict], name: str) -> np.ndarray | None:
-    return np.concatenate([c[name] for c in chunks]) if chunks else None
 
 
 def _unique_ids(seq_ids: list[int]) -> list[int]:

@@ -1,8 +1,6 @@
-"""Turns a trace into the event sequence the engine would publish, for predictors and the simulator.
-
-A decode stream is one iteration per token, sequences back to back; prefill is one iteration per
-prompt; batched decode interleaves B sequences, one token of each per iteration.
-"""
+"""Turns a trace into the event sequence the engine would publish, for predictors and the simulator: a
+decode stream (one iteration per token, sequences back to back), prefill (one per prompt), or batched
+decode (B sequences interleaved, one token of each per iteration)."""
 
 from __future__ import annotations
 
@@ -25,37 +23,24 @@ class Iteration:
 
 def iteration(trace: Trace, rows: np.ndarray, step: int, finished: tuple[int, ...] = ()) -> Iteration:
     seq_ids, positions = trace.seq_ids[rows], trace.positions[rows]
-    ctx = IterationContext(
-        step=step,
-        seq_ids=seq_ids,
-        positions=positions,
-        is_prefill=bool(trace.is_prefill[rows].all()) and len(rows) > 1,
-        token_ids=None if trace.token_ids is None else trace.token_ids[rows],
-        tokens=None if trace.tokens is None else tuple(trace.tokens[i] for i in rows),
-        embeddings=None if trace.embeddings is None else trace.embeddings[rows].astype(np.float32),
-    )
+    ctx = IterationContext(step=step, seq_ids=seq_ids, positions=positions,
+                           is_prefill=bool(trace.is_prefill[rows].all()) and len(rows) > 1,
+                           token_ids=None if trace.token_ids is None else trace.token_ids[rows],
+                           tokens=None if trace.tokens is None else tuple(trace.tokens[i] for i in rows),
+                           embeddings=None if trace.embeddings is None else trace.embeddings[rows].astype(np.float32))
     experts = _by_layer(trace.experts, rows, np.int64)  # [L, T, K]
     weights, probs, hidden = (_by_layer(v, rows, np.float32) for v in (trace.gate_weights, trace.gate_probs, trace.hidden))
-    events = tuple(
-        RoutingEvent(
-            layer=layer,
-            expert_ids=experts[layer],  # [T, K]
-            seq_ids=seq_ids,
-            positions=positions,
-            gate_weights=None if weights is None else weights[layer],
-            gate_probs=None if probs is None else probs[layer],
-            hidden=None if hidden is None else hidden[layer],
-        )
-        for layer in range(trace.topology.num_layers)
-    )
+    events = tuple(RoutingEvent(layer=layer, expert_ids=experts[layer], seq_ids=seq_ids, positions=positions,
+                                gate_weights=None if weights is None else weights[layer],
+                                gate_probs=None if probs is None else probs[layer],
+                                hidden=None if hidden is None else hidden[layer])
+                   for layer in range(trace.topology.num_layers))
     return Iteration(ctx, rows, events, finished)
 
 
 def _by_layer(values: np.ndarray | None, rows: np.ndarray, dtype) -> np.ndarray | None:
     """values[rows] ([T, L, ...]) laid out layer-major ([L, T, ...], contiguous per layer), or None."""
-    if values is None:
-        return None
-    return np.ascontiguousarray(values[rows].swapaxes(0, 1), dtype=dtype)
+    return None if values is None else np.ascontiguousarray(values[rows].swapaxes(0, 1), dtype=dtype)
 
 
 def decode_stream(trace: Trace) -> Iterator[Iteration]:

@@ -1,8 +1,6 @@
-"""The in-memory routing trace: every token of every sequence, its experts at every MoE layer.
-
-Rows are tokens, grouped by sequence and ordered by position within a sequence. Optional fields
-are None when the source did not record them; consumers must say so rather than invent them.
-"""
+"""The in-memory routing trace: every token of every sequence, its experts at every MoE layer. Rows are
+tokens, grouped by sequence and ordered by position. Optional fields are None when the source did not
+record them; consumers must say so rather than invent them."""
 
 from __future__ import annotations
 
@@ -51,10 +49,8 @@ class Trace:
                 raise TraceError(f"{name} has {len(value)} rows, expected {n}")
         if self.tokens is not None and len(self.tokens) != n:
             raise TraceError(f"tokens has {len(self.tokens)} rows, expected {n}")
-        if self.gate_probs is not None and self.gate_probs.shape[1:] != (
-            self.topology.num_layers,
-            self.topology.num_experts,
-        ):
+        if self.gate_probs is not None and self.gate_probs.shape[1:] != (self.topology.num_layers,
+                                                                         self.topology.num_experts):
             raise TraceError(f"gate_probs has shape {self.gate_probs.shape}, disagreeing with topology")
 
     @property
@@ -82,16 +78,8 @@ class Trace:
         tokens = None if self.tokens is None else [self.tokens[i] for i in rows]
         kept = set(self.seq_ids[rows].tolist())
         texts = {k: v for k, v in self.texts.items() if k in kept}
-        return replace(
-            self,
-            experts=self.experts[rows],
-            seq_ids=self.seq_ids[rows],
-            positions=self.positions[rows],
-            is_prefill=self.is_prefill[rows],
-            tokens=tokens,
-            texts=texts,
-            **pick,
-        )
+        return replace(self, experts=self.experts[rows], seq_ids=self.seq_ids[rows], positions=self.positions[rows],
+                       is_prefill=self.is_prefill[rows], tokens=tokens, texts=texts, **pick)
 
     def split(self, test_fraction: float, seed: int = 0) -> tuple["Trace", "Trace"]:
         """(train, test): a seeded random split by whole sequences."""

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 
 from moestream.checkpoint import writer
 from moestream.checkpoint.index import build_index
-from moestream.checkpoint.make_model import demo_spec, disk_tensors, make_config, make_model, meta_model
+from moestream.checkpoint.make_model import disk_tensors, make_config, make_model, meta_model
 from moestream.checkpoint.manifest import load_manifest
-from moestream.checkpoint.spec import ModelSpec, deepseek_v2_lite_spec, width_scaled
+from moestream.checkpoint.spec import ModelSpec, deepseek_v2_lite_spec, demo_spec, width_scaled
 from moestream.checkpoint.verify import verify
 from moestream.errors import CheckpointError
 from moestream.families import FAMILIES

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from moestream.checkpoint.tokenizer import EOS, corpus_text, load_tokenizer, train_tokenizer, write_tokenizer
+from moestream.checkpoint.tokenizer import EOS, corpus_text, load_tokenizer, train_tokenizer
 from moestream.errors import CheckpointError
 
 TEXTS = [
@@ -15,7 +15,7 @@ TEXTS = [
 
 
 def test_written_tokenizer_loads_offline_and_round_trips(tmp_path):
-    write_tokenizer(tmp_path, 400)
+    train_tokenizer(400).save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert len(tokenizer) == 400
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
@@ -40,7 +40,7 @@ def test_unusable_vocab_sizes(vocab_size, problem):
 
 
 def test_a_checkpoint_s_tokenizer_loads_and_a_missing_or_broken_one_is_one_line(tmp_path):
-    write_tokenizer(tmp_path, 400)
+    train_tokenizer(400).save_pretrained(tmp_path)
     assert len(load_tokenizer(tmp_path)) == 400
     for text in ("{not json", "{}"):
         (tmp_path / "tokenizer.json").write_text(text)

@@ -126,9 +126,9 @@ def registered_names() -> frozenset[str]:
 @cache
 def _import(name: str):
     module = importlib.import_module(name)
-    if name in ("moestream.policies", "moestream.families", "moestream.quant", "moestream.sim"):
+    if name in ("moestream.policies", "moestream.families", "moestream.quant", "moestream.bench.sim"):
         return module
-    for package in ("moestream.policies", "moestream.families", "moestream.quant", "moestream.sim"):
+    for package in ("moestream.policies", "moestream.families", "moestream.quant", "moestream.bench.sim"):
         if name.startswith(package + "."):  # its registry fills as the package imports every module
             importlib.import_module(package)
     return module

@@ -12,15 +12,15 @@ import dataclasses
 import numpy as np
 import pytest
 
+from moestream.bench.sim.config import SimConfig
+from moestream.bench.sim.cost import get_cost_model
+from moestream.bench.sim.protocols import simulate
 from moestream.cache import ExpertCache
 from moestream.contracts import CacheView
 from moestream.policies import EVICTIONS, POLICIES
 from moestream.policies.driver import PolicyDriver
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
-from moestream.sim.config import SimConfig
-from moestream.sim.cost import get_cost_model
-from moestream.sim.protocols import simulate
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream
 from tests.synthetic import synthetic_trace

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from moestream.bench.sim import SimConfig, simulate
 from moestream.contracts import CacheView, LinkState, Prediction
 from moestream.policies.planning import BandwidthAwarePlanner
-from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey
 from tests.sim import tiny
 

@@ -6,7 +6,7 @@ import random
 import numpy as np
 
 from moestream.cache import ExpertCache
-from moestream.policies.scored_eviction import ScoredEviction
+from moestream.policies.eviction import ScoredEviction
 from moestream.topology import ExpertKey
 
 L, E = 4, 8

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moestream.sim import SimConfig, get_cost_model
-from moestream.sim.config import SimConfigError
+from moestream.bench.sim import SimConfig, get_cost_model
+from moestream.bench.sim.config import SimConfigError
 
 
 @pytest.mark.parametrize(

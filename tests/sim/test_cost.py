@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from moestream.bench.sim.cost import DEFAULT_COST_MODEL, PRESETS, CostModel, get_cost_model
 from moestream.errors import MoestreamError
-from moestream.sim.cost import DEFAULT_COST_MODEL, PRESETS, CostModel, get_cost_model
 
 EXPERT_BYTES = 3 * 2048 * 1408 * 2  # one DeepSeek-V2-Lite routed expert
 
@@ -58,7 +58,7 @@ def test_bad_names_and_values_are_user_errors():
 def test_a_measured_cost_model_reads_back_from_a_bench_document(tmp_path):
     from dataclasses import asdict
 
-    from moestream.sim.cost import measured_cost_model
+    from moestream.bench.sim.cost import measured_cost_model
 
     model = measured_cost_model(num_layers=4, decode_ms_per_token=20.0, expert_bytes=2_000_000, expert_read_ms=2.0,
                                 source="test")
@@ -72,7 +72,7 @@ def test_a_measured_cost_model_reads_back_from_a_bench_document(tmp_path):
 
 
 def test_a_measured_cost_model_splits_the_mean_read_into_a_batch_cost_and_bandwidth():
-    from moestream.sim.cost import measured_cost_model
+    from moestream.bench.sim.cost import measured_cost_model
 
     # 2 MB experts at 2 GB/s take 1 ms each; a mean of 1.5 ms at 4 experts per batch leaves 2 ms per batch
     model = measured_cost_model(num_layers=4, decode_ms_per_token=20.0, expert_bytes=2_000_000, expert_read_ms=1.5,
@@ -97,7 +97,7 @@ def test_a_fitted_read_line_and_the_routed_experts_compute_go_into_the_measured_
 
 
 def test_a_measured_cost_model_that_is_missing_or_not_one_is_a_user_error(tmp_path):
-    from moestream.sim.cost import CostModelError
+    from moestream.bench.sim.cost import CostModelError
 
     with pytest.raises(CostModelError, match="cannot read"):
         get_cost_model(f"measured:{tmp_path / 'absent.json'}")

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from moestream.bench.sim import SimConfig, simulate
 from moestream.contracts import Prediction, Predictor
 from moestream.errors import BudgetError
 from moestream.policies import POLICIES
 from moestream.policies.planning import BandwidthAwarePlanner, ScorePlanner
-from moestream.sim import SimConfig, simulate
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows
 from tests.sim import tiny
@@ -98,14 +98,14 @@ def test_a_layer_computes_what_it_holds_while_its_misses_load_in_the_engines_exp
         assert (m["hits"], m["accesses"]) == (2, 8)
         return m["stall_ms"]
 
-    # token 0, each layer: two misses land at 1 and 2 ms -> the layer waits 2 ms ("loaded"), or computes the
-    # first from 1 to 1.5 and the second from 2 to 2.5: 1.5 ms of waiting. Token 1: the miss lands at 1 ms.
+    # token 0, each layer: its two misses are one demand round (the engine's rounds), landing together at 2 ms:
+    # it waits 2 ms in every order. Token 1: the miss lands at 1 ms; "ready" computes the hit first, 0 to 0.5 ms.
     assert stall("loaded") == pytest.approx(2 * 2.0 + 2 * 1.0)
-    assert stall("ready") == pytest.approx(2 * 1.5 + 2 * 0.5)  # the hit computes first, 0 to 0.5
-    assert stall("given") == pytest.approx(2 * 1.5 + 2 * 1.0)  # expert 0 first: it waits the whole 1 ms
+    assert stall("ready") == pytest.approx(2 * 2.0 + 2 * 0.5)
+    assert stall("given") == pytest.approx(2 * 2.0 + 2 * 1.0)  # expert 0 first: it waits the whole 1 ms
     slow = replace(cost, routed_expert_ms=1000.0)  # a layer's experts never take more than its 2 ms of compute
-    assert stall("ready", slow) == pytest.approx(2 * 1.0 + 2 * 0.0)  # 1 ms each: token 0 computes 1-2, 2-3
-    assert stall("given", slow) == pytest.approx(2 * 1.0 + 2 * 1.0)
+    assert stall("ready", slow) == pytest.approx(2 * 2.0 + 2 * 0.0)  # 1 ms each: the hit computes 0-1
+    assert stall("given", slow) == pytest.approx(2 * 2.0 + 2 * 1.0)
     without = replace(cost, routed_expert_ms=0.0)
     assert stall("ready", without) == stall("given", without) == stall("loaded", without) == stall("loaded")
 
@@ -134,7 +134,7 @@ def test_the_planner_sees_a_layers_demand_loads_in_flight_as_the_engines_store_s
 
 
 def test_an_unknown_expert_order_is_a_config_error():
-    from moestream.sim.config import SimConfigError
+    from moestream.bench.sim.config import SimConfigError
 
     with pytest.raises(SimConfigError, match="expert order"):
         SimConfig(cache_ratio=0.5, expert_order="random")
@@ -307,15 +307,29 @@ def test_the_planner_sees_the_engines_link_figures_where_given():
 
 def test_the_planners_link_ends_a_layer_when_the_simulator_does_where_experts_compute_as_they_land():
     """With routed_expert_ms a layer computes its experts as they land, waits what that leaves, then its
-    whole compute: its two demand loads land at 1 and 2 ms, expert 0 computes 1..1.5 ms and expert 1 from
-    2 ms, so it waits 1.5 ms and ends at 3.5 ms, 1.5 ms after its last landing. The planner's link says so
-    (a link that ended it one expert's compute after the last landing planned on 2.5 ms)."""
+    whole compute: its two demand loads are one round that lands at 2 ms, so it waits 2 ms and ends at
+    4 ms, its whole compute after the round. The planner's link says so."""
     topo = tiny.topology(top_k=2)
     trace = tiny.trace([[[[0, 1], [2, 3]]]], topo)
     policy = tiny.scripted(topo, {1: [2]})
     policy.planner = Recording()
     cost = tiny.cost(compute_ms=2.0).with_overrides(routed_expert_ms=0.5)
     m = run(policy, trace, cache_ratio=0.5, cost=cost, horizon_layers=1)
-    assert policy.planner.links[0].next_need_ms == pytest.approx(1.5 + 2.0)
-    # layer 1: (1, 2), prefetched 2..3 ms, computes from 3.5 ms; (1, 3) lands at 4.5 ms: 0.5 ms more
-    assert m["stall_ms"] == pytest.approx(1.5 + 0.5)
+    assert policy.planner.links[0].next_need_ms == pytest.approx(2.0 + 2.0)
+    # layer 1: (1, 2), prefetched 2..3 ms, computes 4..4.5 ms; (1, 3), read on demand from 4 ms, lands at 5 ms
+    assert m["stall_ms"] == pytest.approx(2.0 + 0.5)
+
+
+def test_a_speculative_read_that_finds_the_host_tier_full_is_refused_as_the_store_refuses_it():
+    """One host slot, pinned by layer 0's demand read while it moves: the plan's two prefetches of layer 1
+    find no free host slot and are refused (they leave the device tier, as `LinkChain.enqueue` does in the
+    engine), where a simulator with a host tier of its own had them wait and retry."""
+    topo = tiny.topology()
+    trace = tiny.trace([[[[0], [1]]]], topo)
+    policy = tiny.scripted(topo, {1: [1, 2]})
+    m = run(policy, trace, cache_ratio=0.5, host_slots=1, cost=tiny.cost(compute_ms=2.0), horizon_layers=1)
+    assert (m["prefetches"], m["prefetches_dropped"], m["hits"], m["demand_fetches"]) == (0, 2, 0, 2)
+    assert m["bytes_by_link"] == {"disk_to_host": 2 * tiny.MB, "host_to_device": 2 * tiny.MB}
+    roomy = run(tiny.scripted(topo, {1: [1, 2]}), trace, cache_ratio=0.5, host_slots=3, cost=tiny.cost(compute_ms=2.0),
+                horizon_layers=1)
+    assert (roomy["prefetches"], roomy["prefetches_dropped"], roomy["hits"]) == (2, 0, 1)

@@ -1,16 +1,16 @@
 """Host compute in the stream simulator and `moestream sim --host-compute`: where each miss computes and
-what that does to the stall (moestream.sim.host_compute; the rules are moestream.policies.compute_placement)."""
+what that does to the stall (moestream.bench.sim.host_compute; the rules are moestream.policies.compute_placement)."""
 
 import json
 from dataclasses import replace
 
 import pytest
 
+from moestream.bench.sim import PRESETS, SimConfig, simulate
+from moestream.bench.sim.host_compute import compute_costs
 from moestream.cli import main
 from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
-from moestream.sim import PRESETS, SimConfig, simulate
-from moestream.sim.host_compute import compute_costs
 from moestream.topology import Topology
 from moestream.trace.format import save_trace
 from tests.sim import tiny

@@ -1,6 +1,6 @@
 """Derived figures from the counters."""
 
-from moestream.sim.metrics import LayerCounts, MoeBeyondCounters, StreamCounters
+from moestream.bench.sim.metrics import LayerCounts, MoeBeyondCounters, StreamCounters
 
 
 def test_stream_summary_derives_ratios():

@@ -1,9 +1,9 @@
 """The MoE-Beyond hit-rate protocol: warm-up, pool size, pushes, and the order of predictions."""
 
+from moestream.bench.sim import SimConfig, simulate
+from moestream.bench.sim.moe_beyond import pool_slots
 from moestream.contracts import Prediction, Predictor
 from moestream.policies import POLICIES
-from moestream.sim import SimConfig, simulate
-from moestream.sim.moe_beyond import pool_slots
 from moestream.topology import Topology
 from tests.sim import tiny
 from tests.synthetic import synthetic_trace

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
+from moestream.bench.sim import SimConfig, get_cost_model, simulate
+from moestream.bench.sim.network import NETWORKS, NetworkLink, get_network
+from moestream.bench.sim.ranks import RankSetup, simulate_ranks
+from moestream.bench.sim.synthetic import shape_of
 from moestream.cli import main
 from moestream.parallel.placement import ActivationStats, make_placement
 from moestream.policies import POLICIES
-from moestream.sim import SimConfig, get_cost_model, simulate
-from moestream.sim.network import NETWORKS, NetworkLink, get_network
-from moestream.sim.ranks import RankSetup, simulate_ranks
-from moestream.sim.synthetic import shape_of
 from moestream.topology import Topology
 from moestream.trace.format import save_trace
 from tests.sim import tiny

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moestream.bench.sim.cost import CostModel
 from moestream.contracts import Policy, Prediction, Predictor
-from moestream.sim.cost import CostModel
 from moestream.topology import Topology
 from moestream.trace.schema import Trace
 

@@ -7,8 +7,9 @@ import time
 import torch
 
 from moestream.checkpoint.layout import Segment
+from moestream.store.copies import copy_round
 from moestream.store.streams import CpuLink
-from moestream.store.transfer import H2D, LinkReports, Transfer, TransferQueue, copy_round, pieces
+from moestream.store.transfer import H2D, LinkReports, Transfer, TransferQueue, pieces
 from moestream.topology import ExpertKey
 from tests.store.test_transfer import start_link
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from moestream.checkpoint.layout import Segment
+from moestream.store.copies import read_round
 from moestream.store.executor import ThreadedExecutor
 from moestream.store.pool import SlotPool
 from moestream.store.streams import CpuLink
-from moestream.store.transfer import (DISK, LinkReports, Transfer, TransferError, TransferLink, TransferQueue, pieces,
-                                      read_round)
+from moestream.store.transfer import DISK, LinkReports, Transfer, TransferError, TransferLink, TransferQueue, pieces
 from moestream.topology import ExpertKey
 from moestream.tracer import Tracer
 
@@ -31,7 +31,7 @@ def start_link(cond, queue, read, reports, max_chunks, lane=DISK, move=direct_re
     """The link's rounds on a worker thread, as the asynchronous store runs them; returns (executor, tracer)."""
     tracer = Tracer()
     executor = ThreadedExecutor(max_chunks, timeout_s=5.0)
-    executor.start(cond, [TransferLink(lane, queue, partial(move, read), reports, tracer)], tracer)
+    executor.start(cond, [TransferLink(lane, queue, partial(move, read), reports)], tracer)
     return executor, tracer
 
 

@@ -213,7 +213,7 @@ def calibrate(topology, run: dict, disk_bw: float = 0.0):
 
     Not the median TPOT less the stall: one generation whose reads were slow (a loaded disk) holds most of the
     run's stall, and the median generation's TPOT can lie below the mean stall per token (issue 43)."""
-    from moestream.sim.cost import measured_cost_model
+    from moestream.bench.sim.cost import measured_cost_model
 
     decode_ms = run.get("decode_ms_per_token") or run["tpot_ms"]
     compute_ms, line = decode_ms - run["stall_ms_per_token"], run.get("read_batch_line_ms")

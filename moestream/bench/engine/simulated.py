@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moestream.bench.sim.config import SimConfig
+from moestream.bench.sim.cost import CostModel
+from moestream.bench.sim.engine import StreamSimulator
 from moestream.contracts import Policy
-from moestream.sim.config import SimConfig
-from moestream.sim.cost import CostModel
-from moestream.sim.engine import StreamSimulator
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import Iteration, decode_stream, iteration
 from moestream.trace.schema import Trace
@@ -76,16 +76,20 @@ def sim_ratio(device_slots: int, topology: Topology) -> float:
 
 def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
              expert_order: str = "ready", modelled_link: bool = True, link_figures=None,
-             host_compute: str = "off", compute_costs=None, warm: list[ExpertKey] = ()) -> dict:
+             host_compute: str = "off", compute_costs=None, warm: list[ExpertKey] = (), host_slots: int = 0,
+             sync: bool = False, num_expert_chunks: int = 3, chunks_in_flight: int | None = None) -> dict:
     """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
     hit rate, stall and bytes per token, TPOT, and where host compute runs, its choice at every layer step
-    (prefill's too, as the engine's `host_placements`). expert_order, modelled_link, link_figures,
-    host_compute, compute_costs: SimConfig's ("loaded" for a --sync engine; no modelled link where the engine
-    ran without one, the engine's own figures where it ran with them). warm: what the engine's device tier
-    held when it began (its warm-up's), admitted in that order first."""
+    (prefill's too, as the engine's `host_placements`). The other arguments are SimConfig's: "loaded" for a
+    --sync engine; no modelled link where the engine ran without one, the engine's own figures where it ran
+    with them; its host slots and chunks. warm: what the engine's device tier held when it began (its
+    warm-up's), admitted in that order first."""
     sim = StreamSimulator(policy, SimConfig(cache_ratio=ratio, cost=cost, expert_order=expert_order,
                                             modelled_link=modelled_link, link_figures=link_figures,
-                                            host_compute=host_compute, compute_costs=compute_costs))
+                                            host_compute=host_compute, compute_costs=compute_costs,
+                                            host_slots=host_slots, sync=sync,
+                                            num_expert_chunks=num_expert_chunks,
+                                            chunks_in_flight=chunks_in_flight or SimConfig.chunks_in_flight))
     for key in warm:
         sim.device.admit(key)
     decode = {"hits": 0, "accesses": 0, "on_host": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
@@ -112,15 +116,17 @@ def _snapshot(sim: StreamSimulator) -> dict:
     counters = sim.counters
     return {"hits": counters.layers.total_hits, "accesses": counters.layers.total_accesses,
             "on_host": counters.host_computed,  # not the device's lookups, as in the engine's hit rate
-            "stall_ms": counters.stall_ms, "bytes": sim.device_link.bytes_moved, "tokens": counters.num_tokens,
-            "ms": sim.now, "steps": counters.num_iterations}
+            "stall_ms": counters.stall_ms, "bytes": sum(counters.bytes_by_link.values()),  # every link, as the engine's
+            "tokens": counters.num_tokens, "ms": sim.now, "steps": counters.num_iterations}
 
 
 def oracle_bytes_per_token(run: Replayed, ratio: float, cost: CostModel) -> float:
     """What the offline oracle moves per decode token at this ratio, the rows replayed one token per
-    iteration (the order the offline future index knows)."""
+    iteration (the order the offline future index knows), its speculation one expert a round: the bound of
+    the forecast, not of the round size (a round of several moves a prefetch a later plan displaces)."""
     from moestream.policies import POLICIES
 
     oracle = POLICIES.create("oracle", run.trace.topology)
     oracle.prepare(run.trace)
-    return simulate(oracle, run, list(decode_stream(run.trace)), ratio, cost)["bytes_per_token"]
+    return simulate(oracle, run, list(decode_stream(run.trace)), ratio, cost,
+                    chunks_in_flight=SimConfig.num_expert_chunks)["bytes_per_token"]

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
+from moestream.bench.sim.config import SimConfig
+from moestream.bench.sim.cost import PRESETS, get_cost_model
+from moestream.bench.sim.protocols import simulate
 from moestream.bench.tools.overhead import overhead_us_per_layer
 from moestream.config import EngineConfig
 from moestream.contracts import NullPredictor, Policy
@@ -28,9 +31,6 @@ from moestream.policies import POLICIES
 from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.progress import progress_bar
 from moestream.settings import same_as
-from moestream.sim.config import SimConfig
-from moestream.sim.cost import PRESETS, get_cost_model
-from moestream.sim.protocols import simulate
 from moestream.threads import torch_threads
 from moestream.trace.replay import head_tokens
 from moestream.trace.schema import Trace

@@ -1,7 +1,7 @@
 """The scaling report of `moestream sim --ranks 1,2,4,8`: expert parallelism in the simulator.
 
 Each policy is replayed at every --cache-ratio on every number of ranks, with the experts placed by
---expert-parallel-placement and the ranks joined by --network (moestream.sim.ranks); prints a table of
+--expert-parallel-placement and the ranks joined by --network (moestream.bench.sim.ranks); prints a table of
 TPOT, stall, network time and each rank's hit rate; --json and --plot write the results. Knows no
 policy by name.
 """
@@ -14,13 +14,13 @@ from dataclasses import asdict
 from rich.table import Table
 
 from moestream.atomic import write_json
+from moestream.bench.sim.network import get_network
+from moestream.bench.sim.ranks import RanksConfig, RankSetup, simulate_ranks
+from moestream.bench.sim.synthetic import SYNTHETIC_PREFIX, shape_of
 from moestream.errors import MoestreamError
 from moestream.parallel.placement import PLACEMENTS, ActivationStats, make_placement
 from moestream.progress import progress_bar
 from moestream.report import report_console
-from moestream.sim.network import get_network
-from moestream.sim.ranks import RanksConfig, RankSetup, simulate_ranks
-from moestream.sim.synthetic import SYNTHETIC_PREFIX, shape_of
 
 REPORT_WIDTH = 180
 

@@ -1,4 +1,2 @@
-"""Offline bounds that see the replayed trace's future (belady, oracle, lookahead-N, default-lookahead-4).
-
-They run only in the simulator (`Policy.offline`), which hands them the trace through prepare().
-"""
+"""Offline bounds that see the replayed trace's future (belady, oracle, lookahead-N, default-lookahead-4),
+run only in the simulator (`Policy.offline`), which hands them the trace through prepare()."""

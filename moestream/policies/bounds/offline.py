@@ -1,30 +1,26 @@
 """Offline bounds that know the future of the replayed trace: Belady's MIN, lookahead-N and the oracle.
 
-`LookaheadEviction` sees N tokens ahead and leaves the rest to any fallback policy (LRU; the default's
-eviction in `default-lookahead-4`); the oracle's exact predictions, scored 1, are ordered by time of
-need by the default planner. All get the trace through `prepare(trace)` and follow the replay from
-the events they observe: time is (iteration, layer), and the iteration order is inferred from the
-first iterations (one token: decode; one whole sequence: prefill; several sequences: batched decode
-with B = their number), then checked at every iteration. Simulator only (`offline`).
+`LookaheadEviction` sees N tokens ahead and leaves the rest to a fallback (LRU; the default's eviction in
+`default-lookahead-4`); the oracle predicts exactly, scored 1. All get the trace through `prepare(trace)`
+and follow the replay from its events: time is (iteration, layer), the iteration order inferred from the
+first iterations (decode, prefill or batched decode), then checked at every one. Simulator only (`offline`).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moestream.contracts import POLICIES, EvictionPolicy, Policy, Prediction, Predictor
+from moestream.contracts import POLICIES, EvictionPolicy, Observer, Policy, Prediction, Predictor
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
+from moestream.policies.default import Default
 from moestream.policies.eviction import LRUPolicy, NarrowingEviction, PriorityIndex
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import batched_rows
-
-if TYPE_CHECKING:
-    from moestream.trace.schema import Trace
+from moestream.trace.schema import Trace
 
 NEVER = 2**31 - 1  # the next use of an expert that is never used again
 
@@ -177,11 +173,8 @@ class OraclePredictor(FutureTracker):
 
 
 class BeladyEviction(EvictionPolicy):
-    """Evicts the candidate whose next use is farthest in the future (Belady's MIN).
-
-    A PriorityIndex of -next use, set at every insert and access (the only moments a resident
-    expert's next use changes: it was just used).
-    """
+    """Belady's MIN: evicts the candidate used farthest ahead (a PriorityIndex of -next use, set at every
+    insert and access, the only moments a resident's next use changes)."""
 
     def __init__(self, future: FutureIndex):
         self.future = future
@@ -202,11 +195,8 @@ class BeladyEviction(EvictionPolicy):
 
 
 class LookaheadEviction(NarrowingEviction):
-    """Belady within `num_tokens` iterations of foresight; beyond it, the fallback policy decides.
-
-    The victim is the fallback's choice among the candidates not needed within the window (least
-    recently used first, by default); if every candidate is needed, the one needed last.
-    """
+    """Belady within `num_tokens` iterations of foresight: the fallback's choice among the candidates not
+    needed within the window; if every candidate is needed, the one needed last."""
 
     def __init__(self, future: FutureIndex, num_tokens: int, fallback: EvictionPolicy | None = None):
         super().__init__(LRUPolicy() if fallback is None else fallback)
@@ -230,7 +220,7 @@ class Unforeseen(Sequence):
         return key in self._candidates and self._future.next_use(key) > self._horizon
 
     def __bool__(self) -> bool:
-        if self._list is None:  # stops at the first candidate beyond the horizon
+        if self._list is None:
             return any(self._future.next_use(key) > self._horizon for key in self._candidates)
         return bool(self._list)
 
@@ -291,3 +281,28 @@ class Lookahead8(Lookahead1):
     """No prefetch; Belady eviction that sees eight tokens ahead, LRU beyond (offline)."""
 
     num_tokens = 8
+
+
+@POLICIES.register("default-lookahead-4")
+class DefaultLookahead4(Default):
+    """Offline bound: `default` whose eviction also knows the next 4 tokens' routing exactly (kept as Belady
+    keeps them; among the rest, the default's eviction decides), to measure how much of the gap to the
+    oracle a perfect short-range view closes. Shares the default's trained predictor (same kind)."""
+
+    offline = True
+    num_tokens = 4
+
+    def __init__(self, topology: Topology, *args, **kwargs):
+        super().__init__(topology, *args, **kwargs)
+        self.future = FutureIndex(topology)
+        self.tracker = FutureTracker(topology, self.future)
+
+    def observers(self) -> list[Observer]:
+        return [self.tracker, *super().observers()]
+
+    def make_eviction(self, tier: str) -> EvictionPolicy:
+        return LookaheadEviction(self.future, self.num_tokens, super().make_eviction(tier))
+
+    def prepare(self, trace: "Trace") -> None:
+        super().prepare(trace)
+        self.future.reset(trace)

@@ -1,10 +1,7 @@
-"""`default`: moestream's lean default policy, one package with one entry point (policy.Default).
-
-- model.py: settings, weights and the one forward pass (numpy online, torch in training)
-- features.py: the model's inputs for whole traces; state.py: the same inputs kept online
-- reuse.py: the chance of reuse 1 to 8 iterations ahead, which the eviction's expected waits come from
-- training.py: torch training (imported lazily); storage.py: reading the weights without torch
-- policy.py: predictor, eviction and the registered policy (its decision cost: moestream/bench/decision_cost.py)
+"""`default`: moestream's lean default policy, one entry point (policy.Default). model.py: settings, weights
+and the forward pass; features.py: its inputs for whole traces, state.py: kept online (kernels.py: compiled);
+reuse.py: the chance of reuse ahead; duel.py: the model against recency; training.py: torch training
+(imported lazily); policy.py: predictor, eviction, the registered policy and reading its weights.
 """
 
 from moestream.policies.default.policy import Default

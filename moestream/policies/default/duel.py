@@ -1,31 +1,22 @@
 """Set dueling for `default`: does its model beat recency on the routing this process sees?
 
-`Duel`: two ghost caches of the device tier's size take every expert a layer routes, one evicting by
-the model's expected next use (and taking the model's top-k of the next layer), the other the least
-recently used; a ghost victim is never one of the layer's own experts. Over the last `window_tokens`
-tokens' lookups, while LRU's ghost hits more, `DuelEviction` evicts LRU and `DuelPlanner` plans
+Two ghost caches of the device tier's size take every expert a layer routes, one evicting by the model's
+expected next use (and taking the model's top-k of the next layer), the other LRU. While LRU's ghost hits
+more over the last `window_tokens` tokens' lookups, `DuelEviction` evicts LRU and `DuelPlanner` plans
 nothing (docs/default-policy.md, "the duel"). It counts lookups, never time, so engine and simulator
 switch alike. Knows routing events, the model's next uses and the tier's capacity, not the mechanism.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
 
-from moestream.contracts import (
-    CacheView,
-    EvictionPolicy,
-    Observer,
-    Prediction,
-    PrefetchPlanner,
-    TransferRequest,
-)
+from moestream.contracts import CacheView, EvictionPolicy, Observer, Prediction, PrefetchPlanner, TransferRequest
 from moestream.events import RoutingEvent
 from moestream.policies.default.state import IterationState, compiled
-from moestream.policies.eviction import NarrowingEviction
+from moestream.policies.eviction import LRUPolicy, NarrowingEviction
 from moestream.topology import ExpertKey, Topology
 
 NextUse = Callable[[], np.ndarray | None]  # [L, E] the model's next use of each expert (larger: later), or None
@@ -33,9 +24,7 @@ Ahead = Callable[[int], np.ndarray | None]  # layer c -> [E] the model's probabi
 
 
 class Duel(Observer):
-    """The two ghosts and the window's hits as arrays, which one compiled call a layer updates
-    (kernels.duel_observe: the model ghost a mask and a list, the LRU ghost a linked ring, the window
-    a ring of lookups)."""
+    """The two ghosts and the window's hits as arrays, which one compiled call a layer updates."""
 
     def __init__(self, topology: Topology, next_use: NextUse, ahead: Ahead, window_tokens: int):
         self.topology, self.next_use, self.ahead = topology, next_use, ahead
@@ -65,8 +54,7 @@ class Duel(Observer):
 
 
 def warm_up(topology: Topology, state: IterationState) -> None:
-    """Runs a layer through a throwaway duel on the state's arrays, so that numba compiles (or loads from
-    its cache) the duel's kernel for the types a policy passes when it loads, not at the first request."""
+    """Runs a layer through a throwaway duel, so that numba compiles its kernel when a policy loads."""
     duel = Duel(topology, lambda: state.next_use, lambda layer: state.scores(layer, layer + 1), 1)
     duel.see_capacity(1)
     rows = np.zeros(1, np.int64)
@@ -75,39 +63,30 @@ def warm_up(topology: Topology, state: IterationState) -> None:
 
 class DuelEviction(NarrowingEviction):
     """The model's eviction (the inner one, which sees every hook) while the model leads the duel, LRU's
-    while recency does (it keeps the residents' recency from the same hooks, least recent first)."""
+    (fed the same hooks) while recency does."""
 
     def __init__(self, model: EvictionPolicy, duel: Duel):
         super().__init__(model)
-        self.duel = duel
-        self._recent: OrderedDict[ExpertKey, None] = OrderedDict()
+        self.duel, self.lru = duel, LRUPolicy()
 
     def on_insert(self, key: ExpertKey) -> None:
         self.inner.on_insert(key)
-        self._recent[key] = None
-        self._recent.move_to_end(key)
+        self.lru.on_insert(key)
 
     def on_access(self, key: ExpertKey) -> None:
         self.inner.on_access(key)
-        self._recent[key] = None
-        self._recent.move_to_end(key)
+        self.lru.on_access(key)
 
     def on_remove(self, key: ExpertKey) -> None:
         self.inner.on_remove(key)
-        self._recent.pop(key, None)
+        self.lru.on_remove(key)
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        if not self.duel.recency:
-            return self.inner.victim(candidates)
-        for key in self._recent:  # as LRUPolicy: the least recent candidate
-            if key in candidates:
-                return key
-        return candidates[0]
+        return (self.lru if self.duel.recency else self.inner).victim(candidates)
 
 
 class DuelPlanner(PrefetchPlanner):
-    """The model's planner while the model leads the duel; no speculative reads while recency does. Shows
-    the duel the tier's capacity."""
+    """The model's planner while it leads the duel, none while recency does; shows the duel the capacity."""
 
     def __init__(self, inner: PrefetchPlanner, duel: Duel):
         self.inner, self.duel = inner, duel

@@ -1,24 +1,17 @@
-"""The inputs of the lean routing model, for every row of a trace at once.
-
-`TraceFeatures.features(layer, cut, tokens)`: for each row t and target `layer`, seen once t's layers
-<= cut have routed (cut = -1: t's start), the [N, 7E] features of moestream.policies.default.model.
-The online state (state.py) keeps the same numbers incrementally; `recall_weights` is the code both
-use. Token keys, the vocabulary and the token memory (`TokenMemory`) are here too.
+"""The inputs of the lean routing model for every row of a trace at once (`TraceFeatures`), which the
+online state (state.py) keeps incrementally; also token keys, the vocabulary and the token memory.
 Knows traces and arrays, not events or caches.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moestream.policies.routing_stats import previous_rows
 from moestream.predictors.paths import expert_mask
-
-if TYPE_CHECKING:
-    from moestream.trace.schema import Trace
+from moestream.trace.schema import Trace
 
 
 def recall_weights(shared: np.ndarray, valid: np.ndarray, beta: float) -> np.ndarray:
@@ -47,13 +40,10 @@ MEMORY_SCALE = 255.0  # the token memory's table holds its shares in 255ths (uin
 
 
 class TokenMemory:
-    """What each vocabulary token routes to, and what the token after it routes to, over a trace.
-
-    The table ([2V, L, E]) holds at row v the mean routing of token v and at row V + v that of the
-    tokens that followed v, each pulled toward every token's mean by one occurrence's weight; row 0
-    (unknown tokens) is every token's mean. `memory_index` says which row a token reads: its own if
-    it is known, else the one after its previous token (a rare token, or the next token, not known
-    yet), else row 0."""
+    """What each vocabulary token routes to, and what the token after it routes to, over a trace: the
+    table [2V, L, E] holds at row v token v's mean routing and at V + v that of the tokens after v, each
+    pulled toward every token's mean by one occurrence; row 0 (unknown) is that mean. A token reads its
+    own row if known, else the one after its previous token, else row 0 (`memory_index`)."""
 
     def __init__(self, hot: np.ndarray, tokens: np.ndarray, prev: np.ndarray, vocab_size: int):
         has = prev >= 0
@@ -65,15 +55,14 @@ class TokenMemory:
         self.mean = hot.mean(axis=0, dtype=np.float32)  # [L, E] every token's
 
     def table(self) -> np.ndarray:
-        """[2V, L, E] uint8, in 255ths (the class doc; `memory_rows` reads it)."""
+        """[2V, L, E] uint8, in 255ths (`memory_rows` reads it)."""
         own = (self.sums + self.mean) / (self.counts + 1.0)[:, None, None]
         own[0] = self.mean
         after = (self.next_sums + self.mean) / (self.next_counts + 1.0)[:, None, None]
         return np.round(np.concatenate([own, after]) * MEMORY_SCALE).astype(np.uint8)
 
     def without(self, hot_rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """[B, L, E] the rows of table() at `index` (memory_index) as if each row were left out of the
-        trace (a token seen once less)."""
+        """[B, L, E] the rows of table() at `index` as if each row were left out of the trace."""
         V = len(self.counts)
         out = np.broadcast_to(self.mean, hot_rows.shape).copy()
         own, after = (index > 0) & (index < V), index >= V
@@ -96,7 +85,6 @@ def memory_index(tokens: np.ndarray, prev_tokens: np.ndarray, vocab_size: int) -
 def _sums(keys: np.ndarray, rows: np.ndarray, hot: np.ndarray, size: int) -> np.ndarray:
     """[size, L, E] float32: hot[rows] ([N, L, E] bool) summed by key, a layer at a time."""
     from scipy.sparse import csr_matrix
-
     onehot = csr_matrix((np.ones(len(rows), np.float32), (keys, rows)), shape=(size, len(hot)))  # [size, N]
     return np.stack([np.asarray(onehot @ hot[:, layer].astype(np.float32)) for layer in range(hot.shape[1])], axis=1)
 
@@ -106,8 +94,7 @@ class TraceFeatures:
 
     def __init__(self, trace: "Trace", tokens: np.ndarray | None, memory: np.ndarray | None, window_tokens: int,
                  beta: float, cut_recall: bool = True):
-        """tokens: the rows' vocabulary indices, None if the trace has no token keys the model knows
-        (every row then reads the token memory's row 0)."""
+        """tokens: the rows' vocabulary indices, None if the trace has no token keys the model knows."""
         self.trace, self.beta, self.cut_recall = trace, beta, cut_recall
         self.tokens = np.zeros(trace.num_tokens, np.int64) if tokens is None else tokens
         self.memory = memory  # [2V, L, E] the token memory's table
@@ -126,9 +113,8 @@ class TraceFeatures:
         self._shared: dict[int, np.ndarray] = {}  # cut -> [N, W] experts shared at cut
 
     def features(self, layer: int, cut: int, tokens: np.ndarray) -> np.ndarray:
-        """[N, 7E] float32 inputs for `layer`, seen with t's layers <= cut routed (cut >= -1), the
-        rows' tokens shown as `tokens` (vocabulary indices; 0: unknown, whose memory is the one after
-        the previous token)."""
+        """[N, 7E] float32 inputs for `layer`, seen with each row's layers <= cut routed (-1: its start),
+        its token shown as `tokens` (0: unknown)."""
         E = self.hot.shape[2]
         out = np.zeros((len(self.prev), 7 * E), dtype=np.float32)
         if cut >= 0:
@@ -144,9 +130,8 @@ class TraceFeatures:
 
     def recall_many(self, layers: list[int], cut: int) -> np.ndarray:
         """[N, n, E]: the window's routing at each of `layers`, weighted by the experts shared at cut and
-        cut-1, as one sparse [N, N] product (without cut_recall, the window's mean whatever the cut)."""
+        cut-1 (without cut_recall: the window's mean), as one sparse [N, N] product."""
         from scipy.sparse import csr_matrix
-
         cut = cut if self.cut_recall else -1
         shared = sum(self._shared_at(c) for c in (cut, cut - 1) if c >= 0)
         weights = recall_weights(np.asarray(shared, dtype=np.float32), self.valid, self.beta)  # [N, W]

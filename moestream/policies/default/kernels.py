@@ -1,16 +1,9 @@
 """The compiled inner loops of `default` (numba): a routed layer's update, the duel's ghosts and the
-eviction's ranking, each in a call or a few.
-
-The same arithmetic as the numpy forms (up to float32 rounding: sums in another order, and
-1 / (1 + exp(-x)) for scipy's expit) in one pass each: `add_routed` (the weight rows of the one-hot
-routed blocks), `absorb` (probabilities, the batch's union, the reuse state's update (`reuse_row`:
-reuse.inputs and the chances of reuse.py's model) and the expected next uses; `union_into` and `expect`
-serve begin too) and `add_cut_recall` (a row's recall gain, features.recall_weights);
-`observe_one` runs those three for a decode's one row in one call, in the same order. The duel's
-(`duel_observe`) and the eviction's (`largest`, `refresh`) decide exactly as the Python they replaced
-(tests/policies/default/test_decision_path.py keeps it). Compiled on first use and cached on disk.
-Knows arrays, the block order of the features (model.NUM_BLOCKS) and reuse.py's inputs, not events, caches or
-policies.
+eviction's ranking. The same arithmetic as the numpy forms (up to float32 rounding: sums in another order,
+and 1 / (1 + exp(-x)) for scipy's expit); `observe_one` runs add_routed, add_cut_recall and absorb for a
+decode's one row in one call, in the same order. The duel's and the eviction's kernels decide exactly as
+the Python they replaced (tests/policies/default/test_decision_path.py). Compiled on first use, cached on
+disk. Knows arrays, the features' block order and reuse.py's inputs, not events, caches or policies.
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ def _first(ids, j):
 
 @_compile
 def _add_block(pre_t, dense_c, ids, block):
-    """pre_t [3, U]: buckets 0 and 1 (c+1, c+2) gain the rows of `block` of dense_c [3, 7E, U] at each
-    distinct expert of ids [k]."""
+    """pre_t [3, U]: buckets 0 and 1 gain the rows of `block` of dense_c [3, 7E, U] at each distinct ids [k]."""
     offset = block * (dense_c.shape[1] // NUM_BLOCKS)
     for j in range(ids.shape[0]):
         if _first(ids, j):
@@ -55,10 +47,9 @@ def _add_block(pre_t, dense_c, ids, block):
 
 @_compile
 def add_routed(pre, dense_c, now, before, steps):
-    """pre [T, 3, U] += the routed blocks' part, with dense_c [3, 7E, U] the weights of cut c:
-    buckets 0 and 1 gain block 0 at the experts now [T, k] routed at c and block 1 at those before
-    [T, k'] routed at c-1 (k' = 0 at the first layer); the next token's START bucket gains its prev
-    (block 2), recall (block 4, x steps[t, 0]) and share (block 5, x steps[t, 1]) at now's experts."""
+    """pre [T, 3, U] += the routed blocks' part (dense_c [3, 7E, U]: cut c's weights): buckets 0 and 1 gain
+    block 0 at now [T, k] (routed at c) and block 1 at before [T, k'] (at c-1); START gains prev, recall
+    (x steps[t, 0]) and share (x steps[t, 1]) at now's experts."""
     num_experts = dense_c.shape[1] // NUM_BLOCKS
     for t in range(pre.shape[0]):
         _add_block(pre[t], dense_c, now[t], CUR)
@@ -75,8 +66,7 @@ def add_routed(pre, dense_c, now, before, steps):
 
 @_compile
 def union_into(out, probs, rows):
-    """out [n, E] = the chance that at least one of `rows` of probs [T, n, E] needs each expert (rows
-    independent; one row: its probability)."""
+    """out [n, E] = the chance that at least one of `rows` of probs [T, n, E] needs each expert."""
     for b in range(out.shape[0]):
         for e in range(out.shape[1]):
             if len(rows) == 1:
@@ -90,9 +80,8 @@ def union_into(out, probs, rows):
 
 @_compile
 def expect(next_use, ahead, state, first, stop, passed):
-    """next_use [L, E] of layers first..stop-1: l + L x the wait in iterations, from the reuse state [rows,
-    L, E] (reuse.py): its PASSED wait for the layer `passed` (or none: -1), and (1 - p) x its AHEAD wait for
-    a layer still ahead in this token, p = ahead[l]."""
+    """next_use [L, E] of layers first..stop-1: l + L x the wait in iterations from the reuse state: its
+    PASSED wait at layer `passed` (-1: none), else (1 - ahead[l]) x its AHEAD wait."""
     num_layers = next_use.shape[0]
     for layer in range(first, stop):
         for e in range(next_use.shape[1]):
@@ -109,20 +98,16 @@ FIRST_AVERAGE = 1 + len(reuse.AGE_EDGES)  # the averages among reuse.inputs
 
 @_compile
 def waits(s1, s2, s4, s8):
-    """(passed, ahead) in iterations from the survival at reuse.HORIZONS (the chance of no use within 1, 2,
-    4, 8): the expected wait to the next use, counted as 8 if it is later (the survival summed from 0 to 7,
-    linear between the horizons); and the same past the next iteration if it does not use the expert,
-    (passed - 1) / s1."""
+    """(passed, ahead) in iterations from the survival at reuse.HORIZONS: the expected wait to the next use
+    (capped at 8, the survival linear between the horizons), and the same given no use next iteration."""
     passed = 1.0 + s1 + 1.5 * s2 + 3.0 * s4 + 1.5 * s8
     return passed, (passed - 1.0) / max(s1, 1e-12)
 
 
 @_compile
 def reuse_row(state, weights, now, c, logit):
-    """The reuse state [rows, L, E] (reuse.py) at layer c once it has routed: the age and the averages take
-    the experts of now [T, k] (any row's) as this iteration's use; PASSED and AHEAD the `waits` of the
-    chances weights[c] ([H, F], non-decreasing over the horizons) give from reuse.inputs, logit [E] the
-    routing model's for the next token."""
+    """The reuse state at layer c once now [T, k] routed there: ages and averages take the use; PASSED and
+    AHEAD the `waits` of the chances weights[c] [H, F] give from reuse.inputs (logit [E]: the next token's)."""
     num_experts, edges = state.shape[2], AGE_EDGES.shape[0]
     used = np.zeros(num_experts, np.bool_)
     for t in range(now.shape[0]):
@@ -150,11 +135,9 @@ def reuse_row(state, weights, now, c, logit):
 
 @_compile
 def absorb(logits, every, last, c, fresh, ahead, following, next_use, now, state, weights):
-    """From the logits [T, 3, E] of cut c: fresh [3, E] = the union of every row's probabilities for
-    buckets 0 and 1 (c+1, c+2) and of the `last` rows' for START (the next token's c); ahead[c+1],
-    ahead[c+2] (below L) and following[c] take them, the reuse state takes layer c (`reuse_row`, now [T, k]
-    routed there, weights the reuse model's, the logit of following[c]: one row's own) and `expect` renews
-    next_use of rows c..c+2."""
+    """From cut c's logits [T, 3, E]: fresh [3, E] = the union over every row of buckets 0, 1 and over the
+    `last` rows of START; ahead[c+1..c+2] and following[c] take them; reuse_row takes layer c and `expect`
+    renews next_use of rows c..c+2."""
     probs = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))  # [T, 3, E]
     union_into(fresh[:2], probs[:, :2], every)
     union_into(fresh[2:], probs[:, 2:], last)
@@ -172,11 +155,9 @@ def absorb(logits, every, last, c, fresh, ahead, following, next_use, now, state
 
 @_compile
 def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_c):
-    """pre [n, U] (buckets c+1 and c+2 below L of one row) += gain [n, E] @ the recall block (block
-    4) of dense_c [3, 7E, U], gain = the recall at c+1.. weighted by exp(beta x experts shared at c
-    and c-1) minus window_recall [L+2, E] (the window's mean). ring [L, W, E] holds the sequence's
-    window, its first `count` slots filled; now [k] the row's experts at c; shared [W] what each
-    slot shared with the row at c-1, replaced by what it shares at c."""
+    """pre [n, U] (one row's buckets c+1, c+2) += gain [n, E] @ dense_c's recall block, gain = the window's
+    recall weighted by exp(beta x experts shared at c and c-1) minus window_recall [L+2, E]. ring [L, W, E]:
+    the window, `count` slots filled; now [k]: the row's experts at c; shared [W]: shared at c-1, then c."""
     num_experts, total = ring.shape[2], np.float32(0.0)
     weights = np.empty(count, np.float32)
     for i in range(count):
@@ -203,11 +184,8 @@ def add_cut_recall(pre, ring, count, now, shared, c, beta, window_recall, dense_
 @_compile
 def observe_one(routed, pre, fixed, dense, now, before, steps, c, ring, count, shared, beta, window_recall, every,
                 last, fresh, ahead, following, next_use, state, weights):
-    """state.IterationState.observe of layer c in one call, for an iteration of one row and the linear
-    model with the cut recall: marks now [1, k] in routed [1, L, E]; pre [1, 3, U] = fixed[c] plus
-    add_routed's and add_cut_recall's parts (dense [L, 3, 7E, U]; the row's ring, count, shared[0]
-    and window_recall[0]); absorb takes pre as the logits (and the reuse state and weights). The same
-    arithmetic, in the same order, as those calls one by one."""
+    """IterationState.observe of layer c in one call (one row, linear model, cut recall): the same
+    arithmetic, in the same order, as marking routed, add_routed, add_cut_recall and absorb one by one."""
     for j in range(now.shape[1]):
         routed[0, c, now[0, j]] = 1.0
     pre[:] = fixed[c]
@@ -228,9 +206,8 @@ def refresh(masked, table, first, stop):
 
 @_compile
 def largest(values, out):
-    """Fills out [m] with the indices of the m largest entries of values above -inf, the largest
-    first and the smaller index first among equals (the order of repeated argmaxes that set each
-    one aside, and of a stable sort by -value); returns how many it found (< m: every one)."""
+    """Fills out [m] with the indices of the m largest values above -inf, largest first, the smaller index
+    first among equals (repeated argmaxes' order); returns how many it found."""
     size, count = out.shape[0], 0
     for i in range(values.shape[0]):
         value = values[i]
@@ -245,13 +222,10 @@ def largest(values, out):
     return count
 
 
-# The duel's ghosts (duel.Duel) in one int64 array [6, max(L*E + 1, 8)], by row: the LRU ghost as a ring
-# through the sentinel L*E, least recent first (each one's previous and next; previous -1: not held);
-# the model ghost's residents (the first MODEL_SIZE of the row), each one's place there, whether each
-# is held; and the counters below.
+# The duel's ghosts in one int64 array [6, max(L*E + 1, 8)], by row: the LRU ghost as a ring through the
+# sentinel L*E, least recent first (previous -1: not held); the model ghost's residents (the first MODEL_SIZE),
+# each one's place there, whether each is held; and the counters (the window's hits, lookups and next slot).
 LRU_BEFORE, LRU_AFTER, MEMBERS, POSITION, HELD, COUNTS = range(6)  # (BEFORE is a block above)
-# the counters: the ghosts' capacity, the model ghost's and the LRU ghost's sizes, each one's hits over
-# the window, the lookups the window holds, the slot the next one takes, and the model's top_k
 CAPACITY, MODEL_SIZE, LRU_SIZE, MODEL_HITS, LRU_HITS, KEPT, SLOT, TOP_K = range(8)
 
 
@@ -273,8 +247,7 @@ def _evicted_first(wait, index, other_wait, other_index):
 
 @_inline
 def _queue(order, waits, first, slot, wait, index):
-    """Puts (wait, index) at order/waits[slot], moving those after it in eviction order (from first on)
-    one place down (the one at slot drops)."""
+    """Puts (wait, index) at order/waits[slot] in eviction order (from first on), shifting later ones down."""
     while slot > first and _evicted_first(wait, index, waits[slot - 1], order[slot - 1]):
         order[slot], waits[slot] = order[slot - 1], waits[slot - 1]
         slot -= 1
@@ -283,9 +256,8 @@ def _queue(order, waits, first, slot, wait, index):
 
 @_inline
 def _take_model(ghosts, index, wait, order, waits, first, end):
-    """(held, first, end): whether the model ghost held flat index; it holds it now, evicting the
-    first of the queue order/waits[first:end] of candidates (none: it does not take it), which it
-    joins unless its wait is -inf."""
+    """(held, first, end): whether the model ghost held flat index; it holds it now, evicting the first of
+    the queue order/waits[first:end] (empty: it does not take it), which it joins unless its wait is -inf."""
     members, position, held, counts = ghosts[MEMBERS], ghosts[POSITION], ghosts[HELD], ghosts[COUNTS]
     if held[index]:
         return True, first, end
@@ -308,8 +280,7 @@ def _take_model(ghosts, index, wait, order, waits, first, end):
 
 @_inline
 def _look_lru(ghosts, index, sentinel):
-    """Whether the LRU ghost held flat index; it is the most recent now, the least recent leaving past
-    the capacity."""
+    """Whether the LRU ghost held flat index; now the most recent, the least recent leaving past capacity."""
     before, after, counts = ghosts[LRU_BEFORE], ghosts[LRU_AFTER], ghosts[COUNTS]
     hit = before[index] >= 0
     if hit:
@@ -340,21 +311,12 @@ def _count(outcomes, counts, model_hit, lru_hit):
     counts[SLOT] = (slot + 1) % outcomes.shape[0]
 
 
-@_inline
-def _ranks_above(a, b):
-    """Whether probability a comes before b in a stable sort by -probability (NaN last)."""
-    return not np.isnan(a) and (np.isnan(b) or a > b)
-
-
 @_compile
 def duel_observe(ghosts, outcomes, table, layer, routed, probs):
-    """One layer of the duel (duel.Duel) on ghosts (the rows above) and outcomes [W] (a ring of the
-    window's lookups: bit 0 the model ghost's hit, bit 1 LRU's): each distinct expert of routed
-    [T, k] at `layer`, smallest first, is looked up in both ghosts and counted; then the model ghost
-    takes the top_k of probs [E] (the model's for layer + 1; empty: none), most probable first. The
-    model ghost evicts the resident with the latest next use in table [L, E] (C order; the smaller
-    flat index on a tie), never one routed at `layer`: one pass over it queues the few it may evict
-    here. Returns whether recency leads: the window is full and LRU's ghost hit strictly more."""
+    """One layer of the duel on ghosts and outcomes [W]: each distinct expert of routed [T, k], smallest
+    first, is looked up in both ghosts and counted; then the model ghost takes the top_k of probs [E]
+    (layer + 1's; empty: none), most probable first. It evicts the latest next use in table [L, E] (smaller
+    flat index on a tie), never one routed at `layer`. Returns whether the window is full and LRU hit more."""
     counts, num_experts, flat = ghosts[COUNTS], table.shape[1], table.reshape(table.size)
     first, chosen = layer * num_experts, np.zeros(num_experts, np.bool_)
     for t in range(routed.shape[0]):
@@ -382,7 +344,8 @@ def duel_observe(ghosts, outcomes, table, layer, routed, probs):
     for _ in range(num_expected):
         best = -1
         for e in range(num_experts):
-            if not chosen[e] and (best < 0 or _ranks_above(probs[e], probs[best])):
+            p = probs[e]  # the first in a stable sort by -probability, NaN last
+            if not chosen[e] and (best < 0 or (not np.isnan(p) and (np.isnan(probs[best]) or p > probs[best]))):
                 best = e
         chosen[best] = True
         index = first + num_experts + best

@@ -1,11 +1,10 @@
 """The lean routing model of `default`: its settings, its weights and its one forward pass.
 
-For a token and a target layer l seen from a cut c, with b the horizon bucket (0: l = c+1, 1: l = c+2,
-START: the token's start) and a the anchor (c for buckets 0 and 1, l for START):
+For a target layer l seen from a cut c, with b the bucket (0: l = c+1, 1: l = c+2, START: the token's
+start) and a the anchor (c for buckets 0 and 1, l for START):
     pre = bias[a, b] + features @ dense[a, b] + token_embedding[t] @ token_out[a, b]    # [U]
 and the logits are pre (linear) or relu(pre) @ out[a, b] + out_bias[a, b]; the features are seven
-E-vectors (features.py; docs/default-policy.md lists them). `pre_activation` and `head` (composed:
-`logits`) use only indexing, `@`, `+` and `*`, so numpy runs them online and torch in training.
+E-vectors (docs/default-policy.md). Only indexing, `@`, `+` and `*`: numpy runs it online, torch in training.
 Knows arrays, not events, caches or torch.
 """
 
@@ -43,12 +42,9 @@ class DefaultConfig:
     def __post_init__(self):
         if self.window_tokens < 1 or self.token_rank < 1 or self.min_token_count < 1:
             raise ConfigError("window_tokens, token_rank and min_token_count must be >= 1")
-        if self.duel_window_tokens < 0:
-            raise ConfigError("duel_window_tokens must be >= 0")
-        if self.hidden_units < 0:
-            raise ConfigError("hidden_units must be >= 0")
-        if self.recall_beta < 0:
-            raise ConfigError("recall_beta must be >= 0")
+        for name in ("duel_window_tokens", "hidden_units", "recall_beta"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
         for name in ("min_prefetch_probability", "idle_prefetch_probability"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1]")
@@ -88,13 +84,8 @@ class DefaultWeights:
 
 
 def pre_activation(w: DefaultWeights, features, tokens, index, first_row: int = 0):
-    """[T, n, U] pre-activations of the n (anchor, bucket) weights w.dense[index] ([n, 7E, U]).
-
-    features [T, n, 7E - first_row]: the features past their first `first_row` entries, which are
-    zero (online: the blocks of the token's own routing, not routed yet); tokens [T, n] or [T, 1]
-    vocabulary indices; index any index of the first two axes of the weights that selects n of them
-    (online: views, (slice, bucket)).
-    """
+    """[T, n, U] pre-activations of the n (anchor, bucket) weights that `index` selects; features
+    [T, n, 7E - first_row] (the first `first_row` are zero); tokens [T, n] or [T, 1] vocabulary indices."""
     dense = features.swapaxes(0, 1) @ w.dense[index][..., first_row:, :]  # [n, T, U]
     token = w.token[tokens].swapaxes(0, 1) @ w.token_out[index]  # [n, T, U]
     return (dense + token).swapaxes(0, 1) + w.bias[index]  # [T, n, U]
@@ -109,10 +100,8 @@ def head(w: DefaultWeights, pre, index):
 
 
 def logits(w: DefaultWeights, features, tokens, index):
-    """[T, n, E] logits: head(pre_activation(...)) (see pre_activation for the arguments)."""
+    """[T, n, E] logits (pre_activation's arguments)."""
     return head(w, pre_activation(w, features, tokens, index), index)
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    """Probabilities from logits, in one call (scipy's expit, which does not overflow)."""
-    return expit(x)
+sigmoid = expit  # probabilities from logits (scipy's, which does not overflow)

@@ -1,55 +1,33 @@
 """`default`: calibrated probabilities from the lean routing model drive prefetch and eviction
-(docs/default-policy.md).
-
-- Prediction: state.IterationState; prefetch: planning.BandwidthAwarePlanner; eviction: DefaultEviction,
-  the resident expert with the longest expected wait to its next use (reuse.py's model of reuse 1 to 8
-  iterations ahead; every routed expert is one size, so the bytes to bring one back weigh all alike);
-  while recency beats the model on this routing, the duel (duel.py) evicts LRU and plans no speculation.
-Without a trained model it refuses to run (UntrainedPolicyError): it never silently acts as LRU.
-Knows the policy contract, not the mechanism, time or bytes.
+(docs/default-policy.md). Prediction: state.IterationState; prefetch: planning.BandwidthAwarePlanner;
+eviction: DefaultEviction, the resident with the longest expected wait to its next use (reuse.py); while
+recency beats the model, the duel (duel.py) evicts LRU and plans no speculation. Without a trained model it
+refuses to run (UntrainedPolicyError), never silently acting as LRU. Knows the policy contract, not the
+mechanism, time or bytes.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from moestream.contracts import (
-    POLICIES,
-    EvictionPolicy,
-    Observer,
-    Prediction,
-    PrefetchPlanner,
-)
+from moestream.contracts import POLICIES, EvictionPolicy, Observer, Prediction, PrefetchPlanner
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies.default import reuse
 from moestream.policies.default.duel import Duel, DuelEviction, DuelPlanner
 from moestream.policies.default.duel import warm_up as warm_up_duel
-from moestream.policies.default.features import (
-    TraceFeatures,
-    build_vocabulary,
-    token_keys,
-)
-from moestream.policies.default.model import (
-    START,
-    DefaultConfig,
-    DefaultWeights,
-    logits,
-    sigmoid,
-    weight_index,
-)
+from moestream.policies.default.features import TraceFeatures, build_vocabulary, token_keys
+from moestream.policies.default.model import START, DefaultConfig, DefaultWeights, logits, sigmoid, weight_index
 from moestream.policies.default.state import IterationState, compiled, warm_up
-from moestream.policies.default.storage import load_arrays
 from moestream.policies.planning import BandwidthAwarePlanner
 from moestream.policies.trained import TrainablePredictor, TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
-
-if TYPE_CHECKING:
-    from moestream.trace.schema import Trace
+from moestream.trace.schema import Trace
 
 KIND = "default"
 
@@ -81,16 +59,13 @@ class DefaultPredictor(TrainablePredictor):
     def is_trained(self) -> bool:
         return self.weights is not None
 
-    # -- offline ---------------------------------------------------------------------------
     def fit(self, trace: "Trace") -> None:
         from moestream.policies.default.training import train_weights
-
         keys, self.key_kind = token_keys(trace)
         self.vocab = build_vocabulary(keys, self.config.min_token_count)
         tokens = self._indices(keys, trace.num_tokens)
         self.weights, self.memory, self.reuse, self.losses = train_weights(trace, tokens, len(self.vocab) + 1,
                                                                            self.config, self.train_config)
-        self._trace = None
         self._ready()
 
     def tensors(self) -> dict[str, np.ndarray]:
@@ -98,7 +73,6 @@ class DefaultPredictor(TrainablePredictor):
 
     def write_tensors(self, path: Path) -> None:
         from safetensors.numpy import save_file
-
         save_file(self.tensors(), str(path))
 
     def read_tensors(self, path: Path) -> dict[str, np.ndarray]:
@@ -111,30 +85,11 @@ class DefaultPredictor(TrainablePredictor):
         self.config = DefaultConfig(**meta["config"])
         tensors = dict(tensors)
         self.vocab, self.key_kind = dict(meta["vocab"]), str(meta["key_kind"])
-        self.memory = self._checked_memory(tensors.pop("memory", None))
-        self.reuse = self._checked_reuse(tensors.pop("reuse", None))
+        L, E = self.topology.num_layers, self.topology.num_experts
+        self.memory = _checked("token memory", tensors.pop("memory", None), (2 * len(self.vocab) + 2, L, E), np.uint8)
+        self.reuse = _checked("reuse model", tensors.pop("reuse", None), (L, len(reuse.HORIZONS), reuse.NUM_INPUTS))
         self.weights = DefaultWeights(**tensors)
-        self._trace = None
         self._ready()
-
-    def _checked_memory(self, memory: np.ndarray | None) -> np.ndarray:
-        """The saved token memory, if it has this version's shape and type (else ValueError)."""
-        t = self.topology
-        shape = (2 * (len(self.vocab) + 1), t.num_layers, t.num_experts)
-        if memory is None or memory.shape != shape or memory.dtype != np.uint8:
-            found = "none" if memory is None else f"{memory.dtype} {list(memory.shape)}"
-            raise ValueError(f"its token memory is {found}, this version reads uint8 {list(shape)}: it was "
-                             f"saved by an older moestream; retrain it with `moestream train-predictor --kind {KIND}`")
-        return memory
-
-    def _checked_reuse(self, weights: np.ndarray | None) -> np.ndarray:
-        """The saved reuse model, if it has this version's shape (else ValueError)."""
-        shape = (self.topology.num_layers, len(reuse.HORIZONS), reuse.NUM_INPUTS)
-        if weights is None or weights.shape != shape:
-            found = "none" if weights is None else str(list(weights.shape))
-            raise ValueError(f"its reuse model is {found}, this version reads {list(shape)}: it was saved by an older "
-                             f"moestream; retrain it with `moestream train-predictor --kind {KIND}`")
-        return weights
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
         """[N, E]: what predict() gives for each row's `layer`, horizon_layers positions earlier."""
@@ -163,14 +118,13 @@ class DefaultPredictor(TrainablePredictor):
         if self.weights is None:
             raise UntrainedPolicyError()
 
-    # -- online ----------------------------------------------------------------------------
     def reset(self) -> None:
         self.state = None if self.weights is None else IterationState(self.topology, self.weights, self.memory,
                                                                       self.reuse, self.config)
 
     def _ready(self) -> None:
-        """A new model: fresh online state, and the kernels compiled for it (state.warm_up, duel.warm_up and
-        the eviction's)."""
+        """A new model: fresh online state, and the kernels compiled for it."""
+        self._trace = None
         self.reset()
         warm_up(self.topology, self.weights, self.memory, self.reuse, self.config)
         warm_up_duel(self.topology, self.state)
@@ -213,16 +167,10 @@ class DefaultPredictor(TrainablePredictor):
 
 
 class DefaultEviction(EvictionPolicy):
-    """Evicts the resident expert whose next use is expected furthest away (the module docstring).
-
-    Keeps the residents' expected next uses as an [L, E] array (-inf elsewhere), in step with the
-    predictor's table (state.IterationState.next_use): every row after a token starts, else only the
-    rows the layers observed since the last victim changed (three per layer); the insert and remove
-    hooks keep it in step with residency, so a victim is one argmax. When that expert may not go
-    (pinned; protected: the layer's own experts, whose next use is a token away, so often the
-    argmax) the next few longest waits come in one compiled pass, and only then are the residents
-    ranked. Equal waits go to the smaller key.
-    """
+    """Evicts the resident expert whose next use is expected furthest away: the residents' expected next uses
+    as an [L, E] array (-inf elsewhere), synced in the rows changed since the last victim, so a victim is one
+    argmax; if that one may not go, the next longest waits in one compiled pass, and only then every resident
+    ranked. Equal waits go to the smaller key."""
 
     max_argmax = 8  # the longest waits tried before one ranking of every resident
 
@@ -242,8 +190,7 @@ class DefaultEviction(EvictionPolicy):
         return float(self._table[key])
 
     def victim_waits(self, capacity: int, count: int) -> list[float]:
-        """What the next count admissions would evict, largest first: +inf for each free slot of capacity,
-        then the residents' expected next uses (pins not known here: a few may be kept, not evicted)."""
+        """The waits the next count admissions would evict, largest first: +inf per free slot (pins unknown)."""
         self._sync()
         resident = self._flat[self._flat > -np.inf]
         free = min(count, max(0, capacity - resident.size))
@@ -266,9 +213,7 @@ class DefaultEviction(EvictionPolicy):
         return self._set_aside(candidates)
 
     def _set_aside(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
-        """The longest-waiting candidate: the max_argmax longest-waiting residents in one compiled pass
-        (kernels.largest, in the order repeated argmaxes would set them aside), and only then every
-        resident ranked."""
+        """The longest-waiting candidate: first among the max_argmax longest waits, else every resident ranked."""
         count, keys = compiled().largest(self._flat, self._largest), self._keys
         for index in self._largest[:count].tolist():
             if keys[index] in candidates:
@@ -348,3 +293,33 @@ class Default(TrainedPolicy):
 
     def prepare(self, trace: "Trace") -> None:
         self.predictor.require_trained()
+
+
+def _checked(name: str, array: np.ndarray | None, shape: tuple, dtype=None) -> np.ndarray:
+    """A saved array, if it has this version's shape (and dtype) (else ValueError)."""
+    if array is None or array.shape != shape or (dtype is not None and array.dtype != dtype):
+        found = "none" if array is None else (f"{array.dtype} " if dtype else "") + str(list(array.shape))
+        raise ValueError(f"its {name} is {found}, this version reads {'uint8 ' if dtype else ''}{list(shape)}: it was "
+                         f"saved by an older moestream; retrain it with `moestream train-predictor --kind {KIND}`")
+    return array
+
+
+# The token memory (11 MiB for DeepSeek-V2-Lite's vocabulary) loads as a copy-on-write map of the file: a run
+# reads two rows a token, so only those pages take memory, reclaimable under a limit; the rest is read.
+MAPPED = ("memory",)
+NUMPY_DTYPES = {"U8": np.uint8, "I8": np.int8, "F16": np.float16, "F32": np.float32, "I32": np.int32, "I64": np.int64}
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    """A trained model's weights.safetensors as numpy arrays, without torch."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="numpy") as weights:  # checks the header
+        tensors = {name: weights.get_tensor(name) for name in weights.keys() if name not in MAPPED}
+    with open(path, "rb") as handle:  # safetensors: an 8-byte header size, a JSON header, then the data
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    for name in (n for n in MAPPED if n in header):
+        info = header[name]
+        tensors[name] = np.asarray(np.memmap(path, np.dtype(NUMPY_DTYPES[info["dtype"]]), "c",
+                                             8 + size + info["data_offsets"][0], tuple(info["shape"])))
+    return tensors

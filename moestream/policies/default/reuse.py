@@ -2,13 +2,9 @@
 4 and 8 iterations, and the expected wait to the next use that follows from them.
 
 Per (layer, horizon), a logistic model over one expert's inputs at a layer just routed (`inputs`): the
-routing model's probability for the next token there (its logit), the iterations since the expert was
-last routed there (one-hot over AGE_EDGES: 0 is this one, the last bucket 17 or more, or never), and its
-use averaged over the stream at each of DECAYS. The stream's inputs count iterations, whichever
-sequence routed them, as the cache sees them. The online state keeps the same inputs and turns the
-chances into expected waits (kernels.reuse_row, kernels.waits: the survival linear between the horizons, a
-use past the last one counted at it, where the model knows nothing more); `fit` trains the model, numpy's
-Newton steps.
+routing model's logit for the next token, the iterations since its last use there (one-hot over AGE_EDGES)
+and its use averaged over the stream (whichever sequence routed) at each of DECAYS. The online state turns
+the chances into expected waits (kernels.reuse_row, kernels.waits); `fit` trains it by Newton steps.
 Knows arrays, not events, caches or the routing model's weights.
 """
 
@@ -36,8 +32,7 @@ def initial_state(num_layers: int, num_experts: int) -> np.ndarray:
 
 
 def inputs(logit: np.ndarray, age: np.ndarray, ema: np.ndarray) -> np.ndarray:
-    """[..., NUM_INPUTS] float64 from logit [...] (the routing model's for the next token), age [...] and
-    ema [D, ...] (the averages at DECAYS)."""
+    """[..., NUM_INPUTS] float64 from logit [...], age [...] and ema [D, ...] (the averages at DECAYS)."""
     bucket = np.searchsorted(np.array(AGE_EDGES), age, side="right") - 1
     ages = (bucket[..., None] == np.arange(len(AGE_EDGES))).astype(np.float64)
     averages = np.moveaxis(ema, 0, -1).astype(np.float64)
@@ -45,8 +40,7 @@ def inputs(logit: np.ndarray, age: np.ndarray, ema: np.ndarray) -> np.ndarray:
 
 
 def stream_inputs(hot: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """age [B, L, E] and ema [D, B, L, E] as the stream hot [N, L, E] (bool, its iterations in order)
-    shows them once each of rows (sorted) has routed."""
+    """age [B, L, E] and ema [D, B, L, E] in the stream hot [N, L, E] once each of rows (sorted) routed."""
     age, ema = np.full(hot.shape[1:], NEVER), np.zeros((len(DECAYS), *hot.shape[1:]))
     ages = np.zeros((len(rows), *hot.shape[1:]), np.float32)
     emas, taken = np.zeros((len(DECAYS), len(rows), *hot.shape[1:]), np.float32), 0
@@ -60,8 +54,7 @@ def stream_inputs(hot: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def next_use_distance(hot: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """[B, L, E] int: the iterations from each of rows to the expert's next use in the stream hot [N, L, E]
-    (past the end: more than any horizon)."""
+    """[B, L, E] int: the iterations from each of rows to the expert's next use in hot [N, L, E]."""
     following = np.full(hot.shape[1:], len(hot) + HORIZONS[-1] + 1)
     out, wanted = np.zeros((len(rows), *hot.shape[1:]), np.int64), {row: i for i, row in enumerate(rows.tolist())}
     for t in range(len(hot) - 1, -1, -1):
@@ -73,9 +66,8 @@ def next_use_distance(hot: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def fit(logit: np.ndarray, age: np.ndarray, ema: np.ndarray, distance: np.ndarray, iterations: int = 10,
         ridge: float = 1e-3) -> np.ndarray:
-    """weights [L, H, F] float32 from the `inputs` of B rows (logit, age [B, L, E], ema [D, B, L, E]) and
-    distance [B, L, E] (the labels: a use within each horizon), one ridge logistic regression per (layer,
-    horizon) by Newton's steps."""
+    """weights [L, H, F] float32: one ridge logistic regression per (layer, horizon) of a use within it
+    (distance [B, L, E]) on the `inputs` (logit, age [B, L, E], ema [D, B, L, E])."""
     L = logit.shape[1]
     weights = np.zeros((L, len(HORIZONS), NUM_INPUTS))
     for layer in range(L):

@@ -1,15 +1,12 @@
-"""Online state of `default`: each sequence's recent routing, and the current iteration's
-probabilities, kept incrementally so that one layer decision is a few calls (numpy, and the
-compiled loops of kernels.py); docs/default-policy.md ("Online", "Cost of a decision") says how.
+"""Online state of `default`: each sequence's recent routing and the current iteration's probabilities,
+kept incrementally so that one layer decision is a few calls (numpy and kernels.py); docs/default-policy.md
+("Online", "Cost of a decision") says how.
 
-begin() predicts every layer from the tokens' start (bucket START) and fixes every cut's part of the
-pre-activation that the token's own routing does not change; observe(c) adds the routed blocks'
-part and predicts c+1, c+2 and the next token's layer c (a decode's one row, with the shipped linear
-model and its cut recall: one compiled call, kernels.observe_one), and the reuse state of layer c: the
-stream's ages and averages, and the expected waits of reuse.py's model, from which next_use (the eviction's
-ranking) is renewed. A batch's probability for an expert is the chance that at least one row needs it; for
-the next token's layers, of the rows that end their sequence's part of the iteration. Knows arrays and
-events, not caches.
+begin() predicts every layer from the tokens' start and fixes every cut's pre-activation part that the
+token's own routing does not change; observe(c) adds the routed part, predicts c+1, c+2 and the next
+token's layer c, and updates layer c's reuse state, from which next_use (the eviction's ranking) is
+renewed. A batch's probability is the chance that at least one row needs the expert (for the next token:
+of the rows that end their sequence's part). Knows arrays and events, not caches.
 """
 
 from __future__ import annotations
@@ -37,10 +34,8 @@ from moestream.topology import Topology
 
 @functools.cache
 def compiled() -> ModuleType:
-    """The kernels module, imported on first use: numba loads LLVM (about 100 MiB of RSS), which only a
-    process that runs the online state should pay."""
+    """The kernels module, imported on first use: numba loads LLVM (about 100 MiB of RSS)."""
     from moestream.policies.default import kernels
-
     return kernels
 
 
@@ -54,16 +49,13 @@ class RowsMismatchError(MoestreamError):
 
 
 def last_rows(seq_ids: np.ndarray) -> np.ndarray:
-    """[S] the rows that end their sequence's rows in an iteration (each sequence's rows are contiguous,
-    as every runner lays them out): every row in a decode."""
+    """[S] the rows that end their sequence's (contiguous) rows in an iteration: every row in a decode."""
     return np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True]) if len(seq_ids) else np.zeros(0, np.int64)
 
 
 def warm_up(topology: Topology, weights: DefaultWeights, memory: np.ndarray, reuse_weights: np.ndarray,
             config: DefaultConfig) -> None:
-    """Runs a token's first layer through a throwaway state, alone (a decode: kernels.observe_one) and as
-    two rows (a prefill: the kernels one by one), so that numba compiles (or loads from its cache) the
-    kernels for the types the engine passes when a policy loads, not at the first request."""
+    """Runs a first layer through a throwaway state (one row, two rows): numba compiles when a policy loads."""
     for num_rows in (1, 2):
         state = IterationState(topology, weights, memory, reuse_weights, config)
         rows = np.zeros(num_rows, np.int64)
@@ -83,11 +75,9 @@ class SequenceHistory:
         self.window_sum, self.total = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # [L, E]
 
     def fill_inputs(self, ahead: np.ndarray, following: np.ndarray) -> tuple[float, float]:
-        """Fills ahead [L, 5E] with the sequence's next token's inputs at each target layer (blocks 2-5
-        of the features: prev, prev2, recall as the window's mean, share; block 6, the token's memory,
-        is the caller's) and following [L, 5E] likewise with the token after it's START inputs but what
-        that next token adds; returns the weights the next token's routing adds with to following's
-        recall and share."""
+        """Fills ahead [L, 5E] with the next token's feature blocks 2-5 at each target layer (block 6 is the
+        caller's) and following [L, 5E] with the token after's but what the next one adds; returns the
+        weights that next token's routing adds with to following's recall and share."""
         E, W = self.prev.shape[1], self.ring.shape[1]
         ahead[:, :E], ahead[:, E:2 * E] = self.prev, self.prev2
         ahead[:, 2 * E:3 * E] = self.window_sum / max(self.count, 1)
@@ -178,8 +168,7 @@ class IterationState:
         self.epoch += 1
 
     def _fix(self, ahead: np.ndarray, following: np.ndarray, tokens: np.ndarray) -> None:
-        """The pre-activations of every cut's three buckets from the inputs the token's own routing does
-        not change (model.pre_activation is linear in the features: observe adds the rest)."""
+        """Every cut's three buckets' pre-activations from the inputs the token's own routing does not change."""
         L, E, T = self.topology.num_layers, self.topology.num_experts, len(tokens)
         U = self.weights.bias.shape[-1]
         unknown = np.zeros((T, 1), np.int64)  # the next token is not known yet
@@ -217,9 +206,7 @@ class IterationState:
                 history.finish_token(routed_token, token)
 
     def _memory_index(self, ctx: IterationContext, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[T] rows of the token memory the iteration's tokens read, and [T] those their next tokens read
-        (features.memory_index; without keys, row 0 for all). A prefill's later rows follow the row
-        before them; its first, and a decode's rows, the history's last token."""
+        """[T] token memory rows the tokens read, and [T] those their next tokens read (without keys: 0)."""
         if not self._keyed:
             zeros = np.zeros(len(tokens), np.int64)
             return zeros, zeros
@@ -230,8 +217,7 @@ class IterationState:
         return memory_index(tokens, last, V), V + tokens
 
     def _cut_recall(self, c: int, now: np.ndarray, pre: np.ndarray) -> None:
-        """Adds to pre[:, :2] (targets c+1 and c+2 below L) what its recall block gains over the window's
-        mean when weighted by the experts each earlier token shared with this one at c and c-1."""
+        """Adds to pre[:, :2] the recall block's gain when weighted by the experts shared at c and c-1."""
         n, dense, add = min(2, self.topology.num_layers - 1 - c), self.weights.dense[c], compiled().add_cut_recall
         for row, history in enumerate(self.rows):  # dense [3, 7E, U]
             add(pre[row, :n], history.ring, history.count, now[row], self._shared[row], c, self.config.recall_beta,
@@ -247,7 +233,7 @@ class IterationState:
         return self.fresh[target - layer_now - 1]
 
     def scores_ahead(self, layer_now: int, num_targets: int) -> np.ndarray:
-        """[n, E]: scores() of the n targets after layer_now (a view of the last cut's when it has them)."""
+        """[n, E]: scores() of the n targets after layer_now."""
         if 0 <= layer_now and num_targets <= min(2, self.topology.num_layers - 1 - layer_now):
             return self.fresh[:num_targets]
         return np.stack([self.scores(layer_now, layer_now + 1 + i) for i in range(num_targets)])

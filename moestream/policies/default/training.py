@@ -1,31 +1,19 @@
-"""Training of the lean routing model: torch over the same `logits` function the numpy path runs; then
-reuse.py's model on its leave-one-out probabilities.
-
-Every step takes a minibatch of rows and every (target layer, horizon bucket) pair at once, each
-row's token memory without the row itself; binary cross-entropy, so the outputs are probabilities.
-torch is imported here only, inside train_weights.
+"""Training of the lean routing model: torch over the same `logits` the numpy path runs (every step a
+minibatch of rows and every (target layer, bucket) pair, each row's token memory without the row itself;
+binary cross-entropy); then reuse.py's model on its leave-one-out probabilities. torch is imported here only.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moestream.policies.default import reuse
 from moestream.policies.default.features import TokenMemory, TraceFeatures, memory_index
-from moestream.policies.default.model import (
-    NUM_BLOCKS,
-    START,
-    DefaultConfig,
-    DefaultWeights,
-    logits,
-)
+from moestream.policies.default.model import NUM_BLOCKS, START, DefaultConfig, DefaultWeights, logits
 from moestream.predictors.configs import TrainConfig
-
-if TYPE_CHECKING:
-    from moestream.trace.schema import Trace
+from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +32,7 @@ def pairs(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 def pair_features(features: TraceFeatures, cuts: np.ndarray, targets: np.ndarray, rows: np.ndarray,
                   recall: np.ndarray, memory: np.ndarray) -> np.ndarray:
-    """[B, P, 7E] float32 inputs of the rows for every pair (recall [N, P, E] precomputed; memory
-    [B, L, E] the rows' token memory)."""
+    """[B, P, 7E] float32 inputs of the rows for every pair (recall [N, P, E]; memory [B, L, E])."""
     hot, E = features.hot, features.hot.shape[2]
     out = np.zeros((len(rows), len(cuts), NUM_BLOCKS * E), dtype=np.float32)
     own = hot[rows]  # [B, L, E]
@@ -62,12 +49,10 @@ def pair_features(features: TraceFeatures, cuts: np.ndarray, targets: np.ndarray
 
 def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: DefaultConfig,
                   train: TrainConfig) -> tuple[DefaultWeights, np.ndarray, np.ndarray, list[float]]:
-    """Fits the model on the trace's rows (tokens: their vocabulary indices), then reuse.py's on them;
-    returns numpy weights, the token memory's table, the reuse model's weights and each epoch's mean loss."""
+    """Fits the model, then reuse.py's; returns the weights, the token memory, the reuse weights and losses."""
     import torch
 
     from moestream.progress import progress_bar
-
     torch.manual_seed(train.seed)
     torch.set_num_threads(train.num_threads)
     rng = np.random.default_rng(train.seed)
@@ -118,8 +103,7 @@ def train_weights(trace: "Trace", tokens: np.ndarray, vocab_size: int, config: D
 
 def train_reuse(weights: DefaultWeights, features: TraceFeatures, memory: TokenMemory, recall: np.ndarray,
                 targets: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """reuse.py's weights, fitted at up to REUSE_ROWS rows that a token of their sequence follows, in the
-    trace's stream (recall [N, L, E]: the START pairs' of `targets`)."""
+    """reuse.py's weights, fitted at up to REUSE_ROWS rows that a token of their sequence follows."""
     following = np.flatnonzero(features.prev >= 0)  # rows whose previous row is of their sequence
     chosen = np.sort(rng.choice(following, min(REUSE_ROWS, len(following)), replace=False))
     logit = np.concatenate([next_token_logits(weights, features, memory, recall, targets, chunk)
@@ -131,8 +115,7 @@ def train_reuse(weights: DefaultWeights, features: TraceFeatures, memory: TokenM
 
 def next_token_logits(weights: DefaultWeights, features: TraceFeatures, memory: TokenMemory, recall: np.ndarray,
                       targets: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """[B, L, E]: the START logits of rows as the previous row's iteration predicts them (their token not
-    known yet), each row's token memory without the row itself."""
+    """[B, L, E]: the rows' START logits as the previous row's iteration predicts them, leave-one-out."""
     vocab_size = len(memory.counts)
     shown = np.zeros(len(rows), np.int64)
     known = memory.without(features.hot[rows], memory_index(shown, features.before[rows], vocab_size))

@@ -1,13 +1,10 @@
 """ExpertFlow (He et al., 2024): routing path prediction, predictive locality-aware caching and
 real-time correction.
 
-- Predictor: a learned routing path model (moestream.predictors.routing_path) predicts every MoE
-  layer's experts from the iteration's tokens and their context before the first layer runs; a
-  batch's path is the OR of its tokens' (each token's top-k per layer).
-- Planner: predicted experts of the upcoming layers, nearest layer first, no per-layer quota, up to
-  capacity; asked again after each layer, so later layers are fetched while earlier ones compute.
-- Eviction (real-time correction, `CorrectionEviction`): prefetched experts the gate did not route
-  go first; `expertflow-nocorrect` is plain LRU.
+- Predictor: a routing path model (moestream.predictors.routing_path) predicts every layer's experts from
+  the tokens and their context before the first layer runs; a batch's path ORs its tokens' top-k.
+- Planner: predicted experts of the upcoming layers, nearest layer first, up to capacity.
+- Eviction (real-time correction): prefetched experts the gate did not route go first (`-nocorrect`: LRU).
 Knows token ids and routing events, not time, bytes or torch modules (imported lazily).
 """
 
@@ -59,7 +56,6 @@ class ExpertFlowPredictor(TrainablePredictor):
 
     def fit(self, trace: "Trace") -> None:
         from moestream.predictors.routing_path import fit_routing_path
-
         self.model, self.vocab, self.losses = fit_routing_path(trace, self.config, self.train_config)
         self.reset()
 
@@ -71,8 +67,11 @@ class ExpertFlowPredictor(TrainablePredictor):
 
     def begin_iteration(self, ctx: IterationContext) -> None:
         from moestream.predictors.routing_path import path_probabilities
-
-        windows = self._windows(ctx.seq_ids, self._encode(ctx))  # [T, W]
+        self.trained_model()
+        values = ctx.token_ids if self.vocab.source == "token_ids" else ctx.tokens
+        if values is None:
+            raise MoestreamError(f"the routing path model reads {self.vocab.source}; this iteration has none")
+        windows = self._windows(ctx.seq_ids, self.vocab.encode(np.asarray(values).tolist()))  # [T, W]
         self._scores = path_scores(path_probabilities(self.trained_model(), windows), self.topology.top_k)
         self._by_layer = [
             [Prediction(layer, int(e), float(scores[e])) for e in np.flatnonzero(scores)]
@@ -92,12 +91,7 @@ class ExpertFlowPredictor(TrainablePredictor):
 
     def trace_probabilities(self, trace: "Trace") -> np.ndarray:
         """[N, L, E] per-token probabilities for every row of a trace, in one batched pass."""
-        from moestream.predictors.routing_path import (
-            context_windows,
-            path_probabilities,
-            sequence_starts,
-            token_values,
-        )
+        from moestream.predictors.routing_path import context_windows, path_probabilities, sequence_starts, token_values
 
         source, values = token_values(trace)
         if source != self.vocab.source:
@@ -106,16 +100,14 @@ class ExpertFlowPredictor(TrainablePredictor):
         return path_probabilities(self.trained_model(), windows)
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
-        """[N, E] (moestream.eval.prediction.TraceScorer): each token's path as predicted at its start.
-        When the rule asks the previous token (layer < horizon-1) there is none: the model cannot
-        know the next token; a sequence's first token still uses its own start."""
+        """[N, E]: each token's path as predicted at its start; nothing when predicted at the previous token
+        (layer < horizon-1), except for a sequence's first token."""
         if self._scored is None or self._scored[0] is not trace:
             self._scored = (trace, self.trace_probabilities(trace))
         scores = self._scored[1][:, layer]  # [N, E]
         if layer - horizon_layers >= -1:
             return scores
         from moestream.predictors.routing_path import sequence_starts
-
         first = sequence_starts(trace) == np.arange(trace.num_tokens)  # [N]
         return np.where(first[:, None], scores, 0.0)
 
@@ -134,7 +126,6 @@ class ExpertFlowPredictor(TrainablePredictor):
 
     def restore(self, tensors: dict[str, "torch.Tensor"], meta: dict) -> None:
         from moestream.predictors.routing_path import RoutingPathModel, Vocabulary
-
         self.config = RoutingPathConfig(**meta["config"])
         self.vocab = Vocabulary.from_dict(meta["vocab"])
         t = self.topology
@@ -143,16 +134,8 @@ class ExpertFlowPredictor(TrainablePredictor):
         self.model = model.eval()
         self.reset()
 
-    def _encode(self, ctx: IterationContext) -> np.ndarray:
-        self.trained_model()
-        values = ctx.token_ids if self.vocab.source == "token_ids" else ctx.tokens
-        if values is None:
-            raise MoestreamError(f"the routing path model reads {self.vocab.source}; this iteration has none")
-        return self.vocab.encode(np.asarray(values).tolist())
-
     def _windows(self, seq_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
         from moestream.predictors.routing_path import PAD
-
         width = self.config.window_tokens
         windows = np.full((len(ids), width), PAD, dtype=np.int64)  # [T, W]
         for row, (seq, token) in enumerate(zip(seq_ids.tolist(), ids.tolist())):
@@ -164,10 +147,7 @@ class ExpertFlowPredictor(TrainablePredictor):
 
 
 class LayerOrderPlanner(PrefetchPlanner):
-    """Requests predicted experts nearest layer first, then by score, up to capacity; no per-layer quota.
-
-    Priorities run from 1 (first) down towards 0, strictly decreasing along that order.
-    """
+    """Predicted experts nearest layer first, then by score, up to capacity; priorities decrease from 1."""
 
     def plan(self, predictions: Sequence[Prediction], view: CacheView) -> list[TransferRequest]:
         ordered = ranked(predictions, view, lambda score, layer, ahead: (-ahead, score))
@@ -177,14 +157,11 @@ class LayerOrderPlanner(PrefetchPlanner):
 @EVICTIONS.register("expertflow-correction")
 class CorrectionEviction(EvictionPolicy):
     """ExpertFlow's real-time correction as a victim order, least recently used first within a group:
-
-    1. experts of the current layer inserted in this iteration (prefetched) that its gate did not route;
-    2. other experts of the current layer that it did not route, then experts of layers already
-       computed in this iteration, latest layer first (its next use, next iteration, is furthest);
-    3. experts of layers still to come that the predictor did not predict, furthest layer first;
-    4. predicted experts of layers still to come, least likely first;
+    1. the current layer's experts inserted in this iteration that its gate did not route;
+    2. its other unrouted experts, then layers already computed, latest first;
+    3. later layers' experts not predicted (all, without a predictor), furthest layer first;
+    4. later layers' predicted experts, least likely first;
     5. experts the current layer routed (in use now).
-    Without a predictor every expert of a later layer counts as not predicted.
     """
 
     def __init__(self, predictor: ExpertFlowPredictor | None = None):
@@ -269,9 +246,8 @@ class ExpertFlowNoCorrect(ExpertFlow):
 
 @dataclass(frozen=True)
 class BatchPathAccuracy:
-    """ExpertFlow's batch-level accuracy: per batch, the OR of its tokens' routing paths, predicted vs
-    true; accuracy is the share of the true OR'd path that was predicted, precision the share of the
-    predicted one that was needed; both averaged over batches."""
+    """Per batch, the OR of its tokens' paths, predicted vs true: the share of the true one predicted
+    (accuracy) and of the predicted one needed (precision), averaged over batches."""
 
     accuracy: float
     precision: float

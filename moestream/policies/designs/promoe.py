@@ -1,12 +1,10 @@
 """ProMoE (Song et al., 2024): learned sliding-window predictors, speculative prefetch at low priority,
 and the GOODPRED metric that picks how far ahead to predict.
 
-- Predictor: per MoE layer i and distance k (1..num_distances), a two-layer MLP maps the router input
-  of layer i-k (`RoutingEvent.hidden`) to the experts of layer i (moestream.predictors.layer_mlp);
-  `promoe` refuses a trace without hidden states. `promoe-routing`, a separate, labelled variant for
-  routing-only traces, reads the multi-hot experts of layers i-k-w+1 .. i-k instead.
-- Planner: speculative prefetches in a low priority band; on-demand loads always go first. Chunked
-  prefetch, early preemption and cache-aware reordering are engine mechanisms, not the policy's.
+- Predictor: per layer i and distance k (1..num_distances), a two-layer MLP maps layer i-k's router input
+  (`RoutingEvent.hidden`) to layer i's experts (moestream.predictors.layer_mlp). `promoe-routing`, a
+  labelled variant for routing-only traces, reads the multi-hot experts of layers i-k-w+1 .. i-k instead.
+- Planner: speculative prefetches in a low priority band; chunking, preemption and reordering are the engine's.
 - GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): measured by moestream.eval.goodpred.
 Knows routing events and hidden states as arrays, not time, bytes or torch modules (imported lazily).
 """
@@ -32,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from moestream.trace.schema import Trace
+
 
 @dataclass
 class PromoeConfig:
@@ -70,7 +69,6 @@ class PromoePredictor(TrainablePredictor):
 
     def fit(self, trace: "Trace") -> None:
         from moestream.predictors.layer_mlp import fit_sliding_window
-
         c = self.config
         self.model, self.losses = fit_sliding_window(
             trace, self.features(), c.hidden_units, c.num_distances, self.standardize, self.train_config
@@ -100,7 +98,6 @@ class PromoePredictor(TrainablePredictor):
         import torch
 
         from moestream.threads import torch_threads
-
         with torch.inference_mode(), torch_threads(1):
             return torch.sigmoid(self.trained_model().logits(torch.tensor(inputs), source_layer, distance)).numpy()
 
@@ -119,8 +116,7 @@ class PromoePredictor(TrainablePredictor):
         return np.stack([self.source_probabilities(trace, s, distance) for s in sources], axis=1)
 
     def score_rows(self, trace: "Trace", layer: int, horizon_layers: int) -> np.ndarray:
-        """[N, E] (moestream.eval.prediction.TraceScorer): layer's experts as predicted when layer
-        layer-horizon routed; nothing when that is before the first layer or beyond the trained distances."""
+        """[N, E]: layer's experts as predicted when layer-horizon routed (none before layer 0 or too far)."""
         source = layer - horizon_layers
         if source < 0 or horizon_layers > self.num_distances:
             return np.zeros((trace.num_tokens, self.topology.num_experts), np.float32)
@@ -137,7 +133,6 @@ class PromoePredictor(TrainablePredictor):
 
     def restore(self, tensors: dict[str, "torch.Tensor"], meta: dict) -> None:
         from moestream.predictors.layer_mlp import SlidingWindowNet
-
         self.config = PromoeConfig(**meta["config"])
         t, num_distances = self.topology, int(meta["num_distances"])
         in_features = int(tensors["in_mean"].shape[1])
@@ -159,7 +154,6 @@ class HiddenStatePredictor(PromoePredictor):
 
     def features(self):
         from moestream.predictors.layer_mlp import HiddenFeatures
-
         return HiddenFeatures()
 
     def event_input(self, event: RoutingEvent) -> np.ndarray:
@@ -176,7 +170,6 @@ class RoutingWindowPredictor(PromoePredictor):
 
     def features(self):
         from moestream.predictors.layer_mlp import RoutingFeatures
-
         return RoutingFeatures(self.config.window_layers)
 
     def event_input(self, event: RoutingEvent) -> np.ndarray:
@@ -185,18 +178,15 @@ class RoutingWindowPredictor(PromoePredictor):
         earlier = [self._layer_hot(event.layer - back, len(hot)) for back in backs]
         return np.concatenate(earlier + [hot], axis=1)  # [T, W*E], oldest layer first
 
-    def _layer_hot(self, layer: int, num_tokens: int) -> np.ndarray:
-        """[T, E] experts of an earlier layer of this iteration: the last E columns of its input."""
+    def _layer_hot(self, layer: int, num_tokens: int) -> np.ndarray:  # [T, E]: the last E columns of its input
         if layer not in self._inputs:
             return np.zeros((num_tokens, self.topology.num_experts), np.float32)
         return self._inputs[layer][:, -self.topology.num_experts :]
 
 
-class SpeculativePlanner(ScorePlanner):
+def SpeculativePlanner(ceiling: float) -> ScorePlanner:
     """Speculative prefetch in a low priority band: priority = ceiling x score / layers ahead."""
-
-    def __init__(self, ceiling: float):
-        super().__init__(scale=ceiling)
+    return ScorePlanner(scale=ceiling)
 
 
 @POLICIES.register("promoe")
@@ -214,8 +204,7 @@ class Promoe(TrainedPolicy):
     def make_planner(self) -> PrefetchPlanner:
         return SpeculativePlanner(self.config.speculative_priority)
 
-    def loaded_config(self, saved: PromoeConfig) -> PromoeConfig:
-        """The saved MLP settings; the priority band stays this policy's."""
+    def loaded_config(self, saved: PromoeConfig) -> PromoeConfig:  # the priority band stays this policy's
         return replace(saved, speculative_priority=self.config.speculative_priority)
 
 

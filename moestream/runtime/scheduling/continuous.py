@@ -1,12 +1,9 @@
-"""Continuous batching, as a batching rule of the scheduler (scheduler.py): sequences join and leave
-the running set between steps (docs/design.md, Scheduling); and `open_scheduler`, the scheduler of a
-`BatchingConfig` that the server's batcher and `LLM` drive: continuous batches with the KV budget
-where the runner keeps per-sequence caches, else static batches without one.
+"""Continuous batching, a batching rule of the scheduler: sequences join and leave the running set
+between steps (docs/design.md, Scheduling); and `open_scheduler`, the scheduler of a `BatchingConfig`.
 
-Each step is one prefill of waiting prompts or the decode of one batch of running sequences, which
-the token scheduler groups; each sequence keeps its own KV cache, merged into a decode batch's cache
-that is held while the same sequences decode together and split back when one leaves or is
-regrouped. The rule knows no request, no model and no HTTP.
+Each step prefills waiting prompts or decodes one batch of running sequences (grouped by the token
+scheduler). Each sequence keeps its own KV cache, merged into a decode batch's cache while the same
+sequences decode together and split back when one leaves or is regrouped. Knows no request, model or HTTP.
 """
 
 from __future__ import annotations
@@ -70,7 +67,6 @@ class ContinuousBatches:
         return sum(c.num_bytes for c in self._own.values()) + sum(kv.num_bytes(h.kv) for h in self._held.values())
 
     def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch:
-        """The batch over its held cache, merged from its sequences' own caches on its first step."""
         key = tuple(s.seq_id for s in seqs)
         if key not in self._held:
             for other in [k for k in self._held if set(k) & set(key)]:
@@ -80,12 +76,10 @@ class ContinuousBatches:
         return ScheduledBatch(False, seqs, self._held[key])
 
     def _split(self, key: tuple[int, ...]) -> None:
-        """Splits a held batch back into its sequences' own caches."""
         held = self._held.pop(key)
         self._own.update(zip(key, kv.split(held.kv, held.mask.sum(-1).tolist())))
 
     def _prefill_due(self, waiting: list[Sequence], running: list[Sequence]) -> bool:
-        """Whether the waiting prompts prefill now: nothing decodes, or the oldest has waited long enough."""
         oldest = min(seq.arrived for seq in waiting)
         return not running or (self.clock() - oldest) * 1e3 >= self.max_prefill_delay_ms
 
@@ -112,9 +106,8 @@ class ContinuousBatches:
 
 
 def open_scheduler(engine, config: BatchingConfig, clock: Callable[[], float] = time.perf_counter) -> Scheduler:
-    """A scheduler on the engine under the config: at most num_seqs sequences; continuous batches
-    with the KV budget where the runner keeps per-sequence caches (their routing paths observed until
-    it closes), else static batches without one. clock: that of Sequence.arrived."""
+    """A scheduler on the engine: continuous batches with the KV budget where the runner keeps per-sequence
+    caches (routing paths observed until it closes), else static batches; clock: Sequence.arrived's."""
     if not engine.per_sequence_cache:
         return engine.scheduler(StaticBatches(config.max_batch_size), admission=Admission(config.num_seqs))
     admission = Admission(config.num_seqs, config.kv_budget_bytes, engine.kv_bytes_per_token())

@@ -1,19 +1,13 @@
 """The scheduler: it admits sequences, owns them and their KV caches, and each step is
-schedule -> (the engine's forward) -> postprocess. Every way of generating (`Engine.generate`, `LLM`,
-the server's batcher) adds sequences to one and loops on `Engine.step`.
+schedule -> (the engine's forward) -> postprocess. Every way of generating loops on `Engine.step`.
 
-Admission (`Admission`): at most max_seqs sequences not ended, and their reserved KV bytes (prompt +
-max_tokens positions each) within kv_budget_bytes. A sequence added without room queues, in order,
-and is admitted at a later step, once others have ended; one that could never fit is refused
-(`KvBudgetError`). `schedule` asks the batching rule which admitted sequences run next and over
-which cache: `StaticBatches` runs a batch from its prefill to its last sequence's end, finished
-sequences staying in it as inactive rows (as transformers' `generate` does; the only rule for an
-encoder-decoder), and takes the next batch only then; `ContinuousBatches` (continuous.py) lets
-sequences join and leave between steps. `postprocess` is the one place where tokens are chosen
-(argmax, or the sequence's sampler) and a sequence ends: cancelled or a stop string (its sampler),
-max_tokens ("length"), or an end-of-sequence token ("stop"). A sequence that ends leaves the rule,
-which frees its cache, and its state in the policy is ended. The scheduler knows no model, no
-request and no HTTP.
+`Admission`: at most max_seqs sequences, their reserved KV bytes (prompt + max_tokens) within
+kv_budget_bytes; a sequence without room queues in order, one that could never fit is refused
+(`KvBudgetError`). The batching rule picks what runs: `StaticBatches` runs a batch to its last
+sequence's end, finished ones staying as inactive rows (as `generate` does; the only rule for an
+encoder-decoder); `ContinuousBatches` (continuous.py) lets sequences join and leave between steps.
+`postprocess` is the one place tokens are chosen and sequences end: cancelled or a stop string (its
+sampler), max_tokens ("length"), or an end-of-sequence token ("stop"). Knows no model, request or HTTP.
 """
 
 from __future__ import annotations
@@ -51,15 +45,12 @@ class Admission:
                                 f"({self.bytes_per_token} bytes of KV a token)")
 
     def need_bytes(self, positions: int) -> int:
-        """The KV bytes a sequence of at most that many positions (prompt + max_tokens) reserves."""
         return positions * self.bytes_per_token
 
     def fits(self, positions: int) -> bool:
-        """Whether such a sequence fits the KV budget at all (alone)."""
         return self.need_bytes(positions) <= self.kv_budget_bytes
 
     def check(self, positions: int) -> None:
-        """Refuses a sequence that could never fit."""
         if not self.fits(positions):
             raise KvBudgetError(f"the request needs {self.need_bytes(positions)} bytes of KV cache, "
                                 f"over the budget of {self.kv_budget_bytes}")
@@ -79,17 +70,14 @@ class BatchingRule(Protocol):
 
     def schedule(self, waiting: list[Sequence], running: list[Sequence]) -> ScheduledBatch | None: ...
 
-    def ran(self, batch: ScheduledBatch) -> None:
-        """After the batch's forward pass: its cache holds the batch's past."""
+    def ran(self, batch: ScheduledBatch) -> None: ...  # after its forward pass: its cache holds its past
 
     def release(self, seq: Sequence) -> None:
-        """Frees the ended sequence's cache (it is in no batch scheduled after this)."""
+        """Frees the ended sequence's cache."""
 
-    def cached_lengths(self) -> dict[int, int]:
-        """Each sequence's cached positions over every cache the rule holds."""
+    def cached_lengths(self) -> dict[int, int]: ...  # each sequence's cached positions, over every cache held
 
-    def cached_bytes(self) -> int:
-        """The bytes of every cache the rule holds."""
+    def cached_bytes(self) -> int: ...  # of every cache held
 
 
 @dataclass
@@ -143,16 +131,14 @@ class Scheduler:
     in_flight: ScheduledBatch | None = None  # scheduled and not postprocessed (its step failed, if any)
 
     def add(self, seq: Sequence, positions: int | None = None) -> None:
-        """Admits the sequence, or queues it behind those without room; positions: the KV positions
-        it reserves (default: its prompt and max_tokens). Refuses one that could never fit."""
+        """Admits the sequence or queues it; positions: the KV positions it reserves (default: prompt + max_tokens)."""
         positions = seq_positions(seq) if positions is None else positions
         self.admission.check(positions)
         self.queued.append((seq, positions))
         self._admit_queued()
 
     def can_admit(self, positions: int) -> bool:
-        """Room now for a sequence of that many positions: nothing queued, fewer than max_seqs
-        admitted, and its KV bytes within the budget."""
+        """Room now for a sequence of that many positions (nothing queued ahead of it)."""
         return not self.queued and self._room_for(positions)
 
     @property
@@ -161,12 +147,10 @@ class Scheduler:
 
     @property
     def seqs(self) -> list[Sequence]:
-        """The admitted sequences not ended."""
         return self.running + self.waiting
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step's batch (None: nothing to run); cancelled sequences end first, and queued
-        ones are admitted while there is room."""
+        """The next step's batch (None: nothing to run); cancelled sequences end first."""
         for seq in [s for s in self._unended if s.sampler is not None and s.sampler.cancelled]:
             self.finish(seq, "abort")
         self._admit_queued()
@@ -174,15 +158,13 @@ class Scheduler:
         return self.in_flight
 
     def close(self) -> None:
-        """Ends every sequence not ended (abort) and stops observing."""
         for seq in self._unended:
             self.finish(seq, "abort")
         self.detach()
         self.detach = lambda: None
 
     def postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | None]:
-        """Appends each row's token and ends the sequences that are done; returns each row's token
-        (None: the row had ended before this step)."""
+        """Appends each row's token, ends finished sequences; each row's token (None: it had ended)."""
         self.rule.ran(batch)
         if batch.is_prefill:
             self.waiting = [s for s in self.waiting if s not in batch.seqs]
@@ -194,7 +176,6 @@ class Scheduler:
         return tokens
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends the sequence: its cache is freed and its state in the policy ended."""
         seq.finish_reason = reason
         self.queued = [(s, n) for s, n in self.queued if s is not seq]
         self.waiting = [s for s in self.waiting if s is not seq]
@@ -218,14 +199,13 @@ class Scheduler:
                 and self.reserved_bytes + self.admission.need_bytes(positions) <= self.admission.kv_budget_bytes)
 
     def _admit_queued(self) -> None:
-        """Admits queued sequences in order while the first has room."""
         while self.queued and self._room_for(self.queued[0][1]):
             seq, positions = self.queued.pop(0)
             self.reserved[seq.seq_id] = self.admission.need_bytes(positions)
             self.waiting.append(seq)
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """logits [V]: the token chosen, appended; the sequence ends if it is done."""
+        """logits [V]: the token chosen and appended."""
         token = int(logits.argmax()) if seq.sampler is None else seq.sampler.choose(logits)
         seq.output_ids.append(token)
         reason = None if seq.sampler is None else seq.sampler.stop_reason(seq.output_ids)
@@ -239,11 +219,9 @@ class Scheduler:
 
 
 def seq_positions(seq: Sequence) -> int:
-    """The KV positions a sequence may take: its prompt and max_tokens."""
     return len(seq.prompt_ids) + seq.max_tokens
 
 
 def eos_ids(generation_config) -> set[int]:
-    """The token ids that end a sequence."""
     eos = generation_config.eos_token_id
     return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

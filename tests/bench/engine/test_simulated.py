@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from moestream.bench.engine.simulated import engine_iterations, oracle_bytes_per_token, replayed, sim_ratio, simulate
+from moestream.bench.sim.cost import measured_cost_model
 from moestream.policies import POLICIES
-from moestream.sim.cost import measured_cost_model
 from moestream.topology import Topology
 from tests.synthetic import synthetic_trace
 

@@ -8,8 +8,13 @@ import pytest
 from moestream.errors import TraceError
 from moestream.events import IterationContext
 from moestream.policies import POLICIES
-from moestream.policies.baselines.predictive import CooccurPredictor, PinnedLRU, TokenPredictor
-from moestream.policies.baselines.row_scores import BaselineConfig, NotFittedError
+from moestream.policies.baselines.predictive import (
+    BaselineConfig,
+    CooccurPredictor,
+    NotFittedError,
+    PinnedLRU,
+    TokenPredictor,
+)
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream, iteration
 from moestream.trace.schema import Trace

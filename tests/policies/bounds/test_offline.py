@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
+from moestream.bench.sim import SimConfig, simulate
 from moestream.policies import POLICIES
-from moestream.policies.eviction import LRUPolicy
 from moestream.policies.bounds.offline import NEVER, FutureIndex, LookaheadEviction, OfflinePolicyError
-from moestream.sim import SimConfig, simulate
+from moestream.policies.eviction import LRUPolicy
 from moestream.topology import ExpertKey, Topology
 from moestream.trace import replay
-from tests.synthetic import synthetic_trace
 from tests.sim import tiny
+from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3), num_experts=8, top_k=2, expert_bytes=tiny.MB)
 

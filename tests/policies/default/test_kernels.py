@@ -196,7 +196,7 @@ def test_kernels_compile_without_a_disk_cache_when_numba_has_nowhere_to_write_it
 
 def test_numba_loads_only_when_a_default_state_runs():
     """Importing the policies (every CLI command does) must not load numba and LLVM."""
-    code = ("import sys, moestream.policies, moestream.sim; assert 'numba' not in sys.modules, 'numba was imported'; "
+    code = ("import sys, moestream.policies, moestream.bench.sim; assert 'numba' not in sys.modules, 'numba was imported'; "
             "from moestream.policies.default.state import compiled; compiled(); assert 'numba' in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

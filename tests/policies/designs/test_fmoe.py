@@ -8,8 +8,7 @@ import pytest
 
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
-from moestream.policies.designs.fmoe.maps import MapStore, select_experts
-from moestream.policies.designs.fmoe.policy import FMoEConfig, FMoEEviction, FMoEPredictor
+from moestream.policies.designs.fmoe.policy import FMoEConfig, FMoEEviction, FMoEPredictor, MapStore, select_experts
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace

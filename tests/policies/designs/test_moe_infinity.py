@@ -8,12 +8,14 @@ import pytest
 from moestream.contracts import CacheView
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
-from moestream.policies.designs.moe_infinity.eams import build_collection, sequence_eams, unit_rows
 from moestream.policies.designs.moe_infinity.policy import (
     MoEInfinityConfig,
     MoEInfinityEviction,
     MoEInfinityPlanner,
     MoEInfinityPredictor,
+    build_collection,
+    sequence_eams,
+    unit_rows,
 )
 from moestream.topology import ExpertKey, Topology
 from moestream.trace.schema import Trace

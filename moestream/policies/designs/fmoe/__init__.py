@@ -1,4 +1,4 @@
-"""fMoE, as a package: the registered policies in `policy.py`, the expert maps they search in `maps.py`."""
+"""fMoE, as a package: the registered policies and the expert maps they search, in `policy.py`."""
 
 from moestream.policies.designs.fmoe.policy import FMoE, FMoEConfig
 

@@ -1,60 +1,131 @@
 """fMoE (Yu et al., "fMoE: Fine-Grained Expert Offloading for Large Mixture-of-Experts Serving"):
-prefetching from a store of past iterations' expert maps, matched by input semantics and by
-routing trajectory.
+prefetching from a store of past iterations' expert maps, matched by input semantics and routing trajectory.
 
-- Expert map: one sequence's gate distributions of one iteration, [L, E] (`RoutingEvent.gate_probs`;
-  from top-k ids only, 1/k on each, which `uses_one_hot_maps` reports); prefill averages its tokens'.
-  A batch takes, per expert, the highest probability among its sequences' selections.
-- Map store (maps.py): C maps, from fit() (one per trace token) and online (one per sequence per
-  iteration); when full, a new map replaces the most redundant one: (d/L) x semantic similarity +
-  ((L-d)/L) x trajectory similarity (the trajectory alone without embeddings).
-- Matching, prefetch distance d: after layer l the targets are l+1 .. l+min(horizon, d) (each plan
-  replaces the last); those below d by semantic search (cosine of `IterationContext.embeddings`),
-  the rest by trajectory search (cosine of the layers observed so far). Without embeddings the
-  predictor logs it once, `semantic_available` is False and every target uses the trajectory
-  (nothing before an iteration's first layer): embeddings are never invented.
-- Selection: maps.select_experts (delta = 1 - similarity; ablations: a fixed top-k). Prefetch
-  priority p / (l - l_now) (ScorePlanner); eviction: the smallest p x freq (p in the latest matched
-  map, freq the times routed to).
+- Expert map: one sequence's gate distributions of one iteration, [L, E] (`RoutingEvent.gate_probs`, else
+  1/k on each top-k id: `uses_one_hot_maps`); prefill averages its tokens'. A batch takes, per expert, the
+  highest probability among its sequences' selections.
+- Map store (`MapStore`): C maps, from fit() (one per token) and online (one per sequence per iteration);
+  when full, a new map replaces the most redundant: (d/L) x semantic + ((L-d)/L) x trajectory similarity.
+- Matching, prefetch distance d: after layer l the targets are l+1 .. l+min(horizon, d); those below d by
+  semantic search (cosine of `IterationContext.embeddings`), the rest by trajectory (cosine of the layers
+  observed so far). Without embeddings every target uses the trajectory: embeddings are never invented.
+- Selection: `select_experts` (delta = 1 - similarity; ablations: a fixed top-k). Prefetch priority
+  p / (l - l_now); eviction: the smallest p x freq (p in the latest matched map, freq the times routed to).
 - Matching is incremental (one [S, E] x [E, C] product a layer); the engine runs it on a worker thread.
-
-This module knows nothing of time, bytes, the engine or the simulator.
+Knows nothing of time, bytes, the engine or the simulator.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-from moestream.contracts import (
-    POLICIES,
-    EvictionPolicy,
-    Policy,
-    Prediction,
-    Predictor,
-    PrefetchPlanner,
-)
+from moestream.contracts import POLICIES, EvictionPolicy, Policy, Prediction, Predictor, PrefetchPlanner
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.designs.fmoe.maps import (
-    MapStore,
-    Match,
-    best,
-    cosine,
-    one_hot_maps,
-    select_experts,
-)
+from moestream.policies.eviction import ScoredEviction
 from moestream.policies.planning import ScorePlanner
-from moestream.policies.scored_eviction import ScoredEviction
-from moestream.predictors.paths import unit_rows
+from moestream.predictors.paths import expert_mask, unit_rows
 from moestream.topology import Topology
-
-if TYPE_CHECKING:
-    from moestream.trace.schema import Trace
+from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
+
+
+def one_hot_maps(experts: np.ndarray, num_experts: int, gate_probs: np.ndarray | None = None) -> np.ndarray:
+    """[..., E] expert maps: gate_probs if given, else 1/K on each of the [..., K] routed experts."""
+    if gate_probs is not None:
+        return gate_probs.astype(np.float32)
+    return expert_mask(experts, num_experts).astype(np.float32) * np.float32(1.0 / experts.shape[-1])
+
+
+def cosine(dots: np.ndarray, norms_a: np.ndarray, norms_b: np.ndarray) -> np.ndarray:
+    """dots [n, C] / (norms_a [n] x norms_b [C]); 0 where a norm is 0."""
+    scale = norms_a[:, None] * norms_b[None, :]
+    return np.divide(dots, scale, out=np.zeros_like(dots, dtype=np.float32), where=scale > 0)
+
+
+def select_experts(probs: np.ndarray, similarity: np.ndarray, top_k: int, by_delta: bool) -> np.ndarray:
+    """[S, E] bool: per row, experts by descending probability until their sum reaches delta = clip(1 -
+    similarity, 0, 1), at least top_k (exactly, when not by_delta); ties come along, zeros never do."""
+    num_rows, num_experts = probs.shape
+    ranked = -np.sort(-probs, axis=1)  # [S, E] descending
+    count = np.full(num_rows, min(top_k, num_experts))
+    if by_delta:
+        delta = np.clip(1.0 - similarity, 0.0, 1.0)  # [S]
+        reached = (np.cumsum(ranked, axis=1) < delta[:, None]).sum(axis=1) + 1
+        count = np.maximum(count, np.minimum(reached, num_experts))
+    threshold = ranked[np.arange(num_rows), count - 1]  # [S]
+    return (probs >= threshold[:, None]) & (probs > 0)
+
+
+class MapStore:
+    """At most C expert maps [C, L, E] with their unit embeddings, deduplicated by redundancy."""
+
+    def __init__(self, num_layers: int, num_experts: int, capacity: int, prefetch_distance: int):
+        self.capacity = capacity
+        self.maps = np.zeros((capacity, num_layers, num_experts), dtype=np.float32)  # [C, L, E]
+        self.prefix_sq = np.zeros((num_layers, capacity), dtype=np.float32)  # [L, C] |map[:l+1]|^2
+        self.embeddings: np.ndarray | None = None  # [C, H] unit rows, zero where unknown
+        self.size = 0
+        d = min(prefetch_distance, num_layers)
+        self.semantic_weight, self.trajectory_weight = d / num_layers, (num_layers - d) / num_layers
+
+    def norms(self, layer: int = -1) -> np.ndarray:
+        """[C] norm of each map over layers 0..layer (all layers by default)."""
+        return np.sqrt(self.prefix_sq[layer])
+
+    def redundancy(self, trajectory: np.ndarray, semantic: np.ndarray | None) -> np.ndarray:
+        if semantic is None:
+            return trajectory
+        return self.semantic_weight * semantic + self.trajectory_weight * trajectory
+
+    def add(self, expert_map: np.ndarray, embedding: np.ndarray | None, trajectory: np.ndarray,
+            semantic: np.ndarray | None) -> int:
+        """Store a map [L, E] (unit embedding [H] or None) given its cosines [C] with the stored maps and
+        embeddings; returns its slot: the next free one, else the most redundant one."""
+        slot = self.size if self.size < self.capacity else int(np.argmax(self.redundancy(trajectory, semantic)))
+        self.maps[slot] = expert_map
+        self.prefix_sq[:, slot] = np.cumsum((expert_map.astype(np.float32) ** 2).sum(axis=1))
+        if embedding is not None and self.embeddings is None:
+            self.embeddings = np.zeros((self.capacity, len(embedding)), dtype=np.float32)
+        if self.embeddings is not None:
+            self.embeddings[slot] = 0.0 if embedding is None else embedding
+        self.size = max(self.size, slot + 1)
+        return slot
+
+    def add_many(self, maps: np.ndarray, embeddings: np.ndarray | None) -> None:
+        """Add maps [n, L, E] (unit embeddings [n, H] or None) in order, as add() would one by one."""
+        flat = maps.reshape(len(maps), -1)  # [n, L*E]
+        norms = np.linalg.norm(flat, axis=1)
+        trajectory = cosine(flat @ self.maps.reshape(self.capacity, -1).T, norms, self.norms())  # [n, C]
+        own = cosine(flat @ flat.T, norms, norms)  # [n, n]
+        semantic = own_semantic = None
+        if embeddings is not None and self.embeddings is not None:
+            semantic, own_semantic = embeddings @ self.embeddings.T, embeddings @ embeddings.T
+        elif embeddings is not None:
+            semantic, own_semantic = np.zeros_like(trajectory), embeddings @ embeddings.T
+        for i, expert_map in enumerate(maps):
+            sem_row = None if semantic is None else semantic[i]
+            slot = self.add(expert_map, None if embeddings is None else embeddings[i], trajectory[i], sem_row)
+            trajectory[i + 1 :, slot] = own[i + 1 :, i]  # later maps now meet map i in that slot
+            if semantic is not None:
+                semantic[i + 1 :, slot] = own_semantic[i + 1 :, i]
+
+
+@dataclass(frozen=True)
+class Match:
+    slots: np.ndarray  # [S] best stored map of each sequence of the iteration
+    similarity: np.ndarray  # [S] its cosine similarity
+
+
+def best(similarities: np.ndarray, size: int) -> Match:
+    """The best of the first `size` slots for each row of [S, C] similarities."""
+    valid = similarities[:, :size]
+    slots = np.argmax(valid, axis=1)
+    return Match(slots, valid[np.arange(len(valid)), slots])
 
 
 @dataclass(frozen=True)
@@ -71,8 +142,7 @@ class FMoEConfig:
 
 
 class FMoEPredictor(Predictor):
-    """Matches each sequence's iteration against the map store; predicts the matched layers (one-hot
-    maps keep exactly the top-k under delta selection). Asks for embeddings only with semantic search."""
+    """Matches each sequence's iteration against the map store; predicts the matched layers."""
 
     def __init__(self, topology: Topology, config: FMoEConfig = FMoEConfig()):
         super().__init__(topology)
@@ -91,10 +161,8 @@ class FMoEPredictor(Predictor):
         step = self.config.fit_chunk_tokens
         for start in range(0, trace.num_tokens, step):
             rows = slice(start, start + step)
-            if trace.gate_probs is None:
-                maps = one_hot_maps(trace.experts[rows], self.topology.num_experts)  # [n, L, E]
-            else:
-                maps = trace.gate_probs[rows].astype(np.float32)
+            gates = None if trace.gate_probs is None else trace.gate_probs[rows]
+            maps = one_hot_maps(trace.experts[rows], self.topology.num_experts, gates)  # [n, L, E]
             embeddings = unit_rows(trace.embeddings[rows].astype(np.float32)) if semantic else None
             self.store.add_many(maps, embeddings)
 
@@ -108,10 +176,7 @@ class FMoEPredictor(Predictor):
     def observe(self, event: RoutingEvent) -> None:
         if event.layer == 0 and (self._observed >= 0 or not np.array_equal(np.unique(event.seq_ids), self._seqs)):
             self._begin(event.seq_ids, None)  # no begin_iteration() came before this iteration
-        if event.gate_probs is None:
-            rows = one_hot_maps(event.expert_ids, self.topology.num_experts)  # [T, E]
-        else:
-            rows = event.gate_probs.astype(np.float32)
+        rows = one_hot_maps(event.expert_ids, self.topology.num_experts, event.gate_probs)  # [T, E]
         self.uses_one_hot_maps = event.gate_probs is None
         one_row_each = np.array_equal(event.seq_ids, self._seqs)  # decode: one token per sequence, in order
         dist = rows if one_row_each else self._pooling(event.seq_ids) @ rows  # [S, E]
@@ -197,8 +262,7 @@ class FMoEPredictor(Predictor):
 
 
 class FMoEEviction(ScoredEviction):
-    """Evicts the smallest p * freq (p: probability in the latest matched map; freq: times routed
-    to); ties go to the least recently used."""
+    """Evicts the smallest p * freq (p: in the latest matched map; freq: times routed), ties to the LRU."""
 
     def __init__(self, predictor: FMoEPredictor):
         super().__init__()

@@ -1,4 +1,4 @@
-"""MoE-Infinity, as a package: the registered policies in `policy.py`, the EAMs they match in `eams.py`."""
+"""MoE-Infinity, as a package: the registered policies and the EAMs they match, in `policy.py`."""
 
 from moestream.policies.designs.moe_infinity.policy import MoEInfinity, MoEInfinityConfig
 

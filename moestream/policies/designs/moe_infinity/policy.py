@@ -2,21 +2,17 @@
 caching guided by sequence-level Expert Activation Matrices.
 
 - EAM: per sequence, an [L, E] count of the tokens each expert served so far; the EAMC: at most P
-  EAMs kept from a dataset (fit: one per training sequence), k-means medoids (eams.py).
-- Algorithm 1 (prefetch): after each layer, the sequence's nearest EAM in the EAMC gives, for every
-  later layer fl and expert e, ratio = eam[fl][e] / sum(eam[fl]) (the score) and priority
-  (ratio + eps) * (1 - fl / L) (the planner). As in the released implementation, experts the matched
-  EAM never activated are not submitted (`prefetch_unseen=True` submits them, as the pseudo-code reads).
-- Algorithm 2 (replacement): evict the lowest (ratio + eps) * (1 - l / L), ratio taken in the current
-  sequence's own EAM; one policy per tier, reading the predictor's state.
-- Distribution shift: a sequence whose top-k accuracy from its matched EAM ends below `poor_accuracy`
-  is kept; after `rebuild_after_poor` of them the EAMC is rebuilt from the dataset plus those on a
-  worker thread and installed exactly `rebuild_lag_sequences` ended sequences later (waiting if
-  needed), so results never depend on thread timing; a lag of 0 rebuilds inline. The worker is a
-  daemon: a rebuild still running when the process exits is dropped, not waited for.
+  EAMs kept from a dataset (fit: one per training sequence), k-means medoids (`build_collection`).
+- Algorithm 1 (prefetch): the sequence's nearest EAM gives, for every later layer fl, ratio =
+  eam[fl][e] / sum(eam[fl]) (the score) and priority (ratio + eps) * (1 - fl / L). As in the released
+  implementation, experts the matched EAM never activated are not submitted (`prefetch_unseen` submits them).
+- Algorithm 2 (replacement): evict the lowest (ratio + eps) * (1 - l / L), ratio in the sequence's own EAM.
+- Distribution shift: after `rebuild_after_poor` sequences whose top-k accuracy from their match ends below
+  `poor_accuracy`, the EAMC is rebuilt from the dataset plus those on a daemon thread and installed exactly
+  `rebuild_lag_sequences` ended sequences later (waiting if needed), so results never depend on thread
+  timing; a lag of 0 rebuilds inline.
 - Batches: one EAM per sequence; the ratios of their matches are averaged.
-
-This module does not know the cache's contents beyond a CacheView, nor time or bytes.
+Knows the cache's contents only through a CacheView; not time or bytes.
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, Sequence
 
 import numpy as np
 
@@ -40,21 +36,66 @@ from moestream.contracts import (
     TransferRequest,
 )
 from moestream.events import IterationContext, RoutingEvent
-from moestream.policies.designs.moe_infinity.eams import (
-    EAMCollection,
-    build_collection,
-    layer_shares,
-    sequence_eams,
-)
+from moestream.policies.eviction import ScoredEviction
 from moestream.policies.planning import ranked
-from moestream.policies.scored_eviction import ScoredEviction
 from moestream.predictors.paths import unit_rows
 from moestream.topology import Topology
-
-if TYPE_CHECKING:
-    from moestream.trace.schema import Trace
+from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)
+
+
+def sequence_eams(trace: "Trace") -> np.ndarray:
+    """One EAM per sequence of the trace, in trace order: [S, L, E] float32 token counts."""
+    t = trace.topology
+    offsets = (np.arange(t.num_layers) * t.num_experts)[None, :, None]  # [1, L, 1]
+    flat = trace.experts.astype(np.int64) + offsets  # [N, L, K] index into L*E
+    bounds = trace.sequence_bounds()
+    eams = np.zeros((len(bounds), t.num_layers * t.num_experts), dtype=np.float32)
+    for i, (_, start, end) in enumerate(bounds):
+        eams[i] = np.bincount(flat[start:end].ravel(), minlength=t.num_layers * t.num_experts)
+    return eams.reshape(len(bounds), t.num_layers, t.num_experts)
+
+
+def layer_shares(eams: np.ndarray) -> np.ndarray:
+    """ratio[l][e] = eam[l][e] / sum(eam[l]); all-zero rows stay zero. [..., L, E]."""
+    sums = eams.sum(axis=-1, keepdims=True)
+    return np.divide(eams, sums, out=np.zeros_like(eams, dtype=np.float32), where=sums > 0)
+
+
+def build_collection(eams: np.ndarray, capacity: int, seed: int = 0) -> np.ndarray:
+    """At most `capacity` representative EAMs [P, L, E]: per k-means cluster, the member nearest the centroid.
+    k-means runs on flattened EAMs with L2-normalised rows: ||x - y||^2 = 2 L (1 - mean_l cos(x[l], y[l]))
+    (a zero row counts as cosine 0), so it ranks pairs exactly like the paper's distance."""
+    points = unit_rows(eams).reshape(len(eams), -1)  # [n, L*E]
+    num_clusters = min(capacity, len(np.unique(points, axis=0)))
+    if num_clusters >= len(eams):
+        return eams.astype(np.float32, copy=True)
+    from sklearn.cluster import KMeans
+    kmeans = KMeans(n_clusters=num_clusters, n_init=1, random_state=seed).fit(points)
+    spread = ((points - kmeans.cluster_centers_[kmeans.labels_]) ** 2).sum(axis=1)  # [n]
+    order = np.lexsort((spread, kmeans.labels_))
+    labels = kmeans.labels_[order]
+    medoids = order[np.r_[True, labels[1:] != labels[:-1]]]
+    return eams[np.sort(medoids)].astype(np.float32, copy=True)
+
+
+@dataclass(frozen=True)
+class EAMCollection:
+    """The EAMC in the forms matching and prefetching need; replaced whole, never mutated."""
+
+    eams: np.ndarray  # [P, L, E] token counts
+    top_k: int  # experts routed per token
+    version: int = 0
+    ratios: np.ndarray = field(init=False)  # [P, L, E] per-layer shares
+    top: np.ndarray = field(init=False)  # [P, L, E] bool: the top_k experts of each row
+    unit: np.ndarray = field(init=False)  # [L, E, P] unit rows, laid out for per-layer matching
+
+    def __post_init__(self):
+        object.__setattr__(self, "ratios", layer_shares(self.eams))
+        ranks = np.argsort(np.argsort(-self.ratios, axis=-1, kind="stable"), axis=-1)
+        object.__setattr__(self, "top", ranks < self.top_k)
+        object.__setattr__(self, "unit", np.ascontiguousarray(unit_rows(self.eams).transpose(1, 2, 0)))
 
 
 @dataclass(frozen=True)
@@ -111,7 +152,6 @@ class _Sequence:
 
 
 def _fulfil(future: Future, eams: np.ndarray, capacity: int, seed: int) -> None:
-    """Builds the collection into `future` (its result, or the error that ended it)."""
     future.set_running_or_notify_cancel()
     try:
         future.set_result(build_collection(eams, capacity, seed))
@@ -264,8 +304,7 @@ class MoEInfinityPredictor(Predictor):
 
 
 class MoEInfinityPlanner(PrefetchPlanner):
-    """Algorithm 1's queue order: priority = (ratio + eps) * (1 - fl / L), skipping resident and
-    in-flight experts, at most `capacity` requests."""
+    """Algorithm 1's queue order: priority = (ratio + eps) * (1 - fl / L), at most `capacity` requests."""
 
     def __init__(self, eps: float):
         self.eps = eps
@@ -312,7 +351,6 @@ class MoEInfinity(Policy):
 
 @POLICIES.register("moe-infinity-norefine")
 class MoEInfinityNoRefine(MoEInfinity):
-    """Ablation: the nearest EAM is found once per iteration (at its start, or after layer 0 for a
-    sequence with no routing yet) and not refined at later layers."""
+    """Ablation: the nearest EAM is found once per iteration, not refined at later layers."""
 
     config: ClassVar[MoEInfinityConfig] = replace(MoEInfinityConfig(), refine=False)

@@ -3,9 +3,9 @@
 Importing the package registers its protocols (`stream`, `moe-beyond`) in `PROTOCOLS`.
 """
 
-from moestream.sim import engine, moe_beyond  # noqa: F401  (register the protocols)
-from moestream.sim.config import SimConfig
-from moestream.sim.cost import PRESETS, CostModel, get_cost_model
-from moestream.sim.protocols import PROTOCOLS, SimulationError, simulate
+from moestream.bench.sim import engine, moe_beyond  # noqa: F401  (register the protocols)
+from moestream.bench.sim.config import SimConfig
+from moestream.bench.sim.cost import PRESETS, CostModel, get_cost_model
+from moestream.bench.sim.protocols import PROTOCOLS, SimulationError, simulate
 
 __all__ = ["PRESETS", "PROTOCOLS", "CostModel", "SimConfig", "SimulationError", "get_cost_model", "simulate"]

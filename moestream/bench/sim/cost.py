@@ -36,7 +36,7 @@ class CostModel:
     demand_batch_ms: float = 0.0  # once per layer's demand loads read together (the engine batches its misses)
     routed_expert_ms: float = 0.0  # one routed expert's compute for one token, part of layer_compute_ms: what
     # a layer can compute while its misses load (SimConfig.expert_order); 0: the layer waits for the last
-    # host compute (moestream.sim.host_compute): expert-MLP weight streaming (GB/s) and arithmetic (TFLOP/s)
+    # host compute (moestream.bench.sim.host_compute): expert-MLP weight streaming (GB/s) and arithmetic (TFLOP/s)
     # of the host's threads and of the device; 0: unknown (--host-compute is refused)
     host_expert_gbps: float = 0.0
     host_tflops: float = 0.0

@@ -16,16 +16,16 @@ from typing import Iterable
 
 import numpy as np
 
+from moestream.bench.sim.config import SimConfig
+from moestream.bench.sim.engine import StreamSimulator
+from moestream.bench.sim.network import NETWORKS, NO_NETWORK, NetworkLink
+from moestream.bench.sim.protocols import REPLAYS, SimulationError, check_compatible
 from moestream.contracts import Policy
 from moestream.errors import MoestreamError
 from moestream.events import RoutingEvent
 from moestream.parallel.config import ParallelConfig
 from moestream.parallel.placement import Placement
 from moestream.settings import default_of, same_as, setting
-from moestream.sim.config import SimConfig
-from moestream.sim.engine import StreamSimulator
-from moestream.sim.network import NETWORKS, NO_NETWORK, NetworkLink
-from moestream.sim.protocols import REPLAYS, SimulationError, check_compatible
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
 
@@ -82,7 +82,7 @@ class Rank:
         topo, owns = policy.topology, int(owned.sum())
         self.index, self.owned = index, owned  # owned: [L, E] bool
         slots = {"device_slots": min(owns, config.device_slots_of(topo)),
-                 "host_slots": min(owns, config.host_slots_of(topo))}
+                 "host_slots": min(owns, config.host_slots_of(topo)) if config.has_host_tier else 0}
         self.sim = StreamSimulator(policy, replace(config, **slots), self._compute_ms)
         self.driver, self.cost, self.top_k = self.sim.driver, config.cost, topo.top_k
         self.rows = self.tokens = self.layer_experts = 0  # the routed layer's, on this rank
@@ -117,7 +117,7 @@ class Rank:
 
     def summary(self) -> dict:
         counters = self.sim.run(())  # no more iterations: the totals filled in
-        figures = counters.summary(self.sim.device_link.name)
+        figures = counters.summary(self.sim.device_link)
         return figures | {"rank": self.index, "experts_owned": int(self.owned.sum()),
                           "device_slots": self.sim.device.capacity,
                           "network_bytes_per_token": self.network_bytes / max(counters.num_tokens, 1)}

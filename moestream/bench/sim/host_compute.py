@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moestream.bench.sim.config import SimConfig
 from moestream.policies.compute_placement import ComputeCosts, ComputeRule, compute_rule, layer_candidates
-from moestream.sim.config import SimConfig
-from moestream.sim.transfers import QUEUED
 from moestream.topology import ExpertKey, Topology
 from moestream.transfer_core import LATE, MISS, TransferCore
 
@@ -72,18 +71,18 @@ class HostCompute:
         self.placements: list[tuple[int, tuple[int, ...]]] = []  # each layer step's experts on the host
 
     def fetch_layer(self, core: TransferCore, needed: list[ExpertKey], expert_ids: np.ndarray,
-                    host_ready, moving) -> Placed:
+                    host_ready, unstarted) -> Placed:
         """The transfer core's fetch_layer with the rule between the lookups and the admissions: every key
         is pinned and looked up; the misses the rule places on the host are unpinned and never admitted.
-        host_ready(key): its bytes are in the host tier; moving: the core's records (a queued prefetch
-        becomes a demand load: it crosses the link whatever the rule says)."""
+        host_ready(key): its bytes are in the host tier; unstarted(key): its transfer has not started (a queued
+        prefetch becomes a demand load: it crosses the link whatever the rule says)."""
         device = core.device
         device.pin(needed)
         found = [core.lookup(key) for key in needed]
         rows = expert_rows(expert_ids, self.num_experts)
         missed = [key for key, f in zip(needed, found) if f == MISS]
         late = [key for key, f in zip(needed, found) if f == LATE]
-        queued = {key for key in late if moving[key].stage == QUEUED}
+        queued = {key for key in late if unstarted(key)}
         candidates = layer_candidates(missed, lambda key: int(rows[key.expert]), host_ready)
         hit_rows = [int(rows[key.expert]) for key, f in zip(needed, found) if f != MISS and key not in queued]
         other = len(missed) - len(candidates) + len(queued)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from moestream.bench.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
 from moestream.config import EngineConfig
 from moestream.errors import MoestreamError
 from moestream.link_model import LinkFigures
 from moestream.policies.compute_placement import ComputeCosts, compute_rule
 from moestream.settings import same_as, setting
-from moestream.sim.cost import DEFAULT_COST_MODEL, CostModel, get_cost_model
 from moestream.topology import Topology
 
 MODES = ("decode", "prefill", "batched")
@@ -42,6 +42,11 @@ class SimConfig:
     expert_order: str = setting("ready", "how a layer's experts compute beside their loads (with --routed-expert-ms): "
                                          "ready (the engine's reordering), given (--no-reorder), loaded (--sync)",
                                 choices=EXPERT_ORDERS)  # sim.engine
+    sync: bool = same_as(EngineConfig, "sync", help="move experts on the compute thread, as the engine's --sync: "
+                                                     "each call's rounds run before it returns")
+    chunks_in_flight: int = same_as(EngineConfig, "chunks_in_flight")  # the speculative chunks of a link's round
+    num_expert_chunks: int = setting(3, "chunks of one expert's transfer (the engine moves one per weight matrix)",
+                                     minimum=1)
     device_slots: int = 0  # device-tier slots if not cache_ratio of all experts (one rank of several); 0: the ratio's
     host_slots: int = 0  # host-tier slots if not host_cache_ratio of all experts; 0: the ratio's
     modelled_link: bool = True  # the planner sees the cost model's link (off: an engine without --link-gbps)
@@ -69,6 +74,8 @@ class SimConfig:
             raise SimConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if min(self.horizon_layers, self.warmup_tokens, self.device_slots, self.host_slots) < 0:
             raise SimConfigError("horizon_layers, warmup_tokens, device_slots and host_slots must be >= 0")
+        if min(self.chunks_in_flight, self.num_expert_chunks) < 1:
+            raise SimConfigError("chunks_in_flight and num_expert_chunks must be >= 1")
         if self.expert_order not in EXPERT_ORDERS:
             raise SimConfigError(f"unknown expert order {self.expert_order!r}; known: {', '.join(EXPERT_ORDERS)}")
         if self.hidden_bytes < 0:
@@ -90,8 +97,8 @@ class SimConfig:
 
     @property
     def has_host_tier(self) -> bool:
-        """A host tier that must be simulated: it holds only part of the experts."""
-        return self.cost.host_holds_all and self.host_cache_ratio < 1.0
+        """A host tier that must be simulated: it holds only part of the experts (or is given in slots)."""
+        return self.host_slots > 0 or (self.cost.host_holds_all and self.host_cache_ratio < 1.0)
 
     def device_slots_of(self, topology: Topology) -> int:
         return self.device_slots or topology.slots_for_ratio(self.cache_ratio)
@@ -102,7 +109,7 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class CostOverrides:
-    """`moestream sim`'s overrides of its cost model's figures (moestream.sim.cost.CostModel's fields of the
+    """`moestream sim`'s overrides of its cost model's figures (moestream.bench.sim.cost.CostModel's fields of the
     same names; link_*: those of the link that fills the device tier); None keeps the model's."""
 
     layer_compute_ms: float | None = setting(None, "compute of one MoE layer, one decode token", type=float)
