@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import moestream
-from moestream.data_dir import resolve_data_dir
+from moestream.bench.tools.data_dir import resolve_data_dir
 
 BESIDE_CHECKOUT = Path(moestream.__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -19,14 +19,14 @@ TORCH_FREE = (
     "moestream.contracts",
     "moestream.policies.driver",
     "moestream.policies.baselines",
-    "moestream.policies.bounds",
+    "moestream.bench.sim.bounds",
     "moestream.policies.designs",
     "moestream.policies.default",
     "moestream.bench.sim",
     "moestream.bench.tools.compare",
     "moestream.bench.sim.ranks",
     "moestream.parallel.placement",
-    "moestream.eval.prediction",
+    "moestream.bench.tools.prediction",
     "moestream.trace.recorder",
 )
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from moestream.bench import comma_list, write_figures
 from moestream.bench.tools.compare import CompareConfig, Comparison, compare
+from moestream.bench.tools.data_dir import resolve_data_dir
 from moestream.bench.tools.reuse import ReuseProfile, reuse_profile
-from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.policies import POLICIES
 from moestream.report import report_console, rich_table
@@ -86,7 +86,7 @@ def run(args) -> int:
 
 
 def _traces(args):
-    from moestream.eval.prediction import split_trace
+    from moestream.bench.tools.prediction import split_trace
     from moestream.trace.replay import head_tokens
 
     path = args.trace or _dev_trace()

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
 from moestream.bench.engine.spec import peak_rss_mib
+from moestream.bench.tools.data_dir import resolve_data_dir
 from moestream.budget import Budget
 from moestream.config import BatchingConfig, EngineConfig
-from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.procfs import status_mib
 from moestream.settings import add_arguments, from_args, read_flags
@@ -30,7 +30,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--policies", default="default,lru:sync",
                         help="comma-separated policy names, NAME:sync for on demand (default default,lru:sync)")
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
-    parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.data_dir)")
+    parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.bench.tools.data_dir)")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="request rates to try, ascending (req/s)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
     parser.add_argument("--min-requests", type=int, default=20,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from moestream.bench import add_model_flags, comma_list, model_dir, write_figures
 from moestream.bench.serving import memory_figures, memory_text
+from moestream.bench.tools.data_dir import resolve_data_dir
 from moestream.checks import at_least
 from moestream.config import BatchingConfig, EngineConfig
-from moestream.data_dir import resolve_data_dir
 from moestream.errors import MoestreamError
 from moestream.procfs import status_mib
 from moestream.settings import add_arguments, from_args, read_flags
@@ -29,7 +29,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--num-seqs", type=int, default=32, help="sequences running together (default 32)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per sequence (default 32)")
     parser.add_argument("--prompt-words", type=int, default=48, help="words kept of each prompt (default 48)")
-    parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.data_dir)")
+    parser.add_argument("--data-dir", type=Path, help="where workloads/ lies (default: see moestream.bench.tools.data_dir)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     add_arguments(parser, EngineConfig, skip=("direct_io",))  # buffered reads
     add_arguments(parser, BatchingConfig, skip=("max_num_seqs", "kv_budget_bytes", "token_scheduler"))

@@ -5,15 +5,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from moestream.contracts import Prediction, Predictor
-from moestream.errors import TraceError
-from moestream.eval.prediction import (
+from moestream.bench.tools.prediction import (
     EvalError,
     LeadTimeCost,
     evaluate_policy,
     evaluate_predictor,
     fetch_rate,
 )
+from moestream.contracts import Prediction, Predictor
+from moestream.errors import TraceError
 from moestream.policies import POLICIES
 from moestream.topology import Topology
 from tests.policies.online import OnlineOnly

@@ -42,7 +42,7 @@ def run(args) -> int:
 
     from moestream.atomic import write_json
     from moestream.bench.tools import loadgen, workload
-    from moestream.data_dir import resolve_data_dir
+    from moestream.bench.tools.data_dir import resolve_data_dir
 
     check_loopback(args.url)
     data = resolve_data_dir(args.data_dir)

@@ -2,7 +2,7 @@
 
 Fits the named policy on --train, replays --test (or a seeded --test-fraction of --train, split by
 sequence) as a decode stream, and reports precision, recall, F1 (overall and per layer) and
-GOODPRED with the lead time of --cost-model. The rule is in moestream.eval.prediction.
+GOODPRED with the lead time of --cost-model. The rule is in moestream.bench.tools.prediction.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from moestream.atomic import write_json
 from moestream.bench.sim.cost import DEFAULT_COST_MODEL, get_cost_model
+from moestream.bench.tools.prediction import LeadTimeCost, evaluate_policy, split_trace
 from moestream.config import EngineConfig
-from moestream.eval.prediction import LeadTimeCost, evaluate_policy, split_trace
 from moestream.settings import add_arguments
 
 

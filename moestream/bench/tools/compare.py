@@ -23,10 +23,10 @@ from moestream.bench.sim.config import SimConfig
 from moestream.bench.sim.cost import PRESETS, get_cost_model
 from moestream.bench.sim.protocols import simulate
 from moestream.bench.tools.overhead import overhead_us_per_layer
+from moestream.bench.tools.prediction import evaluate_predictor
 from moestream.config import EngineConfig
 from moestream.contracts import NullPredictor, Policy
 from moestream.errors import MoestreamError
-from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
 from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.progress import progress_bar

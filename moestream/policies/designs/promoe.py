@@ -5,7 +5,7 @@ and the GOODPRED metric that picks how far ahead to predict.
   (`RoutingEvent.hidden`) to layer i's experts (moestream.predictors.layer_mlp). `promoe-routing`, a
   labelled variant for routing-only traces, reads the multi-hot experts of layers i-k-w+1 .. i-k instead.
 - Planner: speculative prefetches in a low priority band; chunking, preemption and reordering are the engine's.
-- GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): measured by moestream.eval.goodpred.
+- GOODPRED(i, k) = accuracy(i, k) x fetch-rate(k): measured by moestream.bench.tools.goodpred.
 Knows routing events and hidden states as arrays, not time, bytes or torch modules (imported lazily).
 """
 

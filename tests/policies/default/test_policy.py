@@ -4,8 +4,8 @@ model (online state: test_state.py; storage: test_storage.py)."""
 import numpy as np
 import pytest
 
+from moestream.bench.tools.prediction import evaluate_predictor
 from moestream.cache import ExpertCache
-from moestream.eval.prediction import evaluate_predictor
 from moestream.policies import POLICIES
 from moestream.policies.default.policy import UntrainedPolicyError
 from moestream.topology import ExpertKey

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from moestream.eval.prediction import evaluate_predictor
+from moestream.bench.tools.prediction import evaluate_predictor
 from moestream.policies.default.model import DefaultConfig
 from moestream.predictors.configs import TrainConfig
 from tests.policies.default.common import fitted_policy

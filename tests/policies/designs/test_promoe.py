@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
+from moestream.bench.tools.goodpred import goodpred_table
 from moestream.contracts import CacheView, Prediction
 from moestream.errors import MoestreamError, TraceError
-from moestream.eval.goodpred import goodpred_table
 from moestream.events import RoutingEvent
 from moestream.policies import POLICIES
 from moestream.policies.designs.promoe import PromoeConfig, SpeculativePlanner

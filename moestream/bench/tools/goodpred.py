@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moestream.eval.prediction import fetch_rate
+from moestream.bench.tools.prediction import fetch_rate
 from moestream.predictors.paths import expert_mask, top_k_mask
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "MOESTREAM_DATA"
-_CHECKOUT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[3]  # moestream/bench/tools/ -> the checkout
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from moestream.bench.sim import SimConfig, simulate
+from moestream.bench.sim.bounds import NEVER, FutureIndex, LookaheadEviction, OfflinePolicyError
 from moestream.policies import POLICIES
-from moestream.policies.bounds.offline import NEVER, FutureIndex, LookaheadEviction, OfflinePolicyError
 from moestream.policies.eviction import LRUPolicy
 from moestream.topology import ExpertKey, Topology
 from moestream.trace import replay
