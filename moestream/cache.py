@@ -21,8 +21,7 @@ class ExpertCache:
     def __init__(self, capacity: int, policy: EvictionPolicy):
         if capacity < 1:
             raise BudgetError(f"a cache needs at least one slot, got {capacity}")
-        self.capacity = capacity
-        self.policy = policy
+        self.capacity, self.policy = capacity, policy
         self._slots: dict[ExpertKey, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._pins: Counter[ExpertKey] = Counter()
@@ -50,7 +49,13 @@ class ExpertCache:
         """(slot, evicted key or None), evicting a victim (never pinned or protected) if full; else CacheFullError."""
         if key in self._slots:
             return self._slots[key], None
-        evicted = None if self._free else self._evict(protect)
+        evicted = None
+        if not self._free:
+            candidates = Evictable(self._slots, self._pins, protect)
+            if not candidates:
+                raise CacheFullError(f"all {self.capacity} slots hold experts in use; raise the budget")
+            evicted = self.policy.victim(candidates)
+            self.remove(evicted)
         slot = self._free.pop()
         self._slots[key] = slot
         self.policy.on_insert(key)
@@ -90,14 +95,6 @@ class ExpertCache:
         """Whether some resident key may be evicted (stops at the first one; no list is built)."""
         return bool(Evictable(self._slots, self._pins))
 
-    def _evict(self, protect: Container[ExpertKey] = ()) -> ExpertKey:
-        candidates = Evictable(self._slots, self._pins, protect)
-        if not candidates:
-            raise CacheFullError(f"all {self.capacity} slots hold experts in use; raise the budget")
-        victim = self.policy.victim(candidates)
-        self.remove(victim)
-        return victim
-
 
 class Evictable(Sequence):
     """The resident keys that are neither pinned nor protected, as a read-only sequence. Membership and truth
@@ -113,10 +110,7 @@ class Evictable(Sequence):
 
     def __bool__(self) -> bool:
         pins, protect = self._pins, self._protect
-        for key in self._slots:
-            if pins.get(key, 0) <= 0 and key not in protect:
-                return True
-        return False
+        return any(pins.get(key, 0) <= 0 and key not in protect for key in self._slots)
 
     def __len__(self) -> int:
         return len(self._as_list())

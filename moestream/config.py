@@ -1,10 +1,9 @@
-"""The settings a user chooses, each declared once with its default, help text and bounds:
-EngineConfig (where the engine computes, the expert budgets, the policy, how experts move; it builds
-the store's StoreConfig), and serving's WorkerConfig, which nests the batcher's BatchingConfig.
+"""The settings a user chooses, each declared once with its default, help text and bounds: EngineConfig
+(builds the store's StoreConfig), and serving's WorkerConfig, which nests the batcher's BatchingConfig.
 
-Validated on construction, so that a bad setting fails before anything is loaded. The CLI's flags
-are generated from these fields (moestream.settings). This module imports no torch, so that the
-CLI refuses bad flags before its heavy imports; it knows nothing of how the settings are carried out.
+Validated on construction, so that a bad setting fails before anything is loaded; the CLI's flags are
+generated from these fields (moestream.settings). Imports no torch, so that the CLI refuses bad flags
+before its heavy imports; knows nothing of how the settings are carried out.
 """
 
 from __future__ import annotations

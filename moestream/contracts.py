@@ -1,8 +1,7 @@
 """Contracts shared by the real engine and the simulator: predictors, eviction policies, planners.
 
-Policy decides, mechanism acts. A predictor scores future experts, an eviction policy names a
-victim, a planner turns predictions into prioritised transfer requests. None of them moves bytes,
-keeps time or knows whether it runs in the engine or in the simulator; the same objects serve both.
+Policy decides, mechanism acts: a predictor scores future experts, an eviction policy names a victim,
+a planner turns predictions into prioritised transfer requests; none moves bytes or keeps time.
 
 Call order for every iteration (one token per sequence in decode, a whole prompt in prefill), as
 `moestream.policies.driver.PolicyDriver` makes it everywhere (simulator, evaluation, engine):
@@ -17,8 +16,8 @@ plan() is called only with a non-empty prediction list. fit() and prepare() run 
 never during one. Predictors must answer predict() without changing their state: the driver may
 ask more often than a consumer uses the answer.
 
-A top-level module, so the cache, traces, stores and simulator that speak these types import nothing of
-moestream.policies; the registries at the bottom are filled by importing moestream.policies.
+A top-level module, so that what speaks these types imports nothing of moestream.policies, whose import
+fills the registries at the bottom.
 """
 
 from __future__ import annotations
@@ -123,10 +122,7 @@ class TransferRequest(NamedTuple):
 
 @dataclass(frozen=True)
 class LinkState:
-    """The link that fills the tier, as a clock-free model sees it when a plan is made: its bandwidth and
-    one MoE layer's compute (both fixed for a run), and the modelled backlog ahead of this plan's reads
-    (bytes admitted and not yet moved: the routed layer's demand loads, transfers under way).
-    `moestream.link_model.ModelledLink` computes it from admissions alone, never from a clock."""
+    """The link that fills the tier, as `moestream.link_model.ModelledLink` models it (never from a clock)."""
 
     bytes_per_ms: float  # the link's bandwidth
     layer_ms: float  # one MoE layer's compute, its experts resident
@@ -162,14 +158,8 @@ class CacheView:
 
 
 class PrefetchPlanner(ABC):
-    """Turns predictions into prioritised transfer requests for one tier.
-
-    The mechanism keeps `moestream.transfer_core`'s rules, clock-free, in the engine and the simulator
-    alike: a plan's requests are admitted when it is made, best first, each taking a slot (never that of
-    an expert this plan asked for earlier, nor of one the previous plan brought that no lookup has used
-    yet) until no victim is allowed, and pinned until the next plan (even an empty one) releases them.
-    The view: `in_flight` holds the previous plan's admissions no lookup has used yet and the routed
-    layer's demand loads; `resident` the rest of the tier (both by events). After a layer with no
+    """Turns predictions into prioritised transfer requests for one tier, which the mechanism admits by
+    `moestream.transfer_core`'s rules (`admit_prefetches`; the view: `plan_view`). After a layer with no
     prediction the plan is empty (it still ends the last one); before an iteration's first layer, no
     prediction leaves the last plan standing. On-demand misses never go through a planner.
     """
@@ -180,11 +170,7 @@ class PrefetchPlanner(ABC):
 
 
 class Policy:
-    """A named design: one predictor, one planner, and an eviction policy per tier.
-
-    Subclasses override the make_* hooks. `offline` policies (Belady, the oracle) may only run in
-    the simulator, which hands them the replayed trace through prepare().
-    """
+    """A named design: a predictor, a planner and an eviction policy per tier; `offline` ones: simulator only."""
 
     offline: ClassVar[bool] = False
     registry_name: ClassVar[str] = ""

@@ -45,10 +45,8 @@ class ModelledLink:
         self.reads: list[_Read] = []  # in the link's order: under way, demand, then not started
         self.layer: int | None = None  # the last layer a lookup or a plan named
 
-    # -- admissions ------------------------------------------------------------------------------
     def need(self, key: ExpertKey) -> None:
-        """A layer looked key up and found it in the tier or on its way: a read of it not yet done becomes
-        demand (the layer waits for it); one not yet started also goes ahead of the reads not started."""
+        """A layer found key in the tier or on its way: its read becomes demand (ahead of those not started)."""
         self._at(key.layer)
         for read in self.reads:
             if read.key == key and not read.demand:
@@ -78,7 +76,6 @@ class ModelledLink:
         backlog = sum(read.left for read in self.reads)
         return LinkState(self.bytes_per_ms, self.layer_ms, self.expert_bytes, backlog, self._layer_end_ms())
 
-    # -- the virtual clock -----------------------------------------------------------------------
     def _at(self, layer: int) -> None:
         """A lookup or a plan names layer: the layers since the last one named have computed."""
         if self.layer is not None and layer != self.layer:

@@ -77,8 +77,7 @@ def _tier(label: str, num_bytes: int, sizes: ModelSizes) -> str:
 
 
 def margin(available_bytes: int, on_cuda: bool) -> int:
-    base = CUDA_MARGIN_BYTES if on_cuda else MIN_MARGIN_BYTES
-    return max(base, int(MARGIN_SHARE * available_bytes))
+    return max(CUDA_MARGIN_BYTES if on_cuda else MIN_MARGIN_BYTES, int(MARGIN_SHARE * available_bytes))
 
 
 def host_available() -> Available:
@@ -154,9 +153,8 @@ def host_bytes(text, expert_bytes: int, num_experts: int) -> int:
 
 
 def check_host_room(text, sizes: ModelSizes, device: str, device_bytes: int, available=None, pin=None) -> None:
-    """Refuses (one line naming --host-budget and the figures) a host budget more than the memory left, or whose
-    pinned allocation fails on CUDA. device_bytes: the largest device budget of the runs; available (the host's
-    memory, `host_available`) and pin(num_bytes) (allocate and free pinned memory): defaults for tests to replace."""
+    """Refuses a host budget above the memory left, or whose pinned allocation fails on CUDA (available, pin:
+    for tests to replace); device_bytes: the largest device budget of the runs."""
     wanted = host_bytes(text, sizes.expert_bytes, sizes.num_experts)
     if not wanted:
         return

@@ -1,10 +1,9 @@
-"""Settings declared once: a dataclass field carries its default, help text and bounds, and this
-module turns such a dataclass into argparse flags and the parsed flags back into the dataclass.
+"""Settings declared once: a dataclass field carries its default, help text and bounds; this module turns
+such a dataclass into argparse flags and the parsed flags back into the dataclass.
 
-A field declared with `setting(default, help)` becomes the flag --field-name (or `flag`); a bool is a
-switch that flips its default; `parse(text, flag)` reads a flag's text (else the default's type); a
-field whose default_factory is a dataclass nests. Errors name the flag when the values came from the
-command line. This module knows no particular setting; the dataclasses know no argparse.
+`setting(default, help)` becomes the flag --field-name (or `flag`); a bool is a switch that flips its
+default; `parse(text, flag)` reads a flag's text; a field whose default_factory is a dataclass nests.
+Errors name the flag. This module knows no particular setting; the dataclasses know no argparse.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ def setting(default, help: str, **meta) -> Field:
 
 
 def same_as(cls, name: str, **meta) -> Field:
-    """A field with the default and bounds of `cls`'s field `name` (a setting another config repeats),
-    `meta` (help, flag...) replacing its metadata; `same_as` records where it was declared."""
+    """A field repeating `cls`'s setting `name` (default, bounds; `meta` replacing them), noted as `same_as`."""
     declared = cls.__dataclass_fields__[name]
     return field(default=declared.default, metadata=dict(declared.metadata) | meta | {"same_as": (cls, name)})
 
@@ -50,8 +48,7 @@ def flag_of(f: Field) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
                   only: tuple[str, ...] | None = None) -> None:
-    """Adds a flag for each setting of `cls` (and of the settings dataclasses it nests), but those in
-    skip, or only those in `only`."""
+    """Adds a flag for each setting of `cls` (and those it nests), but those in skip, or only those in `only`."""
     for f in fields(cls):
         if _nested(f):
             add_arguments(parser, f.default_factory, skip, only)
@@ -60,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
 
 
 def read_flags(cls, args: argparse.Namespace) -> None:
-    """Reads, in place, the flags of `cls` whose text a `parse` reads (budgets, sizes): a refusal is
-    a MoestreamError naming the flag. Call it first, to refuse bad flags before any heavy import."""
+    """Reads, in place, the flags of `cls` that a `parse` reads, refusing (naming the flag) before heavy imports."""
     for f in fields(cls):
         if _nested(f):
             read_flags(f.default_factory, args)

@@ -49,9 +49,7 @@ class Topology:
         return f"{self.num_layers} MoE layers x {self.num_experts} experts, top-{self.top_k}"
 
     def keys(self) -> Iterator[ExpertKey]:
-        for layer in range(self.num_layers):
-            for expert in range(self.num_experts):
-                yield ExpertKey(layer, expert)
+        return (ExpertKey(layer, expert) for layer in range(self.num_layers) for expert in range(self.num_experts))
 
     def slots_for_ratio(self, ratio: float) -> int:
         if not 0.0 < ratio <= 1.0:

@@ -11,10 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-# experts: the compute thread's routed expert MLPs; layer: a layer's other expert work; policy: the
-# observers' calls and the policy's decisions; wait: waiting for expert bytes; dense: the model's dense
-# modules (attention, shared experts, dense MLPs, the output head; only `bench timeline` records them);
-# disk, h2d: a round of reads, of host -> device copies
+# experts: routed expert MLPs; layer: a layer's other expert work; policy: observers and decisions; wait: for
+# expert bytes; dense: dense modules (only `bench timeline` records them); disk, h2d: a round of reads, of copies
 LANES = ("experts", "layer", "policy", "wait", "dense", "disk", "h2d")
 
 Label = str | Callable[[], str]
@@ -51,13 +49,12 @@ class Tracer:
         return _Timed(self, lane, label)
 
     def call(self, lane: str, label: Label, function: Callable, argument):
-        """function(argument), timed as a span (also when it raises); cheaper than `span` (e.g. for a cache's hooks)."""
+        """function(argument), timed as a span; cheaper than `span` (e.g. for a cache's hooks)."""
         began = _clock()
         try:
             return function(argument)
         finally:
-            ended = _clock()
-            self.add(lane, label, began, ended)
+            self.add(lane, label, began, _clock())
 
     def add(self, lane: str, label: Label, begin_s: float, end_s: float) -> float:
         """Records a span that has ended; returns its seconds."""
@@ -111,8 +108,7 @@ class _Timed:
         self._began = _clock()
 
     def __exit__(self, kind, error, trace) -> None:
-        ended = _clock()
-        self._tracer.add(self._lane, self._label, self._began, ended)
+        self._tracer.add(self._lane, self._label, self._began, _clock())
 
 
 def since(now: dict[str, LaneTotal], before: dict[str, LaneTotal], lane: str) -> LaneTotal:

@@ -2,10 +2,9 @@
 that the engine's stores (`moestream.store`) and the simulator (`moestream.bench.sim.engine`) both drive.
 
 Residency changes only at a layer's lookups (`fetch_layer`) and at a plan (`plan_view`,
-`admit_prefetches`, `end_plan`), never when bytes land (the rules: docs/design.md, "The transfer
-core"); an expert evicted while it moves is handed to its driver (`displaced`). It builds the
-planner's view, keeps the driver's records of what moves and feeds a `ModelledLink`. It knows no
-time, no bytes, no thread (a caller holds its own lock), and no policy by name.
+`admit_prefetches`, `end_plan`), never when bytes land (docs/design.md, "The transfer core"); an
+expert evicted while it moves is handed to its driver (`displaced`). It also builds the planner's
+view and feeds a `ModelledLink`. It knows no time, no bytes, no thread and no policy by name.
 """
 
 from __future__ import annotations
@@ -37,11 +36,8 @@ class TransferCounts:
 class TransferCore(Generic[Record]):
     def __init__(self, device: ExpertCache, displaced: Callable[[Record], None] = lambda record: None,
                  link: ModelledLink | None = None):
-        """displaced: called with the record of a transfer whose expert left the tier while it moved;
-        link: the modelled link for the planner's view (None: the view has none)."""
-        self.device = device
-        self.displaced = displaced
-        self.link = link
+        """displaced: told of a transfer whose expert left the tier while it moved; link: for the view."""
+        self.device, self.displaced, self.link = device, displaced, link
         self.moving: dict[ExpertKey, Record] = {}  # the driver's transfers not yet landed
         self.plan: list[ExpertKey] = []  # the current plan's admissions, best first, pinned until the next
         self.last: set[ExpertKey] = set()  # the previous plan's admissions no lookup had used when it ended
@@ -49,8 +45,6 @@ class TransferCore(Generic[Record]):
         self.demanded: set[ExpertKey] = set()  # the looked-up layer's misses
         self.counts = TransferCounts()
         self._layer = -1  # the layer of the last lookup
-
-    # -- a layer's lookups ---------------------------------------------------------------------------
 
     def lookup(self, key: ExpertKey) -> str:
         """A layer needs key: HIT (in the tier and landed), LATE (in the tier, still moving: the
@@ -72,10 +66,8 @@ class TransferCore(Generic[Record]):
         return LATE if late else HIT
 
     def fetch_layer(self, keys: Sequence[ExpertKey]) -> tuple[list[ExpertKey], list[ExpertKey]]:
-        """A layer's lookups, in the given order: every key is pinned (the caller unpins them once the
-        layer has computed), each looked up, then each miss admitted. Returns (late, missed): the keys
-        still moving, whose transfers become demand, and those just admitted, to be loaded. On
-        CacheFullError the misses admitted leave the tier again and the pins are released."""
+        """A layer's lookups: every key pinned (until it has computed), looked up, each miss admitted; returns
+        (late, missed): the keys still moving, and those to load."""
         self.device.pin(keys)
         found = [self.lookup(key) for key in keys]
         missed = [key for key, f in zip(keys, found) if f == MISS]
@@ -83,8 +75,7 @@ class TransferCore(Generic[Record]):
         return [key for key, f in zip(keys, found) if f == LATE], missed
 
     def admit_demands(self, keys: list[ExpertKey], pinned: list[ExpertKey]) -> None:
-        """Admits each key as a demand load; on CacheFullError those admitted leave the tier again, the
-        pins of `pinned` are released, and the error goes on."""
+        """Admits each key as a demand load; on CacheFullError those admitted leave, `pinned` is unpinned."""
         admitted = []
         try:
             for key in keys:
@@ -97,9 +88,7 @@ class TransferCore(Generic[Record]):
             raise
 
     def admit_demand(self, key: ExpertKey) -> None:
-        """A missed expert's slot, evicting by policy any unpinned expert (releasing the plan's pins,
-        lowest priority first, while none is); the miss is a use: accessed. Raises CacheFullError
-        when the layer's own pins fill the tier."""
+        """A missed expert's slot (and a use), releasing the plan's pins (worst first) while none is evictable."""
         while len(self.device) >= self.device.capacity and not self.device.has_evictable() and self.plan:
             self.device.unpin((self.plan.pop(),))
         self.admit(key)
@@ -107,8 +96,6 @@ class TransferCore(Generic[Record]):
         self.demanded.add(key)
         if self.link is not None:
             self.link.demand(key)
-
-    # -- a plan ----------------------------------------------------------------------------------
 
     def plan_view(self, layer_now: int, num_layers: int) -> CacheView:
         """Ends the previous plan and returns the tier as the next planner sees it: in flight, the
@@ -124,12 +111,10 @@ class TransferCore(Generic[Record]):
         return None if self.link is None else self.link.state(layer_now)
 
     def end_plan(self) -> None:
-        """The previous plan's pins are released; its experts keep their slots until evicted (the next plan
-        evicts none that no lookup has used yet)."""
+        """The previous plan's pins are released; its experts keep their slots until evicted."""
         self.device.unpin(self.plan)
         self.last = self.unused.intersection(self.plan)
-        self.plan = []
-        self.demanded = set()
+        self.plan, self.demanded = [], set()
 
     def admit_prefetches(self, keys: Sequence[ExpertKey]) -> list[ExpertKey]:
         """The one prefetch admission rule, applied when a plan is made (after `plan_view` or `end_plan`):
@@ -159,12 +144,8 @@ class TransferCore(Generic[Record]):
         self.plan = list(brought)  # a copy: the caller may forget some of brought while it walks it
         return brought
 
-    # -- admission and eviction ------------------------------------------------------------------------
-
     def admit(self, key: ExpertKey, protect: Container[ExpertKey] = ()) -> None:
-        """A slot for key in the tier, evicting by policy (never a pinned or protected expert); raises
-        CacheFullError when no victim is allowed. A victim still moving is displaced (its driver's to
-        make safe)."""
+        """A slot for key, evicting by policy (never a pinned or protected expert; a moving one is displaced)."""
         _, evicted = self.device.admit(key, protect)
         if evicted is None:
             return
@@ -178,23 +159,16 @@ class TransferCore(Generic[Record]):
         if record is not None:
             self.displaced(record)
 
-    # -- the driver's transfers ------------------------------------------------------------------------
-
     def track(self, key: ExpertKey, record: Record) -> None:
         """key, in the tier, is on its way (queued or moving); record is the driver's transfer."""
         self.moving[key] = record
 
     def landed(self, key: ExpertKey, record: Record) -> bool:
-        """record's bytes are in place; False when it no longer stands for key (displaced or forgotten).
-        Residency does not change."""
+        """record's bytes are in place; False when it no longer stands for key (displaced or forgotten)."""
         if self.moving.get(key) is not record:
             return False
         del self.moving[key]
         return True
-
-    def untrack(self, key: ExpertKey) -> None:
-        """key's transfer is replaced by a load its driver does not track; key stays in the tier."""
-        self.moving.pop(key, None)
 
     def forget(self, key: ExpertKey) -> None:
         """key's bytes will not arrive (a failed transfer, a closed store): it leaves the tier."""

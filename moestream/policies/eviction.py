@@ -11,7 +11,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from moestream.contracts import EVICTIONS, EvictionPolicy
-from moestream.events import IterationContext, RoutingEvent
 from moestream.topology import ExpertKey
 
 
@@ -23,10 +22,10 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[ExpertKey, None] = OrderedDict()
 
     def on_insert(self, key: ExpertKey) -> None:
-        self._touch(key)
+        self._order[key] = None
+        self._order.move_to_end(key)
 
-    def on_access(self, key: ExpertKey) -> None:
-        self._touch(key)
+    on_access = on_insert
 
     def on_remove(self, key: ExpertKey) -> None:
         self._order.pop(key, None)
@@ -38,9 +37,16 @@ class LRUPolicy(EvictionPolicy):
                 return key
         return candidates[0]
 
-    def _touch(self, key: ExpertKey) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+
+def forwarded(hook: str, *policies: str):
+    """A hook that passes its one argument to the same hook of each named attribute's policy, in order."""
+
+    def forward(self, argument) -> None:
+        for name in policies:
+            getattr(getattr(self, name), hook)(argument)
+
+    forward.__name__ = forward.__qualname__ = hook
+    return forward
 
 
 class NarrowingEviction(EvictionPolicy):
@@ -49,23 +55,9 @@ class NarrowingEviction(EvictionPolicy):
     def __init__(self, inner: EvictionPolicy):
         self.inner = inner
 
-    def on_insert(self, key: ExpertKey) -> None:
-        self.inner.on_insert(key)
-
-    def on_access(self, key: ExpertKey) -> None:
-        self.inner.on_access(key)
-
-    def on_remove(self, key: ExpertKey) -> None:
-        self.inner.on_remove(key)
-
-    def begin_iteration(self, ctx: IterationContext) -> None:
-        self.inner.begin_iteration(ctx)
-
-    def observe(self, event: RoutingEvent) -> None:
-        self.inner.observe(event)
-
-    def end_sequence(self, seq_id: int) -> None:
-        self.inner.end_sequence(seq_id)
+    on_insert, on_access, on_remove = (forwarded(hook, "inner") for hook in ("on_insert", "on_access", "on_remove"))
+    begin_iteration, observe, end_sequence = (forwarded(hook, "inner")
+                                              for hook in ("begin_iteration", "observe", "end_sequence"))
 
 
 class PriorityIndex:
@@ -115,11 +107,12 @@ class LFUPolicy(EvictionPolicy):
         self._index = PriorityIndex()  # resident key -> (count, last insert or access)
 
     def on_insert(self, key: ExpertKey) -> None:
-        self._touch(key)
+        self._clock += 1
+        self._index.set(key, (self._counts[key], self._clock))
 
     def on_access(self, key: ExpertKey) -> None:
         self._counts[key] += 1
-        self._touch(key)
+        self.on_insert(key)
 
     def on_remove(self, key: ExpertKey) -> None:
         self._index.discard(key)
@@ -129,10 +122,6 @@ class LFUPolicy(EvictionPolicy):
         if victim is None:
             victim = min(candidates, key=lambda k: self._index.get(k, (self._counts[k], -1)))
         return victim
-
-    def _touch(self, key: ExpertKey) -> None:
-        self._clock += 1
-        self._index.set(key, (self._counts[key], self._clock))
 
 
 class ScoredEviction(EvictionPolicy):
@@ -157,12 +146,6 @@ class ScoredEviction(EvictionPolicy):
     @abstractmethod
     def score_inputs(self) -> tuple:
         """The objects score_matrix() reads, compared by identity: a subclass replaces them, never mutates."""
-
-    def on_insert(self, key: ExpertKey) -> None:
-        self._touch(key)
-
-    def on_access(self, key: ExpertKey) -> None:
-        self._touch(key)
 
     def on_remove(self, key: ExpertKey) -> None:
         row = self._index.pop(key, None)
@@ -198,7 +181,7 @@ class ScoredEviction(EvictionPolicy):
             heapq.heapify(self._heap)
         return self._heap
 
-    def _touch(self, key: ExpertKey) -> None:
+    def on_insert(self, key: ExpertKey) -> None:
         self._clock += 1
         row = self._index.get(key)
         if row is None:
@@ -211,6 +194,8 @@ class ScoredEviction(EvictionPolicy):
             self._heap = None  # mostly stale entries (a run of hits): rebuilt at the next victim
         elif self._heap is not None:
             heapq.heappush(self._heap, (float(self._scores[key]), self._clock, row))
+
+    on_access = on_insert
 
     def _new_row(self) -> int:
         if self._free:

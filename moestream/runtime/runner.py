@@ -91,13 +91,10 @@ def _rows_and_ctx(step: int, seqs: list[Sequence], input_ids: np.ndarray, positi
     return rows, ctx
 
 
-def _last_tokens(seqs: list[Sequence]) -> np.ndarray:
-    """[B, 1] each sequence's newest token (a finished sequence's row runs no experts)."""
-    return np.array([[s.output_ids[-1]] for s in seqs], dtype=np.int64)
-
-
-def _active(seqs: list[Sequence]) -> np.ndarray:
-    return np.array([[not s.finished] for s in seqs])  # [B, 1]
+def _decode_rows(step: int, seqs: list[Sequence], positions: np.ndarray) -> tuple:
+    """(ids [B, 1], rows, ctx): each sequence's newest token at its host position [B, 1] (a finished one runs none)."""
+    ids = np.array([[s.output_ids[-1]] for s in seqs], dtype=np.int64)
+    return ids, *_rows_and_ctx(step, seqs, ids, positions, np.array([[not s.finished] for s in seqs]), False)
 
 
 class ModelRunner:
@@ -170,11 +167,11 @@ class CausalRunner(ModelRunner):
     def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
         """One token per sequence after its cached positions [B, W], each row at its own position, as
         `generate` extends a left-padded batch; the host's positions are the sequences' cached tokens."""
-        ids, past_mask = _last_tokens(seqs), cache.mask
+        past_mask = cache.mask
         cached = np.array([[len(s.prompt_ids) + len(s.output_ids) - 1] for s in seqs], dtype=np.int64)  # [B, 1]
         positions = past_mask.sum(-1, keepdim=True)  # [B, 1] on the device: what the model sees
         mask = torch.cat([past_mask, past_mask.new_ones((len(seqs), 1))], dim=-1)  # [B, W + 1]
-        rows, ctx = _rows_and_ctx(step, seqs, ids, cached, _active(seqs), False)
+        ids, rows, ctx = _decode_rows(step, seqs, cached)
         return StepPlan(step, False, upload(ids, past_mask.device), mask, positions, rows, ctx)
 
     def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:
@@ -209,9 +206,8 @@ class Seq2SeqRunner(ModelRunner):
 
     def decode(self, step: int, seqs: list[Sequence], cache: BatchCache) -> StepPlan:
         """cache.mask is the encoder's mask [B, S]; decoder positions count the tokens generated."""
-        ids = _last_tokens(seqs)
         positions = np.array([[len(s.output_ids)] for s in seqs], dtype=np.int64)  # [B, 1]
-        rows, ctx = _rows_and_ctx(step, seqs, ids, positions, _active(seqs), False)
+        ids, rows, ctx = _decode_rows(step, seqs, positions)
         return StepPlan(step, False, upload(ids, self.device), cache.mask, upload(positions, self.device), rows, ctx)
 
     def run(self, plan: StepPlan, cache: BatchCache) -> torch.Tensor:

@@ -1,31 +1,24 @@
 """The chain of links that follows the store's tiers, and the one place a transfer is queued, lands,
 fails or is displaced: the mechanism the engine's store and the simulator both run.
 
-Links follow the tiers (`moestream.store.transfer`): disk -> device for one tier; disk -> host ->
-device where a host tier is kept apart (CUDA: pinned host slots below GPU memory). There a host hit
-goes straight to the copy queue; a miss takes a host slot, is read into it, then re-queued on the copy
-link with its demand and priority, so that one expert's read overlaps another's copy up. Every read is
-checked (integrity) where it lands in host memory, by the disk link's round, so a device slot is never
-read back. The host tier keeps the copy and evicts by its own policy; a host slot stays pinned while
-the disk writes it and until its copy up is issued; a read that reuses it waits for that copy (the
-slot's last reader), as a copy into a device slot waits on its stream for the compute that last read
-the slot (`read_by`). A landed expert's slot carries the event its readers wait for (`arrival`). A
-demand miss that finds every host slot pinned waits for a copy; a speculative one is refused unless
-the wait can move the copy itself (the inline executor): the one residency rule that may depend on
-the clock.
+Links: disk -> device for one tier; disk -> host -> device where a host tier is kept apart (CUDA:
+pinned host slots below GPU memory). There a host hit goes straight to the copy queue; a miss takes a
+host slot, is read into it, then re-queued on the copy link with its demand and priority, so that one
+expert's read overlaps another's copy up. Every read is checked (integrity) where it lands in host
+memory, so a device slot is never read back. A host slot stays pinned while the disk writes it and
+until its copy up is issued; a read that reuses it waits for that copy, as a copy into a device slot
+waits for the compute that last read the slot (`read_by`). A landed expert's slot carries the event
+its readers wait for (`arrival`). A demand miss that finds every host slot pinned waits for a copy; a
+speculative one is refused unless the wait can move the copy itself (the inline executor): the one
+residency rule that may depend on the clock.
 
-Calls: `fetch` (a layer's lookups: the queued speculation of its layer that the gate did not choose
-goes to the back (`defer`), its in-flight experts become demand where they are (`promote`)), `bring`
-(its misses queued as demand) and `prefetch` (a plan's admissions queued by priority). Residency is
-the transfer core's (`moestream.transfer_core`), which the chain drives: an expert is in the device
-tier from its admission, whether its bytes have landed or not. Life of a transfer: queued (in flight,
-until its bytes are in the device slot or their last copy there is issued), then landed, or failed
-(the expert leaves the tier, the error kept in `errors` for the thread that waits on it). A transfer
-whose expert the core evicts (`_displaced`) is cancelled if queued (a cancelled read frees its host
-slot, a cancelled copy keeps the host copy), else moved no further once its round ends. Slots and
-events are handles of the tiers' pools (`Tier`): the engine's are tensors and stream events, the
-simulator's move nothing. Everything here runs under the caller's lock; it knows no clock, no torch,
-no thread, no policy and no device type.
+Residency is the transfer core's (`moestream.transfer_core`): an expert is in the device tier from its
+admission. A transfer is queued until its bytes are in the device slot (or their last copy there is
+issued), then landed, or failed (the expert leaves the tier, the error kept in `errors` for the thread
+that waits on it). One whose expert the core evicts is cancelled if queued, else moved no further once
+its round ends. Slots and events are handles of the tiers' pools (`Tier`): tensors and stream events in
+the engine, nothing in the simulator. Runs under the caller's lock; knows no clock, no torch, no thread,
+no policy and no device type.
 """
 
 from __future__ import annotations
@@ -61,23 +54,20 @@ Move = Callable[[Held], Errors]  # a link's copy function
 
 @dataclass
 class Tier:
-    """A tier: which experts it holds (its cache, by its eviction policy) and the slots their bytes are in (the
-    engine's `SlotPool`, the simulator's handles: slot, last_read, written, mark_read, mark_written)."""
+    """Which experts a tier holds (its cache) and the slots of their bytes (`SlotPool`, or the simulator's)."""
 
     cache: ExpertCache
     pool: Any
 
     def slot(self, key: ExpertKey, residue: int) -> Any:
-        """The resident key's slot, starting residue bytes into its row (disk reads land in place)."""
+        """The resident key's slot, starting residue bytes into its row."""
         return self.pool.slot(self.cache.slot(key), residue)
 
 
 class LinkChain:
     def __init__(self, parts: Parts, residues: Mapping[ExpertKey, int], tiers: tuple[Tier, Tier | None],
                  integrity: Integrity | None, cond: threading.Condition, wait: Wait, expert_bytes: int):
-        """parts: each expert's chunks; residues: where each expert's bytes start in its slot; tiers: the
-        device tier and the host tier (None: none); cond: the caller's; wait: how the caller waits (for a
-        host slot)."""
+        """residues: where each expert's bytes start in its slot; tiers: device, host (None: none)."""
         self._parts, self._residues, self.integrity, self.expert_bytes = parts, residues, integrity, expert_bytes
         self.device, self.host = tiers
         self.core: TransferCore[Transfer] = TransferCore(self.device.cache, self._displaced)
@@ -88,23 +78,18 @@ class LinkChain:
         self._cond, self._wait = cond, wait
 
     def make_links(self, read: Move, copy: Move) -> list[TransferLink]:
-        """The chain of links that follows the tiers: disk -> device, or disk -> host -> device (the copy
-        link only with a host tier); read and copy: their copy functions."""
-        reads = LinkReports(self._landed, self._read_failed, self._read_released,
+        """The links, disk first (the copy link only with a host tier); read, copy: their copy functions."""
+        reads = LinkReports(self._landed, self._failed, self._read_released,
                             lambda experts, seconds: self.stats.read_fit.add(experts, seconds))
         chain = [TransferLink(DISK, TransferQueue(self.device.cache.capacity), read, reads)]
         if self.host is not None:
-            copies = LinkReports(self._copied, self._copy_failed, self._copy_released)
+            copies = LinkReports(self._copied, self._failed, self._copy_released)
             chain.append(TransferLink(H2D, TransferQueue(self.device.cache.capacity), copy, copies))
         self.links = {link.lane: link for link in chain}
         return chain
 
-    # -- the calls -------------------------------------------------------------------------------
-
     def fetch(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> tuple[list[ExpertKey], list[ExpertKey]]:
-        """A layer's lookups (the core's `fetch_layer`: wanted pinned, the misses admitted): first the
-        speculation of its layers that the gate did not choose is deferred, then the experts still on their
-        way are promoted to demand. Returns (late, missed): the misses are for `bring`."""
+        """A layer's lookups (`fetch_layer`) after `defer`; the late become demand; the misses are for `bring`."""
         self.defer(wanted, chosen | set(wanted))
         late, missed = self.core.fetch_layer(wanted)
         self.promote(late)
@@ -116,8 +101,7 @@ class LinkChain:
             self.reprioritise(key, demand=True)
 
     def bring(self, wanted: list[ExpertKey], missed: list[ExpertKey]) -> None:
-        """Queues the misses as demand transfers; on failure the misses not queued leave the tier and the
-        layer's pins (wanted) go."""
+        """Queues the misses as demand; on failure those not queued leave the tier and wanted's pins go."""
         queued = 0
         try:
             for key in missed:
@@ -130,9 +114,8 @@ class LinkChain:
             raise
 
     def prefetch(self, priorities: dict[ExpertKey, float]) -> list[ExpertKey]:
-        """A plan's requests (priority by expert): admitted by the core best first, those admitted queued,
-        those under way already re-ranked. Returns those queued (one the chain refuses has left the tier);
-        on failure (e.g. Ctrl-C in an inline round) those not yet queued leave the tier."""
+        """A plan's requests admitted best first and queued (returned), those under way re-ranked; on failure
+        (e.g. Ctrl-C) those not yet queued leave the tier."""
         admitted = self.core.admit_prefetches(sorted(priorities, key=lambda key: -priorities[key]))
         for key in priorities.keys() - set(admitted):  # under way already: its rank follows the new plan
             self.reprioritise(key, priority=priorities[key])
@@ -172,8 +155,7 @@ class LinkChain:
         return transfer is not None and not (transfer.staged or transfer.held or transfer.next_chunk)
 
     def enqueue(self, key: ExpertKey, priority: float, demand: bool) -> bool:
-        """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier).
-        With a host tier, a host hit goes to the copy queue; a miss takes a host slot and goes to the disk queue."""
+        """Queues the transfer of an expert just admitted (and pinned); False: refused (it left the tier)."""
         self.errors.pop(key, None)
         if self.host is None:
             self._queue(key, DISK, self.device, priority, demand)
@@ -183,7 +165,8 @@ class LinkChain:
             self.host.cache.pin([key])  # the copy's pin
             self._queue_copy(key, priority, demand)
             return True
-        if not self._host_room(demand):
+        full = lambda: len(self.host.cache) >= self.host.cache.capacity and not self.host.cache.has_evictable()
+        if not self._wait(lambda: not full(), "a free host slot", demand):  # a demand waits for a copy to free one
             self.core.forget(key)
             return False
         slot, victim = self.host.cache.admit(key)
@@ -197,8 +180,7 @@ class LinkChain:
 
     def _queue(self, key: ExpertKey, lane: str, tier: Tier, priority: float, demand: bool, src: Any = None,
                staged: bool = False) -> None:
-        """Queues key's bytes on the lane's link into its slot in tier, from src or the checkpoint (checked
-        as they are read), after the slot's last reader."""
+        """Queues key's bytes on the lane's link into its slot in tier, after the slot's last reader."""
         check = self.integrity.begin(key) if lane == DISK and self.integrity is not None else None
         transfer = Transfer(key, self.slot(tier, key), self._parts(key), src, priority=priority, demand=demand,
                             link=lane, after=tier.pool.last_read(tier.cache.slot(key)), check=check, staged=staged)
@@ -206,14 +188,8 @@ class LinkChain:
         self.core.track(key, transfer)
         self._cond.notify_all()
 
-    def _host_room(self, demand: bool) -> bool:
-        """Whether the host tier can take one more expert: a demand waits for a copy to free one."""
-        full = lambda: len(self.host.cache) >= self.host.cache.capacity and not self.host.cache.has_evictable()
-        return self._wait(lambda: not full(), "a free host slot", demand)
-
     def defer(self, wanted: list[ExpertKey], chosen: set[ExpertKey]) -> None:
-        """Queued speculative transfers of the wanted experts' layers that the gate did not choose go
-        to the back of their queue (their experts keep their slots)."""
+        """Queued speculation of wanted's layers that the gate did not choose goes to the back (keeping slots)."""
         layers = {k.layer for k in wanted}
         for link in self.links.values():
             for transfer in link.queue.speculative():
@@ -225,15 +201,12 @@ class LinkChain:
         if transfer is not None:
             self.links[transfer.link].queue.reprioritise(transfer, priority, demand)
 
-    # -- the links' reports: landing, failing, displacing --------------------------------------------
-
     def _landed(self, transfer: Transfer) -> None:
-        """A read's bytes are in its slot (or on their way up from staging), every chunk checked: on to the
-        copy link, or in place."""
+        """A read's bytes are in its slot, every chunk checked: on to the copy link, or in place."""
         if not self._verified(transfer):
             return
         self.stats.host_misses += 1
-        if self.host is not None:  # on to the host -> device link, with its demand and priority
+        if self.host is not None:
             self._queue_copy(transfer.key, transfer.priority, transfer.demand, staged=True)
             return
         self.core.landed(transfer.key, transfer)
@@ -252,24 +225,19 @@ class LinkChain:
         self._cond.notify_all()
 
     def _verified(self, transfer: Transfer) -> bool:
-        """Whether a landed read is still wanted and its integrity check saw every byte (the round checked
-        each chunk in host memory; a damaged expert failed there, before any slot holding it was used)."""
+        """Whether a landed read is still wanted and its integrity check saw every byte."""
         if self.core.moving.get(transfer.key) is not transfer:
             return False  # displaced, or forgotten by close()
         self.stats.bytes_read["disk"] += self.expert_bytes
         if transfer.check is not None and not transfer.check.done:
-            self._read_failed(transfer, TransferError("its integrity check did not see every byte"))
+            self._failed(transfer, TransferError("its integrity check did not see every byte"))
             return False
         return True
 
-    def _read_failed(self, transfer: Transfer, error: BaseException) -> None:
-        self._fail(transfer, error, f"reading expert {tuple(transfer.key)} from disk failed")
-
-    def _copy_failed(self, copy: Transfer, error: BaseException) -> None:
-        self._fail(copy, error, f"copying expert {tuple(copy.key)} from host to device failed")
-
-    def _fail(self, transfer: Transfer, error: BaseException, what: str) -> None:
+    def _failed(self, transfer: Transfer, error: BaseException) -> None:
         """The error kept for the thread that waits on the transfer's expert, which leaves the tier."""
+        how = "reading expert {} from disk" if transfer.link == DISK else "copying expert {} from host to device"
+        what = how.format(tuple(transfer.key)) + " failed"
         if self.core.moving.get(transfer.key) is transfer:
             failure = error if isinstance(error, CheckpointError) else TransferError(f"{what}: {error}")
             failure.__cause__ = None if failure is error else error
@@ -278,9 +246,7 @@ class LinkChain:
         self._cond.notify_all()
 
     def _displaced(self, transfer: Transfer) -> None:
-        """The core evicted the transfer's expert: cancelled if queued, else moved no further once its
-        round ends. Its slot is safe to reuse at once: whatever is queued into it next goes on the same
-        link, after that round."""
+        """The core evicted the expert; its slot is reusable at once (what goes in next takes this link, later)."""
         if transfer.link == DISK and transfer.held and self.host is not None:
             self._stale.add(transfer.key)  # not a host hit until the read lets go of its slot
         transfer.dropped = True
@@ -291,19 +257,16 @@ class LinkChain:
             self._given_back(transfer)
 
     def _given_back(self, transfer: Transfer) -> None:
-        """What a transfer held besides its device slot, given back (its link's own release)."""
         self.links[transfer.link].reports.released(transfer)
 
     def _copy_released(self, copy: Transfer) -> None:
-        """A copy's host pin given back (its host copy stays); whatever overwrites the host slot waits for
-        the copy."""
+        """A copy's host pin given back (the host copy stays; whatever overwrites it waits for the copy)."""
         if copy.event is not None:
             self.host.pool.mark_read(self.host.cache.slot(copy.key), copy.event)
         self.host.cache.unpin([copy.key])
 
     def _read_released(self, transfer: Transfer) -> None:
-        """A dropped read's expert leaves the host tier (its bytes may not be whole) unless a new read
-        fills it again."""
+        """A dropped read's expert leaves the host tier (bytes maybe not whole) unless a new read refills it."""
         key = transfer.key
         if self.host is None:
             return
@@ -318,8 +281,6 @@ class LinkChain:
         self.core.forget(transfer.key)
         self._given_back(transfer)
 
-    # -- under the lock: helpers ------------------------------------------------------------------
-
     def arrival(self, key: ExpertKey) -> Any:
         """The event a reader of the landed key's device slot waits for (None: its bytes are there)."""
         return self.device.pool.written(self.device.cache.slot(key))
@@ -332,6 +293,5 @@ class LinkChain:
                 self.device.pool.mark_read(slot, event)
 
     def slot(self, tier: Tier, key: ExpertKey) -> Any:
-        """key's slot in tier, placed so that its disk reads land in place."""
         return tier.slot(key, self._residues[key])
 

@@ -1,8 +1,5 @@
-"""Memory budgets of the two expert tiers and how many expert slots they buy.
-
-A budget is either a byte count or a ratio of the model's total routed-expert bytes. The store
-turns budgets into slot counts (budget bytes // expert bytes) and refuses budgets that cannot serve
-one token of one layer. This module knows nothing of policies, files or tensors.
+"""Memory budgets of the two expert tiers and how many expert slots they buy (budget bytes // expert
+bytes); budgets that cannot serve one token of one layer are refused. Knows no policy, file or tensor.
 """
 
 from __future__ import annotations
@@ -21,12 +18,8 @@ from moestream.topology import Topology
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Budgets of the device tier (compute memory) and host tier (RAM), and how to move experts: the
-    settings of EngineConfig (moestream.config) that the store reads, with their defaults and bounds.
-
-    direct_io=False forces buffered reads (then drops the page cache for the range read);
-    asynchronous: transfers run on an I/O worker beside the caller (where the tiers allow it);
-    chunks_in_flight: the speculative chunks a round moves together on each link.
+    """The settings of EngineConfig (moestream.config) that the store reads: the budgets of the device tier
+    (compute memory) and host tier (RAM), and how to move experts (asynchronous: on workers beside the caller).
     """
 
     device_budget: Budget
@@ -66,7 +59,12 @@ class StoreConfig:
         budget_bytes = self.device_budget.resolve(topology.total_expert_bytes)
         slots = min(budget_bytes // expert_bytes, topology.total_experts)
         if slots < topology.top_k:
-            raise BudgetError(_too_small(budget_bytes, slots, topology))
+            minimum, ratio = topology.top_k * expert_bytes, _round_up(topology.top_k / topology.total_experts)
+            raise BudgetError(
+                f"device budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}) holds {slots} experts of "
+                f"{expert_bytes} bytes, but one layer routes top_k={topology.top_k} experts per token: "
+                f"the minimum is {minimum}B ({format_bytes(minimum)}), a ratio of {ratio:g} of the "
+                f"{topology.total_expert_bytes} routed-expert bytes")
         return slots
 
     def host_slots(self, topology: Topology) -> int:
@@ -79,17 +77,6 @@ def _expert_bytes(topology: Topology) -> int:
     if topology.expert_bytes <= 0:
         raise BudgetError("the model's routed experts have 0 bytes; nothing to store")
     return topology.expert_bytes
-
-
-def _too_small(budget_bytes: int, slots: int, topology: Topology) -> str:
-    minimum = topology.top_k * topology.expert_bytes
-    ratio = _round_up(topology.top_k / topology.total_experts)
-    return (
-        f"device budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}) holds {slots} experts of "
-        f"{topology.expert_bytes} bytes, but one layer routes top_k={topology.top_k} experts per token: "
-        f"the minimum is {minimum}B ({format_bytes(minimum)}), a ratio of {ratio:g} of the "
-        f"{topology.total_expert_bytes} routed-expert bytes"
-    )
 
 
 def _round_up(ratio: float, digits: int = 4) -> float:

@@ -1,9 +1,6 @@
 """The engine's copy functions for the links of `moestream.store.transfer`: how a round's bytes move.
 
-`read_round` (the disk link): disk reads, all in flight together, through pinned staging slots and up a
-`Link` where there are any; each chunk checked (`Transfer.check`) where the read put it in host memory,
-on the thread that moves the round, before it goes further. `copy_round` (host -> device): copies issued
-on a `Link`. Stream order: a copy waits on its link's stream for the last reader of its destination
+Stream order: a copy waits on its link's stream for the last reader of its destination
 (`Transfer.after`), and its event (`Transfer.event`) is what a reader of the slot waits for; the host
 waits for a copy only before it overwrites the copy's source (a staging slot, or a host slot whose
 transfer waits for `after` before its read). Knows no queue, no tier and no policy.
@@ -27,10 +24,8 @@ Read = Callable[[Sequence[tuple[Sequence[Segment], torch.Tensor]]], int]  # a di
 
 
 def read_round(read: Read, staging: SlotPool, link: Link, held: Held) -> Errors:
-    """The disk link's copy function: the round's chunks read together, one request per transfer,
-    straight into their slots (host memory: each read first waits for its slot's last reader), or, with
-    staging slots (pinned; CUDA without a host tier), as many at a time into them and copied up the link
-    (the host waits only before it reuses a staging slot). Each chunk is checked where it landed in host
+    """The disk link's copy function: the round's chunks read together straight into their host slots, or
+    through staging slots (CUDA without a host tier) and copied up the link. Each chunk is checked in host
     memory before it goes further; a failed check fails its transfer, a failed read every one."""
     chunks = [(transfer, *transfer.piece(count)) for transfer, count in held]
     errors: Errors = {}
@@ -78,9 +73,7 @@ def _checked(transfer: Transfer, host: torch.Tensor, errors: Errors) -> bool:
 
 
 def copy_round(link: Link, held: Held) -> Errors:
-    """The host -> device link's copy function: issues the round's copies on the link, each after its
-    destination's last reader, and does not wait for them (a reader of the slot waits for the transfer's
-    event); a copy that fails to issue fails its expert."""
+    """The host -> device link's copy function: issues the round's copies, not waiting for them."""
     errors = {}
     for copy, count in held:
         _, part = copy.piece(count)

@@ -1,23 +1,16 @@
 """Reads expert bytes from the checkpoint's files into slots, so that the page cache does not hide disk cost.
 
-On Linux each file is opened with O_DIRECT: reads are rounded out to the logical block size
-(4096 bytes). A piece's whole blocks land straight in its destination where the two are congruent
-modulo the block (stores place slots so that they are); partial blocks, gaps and the rest land in
-a block-aligned staging buffer and are copied out (`moestream.store.scatter`). Fallback: where O_DIRECT is unavailable (non-Linux systems) or the
-filesystem refuses it (EINVAL at open or at the first read), that file is read with buffered
-`preadv` and the range just read is dropped from the page cache with
-`posix_fadvise(POSIX_FADV_DONTNEED)` where the system has it. The choice is made per file and
-logged once per reader; `direct_io=False` forces the fallback everywhere.
+On Linux each file is opened with O_DIRECT: reads are rounded out to the logical block size (4096
+bytes); a piece's whole blocks land straight in its destination where the two are congruent modulo
+the block, the rest in a staging buffer and copied out (`moestream.store.scatter`). Where O_DIRECT
+is unavailable or refused (EINVAL at open or first read), that file is read with buffered `preadv`
+and the range read is dropped from the page cache (`POSIX_FADV_DONTNEED`); logged once per reader.
 
-A read takes a batch of destinations (e.g. every expert a layer misses). Their segments are
-sorted by file and offset and coalesced into runs (segments at most `max_gap_bytes` apart, of the
-same or of different destinations, are read together), and runs are cut into requests of at most
-`staging_bytes`. The requests are kept in flight together by `num_workers` I/O threads (`preadv`
-releases the GIL), each with its own staging buffer: one request at a time leaves a fast disk
-idle between requests. Staged bytes are copied out with numpy, not torch: a torch copy may split
-over intra-op threads, and on a busy machine one expert's copy then waits milliseconds for a
-descheduled thread. File descriptors stay open until close(). The reader knows segments and
-bytes, not experts, tiers or policies.
+A batch's segments are sorted by file and offset, coalesced into runs (at most `max_gap_bytes`
+apart) and cut into requests of at most `staging_bytes`, kept in flight by `num_workers` I/O
+threads (`preadv` releases the GIL): one request at a time leaves a fast disk idle. Staged bytes
+are copied out with numpy, not torch: a torch copy may split over intra-op threads and wait on a
+descheduled one. The reader knows segments and bytes, not experts, tiers or policies.
 """
 
 from __future__ import annotations
@@ -63,13 +56,8 @@ class _Handle:
     direct: bool
 
 
-def coalesce(segments: Sequence[Segment], max_gap_bytes: int = 0) -> list[Run]:
-    """Group segments (in slot order) into file runs; segments <= max_gap_bytes apart share a run."""
-    return coalesce_batch([segments], max_gap_bytes)
-
-
 def coalesce_batch(batch: Sequence[Sequence[Segment]], max_gap_bytes: int = 0) -> list[Run]:
-    """Runs of the segments of several destinations (batch[i] fills destination i, in slot order)."""
+    """File runs of batch[i]'s segments (in slot order) for each destination i; <= max_gap_bytes apart share one."""
     pieces = []
     for index, segments in enumerate(batch):
         dst = 0
@@ -95,12 +83,6 @@ def split(run: Run, align: int, max_bytes: int) -> list[Request]:
     return [Request(run, pos, min(max_bytes, end - pos)) for pos in range(start, end, max_bytes)]
 
 
-def _aligned_buffer(nbytes: int, align: int) -> np.ndarray:
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + nbytes]
-
-
 def _skip(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
     """buffers without their first nbytes."""
     for i, buffer in enumerate(buffers):
@@ -108,11 +90,6 @@ def _skip(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
             return [buffer[nbytes:], *buffers[i + 1 :]]
         nbytes -= buffer.nbytes
     return []
-
-
-def _check_destination(dst: torch.Tensor, nbytes: int) -> None:
-    if dst.device.type != "cpu" or dst.dtype != torch.uint8 or dst.dim() != 1 or dst.numel() < nbytes:
-        raise ValueError(f"need a 1-D uint8 CPU destination of >= {nbytes} bytes, got {tuple(dst.shape)}")
 
 
 class DiskReader:
@@ -123,20 +100,15 @@ class DiskReader:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
-        self.block_bytes = block_bytes
-        self.staging_bytes = staging_bytes
+        self.block_bytes, self.staging_bytes, self.num_workers = block_bytes, staging_bytes, num_workers
         self.max_gap_bytes = block_bytes if max_gap_bytes is None else max_gap_bytes
-        self.num_workers = num_workers
         self._staging: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
         self._pool: ThreadPoolExecutor | None = None
         self._handles: dict[Path, _Handle] = {}
         self._retired: list[int] = []  # descriptors replaced by a fallback, closed by close()
-        self._lock = threading.Lock()
-        self._warned = False
-        self.stats = ReadStats()
+        self._lock, self._warned, self.stats = threading.Lock(), False, ReadStats()
 
-    def read(self, segments: Sequence[Segment], dst: torch.Tensor) -> int:
-        """Fill dst (1-D uint8 on the CPU) with the concatenated segments; returns the bytes read."""
+    def read(self, segments: Sequence[Segment], dst: torch.Tensor) -> int:  # dst: 1-D uint8 on the CPU
         return self.read_batch([(segments, dst)])
 
     def read_batch(self, batch: Sequence[tuple[Sequence[Segment], torch.Tensor]]) -> int:
@@ -144,7 +116,8 @@ class DiskReader:
         total = 0
         for segments, dst in batch:
             nbytes = sum(s.nbytes for s in segments)
-            _check_destination(dst, nbytes)
+            if dst.device.type != "cpu" or dst.dtype != torch.uint8 or dst.dim() != 1 or dst.numel() < nbytes:
+                raise ValueError(f"need a 1-D uint8 CPU destination of >= {nbytes} bytes, got {tuple(dst.shape)}")
             total += nbytes
         began = time.perf_counter()
         runs = coalesce_batch([segments for segments, _ in batch], self.max_gap_bytes)
@@ -186,15 +159,12 @@ class DiskReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- requests --------------------------------------------------------------------------------
-
     def _align(self, file: Path) -> int:
         with self._lock:
             return self.block_bytes if self._handle(file).direct else 1
 
     def _perform(self, requests: list[Request], dsts: list[np.ndarray]) -> None:
-        """Runs every request, up to num_workers in flight (the calling thread runs one of them).
-        Raises only once all are done, so that no worker writes into a destination after an error."""
+        """Runs the requests, num_workers in flight; raises once all are done (no write lands after an error)."""
         if len(requests) == 1 or self.num_workers == 1:
             for request in requests:
                 self._request(request, dsts)
@@ -226,7 +196,9 @@ class DiskReader:
         try:
             return self._staging.get_nowait()
         except queue.Empty:
-            return _aligned_buffer(self.staging_bytes, self.block_bytes)  # [staging_bytes]
+            raw = np.empty(self.staging_bytes + self.block_bytes, dtype=np.uint8)
+            start = (-raw.ctypes.data) % self.block_bytes
+            return raw[start : start + self.staging_bytes]  # [staging_bytes], block-aligned
 
     def _read_request(self, request: Request, buffers: list[memoryview]) -> int:
         file = request.run.file
@@ -259,13 +231,10 @@ class DiskReader:
             self.stats.bytes_fetched += got
         return got
 
-    # -- files -----------------------------------------------------------------------------------
-
     def _handle(self, file: Path) -> _Handle:
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._open(file, self.direct_io)
-            self._handles[file] = handle
+            handle = self._handles[file] = self._open(file, self.direct_io)
         return handle
 
     def _fall_back(self, file: Path, refused: _Handle) -> _Handle:

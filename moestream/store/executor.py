@@ -1,15 +1,12 @@
 """Where a store's link rounds run: on the caller's thread (`InlineExecutor`, `--sync`) or on one worker
-thread per link beside compute (`ThreadedExecutor`).
+thread per link beside compute (`ThreadedExecutor`); the simulator's: `moestream.bench.sim.clock`.
 
-The store queues transfers and waits through its executor; the executor only runs the links' rounds
-(`TransferLink.take`, `move`, `finish`), times each on its link's lane of the tracer and says how long
-the caller stalled (the simulator's executor, in virtual time: `moestream.bench.sim.clock`). Inline, every call
-returns with its transfers done: `queued` runs rounds until no link has work, and a wait ("a free
-host slot", an expert's bytes) runs the next round instead of blocking, last link first (its rounds
-free the host slots the first one fills); nothing is in flight between calls, and the caller's stall
-is the time of the rounds it ran. Threaded, `queued` wakes the workers and a wait blocks on the
-store's condition until it holds or `transfer_timeout_s` has passed (an impatient one gives up at
-once); the caller's stall is its waits. Knows no tier, no expert and no policy.
+The executor runs the links' rounds (`TransferLink.take`, `move`, `finish`), times each on its link's
+lane and says how long the caller stalled. Inline, every call returns with its transfers done: a wait
+runs the next round instead of blocking, last link first (its rounds free the host slots the first one
+fills), and the stall is the time of the rounds. Threaded, a wait blocks on the store's condition until
+it holds or `transfer_timeout_s` has passed (an impatient one gives up at once); the stall is the waits.
+Knows no tier, no expert and no policy.
 """
 
 from __future__ import annotations
@@ -52,13 +49,11 @@ class Executor(ABC):
     def stop(self) -> None:
         """Stops whatever runs rounds beside the caller (outside the lock)."""
 
-    def _traced(self, link: TransferLink, held: Held, began: float) -> float:
-        """The round's span on its link's lane, from began (time.perf_counter) to now; its seconds."""
+    def _traced(self, link: TransferLink, held: Held, began: float) -> float:  # the round's span; its seconds
         return self.tracer.add(link.lane, lambda: label(held), began, time.perf_counter())
 
     @property
-    def num_threads(self) -> int:
-        """The threads it runs beside the caller (which compute leaves a core each)."""
+    def num_threads(self) -> int:  # the threads it runs beside the caller (compute leaves a core each)
         return 0
 
 
@@ -66,7 +61,7 @@ class InlineExecutor(Executor):
     """Every round on the caller's thread, before the call returns (see the module doc)."""
 
     def queued(self, label: Label) -> None:
-        self._run_until(self._idle, "the links to empty", label)
+        self._run_until(lambda: not any(len(link.queue) for link in self.links), "the links to empty", label)
 
     def wait(self, ready: Callable[[], bool], what: str, patient: bool = True) -> bool:
         return self._run_until(ready, what, what)
@@ -83,9 +78,6 @@ class InlineExecutor(Executor):
 
     def stall_s(self, window: Window) -> float:
         return window(DISK).seconds + window(H2D).seconds  # the caller moved the bytes itself
-
-    def _idle(self) -> bool:
-        return not any(len(link.queue) for link in self.links)
 
     def _round(self) -> bool:
         """One round of the last link with work (False: none has any)."""
@@ -107,9 +99,7 @@ class ThreadedExecutor(Executor):
     """One worker thread per link, each running its link's rounds beside compute (see the module doc)."""
 
     def __init__(self, max_chunks: int, timeout_s: float):
-        """max_chunks: the speculative chunks a round moves together; timeout_s: the longest wait."""
-        self.max_chunks, self.timeout_s = max_chunks, timeout_s
-        self._stopping = False
+        self.max_chunks, self.timeout_s, self._stopping = max_chunks, timeout_s, False
         self._threads: list[threading.Thread] = []
 
     def start(self, cond: threading.Condition, links: list[TransferLink], tracer: Tracer) -> None:

@@ -1,15 +1,10 @@
-"""Preallocated expert slots of one tier.
+"""Preallocated expert slots of one tier: one [num_slots, stride] uint8 tensor allocated once.
 
-A pool is one [num_slots, stride] uint8 tensor allocated once; slot(i) is a 1-D view of
-slot_bytes. Device pools round the stride up to SLOT_ALIGN_BYTES so that every slot starts aligned
-for any dtype view and for vectorised device loads. Host pools, which disk reads land in, start
-every row at a block boundary with one block to spare: slot(i, residue) starts `residue` bytes
-into its row, so that a caller can make a slot congruent to its bytes' file offsets and O_DIRECT
-reads land in place (`moestream.store.disk`). Host pools that feed a CUDA device are
-pinned so copies can be asynchronous. A pool remembers, per slot, the event of its last reader (a copy
-from a host slot; the compute that read a device slot) and of its last write (the copy that filled
-it; `moestream.store.streams`): whatever overwrites a slot waits for the first (the host, before it
-overwrites host memory; a copy, on its stream), whatever reads it for the second. Pools know no
+Device pools round the stride up to SLOT_ALIGN_BYTES (aligned for any dtype view). Host pools start
+every row at a block boundary with one block to spare: slot(i, residue) starts `residue` bytes into
+its row, so that O_DIRECT reads land in place (`moestream.store.disk`); they are pinned where they
+feed a CUDA device. A pool remembers, per slot, the event of its last reader and of its last write:
+whatever overwrites a slot waits for the first, whatever reads it for the second. Pools know no
 experts, keys or policies.
 """
 
@@ -23,21 +18,16 @@ from moestream.store.streams import Event
 SLOT_ALIGN_BYTES = 256
 
 
-def slot_stride(slot_bytes: int, align: int = SLOT_ALIGN_BYTES, spare: int = 0) -> int:
-    return -(-slot_bytes // align) * align + spare
-
-
 class SlotPool:
     def __init__(self, num_slots: int, slot_bytes: int, device: str | torch.device = "cpu", pin_memory: bool = False):
         if num_slots < 0 or slot_bytes < 1:
             raise ValueError(f"need num_slots >= 0 and slot_bytes >= 1, got {num_slots}, {slot_bytes}")
-        self.num_slots = num_slots
-        self.slot_bytes = slot_bytes
+        self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.device = torch.device(device)
         self.pinned = bool(pin_memory) and self.device.type == "cpu"
         self.block = BLOCK_BYTES if self.device.type == "cpu" else 1  # residues are taken modulo this
         align = max(self.block, SLOT_ALIGN_BYTES)
-        stride = slot_stride(slot_bytes, align, spare=self.block if self.block > 1 else 0)
+        stride = -(-slot_bytes // align) * align + (self.block if self.block > 1 else 0)  # one block to spare
         flat = torch.empty(num_slots * stride + align, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
         start = (-flat.data_ptr()) % align
         self.data = flat[start : start + num_slots * stride].view(num_slots, stride)  # [S, stride]
@@ -50,8 +40,7 @@ class SlotPool:
         return self.data.numel()
 
     def slot(self, i: int, residue: int = 0) -> torch.Tensor:
-        """Slot i as a 1-D uint8 view of slot_bytes (no copy), starting at `residue` modulo the block
-        in host pools (device pools ignore it)."""
+        """Slot i, a 1-D uint8 view of slot_bytes starting at `residue` modulo the block (host pools only)."""
         if not 0 <= i < self.num_slots:
             raise IndexError(f"slot {i} out of range for a pool of {self.num_slots}")
         shift, last = residue % self.block, self._slots[i]

@@ -1,12 +1,9 @@
 """Plans one read request as a vector of buffers: pieces' aligned interiors land in their destinations, the rest in staging.
 
-A request is a block-aligned byte range of one file holding pieces of destinations. Where a
-piece's bytes and its destination are congruent modulo the block size, the piece's whole blocks
-are read straight into the destination (no copy); only the partial blocks at its ends, gaps
-between pieces, and pieces that are not congruent go through the staging buffer and are copied
-out after the read. Nothing is ever written to a destination outside its pieces' bytes. With a
-block of 1 (buffered reads) every piece lands in place. The planner knows bytes and addresses,
-not files, experts or tiers.
+A request is a block-aligned byte range of one file holding pieces of destinations. A piece congruent
+with its destination modulo the block has its whole blocks read straight into it; partial blocks, gaps
+and other pieces go through staging and are copied out. Nothing is written to a destination outside its
+pieces' bytes. The planner knows bytes and addresses, not files, experts or tiers.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ class Request:
     run: Run
     start: int
     nbytes: int
-
 
 
 @dataclass(frozen=True)

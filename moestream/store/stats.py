@@ -18,7 +18,7 @@ class StoreStats:
     misses: int = 0  # acquire: experts not in the device tier, fetched on demand
     host_hits: int = 0  # device fills served by the host tier
     host_misses: int = 0  # device fills served by disk
-    bytes_read: dict[str, int] = field(default_factory=lambda: {"disk": 0, "host": 0})
+    bytes_read: dict[str, int] = field(default_factory=lambda: {"disk": 0, "host": 0})  # read (checked), copied up
     prefetched: int = 0  # experts brought into the device tier by prefetch
     prefetched_bytes: int = 0
     prefetch_hits: int = 0  # acquire hits on prefetched experts landed and not used before (never a late one)

@@ -1,35 +1,25 @@
 """The expert store: disk, a host tier and a device tier of expert slots, and the calls that bring
 experts in; one class for every mode, composed with an executor that decides where bytes move.
 
-Each tier is a `Tier` (`moestream.store.tiers`): an `ExpertCache` whose eviction policy is passed in,
-and its slot pool. Residency is the transfer core's (`moestream.transfer_core`, the bookkeeping the
-simulator drives too); transfers are queued, landed, failed and displaced in one place, the
-`LinkChain` (`moestream.store.chain`), on links that follow the tiers. Where the links' rounds run
-is the `Executor`'s (`moestream.store.executor`): inline on the caller's thread (`--sync`: every call
-returns with its bytes in place, nothing in flight between calls), or on a worker per link.
+Each tier is a `Tier`: an `ExpertCache` whose eviction policy is passed in, and its slot pool.
+Residency is the transfer core's (`moestream.transfer_core`); transfers are queued, landed, failed
+and displaced in the `LinkChain` (`moestream.store.chain`). The `Executor` runs the links' rounds:
+inline on the caller's thread (`--sync`: every call returns with its bytes in place), or on a worker
+per link, where every wait has a timeout (`StoreConfig.transfer_timeout_s`). Public calls hold a lock.
 
-Calls: `fetch` pins a layer's experts, makes its misses demand at the head of the queue and its
-in-flight experts demand wherever they are queued, and sends the queued speculation of its layers
-that the gate did not choose to the back; the `Fetch` hands the experts out as their bytes land.
-`prefetch` admits a plan's requests by priority (never evicting a pinned expert) and queues them;
-`plan_view` ends the previous plan. Device victims are dropped, not written back. Every wait has a
-timeout (`StoreConfig.transfer_timeout_s`) where a worker moves the bytes; inline, the caller moves
-them itself and a read that hangs hangs the call. Public calls hold a lock.
+Calls: `fetch` pins a layer's experts and makes its misses and in-flight experts demand (the `Fetch`
+hands them out as their bytes land); `prefetch` admits a plan's requests by priority (never evicting
+a pinned expert) and queues them; `plan_view` ends the previous plan. Device victims are dropped.
 
-Stream order (`moestream.store.streams`): an expert lands when its last copy is issued, not when it has
-run; `next_ready` makes the caller's current stream wait for that copy before it hands the slot out (the
-host does not wait), and `release` records the caller's stream, whose kernels read the slots, as their
-last reader, which a copy into one of those slots waits for on its link's stream. On the CPU these
-events are done at once.
+Stream order (`moestream.store.streams`): an expert lands when its last copy is issued; `next_ready`
+makes the caller's current stream wait for that copy (the host does not wait), and `release` records
+that stream as the slots' last reader, which a copy into one of them waits for.
 
-Counters (`StoreStats`): hits/misses count the device-tier lookups of fetch and acquire (an expert
-still in flight is a hit, and late); host_hits/host_misses count every device fill by where it came
-from; bytes_read["disk"] is the bytes of experts read from the files (and checked), bytes_read["host"]
-bytes copied up from the host tier. Times come from the tracer's lanes since `reset_stats`: stall_s
-(the executor's: waits, or the rounds the caller ran), transfer_s and disk_read_s (the "disk" lane),
-disk_batches (its rounds), copy_s ("h2d": on CUDA the time to issue the copies, which run on the
-link's stream). The store knows no model family, no policy and no device type (the `Link` decides how
-bytes move up).
+Counters (`StoreStats`): hits/misses count device-tier lookups (an expert still in flight is a hit,
+and late); host_hits/host_misses count device fills by source. Times come from the tracer's lanes
+since `reset_stats`: stall_s (the executor's), transfer_s and disk_read_s (the "disk" lane),
+disk_batches (its rounds), copy_s ("h2d": on CUDA the time to issue the copies). The store knows no
+model family, no policy and no device type (the `Link` decides how bytes move up).
 """
 
 from __future__ import annotations
@@ -66,11 +56,9 @@ class ExpertStore:
                  host_eviction: EvictionPolicy, integrity: Integrity | None = None, reader: DiskReader | None = None,
                  link: Link | None = None, staging: int | None = None, executor: Executor | None = None,
                  tracer: Tracer | None = None):
-        """integrity: checks each expert's bytes just read from disk (e.g. a checkpoint Manifest); reader
-        and link replace the disk reader and the host -> device copy link (default: made for config);
-        staging: pinned slots disk reads pass through on their way up (default: `staging_slots`);
-        executor: where the links' rounds run (default: `executor_for(config)`); tracer: told of the
-        waits and of each link's rounds (default: one of its own)."""
+        """integrity: checks each expert's bytes just read (e.g. a Manifest); reader, link: the disk reader
+        and host -> device link; staging: pinned slots reads pass through on their way up; executor: where
+        the rounds run; tracer: told of waits and rounds. Defaults are made for config."""
         self.index, self.integrity, self.config = index, integrity, config
         self.topology: Topology = index.topology
         check_index(index)
@@ -89,17 +77,14 @@ class ExpertStore:
         self.tracer = tracer or Tracer()
         self._since = self.tracer.totals()
         self._closed = False
-        links = self._chain.make_links(partial(read_round, self._read, self._bounce, self._link),
+        read = lambda batch: self.reader.read_batch(batch)  # self.reader: callers may wrap it since
+        links = self._chain.make_links(partial(read_round, read, self._bounce, self._link),
                                        partial(copy_round, self._link))
         self.executor = executor or executor_for(config)
         self.executor.start(self._cond, links, self.tracer)
 
-    # -- the caller's calls ------------------------------------------------------------------------
-
     def fetch(self, keys: Sequence[ExpertKey], chosen: Sequence[ExpertKey] = ()) -> Fetch:
-        """Pins keys in the device tier and brings in the missing ones; the Fetch hands them out as their
-        bytes are in place. chosen: every expert the gate chose in these layers (default: keys), which
-        the preemption keeps."""
+        """Pins keys and brings in the missing ones; chosen: the gate's choice in these layers (default: keys)."""
         wanted = list(dict.fromkeys(as_key(k) for k in keys))
         with self._lock:
             self._check_open()
@@ -125,8 +110,7 @@ class ExpertStore:
             raise
 
     def next_ready(self, candidates: Sequence[ExpertKey]) -> tuple[ExpertKey, torch.Tensor]:
-        """The first fetched candidate whose bytes are in place (waiting for one to land), with its slot; the
-        caller's current stream is made to wait for the slot's copy (its kernels read the slot after it)."""
+        """The first fetched candidate in place (waiting for one), and its slot; the stream waits for its copy."""
         with self._lock:
             if self._first_ready(candidates) is None:
                 with self.tracer.span("wait", lambda: expert_names(candidates)):
@@ -139,8 +123,7 @@ class ExpertStore:
         return key, slot
 
     def release(self, keys: Iterable[ExpertKey]) -> None:
-        """Unpin experts returned by acquire (once per acquire), on the stream whose kernels read their slots,
-        after those kernels are issued: a copy that reuses one of the slots waits for them."""
+        """Unpin experts returned by acquire (once), on the stream whose kernels read their slots, after those."""
         read = self._link.compute_event()
         with self._lock:
             keys = [as_key(k) for k in keys]
@@ -148,16 +131,14 @@ class ExpertStore:
             self._device.cache.unpin(keys)
 
     def hold_host(self, keys: Sequence[ExpertKey]) -> dict[ExpertKey, torch.Tensor]:
-        """Pins those of keys whose bytes are in place in the host tier (none arriving) and returns their host
-        slots, to be read where they are (host compute); `release_host` unpins them."""
+        """Pins those of keys whose bytes are whole in the host tier; their host slots (`release_host` unpins)."""
         with self._lock:
             self._check_open()
             held = self._chain.hold_host([as_key(key) for key in keys])
             return {key: self._chain.slot(self._host, key) for key in held}
 
     def read_direct(self, key: ExpertKey, dst: torch.Tensor) -> None:
-        """Reads key's bytes from the checkpoint into dst (1-D uint8 host memory, one expert), checked as the
-        disk link's reads are: a read beside the tiers, into no slot (host compute of a miss only on disk)."""
+        """Reads key's bytes into dst (1-D uint8 host memory), checked, beside the tiers (host compute)."""
         key = as_key(key)
         self.reader.read(self.index.locations[key].segments, dst)
         if self.integrity is not None:
@@ -175,8 +156,7 @@ class ExpertStore:
                 self._cond.notify_all()
 
     def prefetch(self, requests: Sequence[TransferRequest]) -> list[ExpertKey]:
-        """Admits the requested experts by priority and queues their transfers; returns those admitted.
-        Raises the failure of any of them that the executor has already moved."""
+        """Admits and queues the requested experts by priority; returns those admitted (raising any failure)."""
         with self._lock:
             self._check_open()
             brought = self._chain.prefetch({as_key(r.key): r.priority for r in requests})
@@ -217,8 +197,6 @@ class ExpertStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- plans -----------------------------------------------------------------------------------
-
     def plan_view(self, layer_now: int) -> CacheView:
         """Ends the previous plan (its experts keep their slots) and shows the tier to the next planner."""
         with self._lock:
@@ -234,8 +212,6 @@ class ExpertStore:
         with self._lock:
             self._core.link = link
 
-    # -- views -----------------------------------------------------------------------------------
-
     def resident(self, tier: str = "device") -> frozenset[ExpertKey]:
         """Experts whose bytes are in place in the tier (those still arriving there excluded)."""
         with self._lock:
@@ -244,9 +220,8 @@ class ExpertStore:
             return found.cache.resident() - arriving if found is not None else frozenset()
 
     def resident_layer(self, layer: int) -> list[torch.Tensor] | None:
-        """Every expert of a layer's device slot, in expert order, where the device tier holds every expert of
-        the model (none is ever evicted) and the layer's have landed; else None. The caller's current stream
-        waits for their copies; it may read the slots for as long as the store is open."""
+        """A layer's device slots in expert order, where the tier holds the whole model and they have landed;
+        else None. The current stream waits for their copies."""
         topology = self.topology
         with self._lock:
             self._check_open()
@@ -311,14 +286,6 @@ class ExpertStore:
             self._chain.stats, self._since = StoreStats(), self.tracer.totals()
             self._core.reset_counts()
 
-    # -- under the lock ---------------------------------------------------------------------------
-
-    def _read(self, batch) -> int:
-        """The disk reads of a round (self.reader, as callers may have wrapped it since)."""
-        return self.reader.read_batch(batch)
-
-    # -- under the lock: helpers ------------------------------------------------------------------
-
     def _first_ready(self, candidates: Sequence[ExpertKey]) -> ExpertKey | None:
         """The first candidate in place; raises the failure of any before it."""
         self._check_open()
@@ -355,10 +322,9 @@ class ExpertStore:
 
 
 def _residues(index: ExpertIndex, device_slots: int) -> dict[ExpertKey, int]:
-    """Where each expert's bytes start in its slot: congruent to its file offsets, so that O_DIRECT reads
-    land in place; but where the device tier holds every expert, at the slot's aligned start, so that a
-    layer's slots form one evenly spaced, aligned [E, ...] view (its experts run as transformers' own
-    forward), the reads' unaligned ends passing through staging once."""
+    """Where each expert's bytes start in its slot: congruent to its file offsets (O_DIRECT reads land in
+    place), but at the aligned start where the device tier holds every expert, so that a layer's slots form
+    one evenly spaced [E, ...] view (the reads' unaligned ends then pass through staging)."""
     if device_slots >= len(index.locations):
         return dict.fromkeys(index.locations, 0)
     return {key: index.residue(key, BLOCK_BYTES) for key in index.locations}

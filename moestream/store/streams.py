@@ -1,13 +1,10 @@
 """Copy links between tiers and the events that mark their copies done, behind one small interface.
 
-A `Link` moves one slot's bytes to a slot of another tier and returns an `Event`; `compute_event` marks
-how far the calling thread's compute has been issued (e.g. the last kernel that reads a slot). The CPU
-link copies at once (a plain memcpy with numpy: no intra-op threads for one slot) and its events are
-already done. The CUDA link issues `copy_(non_blocking=True)` on its own copy stream, after the event of
-the destination's last reader (`after`; never after the whole compute stream), and returns an event of
-the copy stream: the compute stream waits on it (`wait_on_compute`), the host only before it overwrites
-the source (`synchronize`); nothing synchronises the whole device. Links are made by the device type
-through `LINKS`; the code that uses them is the same for both. A link knows no experts.
+A `Link` copies one slot's bytes into a slot of another tier and returns an `Event`. The CPU link copies
+at once (numpy: no intra-op threads) and its events are done. The CUDA link issues `copy_(non_blocking=True)`
+on its own stream after the destination's last reader (`after`) and returns an event that the compute
+stream waits on (`wait_on_compute`), the host only before it overwrites the source (`synchronize`);
+nothing synchronises the whole device. A link knows no experts.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ class Link(ABC):
 
     @abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
-        """dst <- src (1-D uint8 slots of equal size), not before `after` (dst's last reader, an event of
-        this link's `compute_event`) where given; the host does not wait."""
+        """dst <- src (equal 1-D uint8 slots), after `after` (dst's last reader, a `compute_event`) if given."""
 
     @abstractmethod
     def compute_event(self) -> Event:

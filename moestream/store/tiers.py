@@ -1,9 +1,5 @@
-"""The store's tiers of expert slots and the checks of what it is given.
-
-A `Tier` (`moestream.store.chain`) is an `ExpertCache` (which experts it holds, by its eviction policy) and
-the `SlotPool` their bytes are in; `make_tiers` builds the device tier and, where the budget buys any slots, the host tier
-(pinned where it feeds a CUDA device). Staging slots carry disk reads up to a CUDA device tier that
-has no host tier. Knows no transfer, no thread and no policy by name.
+"""The store's tiers of expert slots (`make_tiers`: the device tier and, where the budget buys slots, a host
+tier), its staging slots, and the checks of what it is given. Knows no transfer, no thread and no policy.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Transfers and links: what moves an expert's bytes, in which order, and how a round of them moves.
 
-A `Transfer` moves one expert's bytes into its slot, chunk by chunk (one chunk per weight matrix,
-or pieces of at most `chunk_bytes`): from the checkpoint's files (the `DISK` link) or from its host
-slot (the `H2D` link). A `TransferQueue` orders a link's transfers: demand transfers (the compute
-thread waits on them) first, in the order asked, then speculative ones by priority; they are
-re-prioritised and cancelled by key, and the queue never holds more than it was sized for.
+A `Transfer` moves one expert's bytes into its slot chunk by chunk, from the checkpoint (`DISK`) or
+its host slot (`H2D`). A `TransferQueue` orders a link's transfers: demand first, in the order asked,
+then speculative ones by priority; it never holds more than it was sized for.
 
 A `TransferLink` is a queue, a copy function and the round between them: `take` (under the store's
-lock) takes every queued demand transfer whole, else up to `max_chunks` chunks from the head of the
-queue (all of them when None); `move` (outside the lock) moves them with the copy function; `finish`
-(under the lock) puts the unfinished transfers back, so that whatever ranks ahead now goes first (a
-demand waits at most one round behind speculative work), and reports each landed, failed or dropped
-transfer through `LinkReports`. Slots and events are handles the copy function reads (the engine's:
-`moestream.store.copies`; the simulator's move nothing). Where and when rounds run, and how long they
-take, is the executor's business (`moestream.store.executor`, `moestream.bench.sim.clock`); a link knows no
-clock, no torch, no eviction, no policy and no tier.
+lock), `move` (outside it), `finish` (under it: the unfinished go back to the queue, so that a demand
+waits at most one round behind speculative work, and each landed, failed or dropped transfer is
+reported through `LinkReports`). Slots and events are handles the copy function reads (the engine's:
+`moestream.store.copies`; the simulator's move nothing). A link knows no clock, no torch, no
+eviction, no policy and no tier.
 """
 
 from __future__ import annotations
@@ -75,8 +70,7 @@ class Transfer:
 
 
 def pieces(segments: Sequence[Segment], chunk_bytes: int) -> list[tuple[Segment, int]]:
-    """An expert's bytes as chunks: one per segment (weight matrix), or pieces of <= chunk_bytes (> 0);
-    each as (its part of the segment, its offset in the expert's slot)."""
+    """An expert's chunks, (part of a segment, offset in the slot): one per segment, or of <= chunk_bytes (> 0)."""
     out, at = [], 0
     for seg in segments:
         step = seg.nbytes if chunk_bytes <= 0 else chunk_bytes
@@ -113,12 +107,10 @@ class TransferQueue:
         self._add(transfer)
 
     def pop(self) -> Transfer | None:
-        while self._heap:
-            rank, _, transfer = heapq.heappop(self._heap)
-            if self._queued.get(transfer.key) is transfer and rank == transfer.rank:
-                del self._queued[transfer.key]
-                return transfer
-        return None
+        if self.head_rank() is None:
+            return None
+        transfer = heapq.heappop(self._heap)[2]
+        return self._queued.pop(transfer.key)
 
     def head_rank(self) -> tuple | None:
         while self._heap:
@@ -175,8 +167,7 @@ class TransferLink:
         self._move = move
 
     def take(self, max_chunks: int | None) -> Held:
-        """Under the lock: the next round (empty: nothing queued). Demand transfers are taken whole, all
-        those queued together; speculative ones give up to max_chunks chunks (None: all) from the head."""
+        """Under the lock: every queued demand transfer whole, else up to max_chunks (None: all) speculative chunks."""
         taken, room, head = [], float("inf") if max_chunks is None else max_chunks, self.queue.pop()
         while head is not None:
             left = len(head.parts) - head.next_chunk
@@ -190,12 +181,11 @@ class TransferLink:
         return taken
 
     def move(self, held: Held) -> Errors:
-        """Outside the lock: moves the round's chunks; the transfers that failed."""
+        """Outside the lock: moves the round's chunks; returns the transfers that failed."""
         return self._move(held)
 
     def finish(self, held: Held, errors: Errors, seconds: float = 0.0) -> None:
-        """Under the lock: each held transfer advanced, landed or failed, or back in the queue (whatever
-        ranks ahead now goes first; a dropped one is moved no further); seconds: the round's."""
+        """Under the lock: each held transfer landed, failed, released (dropped) or back in the queue."""
         self.reports.rounds(len(held), seconds)
         for transfer, count in held:
             transfer.held = False

@@ -9,7 +9,7 @@ import torch
 
 from moestream.checkpoint.layout import Segment
 from moestream.errors import CheckpointError
-from moestream.store.disk import DiskReader, coalesce, coalesce_batch, split
+from moestream.store.disk import DiskReader, coalesce_batch, split
 from moestream.topology import ExpertKey
 
 FILE_BYTES = 50_000
@@ -69,7 +69,7 @@ def test_reader_returns_exactly_the_segment_bytes(data_files, case, direct_io):
 def test_coalesce_merges_file_adjacent_segments_whatever_their_slot_order(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     segs = [Segment(a, 200, 100), Segment(a, 0, 200), Segment(b, 0, 10), Segment(a, 300, 50)]
-    runs = coalesce(segs)
+    runs = coalesce_batch([segs])
     assert [(r.file, r.start, r.end) for r in runs] == [(a, 0, 350), (b, 0, 10)]
     dst_offsets = {p.file_offset: p.dst_offset for p in runs[0].pieces}
     assert dst_offsets == {200: 0, 0: 100, 300: 310}
@@ -78,9 +78,9 @@ def test_coalesce_merges_file_adjacent_segments_whatever_their_slot_order(tmp_pa
 def test_coalesce_splits_on_gaps_beyond_the_limit(tmp_path):
     a = tmp_path / "a"
     segs = [Segment(a, 0, 100), Segment(a, 150, 100), Segment(a, 5000, 10)]
-    assert len(coalesce(segs, max_gap_bytes=0)) == 3
-    assert len(coalesce(segs, max_gap_bytes=50)) == 2
-    assert len(coalesce(segs, max_gap_bytes=4900)) == 1
+    assert len(coalesce_batch([segs], max_gap_bytes=0)) == 3
+    assert len(coalesce_batch([segs], max_gap_bytes=50)) == 2
+    assert len(coalesce_batch([segs], max_gap_bytes=4900)) == 1
 
 
 def test_an_expert_of_adjacent_segments_is_one_syscall(data_files):
@@ -116,7 +116,7 @@ def test_coalesce_batch_merges_adjacent_segments_of_different_destinations(tmp_p
 
 
 def test_split_covers_the_aligned_run_in_bounded_requests(tmp_path):
-    (run,) = coalesce([Segment(tmp_path / "a", 5000, 20_000)])
+    (run,) = coalesce_batch([[Segment(tmp_path / "a", 5000, 20_000)]])
     requests = split(run, align=4096, max_bytes=8192)
     assert [(r.start, r.nbytes) for r in requests] == [(4096, 8192), (12288, 8192), (20480, 8192)]
     assert requests[-1].start + requests[-1].nbytes >= run.end

@@ -11,20 +11,24 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moestream.config import EngineConfig
 from moestream.procfs import status_mib
 from moestream.read_fit import ReadBatchFit
+from moestream.settings import same_as
 
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One run; the engine's settings it shares take EngineConfig's defaults (`same_as`)."""
+
     model: str
     budget: str  # expert budget: a ratio ("0.25") or a size
     kind: str = "engine"  # "engine" (ours), "hf-accelerate" or "transformers" (baselines.py)
     host_budget: str = "0"  # the host tier's (EngineConfig.host_budget), filled before timing (host.py)
-    device: str = "cpu"  # where the engine computes: "cpu" or "cuda[:N]"
-    policy: str = "lru"
-    sync: bool = False
-    reorder: bool = True  # cache-aware reordering (EngineConfig.reorder)
+    device: str = same_as(EngineConfig, "device")
+    policy: str = same_as(EngineConfig, "policy")
+    sync: bool = same_as(EngineConfig, "sync")
+    reorder: bool = same_as(EngineConfig, "reorder")  # cache-aware reordering
     preload: bool = False  # fill the device tier before timing (the all-resident run)
     replay_routing: str | None = None
     predictor_dirs: tuple[str, ...] = ()
@@ -32,15 +36,15 @@ class RunSpec:
     max_new_tokens: int = 16
     warmup_steps: int = 3  # each generation's first decode steps, left out of steady_tpot_ms
     threads: int = 1
-    direct_io: bool = True
-    native_gemv: bool = False  # EngineConfig.native_gemv
+    direct_io: bool = same_as(EngineConfig, "direct_io")
+    native_gemv: bool = same_as(EngineConfig, "native_gemv")
     scratch_dir: str = ""  # where hf-accelerate writes its offload folder
-    link_gbps: float = 0.0  # the planner's modelled link (EngineConfig.link_gbps, layer_ms): the bench's calibration
-    layer_ms: float = 0.0
-    background_predictor: bool = True  # EngineConfig.background_predictor (bench fidelity: False)
+    link_gbps: float = same_as(EngineConfig, "link_gbps")  # the planner's modelled link: the bench's calibration
+    layer_ms: float = same_as(EngineConfig, "layer_ms")
+    background_predictor: bool = same_as(EngineConfig, "background_predictor")  # bench fidelity: False
     keep_embeddings: bool = False  # keep each iteration's embeddings a policy saw (bench fidelity replays them)
-    host_compute: str = "off"  # EngineConfig.host_compute: where a device-tier miss in the host tier computes
-    host_threads: int = 1  # EngineConfig.host_threads
+    host_compute: str = same_as(EngineConfig, "host_compute")  # where a device-tier miss in the host tier computes
+    host_threads: int = same_as(EngineConfig, "host_threads")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

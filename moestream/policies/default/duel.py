@@ -16,7 +16,7 @@ import numpy as np
 from moestream.contracts import CacheView, EvictionPolicy, Observer, Prediction, PrefetchPlanner, TransferRequest
 from moestream.events import RoutingEvent
 from moestream.policies.default.state import IterationState, compiled
-from moestream.policies.eviction import LRUPolicy, NarrowingEviction
+from moestream.policies.eviction import LRUPolicy, NarrowingEviction, forwarded
 from moestream.topology import ExpertKey, Topology
 
 NextUse = Callable[[], np.ndarray | None]  # [L, E] the model's next use of each expert (larger: later), or None
@@ -69,17 +69,8 @@ class DuelEviction(NarrowingEviction):
         super().__init__(model)
         self.duel, self.lru = duel, LRUPolicy()
 
-    def on_insert(self, key: ExpertKey) -> None:
-        self.inner.on_insert(key)
-        self.lru.on_insert(key)
-
-    def on_access(self, key: ExpertKey) -> None:
-        self.inner.on_access(key)
-        self.lru.on_access(key)
-
-    def on_remove(self, key: ExpertKey) -> None:
-        self.inner.on_remove(key)
-        self.lru.on_remove(key)
+    on_insert, on_access, on_remove = (forwarded(hook, "inner", "lru")
+                                       for hook in ("on_insert", "on_access", "on_remove"))
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
         return (self.lru if self.duel.recency else self.inner).victim(candidates)

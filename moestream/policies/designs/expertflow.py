@@ -181,10 +181,12 @@ class CorrectionEviction(EvictionPolicy):
 
     def on_insert(self, key: ExpertKey) -> None:
         self._fresh.add(key)
-        self._touch(key)
+        self.on_access(key)
 
     def on_access(self, key: ExpertKey) -> None:
-        self._touch(key)
+        layer = self._by_layer.setdefault(key.layer, OrderedDict())
+        layer[key] = None
+        layer.move_to_end(key)
 
     def on_remove(self, key: ExpertKey) -> None:
         self._by_layer.get(key.layer, {}).pop(key, None)
@@ -196,11 +198,6 @@ class CorrectionEviction(EvictionPolicy):
                 if key in candidates:  # the cache's candidates answer `in` in O(1)
                     return key
         return candidates[0]
-
-    def _touch(self, key: ExpertKey) -> None:
-        layer = self._by_layer.setdefault(key.layer, OrderedDict())
-        layer[key] = None
-        layer.move_to_end(key)
 
     def _groups(self) -> Iterator[Iterable[ExpertKey]]:
         now, routed = self._layer_now, self._routed
