@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.bench.tools.overhead import LayerTimer
 from moestream.cache import ExpertCache
 from moestream.config import EngineConfig
@@ -33,7 +34,6 @@ from moestream.policies.default.state import SequenceHistory
 from moestream.policies.driver import PolicyDriver, TimedEviction
 from moestream.settings import add_arguments
 from moestream.trace.format import load_trace
-from moestream.trace.replay import decode_stream
 from moestream.tracer import Tracer
 
 

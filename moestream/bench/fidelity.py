@@ -65,7 +65,8 @@ def compare(args) -> dict:
                    host_budget="100%" if args.host_compute != "off" else args.host_budget)
     engine = run_isolated(spec)
     cost = _cost_model(args, spec, engine, topology)
-    simulated = _simulate(args, spec, engine, topology, cost, len(next(iter(index.experts.locations.values())).segments))
+    num_chunks = len(next(iter(index.experts.locations.values())).segments)  # one per weight matrix
+    simulated = _simulate(args, spec, engine, topology, cost, num_chunks)
     return {"model": str(model), "budget": args.budget, "host_budget": args.host_budget, "policy": args.policy,
             "mode": "sync" if args.sync else "async", "reorder": args.reorder,
             "replay_routing": args.replay_routing,

@@ -86,8 +86,8 @@ def run(args) -> int:
 
 
 def _traces(args):
+    from moestream.bench.sim.replay import head_tokens
     from moestream.bench.tools.prediction import split_trace
-    from moestream.trace.replay import head_tokens
 
     path = args.trace or _dev_trace()
     trace = load_trace(path, args.tokens)

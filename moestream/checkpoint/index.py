@@ -76,8 +76,7 @@ def load_config(path: Path) -> PretrainedConfig:
                               f"{error.msg})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file} is not a JSON object")
-    model_type = config.get("model_type")
-    adapter_for(SimpleNamespace(model_type=model_type))
+    adapter_for(SimpleNamespace(model_type=config.get("model_type")))
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as error:
@@ -130,11 +129,8 @@ def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]], parts) -> 
         # disk's bytes, the view swaps them back
         swapped = (*shape[:-2], shape[-1], shape[-2]) if len(shape) >= 2 else shape
         transposed = part.may_transpose and tuple(shape) != part.shape and swapped == part.shape
-        if transposed:
-            shape = swapped
-        view = PartView(part.param, shape, dtype, offset, transposed)
-        views.append(view)
-        offset += view.nbytes
+        views.append(PartView(part.param, swapped if transposed else shape, dtype, offset, transposed))
+        offset += views[-1].nbytes
     return tuple(views)
 
 

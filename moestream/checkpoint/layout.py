@@ -3,7 +3,9 @@ checkpoint indexer fills from safetensors headers, the store copies into slots a
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +34,10 @@ class ExpertLocation:
 
     def residue(self, block: int) -> int:
         """The slot start modulo block that makes most bytes congruent to their file offsets (for O_DIRECT)."""
-        congruent: dict[int, int] = {}  # residue -> bytes it makes congruent
-        at = 0
-        for seg in self.segments:
-            residue = (seg.offset - at) % block
-            congruent[residue] = congruent.get(residue, 0) + seg.nbytes
-            at += seg.nbytes
+        congruent: collections.Counter = collections.Counter()  # residue -> bytes it makes congruent
+        starts = itertools.accumulate((seg.nbytes for seg in self.segments), initial=0)
+        for seg, at in zip(self.segments, starts):
+            congruent[(seg.offset - at) % block] += seg.nbytes
         return max(congruent, key=congruent.__getitem__)
 
 
@@ -62,20 +62,15 @@ class ExpertIndex:
 
     def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of one slot (1-D uint8), no copy: the slot viewed once per dtype, each part strided from that."""
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        views = {}
-        for param, dtype, shape, strides, start in self._strided:
-            whole = typed.get(dtype)
-            if whole is None:
-                whole = typed[dtype] = slot[: slot.numel() - slot.numel() % dtype.itemsize].view(dtype)
-            views[param] = whole.as_strided(shape, strides, whole.storage_offset() + start)
-        return views
+        typed = {dtype: slot[: slot.numel() - slot.numel() % dtype.itemsize].view(dtype)
+                 for dtype in {dtype for _, dtype, *_ in self._strided}}
+        return {param: typed[dtype].as_strided(shape, strides, typed[dtype].storage_offset() + start)
+                for param, dtype, shape, strides, start in self._strided}
 
     @functools.cached_property
     def _strided(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], int], ...]:
         """Per part: name, dtype, shape, contiguous strides and first element in the slot's typed view."""
         return tuple((p.param, p.dtype, p.shape, _strides(p), p.offset // p.dtype.itemsize) for p in self.layout)
-
 
     def residue(self, key: ExpertKey, block: int) -> int:
         """ExpertLocation.residue of key, or 0 where that start would misalign a view of the slot."""

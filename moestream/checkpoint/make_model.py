@@ -92,12 +92,9 @@ def _published_transposed(model: torch.nn.Module) -> set[str]:
     """Disk names of fused expert tensors releases store transposed (save_pretrained would keep the memory layout)."""
     from moestream.families import derive
 
-    names = set()
-    for path, module in derive.experts_modules(model):
-        for param, _ in module.named_parameters(recurse=False):
-            part = derive.disk_part(model, path, param)
-            names |= set(part.names) if part.transposed else set()
-    return names
+    parts = (derive.disk_part(model, path, param) for path, module in derive.experts_modules(model)
+             for param, _ in module.named_parameters(recurse=False))
+    return {name for part in parts if part.transposed for name in part.names}
 
 
 def tensor_seed(seed: int, name: str) -> int:

@@ -7,6 +7,7 @@ files and tensors, not tiers, runtimes or policies."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,20 +52,14 @@ def digest(data) -> int:
 def expert_pieces(checkpoint: CheckpointIndex) -> dict[ExpertKey, tuple[Piece, ...]]:
     """Every expert's slot cut at the boundaries of the disk tensors it comes from."""
     by_file: dict[Path, list[TensorInfo]] = {}
-    for info in checkpoint.tensors.values():
+    for info in sorted(checkpoint.tensors.values(), key=lambda t: t.offset):
         by_file.setdefault(info.file, []).append(info)
-    for infos in by_file.values():
-        infos.sort(key=lambda t: t.offset)
     starts = {file: [t.offset for t in infos] for file, infos in by_file.items()}
     pieces: dict[ExpertKey, tuple[Piece, ...]] = {}
     for key, location in checkpoint.experts.locations.items():
-        found, slot = [], 0
-        for segment in location.segments:
-            file = Path(segment.file)
-            for piece in _cut(by_file[file], starts[file], segment.offset, segment.nbytes, slot):
-                found.append(piece)
-            slot += segment.nbytes
-        pieces[key] = tuple(found)
+        slots = itertools.accumulate((segment.nbytes for segment in location.segments), initial=0)
+        pieces[key] = tuple(piece for segment, slot in zip(location.segments, slots) for piece in _cut(
+            by_file[Path(segment.file)], starts[Path(segment.file)], segment.offset, segment.nbytes, slot))
     return pieces
 
 

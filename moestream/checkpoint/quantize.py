@@ -6,6 +6,7 @@ Knows families only through their adapter's parts."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -42,12 +43,11 @@ def expert_weights(checkpoint: CheckpointIndex, scheme: IntScheme) -> dict[str, 
         if part.fused_on_disk or not all(t.endswith(WEIGHT) for t in part.disk):
             raise MoestreamError(f"quantize: {family} stores its experts as {part.disk[0]!r}; supported: families "
                                  "with per-expert linear weights")
-        for block in checkpoint.blocks:
-            for expert in range(checkpoint.topology.num_experts):
-                for template in part.disk:
-                    name = f"{block.disk_prefix}.{template.format(expert=expert)}"
-                    _check_linear(checkpoint.tensors[name].shape, scheme)
-                    found[name] = name[: -len(WEIGHT)]
+        for block, expert, template in itertools.product(checkpoint.blocks, range(checkpoint.topology.num_experts),
+                                                         part.disk):
+            name = f"{block.disk_prefix}.{template.format(expert=expert)}"
+            _check_linear(checkpoint.tensors[name].shape, scheme)
+            found[name] = name[: -len(WEIGHT)]
     return found
 
 

@@ -48,16 +48,11 @@ QUANT_LAYOUTS: Registry[QuantLayout] = Registry("quantized checkpoint format")
 def quantize_units(layout: QuantLayout, units: list[list[TensorPlan]],
                    fill: Fill) -> tuple[list[list[TensorPlan]], Fill]:
     """The units' disk tensors, the format's in place of those it quantizes, and the fill that gives their values."""
-    sources: dict[str, tuple[TensorPlan, int]] = {}  # disk name -> (dense tensor, which of its disk tensors)
-    planned_units = []
-    for unit in units:
-        planned = []
-        for tensor in unit:
-            replacements = layout.planned(tensor) if layout.quantizes(tensor) else (tensor,)
-            if replacements != (tensor,):
-                sources.update({plan.name: (tensor, i) for i, plan in enumerate(replacements)})
-            planned.extend(replacements)
-        planned_units.append(planned)
+    replaced = {tensor.name: layout.planned(tensor) for unit in units for tensor in unit if layout.quantizes(tensor)}
+    planned_units = [[plan for tensor in unit for plan in replaced.get(tensor.name, (tensor,))] for unit in units]
+    # disk name -> (dense tensor, which of its disk tensors)
+    sources = {plan.name: (tensor, i) for unit in units for tensor in unit
+               for i, plan in enumerate(replaced.get(tensor.name, ()))}
 
     def quantized(tensor: TensorPlan) -> torch.Tensor:
         if tensor.name not in sources:

@@ -132,8 +132,6 @@ def width_scaled(spec: ModelSpec, factor: float) -> ModelSpec:
     if not 0.0 < factor <= 64.0:
         raise CheckpointError(f"width scale must be in (0, 64], got {factor}")
     hidden = max(16, int(round(spec.hidden_size * factor / 16)) * 16)
-    overrides = dict(spec.config_overrides)
-    for name in WIDTH_FIELDS:
-        if overrides.get(name):
-            overrides[name] = max(1, int(round(overrides[name] * factor)))
+    overrides = {name: max(1, int(round(value * factor))) if name in WIDTH_FIELDS and value else value
+                 for name, value in spec.config_overrides.items()}
     return replace(spec, hidden_size=hidden, config_overrides=overrides)

@@ -6,6 +6,7 @@ them or which model they belong to."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -89,17 +90,11 @@ def write_shard(path: Path, shard: list[TensorPlan], fill: Fill, workers: int,
 def _produced(tensors: list[TensorPlan], fill: Fill, workers: int) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
     """(tensor, values) in order, at most 2 x workers of them produced ahead of the writer."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        pending: deque = deque()
         queue = iter(tensors)
-        for tensor in queue:
-            pending.append((tensor, pool.submit(fill, tensor)))
-            if len(pending) >= 2 * workers:
-                break
+        pending = deque((tensor, pool.submit(fill, tensor)) for tensor in itertools.islice(queue, 2 * workers))
         while pending:
             tensor, future = pending.popleft()
-            following = next(queue, None)
-            if following is not None:
-                pending.append((following, pool.submit(fill, following)))
+            pending.extend((following, pool.submit(fill, following)) for following in itertools.islice(queue, 1))
             yield tensor, future.result()
 
 

@@ -17,15 +17,12 @@ from moestream import __version__
 from moestream.errors import MoestreamError
 from moestream.progress import plain_foreign_bars
 
-DESCRIPTION = "Serve Mixture-of-Experts models whose experts live on disk and in host memory."
-
 
 class HelpWithDefaults(argparse.HelpFormatter):
     """Help that shows an option's default where it has one and its text does not already say it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
+        text, default = action.help or "", action.default
         if (not action.option_strings or "default" in text or text == argparse.SUPPRESS
                 or default is None or isinstance(default, bool) or default is argparse.SUPPRESS or default == []):
             return text
@@ -45,7 +42,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser, with every subcommand, or only the one argv names."""
-    parser = Parser(prog="moestream", description=DESCRIPTION)
+    parser = Parser(prog="moestream", description="Serve Mixture-of-Experts models whose experts live on disk and in "
+                                                  "host memory.")
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

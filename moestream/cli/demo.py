@@ -10,18 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from moestream.atomic import check_output_file, write_json
+from moestream.budget import format_bytes
 from moestream.checkpoint.demo import PROMPTS, demo_checkpoint
 from moestream.checks import at_least
-from moestream.cli.generate import (
-    PROMPT_ALLOWANCE,
-    Throughput,
-    check_budgets,
-    check_engine_flags,
-    report,
-    resolve_auto_budgets,
-    totals,
-)
+from moestream.cli.generate import PROMPT_ALLOWANCE, Throughput, check_engine_flags, report, resolve_budgets, totals
 from moestream.config import EngineConfig
+from moestream.progress import progress_bar
+from moestream.report import report_console, rich_table
 from moestream.settings import add_arguments, from_args
 
 REPORT_WIDTH = 100  # columns of the table when printing to a file or pipe
@@ -38,14 +34,11 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    from moestream.atomic import check_output_file, write_json
-
     at_least(1, {"--max-new-tokens": args.max_new_tokens})
     check_engine_flags(args)  # every flag before the demo checkpoint is written
     check_output_file(args.json, "--json")
     model = args.model or demo_checkpoint(args.small)
-    resolve_auto_budgets(args, model, kv_tokens=args.max_new_tokens + PROMPT_ALLOWANCE)
-    check_budgets(args, model)
+    resolve_budgets(args, model, kv_tokens=args.max_new_tokens + PROMPT_ALLOWANCE)
     runs = [("offloaded", from_args(EngineConfig, args)), ("all resident", from_args(EngineConfig, args, expert_budget=1.0))]
     rows = [measure(label, model, config, args.max_new_tokens) for label, config in runs]
     print_table(rows, model)
@@ -62,7 +55,6 @@ def run(args) -> int:
 
 def measure(label: str, model: Path, config, max_new_tokens: int) -> dict:
     """Generates for each prompt alone; with a full budget, every expert is loaded before timing."""
-    from moestream.progress import progress_bar
     from moestream.runtime import Engine
 
     with Engine(model, config, progress=True) as engine:
@@ -81,21 +73,15 @@ def measure(label: str, model: Path, config, max_new_tokens: int) -> dict:
 
 
 def print_table(rows: list[dict], model: Path) -> None:
-    from rich.table import Table
-
-    from moestream.budget import format_bytes
-    from moestream.report import report_console
-
     host = any(row["bytes_read"]["host"] or row["host_budget"] != "0%" for row in rows)
     columns = ("run", "budget", "TTFT ms", "TPOT ms", "prompt tok/s", "gen tok/s", "hits", "misses", "disk") + (("host",) if host else ())
     note = "" if host else "no host tier (--host-budget 0): misses are read from disk straight into the device tier"
-    table = Table(title=f"moestream demo: {model}", caption=note or None)
-    for column in columns:
-        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
+    cells = []
     for row in rows:
         generation = row["generation_tokens_per_s"]
-        cells = [row["run"], row["expert_budget"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}",
-                 f"{row['prompt_tokens_per_s']:.1f}", "n/a" if generation is None else f"{generation:.2f}",
-                 str(row["expert_hits"]), str(row["expert_misses"]), format_bytes(row["bytes_read"]["disk"])]
-        table.add_row(*cells, *([format_bytes(row["bytes_read"]["host"])] if host else []))
+        cells.append([row["run"], row["expert_budget"], f"{row['ttft_ms']:.1f}", f"{row['tpot_ms']:.1f}",
+                      f"{row['prompt_tokens_per_s']:.1f}", "n/a" if generation is None else f"{generation:.2f}",
+                      str(row["expert_hits"]), str(row["expert_misses"]), format_bytes(row["bytes_read"]["disk"]),
+                      *([format_bytes(row["bytes_read"]["host"])] if host else [])])
+    table = rich_table(f"moestream demo: {model}", columns, cells, no_wrap=True, caption=note or None)
     report_console(REPORT_WIDTH).print(table)

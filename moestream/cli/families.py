@@ -11,10 +11,6 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
-def _size(num_bytes: int | None) -> str:
-    return "?" if num_bytes is None else f"{num_bytes / 2**20:.1f} MiB"
-
-
 def table(rows) -> list[str]:
     """The listing's lines: supported model types, then the others with their reasons."""
     supported = [r for r in rows if r.reason is None]
@@ -22,9 +18,10 @@ def table(rows) -> list[str]:
     lines = [f"{len(supported)} model types load (transformers' MoE families); expert bytes at the published "
              "shape, bf16:"]
     for r in supported:
+        size = "?" if r.expert_bytes is None else f"{r.expert_bytes / 2**20:.1f} MiB"
         formats = ", ".join(r.loads) or "none"
         published = f"; releases: {', '.join(r.published)}" if r.published else ""
-        lines.append(f"  {r.model_type:<{width}}  {_size(r.expert_bytes):>11}  {r.layout or '?'}  "
+        lines.append(f"  {r.model_type:<{width}}  {size:>11}  {r.layout or '?'}  "
                      f"[quantized: {formats}{published}]")
     refused = [r for r in rows if r.reason is not None]
     if refused:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
 
-from moestream.budget import Budget
+from moestream.atomic import check_output_file, write_json
+from moestream.budget import Budget, format_bytes
 from moestream.checks import at_least, require_checkpoint_dir
 from moestream.config import EngineConfig
 from moestream.errors import BudgetError, MoestreamError
-from moestream.memory_plan import AUTO
+from moestream.memory_plan import AUTO, check_host_room, model_sizes, plan_memory, sizes_of
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args, read_flags
 
@@ -43,7 +44,7 @@ def add_parser(commands) -> None:
 
 
 def check_engine_flags(args) -> None:
-    """Refuses a bad engine flag, placement name or --model before the heavy imports (budgets: `check_budgets`)."""
+    """Refuses a bad engine flag, placement name or --model before the heavy imports (budgets: `resolve_budgets`)."""
     read_flags(EngineConfig, args)
     from_args(EngineConfig, args, **{name: 1.0 for name in ("expert_budget", "host_budget")
                                      if getattr(args, name) == AUTO})
@@ -56,7 +57,6 @@ def check_budgets(args, model: Path) -> None:
     """Refuses, from the safetensors headers before anything loads, a device budget that cannot serve one
     token of one layer and a host budget over the memory left (or, on CUDA, that cannot be pinned)."""
     from moestream.checkpoint.index import build_index
-    from moestream.memory_plan import check_host_room, sizes_of
     from moestream.store.config import StoreConfig
 
     config, index = from_args(EngineConfig, args), build_index(model)
@@ -67,20 +67,18 @@ def check_budgets(args, model: Path) -> None:
     check_host_room(config.host_budget, sizes_of(index), config.device, slots * index.topology.expert_bytes)
 
 
-def resolve_auto_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:
-    """Replaces an `auto` budget by the bytes that `moestream.memory_plan` finds free, and says so."""
+def resolve_budgets(args, model: Path, kv_tokens: int = 0, kv_bytes: int = 0) -> None:
+    """Replaces an `auto` budget by the bytes `moestream.memory_plan` finds free (and says so); then `check_budgets`."""
     if AUTO not in (args.expert_budget, args.host_budget):
-        return
-    from moestream.memory_plan import model_sizes, plan_memory
-
+        return check_budgets(args, model)
     sizes = model_sizes(model)
     plan = plan_memory(sizes, args.device, kv_bytes or kv_tokens * sizes.kv_bytes_per_token)
     if args.expert_budget == AUTO:
         args.expert_budget = Budget(size_bytes=plan.expert_budget_bytes)
     if args.host_budget == AUTO:
         args.host_budget = Budget(size_bytes=plan.host_budget_bytes)
-    for line in ["auto budgets:", *plan.lines()]:
-        print(line, file=sys.stderr)
+    print("auto budgets:", *plan.lines(), sep="\n", file=sys.stderr)
+    check_budgets(args, model)
 
 
 def run(args) -> int:
@@ -89,12 +87,9 @@ def run(args) -> int:
         raise MoestreamError("--prompt is empty: give the text to continue")
     check_engine_flags(args)
     prompts = [args.prompt] if args.prompts_file is None else read_prompts(args.prompts_file)
-    from moestream.atomic import check_output_file, write_json
-
     check_output_file(args.json, "--json")
     check_output_file(args.record_trace, "--record-trace")
-    resolve_auto_budgets(args, args.model, kv_tokens=args.batch_size * (args.max_new_tokens + PROMPT_ALLOWANCE))
-    check_budgets(args, args.model)
+    resolve_budgets(args, args.model, kv_tokens=args.batch_size * (args.max_new_tokens + PROMPT_ALLOWANCE))
     records, rates = _generate(args, prompts)
     print(summary(records, rates), file=sys.stderr)
     if args.json:
@@ -104,8 +99,6 @@ def run(args) -> int:
 
 def summary(records: list[dict], rates: "Throughput") -> str:
     """One line of figures over every prompt."""
-    from moestream.budget import format_bytes
-
     tokens, t = sum(len(r["token_ids"]) for r in records), totals(records)
     hits, misses = t["expert_hits"], t["expert_misses"]
     rate = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
@@ -117,8 +110,7 @@ def summary(records: list[dict], rates: "Throughput") -> str:
 def totals(records: list[dict]) -> dict:
     """Over the records of prompts: mean TTFT and TPOT, expert hits and misses, bytes read per tier."""
     return {"ttft_ms": fmean(r["ttft_ms"] for r in records), "tpot_ms": fmean(r["tpot_ms"] for r in records),
-            "expert_hits": sum(r["expert_hits"] for r in records),
-            "expert_misses": sum(r["expert_misses"] for r in records),
+            **{name: sum(r[name] for r in records) for name in ("expert_hits", "expert_misses")},
             "bytes_read": {tier: sum(r["bytes_read"].get(tier, 0) for r in records) for tier in ("disk", "host")}}
 
 
@@ -228,11 +220,10 @@ def _run_batch(engine, batch: list[str], max_new_tokens: int):
         streamer.put(torch.tensor([t for t in new if t is not None], dtype=torch.long))
 
     try:
-        result = engine.generate(batch, max_new_tokens=max_new_tokens, on_tokens=stream)
+        return engine.generate(batch, max_new_tokens=max_new_tokens, on_tokens=stream)
     finally:
         if streamed:  # prints the words held back, also on Ctrl-C (and no blank line before an error)
             streamer.end()
-    return result
 
 
 def report(result, row: int) -> dict:

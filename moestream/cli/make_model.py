@@ -24,9 +24,8 @@ HELP = {
 
 
 def add_parser(commands) -> None:
-    parser = commands.add_parser(
-        "make-model", help="write a randomly initialised MoE checkpoint (safetensors + tokenizer + manifest)"
-    )
+    parser = commands.add_parser("make-model", help="write a randomly initialised MoE checkpoint (safetensors + "
+                                                    "tokenizer + manifest)")
     parser.add_argument("family", nargs="?", help="transformers model_type (`moestream families` lists them; "
                                                   "or --preset)")
     parser.add_argument("--out", required=True, help="output directory (must be absent or empty)")
@@ -74,9 +73,7 @@ def run(args) -> int:
     out = make_model(spec, args.out, progress=True, workers=args.workers)
     topology = build_index(out).topology
     quantized = "" if spec.quant is None else f"{spec.quant} "
-    print(
-        f"wrote {quantized}{spec.family} checkpoint to {out}: {topology.num_layers} MoE layers x {topology.num_experts} experts "
-        f"(top-{topology.top_k}), {topology.expert_bytes} bytes per expert, "
-        f"{topology.total_expert_bytes / 2**20:.1f} MiB of routed experts, with its integrity manifest"
-    )
+    print(f"wrote {quantized}{spec.family} checkpoint to {out}: {topology.num_layers} MoE layers x "
+          f"{topology.num_experts} experts (top-{topology.top_k}), {topology.expert_bytes} bytes per expert, "
+          f"{topology.total_expert_bytes / 2**20:.1f} MiB of routed experts, with its integrity manifest")
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from moestream.checks import at_least, require_checkpoint_dir
 from moestream.cli.generate import PROMPT_ALLOWANCE
 from moestream.config import EngineConfig
+from moestream.memory_plan import model_sizes, plan_memory
 from moestream.parallel.config import ParallelConfig
 from moestream.settings import add_arguments, from_args
 
@@ -30,24 +31,17 @@ def run(args) -> int:
     at_least(0, {"--kv-tokens": args.kv_tokens, "--expert-parallel": args.expert_parallel})
     parallel = from_args(ParallelConfig, args)
     require_checkpoint_dir(args.model)
-    from moestream.memory_plan import model_sizes, plan_memory
-
     sizes = model_sizes(args.model)
     plan = plan_memory(sizes, args.device, args.kv_tokens * sizes.kv_bytes_per_token)
     print(f"{args.model}: {sizes.num_moe_layers} MoE layers, {sizes.num_experts} routed experts (top-{sizes.top_k})")
-    for line in plan.lines():
-        print(line)
+    print(*plan.lines(), sep="\n")
     print(f"(--expert-budget auto would use {plan.expert_budget_bytes}B"
           + (f", --host-budget auto {plan.host_budget_bytes}B)" if args.device.startswith("cuda") else ")"))
     if args.expert_parallel:
-        _print_ranks(args.model, parallel, args.expert_parallel)
+        from moestream.checkpoint.index import build_index
+        from moestream.parallel.plan import placement_of, plan_lines
+
+        topology = build_index(args.model).topology
+        placement, stats = placement_of(parallel, None, topology, args.expert_parallel)
+        print("\n".join(plan_lines(placement, topology, stats)))
     return 0
-
-
-def _print_ranks(model: Path, parallel: ParallelConfig, world_size: int) -> None:
-    from moestream.checkpoint.index import build_index
-    from moestream.parallel.plan import placement_of, plan_lines
-
-    topology = build_index(model).topology
-    placement, stats = placement_of(parallel, None, topology, world_size)
-    print("\n".join(plan_lines(placement, topology, stats)))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from moestream.budget import format_bytes
 from moestream.checks import at_least, require_checkpoint_dir
 from moestream.errors import MoestreamError
+from moestream.progress import progress_bar
 
 BITS = {"int4": 4, "int8": 8}
 INT4_GROUP = 128  # inputs per scale of int4 experts by default (fewer where the width is not a multiple)
@@ -49,10 +51,8 @@ def run(args) -> int:
     require_checkpoint_dir(args.model)
     if args.workers < 1 or args.error_tokens < 1:
         raise MoestreamError("--workers and --error-tokens must be >= 1")
-    from moestream.budget import format_bytes
     from moestream.checkpoint.index import build_index
     from moestream.checkpoint.quantize import check_out, quantize_checkpoint
-    from moestream.progress import progress_bar
 
     check_out(args.out)
     source = build_index(args.model)
@@ -64,15 +64,11 @@ def run(args) -> int:
     print(f"wrote {args.out}: {args.format} experts ({group}), {format_bytes(packed)} per expert, "
           f"{dense / packed:.2f}x fewer bytes than {format_bytes(dense)}")
     if not args.no_error:
-        print_error(args.model, args.out, args.error_tokens)
+        from moestream.checkpoint.demo import PROMPTS
+        from moestream.eval.quant_error import measure_error
+
+        error = measure_error(args.model, args.out, PROMPTS, args.error_tokens)
+        print(f"error against {args.model} over {len(PROMPTS)} prompts, {error.positions} next-token distributions: "
+              f"top-1 agreement {100 * error.top1_agreement:.1f}%, mean KL {error.mean_kl:.3g} nats, "
+              f"max abs logit error {error.max_abs_logit_error:.4f}")
     return 0
-
-
-def print_error(source: Path, quantized: Path, tokens: int) -> None:
-    from moestream.checkpoint.demo import PROMPTS
-    from moestream.eval.quant_error import measure_error
-
-    error = measure_error(source, quantized, PROMPTS, tokens)
-    print(f"error against {source} over {len(PROMPTS)} prompts, {error.positions} next-token distributions: "
-          f"top-1 agreement {100 * error.top1_agreement:.1f}%, mean KL {error.mean_kl:.3g} nats, "
-          f"max abs logit error {error.max_abs_logit_error:.4f}")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from moestream.checks import require_serve_extra
-from moestream.cli.generate import check_budgets, check_engine_flags, resolve_auto_budgets
+from moestream.cli.generate import check_engine_flags, print_lines, resolve_budgets
 from moestream.config import EngineConfig, WorkerConfig
 from moestream.errors import MoestreamError
 from moestream.parallel.config import ParallelConfig
@@ -28,9 +28,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests (default: none, "
                                           "which is allowed on a loopback --host only)")
-    parser.add_argument("--allow-unauthenticated", action="store_true",
-                        help="serve without --api-key on an address other than loopback: anyone who reaches it "
-                             "may use the server")
+    parser.add_argument("--allow-unauthenticated", action="store_true", help="serve without --api-key on an "
+                        "address other than loopback: anyone who reaches it may use the server")
     add_arguments(parser, WorkerConfig)
     add_arguments(parser, EngineConfig)
     add_arguments(parser, ParallelConfig)
@@ -38,25 +37,22 @@ def add_parser(commands) -> None:
 
 
 def check_access(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
-    """Refuses an empty --api-key, and no key off loopback without --allow-unauthenticated."""
-    if api_key is not None and not api_key.strip():
-        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one "
-                             "(loopback only)")
-    if api_key is None and not allow_unauthenticated and is_loopback(host) is False:
-        raise MoestreamError(f"--host {host} without --api-key lets anyone who reaches it use this server: "
-                             "pass --api-key KEY, or --allow-unauthenticated to serve it open")
-
-
-def is_loopback(host: str) -> bool | None:
-    """Whether every address `host` names is a loopback one; None where it does not resolve (binding says so)."""
+    """Refuses an empty --api-key, and no key off loopback (any address of `host`) without --allow-unauthenticated."""
     import ipaddress
     import socket
 
+    if api_key is not None and not api_key.strip():
+        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one "
+                             "(loopback only)")
+    if api_key is not None or allow_unauthenticated:
+        return
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError):
-        return None
-    return all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
+        return  # it does not resolve: binding says so
+    if not all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses):
+        raise MoestreamError(f"--host {host} without --api-key lets anyone who reaches it use this server: "
+                             "pass --api-key KEY, or --allow-unauthenticated to serve it open")
 
 
 def run(args) -> int:
@@ -66,12 +62,10 @@ def run(args) -> int:
     check_engine_flags(args)
     workers = from_args(WorkerConfig, args)
     require_serve_extra()
-    from moestream.cli.generate import print_lines
     from moestream.parallel.launch import open_engine
     from moestream.serving.server import bind
 
-    resolve_auto_budgets(args, args.model, kv_bytes=workers.batching.kv_budget_bytes)
-    check_budgets(args, args.model)
+    resolve_budgets(args, args.model, kv_bytes=workers.batching.kv_budget_bytes)
     sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
     with sock, open_engine(args.model, from_args(EngineConfig, args), args, progress=True,
                            on_plan=print_lines) as engine:
@@ -100,8 +94,8 @@ def _serve(engine, sock, args, workers: WorkerConfig) -> None:
     host, port = sock.getsockname()[:2]
     print(f"moestream: serving {args.model} on http://{host}:{port}", file=sys.stderr)
     # What start-up built (torch and the other modules, the engine: ~400k objects) lives as long as the process:
-    # frozen, neither the full collections while serving nor the four at interpreter exit walk it (they took
-    # 2-3 s after Ctrl-C, issue 43).
+    # frozen, neither the full collections while serving nor the four at interpreter exit walk it (they took 2-3 s
+    # after Ctrl-C, issue 43).
     gc.freeze()
     try:
         server.run(sock)

@@ -27,21 +27,16 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
-def check_url(url: str) -> None:
-    """Refuses, in one line naming --url, a URL that is no server address (http or https, with a host)."""
+def run(args) -> int:
     from urllib.parse import urlparse
 
-    try:
-        parsed = urlparse(url)
+    try:  # a URL that is no server address (http or https, with a host) is refused in one line naming --url
+        parsed = urlparse(args.url)
         valid = parsed.scheme in ("http", "https") and bool(parsed.hostname) and (parsed.port or 0) >= 0
     except ValueError:  # an unclosed [IPv6 host, a port that is no number
         valid = False
     if not valid:
-        raise MoestreamError(f"--url: expected a server address such as http://127.0.0.1:8000, got {url!r}")
-
-
-def run(args) -> int:
-    check_url(args.url)
+        raise MoestreamError(f"--url: expected a server address such as http://127.0.0.1:8000, got {args.url!r}")
     require_serve_extra()
     import httpx
     from rich.console import Console
@@ -98,8 +93,7 @@ def _heatmap(stats: dict):
         for column in rates:
             text.append(CELL, style=_color(column[layer]))
         text.append("\n")
-    text.append(f"{'':10}{len(rates)} recent steps, newest right; red 0% .. green 100%",
-                style="dim")
+    text.append(f"{'':10}{len(rates)} recent steps, newest right; red 0% .. green 100%", style="dim")
     return text
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from moestream.budget import format_bytes
 from moestream.checks import require_checkpoint_dir
+from moestream.progress import DeferredBar
 
 
 def add_parser(commands) -> None:
@@ -19,10 +21,8 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     require_checkpoint_dir(args.model)
-    from moestream.budget import format_bytes
     from moestream.checkpoint.manifest import MANIFEST_FILE
     from moestream.checkpoint.verify import verify
-    from moestream.progress import DeferredBar
 
     with DeferredBar(desc="verify", unit="B", unit_scale=True, unit_divisor=1024) as bar:  # drawn once sized
         report = verify(args.model, bar.update, rewrite=args.rewrite, on_start=bar.start)

@@ -45,7 +45,6 @@ def load_decoded_experts(model: torch.nn.Module, checkpoint: CheckpointIndex) ->
     """Overwrites every routed expert of `model` with the decoding of the quantized checkpoint's."""
     dtype = next(model.parameters()).dtype
     decoder = ExpertDecoder(checkpoint.codec, checkpoint.experts.layout, dtype)
-    adapter = checkpoint.adapter
     for block in checkpoint.blocks:
         module = model.get_submodule(block.experts_path)
         for expert in range(checkpoint.topology.num_experts):
@@ -53,7 +52,7 @@ def load_decoded_experts(model: torch.nn.Module, checkpoint: CheckpointIndex) ->
             weights = decoder(checkpoint.experts.views(read_expert(location)))
             with torch.no_grad():
                 for param, value in weights.items():
-                    adapter.expert_tensor(module, expert, param).copy_(value)
+                    checkpoint.adapter.expert_tensor(module, expert, param).copy_(value)
 
 
 def _logits(model: torch.nn.Module, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -67,12 +66,9 @@ def measure_error(source: str | Path, quantized: str | Path, prompts: Sequence[s
     checkpoint = build_index(quantized)
     model = getattr(transformers, checkpoint.adapter.auto_class).from_pretrained(source).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    sequences = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False)
-        sequences.append(out[0])
+    encoded = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in prompts]
+    sequences = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                do_sample=False)[0] for ids in encoded]
     reference = _logits(model, sequences)
     load_decoded_experts(model, checkpoint)
     return compare(reference, _logits(model, sequences))

@@ -23,18 +23,14 @@ SHARED_FIELDS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_exper
 SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")  # a block's shared experts, as transformers names them
 
 
-class GeneratingClass:
-    """The auto class that generates text for the model type, looked up when first read (the import stays light)."""
+class OfClass:
+    """A class attribute computed from the class it is read on (or an instance's), when first read."""
+
+    def __init__(self, compute):
+        self.compute = compute
 
     def __get__(self, instance, owner) -> str:
-        return catalog.generating_class(owner.model_type) or "AutoModelForCausalLM"
-
-
-class RegisteredName:
-    """The name a class is registered under in `FAMILIES`, read on the class or an instance."""
-
-    def __get__(self, instance, owner) -> str:
-        return owner.registry_name
+        return self.compute(owner)
 
 
 @dataclass(frozen=True)
@@ -67,8 +63,10 @@ class Layout:
 class FamilyAdapter:
     """A family as transformers declares it; family files set class attributes, override what is not derived."""
 
-    model_type: ClassVar[str] = RegisteredName()  # the model type it is registered under
-    auto_class: ClassVar[str] = GeneratingClass()  # a name in transformers; a family file may set one
+    model_type: ClassVar[str] = OfClass(lambda cls: cls.registry_name)  # the name it is registered under in FAMILIES
+    # a name in transformers (a family file may set one): the auto class that generates text for the model type,
+    # looked up when first read (the import stays light)
+    auto_class: ClassVar[str] = OfClass(lambda cls: catalog.generating_class(cls.model_type) or "AutoModelForCausalLM")
     uses_experts_registry: ClassVar[bool] = True  # False: the engine swaps the experts module
     fixed_top_k: ClassVar[int | None] = None  # the family's router only supports this top-k
     noise_init: ClassVar[tuple[str, ...]] = ()  # name suffixes of tensors a test model fills with noise
@@ -115,10 +113,9 @@ class FamilyAdapter:
         return Layout(tuple(blocks), parts, num_experts, self._shared(config, block))
 
     def _shared(self, config, block) -> int:
-        text = config.get_text_config()
-        shared = [getattr(block, name) for name in SHARED_NAMES if getattr(block, name, None) is not None]
-        if not shared:
+        if all(getattr(block, name, None) is None for name in SHARED_NAMES):
             return 0
+        text = config.get_text_config()
         declared = next((getattr(text, f) for f in SHARED_FIELDS if getattr(text, f, None)), None)
         return int(declared) if declared else 1
 

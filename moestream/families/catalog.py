@@ -20,11 +20,8 @@ GENERATING = (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
 def experts_model_types() -> tuple[str, ...]:
     """Every model type (a models/ folder of transformers) with an experts implementation, sorted."""
     models = Path(importlib.util.find_spec("transformers").submodule_search_locations[0]) / "models"
-    found = set()
-    for path in models.glob("*/modeling_*.py"):
-        if MARK in path.read_text(encoding="utf-8", errors="replace"):
-            found.add(path.parent.name)
-    return tuple(sorted(found))
+    return tuple(sorted({path.parent.name for path in models.glob("*/modeling_*.py")
+                         if MARK in path.read_text(encoding="utf-8", errors="replace")}))
 
 
 @functools.cache

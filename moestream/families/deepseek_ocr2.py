@@ -17,9 +17,8 @@ class DeepseekOcr2Adapter(FamilyAdapter):
 
     def tiny_config_kwargs(self, sizes: tiny.Sizes) -> dict:
         kwargs = super().tiny_config_kwargs(sizes)
-        layers = sizes.num_layers
-        kwargs["text_config"] |= dict(
-            mlp_layer_types=["dense" if i == 0 and layers > 1 else "sparse" for i in range(layers)])
+        kwargs["text_config"]["mlp_layer_types"] = [
+            "dense" if i == 0 and sizes.num_layers > 1 else "sparse" for i in range(sizes.num_layers)]
         vision = kwargs["vision_config"]
         vision |= dict(sam_config=vision["sam_config"] | SAM, encoder_config=vision["encoder_config"] | ENCODER)
         return kwargs

@@ -10,6 +10,7 @@ family by name, nor the store or the engine."""
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -99,10 +100,9 @@ def meta_model(config, auto_class: str) -> torch.nn.Module:
 
 def _templates(names: list[str]) -> tuple[str, ...]:
     """One expert's names with {expert} where experts are numbered, in first-seen order (found per probe expert)."""
-    width = {len(name.split(".")) for name in names}
-    for position in range(min(width)):
-        split = [name.split(".") for name in names]
-        if any(len(parts) <= position or parts[position] not in ("0", "1") for parts in split):
+    split = [name.split(".") for name in names]
+    for position in range(min(map(len, split))):
+        if any(parts[position] not in ("0", "1") for parts in split):
             continue
         templates: dict[str, set[str]] = {}
         for parts in split:
@@ -145,11 +145,8 @@ def block_prefix(names: list[str], experts_path: str) -> str:
     """The MoE block's prefix on disk: the longest dotted prefix the names share, without the experts module's
     own name (so that parts read "experts.{expert}.w1.weight" under "model.layers.3.block_sparse_moe")."""
     split = [name.split(".")[:-1] for name in names]  # a name's last component is never the prefix
-    shared = []
-    for components in zip(*split):
-        if len(set(components)) != 1 or "{expert}" in components[0]:
-            break
-        shared.append(components[0])
+    shared = [components[0] for components in itertools.takewhile(
+        lambda components: len(set(components)) == 1 and "{expert}" not in components[0], zip(*split))]
     prefix, leaf = ".".join(shared), experts_path.rpartition(".")[2]
     return prefix.rpartition(".")[0] if prefix.endswith(f".{leaf}") else prefix
 

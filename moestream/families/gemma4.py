@@ -14,7 +14,6 @@ class Gemma4Adapter(FamilyAdapter):
     def tiny_config_kwargs(self, sizes):
         kwargs = super().tiny_config_kwargs(sizes)
         text = kwargs["text_config"]
-        full = {i: dict(head_dim=32, num_key_value_heads=1)
-                for i, kind in enumerate(text["layer_types"]) if kind == "full_attention"}
-        text |= dict(per_layer_config=full)
+        text["per_layer_config"] = {i: dict(head_dim=32, num_key_value_heads=1)
+                                    for i, kind in enumerate(text["layer_types"]) if kind == "full_attention"}
         return kwargs

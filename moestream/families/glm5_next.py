@@ -14,8 +14,7 @@ class Glm5NextAdapter(FamilyAdapter):
 
     def tiny_config_kwargs(self, sizes: tiny.Sizes) -> dict:
         kwargs = super().tiny_config_kwargs(sizes)
-        layers = sizes.num_layers
         kwargs["text_config"]["mlp_layer_types"] = [
-            "dense" if i == 0 and layers > 1 else "sparse" for i in range(layers)]
+            "dense" if i == 0 and sizes.num_layers > 1 else "sparse" for i in range(sizes.num_layers)]
         kwargs["vision_config"]["projection_intermediate_size"] = 2 * sizes.hidden_size
         return kwargs

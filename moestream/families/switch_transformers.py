@@ -29,21 +29,14 @@ class SwitchTransformersAdapter(FamilyAdapter):
     def expert_tensor(self, experts_module, expert: int, param: str):
         return getattr(experts_module[f"expert_{expert}"], param).weight
 
-    def _sparse_blocks(self, config) -> list[tuple[str, int]]:
-        stacks = (("encoder", config.num_layers, config.encoder_sparse_step),
-                  ("decoder", config.num_decoder_layers, config.decoder_sparse_step))
-        return [(stack, block) for stack, num_blocks, step in stacks for block in range(num_blocks)
-                if step > 0 and (block % step == 1 or step == 1)]
-
-    def moe_layer_ids(self, config) -> list[int]:
-        offset = {"encoder": 0, "decoder": config.num_layers}
-        return [block + offset[stack] for stack, block in self._sparse_blocks(config)]
-
     def blocks(self, config) -> list[MoEBlock]:
-        pairs = zip(self._sparse_blocks(config), self.moe_layer_ids(config))
-        prefixes = [(f"{stack}.block.{block}.layer.{FF_SUBLAYER[stack]}.mlp", layer) for (stack, block), layer in pairs]
+        stacks = (("encoder", config.num_layers, config.encoder_sparse_step, 0),  # (stack, blocks, step, first id)
+                  ("decoder", config.num_decoder_layers, config.decoder_sparse_step, config.num_layers))
+        sparse = [(f"{stack}.block.{block}.layer.{FF_SUBLAYER[stack]}.mlp", first + block)
+                  for stack, num_blocks, step, first in stacks for block in range(num_blocks)
+                  if step > 0 and (block % step == 1 or step == 1)]
         return [MoEBlock(index, layer_id, prefix, f"{prefix}.experts")
-                for index, (prefix, layer_id) in enumerate(prefixes)]
+                for index, (prefix, layer_id) in enumerate(sparse)]
 
     def tiny_config_kwargs(self, sizes: Sizes) -> dict:
         num_heads = max(1, sizes.hidden_size // 16)

@@ -127,8 +127,7 @@ def _opened(ranks: RankContext, build: Callable):
     failures = [None] * ranks.world_size
     with ranks.collective("the opening of the engines"):
         dist.all_gather_object(failures, failure, group=ranks.control)
-    first = next((f for f in failures if f is not None), None)
-    if first is not None:
+    if (first := next((f for f in failures if f is not None), None)) is not None:
         if engine is not None:
             engine.close()
         raise RankFailure(first)

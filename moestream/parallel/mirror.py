@@ -28,11 +28,9 @@ class CacheMirror:
 
     def cache(self, message, seq_ids: list[int]) -> BatchCache:
         """The cache the announced step runs over."""
-        held = self.held.get(message.cache_id)
-        if held is None:
-            held = Held(tuple(seq_ids), self._new(message, seq_ids), set(seq_ids))
-            self.held[message.cache_id] = held
-        return held.cache
+        if message.cache_id not in self.held:
+            self.held[message.cache_id] = Held(tuple(seq_ids), self._new(message, seq_ids), set(seq_ids))
+        return self.held[message.cache_id].cache
 
     def ended(self, seq_id: int) -> None:
         self.own.pop(seq_id, None)

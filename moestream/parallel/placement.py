@@ -30,10 +30,8 @@ class ActivationStats:
         n, num_layers, _ = experts.shape
         onehot = np.zeros((n, num_layers, num_experts), dtype=np.float64)  # [N, L, E]
         np.put_along_axis(onehot, experts.astype(np.int64), 1.0, axis=2)
-        counts = onehot.sum(axis=0)  # [L, E]
         by_layer = onehot.transpose(1, 0, 2)  # [L, N, E]
-        coactivation = by_layer.transpose(0, 2, 1) @ by_layer  # [L, E, E]
-        return cls(counts=counts, coactivation=coactivation)
+        return cls(counts=onehot.sum(axis=0), coactivation=by_layer.transpose(0, 2, 1) @ by_layer)  # [L, E], [L, E, E]
 
 
 @dataclass(frozen=True)
@@ -66,10 +64,7 @@ class Placement:
     def rank_loads(self, counts: np.ndarray) -> np.ndarray:
         """Expected routed rows per rank and layer, [L, R], from activation counts [L, E]."""
         owners = np.asarray(self.owners)  # [L, E]
-        loads = np.zeros((len(self.owners), self.world_size))
-        for rank in range(self.world_size):
-            loads[:, rank] = (counts * (owners == rank)).sum(axis=1)
-        return loads
+        return np.stack([(counts * (owners == rank)).sum(axis=1) for rank in range(self.world_size)], 1).astype(float)
 
     def save(self, path: str | Path) -> None:
         with atomic_path(path) as tmp:
@@ -134,10 +129,8 @@ class Balanced(Placer):
 
     def _layer(self, stats: ActivationStats, layer: int, world_size: int) -> tuple[int, ...]:
         counts = stats.counts[layer]  # [E]
-        num_experts = len(counts)
-        capacity = -(-num_experts // world_size)
-        owners = np.full(num_experts, -1)
-        loads = np.zeros(world_size)
+        capacity = -(-len(counts) // world_size)
+        owners, loads = np.full(len(counts), -1), np.zeros(world_size)
         for expert in np.argsort(-counts, kind="stable"):
             cost = loads + self._shared(stats, layer, expert, owners, world_size)
             cost[np.bincount(owners[owners >= 0], minlength=world_size) >= capacity] = np.inf
@@ -151,6 +144,5 @@ class Balanced(Placer):
         """Tokens that route to expert and to an expert each rank already holds, [R]."""
         if stats.coactivation is None:
             return np.zeros(world_size)
-        together = stats.coactivation[layer, expert]  # [E]
         placed = owners >= 0
-        return np.bincount(owners[placed], weights=together[placed], minlength=world_size)
+        return np.bincount(owners[placed], weights=stats.coactivation[layer, expert][placed], minlength=world_size)

@@ -66,8 +66,7 @@ def rank_device(device: str) -> str:
 
     if not device.startswith("cuda"):
         return device
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    return f"cuda:{local % max(torch.cuda.device_count(), 1)}"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % max(torch.cuda.device_count(), 1)}"
 
 
 def step_backend(device: str) -> str:
@@ -75,9 +74,8 @@ def step_backend(device: str) -> str:
     two ranks of one communicator on one device; gloo's all-reduce of CUDA tensors goes through host memory)."""
     import torch
 
-    if not device.startswith("cuda"):
-        return "gloo"
-    return "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
+    cuda = device.startswith("cuda")
+    return "nccl" if cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count() else "gloo"
 
 
 def join_ranks(device: str, timeout_s: float) -> RankContext:

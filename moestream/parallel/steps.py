@@ -184,6 +184,5 @@ def _mirrored(seqs: dict[int, Sequence], update: SeqUpdate) -> Sequence:
 def _step(engine, message: StepMessage, seqs: list[Sequence], mirror: CacheMirror) -> None:
     """The announced forward pass, over this rank's copy of the batch's cache (the logits are rank 0's to use)."""
     batch = ScheduledBatch(message.is_prefill, seqs, mirror.cache(message, [s.seq_id for s in seqs]))
-    paused = message.replay_paused and engine.replay is not None
-    with engine.replay.paused() if paused else contextlib.nullcontext():
+    with engine.replay.paused() if message.replay_paused and engine.replay is not None else contextlib.nullcontext():
         engine.forward(batch)

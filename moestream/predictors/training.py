@@ -11,10 +11,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from moestream.progress import progress_bar
 
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.paths import expert_mask
+from moestream.progress import progress_bar
 from moestream.threads import torch_threads
 
 log = logging.getLogger(__name__)

@@ -48,16 +48,6 @@ class ExpertCodec(Protocol):
         """One group of `dense_groups` ({role: tensor}) -> the dense tensor in `dtype`."""
 
 
-class DenseUnquantized:
-    """The dense-part hooks of a codec whose checkpoints keep every non-expert tensor unquantized."""
-
-    def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
-        return {}
-
-    def decode_dense(self, tensors: Tensors, dtype: torch.dtype) -> torch.Tensor:
-        raise CheckpointError("this quantization method stores no quantized dense tensors")
-
-
 CODECS: Registry[ExpertCodec] = Registry("quantization method")
 
 
@@ -70,9 +60,7 @@ def method_of(config) -> str | None:
 def quantization_config(config) -> dict | None:
     """The config's quantization_config as a dict, or None for an unquantized checkpoint."""
     qconfig = getattr(config, "quantization_config", None)
-    if qconfig is None:
-        return None
-    return qconfig if isinstance(qconfig, dict) else qconfig.to_dict()
+    return qconfig if qconfig is None or isinstance(qconfig, dict) else qconfig.to_dict()
 
 
 def codec_for(config) -> ExpertCodec | None:

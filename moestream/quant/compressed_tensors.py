@@ -22,21 +22,6 @@ PACKED = "pack-quantized"
 INT = "int-quantized"
 
 
-def weights_scheme(qconfig: Mapping[str, Any]) -> tuple[str, dict]:
-    """(format, weights args) of a config with one group of int weight-only quantization."""
-    groups = list((qconfig.get("config_groups") or {}).values())
-    if len(groups) != 1 or not isinstance(groups[0], Mapping) or not isinstance(groups[0].get("weights"), Mapping):
-        raise CheckpointError(f"{METHOD}: only one config group of quantized weights is supported, "
-                              f"the checkpoint has {len(groups)}")
-    weights = dict(groups[0]["weights"])
-    fmt = groups[0].get("format") or qconfig.get("format")
-    if fmt not in (PACKED, INT) or weights.get("type", "int") != "int" or groups[0].get("input_activations"):
-        raise CheckpointError(f"{METHOD}: format {fmt!r} with {weights.get('type')} weights and activations "
-                              f"{groups[0].get('input_activations')!r} is not supported; supported: "
-                              f"{PACKED} and {INT} integer weights (W4A16, W8A16)")
-    return fmt, weights
-
-
 @CODECS.register(METHOD)
 class CompressedTensorsCodec(LinearCodec):
     """Integer weight-only experts in compressed-tensors' pack-quantized or int-quantized format."""
@@ -44,8 +29,16 @@ class CompressedTensorsCodec(LinearCodec):
     method, marker = METHOD, "scale"
 
     def __init__(self, quantization_config: Mapping[str, Any]):
-        self.format, weights = weights_scheme(quantization_config)
-        self.bits = int(weights.get("num_bits", 4))
+        groups = list((quantization_config.get("config_groups") or {}).values())
+        if len(groups) != 1 or not isinstance(groups[0], Mapping) or not isinstance(groups[0].get("weights"), Mapping):
+            raise CheckpointError(f"{METHOD}: only one config group of quantized weights is supported, "
+                                  f"the checkpoint has {len(groups)}")
+        weights, fmt = dict(groups[0]["weights"]), groups[0].get("format") or quantization_config.get("format")
+        if fmt not in (PACKED, INT) or weights.get("type", "int") != "int" or groups[0].get("input_activations"):
+            raise CheckpointError(f"{METHOD}: format {fmt!r} with {weights.get('type')} weights and activations "
+                                  f"{groups[0].get('input_activations')!r} is not supported; supported: "
+                                  f"{PACKED} and {INT} integer weights (W4A16, W8A16)")
+        self.format, self.bits = fmt, int(weights.get("num_bits", 4))
         self.symmetric = bool(weights.get("symmetric", True))
         if self.format == PACKED:
             packing.per_word(self.bits)
@@ -56,11 +49,8 @@ class CompressedTensorsCodec(LinearCodec):
     def roles(self) -> dict[str, str]:
         """Slot role -> disk suffix of each quantized tensor of one linear."""
         names = {"q": "weight_packed" if self.format == PACKED else "weight", "scale": "weight_scale"}
-        if not self.symmetric:
-            names["zero"] = "weight_zero_point"
-        if self.format == PACKED:
-            names["shape"] = "weight_shape"
-        return names
+        return (names | ({} if self.symmetric else {"zero": "weight_zero_point"})
+                | ({"shape": "weight_shape"} if self.format == PACKED else {}))
 
     def linear_shape(self, layout, prefix: str) -> tuple[int, int]:
         rows, cols = layout[f"{prefix}.q"]
@@ -69,8 +59,7 @@ class CompressedTensorsCodec(LinearCodec):
     def decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
         q, scale = parts[f"{prefix}.q"], parts[f"{prefix}.scale"]
         rows = q.shape[0]
-        zero = parts.get(f"{prefix}.zero")
-        zeros = None if zero is None else self.zero_points(zero, rows)  # [O, I/G] signed
+        zeros = None if (zero := parts.get(f"{prefix}.zero")) is None else self.zero_points(zero, rows)  # [O, I/G]
         if self.format == PACKED and self.bits == 4:
             packing.scaled_nibbles(q, scale, zeros, target[:rows], packing.nibble_table)
             return rows

@@ -47,20 +47,18 @@ class IntScheme:
         """The tensors one [O, I] linear is written as: disk suffix -> (shape, dtype)."""
         rows, cols = shape
         if self.layout == "gptq":
-            return self._gptq_suffixes(rows, cols, dtype)
+            per_word, groups = packing.per_word(self.bits), self.groups(cols)
+            if rows % per_word or cols % per_word:
+                raise MoestreamError(f"quantize --layout gptq: the experts' widths {rows} and {cols} cannot be "
+                                     f"packed {per_word} to a word")
+            words = (groups, rows // per_word)
+            return dict(qweight=((cols // per_word, rows), torch.int32), qzeros=(words, torch.int32),
+                        scales=((groups, rows), dtype), g_idx=((cols,), torch.int32))
         scale = (rows, self.groups(cols))
         if self.format == compressed_tensors.PACKED:
             return {"weight_packed": ((rows, cols // packing.per_word(self.bits)), torch.int32),
                     "weight_scale": (scale, dtype), "weight_shape": ((2,), torch.int64)}
         return {"weight": (shape, torch.int8), "weight_scale": (scale, dtype)}
-
-    def _gptq_suffixes(self, rows: int, cols: int, dtype: torch.dtype) -> dict:
-        per_word, groups = packing.per_word(self.bits), self.groups(cols)
-        if rows % per_word or cols % per_word:
-            raise MoestreamError(f"quantize --layout gptq: the experts' widths {rows} and {cols} cannot be packed "
-                                 f"{per_word} to a word")
-        return {"qweight": ((cols // per_word, rows), torch.int32), "qzeros": ((groups, rows // per_word), torch.int32),
-                "scales": ((groups, rows), dtype), "g_idx": ((cols,), torch.int32)}
 
     def quantization_config(self) -> dict:
         """The config.json field that declares these experts (transformers and vLLM read it)."""
@@ -86,7 +84,9 @@ def quantize(weight: torch.Tensor, scheme: IntScheme, suffix: str) -> torch.Tens
         return torch.arange(cols, dtype=torch.int32) // (scheme.group_size or cols)
     if suffix == "qzeros":  # zero point 2**(b-1) everywhere, stored minus one
         return packing.pack(torch.full((scheme.groups(cols), rows), half - 1), scheme.bits, dim=1)
-    scale = _scale(weight, scheme)  # [O, g] in weight's dtype
+    absmax = weight.float().abs().view(rows, scheme.groups(cols), -1).amax(-1)  # [O, g]
+    scale = (absmax / ((2**scheme.bits - 1) / 2)).to(weight.dtype)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # [O, g] in weight's dtype
     if suffix in ("weight_scale", "scales"):
         return scale if suffix == "weight_scale" else scale.T.contiguous()
     grouped = weight.float().view(rows, scale.shape[1], -1) / scale.float().unsqueeze(-1)  # [O, g, G]
@@ -96,10 +96,3 @@ def quantize(weight: torch.Tensor, scheme: IntScheme, suffix: str) -> torch.Tens
     if suffix == "qweight":
         return packing.pack((ints + half).T, scheme.bits, dim=0)  # [I / (32 / b), O]
     return packing.pack(ints + half, scheme.bits, dim=1)
-
-
-def _scale(weight: torch.Tensor, scheme: IntScheme) -> torch.Tensor:
-    rows, cols = weight.shape
-    absmax = weight.float().abs().view(rows, scheme.groups(cols), -1).amax(-1)  # [O, g]
-    scale = (absmax / ((2**scheme.bits - 1) / 2)).to(weight.dtype)
-    return torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -37,7 +37,13 @@ def scale_grid(shape: Sequence[int], block: Sequence[int] | None) -> tuple[int, 
 def encode(weight: torch.Tensor, block: Sequence[int] | None = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [R, C] -> (float8_e4m3fn [R, C], float32 scale_inv): each block's largest magnitude maps to 448."""
     values = weight.float()
-    amax = _block_reduce(values.abs(), block)  # [ceil(R/bm), ceil(C/bn)] or []
+    if block is None:
+        amax = values.abs().amax()
+    else:  # each block's, the partial blocks padded with zeros
+        grid = scale_grid(values.shape, block)
+        padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+        padded[: values.shape[0], : values.shape[1]] = values.abs()
+        amax = padded.view(grid[0], block[0], grid[1], block[1]).amax(dim=(1, 3))  # [ceil(R/bm), ceil(C/bn)]
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     quantized = (values / _expand(scale_inv, values.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return quantized, scale_inv
@@ -80,19 +86,7 @@ def _expand(scale: torch.Tensor, shape: Sequence[int], block: Sequence[int] | No
     """Scales [rb, cb] -> one per element [R, C] (a per-tensor scale is returned as it is, to broadcast)."""
     if block is None:
         return scale
-    rows, cols = shape
-    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-
-
-def _block_reduce(values: torch.Tensor, block: Sequence[int] | None) -> torch.Tensor:
-    """The largest value of each block of `values` [R, C] (of the whole tensor without blocks)."""
-    if block is None:
-        return values.amax()
-    rows, cols = values.shape
-    grid = scale_grid(values.shape, block)
-    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
-    padded[:rows, :cols] = values
-    return padded.view(grid[0], block[0], grid[1], block[1]).amax(dim=(1, 3))
+    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
 
 
 @CODECS.register(METHOD)
@@ -123,13 +117,9 @@ class Fp8Codec(LinearCodec):
 
     def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
         present = set(names)
-        groups = {}
-        for name in names:
-            if name.endswith("." + SCALE) and name.removesuffix("_scale_inv") in present:
-                weight = name.removesuffix("_scale_inv")
-                roles = {role: weight.removesuffix(WEIGHT) + role for role in (WEIGHT, *COMPANIONS)}
-                groups[weight] = {role: disk for role, disk in roles.items() if disk in present}
-        return groups
+        stems = [name.removesuffix(SCALE) for name in names if name.endswith("." + SCALE)]
+        return {stem + WEIGHT: {role: stem + role for role in (WEIGHT, *COMPANIONS) if stem + role in present}
+                for stem in stems if stem + WEIGHT in present}
 
     def decode_dense(self, tensors: Tensors, dtype: torch.dtype) -> torch.Tensor:
         weight, scale_inv = tensors[WEIGHT], tensors[SCALE]

@@ -39,9 +39,7 @@ class GptqCodec(LinearCodec):
     def decode_linear(self, parts, prefix: str, target: torch.Tensor) -> int:
         q = packing.unpack(parts[f"{prefix}.q"], self.bits, dim=0)  # [I, O]
         rows = q.shape[1]
-        mask = (1 << self.bits) - 1
-        zeros = (packing.unpack(parts[f"{prefix}.zero"], self.bits, dim=1)[:, :rows] + 1) & mask  # [I/G, O]
-        groups = zeros.shape[0]
-        ints = q.T - zeros.T.repeat_interleave(q.shape[0] // groups, dim=1)  # [O, I]
+        zeros = (packing.unpack(parts[f"{prefix}.zero"], self.bits, dim=1)[:, :rows] + 1) & ((1 << self.bits) - 1)
+        ints = q.T - zeros.T.repeat_interleave(q.shape[0] // zeros.shape[0], dim=1)  # [O, I]; zeros [I/G, O]
         packing.scaled(ints, parts[f"{prefix}.scale"].T, target[:rows])
         return rows

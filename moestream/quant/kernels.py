@@ -107,7 +107,6 @@ def covering(codec: ExpertCodec | None) -> str:
 def quant_kernel(name: str, checkpoint: QuantizedCheckpoint, device: str) -> QuantKernel:
     """The kernel `name` for this checkpoint on `device`; MoestreamError, one line, where it cannot run it."""
     kernel = QUANT_KERNELS.create(name)
-    reason = kernel.refusal(checkpoint, device)
-    if reason is not None:
+    if (reason := kernel.refusal(checkpoint, device)) is not None:
         raise MoestreamError(reason)
     return kernel

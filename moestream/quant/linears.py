@@ -65,8 +65,7 @@ class LinearCodec:
 
     def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
         """"{stem}.weight" -> {role: "{stem}.{suffix}"} of each stem with a `marker` tensor (absent roles left out)."""
-        present = set(names)
-        suffix = f".{self.roles[self.marker]}"
+        present, suffix = set(names), f".{self.roles[self.marker]}"
         groups = {}
         for name in names:
             if name.endswith(suffix):

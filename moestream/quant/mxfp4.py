@@ -18,7 +18,7 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.families.base import ExpertPart
-from moestream.quant.codec import CODECS, DenseUnquantized, Shapes, Tensors
+from moestream.quant.codec import CODECS, Shapes, Tensors
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX = 6.0
@@ -46,8 +46,7 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache  # built once per (dtype, device); read-only
 def nibble_tables(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """([256], [256]): the e2m1 value of every byte's low nibble and of its high nibble, in `dtype`."""
-    values = torch.tensor(E2M1, dtype=dtype, device=device)
-    codes = torch.arange(256, device=device)
+    values, codes = torch.tensor(E2M1, dtype=dtype, device=device), torch.arange(256, device=device)
     return values[codes & 0x0F], values[codes >> 4]
 
 
@@ -84,7 +83,7 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
 
 
 @CODECS.register("mxfp4")
-class Mxfp4Codec(DenseUnquantized):
+class Mxfp4Codec:
     """GPT-OSS's MXFP4 experts: each fused weight part `P` becomes the slot parts `P_blocks` and `P_scales`
     (the expert's slices of the disk tensors `P_blocks`, `P_scales`); bias parts stay as they are."""
 
@@ -117,9 +116,13 @@ class Mxfp4Codec(DenseUnquantized):
         return shapes
 
     def decode(self, parts: Tensors, out: Tensors) -> Tensors:
-        weights = dict(out)
         for param, dense in out.items():
             decode_into(parts[param + BLOCKS], parts[param + SCALES], dense,
                         nibble_tables(work_dtype(dense.dtype), dense.device))
-        weights.update({name: part for name, part in parts.items() if not name.endswith((BLOCKS, SCALES))})
-        return weights
+        return dict(out) | {name: part for name, part in parts.items() if not name.endswith((BLOCKS, SCALES))}
+
+    def dense_groups(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        return {}  # every non-expert tensor is unquantized
+
+    def decode_dense(self, tensors: Tensors, dtype: torch.dtype) -> torch.Tensor:
+        raise CheckpointError("this quantization method stores no quantized dense tensors")

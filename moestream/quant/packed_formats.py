@@ -8,6 +8,7 @@ policies or the runtime."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Mapping
 
 import numpy as np
@@ -43,6 +44,9 @@ class PackedFormat:
         return True
 
     def linears(self, codec: ExpertCodec, layout: Layout, param: str) -> list[Linear]:
+        return [self.linear(codec, layout, f"{param}.{j}") for j in linear_numbers(layout, param)]
+
+    def linear(self, codec: ExpertCodec, layout: Layout, prefix: str) -> Linear:
         raise NotImplementedError
 
 
@@ -59,19 +63,16 @@ def covers(codec: ExpertCodec | None) -> bool:
 class Gptq(PackedFormat):
     """qweight [I / (32 / b), O], scales [g, O], qzeros [g, O / (32 / b)] (stored minus one)."""
 
-    def linears(self, codec, layout, param):
-        found, per_word = [], 32 // codec.bits
-        for j in linear_numbers(layout, param):
-            q, scale, zero = (f"{param}.{j}.{role}" for role in ("q", "scale", "zero"))
-            (words, outs), (groups, scaled), zeros = layout[q], layout[scale], layout[zero]
-            if scaled != outs or zeros != (groups, -(-outs // per_word)) or words % groups:
-                raise CheckpointError(f"gptq: the tensors of expert linear {param}.{j} do not agree: qweight "
-                                      f"{(words, outs)}, scales {(groups, scaled)}, qzeros {zeros}")
+    def linear(self, codec, layout, prefix):
+        q, scale, zero = (f"{prefix}.{role}" for role in ("q", "scale", "zero"))
+        (words, outs), (groups, scaled), zeros = layout[q], layout[scale], layout[zero]
+        if scaled != outs or zeros != (groups, -(-outs // (32 // codec.bits))) or words % groups:
+            raise CheckpointError(f"gptq: the tensors of expert linear {prefix} do not agree: qweight "
+                                  f"{(words, outs)}, scales {(groups, scaled)}, qzeros {zeros}")
 
-            def product(views, x, out, col, q=q, scale=scale, zero=zero):
-                gptq_product(views[q].numpy(), as_numpy(views[scale]), views[zero].numpy(), codec.bits, x, out, col)
-            found.append(Linear(product, outs))
-        return found
+        def product(views, x, out, col):
+            gptq_product(views[q].numpy(), as_numpy(views[scale]), views[zero].numpy(), codec.bits, x, out, col)
+        return Linear(product, outs)
 
 
 @PACKED_FORMATS.register("compressed-tensors")
@@ -81,45 +82,37 @@ class CompressedTensors(PackedFormat):
     def covers(self, codec):
         return codec.bits in (4, 8) and (codec.format == compressed_tensors.PACKED or codec.bits == 8)
 
-    def linears(self, codec, layout, param):
+    def linear(self, codec, layout, prefix):
         packed = codec.format == compressed_tensors.PACKED
-        if packed:
-            loop = packed_rows.int4_words_product if codec.bits == 4 else packed_rows.int8_words_product
-        else:
-            loop = packed_rows.int8_rows_product
+        loop = ((packed_rows.int4_words_product if codec.bits == 4 else packed_rows.int8_words_product) if packed
+                else packed_rows.int8_rows_product)
+        q, scale, zero = (f"{prefix}.{role}" for role in ("q", "scale", "zero"))
+        outs, groups = layout[scale]
+        if layout[q][0] != outs or (layout[q][1] * (32 // codec.bits if packed else 1)) % groups:
+            raise CheckpointError(f"compressed-tensors: the tensors of expert linear {prefix} do not agree: "
+                                  f"weight {layout[q]}, scale {layout[scale]}")
         offset = float(1 << (codec.bits - 1)) if packed else 0.0  # what pack-quantized adds to each value
-        found = []
-        for j in linear_numbers(layout, param):
-            q, scale, zero = (f"{param}.{j}.{role}" for role in ("q", "scale", "zero"))
-            outs, groups = layout[scale]
-            if layout[q][0] != outs or (layout[q][1] * (32 // codec.bits if packed else 1)) % groups:
-                raise CheckpointError(f"compressed-tensors: the tensors of expert linear {param}.{j} do not agree: "
-                                      f"weight {layout[q]}, scale {layout[scale]}")
-            constant = np.full((outs, groups), offset, np.float32)
+        constant = np.full((outs, groups), offset, np.float32)
 
-            def product(views, x, out, col, q=q, scale=scale, zero=zero, constant=constant, outs=outs):
-                shifts = constant if zero not in views else constant + codec.zero_points(views[zero], outs).numpy()
-                loop(views[q].numpy(), views[scale].float().numpy(), shifts, x, out, col)
-            found.append(Linear(product, outs))
-        return found
+        def product(views, x, out, col):
+            shifts = constant if zero not in views else constant + codec.zero_points(views[zero], outs).numpy()
+            loop(views[q].numpy(), views[scale].float().numpy(), shifts, x, out, col)
+        return Linear(product, outs)
 
 
 @PACKED_FORMATS.register("fp8")
 class Fp8Block(PackedFormat):
     """float8_e4m3fn [O, I] and its scales, one per block (or per tensor)."""
 
-    def linears(self, codec, layout, param):
-        found = []
-        for j in linear_numbers(layout, param):
-            weight, scale = (f"{param}.{j}.{role}" for role in fp8.ROLES)
-            outs, inputs = codec.linear_shape(layout, f"{param}.{j}")  # checks the scales' grid
-            rows, cols = codec.block or (outs, inputs)
+    def linear(self, codec, layout, prefix):
+        weight, scale = (f"{prefix}.{role}" for role in fp8.ROLES)
+        outs, inputs = codec.linear_shape(layout, prefix)  # checks the scales' grid
+        rows, cols = codec.block or (outs, inputs)
 
-            def product(views, x, out, col, weight=weight, scale=scale, rows=rows, cols=cols):
-                scales = fp8.as_scale(views[scale]).reshape(-(-views[weight].shape[0] // rows), -1).numpy()
-                packed_rows.fp8_product(views[weight].view(torch.uint8).numpy(), scales, rows, cols, x, out, col)
-            found.append(Linear(product, outs))
-        return found
+        def product(views, x, out, col):
+            scales = fp8.as_scale(views[scale]).reshape(-(-views[weight].shape[0] // rows), -1).numpy()
+            packed_rows.fp8_product(views[weight].view(torch.uint8).numpy(), scales, rows, cols, x, out, col)
+        return Linear(product, outs)
 
 
 @PACKED_FORMATS.register("mxfp4")
@@ -160,10 +153,7 @@ class PackedExperts:
         inputs = np.ascontiguousarray(x.float().numpy())  # [n, in]
         linears = self.linears[param]
         out = np.empty((x.shape[0], sum(linear.outs for linear in linears)), dtype=np.float32)  # [n, out]
-        col = 0
-        for linear in linears:
+        for linear, col in zip(linears, accumulate((linear.outs for linear in linears), initial=0)):
             linear.product(parts, inputs, out, col)
-            col += linear.outs
-        result = torch.from_numpy(out)
-        bias = parts.get(f"{param}_bias")
+        result, bias = torch.from_numpy(out), parts.get(f"{param}_bias")
         return (result if bias is None else result + bias.float()).to(x.dtype)

@@ -1,10 +1,8 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (streamed as
-server-sent events or whole), /v1/models, /health, /metrics, the live figures (/v1/moestream/stats)
-and the page that draws them (/dashboard, public), in front of one `EngineWorker`.
+"""The OpenAI-compatible HTTP API (FastAPI) in front of one `EngineWorker`: the routes `create_app` adds.
 
-Requests are checked here (parameters, model, context length, API key) and refused with OpenAI-style
-error JSON, as are those the worker refuses: an answer begins only once its request is admitted. A
-request whose client goes away is cancelled. It never runs the engine: the worker's thread does.
+Requests are checked here (parameters, model, context length, API key) and refused with OpenAI-style error JSON, as
+are those the worker refuses: an answer begins only once its request is admitted. A request whose client goes away is
+cancelled. It never runs the engine: the worker's thread does.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from moestream.errors import MoestreamError
 from moestream.runtime.scheduling.scheduler import KvBudgetError
 from moestream.serving.generation import Admitted, Request, TextDelta
 from moestream.serving.live import LiveStats
-from moestream.serving.protocol import ChatBody, CompletionBody, chunk, error_json, response, usage_chunk
-from moestream.serving.sampling import SamplingError, SamplingParams
+from moestream.serving.protocol import ChatBody, CompletionBody, StreamOptions, chunk, error_json, response, usage_chunk
+from moestream.serving.sampling import SamplingParams
 from moestream.serving.worker import EngineWorker, Overloaded
 
 DEFAULT_MAX_TOKENS = 16
@@ -78,10 +76,7 @@ class Frontend:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         if not prompt_ids:
             raise ApiError(400, "the prompt has no tokens", "prompt")
-        try:
-            params = body.sampling_params(DEFAULT_MAX_TOKENS)
-        except SamplingError as error:
-            raise ApiError(400, str(error)) from None
+        params = body.sampling_params(DEFAULT_MAX_TOKENS)  # a SamplingError is a MoestreamError: _user_error's 400
         if self.context_len and len(prompt_ids) + params.max_tokens > self.context_len:
             raise ApiError(400, f"this model's maximum context length is {self.context_len} tokens; the prompt "
                            f"has {len(prompt_ids)} and max_tokens is {params.max_tokens}", "max_tokens",
@@ -103,7 +98,7 @@ class Frontend:
             return Response(status_code=499)  # nobody reads it
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            stream = self._stream(rid, chat, request, events, body.include_usage)
+            stream = self._stream(rid, chat, request, events, body.stream_options)
             return StreamingResponse(stream, media_type="text/event-stream")
         return await self._whole(rid, chat, request, events, http)
 
@@ -125,7 +120,8 @@ class Frontend:
         finally:
             request.cancel()  # a no-op once finished; ends the sequence of a client that went away
 
-    async def _stream(self, rid: str, chat: bool, request: Request, events: asyncio.Queue, with_usage: bool):
+    async def _stream(self, rid: str, chat: bool, request: Request, events: asyncio.Queue,
+                      options: StreamOptions | None):
         first = True
         try:
             while True:
@@ -137,7 +133,7 @@ class Frontend:
                 yield _sse(piece | self.info if event.finished else piece)
                 first = False
                 if event.finished:
-                    if with_usage:
+                    if options is not None and options.include_usage:
                         yield _sse(usage_chunk(rid, self.model_name, chat, len(request.prompt_ids), request.num_tokens))
                     break
             yield "data: [DONE]\n\n"

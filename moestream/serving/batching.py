@@ -1,7 +1,6 @@
-"""Serving's batcher: requests in, text deltas out, over the engine's scheduler and step loop
-(docs/design.md, Scheduling). `admit` adds a request's sequence (with its sampler) to the scheduler of
-the BatchingConfig (`open_scheduler`, as `LLM`'s); each `step` is one `Engine.step`, after which each
-request gets its new text. No HTTP and no queue.
+"""Serving's batcher: requests in, text deltas out, over the engine's scheduler and step loop (docs/design.md,
+Scheduling). `admit` adds a request's sequence (with its sampler) to the BatchingConfig's scheduler (`open_scheduler`,
+as `LLM`'s); each `step` is one `Engine.step`, after which each request gets its new text. No HTTP and no queue.
 """
 
 from __future__ import annotations
@@ -41,8 +40,6 @@ class Batcher:
         tokenizer = engine.tokenizer
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
-    # -- admission -------------------------------------------------------------------------------
-
     def can_admit(self, request: Request) -> bool:
         """Room for the request now (the scheduler's max_num_seqs and KV budget)."""
         return self.scheduler.can_admit(_positions(request))
@@ -61,8 +58,6 @@ class Batcher:
         self.scheduler.add(seq, _positions(request))
         self.requests.append(Generating(request, seq, TextStream(request.params.stop)))
         return seq
-
-    # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> ScheduledBatch | None:
         """One engine step and its requests' new text; returns the batch it ran (None: nothing to run).

@@ -1,6 +1,5 @@
-"""A request to generate and what it streams back: `Request`, `Admitted` (its first event once a batcher
-took it in), `TextDelta` (each step's new text) and `TextStream`, which releases text only where it is
-final. Knows no engine, no HTTP and no queue.
+"""A request to generate and what it streams back: `Request`, `Admitted` (its first event once a batcher took it
+in), `TextDelta` (each step's new text), `TextStream` (releases text only where final). No engine, HTTP or queue.
 """
 
 from __future__ import annotations

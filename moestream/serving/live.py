@@ -1,10 +1,9 @@
 """Live figures of a serving engine, for the dashboard and `moestream top`: one plain JSON-ready dict.
 
-`LiveStats` watches a running `EngineWorker` through public seams (an engine observer and step listener,
-the store's `stats()`, `resident()`, `in_flight()`, the worker's metrics). A layer's lookups are what
-the store's counters gained between its routing event and the next. Per-layer hit rates are a ring of
-the last `history` iterations; the rest is cumulative. Hooks run on the engine thread, `snapshot()` on
-any (one lock guards the ring). Knows no HTTP route and no policy.
+`LiveStats` watches a running `EngineWorker` through public seams (an engine observer, a step listener, the store's
+and the worker's figures). A layer's lookups are what the store's counters gained between its routing event and the
+next. Per-layer hit rates are a ring of the last `history` iterations; the rest is cumulative. Hooks run on the engine
+thread, `snapshot()` on any (one lock guards the ring). Knows no HTTP route and no policy.
 """
 
 from __future__ import annotations
@@ -47,8 +46,6 @@ class LiveStats(Observer):
         self.worker.engine.remove_observer(self)
         self.worker.step_listeners.remove(self.end_step)
 
-    # -- engine thread ---------------------------------------------------------------------------
-
     def begin_iteration(self, ctx) -> None:
         self.end_step()
         with self._lock:
@@ -82,16 +79,13 @@ class LiveStats(Observer):
         stats = self.store.stats()
         return stats.hits, stats.misses
 
-    # -- any thread ----------------------------------------------------------------------------
-
     def snapshot(self) -> dict:
         """Every figure as JSON-ready values (rates in [0, 1] or None when nothing was counted)."""
         stats = self.store.stats()
         with self._lock:
             rows, tokens = list(self._rows), self._tokens
         return {"layers": self.num_layers, "tokens": tokens, "heatmap": _heatmap(rows),
-                "hit_rate": _ratio(stats.hits, stats.hits + stats.misses),
-                "host_compute": self._host_compute(),
+                "hit_rate": _ratio(stats.hits, stats.hits + stats.misses), "host_compute": self._host_compute(),
                 "tiers": self._tiers(),
                 "transfers": {"in_flight": len(self.store.in_flight()), "late": stats.late,
                               "cancelled": stats.cancelled},

@@ -1,7 +1,6 @@
-"""The offline Python API in the spirit of vLLM: `LLM(model_dir, **options).generate(prompts,
-SamplingParams(...))` -> one `RequestOutput` per prompt (options: EngineConfig's and BatchingConfig's
-fields). The prompts go to the scheduler the server's batcher uses (`open_scheduler`), admitted and
-batched as the server does; under routing replay every output says so (`replayed`)."""
+"""The offline Python API in the spirit of vLLM: `LLM(model_dir, **options).generate(prompts, SamplingParams(...))`
+-> one `RequestOutput` per prompt. The prompts go to the scheduler the server's batcher uses (`open_scheduler`),
+admitted and batched as the server does; under routing replay every output says so (`replayed`)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class LLM:
     def __init__(self, model_dir: str | Path, **options):
         """options: EngineConfig fields (expert_budget, host_budget, policy, device, ...) and BatchingConfig
         fields (max_batch_size, max_num_seqs, kv_budget_bytes, token_scheduler, ...)."""
-        batching = {name: options.pop(name) for name in _BATCHING if name in options}
-        self.batching = BatchingConfig(**batching)
+        self.batching = BatchingConfig(**{name: options.pop(name) for name in _BATCHING if name in options})
         self.engine = Engine(model_dir, EngineConfig(**options))
         try:
             self.scheduler = open_scheduler(self.engine, self.batching)

@@ -1,6 +1,5 @@
-"""The server's log lines, as vLLM prints them: what was loaded at start-up, one line per finished
-request, a periodic line while there is work, and a line at shutdown. Everything goes to the
-`moestream.serve` logger at INFO (`moestream serve` shows it). Formats figures; decides nothing.
+"""The server's log lines, as vLLM prints them (start-up, each finished request, a periodic line while there is
+work, shutdown), to the `moestream.serve` logger at INFO, which `moestream serve` shows. Decides nothing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The server's Prometheus metrics, in a registry of its own: request latencies (TTFT, TPOT), queue
-depth, running sequences and their reserved KV bytes, batch sizes, the store's hits per tier, bytes
-moved, prefetch precision/recall, and misses computed on the host. Knows no HTTP route or policy."""
+"""The server's Prometheus metrics, in a registry of its own: latencies, queue, batches, KV, the store's lookups and
+bytes, prefetch precision/recall and misses computed on the host. Knows no HTTP route or policy."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class ServerMetrics:
     def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int] = lambda: 0,
                  kv_reserved_bytes: Callable[[], int] = lambda: 0):
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.ttft = Histogram("moestream_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("moestream_tpot_seconds", "Mean time per output token after the first",
                               buckets=LATENCY_BUCKETS_S, registry=r)
@@ -31,19 +29,17 @@ class ServerMetrics:
         self.prefetch_precision = Gauge("moestream_prefetch_precision", "Prefetched experts later used / prefetched", registry=r)
         self.prefetch_recall = Gauge("moestream_prefetch_recall",
                                      "Needed experts that prefetch brought in / needed experts not resident before", registry=r)
-        self.host_computed = Counter("moestream_experts_host_computed",
-                                     "Device-tier misses computed on the host from their host slots (--host-compute)",
-                                     registry=r)
-        self.host_compute_share = Gauge("moestream_host_compute_share",
-                                        "Device-tier misses computed on the host / all device-tier misses (those "
-                                        "computed there and those fetched)", registry=r)
+        self.host_computed = Counter("moestream_experts_host_computed", "Device-tier misses computed on the host "
+                                     "from their host slots (--host-compute)", registry=r)
+        self.host_compute_share = Gauge("moestream_host_compute_share", "Device-tier misses computed on the host / "
+                                        "all device-tier misses (those computed there and those fetched)", registry=r)
         Gauge("moestream_queue_depth", "Requests waiting for the engine", registry=r).set_function(queue_depth)
         Gauge("moestream_running_sequences", "Sequences admitted and not ended", registry=r).set_function(running)
         Gauge("moestream_kv_reserved_bytes", "KV cache bytes reserved by the running sequences",
               registry=r).set_function(kv_reserved_bytes)
         self._last = None  # the store statistics seen last
         self._misses = 0  # device-tier misses fetched, all observed (the store's count may be reset)
-        self._on_host = 0  # device-tier misses computed on the host, all observed
+        self.num_host_computed = 0  # device-tier misses computed on the host, all observed
 
     def observe_store(self, stats, host_computed: int = 0) -> None:
         """Adds what the store's cumulative StoreStats gained since the last call (all of a count that went
@@ -51,7 +47,7 @@ class ServerMetrics:
         before, self._last = self._last, stats.copy()
         self._misses += gained(stats.misses, before.misses if before else 0)
         self.host_computed.inc(host_computed)
-        self._on_host += host_computed
+        self.num_host_computed += host_computed
         counters = {"hits": self.lookups.labels("device", "hit"), "misses": self.lookups.labels("device", "miss"),
                     "host_hits": self.lookups.labels("host", "hit"), "host_misses": self.lookups.labels("host", "miss"),
                     "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits}
@@ -66,12 +62,8 @@ class ServerMetrics:
 
     def host_share(self) -> float | None:
         """Device-tier misses computed on the host, of all observed (None: no miss yet)."""
-        total = self._on_host + self._misses
-        return self._on_host / total if total else None
-
-    @property
-    def num_host_computed(self) -> int:
-        return self._on_host
+        total = self.num_host_computed + self._misses
+        return self.num_host_computed / total if total else None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,13 +36,8 @@ class _Body(BaseModel):
         if self.n != 1:
             return "n", "only n=1 is supported"
         if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            name = "top_logprobs" if self.top_logprobs else "logprobs"
-            return name, "logprobs are not supported by this server"
+            return "top_logprobs" if self.top_logprobs else "logprobs", "logprobs are not supported by this server"
         return None
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises SamplingError on values out of range."""
@@ -70,7 +65,8 @@ def error_json(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _envelope(rid: str, model: str, obj: str, choices: list[dict]) -> dict:
+def _envelope(rid: str, model: str, chat: bool, choices: list[dict], streamed: bool = True) -> dict:
+    obj = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
 
 
@@ -85,21 +81,18 @@ def _usage(num_prompt_tokens: int, num_tokens: int) -> dict:
 
 def chunk(rid: str, model: str, chat: bool, text: str, finish_reason: str | None, first: bool) -> dict:
     """One streamed chunk in OpenAI's format."""
-    if not chat:
-        return _envelope(rid, model, "text_completion", [_choice({"text": text}, finish_reason)])
     delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-    return _envelope(rid, model, "chat.completion.chunk", [_choice({"delta": delta}, finish_reason)])
+    return _envelope(rid, model, chat, [_choice({"delta": delta} if chat else {"text": text}, finish_reason)])
 
 
 def usage_chunk(rid: str, model: str, chat: bool, num_prompt_tokens: int, num_tokens: int) -> dict:
     """The last streamed chunk when stream_options.include_usage: no choices, the request's usage."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    return _envelope(rid, model, obj, []) | _usage(num_prompt_tokens, num_tokens)
+    return _envelope(rid, model, chat, []) | _usage(num_prompt_tokens, num_tokens)
 
 
 def response(rid: str, model: str, chat: bool, text: str, finish_reason: str,
              num_prompt_tokens: int, num_tokens: int) -> dict:
     """The whole answer of a non-streamed request, with its token usage."""
     content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    obj = "chat.completion" if chat else "text_completion"
-    return _envelope(rid, model, obj, [_choice(content, finish_reason)]) | _usage(num_prompt_tokens, num_tokens)
+    choices = [_choice(content, finish_reason)]
+    return _envelope(rid, model, chat, choices, streamed=False) | _usage(num_prompt_tokens, num_tokens)

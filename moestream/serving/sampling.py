@@ -100,8 +100,9 @@ class SequenceSampler:
     stopped: threading.Event = field(default_factory=threading.Event)  # set: the sequence ends (its request's)
     generator: torch.Generator = field(init=False)
 
-    def __post_init__(self):
-        self.generator = _generator(self.params.seed)
+    def __post_init__(self):  # no seed: a fresh random one (torch's non-deterministic Generator.seed())
+        seed = torch.Generator().seed() if self.params.seed is None else self.params.seed
+        self.generator = torch.Generator().manual_seed(seed)
 
     def choose(self, logits: torch.Tensor) -> int:
         return int(logits.argmax()) if self.params.greedy else sample_token(logits, self.params, self.generator)
@@ -126,12 +127,3 @@ class SequenceSampler:
         text = self.decode(output_ids)
         cut = stop_index(text, self.params.stop)
         return text if cut is None else text[:cut]
-
-
-def _generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator

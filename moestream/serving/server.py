@@ -87,12 +87,8 @@ class Server:
         return self._server.servers[0].sockets[0].getsockname()[1]
 
     @property
-    def host(self) -> str:
-        return self._server.config.host
-
-    @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self._server.config.host}:{self.port}"
 
     def tasks(self) -> list[str]:
         """The names of the event loop's tasks (beside the one asking): what a finished run left."""

@@ -1,11 +1,9 @@
-"""The engine thread: the one thread that runs the engine, fed by a bounded queue of requests
-(docs/design.md, Scheduling).
+"""The engine thread, the one that runs the engine, fed by a bounded queue of requests (docs/design.md, Scheduling).
 
-Its loop admits waiting requests while the batcher has room (idle, the first waits up to max_wait_ms
-for company), fails those that waited over max_queue_wait_ms, and runs one engine step. A request's
-first event is `Admitted` or the exception that refused it; each step's text follows. An engine that
-fails stops the thread: its requests end, new ones are refused, `failure` holds the error and
-`on_failure` is called. No HTTP.
+Its loop admits waiting requests while the batcher has room (idle, the first waits up to max_wait_ms for company), fails
+those that waited over max_queue_wait_ms, and runs one engine step. A request's first event is `Admitted` or the
+exception that refused it; each step's text follows. An engine that fails stops the thread: its requests end, new ones
+are refused, `failure` holds the error and `on_failure` is called. No HTTP.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class EngineWorker:
         self.step_listeners: list[Callable[[], None]] = []  # called on the engine thread after each step
         self._stop = threading.Event()
         self._periodic, self._num_finished = logs.Periodic(host_compute=engine.config.host_compute != "off"), 0
-        self._draining = threading.Event()
-        self._drain_deadline = 0.0
+        self._draining, self._drain_deadline = threading.Event(), 0.0
         self._thread = threading.Thread(target=self._run, name="moestream-engine", daemon=True)
         self.failure: Exception | None = None
         self.on_failure: Callable[[], None] | None = None

@@ -89,21 +89,17 @@ def read_tokens_jsonl(path: Path) -> dict[int, tuple[list[str], str]]:
     records: dict[int, tuple[list[str], str]] = {}
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
-            if line.strip():
-                seq, tokens, text = _parse_line(line, number, path)
-                if seq in records:
-                    raise TraceError(f"{path}:{number}: prompt_id {seq} appears twice")
-                records[seq] = (tokens, text)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                seq, count, tokens = int(record["prompt_id"]), int(record["n_tokens"]), record["tokens"]
+            except (ValueError, KeyError, TypeError) as error:
+                raise TraceError(f"{path}:{number}: not a tokens record ({error})") from None
+            if not isinstance(tokens, list) or len(tokens) != count or not all(isinstance(t, str) for t in tokens):
+                held = f"{len(tokens)} entries" if isinstance(tokens, list) else type(tokens).__name__
+                raise TraceError(f"{path}:{number}: n_tokens is {count} but tokens holds {held}")
+            if seq in records:
+                raise TraceError(f"{path}:{number}: prompt_id {seq} appears twice")
+            records[seq] = (tokens, str(record.get("text", "")))
     return records
-
-
-def _parse_line(line: str, number: int, path: Path) -> tuple[int, list[str], str]:
-    try:
-        record = json.loads(line)
-        seq, count, tokens = int(record["prompt_id"]), int(record["n_tokens"]), record["tokens"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise TraceError(f"{path}:{number}: not a tokens record ({error})") from None
-    if not isinstance(tokens, list) or len(tokens) != count or not all(isinstance(t, str) for t in tokens):
-        held = f"{len(tokens)} entries" if isinstance(tokens, list) else type(tokens).__name__
-        raise TraceError(f"{path}:{number}: n_tokens is {count} but tokens holds {held}")
-    return seq, tokens, str(record.get("text", ""))

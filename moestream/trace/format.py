@@ -90,9 +90,7 @@ def _arrays(trace: Trace) -> dict[str, np.ndarray]:
               "positions": trace.positions.astype(np.int32), "is_prefill": trace.is_prefill.astype(bool)}  # [N] each
     if trace.token_ids is not None:
         arrays["token_ids"] = trace.token_ids.astype(np.int32)
-    for name in FLOAT_ARRAYS:
-        if getattr(trace, name) is not None:
-            arrays[name] = getattr(trace, name).astype(np.float16)
+    arrays |= {name: value.astype(np.float16) for name in FLOAT_ARRAYS if (value := getattr(trace, name)) is not None}
     if trace.tokens is not None:
         arrays["token_bytes"], arrays["token_offsets"] = pack_strings(trace.tokens)
     if trace.texts:
@@ -144,8 +142,7 @@ def _trace_from_arrays(arrays: Mapping[str, np.ndarray], path: Path) -> Trace:
         topology = Topology.from_dict(header.get("topology"))
     except (TypeError, ValueError) as error:
         raise TraceError(f"invalid topology in header ({error})") from None
-    missing = [name for name in REQUIRED_ARRAYS if name not in arrays]
-    if missing:
+    if missing := [name for name in REQUIRED_ARRAYS if name not in arrays]:
         raise TraceError(f"missing required array(s): {', '.join(missing)}")
     n = len(arrays["seq_ids"])
     if header.get("num_tokens", n) != n:
@@ -174,12 +171,10 @@ def check_arrays(arrays: Mapping[str, np.ndarray], topology: Topology, n: int) -
             raise TraceError(f"{name} has shape {arrays[name].shape}, expected {ndim} dimensions and {n} rows")
     if "hidden" in arrays and arrays["hidden"].shape[1] != layers:
         raise TraceError(f"hidden has {arrays['hidden'].shape[1]} layers, topology has {layers}")
-    for name in ("experts", "seq_ids", "positions", "token_ids"):
-        if name in arrays and arrays[name].dtype.kind not in "iu":
-            raise TraceError(f"{name} must hold integers, found {arrays[name].dtype}")
-    for name in FLOAT_ARRAYS:
-        if name in arrays and arrays[name].dtype.kind != "f":
-            raise TraceError(f"{name} must hold floats, found {arrays[name].dtype}")
+    kinds = dict.fromkeys(("experts", "seq_ids", "positions", "token_ids"), "iu") | dict.fromkeys(FLOAT_ARRAYS, "f")
+    for name, kind in kinds.items():
+        if name in arrays and arrays[name].dtype.kind not in kind:
+            raise TraceError(f"{name} must hold {'integers' if kind == 'iu' else 'floats'}, found {arrays[name].dtype}")
     experts = arrays["experts"]
     if experts.size and (int(experts.min()) < 0 or int(experts.max()) >= e):
         raise TraceError(f"expert ids range over [{int(experts.min())}, {int(experts.max())}], "

@@ -44,8 +44,7 @@ class TraceRecorder(Observer):
         self._layers: dict[int, RoutingEvent] = {}
         self._open: dict[int, _Rows] = {}
         self._done: list[_Rows] = []
-        self._missing: set[str] = set()  # optional fields some iteration lacked, and fields some had
-        self._present: set[str] = set()
+        self._missing, self._present = set(), set()  # optional fields some iteration lacked, and fields some had
         self._num_sequences = 0
 
     def begin_iteration(self, ctx: IterationContext) -> None:
@@ -75,10 +74,8 @@ class TraceRecorder(Observer):
         """Everything recorded so far (a finished iteration is included, a partial one is an error)."""
         self._flush()
         sequences = sorted(self._done + list(self._open.values()), key=lambda s: s.order)
-        chunks = [_concat(s.chunks) for s in sequences]
-        chunks = [_take(c, np.argsort(c["positions"], kind="stable")) for c in chunks]
-        seq_ids = _unique_ids([s.seq_id for s in sequences])
-        return self._build(chunks, seq_ids)
+        chunks = [_take(c, np.argsort(c["positions"], kind="stable")) for c in (_concat(s.chunks) for s in sequences)]
+        return self._build(chunks, _unique_ids([s.seq_id for s in sequences]))
 
     def _flush(self) -> None:
         if self._ctx is None:
@@ -91,11 +88,10 @@ class TraceRecorder(Observer):
             return
         rows = self._iteration_rows()
         for seq in np.unique(self._ctx.seq_ids).tolist():
-            pick = np.flatnonzero(self._ctx.seq_ids == seq)
             if seq not in self._open:
                 self._open[seq] = _Rows(seq, self._num_sequences)
                 self._num_sequences += 1
-            self._open[seq].chunks.append(_take(rows, pick))
+            self._open[seq].chunks.append(_take(rows, np.flatnonzero(self._ctx.seq_ids == seq)))
         self._ctx, self._layers = None, {}
 
     def _iteration_rows(self) -> dict:
@@ -104,8 +100,7 @@ class TraceRecorder(Observer):
                 "positions": np.asarray(ctx.positions, dtype=np.int32),
                 "is_prefill": np.full(ctx.num_tokens, ctx.is_prefill)}
         for name in self.fields:
-            value = self._field(name, ctx, events)
-            if value is None:
+            if (value := self._field(name, ctx, events)) is None:
                 self._missing.add(name)
             else:
                 self._present.add(name)
@@ -116,8 +111,7 @@ class TraceRecorder(Observer):
         if name in LAYER_FIELDS:
             values = [getattr(e, name) for e in events]
             return None if any(v is None for v in values) else np.stack(values, axis=1).astype(np.float16)
-        value = getattr(ctx, name)
-        if value is None:
+        if (value := getattr(ctx, name)) is None:
             return None
         if name == "tokens":
             return np.asarray(value, dtype=object)
@@ -125,16 +119,16 @@ class TraceRecorder(Observer):
 
     def _build(self, chunks: list[dict], seq_ids: list[int]) -> Trace:
         counts = [len(c["positions"]) for c in chunks]
-        keep = [name for name in self.fields if name not in self._missing and chunks]
+        keep = [name for name in self.fields if name not in self._missing]
         for name in sorted(self._present & self._missing):
             log.warning("trace field %s was missing from some iterations: not recorded", name)
-        data = {name: np.concatenate([c[name] for c in chunks]) if chunks else None
-                for name in ("experts", "positions", "is_prefill", *keep)}
-        empty = (0, self.topology.num_layers, self.topology.top_k)
-        return Trace(topology=self.topology, experts=data["experts"] if chunks else np.zeros(empty, dtype=np.int16),
+        data = {"experts": np.zeros((0, self.topology.num_layers, self.topology.top_k), dtype=np.int16),
+                "positions": np.zeros(0, np.int32), "is_prefill": np.zeros(0, bool)}
+        if chunks:
+            data = {name: np.concatenate([c[name] for c in chunks]) for name in (*data, *keep)}
+        return Trace(topology=self.topology, experts=data["experts"], positions=data["positions"],
                      seq_ids=np.repeat(np.asarray(seq_ids, dtype=np.int32), counts).astype(np.int32),
-                     positions=data["positions"] if chunks else np.zeros(0, np.int32),
-                     is_prefill=data["is_prefill"] if chunks else np.zeros(0, bool), token_ids=data.get("token_ids"),
+                     is_prefill=data["is_prefill"], token_ids=data.get("token_ids"),
                      tokens=None if "tokens" not in data else [str(t) for t in data["tokens"]],
                      texts={s: self.texts[s] for s in seq_ids if s in self.texts},
                      source=self.source or "moestream recorder",
@@ -152,9 +146,7 @@ def _concat(chunks: list[dict]) -> dict:
 
 def _unique_ids(seq_ids: list[int]) -> list[int]:
     """The same ids, except that a repeated one becomes a fresh id above all others."""
-    seen: set[int] = set()
-    fresh = max(seq_ids, default=-1) + 1
-    result = []
+    seen, result, fresh = set(), [], max(seq_ids, default=-1) + 1
     for seq in seq_ids:
         if seq in seen:
             seq, fresh = fresh, fresh + 1

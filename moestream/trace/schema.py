@@ -40,17 +40,11 @@ class Trace:
                 raise TraceError(f"{name} has {len(getattr(self, name))} rows, expected {n}")
         if n and (self.experts.min() < 0 or self.experts.max() >= t.num_experts):
             raise TraceError(f"expert ids must lie in [0, {t.num_experts})")
-        self._check_optional(n)
-
-    def _check_optional(self, n: int) -> None:
-        for name in OPTIONAL_FIELDS:
+        for name in (*OPTIONAL_FIELDS, "tokens"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise TraceError(f"{name} has {len(value)} rows, expected {n}")
-        if self.tokens is not None and len(self.tokens) != n:
-            raise TraceError(f"tokens has {len(self.tokens)} rows, expected {n}")
-        if self.gate_probs is not None and self.gate_probs.shape[1:] != (self.topology.num_layers,
-                                                                         self.topology.num_experts):
+        if self.gate_probs is not None and self.gate_probs.shape[1:] != (t.num_layers, t.num_experts):
             raise TraceError(f"gate_probs has shape {self.gate_probs.shape}, disagreeing with topology")
 
     @property
@@ -70,11 +64,10 @@ class Trace:
 
     def select(self, seq_ids) -> "Trace":
         """The sub-trace of the given sequences, keeping trace order."""
-        rows = np.flatnonzero(np.isin(self.seq_ids, np.asarray(list(seq_ids))))
-        return self.take(rows)
+        return self.take(np.flatnonzero(np.isin(self.seq_ids, np.asarray(list(seq_ids)))))
 
     def take(self, rows: np.ndarray) -> "Trace":
-        pick = {name: _rows(getattr(self, name), rows) for name in OPTIONAL_FIELDS}
+        pick = {name: None if getattr(self, name) is None else getattr(self, name)[rows] for name in OPTIONAL_FIELDS}
         tokens = None if self.tokens is None else [self.tokens[i] for i in rows]
         kept = set(self.seq_ids[rows].tolist())
         texts = {k: v for k, v in self.texts.items() if k in kept}
@@ -86,9 +79,4 @@ class Trace:
         seqs = np.array(self.sequence_ids())
         rng = np.random.default_rng(seed)
         test = rng.choice(seqs, size=max(1, int(round(len(seqs) * test_fraction))), replace=False)
-        train = np.setdiff1d(seqs, test)
-        return self.select(train), self.select(np.sort(test))
-
-
-def _rows(value: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
-    return None if value is None else value[rows]
+        return self.select(np.setdiff1d(seqs, test)), self.select(np.sort(test))

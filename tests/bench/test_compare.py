@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from moestream.bench.policies import default_losses
+from moestream.bench.sim.replay import head_tokens
 from moestream.bench.tools.compare import CompareConfig, CompareError, Comparison, compare
 from moestream.cli import main
 from moestream.topology import Topology
-from moestream.trace.replay import head_tokens
 from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1 << 20)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from moestream.checkpoint.index import build_index
-from moestream.checkpoint.manifest import (MANIFEST_FILE, IntegrityError, Manifest, digest, expert_pieces,
-                                           load_manifest)
+from moestream.checkpoint.manifest import MANIFEST_FILE, IntegrityError, Manifest, digest, expert_pieces, load_manifest
 from moestream.errors import CheckpointError
 from moestream.topology import ExpertKey
 from tests.checkpoint.damage import copy_checkpoint

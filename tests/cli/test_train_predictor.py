@@ -4,11 +4,11 @@ import os
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.cli import main
 from moestream.policies import POLICIES
 from moestream.topology import Topology
 from moestream.trace.format import save_trace
-from moestream.trace.replay import decode_stream
 from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1024)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moestream.cli import main
 from moestream.checkpoint.manifest import MANIFEST_FILE
+from moestream.cli import main
 from tests.checkpoint.damage import copy_checkpoint, nan_in_experts, scramble_experts
 
 PROMPT = "The experts are"

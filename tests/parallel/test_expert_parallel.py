@@ -4,11 +4,9 @@ other rank with one clear error; no process is left behind."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

@@ -15,6 +15,7 @@ import pytest
 from moestream.bench.sim.config import SimConfig
 from moestream.bench.sim.cost import get_cost_model
 from moestream.bench.sim.protocols import simulate
+from moestream.bench.sim.replay import decode_stream
 from moestream.cache import ExpertCache
 from moestream.contracts import CacheView
 from moestream.policies import EVICTIONS, POLICIES
@@ -22,7 +23,6 @@ from moestream.policies.driver import PolicyDriver
 from moestream.policies.trained import TrainedPolicy
 from moestream.predictors.configs import TrainConfig
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream
 from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4), num_experts=8, top_k=2, expert_bytes=1024)

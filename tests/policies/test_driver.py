@@ -1,9 +1,9 @@
 """The driver calls a policy in the contract's order, the mechanism between, and times the policy."""
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.contracts import CacheView, Observer, Policy, Prediction, Predictor, PrefetchPlanner, TransferRequest
 from moestream.policies.driver import PolicyDriver
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream
 from moestream.tracer import Tracer
 from tests.synthetic import synthetic_trace
 

@@ -7,12 +7,12 @@ import time
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import batched_decode
 from moestream.contracts import Prediction, Predictor
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
 from moestream.runtime.background import BackgroundPredictor, BackgroundTimeout, offload_predictor
 from moestream.topology import Topology
-from moestream.trace.replay import batched_decode
 from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(1, 2, 3, 4), num_experts=8, top_k=2, expert_bytes=1)

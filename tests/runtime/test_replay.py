@@ -10,10 +10,10 @@ from moestream.checkpoint.index import build_index
 from moestream.events import IterationContext
 from moestream.runtime import Engine, EngineConfig
 from moestream.runtime.replay import ReplayError, RoutingReplay
+from moestream.topology import Topology
 from moestream.trace.format import save_trace
 from moestream.trace.recorder import TraceRecorder
 from tests.synthetic import synthetic_trace
-from moestream.topology import Topology
 
 PROMPT = "The cat sat on the mat and"
 

@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 
-from moestream.bench.sim import SimConfig, simulate
+from moestream.bench.sim import SimConfig, replay, simulate
 from moestream.bench.sim.bounds import NEVER, FutureIndex, LookaheadEviction, OfflinePolicyError
 from moestream.policies import POLICIES
 from moestream.policies.eviction import LRUPolicy
 from moestream.topology import ExpertKey, Topology
-from moestream.trace import replay
 from tests.sim import tiny
 from tests.synthetic import synthetic_trace
 

@@ -5,12 +5,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import batched_decode, decode_stream, prefill
 from moestream.errors import TraceError
 from moestream.events import IterationContext, RoutingEvent
 from moestream.topology import Topology
 from moestream.trace.format import load_trace, save_trace
 from moestream.trace.recorder import TraceRecorder
-from moestream.trace.replay import batched_decode, decode_stream, prefill
 from tests.synthetic import synthetic_trace
 
 TOPOLOGY = Topology(moe_layer_ids=(0, 1, 2), num_experts=6, top_k=2, expert_bytes=10)

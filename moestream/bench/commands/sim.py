@@ -101,7 +101,7 @@ def _traces(args):
     """The trace to replay (its first --max-tokens) and the one to fit on (None without --train)."""
     trace = _load(args.trace, args.tokens, args.seed)
     if args.max_tokens is not None:
-        from moestream.trace.replay import head_tokens
+        from moestream.bench.sim.replay import head_tokens
 
         trace = head_tokens(trace, args.max_tokens)
     return trace, _load(args.train, args.train_tokens, args.seed + 1) if args.train is not None else None

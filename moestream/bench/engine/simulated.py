@@ -15,9 +15,10 @@ import numpy as np
 from moestream.bench.sim.config import SimConfig
 from moestream.bench.sim.cost import CostModel
 from moestream.bench.sim.engine import StreamSimulator
+from moestream.bench.sim.replay import decode_stream, iteration
 from moestream.contracts import Policy
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import Iteration, decode_stream, iteration
+from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
 
 

@@ -7,8 +7,8 @@ or every queued demand transfer whole, as `TransferLink.take` decides); the roun
 held)` and finishes at its end, rounds of different links in time order (a tie: the chain's order). A
 wait runs rounds until what it waits for holds, moving the clock; an impatient one returns at once, as
 the threaded executor's does. `sync`: as the inline executor (`--sync`), every round is whole, a call
-returns once no link has work and every wait runs rounds. Slots are handles (`VirtualSlots`): nothing is read or written. Knows no
-policy, no cost model and no torch.
+returns once no link has work and every wait runs rounds. Slots are handles (`VirtualSlots`): nothing is
+read or written. Knows no policy, no cost model and no torch.
 """
 
 from __future__ import annotations

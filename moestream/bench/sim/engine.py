@@ -36,7 +36,7 @@ from moestream.tracer import Tracer
 
 class StreamSimulator:
     def __init__(self, policy: Policy, config: SimConfig, compute_ms: Callable[[int, int], float] | None = None):
-        """compute_ms(num_tokens, num_experts): a layer's compute, if not the cost model's (moestream.bench.sim.ranks)."""
+        """compute_ms(num_tokens, num_experts): a layer's compute, if not the cost model's (bench.sim.ranks)."""
         topo, cost = policy.topology, config.cost
         self.policy, self.config, self.cost, self.topology = policy, config, cost, topo
         device = ExpertCache(config.device_slots_of(topo), policy.make_eviction("device"))
@@ -56,12 +56,13 @@ class StreamSimulator:
         self.driver = PolicyDriver(policy, [tier.policy for tier in (device, host) if tier is not None],
                                    horizon_layers=config.horizon_layers)
         self.keys = [[ExpertKey(layer, e) for e in range(topo.num_experts)] for layer in range(topo.num_layers)]
-        self._layer_ms = compute_ms or functools.cache(lambda tokens, experts: cost.compute_ms(tokens, experts, topo.top_k))
+        self._layer_ms = compute_ms or functools.cache(lambda tokens, n: cost.compute_ms(tokens, n, topo.top_k))
         self.host_compute = HostCompute(config, topo) if config.host_compute != "off" else None
         self._layer: tuple | None = None  # routed: its start, needed, on the host, host lane ms, held, tokens
         self._planned: set[ExpertKey] = set()  # experts a plan queued that have not landed or been given up
         self._refused = self._from_host = 0  # prefetches the chain refused; misses computed from host slots
-        self.counters = StreamCounters(LayerCounts(topo.num_layers), bytes_by_link=dict.fromkeys(self.lanes.values(), 0))
+        links = dict.fromkeys(self.lanes.values(), 0)
+        self.counters = StreamCounters(LayerCounts(topo.num_layers), bytes_by_link=links)
 
     @property
     def now(self) -> float:
@@ -228,7 +229,7 @@ class StreamSimulator:
         counters, last = self.counters, lane == (H2D if self.host is not None else DISK)
         if not finished:
             name = self.lanes[lane]
-            moved = sum(seg.nbytes for transfer, count in held for seg, _ in transfer.parts[transfer.next_chunk:][:count])
+            moved = sum(seg.nbytes for t, count in held for seg, _ in t.parts[t.next_chunk:][:count])
             counters.bytes_by_link[name] += moved
         for transfer, count in held:
             if transfer.key not in self._planned or transfer.dropped:

@@ -14,13 +14,14 @@ import numpy as np
 from moestream.bench.sim.config import SimConfig
 from moestream.bench.sim.metrics import LayerCounts, MoeBeyondCounters
 from moestream.bench.sim.protocols import PROTOCOLS, Protocol
+from moestream.bench.sim.replay import decode_stream
 from moestream.cache import ExpertCache
 from moestream.contracts import Policy, Prediction
 from moestream.events import RoutingEvent
 from moestream.policies.driver import PolicyDriver
 from moestream.policies.eviction import LRUPolicy
 from moestream.topology import ExpertKey
-from moestream.trace.replay import Iteration, decode_stream
+from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator
 
+from moestream.bench.sim import replay
 from moestream.bench.sim.config import SimConfig
 from moestream.contracts import Policy
 from moestream.errors import MoestreamError
 from moestream.registry import Registry
-from moestream.trace import replay
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
 

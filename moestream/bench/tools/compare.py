@@ -22,6 +22,7 @@ from pathlib import Path
 from moestream.bench.sim.config import SimConfig
 from moestream.bench.sim.cost import PRESETS, get_cost_model
 from moestream.bench.sim.protocols import simulate
+from moestream.bench.sim.replay import head_tokens
 from moestream.bench.tools.overhead import overhead_us_per_layer
 from moestream.bench.tools.prediction import evaluate_predictor
 from moestream.config import EngineConfig
@@ -32,7 +33,6 @@ from moestream.policies.trained import TrainedPolicy, load_matching
 from moestream.progress import progress_bar
 from moestream.settings import same_as
 from moestream.threads import torch_threads
-from moestream.trace.replay import head_tokens
 from moestream.trace.schema import Trace
 
 log = logging.getLogger(__name__)

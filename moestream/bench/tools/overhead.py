@@ -15,11 +15,11 @@ import copy
 
 import numpy as np
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.contracts import CacheView, Policy
 from moestream.policies.driver import PolicyDriver, TimedEviction
 from moestream.topology import ExpertKey
-from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
 from moestream.tracer import LaneTotal, Tracer
 

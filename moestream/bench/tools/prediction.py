@@ -16,11 +16,11 @@ from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.contracts import POLICIES, Prediction, Predictor
 from moestream.errors import MoestreamError, TraceError
 from moestream.events import RoutingEvent
 from moestream.policies.driver import PolicyDriver
-from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
 
 

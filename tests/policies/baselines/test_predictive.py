@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import decode_stream, iteration
 from moestream.errors import TraceError
 from moestream.events import IterationContext
 from moestream.policies import POLICIES
@@ -16,7 +17,6 @@ from moestream.policies.baselines.predictive import (
     TokenPredictor,
 )
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream, iteration
 from moestream.trace.schema import Trace
 from tests.synthetic import synthetic_trace
 

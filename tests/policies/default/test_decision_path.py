@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from moestream.bench import decision_cost
+from moestream.bench.sim.replay import decode_stream
 from moestream.bench.tools.overhead import LayerTimer
 from moestream.cache import CacheFullError, ExpertCache
 from moestream.contracts import CacheView, Observer, Prediction
@@ -22,7 +23,6 @@ from moestream.policies.default.policy import DefaultEviction
 from moestream.policies.driver import PolicyDriver
 from moestream.policies.eviction import LRUPolicy, NarrowingEviction
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream
 
 
 class ReferenceDuel(Observer):

@@ -207,7 +207,7 @@ import sys
 from moestream.policies.default.policy import Default
 from moestream.policies.default.state import compiled
 from moestream.trace.format import load_trace
-from moestream.trace.replay import decode_stream, prefill
+from moestream.bench.sim.replay import decode_stream, prefill
 
 from moestream.cache import ExpertCache
 from moestream.policies.driver import PolicyDriver

@@ -4,12 +4,12 @@ model (online state: test_state.py; storage: test_storage.py)."""
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.bench.tools.prediction import evaluate_predictor
 from moestream.cache import ExpertCache
 from moestream.policies import POLICIES
 from moestream.policies.default.policy import UntrainedPolicyError
 from moestream.topology import ExpertKey
-from moestream.trace.replay import decode_stream
 from tests.policies.default.common import TOPOLOGY
 
 

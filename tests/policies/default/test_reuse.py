@@ -4,8 +4,8 @@ eviction waiting by it."""
 import numpy as np
 from scipy.special import expit
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.policies.default import reuse
-from moestream.trace.replay import decode_stream
 from tests.policies.default.common import TOPOLOGY
 
 

@@ -22,7 +22,7 @@ LOAD_AND_RUN = """
 import sys
 from moestream.policies import POLICIES
 from moestream.trace.format import load_trace
-from moestream.trace.replay import decode_stream
+from moestream.bench.sim.replay import decode_stream
 trace = load_trace(sys.argv[2])
 policy = POLICIES.create("default", trace.topology, predictor_dir=sys.argv[1])
 policy.predictor.score_rows(trace, 2, 1)

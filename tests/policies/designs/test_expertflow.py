@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.contracts import CacheView, Prediction
 from moestream.errors import MoestreamError
 from moestream.events import IterationContext, RoutingEvent
@@ -15,7 +16,6 @@ from moestream.policies.trained import PredictorFileError
 from moestream.predictors.configs import RoutingPathConfig, TrainConfig
 from moestream.predictors.paths import expert_mask, top_k_mask
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
 
 TOPOLOGY = Topology((1, 2, 3), num_experts=8, top_k=2, expert_bytes=1)

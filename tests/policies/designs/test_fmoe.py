@@ -6,11 +6,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.events import IterationContext, RoutingEvent
 from moestream.policies import POLICIES
 from moestream.policies.designs.fmoe.policy import FMoEConfig, FMoEEviction, FMoEPredictor, MapStore, select_experts
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
 
 TOPO = Topology(moe_layer_ids=(1, 2, 3, 4, 5), num_experts=4, top_k=1, expert_bytes=1)

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from moestream.bench.sim.replay import decode_stream
 from moestream.bench.tools.goodpred import goodpred_table
 from moestream.contracts import CacheView, Prediction
 from moestream.errors import MoestreamError, TraceError
@@ -11,7 +12,6 @@ from moestream.policies.designs.promoe import PromoeConfig, SpeculativePlanner
 from moestream.predictors.configs import TrainConfig
 from moestream.predictors.paths import expert_mask, top_k_mask
 from moestream.topology import ExpertKey, Topology
-from moestream.trace.replay import decode_stream
 from moestream.trace.schema import Trace
 
 TOPOLOGY = Topology((1, 2, 3, 4), num_experts=8, top_k=2, expert_bytes=1)
