@@ -118,7 +118,8 @@ def _simulate(args, spec, engine: dict, topology, cost, num_expert_chunks: int) 
                     num_expert_chunks=num_expert_chunks,
                     link_figures=figures,  # the engine's link, or none where its planner had none
                     host_compute=spec.host_compute, compute_costs=host_costs,
-                    warm=[ExpertKey(*key) for key in engine.get("warm_device", ())])
+                    warm=[ExpertKey(*key) for key in engine.get("warm_device", ())],
+                    warm_host=[ExpertKey(*key) for key in engine.get("warm_host", ())])
 
 
 def _placed(engine: dict, simulated: dict) -> dict:

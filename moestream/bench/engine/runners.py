@@ -149,6 +149,7 @@ class EngineRun:
         if host is not None:
             host.placements = []  # each layer step's, for bench fidelity
         warm = sorted(engine.store.resident("device"))  # left by the warm-up (prepare), in the order it brought them
+        warm_host = sorted(engine.store.resident("host"))  # the same for the host tier (fill_tiers)
         meter = DecodeMeter(engine.store, engine.tracer, spec.keep_embeddings,
                             (lambda: host.num_computed) if host is not None else (lambda: 0))
         counters = Counters()
@@ -180,6 +181,7 @@ class EngineRun:
             "device_slots": engine.store.device_slots,
             "host_slots": engine.store.host_slots,
             "warm_device": [[key.layer, key.expert] for key in warm],
+            "warm_host": [[key.layer, key.expert] for key in warm_host],
         } | _placements(host) | ({"iteration_embeddings": meter.embeddings} if spec.keep_embeddings else {})
 
 

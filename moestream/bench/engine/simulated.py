@@ -77,22 +77,24 @@ def sim_ratio(device_slots: int, topology: Topology) -> float:
 
 def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
              expert_order: str = "ready", modelled_link: bool = True, link_figures=None,
-             host_compute: str = "off", compute_costs=None, warm: list[ExpertKey] = (), host_slots: int = 0,
+             host_compute: str = "off", compute_costs=None, warm: list[ExpertKey] = (), warm_host: list[ExpertKey] = (),
+             host_slots: int = 0,
              sync: bool = False, num_expert_chunks: int = 3, chunks_in_flight: int | None = None) -> dict:
     """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
     hit rate, stall and bytes per token, TPOT, and where host compute runs, its choice at every layer step
     (prefill's too, as the engine's `host_placements`). The other arguments are SimConfig's: "loaded" for a
     --sync engine; no modelled link where the engine ran without one, the engine's own figures where it ran
-    with them; its host slots and chunks. warm: what the engine's device tier held when it began (its
-    warm-up's), admitted in that order first."""
+    with them; its host slots and chunks. warm, warm_host: what the engine's device and host tiers held when
+    it began (its warm-up's), admitted in that order first."""
     sim = StreamSimulator(policy, SimConfig(cache_ratio=ratio, cost=cost, expert_order=expert_order,
                                             modelled_link=modelled_link, link_figures=link_figures,
                                             host_compute=host_compute, compute_costs=compute_costs,
                                             host_slots=host_slots, sync=sync,
                                             num_expert_chunks=num_expert_chunks,
                                             chunks_in_flight=chunks_in_flight or SimConfig.chunks_in_flight))
-    for key in warm:
-        sim.device.admit(key)
+    for tier, keys in ((sim.device, warm), (sim.host, warm_host if sim.host is not None else ())):
+        for key in keys:
+            tier.admit(key)
     decode = {"hits": 0, "accesses": 0, "on_host": 0, "stall_ms": 0.0, "bytes": 0, "tokens": 0, "ms": 0.0, "steps": 0}
     for it in iterations:
         before = _snapshot(sim)
