@@ -333,3 +333,15 @@ def test_a_speculative_read_that_finds_the_host_tier_full_is_refused_as_the_stor
     roomy = run(tiny.scripted(topo, {1: [1, 2]}), trace, cache_ratio=0.5, host_slots=3, cost=tiny.cost(compute_ms=2.0),
                 horizon_layers=1)
     assert (roomy["prefetches"], roomy["prefetches_dropped"], roomy["hits"]) == (2, 0, 1)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_demand_that_waits_for_a_host_slot_moves_what_is_queued_to_free_one(sync):
+    """Two host slots for a layer's four misses: the third demand read waits for a slot, and the wait moves
+    the reads and copies queued before it (as the engine's executors do) instead of finding nothing under way."""
+    topo = tiny.topology(num_layers=2, num_experts=8, top_k=4)
+    trace = tiny.trace([[[[0, 1, 2, 3], [4, 5, 6, 7]]]], topo)
+    m = run(POLICIES.create("lru", topo), trace, cache_ratio=0.5, host_slots=2, sync=sync, cost=tiny.cost())
+    assert (m["hits"], m["demand_fetches"]) == (0, 8)
+    assert m["bytes_by_link"] == {"disk_to_host": 8 * tiny.MB, "host_to_device": 8 * tiny.MB}
+    assert m["stall_ms"] >= 2 * (4 + 1)  # each layer: four reads, then at least its last copy, one after another

@@ -82,6 +82,7 @@ class VirtualExecutor(Executor):
         while not ready():
             if not (patient or self.sync):
                 return False
+            self._start_free()  # what the caller queued since its last call
             if not self.step():
                 raise TransferError(f"nothing left to move while waiting for {what}")
         return True
@@ -112,10 +113,16 @@ class VirtualExecutor(Executor):
         self.now_ms = max(self.now_ms, until_ms)
 
     def _start_free(self) -> None:
-        for link in self.links:
+        """Each free link takes its next round; in sync, one round at a time, the last link's first (as the
+        inline executor runs them: its rounds free the host slots the first one fills)."""
+        if self.sync and self._rounds:
+            return
+        for link in reversed(self.links) if self.sync else self.links:
             if link.lane not in self._rounds:
                 held = link.take(self.max_chunks)
                 if held:
                     self._rounds[link.lane] = (held, self.now_ms, self.now_ms + self.round_ms(link.lane, held))
                     if self.on_round is not None:
                         self.on_round(link.lane, held, False)
+                    if self.sync:
+                        return

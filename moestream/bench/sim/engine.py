@@ -61,6 +61,7 @@ class StreamSimulator:
         self._layer: tuple | None = None  # routed: its start, needed, on the host, host lane ms, held, tokens
         self._planned: set[ExpertKey] = set()  # experts a plan queued that have not landed or been given up
         self._refused = self._from_host = 0  # prefetches the chain refused; misses computed from host slots
+        self._landed_at: dict[ExpertKey, float] = {}  # when each expert's bytes last landed in the device tier
         links = dict.fromkeys(self.lanes.values(), 0)
         self.counters = StreamCounters(LayerCounts(topo.num_layers), bytes_by_link=links)
 
@@ -70,7 +71,8 @@ class StreamSimulator:
 
     def _link_model(self, config: SimConfig, topo) -> ModelledLink:
         """The planner's link: the engine's own figures where given, else the cost model's device link. A
-        layer's misses land together (one demand round), then it computes its whole layer_ms."""
+        layer's misses land together (one demand round), and it ends layer_ms after them (exact where its
+        experts all missed; with routed_expert_ms, those it held compute first, so it may end sooner)."""
         if config.link_figures is not None:
             return config.link_figures.model(topo)
         layer_ms, nbytes = config.cost.layer_compute_ms, topo.expert_bytes
@@ -154,8 +156,8 @@ class StreamSimulator:
         are done (sim.host_compute)."""
         compute_ms = self._layer_ms(num_tokens, len(needed))
         on_device = [key for key in needed if key not in on_host] if on_host else needed
-        lands = self._landings(on_device)
-        stall_ms = self._stall_ms(start_ms, on_device, lands, num_tokens, compute_ms)
+        lands = self._landings(on_device, start_ms)
+        stall_ms = self._stall_ms(start_ms, on_device, lands, num_tokens, compute_ms, len(needed))
         if self.config.sync:  # the rounds its calls ran (its plan's too) were the compute thread's
             stall_ms = max(stall_ms, self.now - start_ms)
         ready_ms = start_ms + max(stall_ms, host_ms - compute_ms)
@@ -166,10 +168,12 @@ class StreamSimulator:
         if held:
             self.host.unpin(held)
 
-    def _landings(self, keys: list[ExpertKey]) -> dict[ExpertKey, float]:
-        """Runs the links until every key's bytes have landed; when each did (the ready ones: none)."""
-        moving = self.core.moving
-        pending, lands = [key for key in keys if key in moving], {}
+    def _landings(self, keys: list[ExpertKey], start_ms: float) -> dict[ExpertKey, float]:
+        """Runs the links until every key's bytes have landed; when each landed after start_ms (while its
+        demand waited for a host slot, or later)."""
+        moving, landed = self.core.moving, self._landed_at
+        pending = [key for key in keys if key in moving]
+        lands = {key: landed[key] for key in keys if key not in moving and landed.get(key, start_ms) > start_ms}
         while pending:
             if not self.executor.step():
                 raise BudgetError(f"experts {[tuple(k) for k in pending]} can never land")
@@ -178,14 +182,14 @@ class StreamSimulator:
         return lands
 
     def _stall_ms(self, start_ms: float, on_device: list[ExpertKey], lands: dict[ExpertKey, float], num_tokens: int,
-                  compute_ms: float) -> float:
+                  compute_ms: float, num_needed: int) -> float:
         """How long the layer waits for expert bytes. Its routed experts on the device compute routed_expert_ms
-        each (times their mean rows, and never more than the layer's compute in all) in the config's
-        expert_order, each once it has landed: the wait is what that compute does not cover. "loaded", or no
-        routed_expert_ms: until the last one lands."""
+        each (times the mean rows of the layer's num_needed experts, and never more than one's share of the
+        layer's compute) in the config's expert_order, each once it has landed: the wait is what that compute
+        does not cover. "loaded", or no routed_expert_ms: until the last one lands."""
         order, num_experts = self.config.expert_order, len(on_device)
-        rows = num_tokens * self.topology.top_k / max(num_experts, 1)  # a rank of several may need none
-        expert_ms = min(self.cost.routed_expert_ms * rows, compute_ms / max(num_experts, 1))
+        rows = num_tokens * self.topology.top_k / max(num_needed, 1)  # a rank of several may need none
+        expert_ms = min(self.cost.routed_expert_ms * rows, compute_ms / max(num_needed, 1))
         if expert_ms == 0.0 or order == "loaded" or not lands:
             return max([start_ms, *lands.values()]) - start_ms
         if order == "ready":  # resident first, then as they land
@@ -225,18 +229,22 @@ class StreamSimulator:
         return ms + self.cost.demand_batch_ms * demand
 
     def _on_round(self, lane: str, held: Held, finished: bool) -> None:
-        """Counts a round: as it starts, its bytes and the prefetches it starts; as it finishes, those it lands."""
+        """Counts a round: as it starts, its bytes and the prefetches it starts; as it finishes, when what it
+        lands landed, and the prefetches among them."""
         counters, last = self.counters, lane == (H2D if self.host is not None else DISK)
         if not finished:
             name = self.lanes[lane]
             moved = sum(seg.nbytes for t, count in held for seg, _ in t.parts[t.next_chunk:][:count])
             counters.bytes_by_link[name] += moved
         for transfer, count in held:
+            lands = finished and last and not transfer.dropped and transfer.next_chunk + count >= len(transfer.parts)
+            if lands:
+                self._landed_at[transfer.key] = self.now
             if transfer.key not in self._planned or transfer.dropped:
                 continue
             if not finished:
                 counters.prefetches_started += not (transfer.next_chunk or transfer.staged or transfer.demand)
-            elif last and transfer.next_chunk + count >= len(transfer.parts):
+            elif lands:
                 counters.prefetches_landed += 1
                 self._planned.discard(transfer.key)
 

@@ -55,14 +55,14 @@ class StreamCounters:
     sim_ms: float = 0.0  # virtual time of the whole replay
     resident_ms: float = 0.0  # the same replay with every expert resident (no stalls)
     stall_ms: float = 0.0
-    host_hits: int = 0  # device misses whose expert was ready in the host tier
-    host_accesses: int = 0  # device misses (each looks the host tier up)
+    host_hits: int = 0  # device fills (and misses the host computes from its slots) served by the host tier
+    host_accesses: int = 0  # device fills, and misses the host computes from its slots
     demand_fetches: int = 0
     host_computed: int = 0  # device misses computed on the host (sim.host_compute), not loaded
     prefetches_admitted: int = 0  # a plan's experts given a slot (each starts, is promoted or is dropped)
     prefetches_started: int = 0
     prefetches_landed: int = 0
-    prefetches_dropped: int = 0  # evicted by the core before their transfer started
+    prefetches_dropped: int = 0  # refused (no host slot), or cancelled in a queue before they landed
     prefetch_hits: int = 0  # hits on an expert a prefetch brought in and nobody used yet
     late_prefetches: int = 0
     wasted_prefetches: int = 0
