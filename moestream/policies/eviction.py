@@ -55,9 +55,12 @@ class NarrowingEviction(EvictionPolicy):
     def __init__(self, inner: EvictionPolicy):
         self.inner = inner
 
-    on_insert, on_access, on_remove = (forwarded(hook, "inner") for hook in ("on_insert", "on_access", "on_remove"))
-    begin_iteration, observe, end_sequence = (forwarded(hook, "inner")
-                                              for hook in ("begin_iteration", "observe", "end_sequence"))
+    on_insert = forwarded("on_insert", "inner")
+    on_access = forwarded("on_access", "inner")
+    on_remove = forwarded("on_remove", "inner")
+    begin_iteration = forwarded("begin_iteration", "inner")
+    observe = forwarded("observe", "inner")
+    end_sequence = forwarded("end_sequence", "inner")
 
 
 class PriorityIndex:

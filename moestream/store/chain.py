@@ -102,14 +102,9 @@ class LinkChain:
 
     def bring(self, wanted: list[ExpertKey], missed: list[ExpertKey]) -> None:
         """Queues the misses as demand; on failure those not queued leave the tier and wanted's pins go."""
-        queued = 0
         try:
-            for key in missed:
-                self.enqueue(key, 0.0, demand=True)
-                queued += 1
+            self._enqueue_all(missed, lambda key: 0.0, demand=True)
         except BaseException:
-            for key in missed[queued:]:
-                self.core.forget(key)
             self.device.cache.unpin(wanted)
             raise
 
@@ -119,18 +114,24 @@ class LinkChain:
         admitted = self.core.admit_prefetches(sorted(priorities, key=lambda key: -priorities[key]))
         for key in priorities.keys() - set(admitted):  # under way already: its rank follows the new plan
             self.reprioritise(key, priority=priorities[key])
-        brought, done = [], 0
-        try:
-            for key in admitted:
-                if self.enqueue(key, priorities[key], demand=False):
-                    brought.append(key)
-                done += 1
-        except BaseException:
-            for key in admitted[done:]:
-                self.core.forget(key)
-            raise
+        brought = self._enqueue_all(admitted, priorities.__getitem__, demand=False)
         self.stats.prefetched += len(brought)
         self.stats.prefetched_bytes += len(brought) * self.expert_bytes
+        return brought
+
+    def _enqueue_all(self, keys: list[ExpertKey], priority: Callable[[ExpertKey], float],
+                     demand: bool) -> list[ExpertKey]:
+        """Queues each key's transfer; returns those queued (one the chain refuses has left the tier). On
+        failure (e.g. Ctrl-C in an inline round) the key that failed and those after it leave the tier."""
+        brought = []
+        for i, key in enumerate(keys):
+            try:
+                if self.enqueue(key, priority(key), demand):
+                    brought.append(key)
+            except BaseException:
+                for rest in keys[i:]:
+                    self.core.forget(rest)
+                raise
         return brought
 
     def host_ready(self, key: ExpertKey) -> bool:

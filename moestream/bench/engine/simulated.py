@@ -78,8 +78,8 @@ def sim_ratio(device_slots: int, topology: Topology) -> float:
 def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: float, cost: CostModel,
              expert_order: str = "ready", modelled_link: bool = True, link_figures=None,
              host_compute: str = "off", compute_costs=None, warm: list[ExpertKey] = (), warm_host: list[ExpertKey] = (),
-             host_slots: int = 0,
-             sync: bool = False, num_expert_chunks: int = 3, chunks_in_flight: int | None = None) -> dict:
+             host_slots: int = 0, sync: bool = False, num_expert_chunks: int = SimConfig.num_expert_chunks,
+             chunks_in_flight: int = SimConfig.chunks_in_flight) -> dict:
     """Decode-phase figures of a replay of run's rows (iterations of prompt rows are not counted):
     hit rate, stall and bytes per token, TPOT, and where host compute runs, its choice at every layer step
     (prefill's too, as the engine's `host_placements`). The other arguments are SimConfig's: "loaded" for a
@@ -91,7 +91,7 @@ def simulate(policy: Policy, run: Replayed, iterations: list[Iteration], ratio: 
                                             host_compute=host_compute, compute_costs=compute_costs,
                                             host_slots=host_slots, sync=sync,
                                             num_expert_chunks=num_expert_chunks,
-                                            chunks_in_flight=chunks_in_flight or SimConfig.chunks_in_flight))
+                                            chunks_in_flight=chunks_in_flight))
     for tier, keys in ((sim.device, warm), (sim.host, warm_host if sim.host is not None else ())):
         for key in keys:
             tier.admit(key)

@@ -13,7 +13,8 @@ read or written. Knows no policy, no cost model and no torch.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Callable
 
 from moestream.store.executor import Executor, Window
 from moestream.store.transfer import Held, TransferError, label
@@ -22,17 +23,13 @@ from moestream.tracer import Label
 RoundMs = Callable[[str, Held], float]  # a round's duration on a lane
 
 
-class Chunk(NamedTuple):
-    """A piece of an expert's bytes in virtual time: only its size."""
+@dataclass(frozen=True)
+class VirtualSegment:
+    """An expert's bytes in virtual time, in no file: what `transfer.pieces` cuts into a transfer's chunks."""
 
     nbytes: int
-
-
-def chunks(nbytes: int, num_chunks: int) -> list[tuple[Chunk, int]]:
-    """An expert's bytes as num_chunks chunks of equal size (the last one the rest), each with where it lies in
-    the slot: the parts of a `Transfer`."""
-    size = -(-nbytes // num_chunks)
-    return [(Chunk(min(size, nbytes - at)), at) for at in range(0, nbytes, size)]
+    file: str = ""
+    offset: int = 0
 
 
 class VirtualSlots:

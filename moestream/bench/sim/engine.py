@@ -16,7 +16,7 @@ import functools
 from collections import defaultdict
 from typing import Callable, Iterable
 
-from moestream.bench.sim.clock import Alone, VirtualExecutor, VirtualSlots, chunks
+from moestream.bench.sim.clock import Alone, VirtualExecutor, VirtualSegment, VirtualSlots
 from moestream.bench.sim.config import SimConfig
 from moestream.bench.sim.host_compute import HostCompute
 from moestream.bench.sim.metrics import LayerCounts, StreamCounters
@@ -27,7 +27,7 @@ from moestream.errors import BudgetError
 from moestream.link_model import ModelledLink
 from moestream.policies.driver import PolicyDriver
 from moestream.store.chain import LinkChain, Tier
-from moestream.store.transfer import DISK, H2D, Held
+from moestream.store.transfer import DISK, H2D, Held, pieces
 from moestream.topology import ExpertKey
 from moestream.trace.replay import Iteration
 from moestream.trace.schema import Trace
@@ -46,7 +46,7 @@ class StreamSimulator:
         self.device_link = self.lanes[H2D if host is not None else DISK]
         self._round_ms_of = {lane: cost.transfer_ms(topo.expert_bytes, link) for lane, link in self.lanes.items()}
         self.executor = VirtualExecutor(config.chunks_in_flight, self._round_ms, self._on_round, config.sync)
-        parts = chunks(topo.expert_bytes, config.num_expert_chunks)
+        parts = pieces([VirtualSegment(topo.expert_bytes)], -(-topo.expert_bytes // config.num_expert_chunks))
         tiers = (Tier(device, VirtualSlots()), Tier(host, VirtualSlots()) if host is not None else None)
         self.chain = LinkChain(lambda key: parts, defaultdict(int), tiers, None, Alone(), self.executor.wait,
                                topo.expert_bytes)

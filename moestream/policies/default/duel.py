@@ -69,8 +69,9 @@ class DuelEviction(NarrowingEviction):
         super().__init__(model)
         self.duel, self.lru = duel, LRUPolicy()
 
-    on_insert, on_access, on_remove = (forwarded(hook, "inner", "lru")
-                                       for hook in ("on_insert", "on_access", "on_remove"))
+    on_insert = forwarded("on_insert", "inner", "lru")
+    on_access = forwarded("on_access", "inner", "lru")
+    on_remove = forwarded("on_remove", "inner", "lru")
 
     def victim(self, candidates: Sequence[ExpertKey]) -> ExpertKey:
         return (self.lru if self.duel.recency else self.inner).victim(candidates)
